@@ -1,0 +1,32 @@
+# Fresh machine: `make demo` or `make test`. Each creates .venv with a Python >= 3.12
+# and installs the project from pyproject.toml.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# python3.12, else a python3 that is new enough, else a pyenv-installed 3.12+.
+FIND_PYTHON = for c in python3.12 python3 $$HOME/.pyenv/versions/3.1[2-9]*/bin/python3; do \
+	  if command -v $$c >/dev/null 2>&1 && $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
+	    echo $$c; exit 0; fi; done; exit 1
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	@PYTHON=$$($(FIND_PYTHON)) || { echo "error: need Python >= 3.12 (python3.12 or python3 on PATH)" >&2; exit 1; }; \
+	  echo "using $$PYTHON ($$($$PYTHON --version))"; \
+	  $$PYTHON -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m humming_jax demo
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check humming_jax pallas_kernels tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

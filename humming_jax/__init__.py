@@ -1,0 +1,66 @@
+"""humming_jax: Mixture-of-Experts expert kernels for JAX (Pallas GPU kernels,
+jitted pure functions, Flax NNX modules).
+
+Public API: weight formats and quantization (:mod:`formats`), activation
+quantization (:mod:`input_quant`), activations, configs, layouts, the routing
+ops, ``process_input``, ``gemm``, the expert pipelines and ``plan_workspace``.
+"""
+
+from humming_jax import formats, input_quant, numerics
+from humming_jax.activations import Activation, ActivationSpec, apply_activation
+from humming_jax.backend import BACKENDS, default_backend, resolve_backend
+from humming_jax.configs import (
+    ComputeConfig,
+    ExpertsConfig,
+    GemmLayout,
+    LayerConfig,
+    TuningConfig,
+    TuningEntry,
+    check_supported,
+    select_tuning,
+    supported_input_specs,
+)
+from humming_jax.experts import (
+    ExpertWeights,
+    batched_humming_grouped_experts,
+    humming_grouped_experts,
+    humming_indexed_experts,
+    moonep_experts,
+    moonep_grouped_gemm,
+    quantize_experts,
+)
+from humming_jax.formats import QuantizedWeight, WeightFormat, dequantize_weight, get_format, quantize_weight
+from humming_jax.gemm import gemm
+from humming_jax.input_quant import (
+    InputQuantMode,
+    InputQuantSpec,
+    QuantizedInput,
+    dequantize_input,
+    get_input_spec,
+    hadamard_rotate,
+    quantize_input,
+)
+from humming_jax.layouts import Dense, GroupedContiguous, GroupedMasked, Indexed
+from humming_jax.process_input import process_input
+from humming_jax.routing import (
+    moe_align_block_size,
+    moe_fused_mul_sum,
+    moe_permute,
+    moe_prepare_scatter,
+    moe_unpermute,
+)
+from humming_jax.workspace import WorkspacePlan, plan_workspace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS", "Activation", "ActivationSpec", "ComputeConfig", "Dense", "ExpertWeights", "ExpertsConfig",
+    "GemmLayout", "GroupedContiguous", "GroupedMasked", "Indexed", "InputQuantMode", "InputQuantSpec",
+    "LayerConfig", "QuantizedInput", "QuantizedWeight", "TuningConfig", "TuningEntry", "WeightFormat",
+    "WorkspacePlan", "apply_activation", "batched_humming_grouped_experts", "check_supported", "default_backend",
+    "dequantize_input", "dequantize_weight", "formats", "gemm", "get_format", "get_input_spec", "hadamard_rotate",
+    "humming_grouped_experts", "humming_indexed_experts", "input_quant", "moe_align_block_size",
+    "moe_fused_mul_sum", "moe_permute", "moe_prepare_scatter", "moe_unpermute", "moonep_experts",
+    "moonep_grouped_gemm", "numerics", "plan_workspace", "process_input", "quantize_experts", "quantize_input",
+    "quantize_weight", "resolve_backend", "select_tuning", "supported_input_specs",
+]

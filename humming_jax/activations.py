@@ -1,0 +1,120 @@
+"""Expert activations (DESIGN §3.3), computed in float32.
+
+Gated forms take ``[M, N]`` with gate = first half and up = second half
+(SWIGLUOAI: interleaved ``[g0, u0, g1, u1, ...]``) and return ``[M, N/2]``.
+The ``_NO_MUL`` forms act on the whole row and return ``[M, N]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+class Activation(str, enum.Enum):
+    SILU = "silu"
+    GELU = "gelu"
+    GELU_TANH = "gelu_tanh"
+    SWIGLUOAI = "swigluoai"
+    SWIGLUSTEP = "swiglustep"
+    SILU_NO_MUL = "silu_no_mul"
+    GELU_NO_MUL = "gelu_no_mul"
+    GELU_TANH_NO_MUL = "gelu_tanh_no_mul"
+    RELU2_NO_MUL = "relu2_no_mul"
+
+    @property
+    def is_gated(self) -> bool:
+        return not self.value.endswith("_no_mul")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSpec:
+    """An activation with its constants. ``clamp_limit`` applies to SILU
+    (``min(g, L)``, ``clamp(u, ±L)``); SWIGLUOAI uses ``alpha``, ``beta`` and
+    ``clamp_limit`` (defaults 1.702, 1, 7), SWIGLUSTEP a limit of 7."""
+
+    kind: Activation = Activation.SILU
+    clamp_limit: float | None = None
+    alpha: float = 1.702
+    beta: float = 1.0
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "kind", Activation(self.kind))
+        except ValueError:
+            allowed = ", ".join(repr(a.value) for a in Activation)
+            raise ValueError(f"ActivationSpec.kind: got {self.kind!r}, expected one of {allowed}") from None
+        if self.kind == Activation.SWIGLUOAI and self.clamp_limit is None:
+            object.__setattr__(self, "clamp_limit", 7.0)
+        if self.kind == Activation.SWIGLUSTEP and self.clamp_limit is None:
+            object.__setattr__(self, "clamp_limit", 7.0)
+        if self.clamp_limit is not None:
+            if self.kind not in (Activation.SILU, Activation.SWIGLUOAI, Activation.SWIGLUSTEP):
+                raise ValueError(
+                    f"ActivationSpec.clamp_limit: only silu, swigluoai and swiglustep take a clamp, "
+                    f"not {self.kind.value!r}"
+                )
+            if not (self.clamp_limit > 0 and math.isfinite(self.clamp_limit)):
+                raise ValueError(f"ActivationSpec.clamp_limit: expected a positive finite limit, got {self.clamp_limit}")
+
+    @property
+    def is_gated(self) -> bool:
+        return self.kind.is_gated
+
+    def output_width(self, n: int) -> int:
+        """Width of the activation output for an ``[M, n]`` gate/up input."""
+        if self.is_gated:
+            if n % 2:
+                raise ValueError(f"activation {self.kind.value!r}: gated input width must be even, got {n}")
+            return n // 2
+        return n
+
+
+def get_activation(activation: str | Activation | ActivationSpec | None) -> ActivationSpec | None:
+    if activation is None or isinstance(activation, ActivationSpec):
+        return activation
+    return ActivationSpec(Activation(activation) if not isinstance(activation, Activation) else activation)
+
+
+def _split_gate_up(x: jax.Array, interleaved: bool) -> tuple[jax.Array, jax.Array]:
+    if interleaved:
+        return x[..., 0::2], x[..., 1::2]
+    half = x.shape[-1] // 2
+    return x[..., :half], x[..., half:]
+
+
+def apply_activation(x: jax.Array, activation: ActivationSpec | str | Activation) -> jax.Array:
+    """Apply ``activation`` to ``x [..., N]``; returns float32 ``[..., N/2]``
+    (gated) or ``[..., N]`` (``_NO_MUL``)."""
+    spec = get_activation(activation)
+    spec.output_width(x.shape[-1])
+    x = x.astype(jnp.float32)
+    kind = spec.kind
+    if kind == Activation.SILU_NO_MUL:
+        return jax.nn.silu(x)
+    if kind == Activation.GELU_NO_MUL:
+        return jax.nn.gelu(x, approximate=False)
+    if kind == Activation.GELU_TANH_NO_MUL:
+        return jax.nn.gelu(x, approximate=True)
+    if kind == Activation.RELU2_NO_MUL:
+        return jnp.square(jax.nn.relu(x))
+
+    gate, up = _split_gate_up(x, interleaved=kind == Activation.SWIGLUOAI)
+    limit = spec.clamp_limit
+    if kind == Activation.SILU:
+        if limit is not None:
+            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return jax.nn.silu(gate) * up
+    if kind == Activation.GELU:
+        return jax.nn.gelu(gate, approximate=False) * up
+    if kind == Activation.GELU_TANH:
+        return jax.nn.gelu(gate, approximate=True) * up
+    if kind == Activation.SWIGLUOAI:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return gate * jax.nn.sigmoid(spec.alpha * gate) * (up + spec.beta)
+    # SWIGLUSTEP
+    return jnp.minimum(jax.nn.silu(gate), limit) * jnp.clip(up, -limit, limit)

@@ -1,0 +1,258 @@
+"""Static configuration, kept apart as Humming does: the *layer* (shapes,
+quantization, dtypes), the *compute* (layout, accumulation, batch invariance)
+and the *tuning* (tiles, warps, stages, split-K). All frozen, hashable and
+validated on construction; a bad value raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from humming_jax import formats as F
+from humming_jax import input_quant as Q
+from humming_jax.activations import ActivationSpec, get_activation
+
+COMPUTE_DTYPES = ("bfloat16", "float16")
+
+
+def _spec_key(spec: Q.InputQuantSpec):
+    return (spec.mode, spec.dtype, spec.group_size, spec.scale_type)
+
+
+_FP8_TOKEN = (Q.FP8_DYNAMIC_TOKEN, Q.FP8_E5M2_DYNAMIC_TOKEN)
+_WNA16 = (Q.NONE, *_FP8_TOKEN, Q.INT8_DYNAMIC_TOKEN)
+
+
+def supported_input_specs(fmt: F.WeightFormat) -> tuple[Q.InputQuantSpec, ...]:
+    """Input quantizations a GEMM supports with weights in ``fmt`` (the
+    weight/activation pairs Humming runs; see vLLM's supported list)."""
+    vt, gran = fmt.value_type, fmt.scale_granularity
+    if not fmt.is_quantized:
+        return (Q.NONE,)
+    if vt in (F.ValueType.INT4, F.ValueType.UINT4, F.ValueType.INT8):
+        return _WNA16
+    if vt == F.ValueType.FLOAT8_E4M3:
+        if fmt.scale_type == F.ScaleType.E8M0:  # MXFP8
+            return (Q.NONE, *_FP8_TOKEN, Q.MXFP8_DYNAMIC)
+        if gran == F.ScaleGranularity.BLOCK:
+            return (Q.NONE, *_FP8_TOKEN, Q.FP8_DYNAMIC_GROUP128)
+        return (Q.NONE, *_FP8_TOKEN, Q.FP8_STATIC_TENSOR, Q.FP8_DYNAMIC_GROUP128)
+    if fmt.scale_type == F.ScaleType.E8M0:  # MXFP4
+        return (Q.NONE, *_FP8_TOKEN, Q.FP8_DYNAMIC_GROUP128, Q.MXFP8_DYNAMIC, Q.MXFP4_DYNAMIC)
+    return (Q.NONE, *_FP8_TOKEN, Q.NVFP4_DYNAMIC, Q.NVFP4_DYNAMIC_TOKEN)  # NVFP4
+
+
+def check_supported(fmt: F.WeightFormat, spec: Q.InputQuantSpec, argument: str = "input_quant") -> None:
+    """Raise ``ValueError`` if weights in ``fmt`` cannot take inputs quantized by ``spec``."""
+    supported = supported_input_specs(fmt)
+    if _spec_key(spec) not in {_spec_key(s) for s in supported}:
+        raise ValueError(
+            f"{argument}: {spec.name!r} is not supported with weight format {fmt.name!r}; "
+            f"supported: {', '.join(s.name for s in supported)}"
+        )
+
+
+def _positive_int(value, field: str, owner: str, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        kind = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{owner}.{field}: expected a {kind} int, got {value!r}")
+
+
+def _power_of_two(value, field: str, owner: str) -> None:
+    _positive_int(value, field, owner)
+    if value & (value - 1):
+        raise ValueError(f"{owner}.{field}: expected a power of two, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    """One expert GEMM: ``num_experts`` weights ``[shape_n, shape_k]``.
+
+    ``shape_n``/``shape_k`` are the stored (padded) sizes; the real sizes are
+    ``shape_n - pad_shape_n`` and ``shape_k - pad_shape_k`` (vLLM's convention).
+    """
+
+    shape_n: int
+    shape_k: int
+    num_experts: int
+    weight_format: F.WeightFormat = F.BF16
+    input_quant: Q.InputQuantSpec = Q.NONE
+    compute_dtype: str = "bfloat16"
+    pad_shape_n: int = 0
+    pad_shape_k: int = 0
+    hadamard_block_size: int | None = None
+
+    def __post_init__(self):
+        owner = "LayerConfig"
+        object.__setattr__(self, "weight_format", F.get_format(self.weight_format))
+        object.__setattr__(self, "input_quant", Q.get_input_spec(self.input_quant))
+        for name in ("shape_n", "shape_k", "num_experts"):
+            _positive_int(getattr(self, name), name, owner)
+        for name, full in (("pad_shape_n", self.shape_n), ("pad_shape_k", self.shape_k)):
+            _positive_int(getattr(self, name), name, owner, allow_zero=True)
+            if getattr(self, name) >= full:
+                raise ValueError(f"{owner}.{name}: padding {getattr(self, name)} must be below the size {full}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"{owner}.compute_dtype: expected one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+        self.weight_format.check_shape(self.shape_n, self.shape_k, f"{owner}.shape_k")
+        check_supported(self.weight_format, self.input_quant, f"{owner}.input_quant")
+        self.input_quant.check_k(self.shape_k, f"{owner}.shape_k")
+        Q.check_hadamard_block_size(self.hadamard_block_size, self.shape_k, f"{owner}.hadamard_block_size")
+
+    @property
+    def real_n(self) -> int:
+        return self.shape_n - self.pad_shape_n
+
+    @property
+    def real_k(self) -> int:
+        return self.shape_k - self.pad_shape_k
+
+
+class GemmLayout(str, enum.Enum):
+    GROUPED_CONTIGUOUS = "grouped_contiguous"
+    GROUPED_MASKED = "grouped_masked"
+    INDEXED = "indexed"
+    DENSE = "dense"
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeConfig:
+    """How a GEMM computes: its layout, f16 accumulation, batch invariance."""
+
+    layout: GemmLayout = GemmLayout.GROUPED_CONTIGUOUS
+    use_f16_accum: bool = False
+    batch_invariant: bool = False
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "layout", GemmLayout(self.layout))
+        except ValueError:
+            allowed = ", ".join(repr(g.value) for g in GemmLayout)
+            raise ValueError(f"ComputeConfig.layout: got {self.layout!r}, expected one of {allowed}") from None
+        for name in ("use_f16_accum", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ComputeConfig.{name}: expected a bool, got {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """Kernel launch parameters. Tiles are powers of two (Triton's rule);
+    ``block_m``/``block_n``/``block_k`` at least 16 (the smallest MMA)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+    def __post_init__(self):
+        owner = "TuningConfig"
+        for name in ("block_m", "block_n", "block_k", "num_warps", "split_k"):
+            _power_of_two(getattr(self, name), name, owner)
+        for name in ("block_m", "block_n", "block_k"):
+            if getattr(self, name) < 16:
+                raise ValueError(f"{owner}.{name}: expected at least 16, got {getattr(self, name)}")
+        if self.num_warps > 32:
+            raise ValueError(f"{owner}.num_warps: expected at most 32, got {self.num_warps}")
+        _positive_int(self.num_stages, "num_stages", owner)
+
+    def check_compute(self, compute: ComputeConfig) -> None:
+        if compute.batch_invariant and self.split_k > 1:
+            raise ValueError(
+                f"TuningConfig.split_k: batch_invariant computation needs a fixed K order, so split_k must be 1, "
+                f"got {self.split_k}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningEntry:
+    """``config`` applies when ``min_shape_m < valid_shape_m <= max_shape_m``."""
+
+    min_shape_m: int
+    max_shape_m: int
+    config: TuningConfig
+
+
+def select_tuning(table: tuple[TuningEntry, ...], valid_shape_m: int, default: TuningConfig | None = None):
+    """The entry of ``table`` whose M range holds ``valid_shape_m`` (Humming's rule)."""
+    for entry in table:
+        if entry.min_shape_m < valid_shape_m <= entry.max_shape_m:
+            return entry.config
+    if default is None:
+        raise ValueError(f"select_tuning: no entry covers valid_shape_m={valid_shape_m}")
+    return default
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsConfig:
+    """The static config of an expert layer: w13 (gate+up, ``[E, 2I, H]`` or
+    ``[E, I, H]`` for ``_NO_MUL``) and w2 (down, ``[E, H, I]``).
+
+    ``num_experts`` is the number of local experts the weights hold;
+    ``global_num_experts`` the range of router ids (default: the same).
+    """
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    top_k: int
+    activation: ActivationSpec = ActivationSpec()
+    weight_format: F.WeightFormat = F.BF16
+    input_quant: Q.InputQuantSpec = Q.NONE
+    w2_weight_format: F.WeightFormat | None = None
+    w2_input_quant: Q.InputQuantSpec | None = None
+    compute_dtype: str = "bfloat16"
+    global_num_experts: int | None = None
+    hadamard_block_size: int | None = None
+    w2_hadamard_block_size: int | None = None
+    use_f16_accum: bool = False
+    batch_invariant: bool = False
+
+    def __post_init__(self):
+        owner = "ExpertsConfig"
+        for name in ("num_experts", "hidden_size", "intermediate_size", "top_k"):
+            _positive_int(getattr(self, name), name, owner)
+        object.__setattr__(self, "activation", get_activation(self.activation))
+        object.__setattr__(self, "weight_format", F.get_format(self.weight_format))
+        object.__setattr__(self, "input_quant", Q.get_input_spec(self.input_quant))
+        if self.w2_weight_format is None:
+            object.__setattr__(self, "w2_weight_format", self.weight_format)
+        object.__setattr__(self, "w2_weight_format", F.get_format(self.w2_weight_format))
+        if self.w2_input_quant is None:
+            object.__setattr__(self, "w2_input_quant", self.input_quant)
+        object.__setattr__(self, "w2_input_quant", Q.get_input_spec(self.w2_input_quant))
+        if self.global_num_experts is None:
+            object.__setattr__(self, "global_num_experts", self.num_experts)
+        _positive_int(self.global_num_experts, "global_num_experts", owner)
+        if self.global_num_experts < self.num_experts:
+            raise ValueError(
+                f"{owner}.global_num_experts: {self.global_num_experts} is below num_experts={self.num_experts}"
+            )
+        if self.use_f16_accum and self.compute_dtype != "float16":
+            raise ValueError(f"{owner}.use_f16_accum: f16 accumulation needs compute_dtype 'float16'")
+        # Building both layer configs validates shapes, formats and modes.
+        self.w13, self.w2  # noqa: B018
+
+    @property
+    def w13_n(self) -> int:
+        return 2 * self.intermediate_size if self.activation.is_gated else self.intermediate_size
+
+    @property
+    def w13(self) -> LayerConfig:
+        return LayerConfig(
+            self.w13_n, self.hidden_size, self.num_experts, self.weight_format, self.input_quant,
+            self.compute_dtype, hadamard_block_size=self.hadamard_block_size,
+        )
+
+    @property
+    def w2(self) -> LayerConfig:
+        return LayerConfig(
+            self.hidden_size, self.intermediate_size, self.num_experts, self.w2_weight_format,
+            self.w2_input_quant, self.compute_dtype, hadamard_block_size=self.w2_hadamard_block_size,
+        )
+
+    def compute(self, layout: GemmLayout | str) -> ComputeConfig:
+        return ComputeConfig(GemmLayout(layout), self.use_f16_accum, self.batch_invariant)

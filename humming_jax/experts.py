@@ -1,0 +1,306 @@
+"""The expert pipelines as pure functions (DESIGN §3.7): Humming grouped,
+indexed and batched experts, and MoonEP experts. Each composes the ops
+(routing, ``process_input``, ``gemm``), so each runs on whichever backend the
+ops run on; with ``backend="reference"`` every step is pure ``jnp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from humming_jax import formats as F
+from humming_jax import input_quant as Q
+from humming_jax import layouts as L
+from humming_jax import routing
+from humming_jax.configs import ExpertsConfig
+from humming_jax.gemm import as_weight, gemm
+from humming_jax.process_input import process_input
+
+DEFAULT_BLOCK_SIZE = 64
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertWeights:
+    """Weights of an expert layer: ``w13 [E, N13, H]``, ``w2 [E, H, I]`` and
+    the static tensor scales of the static input modes (f32 ``[1]``)."""
+
+    w13: F.QuantizedWeight
+    w2: F.QuantizedWeight
+    w13_input_scale: jax.Array | None = None
+    w2_input_scale: jax.Array | None = None
+
+
+def quantize_experts(
+    w13: jax.Array,
+    w2: jax.Array,
+    config: ExpertsConfig,
+    *,
+    w13_bias: jax.Array | None = None,
+    w2_bias: jax.Array | None = None,
+    w13_input_scale: jax.Array | None = None,
+    w2_input_scale: jax.Array | None = None,
+) -> ExpertWeights:
+    """Quantize float ``w13 [E, N13, H]`` and ``w2 [E, H, I]`` into the config's
+    formats. When a Hadamard block is configured the weights are rotated along
+    K first, as the inputs will be."""
+    if config.hadamard_block_size:
+        w13 = Q.hadamard_rotate(w13, config.hadamard_block_size)
+    if config.w2_hadamard_block_size:
+        w2 = Q.hadamard_rotate(w2, config.w2_hadamard_block_size)
+    weights = ExpertWeights(
+        F.quantize_weight(w13, config.weight_format, bias=w13_bias),
+        F.quantize_weight(w2, config.w2_weight_format, bias=w2_bias),
+        None if w13_input_scale is None else jnp.asarray(w13_input_scale, jnp.float32).reshape(1),
+        None if w2_input_scale is None else jnp.asarray(w2_input_scale, jnp.float32).reshape(1),
+    )
+    check_weights(weights, config)
+    return weights
+
+
+def check_weights(weights: ExpertWeights, config: ExpertsConfig) -> None:
+    """Raise if ``weights`` do not match ``config`` (shapes, formats, static scales)."""
+    for name, layer in (("w13", config.w13), ("w2", config.w2)):
+        weight = getattr(weights, name)
+        expected = (layer.num_experts, layer.shape_n, layer.shape_k)
+        if weight.shape != expected:
+            raise ValueError(f"weights.{name}: expected [E, N, K]={list(expected)}, got {list(weight.shape)}")
+        if weight.format != layer.weight_format:
+            raise ValueError(f"weights.{name}: format {weight.format.name!r} != config {layer.weight_format.name!r}")
+        weight.validate(f"weights.{name}")
+        scale = getattr(weights, f"{name}_input_scale")
+        if layer.input_quant.mode.is_static and scale is None:
+            raise ValueError(f"weights.{name}_input_scale: input mode {layer.input_quant.name!r} needs a static scale")
+        if not layer.input_quant.mode.is_static and scale is not None:
+            raise ValueError(f"weights.{name}_input_scale: input mode {layer.input_quant.name!r} takes no static scale")
+
+
+def estimate_valid_shape_m(num_tokens: int, top_k: int, config: ExpertsConfig) -> int:
+    """Expected local rows (vLLM's estimate for choosing a tuning entry)."""
+    return math.ceil(num_tokens * top_k * config.num_experts / config.global_num_experts)
+
+
+def _check_routing_inputs(hidden_states, topk_weights, topk_ids, config: ExpertsConfig, op: str) -> None:
+    if hidden_states.ndim != 2 or hidden_states.shape[1] != config.hidden_size:
+        raise ValueError(f"{op}: hidden_states must be [T, H={config.hidden_size}], got {hidden_states.shape}")
+    if topk_ids.shape != (hidden_states.shape[0], config.top_k):
+        raise ValueError(
+            f"{op}: topk_ids must be [T, top_k]=[{hidden_states.shape[0]}, {config.top_k}], got {topk_ids.shape}"
+        )
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"{op}: topk_weights must match topk_ids {topk_ids.shape}, got {topk_weights.shape}")
+
+
+def _expert_map_kwargs(config: ExpertsConfig, expert_map):
+    return dict(num_experts=config.global_num_experts, expert_map=expert_map, num_local_experts=config.num_experts)
+
+
+def _gemm_kwargs(config: ExpertsConfig, valid_shape_m: int, backend):
+    return dict(
+        out_dtype=jnp.dtype(config.compute_dtype), use_f16_accum=config.use_f16_accum,
+        batch_invariant=config.batch_invariant, valid_shape_m=valid_shape_m, backend=backend,
+    )
+
+
+def _down_input(gate_up, config: ExpertsConfig, weights: ExpertWeights, backend, **layout_kwargs):
+    """Activation + Hadamard + quantization of the w2 input."""
+    return process_input(
+        gate_up, config.w2_input_quant, activation=config.activation,
+        hadamard_block_size=config.w2_hadamard_block_size, static_scale=weights.w2_input_scale,
+        compute_dtype=jnp.dtype(config.compute_dtype), backend=backend, **layout_kwargs,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend"))
+def humming_grouped_experts(
+    hidden_states: jax.Array,
+    weights: ExpertWeights,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    config: ExpertsConfig,
+    expert_map: jax.Array | None = None,
+    a1q_scale: jax.Array | None = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """Grouped-contiguous experts: scatter (or permute a pre-quantized input) ->
+    w13 -> activation/quantize -> w2 -> weighted unpermute. ``hidden_states
+    [T, H]`` (or already-quantized values with ``a1q_scale``) -> ``[T, H]``."""
+    if a1q_scale is None:
+        _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_grouped_experts")
+    check_weights(weights, config)
+    num_tokens, top_k = topk_ids.shape
+    valid_shape_m = estimate_valid_shape_m(num_tokens, top_k, config)
+    gemm_kwargs = _gemm_kwargs(config, valid_shape_m, backend)
+    map_kwargs = _expert_map_kwargs(config, expert_map)
+    if a1q_scale is None:
+        offsets, scatter_idx = routing.moe_prepare_scatter(topk_ids, backend=backend, **map_kwargs)
+        inv_perm = scatter_idx.reshape(-1)
+        gate_up_input = process_input(
+            hidden_states, config.input_quant, hadamard_block_size=config.hadamard_block_size,
+            layout="scatter", scatter_idx=scatter_idx, num_valid_tokens=offsets[-1:],
+            static_scale=weights.w13_input_scale, compute_dtype=jnp.dtype(config.compute_dtype), backend=backend,
+        )
+    else:
+        permuted = routing.moe_permute(hidden_states, topk_ids, a1q_scale=a1q_scale, backend=backend, **map_kwargs)
+        offsets, inv_perm = permuted.expert_first_token_offset, permuted.inv_permuted_idx
+        gate_up_input = process_input(
+            permuted.permuted_hidden_states, config.input_quant, input_scale=permuted.permuted_scale, backend=backend
+        )
+    layout = L.GroupedContiguous(offsets)
+    gate_up = gemm(gate_up_input, weights.w13, layout, **gemm_kwargs)
+    down_input = _down_input(gate_up, config, weights, backend, num_valid_tokens=offsets[-1:])
+    down = gemm(down_input, weights.w2, layout, **gemm_kwargs)
+    return routing.moe_unpermute(down, topk_weights, inv_perm, offsets, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "block_size", "w2_block_size", "backend"))
+def humming_indexed_experts(
+    hidden_states: jax.Array,
+    weights: ExpertWeights,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    config: ExpertsConfig,
+    expert_map: jax.Array | None = None,
+    a1q_scale: jax.Array | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    w2_block_size: int | None = None,
+    num_valid_tokens: jax.Array | None = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """Indexed experts: align -> w13 indexed (reads ``[T, H]``, writes
+    ``[T*k, N13]``) -> activation/quantize -> w2 indexed (``top_k=1``,
+    re-aligned when its block size differs) -> fused weighted top-k sum."""
+    if a1q_scale is None:
+        _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_indexed_experts")
+    check_weights(weights, config)
+    num_tokens, top_k = topk_ids.shape
+    gemm_kwargs = _gemm_kwargs(config, estimate_valid_shape_m(num_tokens, top_k, config), backend)
+    map_kwargs = _expert_map_kwargs(config, expert_map)
+
+    def align(size):
+        sorted_ids, expert_ids, padded = routing.moe_align_block_size(
+            topk_ids, size, ignore_invalid_experts=True, backend=backend, **map_kwargs
+        )
+        return sorted_ids, expert_ids, padded
+
+    aligned = align(block_size)
+    w2_block_size = block_size if w2_block_size is None else w2_block_size
+    aligned_w2 = aligned if w2_block_size == block_size else align(w2_block_size)
+
+    gate_up_input = process_input(
+        hidden_states, config.input_quant, hadamard_block_size=None if a1q_scale is not None else config.hadamard_block_size,
+        input_scale=a1q_scale, static_scale=None if a1q_scale is not None else weights.w13_input_scale,
+        compute_dtype=jnp.dtype(config.compute_dtype), backend=backend,
+    )
+    gate_up = gemm(gate_up_input, weights.w13, L.Indexed(*aligned, top_k=top_k, block_size=block_size), **gemm_kwargs)
+    down_input = _down_input(gate_up, config, weights, backend)
+    down = gemm(down_input, weights.w2, L.Indexed(*aligned_w2, top_k=1, block_size=w2_block_size), **gemm_kwargs)
+    return routing.moe_fused_mul_sum(
+        down.reshape(num_tokens, top_k, -1), topk_weights, topk_ids, num_experts=config.global_num_experts,
+        expert_map=expert_map, num_valid_tokens=num_valid_tokens, backend=backend,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend"))
+def batched_humming_grouped_experts(
+    hidden_states: jax.Array,
+    expert_num_tokens: jax.Array,
+    weights: ExpertWeights,
+    config: ExpertsConfig,
+    a1q_scale: jax.Array | None = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """Batched (grouped-masked) experts: ``[E, max_tokens, H]`` with
+    ``expert_num_tokens [E]`` -> ``[E, max_tokens, H]``; rows past each count
+    are zero. The weighted top-k reduce is left to the caller."""
+    if hidden_states.ndim != 3 or hidden_states.shape[0] != config.num_experts:
+        raise ValueError(
+            f"batched_humming_grouped_experts: hidden_states must be [E={config.num_experts}, max_tokens, H], "
+            f"got {hidden_states.shape}"
+        )
+    if a1q_scale is None and hidden_states.shape[2] != config.hidden_size:
+        raise ValueError(f"batched_humming_grouped_experts: hidden size {hidden_states.shape[2]} != {config.hidden_size}")
+    if expert_num_tokens.shape != (config.num_experts,):
+        raise ValueError(
+            f"batched_humming_grouped_experts: expert_num_tokens must be [E]=[{config.num_experts}], "
+            f"got {expert_num_tokens.shape}"
+        )
+    check_weights(weights, config)
+    num_experts, max_tokens, _ = hidden_states.shape
+    gemm_kwargs = _gemm_kwargs(config, num_experts * max_tokens, backend)
+    layout = L.GroupedMasked(expert_num_tokens)
+    if a1q_scale is None:
+        gate_up_input = process_input(
+            hidden_states.reshape(num_experts * max_tokens, -1), config.input_quant,
+            hadamard_block_size=config.hadamard_block_size, layout="grouped_mask",
+            expert_num_tokens=expert_num_tokens, static_scale=weights.w13_input_scale,
+            compute_dtype=jnp.dtype(config.compute_dtype), backend=backend,
+        )
+    else:
+        gate_up_input = process_input(hidden_states, config.input_quant, input_scale=a1q_scale, backend=backend)
+    gate_up = gemm(gate_up_input, weights.w13, layout, **gemm_kwargs)
+    down_input = _down_input(gate_up, config, weights, backend, layout="grouped_mask", expert_num_tokens=expert_num_tokens)
+    down = gemm(down_input, weights.w2, layout, **gemm_kwargs)
+    return down.reshape(num_experts, max_tokens, config.hidden_size)
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def moonep_grouped_gemm(
+    a: jax.Array, w: jax.Array | F.QuantizedWeight, cu_seqlens: jax.Array, backend: str | None = None
+) -> jax.Array:
+    """``out[seg_g] = a[seg_g] @ w[g].T`` for each ``cu_seqlens`` segment.
+
+    ``a [NvS, K]`` in segment order, ``w [G, N, K]``, ``cu_seqlens [G]`` int32
+    cumulative segment *end* offsets. Returns ``[NvS, N]`` in ``a``'s dtype;
+    rows past ``cu_seqlens[-1]`` are zero.
+    """
+    w = as_weight(w, "w")
+    if cu_seqlens.shape != (w.num_experts,):
+        raise ValueError(f"moonep_grouped_gemm: cu_seqlens must be [G]=[{w.num_experts}], got {cu_seqlens.shape}")
+    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), cu_seqlens.astype(jnp.int32)])
+    return gemm(a, w, L.GroupedContiguous(offsets), backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("apply_router_weight_on_input", "backend"))
+def moonep_experts(
+    hidden_states: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    cu_seqlens: jax.Array,
+    route_weights: jax.Array,
+    apply_router_weight_on_input: bool = False,
+    backend: str | None = None,
+) -> jax.Array:
+    """MoonEP experts over ``[NvS, H]`` in segment order (G = E expert rows plus
+    B redundant prefetch rows): ``grouped(silu(grouped(x, gate)) *
+    grouped(x, up) * w_route, down)``, bf16 and SILU like the original. The
+    route multiply is skipped when ``apply_router_weight_on_input``. Weights:
+    ``w_gate, w_up [G, I, H]``, ``w_down [G, H, I]``; rows past
+    ``cu_seqlens[-1]`` are zero."""
+    if hidden_states.ndim != 2:
+        raise ValueError(f"moonep_experts: hidden_states must be [NvS, H], got {hidden_states.shape}")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if jnp.dtype(w.dtype) != jnp.dtype(jnp.bfloat16):
+            raise TypeError(f"moonep_experts: {name} must be bfloat16 (MoonEP experts are BF16-only), got {w.dtype}")
+    if w_gate.shape != w_up.shape or w_gate.shape[2] != hidden_states.shape[1]:
+        raise ValueError(
+            f"moonep_experts: w_gate and w_up must both be [G, I, H={hidden_states.shape[1]}], "
+            f"got {w_gate.shape} and {w_up.shape}"
+        )
+    if w_down.shape != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
+        raise ValueError(f"moonep_experts: w_down must be [G, H, I]={list(w_gate.shape[::2]) + [w_gate.shape[1]]}, got {w_down.shape}")
+    if route_weights.shape != (hidden_states.shape[0],):
+        raise ValueError(f"moonep_experts: route_weights must be [NvS]=[{hidden_states.shape[0]}], got {route_weights.shape}")
+    gate = moonep_grouped_gemm(hidden_states, w_gate, cu_seqlens, backend=backend)
+    up = moonep_grouped_gemm(hidden_states, w_up, cu_seqlens, backend=backend)
+    act = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+    if not apply_router_weight_on_input:
+        act = act * route_weights.astype(jnp.float32)[:, None]
+    return moonep_grouped_gemm(act.astype(hidden_states.dtype), w_down, cu_seqlens, backend=backend)
+

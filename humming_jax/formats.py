@@ -1,0 +1,515 @@
+"""Weight formats: a frozen, hashable spec (static under ``jit``), the
+``QuantizedWeight`` pytree, and ``quantize_weight`` / ``dequantize_weight``.
+
+Weights are ``[E, N, K]`` (vLLM convention: row ``n`` of expert ``e`` is a
+K-vector). The dequantized weight is::
+
+    w[e, n, k] = (value[e, n, k] - zero_point[e, n, k // g]) * scale[e, n', k'] * second_scale[e]
+
+with every scale stored *blockwise*: a scale array of shape ``[E, S_n, S_k]``
+covers ``[E, N, K]`` in blocks of ``N/S_n`` rows by ``K/S_k`` columns
+(``S_n = 1`` and ``S_k = 1`` for per-tensor; ``S_k = 1`` per-channel;
+``S_k = K/g`` per-group; ``ceil(N/128) x ceil(K/128)`` for 128x128 blocks).
+Layouts of the stored arrays (see :mod:`humming_jax.numerics` for the bit
+layouts):
+
+=================  =========================================  ====================================
+value type          ``values``                                 notes
+=================  =========================================  ====================================
+bfloat16/float16    the weight itself ``[E, N, K]``            no scale
+int8                ``int8 [E, N, K]``                         symmetric, q in [-127, 127]
+int4                ``uint8 [E, N, K/2]``, nibble = q + 8       symmetric, q in [-7, 7]
+uint4               ``uint8 [E, N, K/2]``, nibble = q           asymmetric, zero point per group
+float8_e4m3         ``float8_e4m3fn [E, N, K]``                 f32 or e8m0 scale
+float4_e2m1         ``uint8 [E, N, K/2]`` e2m1 codes            e8m0 (MX) or e4m3 (NV) scale
+=================  =========================================  ====================================
+
+Integer zero points of uint4 are packed two per byte along the group axis:
+``uint8 [E, N, ceil(G/2)]`` (group ``2j`` low nibble, ``2j+1`` high).
+Float zero points are ``[E, N, G]`` in the scale dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from humming_jax import numerics
+
+
+class ValueType(str, enum.Enum):
+    """What one stored weight element is."""
+
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    INT8 = "int8"
+    INT4 = "int4"
+    UINT4 = "uint4"
+    FLOAT8_E4M3 = "float8_e4m3"
+    FLOAT4_E2M1 = "float4_e2m1"
+
+    @property
+    def bits(self) -> int:
+        return {"bfloat16": 16, "float16": 16, "int8": 8, "float8_e4m3": 8}.get(self.value, 4)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.bits == 4
+
+
+class ScaleGranularity(str, enum.Enum):
+    NONE = "none"
+    TENSOR = "tensor"  # one scale per expert
+    CHANNEL = "channel"  # one per output row n
+    GROUP = "group"  # one per row and group of `group_size` along K
+    BLOCK = "block"  # one per block_n x group_size tile
+
+
+class ScaleType(str, enum.Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    E8M0 = "e8m0"  # power-of-two, stored as uint8 biased exponent
+    FLOAT8_E4M3 = "float8_e4m3"
+
+
+class ZeroPoint(str, enum.Enum):
+    NONE = "none"
+    INT = "int"  # uint4 zero point, packed two per byte along the group axis
+    FLOAT = "float"  # float zero point in the scale dtype
+
+
+class GlobalScale(str, enum.Enum):
+    NONE = "none"
+    TENSOR = "tensor"  # one f32 for the whole weight, stored [1]
+    EXPERT = "expert"  # one f32 per expert, stored [E]
+
+
+def _enum_field(enum_type, value, field_name: str):
+    try:
+        return enum_type(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in enum_type)
+        raise ValueError(f"WeightFormat.{field_name}: got {value!r}, expected one of {allowed}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """A weight format: value type, scale granularity and type, zero point,
+    second (global) scale, bias. Frozen and hashable: pass it as a static arg."""
+
+    name: str
+    value_type: ValueType
+    scale_granularity: ScaleGranularity = ScaleGranularity.NONE
+    scale_type: ScaleType | None = None
+    group_size: int = 0  # along K, for GROUP and BLOCK
+    block_n: int = 0  # along N, for BLOCK
+    zero_point: ZeroPoint = ZeroPoint.NONE
+    global_scale: GlobalScale = GlobalScale.NONE
+    has_bias: bool = False
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        set_("value_type", _enum_field(ValueType, self.value_type, "value_type"))
+        set_("scale_granularity", _enum_field(ScaleGranularity, self.scale_granularity, "scale_granularity"))
+        if self.scale_type is not None:
+            set_("scale_type", _enum_field(ScaleType, self.scale_type, "scale_type"))
+        set_("zero_point", _enum_field(ZeroPoint, self.zero_point, "zero_point"))
+        set_("global_scale", _enum_field(GlobalScale, self.global_scale, "global_scale"))
+        self._validate()
+
+    def _validate(self) -> None:
+        vt, gran = self.value_type, self.scale_granularity
+        unquantized = vt in (ValueType.BFLOAT16, ValueType.FLOAT16)
+        if unquantized != (gran == ScaleGranularity.NONE):
+            raise ValueError(
+                f"WeightFormat.scale_granularity: {gran.value!r} with value_type {vt.value!r}; "
+                "bfloat16/float16 weights take 'none', quantized weights need a scale"
+            )
+        if not unquantized and self.scale_type is None:
+            raise ValueError("WeightFormat.scale_type: a quantized format needs a scale_type")
+        if gran in (ScaleGranularity.GROUP, ScaleGranularity.BLOCK):
+            if self.group_size <= 0 or self.group_size & (self.group_size - 1):
+                raise ValueError(
+                    f"WeightFormat.group_size: expected a positive power of two for {gran.value!r} scales, "
+                    f"got {self.group_size}"
+                )
+        elif self.group_size:
+            raise ValueError(f"WeightFormat.group_size: must be 0 for {gran.value!r} scales, got {self.group_size}")
+        if gran == ScaleGranularity.BLOCK and self.block_n <= 0:
+            raise ValueError(f"WeightFormat.block_n: expected a positive block height, got {self.block_n}")
+        if self.zero_point != ZeroPoint.NONE:
+            if vt != ValueType.UINT4 or gran != ScaleGranularity.GROUP:
+                raise ValueError(
+                    "WeightFormat.zero_point: zero points are supported for value_type 'uint4' "
+                    f"with 'group' scales, got {vt.value!r} with {gran.value!r}"
+                )
+        elif vt == ValueType.UINT4:
+            raise ValueError("WeightFormat.zero_point: value_type 'uint4' needs a zero point ('int' or 'float')")
+        if self.scale_type == ScaleType.E8M0 and vt not in (ValueType.FLOAT4_E2M1, ValueType.FLOAT8_E4M3):
+            raise ValueError("WeightFormat.scale_type: 'e8m0' scales are for MX formats (float4_e2m1, float8_e4m3)")
+        if self.global_scale != GlobalScale.NONE and self.scale_type != ScaleType.FLOAT8_E4M3:
+            raise ValueError("WeightFormat.global_scale: a second scale is for NVFP4-style e4m3 block scales")
+        if vt == ValueType.FLOAT4_E2M1 and self.scale_type not in (ScaleType.E8M0, ScaleType.FLOAT8_E4M3):
+            raise ValueError("WeightFormat.scale_type: float4_e2m1 takes 'e8m0' (MXFP4) or 'float8_e4m3' (NVFP4)")
+
+    # ---- derived facts -------------------------------------------------
+    @property
+    def is_quantized(self) -> bool:
+        return self.scale_granularity != ScaleGranularity.NONE
+
+    @property
+    def packs_k(self) -> int:
+        """Logical K elements per stored element along K (2 for 4-bit)."""
+        return 2 if self.value_type.is_packed else 1
+
+    @property
+    def values_dtype(self):
+        return {
+            ValueType.BFLOAT16: jnp.bfloat16,
+            ValueType.FLOAT16: jnp.float16,
+            ValueType.INT8: jnp.int8,
+            ValueType.FLOAT8_E4M3: jnp.float8_e4m3fn,
+        }.get(self.value_type, jnp.uint8)
+
+    @property
+    def scale_dtype(self):
+        if self.scale_type is None:
+            return None
+        return {
+            ScaleType.FLOAT32: jnp.float32,
+            ScaleType.BFLOAT16: jnp.bfloat16,
+            ScaleType.FLOAT16: jnp.float16,
+            ScaleType.E8M0: jnp.uint8,
+            ScaleType.FLOAT8_E4M3: jnp.float8_e4m3fn,
+        }[self.scale_type]
+
+    def values_shape(self, num_experts: int, n: int, k: int) -> tuple[int, int, int]:
+        return (num_experts, n, k // self.packs_k)
+
+    def scale_shape(self, num_experts: int, n: int, k: int) -> tuple[int, int, int] | None:
+        gran = self.scale_granularity
+        if gran == ScaleGranularity.NONE:
+            return None
+        if gran == ScaleGranularity.TENSOR:
+            return (num_experts, 1, 1)
+        if gran == ScaleGranularity.CHANNEL:
+            return (num_experts, n, 1)
+        if gran == ScaleGranularity.GROUP:
+            return (num_experts, n, k // self.group_size)
+        return (num_experts, math.ceil(n / self.block_n), math.ceil(k / self.group_size))
+
+    def zero_point_shape(self, num_experts: int, n: int, k: int) -> tuple[int, int, int] | None:
+        if self.zero_point == ZeroPoint.NONE:
+            return None
+        groups = k // self.group_size
+        return (num_experts, n, (groups + 1) // 2) if self.zero_point == ZeroPoint.INT else (num_experts, n, groups)
+
+    def second_scale_shape(self, num_experts: int) -> tuple[int] | None:
+        return {GlobalScale.NONE: None, GlobalScale.TENSOR: (1,), GlobalScale.EXPERT: (num_experts,)}[
+            self.global_scale
+        ]
+
+    def check_shape(self, n: int, k: int, argument: str = "weight") -> None:
+        """Raise ``ValueError`` if ``[*, n, k]`` cannot be stored in this format."""
+        if self.value_type.is_packed and k % 2:
+            raise ValueError(
+                f"{argument}: format {self.name!r} packs two 4-bit values per byte along K, "
+                f"so K must be even; got K={k}"
+            )
+        if self.scale_granularity == ScaleGranularity.GROUP and k % self.group_size:
+            raise ValueError(
+                f"{argument}: format {self.name!r} has groups of {self.group_size} along K; "
+                f"K={k} is not a multiple (pad K, see LayerConfig.pad_shape_k)"
+            )
+
+    def with_bias(self, has_bias: bool = True) -> "WeightFormat":
+        name = self.name if not has_bias or self.name.endswith("+bias") else self.name + "+bias"
+        return dataclasses.replace(self, has_bias=has_bias, name=name)
+
+
+def _preset(name, value_type, gran="none", scale_type=None, group_size=0, **kw) -> WeightFormat:
+    return WeightFormat(name, value_type, gran, scale_type, group_size, **kw)
+
+
+BF16 = _preset("bf16", "bfloat16")
+F16 = _preset("f16", "float16")
+INT4_CHANNEL = _preset("int4_channel", "int4", "channel", "bfloat16")
+INT4_G32 = _preset("int4_g32", "int4", "group", "bfloat16", 32)
+INT4_G64 = _preset("int4_g64", "int4", "group", "bfloat16", 64)
+INT4_G128 = _preset("int4_g128", "int4", "group", "bfloat16", 128)
+INT8_CHANNEL = _preset("int8_channel", "int8", "channel", "bfloat16")
+INT8_G32 = _preset("int8_g32", "int8", "group", "bfloat16", 32)
+INT8_G64 = _preset("int8_g64", "int8", "group", "bfloat16", 64)
+INT8_G128 = _preset("int8_g128", "int8", "group", "bfloat16", 128)
+UINT4_ZP_G128 = _preset("uint4_zp_g128", "uint4", "group", "bfloat16", 128, zero_point="int")
+UINT4_FZP_G128 = _preset("uint4_fzp_g128", "uint4", "group", "bfloat16", 128, zero_point="float")
+FP8_CHANNEL = _preset("fp8_channel", "float8_e4m3", "channel", "float32")
+FP8_TENSOR = _preset("fp8_tensor", "float8_e4m3", "tensor", "float32")
+FP8_BLOCK128 = _preset("fp8_block128", "float8_e4m3", "block", "float32", 128, block_n=128)
+MXFP4 = _preset("mxfp4", "float4_e2m1", "group", "e8m0", 32)
+MXFP8 = _preset("mxfp8", "float8_e4m3", "group", "e8m0", 32)
+NVFP4 = _preset("nvfp4", "float4_e2m1", "group", "float8_e4m3", 16, global_scale="expert")
+
+PRESETS: dict[str, WeightFormat] = {
+    f.name: f
+    for f in (
+        BF16, F16, INT4_CHANNEL, INT4_G32, INT4_G64, INT4_G128, INT8_CHANNEL, INT8_G32, INT8_G64,
+        INT8_G128, UINT4_ZP_G128, UINT4_FZP_G128, FP8_CHANNEL, FP8_TENSOR, FP8_BLOCK128, MXFP4,
+        MXFP8, NVFP4,
+    )
+}
+
+
+def get_format(name: str | WeightFormat) -> WeightFormat:
+    """Look a preset up by name (``"int4_g128"``, ``"mxfp4+bias"``, ...)."""
+    if isinstance(name, WeightFormat):
+        return name
+    base, plus_bias = (name[: -len("+bias")], True) if name.endswith("+bias") else (name, False)
+    if base not in PRESETS:
+        raise ValueError(f"weight format: unknown name {name!r}; known: {', '.join(PRESETS)} (each also '+bias')")
+    return PRESETS[base].with_bias(plus_bias) if plus_bias else PRESETS[base]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight in a :class:`WeightFormat`: a pytree whose leaves are the stored
+    arrays and whose static part is the format and the logical shape ``(E, N, K)``.
+    Unused parts are ``None``."""
+
+    values: jax.Array
+    scale: jax.Array | None = None
+    zero_point: jax.Array | None = None
+    second_scale: jax.Array | None = None
+    bias: jax.Array | None = None
+    format: WeightFormat = dataclasses.field(default=BF16, metadata=dict(static=True))
+    shape: tuple[int, int, int] = dataclasses.field(default=(0, 0, 0), metadata=dict(static=True))
+
+    @property
+    def num_experts(self) -> int:
+        return self.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.shape[2]
+
+    def validate(self, argument: str = "weight") -> None:
+        """Check every stored array against the format; raise naming the part."""
+        fmt = self.format
+        e, n, k = self.shape
+        fmt.check_shape(n, k, argument)
+        expected = {
+            "values": (fmt.values_shape(e, n, k), fmt.values_dtype),
+            "scale": (fmt.scale_shape(e, n, k), fmt.scale_dtype),
+            "zero_point": (
+                fmt.zero_point_shape(e, n, k),
+                jnp.uint8 if fmt.zero_point == ZeroPoint.INT else fmt.scale_dtype,
+            ),
+            "second_scale": (fmt.second_scale_shape(e), jnp.float32),
+            "bias": ((e, n) if fmt.has_bias else None, None),
+        }
+        for part, (shape, dtype) in expected.items():
+            array = getattr(self, part)
+            if shape is None:
+                if array is not None:
+                    raise ValueError(f"{argument}.{part}: format {fmt.name!r} has no {part}, but one was given")
+                continue
+            if array is None:
+                raise ValueError(f"{argument}.{part}: format {fmt.name!r} needs a {part} of shape {shape}")
+            if tuple(array.shape) != tuple(shape):
+                raise ValueError(
+                    f"{argument}.{part}: expected shape {shape} for format {fmt.name!r} and "
+                    f"[E, N, K]={list(self.shape)}, got {tuple(array.shape)}"
+                )
+            if dtype is not None and jnp.dtype(array.dtype) != jnp.dtype(dtype):
+                raise TypeError(
+                    f"{argument}.{part}: expected dtype {jnp.dtype(dtype).name} for format {fmt.name!r}, "
+                    f"got {jnp.dtype(array.dtype).name}"
+                )
+
+
+# ---------------------------------------------------------------------------
+# quantize / dequantize
+# ---------------------------------------------------------------------------
+
+
+def _blockwise_amax(w: jax.Array, scale_shape: tuple[int, int, int]) -> jax.Array:
+    """Max |w| over each scale block of ``w [E, N, K]``; returns ``scale_shape``."""
+    e, n, k = w.shape
+    _, sn, sk = scale_shape
+    bn, bk = math.ceil(n / sn), math.ceil(k / sk)
+    padded = jnp.pad(jnp.abs(w), ((0, 0), (0, sn * bn - n), (0, sk * bk - k)))
+    return padded.reshape(e, sn, bn, sk, bk).max(axis=(2, 4))
+
+
+def _blockwise_min_max(w: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
+    e, n, k = w.shape
+    grouped = w.reshape(e, n, k // group_size, group_size)
+    return grouped.min(axis=-1), grouped.max(axis=-1)
+
+
+def _store_scale(scale_f32: jax.Array, fmt: WeightFormat) -> jax.Array:
+    """Round an f32 scale to the format's scale dtype (e8m0 handled by caller)."""
+    if fmt.scale_type == ScaleType.FLOAT8_E4M3:
+        return numerics.cast_float8_saturating(scale_f32, jnp.float8_e4m3fn)
+    return scale_f32.astype(fmt.scale_dtype)
+
+
+def _decode_scale(stored: jax.Array, fmt: WeightFormat) -> jax.Array:
+    if fmt.scale_type == ScaleType.E8M0:
+        return numerics.e8m0_decode(stored)
+    return stored.astype(jnp.float32)
+
+
+def quantize_weight(
+    w: jax.Array,
+    fmt: WeightFormat | str,
+    *,
+    bias: jax.Array | None = None,
+) -> QuantizedWeight:
+    """Round-to-nearest quantization of a float weight ``w [E, N, K]`` (or
+    ``[N, K]``, taken as one expert) into ``fmt``.
+
+    Scale rules (amax taken over each scale block):
+
+    * int4/int8 symmetric: ``s = amax / qmax`` (qmax 7 / 127), ``q = round(w / s)``.
+    * uint4 + zero point: the group range is widened to include 0, then
+      ``s = (max - min) / 15``, ``z = round(-min / s)`` (int) or ``-min / s``
+      (float), ``q = clip(round(w / s + z), 0, 15)``.
+    * fp8 per-channel / per-tensor / block: ``s = amax / 448`` (f32).
+    * MX (e8m0): the smallest power of two with ``amax / s <= element max``.
+    * NVFP4: per-expert ``g = amax_e / (448 * 6)``, block ``s = e4m3(amax_b / (6 g))``.
+
+    ``q`` is always computed against the *stored* (rounded) scale, so
+    dequantization reproduces exactly what was rounded. Ties round to even.
+    """
+    fmt = get_format(fmt)
+    w = jnp.asarray(w)
+    if w.ndim == 2:
+        w = w[None]
+        bias = None if bias is None else jnp.asarray(bias).reshape(1, -1)
+    if w.ndim != 3:
+        raise ValueError(f"quantize_weight: w must be [E, N, K] or [N, K], got shape {w.shape}")
+    e, n, k = w.shape
+    fmt.check_shape(n, k, "quantize_weight: w")
+    if fmt.has_bias != (bias is not None):
+        raise ValueError(
+            f"quantize_weight: bias: format {fmt.name!r} "
+            + ("needs a bias [E, N]" if fmt.has_bias else "has no bias; use fmt.with_bias()")
+        )
+    if bias is not None and tuple(bias.shape) != (e, n):
+        raise ValueError(f"quantize_weight: bias: expected shape {(e, n)}, got {tuple(bias.shape)}")
+    w32 = w.astype(jnp.float32)
+    vt = fmt.value_type
+    parts: dict[str, Any] = {}
+
+    if not fmt.is_quantized:
+        parts["values"] = w.astype(fmt.values_dtype)
+    elif fmt.zero_point != ZeroPoint.NONE:
+        lo, hi = _blockwise_min_max(w32, fmt.group_size)
+        lo, hi = jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)
+        scale = _store_scale(jnp.where(hi > lo, (hi - lo) / 15.0, 1.0), fmt)
+        scale32 = scale.astype(jnp.float32)
+        zero = -lo / scale32
+        if fmt.zero_point == ZeroPoint.INT:
+            zero_codes = jnp.clip(numerics.round_half_even(zero), 0, 15).astype(jnp.uint8)
+            groups = zero_codes.shape[-1]
+            padded = jnp.pad(zero_codes, ((0, 0), (0, 0), (0, groups % 2)))
+            parts["zero_point"] = numerics.pack_nibbles(padded)
+            zero_used = zero_codes.astype(jnp.float32)
+        else:
+            parts["zero_point"] = zero.astype(fmt.scale_dtype)
+            zero_used = parts["zero_point"].astype(jnp.float32)
+        full_scale = numerics.block_broadcast(scale32, w.shape)
+        full_zero = numerics.block_broadcast(zero_used, w.shape)
+        q = jnp.clip(numerics.round_half_even(w32 * numerics.safe_reciprocal(full_scale) + full_zero), 0, 15)
+        parts["values"] = numerics.pack_nibbles(q.astype(jnp.uint8))
+        parts["scale"] = scale
+    else:
+        scale_shape = fmt.scale_shape(e, n, k)
+        amax = _blockwise_amax(w32, scale_shape)
+        if vt == ValueType.FLOAT4_E2M1 and fmt.global_scale != GlobalScale.NONE:
+            axes = (0, 1, 2) if fmt.global_scale == GlobalScale.TENSOR else (1, 2)
+            global_amax = amax.max(axis=axes, keepdims=True)
+            second = jnp.where(global_amax > 0, global_amax / (448.0 * 6.0), 1.0)
+            scale = _store_scale(amax / (6.0 * second), fmt)
+            scale32 = scale.astype(jnp.float32) * second
+            parts["second_scale"] = second.reshape(fmt.second_scale_shape(e)).astype(jnp.float32)
+        elif fmt.scale_type == ScaleType.E8M0:
+            element_max = numerics.FLOAT4_E2M1_MAX if vt == ValueType.FLOAT4_E2M1 else numerics.FLOAT8_E4M3_MAX
+            scale = numerics.e8m0_from_amax(amax, element_max)
+            scale32 = numerics.e8m0_decode(scale)
+        else:
+            qmax = {
+                ValueType.INT4: numerics.INT4_MAX,
+                ValueType.INT8: numerics.INT8_MAX,
+                ValueType.FLOAT8_E4M3: numerics.FLOAT8_E4M3_MAX,
+            }[vt]
+            scale = _store_scale(amax / qmax, fmt)
+            scale32 = scale.astype(jnp.float32)
+        parts["scale"] = scale
+        scaled = w32 * numerics.safe_reciprocal(numerics.block_broadcast(scale32, w.shape))
+        if vt == ValueType.INT4:
+            q = jnp.clip(numerics.round_half_even(scaled), -8, 7)
+            parts["values"] = numerics.pack_nibbles((q + 8).astype(jnp.uint8))
+        elif vt == ValueType.INT8:
+            parts["values"] = jnp.clip(numerics.round_half_even(scaled), -127, 127).astype(jnp.int8)
+        elif vt == ValueType.FLOAT8_E4M3:
+            parts["values"] = numerics.cast_float8_saturating(scaled, jnp.float8_e4m3fn)
+        else:
+            parts["values"] = numerics.pack_nibbles(numerics.e2m1_encode(scaled))
+
+    if bias is not None:
+        parts["bias"] = jnp.asarray(bias)
+    return QuantizedWeight(**parts, format=fmt, shape=(e, n, k))
+
+
+def decode_values(weight: QuantizedWeight) -> jax.Array:
+    """Stored values as float32 ``[E, N, K]`` (before zero point and scales)."""
+    vt = weight.format.value_type
+    values = weight.values
+    if vt == ValueType.INT4:
+        return numerics.unpack_nibbles(values).astype(jnp.float32) - 8.0
+    if vt == ValueType.UINT4:
+        return numerics.unpack_nibbles(values).astype(jnp.float32)
+    if vt == ValueType.FLOAT4_E2M1:
+        return numerics.e2m1_decode(numerics.unpack_nibbles(values))
+    return values.astype(jnp.float32)
+
+
+def decode_zero_point(weight: QuantizedWeight) -> jax.Array | None:
+    """Zero points as float32 ``[E, N, G]``, or None."""
+    fmt = weight.format
+    if fmt.zero_point == ZeroPoint.NONE:
+        return None
+    if fmt.zero_point == ZeroPoint.INT:
+        groups = weight.k // fmt.group_size
+        return numerics.unpack_nibbles(weight.zero_point)[..., :groups].astype(jnp.float32)
+    return weight.zero_point.astype(jnp.float32)
+
+
+def dequantize_weight(weight: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The weight as floats ``[E, N, K]``: ``(value - zero) * scale * second_scale``."""
+    fmt = weight.format
+    values = decode_values(weight)
+    if not fmt.is_quantized:
+        return values.astype(dtype)
+    zero = decode_zero_point(weight)
+    if zero is not None:
+        values = values - numerics.block_broadcast(zero, values.shape)
+    scale = _decode_scale(weight.scale, fmt)
+    out = values * numerics.block_broadcast(scale, values.shape)
+    if weight.second_scale is not None:
+        second = weight.second_scale.astype(jnp.float32)
+        out = out * (second.reshape(-1, 1, 1) if second.shape[0] == weight.num_experts else second[0])
+    return out.astype(dtype)

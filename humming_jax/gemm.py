@@ -1,0 +1,142 @@
+"""The expert GEMM over the four layouts (DESIGN §3.6): validation, backend
+choice and the pure-``jnp`` reference that defines what the kernels compute.
+
+``out[r] = dequant(x)[r_in] @ dequant(w[e]).T + bias[e]`` for every live row
+of the layout, accumulated in float32; rows no group owns are zero.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from humming_jax import configs
+from humming_jax import formats as F
+from humming_jax import input_quant as Q
+from humming_jax import layouts as L
+from humming_jax.backend import resolve_backend
+
+_FLOAT_INPUTS = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def as_quantized_input(x: jax.Array | Q.QuantizedInput) -> Q.QuantizedInput:
+    """Wrap a plain float ``[M, K]`` array as an unquantized input."""
+    if isinstance(x, Q.QuantizedInput):
+        return x
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"x: expected [M, K], got shape {x.shape}")
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOAT_INPUTS]:
+        raise TypeError(f"x: an unquantized input must be bfloat16, float16 or float32, got {x.dtype}")
+    return Q.QuantizedInput(values=x, spec=Q.NONE, k=x.shape[1])
+
+
+def as_weight(w: jax.Array | F.QuantizedWeight, argument: str = "weight") -> F.QuantizedWeight:
+    """Wrap a plain ``[E, N, K]`` bf16/f16 array as an unquantized weight."""
+    if isinstance(w, F.QuantizedWeight):
+        return w
+    w = jnp.asarray(w)
+    if w.ndim != 3:
+        raise ValueError(f"{argument}: expected [E, N, K], got shape {w.shape}")
+    fmt = {jnp.dtype(jnp.bfloat16): F.BF16, jnp.dtype(jnp.float16): F.F16}.get(jnp.dtype(w.dtype))
+    if fmt is None:
+        raise TypeError(f"{argument}: a plain weight array must be bfloat16 or float16, got {w.dtype}")
+    return F.QuantizedWeight(values=w, format=fmt, shape=tuple(w.shape))
+
+
+def _validate(x: Q.QuantizedInput, weight: F.QuantizedWeight, layout, use_f16_accum: bool, out_dtype) -> None:
+    weight.validate("weight")
+    if x.k != weight.k:
+        raise ValueError(f"x: K={x.k} does not match the weight's K={weight.k}")
+    spec = x.spec
+    configs.check_supported(weight.format, spec, "x.spec")
+    if spec.is_quantized:
+        spec.check_k(x.k, "x")
+        expected_cols = x.k // spec.packs_k
+        if x.values.ndim != 2 or x.values.shape[1] != expected_cols:
+            raise ValueError(f"x.values: expected [M, {expected_cols}] for {spec.name}, got {x.values.shape}")
+        if jnp.dtype(x.values.dtype) != jnp.dtype(spec.dtype.storage_dtype):
+            raise TypeError(f"x.values: expected {jnp.dtype(spec.dtype.storage_dtype).name} for {spec.name}, got {x.values.dtype}")
+        for part, shape in (("scale", spec.scale_shape(x.m, x.k)), ("scale_2", spec.scale_2_shape(x.m))):
+            array = getattr(x, part)
+            if shape is None and array is not None:
+                raise ValueError(f"x.{part}: {spec.name} has no {part}")
+            if shape is not None and (array is None or tuple(array.shape) != tuple(shape)):
+                got = None if array is None else tuple(array.shape)
+                raise ValueError(f"x.{part}: expected shape {shape} for {spec.name}, got {got}")
+    if not isinstance(layout, (L.GroupedContiguous, L.GroupedMasked, L.Indexed, L.Dense)):
+        raise TypeError(f"layout: expected GroupedContiguous, GroupedMasked, Indexed or Dense, got {type(layout).__name__}")
+    layout.validate(x.m, weight.num_experts)
+    if use_f16_accum and jnp.dtype(out_dtype) != jnp.dtype(jnp.float16):
+        raise ValueError("use_f16_accum: f16 accumulation is only for float16 compute (out_dtype float16)")
+
+
+def _per_expert_products(x32: jax.Array, w32: jax.Array, row_expert: jax.Array) -> jax.Array:
+    """``y[r] = x32[r] @ w32[row_expert[r]].T``, one expert at a time (memory M*N)."""
+
+    def one_expert(acc, expert_and_weight):
+        expert, w_e = expert_and_weight
+        y = jnp.dot(x32, w_e.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        return jnp.where((row_expert == expert)[:, None], y, acc), None
+
+    init = jnp.zeros((x32.shape[0], w32.shape[1]), jnp.float32)
+    experts = jnp.arange(w32.shape[0], dtype=jnp.int32)
+    out, _ = jax.lax.scan(one_expert, init, (experts, w32))
+    return out
+
+
+def gemm_reference(x: Q.QuantizedInput, weight: F.QuantizedWeight, layout: L.Layout, out_dtype) -> jax.Array:
+    """The semantics of :func:`gemm` in float32 ``jnp`` (no validation)."""
+    x32 = Q.dequantize_input(x)
+    w32 = F.dequantize_weight(weight)
+    bias = None if weight.bias is None else weight.bias.astype(jnp.float32)
+    if isinstance(layout, L.Indexed):
+        rows_in, rows_out, expert, live = L.indexed_entries(layout, x.m, weight.num_experts)
+        y = _per_expert_products(x32[rows_in], w32, expert)
+        if bias is not None:
+            y = y + bias[expert]
+        m_out = layout.output_rows(x.m)
+        out = jnp.zeros((m_out, weight.n), jnp.float32).at[rows_out].set(y, mode="drop")
+        return out.astype(out_dtype)
+    expert, valid = L.row_experts(layout, x.m)
+    y = _per_expert_products(x32, w32, expert)
+    if bias is not None:
+        y = y + bias[expert]
+    return jnp.where(valid[:, None], y, 0.0).astype(out_dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("out_dtype", "use_f16_accum", "batch_invariant", "valid_shape_m", "tuning", "backend")
+)
+def gemm(
+    x: jax.Array | Q.QuantizedInput,
+    weight: F.QuantizedWeight | jax.Array,
+    layout: L.Layout,
+    *,
+    out_dtype=None,
+    use_f16_accum: bool = False,
+    batch_invariant: bool = False,
+    valid_shape_m: int | None = None,
+    tuning: configs.TuningConfig | None = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """Expert GEMM: ``x [M, K]`` (float, or a :class:`QuantizedInput`) times
+    ``weight [E, N, K]`` in any :class:`WeightFormat`, over ``layout``.
+
+    Returns ``[M_out, N]`` in ``out_dtype`` (default: ``x``'s dtype when it is
+    unquantized, else bfloat16). ``valid_shape_m`` (an estimate of the real
+    rows) picks the tuning entry; ``tuning`` overrides it. ``batch_invariant``
+    forbids split-K so that a row's result never depends on other rows.
+    """
+    x = as_quantized_input(x)
+    weight = as_weight(weight)
+    if out_dtype is None:
+        out_dtype = x.values.dtype if not x.spec.is_quantized else jnp.bfloat16
+    out_dtype = jnp.dtype(out_dtype)
+    _validate(x, weight, layout, use_f16_accum, out_dtype)
+    if tuning is not None:
+        tuning.check_compute(configs.ComputeConfig(layout.kind, use_f16_accum, batch_invariant))
+    resolve_backend(backend, "gemm")
+    return gemm_reference(x, weight, layout, out_dtype)

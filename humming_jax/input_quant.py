@@ -1,0 +1,387 @@
+"""Activation (input) quantization and the Hadamard rotation.
+
+An :class:`InputQuantSpec` says how the GEMM input is quantized:
+
+=============================  ====================================  ==========================
+mode                            ``scale``                              ``scale_2``
+=============================  ====================================  ==========================
+``none``                        –                                      –
+``static_tensor``               given, f32 ``[1]``                     –
+``dynamic_token``               f32 ``[M, 1]`` (amax of the row)       –
+``dynamic_group``               ``[M, K/g]`` (f32, e8m0 or e4m3)       –
+``static_tensor_dynamic_group`` ``[M, K/g]`` e4m3, over ``scale_2``    given, f32 ``[1]``
+``dynamic_group_token``         ``[M, K/g]`` e4m3, over ``scale_2``    f32 ``[M, 1]``
+=============================  ====================================  ==========================
+
+``x ≈ q * scale * scale_2``. Scales come from the absolute maximum; the value
+is rounded to nearest (ties to even) and saturated. A zero block gets scale 0
+(e8m0: the smallest, byte 0) and zero values: never NaN or Inf.
+float4 e2m1 values are packed two per byte along K (see :mod:`numerics`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from humming_jax import numerics
+
+
+class InputQuantMode(str, enum.Enum):
+    NONE = "none"
+    STATIC_TENSOR = "static_tensor"
+    DYNAMIC_TOKEN = "dynamic_token"
+    DYNAMIC_GROUP = "dynamic_group"
+    STATIC_TENSOR_DYNAMIC_GROUP = "static_tensor_dynamic_group"
+    DYNAMIC_GROUP_TOKEN = "dynamic_group_token"
+
+    @property
+    def has_group_scale(self) -> bool:
+        return self in (
+            InputQuantMode.DYNAMIC_GROUP,
+            InputQuantMode.STATIC_TENSOR_DYNAMIC_GROUP,
+            InputQuantMode.DYNAMIC_GROUP_TOKEN,
+        )
+
+    @property
+    def has_secondary_scale(self) -> bool:
+        return self in (InputQuantMode.STATIC_TENSOR_DYNAMIC_GROUP, InputQuantMode.DYNAMIC_GROUP_TOKEN)
+
+    @property
+    def is_static(self) -> bool:
+        return self in (InputQuantMode.STATIC_TENSOR, InputQuantMode.STATIC_TENSOR_DYNAMIC_GROUP)
+
+
+class ActivationDType(str, enum.Enum):
+    FLOAT8_E4M3 = "float8_e4m3"
+    FLOAT8_E5M2 = "float8_e5m2"
+    INT8 = "int8"
+    FLOAT4_E2M1 = "float4_e2m1"
+
+    @property
+    def max_value(self) -> float:
+        return {
+            "float8_e4m3": numerics.FLOAT8_E4M3_MAX,
+            "float8_e5m2": numerics.FLOAT8_E5M2_MAX,
+            "int8": numerics.INT8_MAX,
+            "float4_e2m1": numerics.FLOAT4_E2M1_MAX,
+        }[self.value]
+
+    @property
+    def storage_dtype(self):
+        return {
+            "float8_e4m3": jnp.float8_e4m3fn,
+            "float8_e5m2": jnp.float8_e5m2,
+            "int8": jnp.int8,
+            "float4_e2m1": jnp.uint8,
+        }[self.value]
+
+    @property
+    def bits(self) -> int:
+        return 4 if self == ActivationDType.FLOAT4_E2M1 else 8
+
+
+class InputScaleType(str, enum.Enum):
+    FLOAT32 = "float32"
+    E8M0 = "e8m0"
+    FLOAT8_E4M3 = "float8_e4m3"
+
+
+@dataclasses.dataclass(frozen=True)
+class InputQuantSpec:
+    """How a GEMM input is quantized. Frozen and hashable (static under jit)."""
+
+    mode: InputQuantMode = InputQuantMode.NONE
+    dtype: ActivationDType | None = None
+    group_size: int = 0
+    scale_type: InputScaleType = InputScaleType.FLOAT32
+    name: str = ""
+
+    def __post_init__(self):
+        def coerce(enum_type, value, field):
+            try:
+                return enum_type(value)
+            except ValueError:
+                allowed = ", ".join(repr(m.value) for m in enum_type)
+                raise ValueError(f"InputQuantSpec.{field}: got {value!r}, expected one of {allowed}") from None
+
+        object.__setattr__(self, "mode", coerce(InputQuantMode, self.mode, "mode"))
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", coerce(ActivationDType, self.dtype, "dtype"))
+        object.__setattr__(self, "scale_type", coerce(InputScaleType, self.scale_type, "scale_type"))
+        if not self.name:
+            object.__setattr__(self, "name", self._default_name())
+        self._validate()
+
+    def _default_name(self) -> str:
+        if self.mode == InputQuantMode.NONE:
+            return "none"
+        group = f"_g{self.group_size}" if self.group_size else ""
+        return f"{self.dtype.value}_{self.mode.value}{group}_{self.scale_type.value}"
+
+    def _validate(self) -> None:
+        mode = self.mode
+        if mode == InputQuantMode.NONE:
+            if self.dtype is not None or self.group_size:
+                raise ValueError("InputQuantSpec: mode 'none' takes no dtype and no group_size")
+            return
+        if self.dtype is None:
+            raise ValueError(f"InputQuantSpec.dtype: mode {mode.value!r} needs an activation dtype")
+        if mode.has_group_scale:
+            if self.group_size <= 0 or self.group_size & (self.group_size - 1):
+                raise ValueError(
+                    f"InputQuantSpec.group_size: mode {mode.value!r} needs a power-of-two group, got {self.group_size}"
+                )
+        elif self.group_size:
+            raise ValueError(f"InputQuantSpec.group_size: mode {mode.value!r} has no groups, got {self.group_size}")
+        if mode.has_secondary_scale and self.scale_type != InputScaleType.FLOAT8_E4M3:
+            raise ValueError(
+                f"InputQuantSpec.scale_type: mode {mode.value!r} stores e4m3 group scales under an f32 "
+                "second scale; use 'float8_e4m3'"
+            )
+        if not mode.has_group_scale and self.scale_type != InputScaleType.FLOAT32:
+            raise ValueError(f"InputQuantSpec.scale_type: mode {mode.value!r} uses f32 scales")
+        if self.scale_type != InputScaleType.FLOAT32 and self.dtype == ActivationDType.INT8:
+            raise ValueError("InputQuantSpec.scale_type: int8 activations take f32 scales")
+        if self.dtype == ActivationDType.FLOAT4_E2M1 and not mode.has_group_scale:
+            raise ValueError(
+                "InputQuantSpec.mode: float4_e2m1 activations need group scales "
+                "('dynamic_group', 'static_tensor_dynamic_group' or 'dynamic_group_token')"
+            )
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.mode != InputQuantMode.NONE
+
+    @property
+    def packs_k(self) -> int:
+        return 2 if self.dtype == ActivationDType.FLOAT4_E2M1 else 1
+
+    def scale_shape(self, m: int, k: int) -> tuple[int, int] | None:
+        if self.mode == InputQuantMode.NONE:
+            return None
+        if self.mode == InputQuantMode.STATIC_TENSOR:
+            return (1,)
+        if self.mode == InputQuantMode.DYNAMIC_TOKEN:
+            return (m, 1)
+        return (m, k // self.group_size)
+
+    def scale_2_shape(self, m: int) -> tuple[int, ...] | None:
+        if self.mode == InputQuantMode.STATIC_TENSOR_DYNAMIC_GROUP:
+            return (1,)
+        if self.mode == InputQuantMode.DYNAMIC_GROUP_TOKEN:
+            return (m, 1)
+        return None
+
+    @property
+    def scale_dtype(self):
+        return {
+            InputScaleType.FLOAT32: jnp.float32,
+            InputScaleType.E8M0: jnp.uint8,
+            InputScaleType.FLOAT8_E4M3: jnp.float8_e4m3fn,
+        }[self.scale_type]
+
+    def check_k(self, k: int, argument: str = "x") -> None:
+        if self.packs_k == 2 and k % 2:
+            raise ValueError(f"{argument}: {self.name} packs two 4-bit values per byte, so K must be even; got {k}")
+        if self.mode.has_group_scale and k % self.group_size:
+            raise ValueError(f"{argument}: {self.name} has groups of {self.group_size}; K={k} is not a multiple")
+
+
+NONE = InputQuantSpec()
+FP8_STATIC_TENSOR = InputQuantSpec("static_tensor", "float8_e4m3", name="fp8_static_tensor")
+FP8_DYNAMIC_TOKEN = InputQuantSpec("dynamic_token", "float8_e4m3", name="fp8_dynamic_token")
+FP8_E5M2_DYNAMIC_TOKEN = InputQuantSpec("dynamic_token", "float8_e5m2", name="fp8_e5m2_dynamic_token")
+FP8_DYNAMIC_GROUP128 = InputQuantSpec("dynamic_group", "float8_e4m3", 128, name="fp8_dynamic_group128")
+INT8_STATIC_TENSOR = InputQuantSpec("static_tensor", "int8", name="int8_static_tensor")
+INT8_DYNAMIC_TOKEN = InputQuantSpec("dynamic_token", "int8", name="int8_dynamic_token")
+MXFP8_DYNAMIC = InputQuantSpec("dynamic_group", "float8_e4m3", 32, "e8m0", name="mxfp8_dynamic")
+MXFP4_DYNAMIC = InputQuantSpec("dynamic_group", "float4_e2m1", 32, "e8m0", name="mxfp4_dynamic")
+NVFP4_DYNAMIC = InputQuantSpec("static_tensor_dynamic_group", "float4_e2m1", 16, "float8_e4m3", name="nvfp4_dynamic")
+NVFP4_DYNAMIC_TOKEN = InputQuantSpec(
+    "dynamic_group_token", "float4_e2m1", 16, "float8_e4m3", name="nvfp4_dynamic_token"
+)
+
+INPUT_PRESETS: dict[str, InputQuantSpec] = {
+    s.name: s
+    for s in (
+        NONE, FP8_STATIC_TENSOR, FP8_DYNAMIC_TOKEN, FP8_E5M2_DYNAMIC_TOKEN, FP8_DYNAMIC_GROUP128,
+        INT8_STATIC_TENSOR, INT8_DYNAMIC_TOKEN, MXFP8_DYNAMIC, MXFP4_DYNAMIC, NVFP4_DYNAMIC, NVFP4_DYNAMIC_TOKEN,
+    )
+}
+
+
+def get_input_spec(spec: str | InputQuantSpec | None) -> InputQuantSpec:
+    if spec is None:
+        return NONE
+    if isinstance(spec, InputQuantSpec):
+        return spec
+    if spec not in INPUT_PRESETS:
+        raise ValueError(f"input quantization: unknown name {spec!r}; known: {', '.join(INPUT_PRESETS)}")
+    return INPUT_PRESETS[spec]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedInput:
+    """A quantized GEMM input: ``values [M, K or K/2]``, ``scale``, ``scale_2``
+    (see the module table), with its spec and logical K as static data."""
+
+    values: jax.Array
+    scale: jax.Array | None = None
+    scale_2: jax.Array | None = None
+    spec: InputQuantSpec = dataclasses.field(default=NONE, metadata=dict(static=True))
+    k: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    @property
+    def m(self) -> int:
+        return self.values.shape[0]
+
+
+# ---------------------------------------------------------------------------
+# Hadamard rotation
+# ---------------------------------------------------------------------------
+
+MAX_HADAMARD_BLOCK = 512
+
+
+def check_hadamard_block_size(block_size: int | None, k: int | None = None, argument: str = "hadamard_block_size"):
+    if block_size is None:
+        return
+    if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1) or block_size > 512:
+        raise ValueError(f"{argument}: expected a power of two in [2, {MAX_HADAMARD_BLOCK}], got {block_size!r}")
+    if k is not None and k % block_size:
+        raise ValueError(f"{argument}: K={k} is not a multiple of the Hadamard block {block_size}")
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard_matrix(n: int) -> np.ndarray:
+    """The normalized Sylvester Hadamard matrix ``H_n / sqrt(n)`` (symmetric, orthogonal)."""
+    check_hadamard_block_size(n, argument="hadamard_matrix: n")
+    h = np.ones((1, 1), np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+def hadamard_rotate(x: jax.Array, block_size: int) -> jax.Array:
+    """Rotate the last axis of ``x`` by ``H_b / sqrt(b)`` in independent blocks of
+    ``b = block_size``. Computed in f32; returns f32. A weight stored as
+    ``hadamard_rotate(w, b)`` gives ``rot(x) @ rot(w).T == x @ w.T``."""
+    k = x.shape[-1]
+    check_hadamard_block_size(block_size, k)
+    h = jnp.asarray(hadamard_matrix(block_size))
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], k // block_size, block_size)
+    rotated = jnp.einsum("...b,bc->...c", blocks, h, precision=jax.lax.Precision.HIGHEST)
+    return rotated.reshape(x.shape)
+
+
+# ---------------------------------------------------------------------------
+# quantize / dequantize
+# ---------------------------------------------------------------------------
+
+
+def _encode_values(scaled: jax.Array, dtype: ActivationDType) -> jax.Array:
+    if dtype == ActivationDType.INT8:
+        return jnp.clip(numerics.round_half_even(scaled), -127, 127).astype(jnp.int8)
+    if dtype == ActivationDType.FLOAT4_E2M1:
+        return numerics.pack_nibbles(numerics.e2m1_encode(scaled))
+    return numerics.cast_float8_saturating(scaled, dtype.storage_dtype)
+
+
+def _decode_values(values: jax.Array, dtype: ActivationDType) -> jax.Array:
+    if dtype == ActivationDType.FLOAT4_E2M1:
+        return numerics.e2m1_decode(numerics.unpack_nibbles(values))
+    return values.astype(jnp.float32)
+
+
+def decode_group_scale(scale: jax.Array, spec: InputQuantSpec) -> jax.Array:
+    if spec.scale_type == InputScaleType.E8M0:
+        return numerics.e8m0_decode(scale)
+    return scale.astype(jnp.float32)
+
+
+def _group_amax(x: jax.Array, group_size: int) -> jax.Array:
+    m, k = x.shape
+    return jnp.abs(x).reshape(m, k // group_size, group_size).max(axis=-1)
+
+
+def quantize_input(
+    x: jax.Array,
+    spec: InputQuantSpec | str,
+    *,
+    static_scale: jax.Array | None = None,
+) -> QuantizedInput:
+    """Quantize ``x [M, K]`` (any float dtype) per ``spec``.
+
+    ``static_scale`` (f32, ``[1]`` or scalar) is the tensor scale of the static
+    modes and is required exactly for them. For ``none`` the values are ``x``
+    unchanged.
+    """
+    spec = get_input_spec(spec)
+    if x.ndim != 2:
+        raise ValueError(f"quantize_input: x must be [M, K], got shape {x.shape}")
+    m, k = x.shape
+    mode = spec.mode
+    if mode.is_static != (static_scale is not None):
+        need = "needs" if mode.is_static else "takes no"
+        raise ValueError(f"quantize_input: static_scale: mode {mode.value!r} {need} a static tensor scale")
+    if mode == InputQuantMode.NONE:
+        return QuantizedInput(values=x, spec=spec, k=k)
+    spec.check_k(k, "quantize_input: x")
+    x32 = x.astype(jnp.float32)
+    qmax = spec.dtype.max_value
+    scale_2 = None
+
+    if mode == InputQuantMode.STATIC_TENSOR:
+        scale = jnp.asarray(static_scale, jnp.float32).reshape(1)
+        full_scale = scale.reshape(1, 1)
+    elif mode == InputQuantMode.DYNAMIC_TOKEN:
+        scale = jnp.abs(x32).max(axis=-1, keepdims=True) / qmax
+        full_scale = scale
+    else:
+        amax = _group_amax(x32, spec.group_size)
+        if mode == InputQuantMode.DYNAMIC_GROUP:
+            if spec.scale_type == InputScaleType.E8M0:
+                scale = numerics.e8m0_from_amax(amax, qmax)
+            elif spec.scale_type == InputScaleType.FLOAT8_E4M3:
+                scale = numerics.cast_float8_saturating(amax / qmax, jnp.float8_e4m3fn)
+            else:
+                scale = amax / qmax
+            group_scale = decode_group_scale(scale, spec)
+        else:
+            if mode == InputQuantMode.STATIC_TENSOR_DYNAMIC_GROUP:
+                scale_2 = jnp.asarray(static_scale, jnp.float32).reshape(1)
+                second = scale_2.reshape(1, 1)
+            else:
+                # Per-token second scale: the row amax lands on e4m3 max x element max.
+                scale_2 = jnp.abs(x32).max(axis=-1, keepdims=True) / (numerics.FLOAT8_E4M3_MAX * qmax)
+                second = scale_2
+            scale = numerics.cast_float8_saturating(amax / qmax * numerics.safe_reciprocal(second), jnp.float8_e4m3fn)
+            group_scale = scale.astype(jnp.float32) * second
+        full_scale = jnp.repeat(group_scale, spec.group_size, axis=-1)
+
+    values = _encode_values(x32 * numerics.safe_reciprocal(full_scale), spec.dtype)
+    return QuantizedInput(values=values, scale=scale, scale_2=scale_2, spec=spec, k=k)
+
+
+def dequantize_input(q: QuantizedInput) -> jax.Array:
+    """``values * scale * scale_2`` as float32 ``[M, K]``."""
+    spec = q.spec
+    if spec.mode == InputQuantMode.NONE:
+        return q.values.astype(jnp.float32)
+    values = _decode_values(q.values, spec.dtype)
+    m, k = values.shape
+    if spec.mode == InputQuantMode.STATIC_TENSOR:
+        return values * q.scale.astype(jnp.float32).reshape(1, 1)
+    if spec.mode == InputQuantMode.DYNAMIC_TOKEN:
+        return values * q.scale.astype(jnp.float32).reshape(m, 1)
+    group_scale = decode_group_scale(q.scale, spec)
+    if q.scale_2 is not None:
+        group_scale = group_scale * q.scale_2.astype(jnp.float32).reshape(-1, 1)
+    return values * jnp.repeat(group_scale, spec.group_size, axis=-1)

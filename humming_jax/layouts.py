@@ -1,0 +1,154 @@
+"""GEMM layouts (DESIGN §3.6) as data: pytrees whose leaves are the routing
+arrays and whose static part is what shapes depend on.
+
+* :class:`GroupedContiguous` — rows ``[off[e], off[e+1])`` of ``x [M, K]``
+  belong to expert e; rows outside every group come out zero.
+* :class:`GroupedMasked` — ``x [E*max_tokens, K]``; expert e owns rows
+  ``[e*max_tokens, e*max_tokens + count[e])``; other rows come out zero.
+* :class:`Indexed` — block b of ``sorted_ids`` multiplies expert
+  ``expert_ids[b]``; entry ``idx`` reads input row ``idx // top_k`` and
+  writes output row ``idx``. Sentinels and blocks past ``num_tokens_padded``
+  are skipped; output rows nobody writes are zero. Output has
+  ``M_in * top_k`` rows.
+* :class:`Dense` — ``x [M, K] @ w[0].T`` (a weight with one expert).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from humming_jax.configs import GemmLayout
+
+
+def _static():
+    return dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupedContiguous:
+    expert_offsets: jax.Array  # int32 [E+1]
+    kind = GemmLayout.GROUPED_CONTIGUOUS
+
+    def output_rows(self, m_in: int) -> int:
+        return m_in
+
+    def validate(self, m_in: int, num_experts: int) -> None:
+        if self.expert_offsets.shape != (num_experts + 1,):
+            raise ValueError(
+                f"layout.expert_offsets: expected shape [E+1]=[{num_experts + 1}] for a weight with "
+                f"{num_experts} experts, got {self.expert_offsets.shape}"
+            )
+        _check_int("layout.expert_offsets", self.expert_offsets)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupedMasked:
+    expert_num_tokens: jax.Array  # int32 [E]
+    kind = GemmLayout.GROUPED_MASKED
+
+    def output_rows(self, m_in: int) -> int:
+        return m_in
+
+    def validate(self, m_in: int, num_experts: int) -> None:
+        if self.expert_num_tokens.shape != (num_experts,):
+            raise ValueError(
+                f"layout.expert_num_tokens: expected shape [E]=[{num_experts}], got {self.expert_num_tokens.shape}"
+            )
+        _check_int("layout.expert_num_tokens", self.expert_num_tokens)
+        if m_in % num_experts:
+            raise ValueError(f"x: grouped_masked input must have E*max_tokens rows (E={num_experts}), got {m_in}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Indexed:
+    sorted_ids: jax.Array  # int32 [L]
+    expert_ids: jax.Array  # int32 [ceil(L / block_size)]
+    num_tokens_padded: jax.Array  # int32 [1]
+    top_k: int = _static()
+    block_size: int = _static()
+    kind = GemmLayout.INDEXED
+
+    def output_rows(self, m_in: int) -> int:
+        return m_in * self.top_k
+
+    def validate(self, m_in: int, num_experts: int) -> None:
+        if not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"layout.top_k: expected a positive int, got {self.top_k!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"layout.block_size: expected a positive int, got {self.block_size!r}")
+        if self.sorted_ids.ndim != 1:
+            raise ValueError(f"layout.sorted_ids: expected a 1-D array, got shape {self.sorted_ids.shape}")
+        blocks = -(-self.sorted_ids.shape[0] // self.block_size)
+        if self.expert_ids.shape != (blocks,):
+            raise ValueError(
+                f"layout.expert_ids: expected shape [ceil(L/block_size)]=[{blocks}], got {self.expert_ids.shape}"
+            )
+        if self.num_tokens_padded.size != 1:
+            raise ValueError(f"layout.num_tokens_padded: expected one element, got shape {self.num_tokens_padded.shape}")
+        for name in ("sorted_ids", "expert_ids", "num_tokens_padded"):
+            _check_int(f"layout.{name}", getattr(self, name))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    kind = GemmLayout.DENSE
+
+    def output_rows(self, m_in: int) -> int:
+        return m_in
+
+    def validate(self, m_in: int, num_experts: int) -> None:
+        if num_experts != 1:
+            raise ValueError(f"weight: the dense layout takes a weight with one expert, got {num_experts}")
+
+
+Layout = GroupedContiguous | GroupedMasked | Indexed | Dense
+
+
+def _check_int(name: str, array: jax.Array) -> None:
+    if not jnp.issubdtype(array.dtype, jnp.integer):
+        raise TypeError(f"{name}: expected an integer array, got {array.dtype}")
+
+
+def row_experts(layout: Layout, m_in: int) -> tuple[jax.Array, jax.Array]:
+    """For the grouped and dense layouts: the expert of each input/output row
+    and whether the row belongs to any group (``[M]`` int32 and bool)."""
+    rows = jnp.arange(m_in, dtype=jnp.int32)
+    if isinstance(layout, Dense):
+        return jnp.zeros(m_in, jnp.int32), jnp.ones(m_in, bool)
+    if isinstance(layout, GroupedContiguous):
+        offsets = layout.expert_offsets.astype(jnp.int32)
+        expert = jnp.sum(rows[:, None] >= offsets[None, 1:], axis=1).astype(jnp.int32)
+        valid = (rows >= offsets[0]) & (rows < offsets[-1])
+        return jnp.minimum(expert, offsets.shape[0] - 2), valid
+    if isinstance(layout, GroupedMasked):
+        num_experts = layout.expert_num_tokens.shape[0]
+        max_tokens = m_in // num_experts
+        expert = rows // max_tokens
+        count = jnp.clip(layout.expert_num_tokens.astype(jnp.int32), 0, max_tokens)
+        return expert, (rows % max_tokens) < count[expert]
+    raise TypeError(f"row_experts: not a row-wise layout: {type(layout).__name__}")
+
+
+def indexed_entries(layout: Indexed, m_in: int, num_experts: int):
+    """For :class:`Indexed`: per entry of ``sorted_ids``, the input row, the
+    output row, the expert, and whether the entry is live."""
+    length = layout.sorted_ids.shape[0]
+    position = jnp.arange(length, dtype=jnp.int32)
+    idx = layout.sorted_ids.astype(jnp.int32)
+    expert = layout.expert_ids.astype(jnp.int32)[position // layout.block_size]
+    m_out = m_in * layout.top_k
+    live = (
+        (position < layout.num_tokens_padded.reshape(-1)[0])
+        & (idx >= 0)
+        & (idx < m_out)
+        & (expert >= 0)
+        & (expert < num_experts)
+    )
+    return jnp.where(live, idx // layout.top_k, 0), jnp.where(live, idx, m_out), jnp.where(live, expert, 0), live

@@ -1,0 +1,159 @@
+"""``process_input`` (DESIGN §3.4): optional activation -> optional Hadamard
+rotation -> optional quantization -> layout, as one op.
+
+Layouts:
+
+* ``normal`` — row i in, row i out.
+* ``grouped_mask`` — ``x [E*max_tokens, K]`` (or ``[E, max_tokens, K]``); only
+  the first ``expert_num_tokens[e]`` rows of expert e are valid, the rest are
+  written as zeros.
+* ``scatter`` — row i of the input goes to rows ``scatter_idx[i, :]`` of the
+  output (``[M*R, K]`` for ``scatter_idx [M, R]``): the permute of the
+  grouped path fused into quantization. Rows nobody targets are zeros.
+
+``num_valid_tokens`` (``int32 [1]``) bounds the output rows: rows at or past it
+are zeros (values and per-row scales). With ``input_scale`` the input is
+already quantized and is returned unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from humming_jax import input_quant as Q
+from humming_jax.activations import ActivationSpec, apply_activation, get_activation
+from humming_jax.backend import resolve_backend
+
+LAYOUTS = ("normal", "grouped_mask", "scatter")
+
+
+def _zero_rows(array: jax.Array | None, keep: jax.Array) -> jax.Array | None:
+    """Zero the rows of a per-row array where ``keep`` is false (static scales pass through)."""
+    if array is None or array.ndim < 2 or array.shape[0] != keep.shape[0]:
+        return array
+    return jnp.where(keep.reshape(-1, *([1] * (array.ndim - 1))), array, jnp.zeros((), array.dtype))
+
+
+def _scatter_rows(array: jax.Array | None, destination: jax.Array, copies: int) -> jax.Array | None:
+    """Row i of ``array`` to rows ``destination[i*copies : (i+1)*copies]`` of a zeroed output."""
+    if array is None or array.ndim < 2:
+        return array
+    out = jnp.zeros((destination.shape[0], *array.shape[1:]), array.dtype)
+    return out.at[destination].set(jnp.repeat(array, copies, axis=0), mode="drop")
+
+
+def _check_layout_args(x, layout, expert_num_tokens, scatter_idx, num_valid_tokens):
+    if layout not in LAYOUTS:
+        raise ValueError(f"process_input: layout: expected one of {LAYOUTS}, got {layout!r}")
+    if (layout == "grouped_mask") != (expert_num_tokens is not None):
+        raise ValueError("process_input: expert_num_tokens is required for, and only for, layout 'grouped_mask'")
+    if (layout == "scatter") != (scatter_idx is not None):
+        raise ValueError("process_input: scatter_idx is required for, and only for, layout 'scatter'")
+    if layout == "grouped_mask":
+        if expert_num_tokens.ndim != 1:
+            raise ValueError(f"process_input: expert_num_tokens must be [E], got shape {expert_num_tokens.shape}")
+        if x.shape[0] % expert_num_tokens.shape[0]:
+            raise ValueError(
+                f"process_input: x has {x.shape[0]} rows, not a multiple of E={expert_num_tokens.shape[0]} "
+                "(grouped_mask input is [E*max_tokens, K])"
+            )
+    if layout == "scatter" and (scatter_idx.ndim not in (1, 2) or scatter_idx.shape[0] != x.shape[0]):
+        raise ValueError(f"process_input: scatter_idx must be [M] or [M, R] with M={x.shape[0]}, got {scatter_idx.shape}")
+    if num_valid_tokens is not None and num_valid_tokens.size != 1:
+        raise ValueError(f"process_input: num_valid_tokens must hold one element, got shape {num_valid_tokens.shape}")
+
+
+def process_input_reference(
+    x, spec, activation, hadamard_block_size, layout, expert_num_tokens, scatter_idx, num_valid_tokens,
+    static_scale, compute_dtype,
+) -> Q.QuantizedInput:
+    """The semantics of :func:`process_input` (no validation)."""
+    y = x
+    if activation is not None:
+        y = apply_activation(y, activation)
+    if hadamard_block_size is not None:
+        y = Q.hadamard_rotate(y, hadamard_block_size)
+    if spec.is_quantized:
+        q = Q.quantize_input(y, spec, static_scale=static_scale)
+        values, scale, scale_2 = q.values, q.scale, q.scale_2
+    else:
+        values, scale, scale_2 = y.astype(compute_dtype), None, None
+    k = y.shape[1]
+    m_in = x.shape[0]
+    if layout == "scatter":
+        destination = scatter_idx.reshape(-1).astype(jnp.int32)
+        copies = destination.shape[0] // m_in
+        values, scale, scale_2 = (_scatter_rows(a, destination, copies) for a in (values, scale, scale_2))
+        keep = jnp.ones(destination.shape[0], bool)
+    elif layout == "grouped_mask":
+        max_tokens = m_in // expert_num_tokens.shape[0]
+        rows = jnp.arange(m_in, dtype=jnp.int32)
+        keep = (rows % max_tokens) < expert_num_tokens.astype(jnp.int32)[rows // max_tokens]
+    else:
+        keep = jnp.ones(m_in, bool)
+    if num_valid_tokens is not None:
+        keep = keep & (jnp.arange(keep.shape[0]) < num_valid_tokens.reshape(-1)[0])
+    values, scale, scale_2 = (_zero_rows(a, keep) for a in (values, scale, scale_2))
+    return Q.QuantizedInput(values=values, scale=scale, scale_2=scale_2, spec=spec, k=k)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("spec", "activation", "hadamard_block_size", "layout", "compute_dtype", "backend")
+)
+def process_input(
+    x: jax.Array,
+    spec: Q.InputQuantSpec | str = Q.NONE,
+    *,
+    activation: ActivationSpec | str | None = None,
+    hadamard_block_size: int | None = None,
+    layout: str = "normal",
+    expert_num_tokens: jax.Array | None = None,
+    scatter_idx: jax.Array | None = None,
+    num_valid_tokens: jax.Array | None = None,
+    static_scale: jax.Array | None = None,
+    input_scale: jax.Array | None = None,
+    input_scale_2: jax.Array | None = None,
+    compute_dtype=jnp.bfloat16,
+    backend: str | None = None,
+) -> Q.QuantizedInput:
+    """Prepare a GEMM input: ``x [M, N]`` -> activation -> Hadamard -> quantize
+    -> layout, returning a :class:`QuantizedInput` (values ``[M_out, K]``, or
+    ``K/2`` bytes for fp4; unquantized values are in ``compute_dtype``).
+
+    ``x`` may be ``[E, max_tokens, K]`` for ``grouped_mask``; the output is
+    flattened to 2-D. If ``input_scale`` is given, ``x`` is already quantized
+    per ``spec``: it is returned unchanged (an activation is then an error).
+    """
+    spec = Q.get_input_spec(spec)
+    activation = get_activation(activation)
+    if input_scale is not None:
+        if activation is not None:
+            raise ValueError("process_input: activation: cannot apply an activation to a pre-quantized input")
+        if scatter_idx is not None:
+            raise ValueError("process_input: scatter_idx: a pre-quantized input is permuted with moe_permute")
+        if not spec.is_quantized:
+            raise ValueError("process_input: input_scale was given but spec is 'none'")
+        # A batched [E, max_tokens, ...] input and its scale are flattened row-aligned.
+        values = x.reshape(-1, x.shape[-1])
+        scale = input_scale.reshape(values.shape[0], -1) if input_scale.ndim == 3 else input_scale
+        return Q.QuantizedInput(values=values, scale=scale, scale_2=input_scale_2, spec=spec, k=values.shape[1] * spec.packs_k)
+    if layout == "grouped_mask" and x.ndim == 3:
+        x = x.reshape(-1, x.shape[-1])
+    if x.ndim != 2:
+        raise ValueError(f"process_input: x must be [M, K] (or [E, max_tokens, K] for grouped_mask), got {x.shape}")
+    _check_layout_args(x, layout, expert_num_tokens, scatter_idx, num_valid_tokens)
+    k = activation.output_width(x.shape[1]) if activation is not None else x.shape[1]
+    Q.check_hadamard_block_size(hadamard_block_size, k, "process_input: hadamard_block_size")
+    if spec.is_quantized:
+        spec.check_k(k, "process_input: x")
+    if spec.mode.is_static != (static_scale is not None):
+        need = "needs" if spec.mode.is_static else "takes no"
+        raise ValueError(f"process_input: static_scale: mode {spec.mode.value!r} {need} a static tensor scale")
+    resolve_backend(backend, "process_input")
+    return process_input_reference(
+        x, spec, activation, hadamard_block_size, layout, expert_num_tokens, scatter_idx, num_valid_tokens,
+        static_scale, jnp.dtype(compute_dtype),
+    )

@@ -1,0 +1,281 @@
+"""Routing and data movement of the expert path (DESIGN §3.5): block alignment,
+scatter/permute, unpermute and the fused weighted top-k sum.
+
+Conventions. ``topk_ids [T, k]`` holds global expert ids; the flattened slot
+index is ``s = t*k + j``. A slot is *valid* when its id is in ``[0, E)`` and,
+with an ``expert_map`` (global -> local id, -1 = not on this rank), maps to a
+local expert. Invalid slots are never read out of bounds and contribute zero.
+All integer outputs are int32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from humming_jax.backend import resolve_backend
+
+
+
+def align_length(num_slots: int, num_experts: int, block_size: int) -> int:
+    """Static length of ``sorted_ids``: ``T*k + E*(block_size-1)``, capped at
+    ``T*k*block_size`` when ``T*k < E`` (vLLM's rule)."""
+    length = num_slots + num_experts * (block_size - 1)
+    if num_slots < num_experts:
+        length = min(length, num_slots * block_size)
+    return length
+
+
+def _check_routing(topk_ids: jax.Array, num_experts: int, expert_map: jax.Array | None, op: str) -> None:
+    if topk_ids.ndim != 2:
+        raise ValueError(f"{op}: topk_ids must be [T, k], got shape {topk_ids.shape}")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise TypeError(f"{op}: topk_ids must be an integer array, got {topk_ids.dtype}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{op}: num_experts must be a positive int, got {num_experts!r}")
+    if expert_map is not None:
+        if expert_map.shape != (num_experts,):
+            raise ValueError(f"{op}: expert_map must be [num_experts]=[{num_experts}], got shape {expert_map.shape}")
+        if not jnp.issubdtype(expert_map.dtype, jnp.integer):
+            raise TypeError(f"{op}: expert_map must be an integer array, got {expert_map.dtype}")
+
+
+def _local_ids(topk_ids, num_experts, expert_map, num_local_experts):
+    """Flattened per-slot local expert id and validity mask."""
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    in_range = (ids >= 0) & (ids < num_experts)
+    if expert_map is None:
+        return jnp.where(in_range, ids, 0), in_range
+    local = jnp.where(in_range, expert_map.astype(jnp.int32)[jnp.where(in_range, ids, 0)], -1)
+    valid = (local >= 0) & (local < num_local_experts)
+    return jnp.where(valid, local, 0), valid
+
+
+def _group_positions(group: jax.Array, valid: jax.Array, num_groups: int):
+    """Per-group counts and each valid slot's stable rank inside its group."""
+    counts = jnp.zeros(num_groups, jnp.int32).at[group].add(valid.astype(jnp.int32))
+    # Stable sort by group, invalid slots last; a slot's rank is its position
+    # in the sorted order minus the start of its group.
+    order = jnp.argsort(jnp.where(valid, group, num_groups), stable=True)
+    starts = jnp.cumsum(counts) - counts
+    position_in_order = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    rank = position_in_order - starts[group]
+    return counts, rank.astype(jnp.int32)
+
+
+def _align_reference(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts, num_local_experts):
+    num_slots = topk_ids.size
+    length = align_length(num_slots, num_experts, block_size)
+    num_blocks = -(-length // block_size)
+    if expert_map is not None and not ignore_invalid_experts:
+        # Group by global id; blocks of non-local experts get expert -1 below.
+        group, valid = _local_ids(topk_ids, num_experts, None, num_experts)
+        num_groups = num_experts
+    else:
+        num_groups = num_local_experts if expert_map is not None else num_experts
+        group, valid = _local_ids(topk_ids, num_experts, expert_map, num_groups)
+    counts, rank = _group_positions(group, valid, num_groups)
+    padded = (counts + block_size - 1) // block_size * block_size
+    padded_starts = jnp.cumsum(padded) - padded
+    destination = jnp.where(valid, padded_starts[group] + rank, length)
+    slots = jnp.arange(num_slots, dtype=jnp.int32)
+    sorted_ids = jnp.full(length, num_slots, jnp.int32).at[destination].set(slots, mode="drop")
+
+    block_ends = jnp.cumsum(padded // block_size)
+    blocks = jnp.arange(num_blocks, dtype=jnp.int32)
+    block_group = jnp.searchsorted(block_ends, blocks, side="right").astype(jnp.int32)
+    in_use = blocks < block_ends[-1]
+    block_group = jnp.minimum(block_group, num_groups - 1)
+    if expert_map is not None and not ignore_invalid_experts:
+        block_expert = expert_map.astype(jnp.int32)[block_group]
+    else:
+        block_expert = block_group
+    expert_ids = jnp.where(in_use, block_expert, -1)
+    num_tokens_post_pad = jnp.sum(padded).reshape(1).astype(jnp.int32)
+    return sorted_ids, expert_ids, num_tokens_post_pad
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("block_size", "num_experts", "ignore_invalid_experts", "num_local_experts", "backend"),
+)
+def moe_align_block_size(
+    topk_ids: jax.Array,
+    block_size: int,
+    num_experts: int,
+    expert_map: jax.Array | None = None,
+    ignore_invalid_experts: bool = False,
+    num_local_experts: int | None = None,
+    backend: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Group the slots of ``topk_ids [T, k]`` by expert, padded to ``block_size``.
+
+    Returns ``sorted_ids [L]`` (slot indices grouped by expert, ascending inside
+    an expert, each group padded to a multiple of ``block_size`` with the
+    sentinel ``T*k``; unused tail entries hold the sentinel), ``expert_ids
+    [ceil(L/block_size)]`` (the expert of each block, -1 past the last used
+    block) and ``num_tokens_post_pad [1]``; ``L = align_length(T*k, E, block_size)``.
+
+    Without ``expert_map`` groups are global ids. With one and
+    ``ignore_invalid_experts=False`` slots are grouped by global id and blocks
+    of non-local experts get expert -1; with ``ignore_invalid_experts=True``
+    non-local slots are dropped and groups are local ids in
+    ``[0, num_local_experts)`` (default ``num_experts``). Ids outside
+    ``[0, num_experts)`` are always dropped.
+    """
+    _check_routing(topk_ids, num_experts, expert_map, "moe_align_block_size")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"moe_align_block_size: block_size must be a positive int, got {block_size!r}")
+    num_local = num_experts if num_local_experts is None else num_local_experts
+    resolve_backend(backend, "moe_align_block_size")
+    return _align_reference(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts, num_local)
+
+
+def _scatter_reference(topk_ids, num_experts, expert_map, num_local_experts):
+    group, valid = _local_ids(topk_ids, num_experts, expert_map, num_local_experts)
+    counts, rank = _group_positions(group, valid, num_local_experts)
+    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    # Invalid slots follow all local ones, in slot order.
+    invalid_rank = jnp.cumsum(~valid) - 1
+    destination = jnp.where(valid, offsets[group] + rank, offsets[-1] + invalid_rank).astype(jnp.int32)
+    return offsets, destination.reshape(topk_ids.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "num_local_experts", "backend"))
+def moe_prepare_scatter(
+    topk_ids: jax.Array,
+    num_experts: int,
+    expert_map: jax.Array | None = None,
+    num_local_experts: int | None = None,
+    backend: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Offsets and destinations of the grouped-contiguous layout, moving no data.
+
+    Returns ``expert_first_token_offset [E_local+1]`` (rows of local expert e are
+    ``[off[e], off[e+1])``) and ``scatter_idx [T, k]``: the row each slot goes
+    to. Local slots are grouped by local expert in slot order; invalid slots
+    take the rows ``[off[-1], T*k)`` in slot order, so ``scatter_idx`` is a
+    permutation of ``[0, T*k)``.
+    """
+    _check_routing(topk_ids, num_experts, expert_map, "moe_prepare_scatter")
+    num_local = num_experts if num_local_experts is None else num_local_experts
+    resolve_backend(backend, "moe_prepare_scatter")
+    return _scatter_reference(topk_ids, num_experts, expert_map, num_local)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PermuteResult:
+    """Output of :func:`moe_permute`."""
+
+    permuted_hidden_states: jax.Array  # [T*k, H]; rows >= offsets[-1] are zero
+    permuted_scale: jax.Array | None  # [T*k, S] or None
+    expert_first_token_offset: jax.Array  # [E_local+1]
+    inv_permuted_idx: jax.Array  # [T*k]: row of slot s
+    permuted_idx: jax.Array  # [T*k]: slot of row r
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "num_local_experts", "backend"))
+def moe_permute(
+    hidden_states: jax.Array,
+    topk_ids: jax.Array,
+    num_experts: int,
+    expert_map: jax.Array | None = None,
+    num_local_experts: int | None = None,
+    a1q_scale: jax.Array | None = None,
+    backend: str | None = None,
+) -> PermuteResult:
+    """Gather ``hidden_states [T, H]`` into the grouped-contiguous layout
+    ``[T*k, H]`` (row ``scatter_idx[t, j]`` holds token t), carrying an optional
+    per-token input scale ``a1q_scale [T, S]`` (e.g. block-FP8 ``[T, H/128]``)
+    along. Rows of invalid slots (``>= offsets[-1]``) are zero."""
+    _check_routing(topk_ids, num_experts, expert_map, "moe_permute")
+    if hidden_states.ndim != 2 or hidden_states.shape[0] != topk_ids.shape[0]:
+        raise ValueError(
+            f"moe_permute: hidden_states must be [T, H] with T={topk_ids.shape[0]} (from topk_ids), "
+            f"got shape {hidden_states.shape}"
+        )
+    if a1q_scale is not None and (a1q_scale.ndim != 2 or a1q_scale.shape[0] != topk_ids.shape[0]):
+        raise ValueError(
+            f"moe_permute: a1q_scale must be [T, S] with T={topk_ids.shape[0]}, got shape {a1q_scale.shape}"
+        )
+    num_local = num_experts if num_local_experts is None else num_local_experts
+    resolve_backend(backend, "moe_permute")
+    offsets, scatter_idx = _scatter_reference(topk_ids, num_experts, expert_map, num_local)
+    top_k = topk_ids.shape[1]
+    inv = scatter_idx.reshape(-1)
+    slots = jnp.arange(inv.shape[0], dtype=jnp.int32)
+    permuted_idx = jnp.zeros_like(inv).at[inv].set(slots)
+    row_valid = (slots < offsets[-1])[:, None]
+
+    def gather(rows: jax.Array) -> jax.Array:
+        return jnp.where(row_valid, rows[permuted_idx // top_k], jnp.zeros((), rows.dtype))
+
+    scale = None if a1q_scale is None else gather(a1q_scale)
+    return PermuteResult(gather(hidden_states), scale, offsets, inv, permuted_idx)
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def moe_unpermute(
+    permuted_hidden_states: jax.Array,
+    topk_weights: jax.Array,
+    inv_permuted_idx: jax.Array,
+    expert_first_token_offset: jax.Array,
+    backend: str | None = None,
+) -> jax.Array:
+    """Weighted gather-reduce back to token order:
+    ``out[t] = sum_j w[t, j] * permuted[inv[t*k + j]]`` over slots whose row is
+    below ``expert_first_token_offset[-1]`` (others contribute zero). fp32
+    accumulation; returns ``[T, H]`` in the dtype of ``permuted_hidden_states``."""
+    if permuted_hidden_states.ndim != 2:
+        raise ValueError(f"moe_unpermute: permuted_hidden_states must be [M, H], got {permuted_hidden_states.shape}")
+    if topk_weights.ndim != 2:
+        raise ValueError(f"moe_unpermute: topk_weights must be [T, k], got shape {topk_weights.shape}")
+    t, k = topk_weights.shape
+    if inv_permuted_idx.shape != (t * k,):
+        raise ValueError(f"moe_unpermute: inv_permuted_idx must be [T*k]=[{t * k}], got {inv_permuted_idx.shape}")
+    if expert_first_token_offset.ndim != 1:
+        raise ValueError(
+            f"moe_unpermute: expert_first_token_offset must be [E+1], got shape {expert_first_token_offset.shape}"
+        )
+    resolve_backend(backend, "moe_unpermute")
+    m = permuted_hidden_states.shape[0]
+    inv = inv_permuted_idx.astype(jnp.int32)
+    valid = (inv >= 0) & (inv < jnp.minimum(expert_first_token_offset[-1], m))
+    rows = permuted_hidden_states[jnp.where(valid, inv, 0)].astype(jnp.float32)
+    weights = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32), 0.0)
+    rows = jnp.where(valid[:, None], rows, 0.0) * weights[:, None]
+    return rows.reshape(t, k, -1).sum(axis=1).astype(permuted_hidden_states.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "backend"))
+def moe_fused_mul_sum(
+    inputs: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    num_experts: int,
+    expert_map: jax.Array | None = None,
+    num_valid_tokens: jax.Array | None = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """``out[t] = sum_j w[t, j] * inputs[t, j]`` over valid slots, for
+    ``inputs [T, k, N]``; slots whose id is outside ``[0, E)`` or maps to -1
+    contribute zero; rows ``t >= num_valid_tokens[0]`` are zero. fp32
+    accumulation; returns ``[T, N]`` in the dtype of ``inputs``."""
+    _check_routing(topk_ids, num_experts, expert_map, "moe_fused_mul_sum")
+    if inputs.ndim != 3 or inputs.shape[:2] != topk_ids.shape:
+        raise ValueError(f"moe_fused_mul_sum: inputs must be [T, k, N] with [T, k]={topk_ids.shape}, got {inputs.shape}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"moe_fused_mul_sum: topk_weights must be {topk_ids.shape}, got {topk_weights.shape}")
+    resolve_backend(backend, "moe_fused_mul_sum")
+    _, valid = _local_ids(topk_ids, num_experts, expert_map, num_experts)
+    valid = valid.reshape(topk_ids.shape)
+    if num_valid_tokens is not None:
+        rows = jnp.arange(topk_ids.shape[0])[:, None]
+        valid = valid & (rows < num_valid_tokens.reshape(-1)[0])
+    weights = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
+    products = jnp.where(valid[..., None], inputs.astype(jnp.float32), 0.0) * weights[..., None]
+    return products.sum(axis=1).astype(inputs.dtype)

@@ -1,0 +1,112 @@
+"""Workspace planning as static shape arithmetic (DESIGN §3.8).
+
+vLLM sizes two flat workspaces by walking the buffer chain
+``quanted_gate_up_input -> gate_up_output -> quanted_down_input ->
+down_output [-> output]`` in reverse and alternating them, so that neighbours
+never alias. XLA owns allocation in JAX; what remains is this pure function of
+Python ints: every intermediate's ``ShapeDtypeStruct``, which workspace vLLM
+would put it in, and the bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from humming_jax import input_quant as Q
+from humming_jax.activations import ActivationSpec, get_activation
+from humming_jax.configs import ExpertsConfig
+
+PIPELINES = ("grouped", "indexed", "batched")
+CHAIN = ("quanted_gate_up_input", "gate_up_output", "quanted_down_input", "down_output", "output")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkspacePlan:
+    buffers: dict[str, jax.ShapeDtypeStruct]
+    required: tuple[str, ...]  # the chain in order; batched stops at down_output
+    workspace_of: dict[str, int]  # 1 or 2, vLLM's alternation
+    workspace1_bytes: int
+    workspace2_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Both workspaces alive at once: the most the chain needs."""
+        return self.workspace1_bytes + self.workspace2_bytes
+
+    def nbytes(self, name: str) -> int:
+        buffer = self.buffers[name]
+        return math.prod(buffer.shape) * jnp.dtype(buffer.dtype).itemsize
+
+
+def activation_dtype(spec: Q.InputQuantSpec, compute_dtype: str):
+    """dtype of a GEMM input buffer (4-bit values are stored as uint8 pairs)."""
+    return jnp.dtype(compute_dtype) if not spec.is_quantized else jnp.dtype(spec.dtype.storage_dtype)
+
+
+def plan_workspace(
+    config: ExpertsConfig,
+    num_tokens: int,
+    top_k: int,
+    pipeline: str,
+    activation: ActivationSpec | str | None = None,
+    max_num_tokens: int | None = None,
+    num_dispatchers: int | None = None,
+) -> WorkspacePlan:
+    """Static shapes of every intermediate of an expert pipeline.
+
+    ``pipeline`` is ``"grouped"`` (w13 input is the permuted ``[M*k, H]``),
+    ``"indexed"`` (w13 reads the unexpanded ``[M, H]``) or ``"batched"``
+    (``[E, max_num_tokens*num_dispatchers, H]``). Gated activations halve the
+    intermediate width; 4-bit inputs halve the last dim (which must be even).
+    """
+    if pipeline not in PIPELINES:
+        raise ValueError(f"plan_workspace: pipeline: expected one of {PIPELINES}, got {pipeline!r}")
+    for name, value in (("num_tokens", num_tokens), ("top_k", top_k)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan_workspace: {name}: expected a positive int, got {value!r}")
+    activation = get_activation(activation) or config.activation
+    w13, w2 = config.w13, config.w2
+    gate_up_dim, intermediate_dim, hidden = w13.real_n, w2.real_k, w13.real_k
+    if activation.output_width(gate_up_dim) != intermediate_dim:
+        raise ValueError(
+            f"plan_workspace: activation {activation.kind.value!r} maps the w13 width {gate_up_dim} to "
+            f"{activation.output_width(gate_up_dim)}, but w2 takes K={intermediate_dim}"
+        )
+    batched = pipeline == "batched"
+    if batched:
+        if max_num_tokens is None or num_dispatchers is None:
+            raise ValueError("plan_workspace: the batched pipeline needs max_num_tokens and num_dispatchers")
+        real_m = input_m = config.num_experts * max_num_tokens * num_dispatchers
+        output_shape = (config.num_experts, max_num_tokens * num_dispatchers, hidden)
+    else:
+        real_m = num_tokens * top_k
+        input_m = num_tokens if pipeline == "indexed" else real_m
+        output_shape = (num_tokens, hidden)
+    compute = jnp.dtype(config.compute_dtype)
+    specs = {"quanted_gate_up_input": w13.input_quant, "quanted_down_input": w2.input_quant}
+    shapes = {
+        "quanted_gate_up_input": (input_m, hidden),
+        "gate_up_output": (real_m, gate_up_dim),
+        "quanted_down_input": (real_m, intermediate_dim),
+        "down_output": output_shape if batched else (real_m, hidden),
+        "output": output_shape,
+    }
+    buffers = {}
+    for name, shape in shapes.items():
+        dtype = activation_dtype(specs[name], config.compute_dtype) if name in specs else compute
+        if name in specs and specs[name].packs_k == 2:
+            if shape[-1] % 2:
+                raise ValueError(f"plan_workspace: 4-bit packing needs an even last dimension, got {shape[-1]} for '{name}'")
+            shape = (*shape[:-1], shape[-1] // 2)
+        buffers[name] = jax.ShapeDtypeStruct(shape, dtype)
+    required = CHAIN[:-1] if batched else CHAIN
+    workspace_of, sizes = {}, [0, 0]
+    for index, name in enumerate(reversed(required)):
+        slot = index % 2
+        workspace_of[name] = slot + 1
+        sizes[slot] = max(sizes[slot], math.prod(buffers[name].shape) * buffers[name].dtype.itemsize)
+    return WorkspacePlan(buffers, tuple(required), workspace_of, sizes[0], sizes[1])
