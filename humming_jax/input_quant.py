@@ -114,9 +114,9 @@ class InputQuantSpec:
         if self.dtype is not None:
             object.__setattr__(self, "dtype", coerce(ActivationDType, self.dtype, "dtype"))
         object.__setattr__(self, "scale_type", coerce(InputScaleType, self.scale_type, "scale_type"))
+        self._validate()
         if not self.name:
             object.__setattr__(self, "name", self._default_name())
-        self._validate()
 
     def _default_name(self) -> str:
         if self.mode == InputQuantMode.NONE:

@@ -86,8 +86,14 @@ def e2m1_decode(code: jax.Array) -> jax.Array:
 
 
 def e8m0_decode(byte: jax.Array) -> jax.Array:
-    """Decode e8m0 scale bytes to float32 exactly: ``2**(byte - 127)``."""
-    return jnp.exp2(byte.astype(jnp.float32) - E8M0_BIAS)
+    """Decode e8m0 scale bytes to float32 exactly: ``2**(byte - 127)``.
+
+    Built from the bits (the byte is the f32 exponent field) rather than with
+    ``exp2``, which is approximate on some backends. Byte 0 is the f32
+    subnormal 2**-127 (bit pattern 0x00400000)."""
+    bits = byte.astype(jnp.uint32) << 23
+    bits = jnp.where(bits == 0, jnp.uint32(0x00400000), bits)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def e8m0_from_amax(amax: jax.Array, element_max: float) -> jax.Array:

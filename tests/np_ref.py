@@ -1,0 +1,271 @@
+"""Independent float64 NumPy implementations used to check the references.
+
+Nothing here calls humming_jax: the bit layouts are decoded from their
+definitions (DESIGN §3.1, humming_jax.numerics docstring) and every routing
+rule is written as a plain Python loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+E2M1_TABLE = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def unpack(packed: np.ndarray) -> np.ndarray:
+    packed = np.asarray(packed, np.uint8)
+    out = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.uint8)
+    out[..., 0::2] = packed & 15
+    out[..., 1::2] = packed >> 4
+    return out
+
+
+def e4m3_from_bits(bits: np.ndarray) -> np.ndarray:
+    """float8 e4m3fn bit patterns -> float64 by the format's definition."""
+    bits = np.asarray(bits, np.int64)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exponent = (bits >> 3) & 15
+    mantissa = bits & 7
+    normal = 2.0 ** (exponent - 7) * (1 + mantissa / 8)
+    subnormal = 2.0**-6 * (mantissa / 8)
+    value = sign * np.where(exponent == 0, subnormal, normal)
+    return np.where((bits & 0x7F) == 0x7F, np.nan, value)
+
+
+def f8(array) -> np.ndarray:
+    """A float8 e4m3 array (any framework) as float64, via its bits."""
+    return e4m3_from_bits(np.asarray(array).view(np.uint8))
+
+
+def to64(array) -> np.ndarray:
+    array = np.asarray(array)
+    if array.dtype == ml_dtypes.float8_e4m3fn:
+        return f8(array)
+    return array.astype(np.float64)
+
+
+def expand(scale: np.ndarray, shape) -> np.ndarray:
+    out = scale
+    for axis, n in enumerate(shape):
+        blocks = out.shape[axis]
+        if blocks != n:
+            out = np.repeat(out, math.ceil(n / blocks), axis=axis).take(range(n), axis=axis)
+    return out
+
+
+def dequantize_weight(weight) -> np.ndarray:
+    """Dequantize a QuantizedWeight from its stored arrays, in float64."""
+    fmt = weight.format
+    vt = fmt.value_type.value
+    values = np.asarray(weight.values)
+    if vt == "int4":
+        v = unpack(values).astype(np.float64) - 8
+    elif vt == "uint4":
+        v = unpack(values).astype(np.float64)
+    elif vt == "float4_e2m1":
+        v = E2M1_TABLE[unpack(values)]
+    else:
+        v = to64(values)
+    if not fmt.is_quantized:
+        return v
+    if fmt.zero_point.value == "int":
+        groups = weight.shape[2] // fmt.group_size
+        v = v - expand(unpack(np.asarray(weight.zero_point))[..., :groups].astype(np.float64), v.shape)
+    elif fmt.zero_point.value == "float":
+        v = v - expand(to64(weight.zero_point), v.shape)
+    scale = np.asarray(weight.scale)
+    scale = 2.0 ** (scale.astype(np.float64) - 127) if fmt.scale_type.value == "e8m0" else to64(scale)
+    out = v * expand(scale, v.shape)
+    if weight.second_scale is not None:
+        second = np.asarray(weight.second_scale, np.float64)
+        out = out * (second.reshape(-1, 1, 1) if second.shape[0] == weight.shape[0] else second[0])
+    return out
+
+
+def dequantize_input(q) -> np.ndarray:
+    spec = q.spec
+    if spec.mode.value == "none":
+        return to64(q.values)
+    values = np.asarray(q.values)
+    v = E2M1_TABLE[unpack(values)] if spec.dtype.value == "float4_e2m1" else to64(values)
+    scale = np.asarray(q.scale)
+    scale = 2.0 ** (scale.astype(np.float64) - 127) if spec.scale_type.value == "e8m0" else to64(scale)
+    if spec.mode.value == "static_tensor":
+        return v * scale.reshape(1, 1)
+    if spec.mode.value == "dynamic_token":
+        return v * scale.reshape(-1, 1)
+    if q.scale_2 is not None:
+        scale = scale * np.asarray(q.scale_2, np.float64).reshape(-1, 1)
+    return v * np.repeat(scale, spec.group_size, axis=1)
+
+
+# ---- activations -----------------------------------------------------------
+
+_erf = np.vectorize(math.erf)
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def gelu(x):
+    return 0.5 * x * (1 + _erf(x / math.sqrt(2)))
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def activation(x: np.ndarray, kind: str, limit: float | None = None) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    if kind == "silu_no_mul":
+        return silu(x)
+    if kind == "gelu_no_mul":
+        return gelu(x)
+    if kind == "gelu_tanh_no_mul":
+        return gelu_tanh(x)
+    if kind == "relu2_no_mul":
+        return np.maximum(x, 0) ** 2
+    if kind == "swigluoai":
+        g, u = x[..., 0::2], x[..., 1::2]
+        lim = 7.0 if limit is None else limit
+        g, u = np.minimum(g, lim), np.clip(u, -lim, lim)
+        return g * sigmoid(1.702 * g) * (u + 1)
+    half = x.shape[-1] // 2
+    g, u = x[..., :half], x[..., half:]
+    if kind == "silu":
+        if limit is not None:
+            g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+        return silu(g) * u
+    if kind == "gelu":
+        return gelu(g) * u
+    if kind == "gelu_tanh":
+        return gelu_tanh(g) * u
+    if kind == "swiglustep":
+        lim = 7.0 if limit is None else limit
+        return np.minimum(silu(g), lim) * np.clip(u, -lim, lim)
+    raise ValueError(kind)
+
+
+# ---- routing ---------------------------------------------------------------
+
+
+def slot_local_expert(ids, num_experts, expert_map=None):
+    """Per flattened slot: local expert id or -1 if invalid."""
+    flat = np.asarray(ids).reshape(-1)
+    out = []
+    for e in flat:
+        if not 0 <= e < num_experts:
+            out.append(-1)
+        elif expert_map is None:
+            out.append(int(e))
+        else:
+            out.append(int(expert_map[e]))
+    return out
+
+
+def align(ids, block_size, num_experts, expert_map=None, ignore_invalid=False, num_local=None):
+    """moe_align_block_size by a Python loop over experts."""
+    ids = np.asarray(ids)
+    num_slots = ids.size
+    length = num_slots + num_experts * (block_size - 1)
+    if num_slots < num_experts:
+        length = min(length, num_slots * block_size)
+    flat = ids.reshape(-1)
+    if expert_map is not None and not ignore_invalid:
+        groups = list(range(num_experts))
+        member = [int(e) if 0 <= e < num_experts else -1 for e in flat]
+        block_label = lambda g: int(expert_map[g])  # noqa: E731
+    else:
+        n_groups = num_experts if expert_map is None else (num_local or num_experts)
+        groups = list(range(n_groups))
+        member = [e if e < n_groups else -1 for e in slot_local_expert(ids, num_experts, expert_map)]
+        block_label = lambda g: g  # noqa: E731
+    sorted_ids, expert_ids = [], []
+    for g in groups:
+        slots = [s for s in range(num_slots) if member[s] == g]
+        if not slots:
+            continue
+        padded = -(-len(slots) // block_size) * block_size
+        sorted_ids += slots + [num_slots] * (padded - len(slots))
+        expert_ids += [block_label(g)] * (padded // block_size)
+    total = len(sorted_ids)
+    sorted_ids += [num_slots] * (length - total)
+    expert_ids += [-1] * (-(-length // block_size) - len(expert_ids))
+    return np.array(sorted_ids), np.array(expert_ids), total
+
+
+def prepare_scatter(ids, num_experts, expert_map=None, num_local=None):
+    num_local = num_local or num_experts
+    local = slot_local_expert(ids, num_experts, expert_map)
+    local = [e if e < num_local else -1 for e in local]
+    counts = [local.count(e) for e in range(num_local)]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    dest = np.zeros(len(local), np.int64)
+    fill = list(offsets[:-1])
+    tail = offsets[-1]
+    for s, e in enumerate(local):
+        if e >= 0:
+            dest[s] = fill[e]
+            fill[e] += 1
+        else:
+            dest[s] = tail
+            tail += 1
+    return offsets, dest.reshape(np.asarray(ids).shape)
+
+
+def grouped_rows(offsets, m):
+    """Expert of each row of a grouped-contiguous input (-1 outside every group)."""
+    expert = np.full(m, -1)
+    for e in range(len(offsets) - 1):
+        expert[offsets[e] : offsets[e + 1]] = e
+    return expert
+
+
+def gemm(x64, w64, bias64, layout_kind, **layout):
+    """out rows per layout, float64."""
+    num_experts, n, _ = w64.shape
+    m = x64.shape[0]
+
+    def row(r_in, e):
+        y = x64[r_in] @ w64[e].T
+        return y + (bias64[e] if bias64 is not None else 0)
+
+    if layout_kind == "dense":
+        return np.stack([row(r, 0) for r in range(m)])
+    if layout_kind == "grouped_contiguous":
+        experts = grouped_rows(np.asarray(layout["offsets"]), m)
+        return np.stack([row(r, e) if e >= 0 else np.zeros(n) for r, e in enumerate(experts)])
+    if layout_kind == "grouped_masked":
+        counts = np.asarray(layout["counts"])
+        max_tokens = m // num_experts
+        out = np.zeros((m, n))
+        for e in range(num_experts):
+            for i in range(min(max(int(counts[e]), 0), max_tokens)):
+                out[e * max_tokens + i] = row(e * max_tokens + i, e)
+        return out
+    if layout_kind == "indexed":
+        sorted_ids, expert_ids = np.asarray(layout["sorted_ids"]), np.asarray(layout["expert_ids"])
+        top_k, block, padded = layout["top_k"], layout["block_size"], int(np.asarray(layout["padded"]).reshape(-1)[0])
+        out = np.zeros((m * top_k, n))
+        for p in range(min(padded, len(sorted_ids))):
+            idx, e = int(sorted_ids[p]), int(expert_ids[p // block])
+            if 0 <= idx < m * top_k and 0 <= e < num_experts:
+                out[idx] = row(idx // top_k, e)
+        return out
+    raise ValueError(layout_kind)
+
+
+def relative_error(out, ref) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN or Inf in ``out`` fails."""
+    out = to64(out)
+    assert np.all(np.isfinite(out)), "output has NaN or Inf"
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))

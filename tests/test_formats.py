@@ -1,0 +1,208 @@
+"""Weight formats: codecs, packing, quantize/dequantize round trips with bounds
+derived from each format's step, checked against float64 NumPy decoding."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import np_ref
+import pytest
+
+from humming_jax import formats as F
+from humming_jax import numerics
+
+# ---- codecs --------------------------------------------------------------
+
+
+def test_pack_layout_and_round_trip(rng):
+    codes = rng.integers(0, 16, size=(3, 5, 64), dtype=np.uint8)
+    packed = np.asarray(numerics.pack_nibbles(jnp.asarray(codes)))
+    assert packed.shape == (3, 5, 32) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(packed, codes[..., 0::2] | (codes[..., 1::2] << 4))
+    np.testing.assert_array_equal(np.asarray(numerics.unpack_nibbles(jnp.asarray(packed))), codes)
+
+
+def test_pack_rejects_odd_k():
+    with pytest.raises(ValueError, match="even"):
+        numerics.pack_nibbles(jnp.zeros((2, 7), jnp.uint8))
+
+
+def test_e2m1_decode_all_codes():
+    codes = jnp.arange(16, dtype=jnp.uint8)
+    np.testing.assert_array_equal(np.asarray(numerics.e2m1_decode(codes), np.float64), np_ref.E2M1_TABLE)
+
+
+def test_e2m1_encode_matches_round_to_nearest_even(rng):
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    x = np.concatenate([rng.normal(0, 3, 4000), ties, -ties, [0.0, 6.0, 7.0, 100.0, -100.0]]).astype(np.float32)
+    codes = np.asarray(numerics.e2m1_encode(jnp.asarray(x)))
+    expected = x.astype(ml_dtypes.float4_e2m1fn).astype(np.float64)  # RNE, saturating
+    np.testing.assert_array_equal(np.abs(np_ref.E2M1_TABLE[codes]), np.abs(expected))
+    assert np.all(np.sign(np_ref.E2M1_TABLE[codes]) * np.sign(x) >= 0)
+
+
+def test_e8m0_decodes_exactly():
+    byte = jnp.arange(255, dtype=jnp.uint8)
+    decoded = np.asarray(numerics.e8m0_decode(byte))
+    # Compare bit patterns: 2**-127 is an f32 subnormal, which arithmetic may flush.
+    expected = (2.0 ** (np.arange(255) - 127.0)).astype(np.float32)
+    np.testing.assert_array_equal(decoded.view(np.uint32), expected.view(np.uint32))
+
+
+def test_e8m0_from_amax_is_smallest_sufficient_power(rng):
+    amax = np.abs(rng.normal(0, 100, 1000)).astype(np.float32)
+    amax[:4] = [6.0, 12.0, 3.0, 1e-30]
+    byte = np.asarray(numerics.e8m0_from_amax(jnp.asarray(amax), 6.0)).astype(np.float64)
+    scale = 2.0 ** (byte - 127)
+    assert np.all(amax / scale <= 6.0)
+    assert np.all(amax / (scale / 2) > 6.0)
+    assert int(np.asarray(numerics.e8m0_from_amax(jnp.zeros(1), 6.0))[0]) == 0
+
+
+def test_e4m3_scales_decode_exactly():
+    bits = np.arange(256, dtype=np.uint8)
+    finite = (bits & 0x7F) != 0x7F
+    values = jnp.asarray(bits).view(jnp.float8_e4m3fn).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(values, np.float64)[finite], np_ref.e4m3_from_bits(bits)[finite])
+
+
+# ---- round trips -----------------------------------------------------------
+
+
+def _half_gap_e2m1(v):
+    return np.where(v < 2, 0.25, np.where(v < 4, 0.5, 1.0))
+
+
+def _error_bound(weight, w):
+    """Per-element bound on |w - dequant(quant(w))| from the format's step."""
+    fmt = weight.format
+    shape = w.shape
+    if not fmt.is_quantized:
+        if fmt.value_type.value == "bfloat16":
+            return np.abs(w) * 2.0**-8  # half ulp of 8 significant bits
+        return np.maximum(np.abs(w) * 2.0**-11, 2.0**-25)  # f16: 11 bits; subnormal step 2^-24
+    scale = np.asarray(weight.scale)
+    scale = 2.0 ** (scale.astype(np.float64) - 127) if fmt.scale_type.value == "e8m0" else np_ref.to64(scale)
+    s = np_ref.expand(scale, shape)
+    vt = fmt.value_type.value
+    if vt in ("int4", "int8"):
+        return 0.5 * s  # q = round(w/s) with |w|/s <= qmax(1 + scale rounding) < qmax + 0.5
+    if vt == "uint4":
+        return (0.5 + 15 * 2.0**-8) * s  # rounding, plus a clip of at most 15 bf16 ulps of the range
+    if vt == "float8_e4m3":
+        return np.maximum(np.abs(w) * 2.0**-4, s * 2.0**-10)  # half ulp of 3 mantissa bits; subnormal step 2^-9
+    if weight.second_scale is not None:  # NVFP4: e4m3 block scale times the global scale
+        second = np.asarray(weight.second_scale, np.float64).reshape(-1, 1, 1)
+        s = s * second
+        v = np.abs(w) / s
+        return s * _half_gap_e2m1(np.minimum(v, 6)) + np.maximum(np.abs(w) - 6 * s, 0)
+    return s * _half_gap_e2m1(np.abs(w) / s)  # MXFP4: amax/s <= 6, no saturation
+
+
+SHAPES = {"fp8_block128": (2, 192, 384)}
+
+
+@pytest.mark.parametrize("name", sorted(F.PRESETS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_round_trip_within_step(name, bias, rng):
+    e, n, k = SHAPES.get(name, (2, 48, 256))
+    w = rng.normal(0, 0.05, (e, n, k)).astype(np.float32)
+    w[0, 0, :8] *= 30  # outliers
+    fmt = F.get_format(name).with_bias(bias)
+    b = rng.normal(size=(e, n)).astype(np.float32) if bias else None
+    weight = F.quantize_weight(jnp.asarray(w), fmt, bias=None if b is None else jnp.asarray(b))
+    weight.validate()
+    deq_jax = np.asarray(F.dequantize_weight(weight), np.float64)
+    deq_np = np_ref.dequantize_weight(weight)
+    np.testing.assert_allclose(deq_jax, deq_np, rtol=1e-6, atol=1e-12)
+    w64 = w.astype(np.float64)
+    bound = _error_bound(weight, w64)
+    excess = np.abs(deq_np - w64) - bound * (1 + 1e-5) - 1e-12
+    assert excess.max() <= 0, f"{name}: error exceeds the step bound by {excess.max()}"
+    if bias:
+        np.testing.assert_array_equal(np.asarray(weight.bias), b)
+
+
+def test_int4_values_stay_in_range(rng):
+    w = rng.normal(size=(1, 16, 128)).astype(np.float32)
+    codes = np_ref.unpack(np.asarray(F.quantize_weight(jnp.asarray(w), F.INT4_G128).values)).astype(int) - 8
+    assert codes.min() >= -7 and codes.max() <= 7
+    assert np.abs(codes).max() == 7
+
+
+def test_zero_weight_gives_zero_without_nan():
+    for fmt in F.PRESETS.values():
+        e, n, k = SHAPES.get(fmt.name, (1, 16, 256))
+        weight = F.quantize_weight(jnp.zeros((e, n, k)), fmt)
+        deq = np.asarray(F.dequantize_weight(weight))
+        assert np.all(deq == 0), fmt.name
+
+
+def test_two_dimensional_weight_is_one_expert(rng):
+    w = rng.normal(size=(32, 64)).astype(np.float32)
+    weight = F.quantize_weight(jnp.asarray(w), F.INT8_CHANNEL)
+    assert weight.shape == (1, 32, 64)
+
+
+def test_quantized_weight_is_a_pytree_with_static_format(rng):
+    weight = F.quantize_weight(jnp.asarray(rng.normal(size=(2, 16, 64)), jnp.float32), F.NVFP4)
+    leaves, tree = jax.tree_util.tree_flatten(weight)
+    assert len(leaves) == 3  # values, scale, second_scale
+    rebuilt = jax.tree_util.tree_unflatten(tree, leaves)
+    assert rebuilt.format == F.NVFP4 and rebuilt.shape == (2, 16, 64)
+    doubled = jax.jit(lambda q: F.dequantize_weight(q) * 2)(weight)
+    np.testing.assert_allclose(np.asarray(doubled), 2 * np.asarray(F.dequantize_weight(weight)))
+
+
+def test_formats_are_hashable_and_named():
+    assert len({hash(f) for f in F.PRESETS.values()}) == len(F.PRESETS)
+    assert F.get_format("int4_g128+bias").has_bias
+    custom = dataclasses.replace(F.INT4_G128, group_size=256, name="int4_g256")
+    assert custom.scale_shape(2, 8, 512) == (2, 8, 2)
+
+
+# ---- bad input -------------------------------------------------------------
+
+
+def test_odd_k_for_4bit_raises():
+    with pytest.raises(ValueError, match="K must be even"):
+        F.quantize_weight(jnp.zeros((1, 4, 33)), F.MXFP4)
+
+
+def test_k_not_multiple_of_group_raises():
+    with pytest.raises(ValueError, match="groups of 128"):
+        F.quantize_weight(jnp.zeros((1, 4, 96)), F.INT4_G128)
+
+
+def test_wrong_rank_raises():
+    with pytest.raises(ValueError, match=r"\[E, N, K\]"):
+        F.quantize_weight(jnp.zeros((1, 1, 4, 32)), F.INT8_CHANNEL)
+
+
+def test_bias_mismatch_raises():
+    with pytest.raises(ValueError, match="bias"):
+        F.quantize_weight(jnp.zeros((1, 4, 32)), F.INT8_CHANNEL, bias=jnp.zeros((1, 4)))
+    with pytest.raises(ValueError, match="bias"):
+        F.quantize_weight(jnp.zeros((1, 4, 32)), F.INT8_CHANNEL.with_bias(), bias=jnp.zeros((1, 5)))
+
+
+def test_bad_format_fields_raise():
+    with pytest.raises(ValueError, match="value_type"):
+        F.WeightFormat("x", "int3")
+    with pytest.raises(ValueError, match="group_size"):
+        F.WeightFormat("x", "int4", "group", "bfloat16", 48)
+    with pytest.raises(ValueError, match="zero_point"):
+        F.WeightFormat("x", "int8", "group", "bfloat16", 32, zero_point="int")
+    with pytest.raises(ValueError, match="unknown name"):
+        F.get_format("int5")
+
+
+def test_validate_names_the_part(rng):
+    weight = F.quantize_weight(jnp.asarray(rng.normal(size=(2, 16, 128)), jnp.float32), F.INT4_G32)
+    broken = dataclasses.replace(weight, scale=weight.scale[:, :, :2])
+    with pytest.raises(ValueError, match=r"weight\.scale: expected shape"):
+        broken.validate()
+    with pytest.raises(TypeError, match=r"weight\.values: expected dtype uint8"):
+        dataclasses.replace(weight, values=weight.values.astype(jnp.int8)).validate()
