@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 
-class Activation(str, enum.Enum):
+class Activation(enum.StrEnum):
     SILU = "silu"
     GELU = "gelu"
     GELU_TANH = "gelu_tanh"
@@ -59,7 +59,9 @@ class ActivationSpec:
                     f"not {self.kind.value!r}"
                 )
             if not (self.clamp_limit > 0 and math.isfinite(self.clamp_limit)):
-                raise ValueError(f"ActivationSpec.clamp_limit: expected a positive finite limit, got {self.clamp_limit}")
+                raise ValueError(
+                    f"ActivationSpec.clamp_limit: expected a positive finite limit, got {self.clamp_limit}"
+                )
 
     @property
     def is_gated(self) -> bool:
@@ -77,7 +79,7 @@ class ActivationSpec:
 def get_activation(activation: str | Activation | ActivationSpec | None) -> ActivationSpec | None:
     if activation is None or isinstance(activation, ActivationSpec):
         return activation
-    return ActivationSpec(Activation(activation) if not isinstance(activation, Activation) else activation)
+    return ActivationSpec(activation)
 
 
 def _split_gate_up(x: jax.Array, interleaved: bool) -> tuple[jax.Array, jax.Array]:

@@ -110,7 +110,7 @@ class LayerConfig:
         return self.shape_k - self.pad_shape_k
 
 
-class GemmLayout(str, enum.Enum):
+class GemmLayout(enum.StrEnum):
     GROUPED_CONTIGUOUS = "grouped_contiguous"
     GROUPED_MASKED = "grouped_masked"
     INDEXED = "indexed"
@@ -243,15 +243,25 @@ class ExpertsConfig:
     @property
     def w13(self) -> LayerConfig:
         return LayerConfig(
-            self.w13_n, self.hidden_size, self.num_experts, self.weight_format, self.input_quant,
-            self.compute_dtype, hadamard_block_size=self.hadamard_block_size,
+            self.w13_n,
+            self.hidden_size,
+            self.num_experts,
+            self.weight_format,
+            self.input_quant,
+            self.compute_dtype,
+            hadamard_block_size=self.hadamard_block_size,
         )
 
     @property
     def w2(self) -> LayerConfig:
         return LayerConfig(
-            self.hidden_size, self.intermediate_size, self.num_experts, self.w2_weight_format,
-            self.w2_input_quant, self.compute_dtype, hadamard_block_size=self.w2_hadamard_block_size,
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_experts,
+            self.w2_weight_format,
+            self.w2_input_quant,
+            self.compute_dtype,
+            hadamard_block_size=self.w2_hadamard_block_size,
         )
 
     def compute(self, layout: GemmLayout | str) -> ComputeConfig:

@@ -95,19 +95,43 @@ def run_demo(problem: DemoProblem = DemoProblem(), backend: str | None = None) -
     weights = hj.quantize_experts(w13, w2, config)
     ref_float = _float_moe(x, w13, w2, topk_weights, topk_ids, config.activation)
     ref_dequant = _float_moe(
-        x, hj.dequantize_weight(weights.w13), hj.dequantize_weight(weights.w2), topk_weights, topk_ids,
+        x,
+        hj.dequantize_weight(weights.w13),
+        hj.dequantize_weight(weights.w2),
+        topk_weights,
+        topk_ids,
         config.activation,
     )
     gemm_backend = resolve_backend(backend, "gemm")
     rows = []
 
-    out, seconds = _timed(lambda *a: hj.humming_grouped_experts(*a, config, backend=backend), x, weights, topk_weights, topk_ids)
-    rows.append(DemoRow("humming_grouped", gemm_backend, _relative_error(out, ref_float),
-                        _relative_error(out, ref_dequant), seconds, QUANTIZED_VS_FLOAT_BOUND))
+    out, seconds = _timed(
+        lambda *a: hj.humming_grouped_experts(*a, config, backend=backend), x, weights, topk_weights, topk_ids
+    )
+    rows.append(
+        DemoRow(
+            "humming_grouped",
+            gemm_backend,
+            _relative_error(out, ref_float),
+            _relative_error(out, ref_dequant),
+            seconds,
+            QUANTIZED_VS_FLOAT_BOUND,
+        )
+    )
 
-    out, seconds = _timed(lambda *a: hj.humming_indexed_experts(*a, config, backend=backend), x, weights, topk_weights, topk_ids)
-    rows.append(DemoRow("humming_indexed", gemm_backend, _relative_error(out, ref_float),
-                        _relative_error(out, ref_dequant), seconds, QUANTIZED_VS_FLOAT_BOUND))
+    out, seconds = _timed(
+        lambda *a: hj.humming_indexed_experts(*a, config, backend=backend), x, weights, topk_weights, topk_ids
+    )
+    rows.append(
+        DemoRow(
+            "humming_indexed",
+            gemm_backend,
+            _relative_error(out, ref_float),
+            _relative_error(out, ref_dequant),
+            seconds,
+            QUANTIZED_VS_FLOAT_BOUND,
+        )
+    )
 
     # Batched: dispatch tokens into [E, max_tokens, H]; the caller does the top-k reduce.
     offsets, scatter_idx = routing.moe_prepare_scatter(topk_ids, e)
@@ -115,11 +139,22 @@ def run_demo(problem: DemoProblem = DemoProblem(), backend: str | None = None) -
     position = scatter_idx - offsets[topk_ids]  # row of each slot inside its expert
     batched_in = jnp.zeros((e, t, h), x.dtype).at[topk_ids, position].set(jnp.broadcast_to(x[:, None], (t, k, h)))
     batched_out, seconds = _timed(
-        lambda *a: hj.batched_humming_grouped_experts(*a, config, backend=backend), batched_in, expert_num_tokens, weights
+        lambda *a: hj.batched_humming_grouped_experts(*a, config, backend=backend),
+        batched_in,
+        expert_num_tokens,
+        weights,
     )
     out = jnp.einsum("tj,tjh->th", topk_weights, batched_out[topk_ids, position].astype(jnp.float32))
-    rows.append(DemoRow("batched_humming_grouped", gemm_backend, _relative_error(out, ref_float),
-                        _relative_error(out, ref_dequant), seconds, QUANTIZED_VS_FLOAT_BOUND))
+    rows.append(
+        DemoRow(
+            "batched_humming_grouped",
+            gemm_backend,
+            _relative_error(out, ref_float),
+            _relative_error(out, ref_dequant),
+            seconds,
+            QUANTIZED_VS_FLOAT_BOUND,
+        )
+    )
 
     # MoonEP: segment-ordered rows (one segment per expert, plus B=2 empty
     # redundant rows), bf16 weights; reduced back to tokens for the check.
@@ -130,12 +165,22 @@ def run_demo(problem: DemoProblem = DemoProblem(), backend: str | None = None) -
     pad = lambda w: jnp.concatenate([w, w[:redundant]]).astype(jnp.bfloat16)  # noqa: E731
     moon_out, seconds = _timed(
         lambda *a: hj.moonep_experts(*a, backend=backend),
-        permuted.permuted_hidden_states, pad(w13[:, :i]), pad(w13[:, i:]), pad(w2), cu_seqlens, route_weights,
+        permuted.permuted_hidden_states,
+        pad(w13[:, :i]),
+        pad(w13[:, i:]),
+        pad(w2),
+        cu_seqlens,
+        route_weights,
     )
     out = hj.moe_unpermute(moon_out, jnp.ones_like(topk_weights), permuted.inv_permuted_idx, offsets)
-    bf16_ref = _float_moe(x, w13.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), topk_weights, topk_ids, config.activation)
-    rows.append(DemoRow("moonep", gemm_backend, _relative_error(out, ref_float),
-                        _relative_error(out, bf16_ref), seconds, BF16_BOUND))
+    bf16_ref = _float_moe(
+        x, w13.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), topk_weights, topk_ids, config.activation
+    )
+    rows.append(
+        DemoRow(
+            "moonep", gemm_backend, _relative_error(out, ref_float), _relative_error(out, bf16_ref), seconds, BF16_BOUND
+        )
+    )
     return rows
 
 

@@ -102,17 +102,25 @@ def _expert_map_kwargs(config: ExpertsConfig, expert_map):
 
 def _gemm_kwargs(config: ExpertsConfig, valid_shape_m: int, backend):
     return dict(
-        out_dtype=jnp.dtype(config.compute_dtype), use_f16_accum=config.use_f16_accum,
-        batch_invariant=config.batch_invariant, valid_shape_m=valid_shape_m, backend=backend,
+        out_dtype=jnp.dtype(config.compute_dtype),
+        use_f16_accum=config.use_f16_accum,
+        batch_invariant=config.batch_invariant,
+        valid_shape_m=valid_shape_m,
+        backend=backend,
     )
 
 
 def _down_input(gate_up, config: ExpertsConfig, weights: ExpertWeights, backend, **layout_kwargs):
     """Activation + Hadamard + quantization of the w2 input."""
     return process_input(
-        gate_up, config.w2_input_quant, activation=config.activation,
-        hadamard_block_size=config.w2_hadamard_block_size, static_scale=weights.w2_input_scale,
-        compute_dtype=jnp.dtype(config.compute_dtype), backend=backend, **layout_kwargs,
+        gate_up,
+        config.w2_input_quant,
+        activation=config.activation,
+        hadamard_block_size=config.w2_hadamard_block_size,
+        static_scale=weights.w2_input_scale,
+        compute_dtype=jnp.dtype(config.compute_dtype),
+        backend=backend,
+        **layout_kwargs,
     )
 
 
@@ -141,9 +149,15 @@ def humming_grouped_experts(
         offsets, scatter_idx = routing.moe_prepare_scatter(topk_ids, backend=backend, **map_kwargs)
         inv_perm = scatter_idx.reshape(-1)
         gate_up_input = process_input(
-            hidden_states, config.input_quant, hadamard_block_size=config.hadamard_block_size,
-            layout="scatter", scatter_idx=scatter_idx, num_valid_tokens=offsets[-1:],
-            static_scale=weights.w13_input_scale, compute_dtype=jnp.dtype(config.compute_dtype), backend=backend,
+            hidden_states,
+            config.input_quant,
+            hadamard_block_size=config.hadamard_block_size,
+            layout="scatter",
+            scatter_idx=scatter_idx,
+            num_valid_tokens=offsets[-1:],
+            static_scale=weights.w13_input_scale,
+            compute_dtype=jnp.dtype(config.compute_dtype),
+            backend=backend,
         )
     else:
         permuted = routing.moe_permute(hidden_states, topk_ids, a1q_scale=a1q_scale, backend=backend, **map_kwargs)
@@ -193,16 +207,25 @@ def humming_indexed_experts(
     aligned_w2 = aligned if w2_block_size == block_size else align(w2_block_size)
 
     gate_up_input = process_input(
-        hidden_states, config.input_quant, hadamard_block_size=None if a1q_scale is not None else config.hadamard_block_size,
-        input_scale=a1q_scale, static_scale=None if a1q_scale is not None else weights.w13_input_scale,
-        compute_dtype=jnp.dtype(config.compute_dtype), backend=backend,
+        hidden_states,
+        config.input_quant,
+        hadamard_block_size=None if a1q_scale is not None else config.hadamard_block_size,
+        input_scale=a1q_scale,
+        static_scale=None if a1q_scale is not None else weights.w13_input_scale,
+        compute_dtype=jnp.dtype(config.compute_dtype),
+        backend=backend,
     )
     gate_up = gemm(gate_up_input, weights.w13, L.Indexed(*aligned, top_k=top_k, block_size=block_size), **gemm_kwargs)
     down_input = _down_input(gate_up, config, weights, backend)
     down = gemm(down_input, weights.w2, L.Indexed(*aligned_w2, top_k=1, block_size=w2_block_size), **gemm_kwargs)
     return routing.moe_fused_mul_sum(
-        down.reshape(num_tokens, top_k, -1), topk_weights, topk_ids, num_experts=config.global_num_experts,
-        expert_map=expert_map, num_valid_tokens=num_valid_tokens, backend=backend,
+        down.reshape(num_tokens, top_k, -1),
+        topk_weights,
+        topk_ids,
+        num_experts=config.global_num_experts,
+        expert_map=expert_map,
+        num_valid_tokens=num_valid_tokens,
+        backend=backend,
     )
 
 
@@ -224,7 +247,9 @@ def batched_humming_grouped_experts(
             f"got {hidden_states.shape}"
         )
     if a1q_scale is None and hidden_states.shape[2] != config.hidden_size:
-        raise ValueError(f"batched_humming_grouped_experts: hidden size {hidden_states.shape[2]} != {config.hidden_size}")
+        raise ValueError(
+            f"batched_humming_grouped_experts: hidden size {hidden_states.shape[2]} != {config.hidden_size}"
+        )
     if expert_num_tokens.shape != (config.num_experts,):
         raise ValueError(
             f"batched_humming_grouped_experts: expert_num_tokens must be [E]=[{config.num_experts}], "
@@ -236,15 +261,21 @@ def batched_humming_grouped_experts(
     layout = L.GroupedMasked(expert_num_tokens)
     if a1q_scale is None:
         gate_up_input = process_input(
-            hidden_states.reshape(num_experts * max_tokens, -1), config.input_quant,
-            hadamard_block_size=config.hadamard_block_size, layout="grouped_mask",
-            expert_num_tokens=expert_num_tokens, static_scale=weights.w13_input_scale,
-            compute_dtype=jnp.dtype(config.compute_dtype), backend=backend,
+            hidden_states.reshape(num_experts * max_tokens, -1),
+            config.input_quant,
+            hadamard_block_size=config.hadamard_block_size,
+            layout="grouped_mask",
+            expert_num_tokens=expert_num_tokens,
+            static_scale=weights.w13_input_scale,
+            compute_dtype=jnp.dtype(config.compute_dtype),
+            backend=backend,
         )
     else:
         gate_up_input = process_input(hidden_states, config.input_quant, input_scale=a1q_scale, backend=backend)
     gate_up = gemm(gate_up_input, weights.w13, layout, **gemm_kwargs)
-    down_input = _down_input(gate_up, config, weights, backend, layout="grouped_mask", expert_num_tokens=expert_num_tokens)
+    down_input = _down_input(
+        gate_up, config, weights, backend, layout="grouped_mask", expert_num_tokens=expert_num_tokens
+    )
     down = gemm(down_input, weights.w2, layout, **gemm_kwargs)
     return down.reshape(num_experts, max_tokens, config.hidden_size)
 
@@ -293,14 +324,16 @@ def moonep_experts(
             f"moonep_experts: w_gate and w_up must both be [G, I, H={hidden_states.shape[1]}], "
             f"got {w_gate.shape} and {w_up.shape}"
         )
-    if w_down.shape != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
-        raise ValueError(f"moonep_experts: w_down must be [G, H, I]={list(w_gate.shape[::2]) + [w_gate.shape[1]]}, got {w_down.shape}")
+    expected_down = (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1])
+    if w_down.shape != expected_down:
+        raise ValueError(f"moonep_experts: w_down must be [G, H, I]={list(expected_down)}, got {w_down.shape}")
     if route_weights.shape != (hidden_states.shape[0],):
-        raise ValueError(f"moonep_experts: route_weights must be [NvS]=[{hidden_states.shape[0]}], got {route_weights.shape}")
+        raise ValueError(
+            f"moonep_experts: route_weights must be [NvS]=[{hidden_states.shape[0]}], got {route_weights.shape}"
+        )
     gate = moonep_grouped_gemm(hidden_states, w_gate, cu_seqlens, backend=backend)
     up = moonep_grouped_gemm(hidden_states, w_up, cu_seqlens, backend=backend)
     act = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
     if not apply_router_weight_on_input:
         act = act * route_weights.astype(jnp.float32)[:, None]
     return moonep_grouped_gemm(act.astype(hidden_states.dtype), w_down, cu_seqlens, backend=backend)
-

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from humming_jax import numerics
 
 
-class ValueType(str, enum.Enum):
+class ValueType(enum.StrEnum):
     """What one stored weight element is."""
 
     BFLOAT16 = "bfloat16"
@@ -62,7 +62,7 @@ class ValueType(str, enum.Enum):
         return self.bits == 4
 
 
-class ScaleGranularity(str, enum.Enum):
+class ScaleGranularity(enum.StrEnum):
     NONE = "none"
     TENSOR = "tensor"  # one scale per expert
     CHANNEL = "channel"  # one per output row n
@@ -70,7 +70,7 @@ class ScaleGranularity(str, enum.Enum):
     BLOCK = "block"  # one per block_n x group_size tile
 
 
-class ScaleType(str, enum.Enum):
+class ScaleType(enum.StrEnum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
@@ -78,13 +78,13 @@ class ScaleType(str, enum.Enum):
     FLOAT8_E4M3 = "float8_e4m3"
 
 
-class ZeroPoint(str, enum.Enum):
+class ZeroPoint(enum.StrEnum):
     NONE = "none"
     INT = "int"  # uint4 zero point, packed two per byte along the group axis
     FLOAT = "float"  # float zero point in the scale dtype
 
 
-class GlobalScale(str, enum.Enum):
+class GlobalScale(enum.StrEnum):
     NONE = "none"
     TENSOR = "tensor"  # one f32 for the whole weight, stored [1]
     EXPERT = "expert"  # one f32 per expert, stored [E]
@@ -211,9 +211,7 @@ class WeightFormat:
         return (num_experts, n, (groups + 1) // 2) if self.zero_point == ZeroPoint.INT else (num_experts, n, groups)
 
     def second_scale_shape(self, num_experts: int) -> tuple[int] | None:
-        return {GlobalScale.NONE: None, GlobalScale.TENSOR: (1,), GlobalScale.EXPERT: (num_experts,)}[
-            self.global_scale
-        ]
+        return {GlobalScale.NONE: None, GlobalScale.TENSOR: (1,), GlobalScale.EXPERT: (num_experts,)}[self.global_scale]
 
     def check_shape(self, n: int, k: int, argument: str = "weight") -> None:
         """Raise ``ValueError`` if ``[*, n, k]`` cannot be stored in this format."""
@@ -228,7 +226,7 @@ class WeightFormat:
                 f"K={k} is not a multiple (pad K, see LayerConfig.pad_shape_k)"
             )
 
-    def with_bias(self, has_bias: bool = True) -> "WeightFormat":
+    def with_bias(self, has_bias: bool = True) -> WeightFormat:
         name = self.name if not has_bias or self.name.endswith("+bias") else self.name + "+bias"
         return dataclasses.replace(self, has_bias=has_bias, name=name)
 
@@ -259,9 +257,24 @@ NVFP4 = _preset("nvfp4", "float4_e2m1", "group", "float8_e4m3", 16, global_scale
 PRESETS: dict[str, WeightFormat] = {
     f.name: f
     for f in (
-        BF16, F16, INT4_CHANNEL, INT4_G32, INT4_G64, INT4_G128, INT8_CHANNEL, INT8_G32, INT8_G64,
-        INT8_G128, UINT4_ZP_G128, UINT4_FZP_G128, FP8_CHANNEL, FP8_TENSOR, FP8_BLOCK128, MXFP4,
-        MXFP8, NVFP4,
+        BF16,
+        F16,
+        INT4_CHANNEL,
+        INT4_G32,
+        INT4_G64,
+        INT4_G128,
+        INT8_CHANNEL,
+        INT8_G32,
+        INT8_G64,
+        INT8_G128,
+        UINT4_ZP_G128,
+        UINT4_FZP_G128,
+        FP8_CHANNEL,
+        FP8_TENSOR,
+        FP8_BLOCK128,
+        MXFP4,
+        MXFP8,
+        NVFP4,
     )
 }
 

@@ -58,7 +58,9 @@ def _validate(x: Q.QuantizedInput, weight: F.QuantizedWeight, layout, use_f16_ac
         if x.values.ndim != 2 or x.values.shape[1] != expected_cols:
             raise ValueError(f"x.values: expected [M, {expected_cols}] for {spec.name}, got {x.values.shape}")
         if jnp.dtype(x.values.dtype) != jnp.dtype(spec.dtype.storage_dtype):
-            raise TypeError(f"x.values: expected {jnp.dtype(spec.dtype.storage_dtype).name} for {spec.name}, got {x.values.dtype}")
+            raise TypeError(
+                f"x.values: expected {jnp.dtype(spec.dtype.storage_dtype).name} for {spec.name}, got {x.values.dtype}"
+            )
         for part, shape in (("scale", spec.scale_shape(x.m, x.k)), ("scale_2", spec.scale_2_shape(x.m))):
             array = getattr(x, part)
             if shape is None and array is not None:
@@ -67,7 +69,9 @@ def _validate(x: Q.QuantizedInput, weight: F.QuantizedWeight, layout, use_f16_ac
                 got = None if array is None else tuple(array.shape)
                 raise ValueError(f"x.{part}: expected shape {shape} for {spec.name}, got {got}")
     if not isinstance(layout, (L.GroupedContiguous, L.GroupedMasked, L.Indexed, L.Dense)):
-        raise TypeError(f"layout: expected GroupedContiguous, GroupedMasked, Indexed or Dense, got {type(layout).__name__}")
+        raise TypeError(
+            f"layout: expected GroupedContiguous, GroupedMasked, Indexed or Dense, got {type(layout).__name__}"
+        )
     layout.validate(x.m, weight.num_experts)
     if use_f16_accum and jnp.dtype(out_dtype) != jnp.dtype(jnp.float16):
         raise ValueError("use_f16_accum: f16 accumulation is only for float16 compute (out_dtype float16)")

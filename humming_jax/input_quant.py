@@ -32,7 +32,7 @@ import numpy as np
 from humming_jax import numerics
 
 
-class InputQuantMode(str, enum.Enum):
+class InputQuantMode(enum.StrEnum):
     NONE = "none"
     STATIC_TENSOR = "static_tensor"
     DYNAMIC_TOKEN = "dynamic_token"
@@ -57,7 +57,7 @@ class InputQuantMode(str, enum.Enum):
         return self in (InputQuantMode.STATIC_TENSOR, InputQuantMode.STATIC_TENSOR_DYNAMIC_GROUP)
 
 
-class ActivationDType(str, enum.Enum):
+class ActivationDType(enum.StrEnum):
     FLOAT8_E4M3 = "float8_e4m3"
     FLOAT8_E5M2 = "float8_e5m2"
     INT8 = "int8"
@@ -86,7 +86,7 @@ class ActivationDType(str, enum.Enum):
         return 4 if self == ActivationDType.FLOAT4_E2M1 else 8
 
 
-class InputScaleType(str, enum.Enum):
+class InputScaleType(enum.StrEnum):
     FLOAT32 = "float32"
     E8M0 = "e8m0"
     FLOAT8_E4M3 = "float8_e4m3"
@@ -210,8 +210,17 @@ NVFP4_DYNAMIC_TOKEN = InputQuantSpec(
 INPUT_PRESETS: dict[str, InputQuantSpec] = {
     s.name: s
     for s in (
-        NONE, FP8_STATIC_TENSOR, FP8_DYNAMIC_TOKEN, FP8_E5M2_DYNAMIC_TOKEN, FP8_DYNAMIC_GROUP128,
-        INT8_STATIC_TENSOR, INT8_DYNAMIC_TOKEN, MXFP8_DYNAMIC, MXFP4_DYNAMIC, NVFP4_DYNAMIC, NVFP4_DYNAMIC_TOKEN,
+        NONE,
+        FP8_STATIC_TENSOR,
+        FP8_DYNAMIC_TOKEN,
+        FP8_E5M2_DYNAMIC_TOKEN,
+        FP8_DYNAMIC_GROUP128,
+        INT8_STATIC_TENSOR,
+        INT8_DYNAMIC_TOKEN,
+        MXFP8_DYNAMIC,
+        MXFP4_DYNAMIC,
+        NVFP4_DYNAMIC,
+        NVFP4_DYNAMIC_TOKEN,
     )
 }
 
@@ -259,7 +268,7 @@ def check_hadamard_block_size(block_size: int | None, k: int | None = None, argu
         raise ValueError(f"{argument}: K={k} is not a multiple of the Hadamard block {block_size}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hadamard_matrix(n: int) -> np.ndarray:
     """The normalized Sylvester Hadamard matrix ``H_n / sqrt(n)`` (symmetric, orthogonal)."""
     check_hadamard_block_size(n, argument="hadamard_matrix: n")

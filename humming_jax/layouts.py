@@ -90,7 +90,9 @@ class Indexed:
                 f"layout.expert_ids: expected shape [ceil(L/block_size)]=[{blocks}], got {self.expert_ids.shape}"
             )
         if self.num_tokens_padded.size != 1:
-            raise ValueError(f"layout.num_tokens_padded: expected one element, got shape {self.num_tokens_padded.shape}")
+            raise ValueError(
+                f"layout.num_tokens_padded: expected one element, got shape {self.num_tokens_padded.shape}"
+            )
         for name in ("sorted_ids", "expert_ids", "num_tokens_padded"):
             _check_int(f"layout.{name}", getattr(self, name))
 

@@ -42,9 +42,7 @@ def pack_nibbles(codes: jax.Array) -> jax.Array:
     K must be even. Low nibble = element 2j, high nibble = element 2j+1.
     """
     if codes.shape[-1] % 2:
-        raise ValueError(
-            f"pack_nibbles: the last dimension must be even for 4-bit packing, got {codes.shape[-1]}"
-        )
+        raise ValueError(f"pack_nibbles: the last dimension must be even for 4-bit packing, got {codes.shape[-1]}")
     codes = codes.astype(jnp.uint8)
     low = codes[..., 0::2] & 0xF
     high = codes[..., 1::2] & 0xF
@@ -132,7 +130,7 @@ def block_broadcast(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     if scale.ndim != len(shape):
         raise ValueError(f"block_broadcast: rank {scale.ndim} scale for a rank {len(shape)} array")
     out = scale
-    for axis, (n_blocks, n) in enumerate(zip(scale.shape, shape)):
+    for axis, (n_blocks, n) in enumerate(zip(scale.shape, shape, strict=True)):
         if n_blocks == n:
             continue
         block = -(-n // n_blocks)

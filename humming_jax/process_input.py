@@ -61,14 +61,24 @@ def _check_layout_args(x, layout, expert_num_tokens, scatter_idx, num_valid_toke
                 "(grouped_mask input is [E*max_tokens, K])"
             )
     if layout == "scatter" and (scatter_idx.ndim not in (1, 2) or scatter_idx.shape[0] != x.shape[0]):
-        raise ValueError(f"process_input: scatter_idx must be [M] or [M, R] with M={x.shape[0]}, got {scatter_idx.shape}")
+        raise ValueError(
+            f"process_input: scatter_idx must be [M] or [M, R] with M={x.shape[0]}, got {scatter_idx.shape}"
+        )
     if num_valid_tokens is not None and num_valid_tokens.size != 1:
         raise ValueError(f"process_input: num_valid_tokens must hold one element, got shape {num_valid_tokens.shape}")
 
 
 def process_input_reference(
-    x, spec, activation, hadamard_block_size, layout, expert_num_tokens, scatter_idx, num_valid_tokens,
-    static_scale, compute_dtype,
+    x,
+    spec,
+    activation,
+    hadamard_block_size,
+    layout,
+    expert_num_tokens,
+    scatter_idx,
+    num_valid_tokens,
+    static_scale,
+    compute_dtype,
 ) -> Q.QuantizedInput:
     """The semantics of :func:`process_input` (no validation)."""
     y = x
@@ -139,7 +149,9 @@ def process_input(
         # A batched [E, max_tokens, ...] input and its scale are flattened row-aligned.
         values = x.reshape(-1, x.shape[-1])
         scale = input_scale.reshape(values.shape[0], -1) if input_scale.ndim == 3 else input_scale
-        return Q.QuantizedInput(values=values, scale=scale, scale_2=input_scale_2, spec=spec, k=values.shape[1] * spec.packs_k)
+        return Q.QuantizedInput(
+            values=values, scale=scale, scale_2=input_scale_2, spec=spec, k=values.shape[1] * spec.packs_k
+        )
     if layout == "grouped_mask" and x.ndim == 3:
         x = x.reshape(-1, x.shape[-1])
     if x.ndim != 2:
@@ -154,6 +166,14 @@ def process_input(
         raise ValueError(f"process_input: static_scale: mode {spec.mode.value!r} {need} a static tensor scale")
     resolve_backend(backend, "process_input")
     return process_input_reference(
-        x, spec, activation, hadamard_block_size, layout, expert_num_tokens, scatter_idx, num_valid_tokens,
-        static_scale, jnp.dtype(compute_dtype),
+        x,
+        spec,
+        activation,
+        hadamard_block_size,
+        layout,
+        expert_num_tokens,
+        scatter_idx,
+        num_valid_tokens,
+        static_scale,
+        jnp.dtype(compute_dtype),
     )

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from humming_jax.backend import resolve_backend
 
 
-
 def align_length(num_slots: int, num_experts: int, block_size: int) -> int:
     """Static length of ``sorted_ids``: ``T*k + E*(block_size-1)``, capped at
     ``T*k*block_size`` when ``T*k < E`` (vLLM's rule)."""
@@ -267,7 +266,9 @@ def moe_fused_mul_sum(
     accumulation; returns ``[T, N]`` in the dtype of ``inputs``."""
     _check_routing(topk_ids, num_experts, expert_map, "moe_fused_mul_sum")
     if inputs.ndim != 3 or inputs.shape[:2] != topk_ids.shape:
-        raise ValueError(f"moe_fused_mul_sum: inputs must be [T, k, N] with [T, k]={topk_ids.shape}, got {inputs.shape}")
+        raise ValueError(
+            f"moe_fused_mul_sum: inputs must be [T, k, N] with [T, k]={topk_ids.shape}, got {inputs.shape}"
+        )
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"moe_fused_mul_sum: topk_weights must be {topk_ids.shape}, got {topk_weights.shape}")
     resolve_backend(backend, "moe_fused_mul_sum")

@@ -100,7 +100,9 @@ def plan_workspace(
         dtype = activation_dtype(specs[name], config.compute_dtype) if name in specs else compute
         if name in specs and specs[name].packs_k == 2:
             if shape[-1] % 2:
-                raise ValueError(f"plan_workspace: 4-bit packing needs an even last dimension, got {shape[-1]} for '{name}'")
+                raise ValueError(
+                    f"plan_workspace: 4-bit packing needs an even last dimension, got {shape[-1]} for '{name}'"
+                )
             shape = (*shape[:-1], shape[-1] // 2)
         buffers[name] = jax.ShapeDtypeStruct(shape, dtype)
     required = CHAIN[:-1] if batched else CHAIN

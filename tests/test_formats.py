@@ -7,11 +7,12 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import np_ref
 import pytest
 
 from humming_jax import formats as F
 from humming_jax import numerics
+
+import np_ref
 
 # ---- codecs --------------------------------------------------------------
 

@@ -3,11 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import np_ref
 import pytest
 
 from humming_jax import input_quant as Q
 from humming_jax.activations import Activation, ActivationSpec, apply_activation
+
+import np_ref
 
 
 def _heavy_tailed(rng, m, k):
@@ -34,7 +35,8 @@ def _expected_scale(x64, spec, static_scale=None):
             return 2.0**exponent, None
         return amax / qmax, None
     second = (
-        np.full((m, 1), static_scale) if mode == "static_tensor_dynamic_group"
+        np.full((m, 1), static_scale)
+        if mode == "static_tensor_dynamic_group"
         else np.abs(x64).max(1, keepdims=True) / (448.0 * qmax)
     )
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -60,9 +62,9 @@ def _step_bound(v_abs, dtype):
         gap = np.where(v_abs < 2, 0.25, np.where(v_abs < 4, 0.5, 1.0))
         return gap + np.maximum(v_abs - 6, 0)
     mantissa, min_normal, top = {"float8_e4m3": (3, 2.0**-6, 448.0), "float8_e5m2": (2, 2.0**-14, 57344.0)}[dtype]
-    return np.maximum(np.minimum(v_abs, top) * 2.0 ** -(mantissa + 1), min_normal * 2.0**-(mantissa + 1)) + np.maximum(
-        v_abs - top, 0
-    )
+    return np.maximum(
+        np.minimum(v_abs, top) * 2.0 ** -(mantissa + 1), min_normal * 2.0 ** -(mantissa + 1)
+    ) + np.maximum(v_abs - top, 0)
 
 
 @pytest.mark.parametrize("name", sorted(Q.INPUT_PRESETS))
@@ -81,7 +83,9 @@ def test_quantize_input_scales_values_and_bound(name, rng):
     assert np.all(deq_np[1] == 0), "zero row must quantize to zeros"
     scale, second = _expected_scale(x64, spec, None if static is None else float(static))
     got_scale = np.asarray(q.scale)
-    got_scale = 2.0 ** (got_scale.astype(np.float64) - 127) if spec.scale_type.value == "e8m0" else np_ref.to64(got_scale)
+    got_scale = (
+        2.0 ** (got_scale.astype(np.float64) - 127) if spec.scale_type.value == "e8m0" else np_ref.to64(got_scale)
+    )
     if spec.mode.value == "static_tensor":
         got_scale = np.broadcast_to(got_scale.reshape(1, 1), scale.shape)
     _assert_scale_close(got_scale, scale, spec.scale_type.value)
@@ -90,7 +94,9 @@ def test_quantize_input_scales_values_and_bound(name, rng):
         got_second = np.broadcast_to(np.asarray(q.scale_2, np.float64).reshape(-1, 1), second.shape)
         np.testing.assert_allclose(got_second, second, rtol=1e-6)
     # Dequantized values sit within half a grid step of x (plus saturation).
-    full_scale = scale if spec.mode.value in ("static_tensor", "dynamic_token") else np.repeat(scale, spec.group_size, 1)
+    full_scale = (
+        scale if spec.mode.value in ("static_tensor", "dynamic_token") else np.repeat(scale, spec.group_size, 1)
+    )
     if second is not None:
         full_scale = full_scale * second
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -172,7 +178,11 @@ def test_hadamard_block_must_divide_k():
 
 # ---- activations ---------------------------------------------------------------
 
-CASES = [(a, None) for a in Activation] + [(Activation.SILU, 3.0), (Activation.SWIGLUOAI, 5.0), (Activation.SWIGLUSTEP, 2.0)]
+CASES = [(a, None) for a in Activation] + [
+    (Activation.SILU, 3.0),
+    (Activation.SWIGLUOAI, 5.0),
+    (Activation.SWIGLUSTEP, 2.0),
+]
 
 
 @pytest.mark.parametrize("kind,limit", CASES, ids=lambda c: str(getattr(c, "value", c)))

@@ -1,0 +1,296 @@
+"""The expert pipelines (grouped, indexed, batched, MoonEP) against per-token
+float64 NumPy math on the dequantized weights."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import humming_jax as hj
+from humming_jax import input_quant as Q
+
+import np_ref
+
+
+def _problem(rng, config, num_tokens, ids=None):
+    e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+    w13 = rng.normal(size=(e, config.w13_n, h)).astype(np.float32) / np.sqrt(h)
+    w2 = rng.normal(size=(e, h, i)).astype(np.float32) / np.sqrt(i)
+    x = rng.normal(size=(num_tokens, h)).astype(np.float32)
+    if ids is None:
+        ids = np.stack([rng.choice(config.global_num_experts, config.top_k, replace=False) for _ in range(num_tokens)])
+    weights = rng.random(ids.shape).astype(np.float32)
+    return x, w13, w2, ids.astype(np.int32), weights
+
+
+def _numpy_moe(x, w13, w2, ids, weights, activation, expert_map=None, num_experts=None):
+    num_experts = num_experts or w13.shape[0]
+    out = np.zeros((x.shape[0], w2.shape[1]))
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < num_experts:
+                continue
+            if expert_map is not None:
+                e = int(expert_map[e])
+                if e < 0:
+                    continue
+            act = np_ref.activation((x[t] @ w13[e].T)[None], activation.kind.value, activation.clamp_limit)[0]
+            out[t] += weights[t, j] * (act @ w2[e].T)
+    return out
+
+
+PIPELINES = ["grouped", "indexed"]
+
+
+def _run(pipeline, x, weights, tw, ti, config, **kw):
+    fn = hj.humming_grouped_experts if pipeline == "grouped" else hj.humming_indexed_experts
+    return fn(jnp.asarray(x, jnp.bfloat16), weights, jnp.asarray(tw), jnp.asarray(ti), config, **kw)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+@pytest.mark.parametrize(
+    "fmt,activation",
+    [
+        ("int4_g128", "silu"),
+        ("mxfp4+bias", "swigluoai"),
+        ("fp8_channel", "gelu"),
+        ("bf16", "silu_no_mul"),
+        ("nvfp4", "relu2_no_mul"),
+    ],
+)
+def test_pipeline_matches_numpy(pipeline, fmt, activation, rng):
+    config = hj.ExpertsConfig(8, 128, 128, 2, activation=activation, weight_format=fmt)
+    x, w13, w2, ids, tw = _problem(rng, config, 9)
+    bias = (
+        dict(
+            w13_bias=jnp.asarray(rng.normal(size=(8, config.w13_n)) * 0.1, jnp.float32),
+            w2_bias=jnp.asarray(rng.normal(size=(8, 128)) * 0.1, jnp.float32),
+        )
+        if "bias" in fmt
+        else {}
+    )
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config, **bias)
+    out = _run(pipeline, x, weights, tw, ids, config)
+    w13d, w2d = np_ref.dequantize_weight(weights.w13), np_ref.dequantize_weight(weights.w2)
+    if bias:  # fold biases into the float64 math through an extra input column
+        x_aug = np.concatenate([np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64), np.ones((9, 1))], 1)
+        w13d = np.concatenate([w13d, np.asarray(bias["w13_bias"], np.float64)[:, :, None]], 2)
+        expected = np.zeros((9, 128))
+        for t in range(9):
+            for j in range(2):
+                e = ids[t, j]
+                act = np_ref.activation((x_aug[t] @ w13d[e].T)[None], activation)[0]
+                expected[t] += tw[t, j] * (act @ w2d[e].T + np.asarray(bias["w2_bias"], np.float64)[e])
+    else:
+        expected = _numpy_moe(
+            np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64), w13d, w2d, ids, tw, config.activation
+        )
+    assert out.shape == (9, 128) and out.dtype == jnp.bfloat16
+    assert np_ref.relative_error(out, expected) < 1e-2
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+@pytest.mark.parametrize("case", ["T=1", "hot", "out_of_range", "expert_map"])
+def test_pipeline_routing_edge_cases(pipeline, case, rng):
+    num_tokens = 1 if case == "T=1" else 12
+    expert_map = None
+    global_experts = 8
+    if case == "expert_map":
+        expert_map = np.array([-1, 0, -1, 1, 2, -1, 3, -1])
+    local = 4 if expert_map is not None else 8
+    config = hj.ExpertsConfig(local, 128, 64, 3, weight_format="int8_channel", global_num_experts=global_experts)
+    ids = np.stack([rng.choice(global_experts, 3, replace=False) for _ in range(num_tokens)])
+    if case == "hot":
+        ids[:, 0] = 5
+        ids[:, 1:] = 5  # all slots on one expert
+    if case == "out_of_range":
+        ids[0, 0], ids[3, 2] = -1, 8
+    x, w13, w2, ids, tw = _problem(rng, config, num_tokens, ids=ids)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    emap = None if expert_map is None else jnp.asarray(expert_map, jnp.int32)
+    out = _run(pipeline, x, weights, tw, ids, config, expert_map=emap)
+    expected = _numpy_moe(
+        np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64),
+        np_ref.dequantize_weight(weights.w13),
+        np_ref.dequantize_weight(weights.w2),
+        ids,
+        tw,
+        config.activation,
+        expert_map,
+        global_experts,
+    )
+    assert np_ref.relative_error(out, expected) < 1e-2
+
+
+def test_indexed_with_different_w2_block_size_and_hadamard(rng):
+    config = hj.ExpertsConfig(
+        4, 256, 128, 2, weight_format="int4_g32", hadamard_block_size=64, w2_hadamard_block_size=128
+    )
+    x, w13, w2, ids, tw = _problem(rng, config, 10)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)  # rotated before quantizing
+    out = hj.humming_indexed_experts(
+        jnp.asarray(x, jnp.bfloat16),
+        weights,
+        jnp.asarray(tw),
+        jnp.asarray(ids),
+        config,
+        block_size=16,
+        w2_block_size=32,
+    )
+    grouped = hj.humming_grouped_experts(
+        jnp.asarray(x, jnp.bfloat16), weights, jnp.asarray(tw), jnp.asarray(ids), config
+    )
+
+    def unrotate(w, block):  # the normalized Hadamard is symmetric and its own inverse
+        h = np.array([[1.0]])
+        while h.shape[0] < block:
+            h = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), h)
+        return (w.reshape(*w.shape[:-1], -1, block) @ (h / np.sqrt(block))).reshape(w.shape)
+
+    w13d = unrotate(np_ref.dequantize_weight(weights.w13), 64)
+    w2d = unrotate(np_ref.dequantize_weight(weights.w2), 128)
+    expected = _numpy_moe(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64), w13d, w2d, ids, tw, config.activation)
+    assert np_ref.relative_error(out, expected) < 1e-2
+    assert np_ref.relative_error(out, np.asarray(grouped, np.float64)) < 1e-2
+
+
+@pytest.mark.parametrize("pipeline", ["grouped", "indexed", "batched"])
+def test_block_fp8_activations_and_prequantized_input(pipeline, rng):
+    config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
+    x, w13, w2, ids, tw = _problem(rng, config, 8)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    expected = _numpy_moe(
+        x.astype(np.float64),
+        np_ref.dequantize_weight(weights.w13),
+        np_ref.dequantize_weight(weights.w2),
+        ids,
+        tw,
+        config.activation,
+    )
+    if pipeline == "batched":
+        offsets, scatter_idx = hj.moe_prepare_scatter(jnp.asarray(ids), 4)
+        counts = offsets[1:] - offsets[:-1]
+        pos = np.asarray(scatter_idx - offsets[jnp.asarray(ids)])
+        batched = np.zeros((4, 8, 256), np.float32)
+        batched[ids, pos] = np.broadcast_to(x[:, None], (8, 2, 256))
+        q = Q.quantize_input(jnp.asarray(batched.reshape(32, 256)), Q.FP8_DYNAMIC_GROUP128)
+        outs = []
+        for prequantized in (False, True):
+            kw = dict(a1q_scale=q.scale.reshape(4, 8, 2)) if prequantized else {}
+            inp = q.values.reshape(4, 8, 256) if prequantized else jnp.asarray(batched, jnp.bfloat16)
+            res = hj.batched_humming_grouped_experts(inp, counts, weights, config, **kw)
+            res = np.asarray(res, np.float64)
+            assert np.all(res[np.arange(8)[None, :] >= np.asarray(counts)[:, None]] == 0)
+            outs.append(np.einsum("tj,tjh->th", tw, res[ids, pos]))
+    else:
+        q = Q.quantize_input(jnp.asarray(x), Q.FP8_DYNAMIC_GROUP128)
+        outs = [_run(pipeline, x, weights, tw, ids, config)]
+        fn = hj.humming_grouped_experts if pipeline == "grouped" else hj.humming_indexed_experts
+        outs.append(fn(q.values, weights, jnp.asarray(tw), jnp.asarray(ids), config, a1q_scale=q.scale))
+    for out in outs:
+        assert np_ref.relative_error(out, expected) < 6e-2  # fp8 e4m3 activations and weights
+
+
+def test_batched_matches_numpy_and_zeroes_padding(rng):
+    config = hj.ExpertsConfig(4, 128, 128, 1, weight_format="uint4_zp_g128", activation="gelu_tanh")
+    max_tokens = 5
+    counts = np.array([0, 5, 2, 3])
+    x = rng.normal(size=(4, max_tokens, 128)).astype(np.float32)
+    _, w13, w2, _, _ = _problem(rng, config, 1)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    out = np.asarray(
+        hj.batched_humming_grouped_experts(
+            jnp.asarray(x, jnp.bfloat16), jnp.asarray(counts, jnp.int32), weights, config
+        ),
+        np.float64,
+    )
+    w13d, w2d = np_ref.dequantize_weight(weights.w13), np_ref.dequantize_weight(weights.w2)
+    xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    expected = np.zeros_like(out)
+    for e in range(4):
+        for r in range(counts[e]):
+            expected[e, r] = np_ref.activation((xb[e, r] @ w13d[e].T)[None], "gelu_tanh")[0] @ w2d[e].T
+    assert np_ref.relative_error(out, expected) < 1e-2
+    assert np.all(out[0] == 0) and np.all(out[2, 2:] == 0)
+
+
+# ---- MoonEP -------------------------------------------------------------------
+
+
+def _moonep_numpy(x, wg, wu, wd, cu, route, on_input):
+    out = np.zeros((x.shape[0], wd.shape[1]))
+    start = 0
+    for g, end in enumerate(cu):
+        for r in range(start, end):
+            act = np_ref.silu(x[r] @ wg[g].T) * (x[r] @ wu[g].T)
+            if not on_input:
+                act = act * route[r]
+            out[r] = act @ wd[g].T
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("segments", [[3, 0, 5, 0, 2, 0], [10, 0, 0, 0, 0, 0], [2, 3, 1, 0, 2, 1], [0, 0, 0, 0, 0, 4]])
+@pytest.mark.parametrize("on_input", [False, True])
+def test_moonep(segments, on_input, rng):
+    """E=4 expert rows + B=2 redundant rows; empty segments, one segment,
+    redundant rows used and unused; two padding rows past cu_seqlens[-1]."""
+    g, h, i = 6, 64, 32
+    nvs = sum(segments) + 2
+    cu = np.cumsum(segments).astype(np.int32)
+    x = rng.normal(size=(nvs, h)).astype(np.float32)
+    x[-2:] = np.nan  # padding rows are garbage; the output there must be zero
+    wg, wu = (rng.normal(size=(g, i, h)).astype(np.float32) / 8 for _ in range(2))
+    wd = rng.normal(size=(g, h, i)).astype(np.float32) / 6
+    route = rng.random(nvs).astype(np.float32)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    out = hj.moonep_experts(bf(x), bf(wg), bf(wu), bf(wd), jnp.asarray(cu), jnp.asarray(route), on_input)
+    f64 = lambda a: np.asarray(bf(a), np.float64)  # noqa: E731
+    expected = _moonep_numpy(f64(x), f64(wg), f64(wu), f64(wd), cu, route, on_input)
+    out = np.asarray(out, np.float64)
+    assert np.all(out[cu[-1] :] == 0)
+    assert np_ref.relative_error(out[: cu[-1]], expected[: cu[-1]]) < 1e-2
+
+
+def test_moonep_grouped_gemm_and_errors(rng):
+    a = jnp.asarray(rng.normal(size=(7, 32)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(3, 16, 32)), jnp.bfloat16)
+    out = np.asarray(hj.moonep_grouped_gemm(a, w, jnp.asarray([2, 2, 6], jnp.int32)), np.float64)
+    a64, w64 = np.asarray(a, np.float64), np.asarray(w, np.float64)
+    np.testing.assert_allclose(out[:2], a64[:2] @ w64[0].T, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(out[2:6], a64[2:6] @ w64[2].T, rtol=1e-2, atol=1e-2)
+    assert np.all(out[6] == 0)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        hj.moonep_grouped_gemm(a, w, jnp.asarray([2, 6], jnp.int32))
+    with pytest.raises(TypeError, match="bfloat16"):
+        hj.moonep_experts(a, w.astype(jnp.float32), w, jnp.swapaxes(w, 1, 2), jnp.asarray([2, 2, 6]), jnp.ones(7))
+
+
+def test_pipeline_bad_input(rng):
+    config = hj.ExpertsConfig(4, 128, 128, 2, weight_format="int4_g128")
+    x, w13, w2, ids, tw = _problem(rng, config, 4)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    with pytest.raises(ValueError, match="hidden_states must be"):
+        hj.humming_grouped_experts(jnp.ones((4, 64)), weights, jnp.asarray(tw), jnp.asarray(ids), config)
+    with pytest.raises(ValueError, match="topk_ids must be"):
+        hj.humming_indexed_experts(jnp.ones((4, 128)), weights, jnp.asarray(tw), jnp.asarray(ids[:, :1]), config)
+    other = hj.ExpertsConfig(4, 128, 128, 2, weight_format="int8_channel")
+    with pytest.raises(ValueError, match="weights.w13: format"):
+        hj.humming_grouped_experts(jnp.ones((4, 128)), weights, jnp.asarray(tw), jnp.asarray(ids), other)
+    static = hj.ExpertsConfig(4, 128, 128, 2, weight_format="fp8_channel", input_quant="fp8_static_tensor")
+    with pytest.raises(ValueError, match="w13_input_scale"):
+        hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), static)
+
+
+def test_jit_does_not_recompile_for_new_routing(rng):
+    config = hj.ExpertsConfig(4, 128, 128, 2, weight_format="int4_g128")
+    x, w13, w2, ids, tw = _problem(rng, config, 6)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    xs = jnp.asarray(x, jnp.bfloat16)
+    hj.humming_grouped_experts(xs, weights, jnp.asarray(tw), jnp.asarray(ids), config)
+    before = hj.humming_grouped_experts._cache_size()
+    for seed in range(3):
+        new_ids = np.random.default_rng(seed).integers(0, 4, size=ids.shape).astype(np.int32)
+        jax.block_until_ready(hj.humming_grouped_experts(xs, weights, jnp.asarray(tw), jnp.asarray(new_ids), config))
+    assert hj.humming_grouped_experts._cache_size() == before

@@ -1,0 +1,121 @@
+"""process_input: activation -> Hadamard -> quantization -> layout, against
+float64 NumPy, for the three layouts and num_valid_tokens."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import humming_jax as hj
+from humming_jax import input_quant as Q
+
+import np_ref
+
+
+def _rows_processed(x, activation, block):
+    y = np_ref.activation(x, activation) if activation else x.astype(np.float64)
+    if block:
+        h = np.array([[1.0]])
+        while h.shape[0] < block:
+            h = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), h)
+        y = (y.reshape(y.shape[0], -1, block) @ (h / np.sqrt(block))).reshape(y.shape)
+    return y
+
+
+SPECS = [
+    Q.NONE,
+    Q.FP8_DYNAMIC_TOKEN,
+    Q.FP8_DYNAMIC_GROUP128,
+    Q.MXFP8_DYNAMIC,
+    Q.NVFP4_DYNAMIC_TOKEN,
+    Q.INT8_DYNAMIC_TOKEN,
+]
+TOL = {"none": 8e-3, "int8": 3e-2, "float8_e4m3": 7e-2, "float4_e2m1": 0.2}
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("activation,block", [(None, None), ("silu", None), ("swigluoai", 128), (None, 64)])
+def test_normal_layout(spec, activation, block, rng):
+    m, n = 10, 512
+    x = (rng.normal(size=(m, n)) * 2).astype(np.float32)
+    num_valid = 7
+    q = hj.process_input(
+        jnp.asarray(x, jnp.bfloat16),
+        spec,
+        activation=activation,
+        hadamard_block_size=block,
+        num_valid_tokens=jnp.asarray([num_valid], jnp.int32),
+    )
+    expected = _rows_processed(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64), activation, block)
+    got = np_ref.dequantize_input(q)
+    assert got.shape == expected.shape
+    assert np.all(got[num_valid:] == 0)
+    tol = TOL["none" if not spec.is_quantized else spec.dtype.value]
+    assert np_ref.relative_error(got[:num_valid], expected[:num_valid]) < tol
+    if not spec.is_quantized:
+        assert q.values.dtype == jnp.bfloat16
+
+
+def test_grouped_mask_layout_zeroes_invalid_rows(rng):
+    e, max_tokens, k = 4, 6, 256
+    counts = np.array([0, 6, 2, 9])  # an empty expert and a count past max_tokens
+    x = rng.normal(size=(e, max_tokens, k)).astype(np.float32)
+    x[0] = np.nan  # rows past the counts are garbage; they must not leak
+    q = hj.process_input(
+        jnp.asarray(x), Q.FP8_DYNAMIC_GROUP128, layout="grouped_mask", expert_num_tokens=jnp.asarray(counts, jnp.int32)
+    )
+    got = np_ref.dequantize_input(q).reshape(e, max_tokens, k)
+    assert np.all(np.isfinite(got))
+    for expert in range(e):
+        valid = min(counts[expert], max_tokens)
+        assert np.all(got[expert, valid:] == 0)
+        if valid:
+            assert np_ref.relative_error(got[expert, :valid], x[expert, :valid]) < 7e-2
+
+
+def test_scatter_layout_moves_rows(rng):
+    t, top_k, k = 5, 3, 128
+    ids = rng.integers(0, 8, size=(t, top_k)).astype(np.int32)
+    ids[0, 0] = 99  # invalid: goes past offsets[-1] and is bounded away
+    offsets, scatter_idx = hj.moe_prepare_scatter(jnp.asarray(ids), 8)
+    x = rng.normal(size=(t, k)).astype(np.float32)
+    q = hj.process_input(
+        jnp.asarray(x), Q.FP8_DYNAMIC_TOKEN, layout="scatter", scatter_idx=scatter_idx, num_valid_tokens=offsets[-1:]
+    )
+    got = np_ref.dequantize_input(q)
+    assert got.shape == (t * top_k, k)
+    dest = np.asarray(scatter_idx)
+    n_valid = int(offsets[-1])
+    for token in range(t):
+        for j in range(top_k):
+            row = dest[token, j]
+            if row < n_valid:
+                assert np_ref.relative_error(got[row], x[token]) < 7e-2
+            else:
+                assert np.all(got[row] == 0)
+
+
+def test_prequantized_input_passes_through(rng):
+    x = jnp.asarray(rng.normal(size=(4, 256)), jnp.float32)
+    q = Q.quantize_input(x, Q.FP8_DYNAMIC_GROUP128)
+    out = hj.process_input(q.values, Q.FP8_DYNAMIC_GROUP128, input_scale=q.scale)
+    assert out.values is not None
+    np.testing.assert_array_equal(np.asarray(out.values).view(np.uint8), np.asarray(q.values).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(out.scale), np.asarray(q.scale))
+    with pytest.raises(ValueError, match="activation"):
+        hj.process_input(q.values, Q.FP8_DYNAMIC_GROUP128, input_scale=q.scale, activation="silu")
+
+
+def test_process_input_bad_arguments():
+    x = jnp.ones((8, 256))
+    with pytest.raises(ValueError, match="layout"):
+        hj.process_input(x, layout="gather")
+    with pytest.raises(ValueError, match="expert_num_tokens"):
+        hj.process_input(x, layout="grouped_mask")
+    with pytest.raises(ValueError, match="scatter_idx"):
+        hj.process_input(x, layout="scatter")
+    with pytest.raises(ValueError, match="hadamard_block_size"):
+        hj.process_input(x, hadamard_block_size=48)
+    with pytest.raises(ValueError, match="static_scale"):
+        hj.process_input(x, Q.FP8_STATIC_TENSOR)
+    with pytest.raises(ValueError, match="not a multiple of E"):
+        hj.process_input(jnp.ones((7, 256)), layout="grouped_mask", expert_num_tokens=jnp.ones(2, jnp.int32))

@@ -1,0 +1,183 @@
+"""Routing references against Python-loop NumPy implementations, with
+hypothesis over random routings (empty experts, one hot expert, T=1, ids
+outside [0, E), expert_map with -1 entries)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import humming_jax as hj
+from humming_jax.routing import align_length
+
+import np_ref
+
+
+@st.composite
+def routings(draw, max_tokens=40):
+    """(topk_ids, num_experts, expert_map or None, num_local_experts)."""
+    num_experts = draw(st.sampled_from([1, 4, 8, 64, 256]))
+    top_k = draw(st.sampled_from([1, 2, 8]))
+    num_tokens = draw(st.sampled_from([1, 3, 16, max_tokens]))
+    shape = draw(st.sampled_from(["uniform", "hot", "few", "out_of_range"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    if shape == "hot":  # every slot on one expert
+        ids = np.full((num_tokens, top_k), rng.integers(num_experts))
+    elif shape == "few":  # most experts empty
+        ids = rng.choice(rng.integers(0, num_experts, size=2), size=(num_tokens, top_k))
+    else:
+        ids = rng.integers(0, num_experts, size=(num_tokens, top_k))
+    if shape == "out_of_range":
+        bad = rng.random(ids.shape) < 0.2
+        ids = np.where(bad, rng.choice([-1, num_experts, num_experts + 7, -100], size=ids.shape), ids)
+    expert_map, num_local = None, num_experts
+    if draw(st.booleans()):
+        local = rng.random(num_experts) < 0.5
+        num_local = max(int(local.sum()), 1)
+        expert_map = np.full(num_experts, -1)
+        expert_map[np.flatnonzero(local)] = np.arange(int(local.sum()))
+    return ids.astype(np.int32), num_experts, expert_map, num_local
+
+
+@given(routings(), st.sampled_from([16, 32, 64, 128]), st.booleans())
+def test_align_matches_loop(routing, block_size, ignore_invalid):
+    ids, num_experts, expert_map, num_local = routing
+    sorted_ids, expert_ids, post_pad = hj.moe_align_block_size(
+        jnp.asarray(ids),
+        block_size,
+        num_experts,
+        expert_map=None if expert_map is None else jnp.asarray(expert_map, jnp.int32),
+        ignore_invalid_experts=ignore_invalid,
+        num_local_experts=num_local,
+    )
+    exp_sorted, exp_experts, exp_total = np_ref.align(
+        ids, block_size, num_experts, expert_map, ignore_invalid, num_local
+    )
+    np.testing.assert_array_equal(np.asarray(sorted_ids), exp_sorted)
+    np.testing.assert_array_equal(np.asarray(expert_ids), exp_experts)
+    assert np.asarray(post_pad).tolist() == [exp_total]
+    # Invariants, stated directly.
+    length = align_length(ids.size, num_experts, block_size)
+    assert sorted_ids.shape == (length,) and expert_ids.shape == (-(-length // block_size),)
+    assert exp_total % block_size == 0 and exp_total <= length
+    real = np.asarray(sorted_ids)[np.asarray(sorted_ids) < ids.size]
+    assert len(set(real.tolist())) == len(real), "a slot appears twice"
+    for b in range(exp_total // block_size):  # ascending slots inside each block
+        block = np.asarray(sorted_ids)[b * block_size : (b + 1) * block_size]
+        block = block[block < ids.size]
+        assert np.all(np.diff(block) > 0)
+    assert np.all(np.asarray(sorted_ids)[exp_total:] == ids.size)
+
+
+def test_align_example_by_hand():
+    ids = jnp.asarray([[2, 0], [2, 9], [0, 2]], jnp.int32)  # 9 is out of range for E=4
+    sorted_ids, expert_ids, post_pad = hj.moe_align_block_size(ids, 4, 4)
+    assert align_length(6, 4, 4) == 6 + 4 * 3
+    np.testing.assert_array_equal(np.asarray(sorted_ids), [1, 4, 6, 6, 0, 2, 5, 6] + [6] * 10)
+    np.testing.assert_array_equal(np.asarray(expert_ids), [0, 2, -1, -1, -1])
+    assert int(post_pad[0]) == 8
+
+
+def test_align_caps_length_when_few_slots():
+    sorted_ids, expert_ids, _ = hj.moe_align_block_size(jnp.asarray([[3]], jnp.int32), 16, 256)
+    assert sorted_ids.shape == (16,) and expert_ids.shape == (1,)
+
+
+@given(routings())
+def test_prepare_scatter_and_permute_round_trip(routing):
+    ids, num_experts, expert_map, num_local = routing
+    emap = None if expert_map is None else jnp.asarray(expert_map, jnp.int32)
+    offsets, scatter_idx = hj.moe_prepare_scatter(jnp.asarray(ids), num_experts, emap, num_local)
+    exp_offsets, exp_dest = np_ref.prepare_scatter(ids, num_experts, expert_map, num_local)
+    np.testing.assert_array_equal(np.asarray(offsets), exp_offsets)
+    np.testing.assert_array_equal(np.asarray(scatter_idx), exp_dest)
+    assert sorted(np.asarray(scatter_idx).reshape(-1).tolist()) == list(range(ids.size))  # a permutation
+
+    rng = np.random.default_rng(ids.size)
+    hidden = rng.normal(size=(ids.shape[0], 24)).astype(np.float32)
+    scale = rng.random((ids.shape[0], 3)).astype(np.float32) + 0.5
+    result = hj.moe_permute(
+        jnp.asarray(hidden), jnp.asarray(ids), num_experts, emap, num_local, a1q_scale=jnp.asarray(scale)
+    )
+    np.testing.assert_array_equal(np.asarray(result.expert_first_token_offset), exp_offsets)
+    np.testing.assert_array_equal(np.asarray(result.inv_permuted_idx), exp_dest.reshape(-1))
+    permuted = np.asarray(result.permuted_hidden_states)
+    permuted_scale = np.asarray(result.permuted_scale)
+    top_k = ids.shape[1]
+    for slot, row in enumerate(exp_dest.reshape(-1)):
+        assert result.permuted_idx[row] == slot  # inverse permutation
+        if row < exp_offsets[-1]:
+            np.testing.assert_array_equal(permuted[row], hidden[slot // top_k])
+            np.testing.assert_array_equal(permuted_scale[row], scale[slot // top_k])
+    assert np.all(permuted[exp_offsets[-1] :] == 0) and np.all(permuted_scale[exp_offsets[-1] :] == 0)
+
+    # Unpermute with weights: weighted sum over valid slots, float64 check.
+    weights = rng.random(ids.shape).astype(np.float32)
+    out = np.asarray(
+        hj.moe_unpermute(
+            result.permuted_hidden_states,
+            jnp.asarray(weights),
+            result.inv_permuted_idx,
+            result.expert_first_token_offset,
+        )
+    )
+    valid = np.asarray(np_ref.slot_local_expert(ids, num_experts, expert_map)).reshape(ids.shape)
+    valid = (valid >= 0) & (valid < num_local)
+    expected = np.einsum("tj,th->th", np.where(valid, weights, 0).astype(np.float64), hidden.astype(np.float64))
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@given(routings(), st.booleans())
+def test_fused_mul_sum(routing, bound_rows):
+    ids, num_experts, expert_map, _ = routing
+    rng = np.random.default_rng(ids.size + 1)
+    t, k = ids.shape
+    x = rng.normal(size=(t, k, 20)).astype(np.float32)
+    weights = rng.random((t, k)).astype(np.float32)
+    num_valid = rng.integers(0, t + 1) if bound_rows else None
+    out = np.asarray(
+        hj.moe_fused_mul_sum(
+            jnp.asarray(x),
+            jnp.asarray(weights),
+            jnp.asarray(ids),
+            num_experts,
+            None if expert_map is None else jnp.asarray(expert_map, jnp.int32),
+            None if num_valid is None else jnp.asarray([num_valid], jnp.int32),
+        )
+    )
+    expected = np.zeros((t, 20))
+    local = np.asarray(np_ref.slot_local_expert(ids, num_experts, expert_map)).reshape(t, k)
+    for i in range(t if num_valid is None else num_valid):
+        for j in range(k):
+            if local[i, j] >= 0:
+                expected[i] += float(weights[i, j]) * x[i, j].astype(np.float64)
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_align_with_expert_map_marks_nonlocal_blocks():
+    ids = jnp.asarray([[0, 1], [1, 2]], jnp.int32)
+    emap = jnp.asarray([-1, 0, -1], jnp.int32)
+    _, expert_ids, post_pad = hj.moe_align_block_size(ids, 2, 3, expert_map=emap)
+    np.testing.assert_array_equal(np.asarray(expert_ids)[: int(post_pad[0]) // 2], [-1, 0, -1])
+    sorted_ids, expert_ids, post_pad = hj.moe_align_block_size(ids, 2, 3, emap, True, 1)
+    np.testing.assert_array_equal(np.asarray(sorted_ids)[:2], [1, 2])
+    assert int(post_pad[0]) == 2 and np.asarray(expert_ids).tolist()[0] == 0
+
+
+def test_routing_bad_input_raises():
+    with pytest.raises(ValueError, match=r"topk_ids must be \[T, k\]"):
+        hj.moe_align_block_size(jnp.zeros(4, jnp.int32), 16, 8)
+    with pytest.raises(TypeError, match="topk_ids must be an integer"):
+        hj.moe_prepare_scatter(jnp.zeros((4, 2)), 8)
+    with pytest.raises(ValueError, match="expert_map must be"):
+        hj.moe_prepare_scatter(jnp.zeros((4, 2), jnp.int32), 8, jnp.zeros(4, jnp.int32))
+    with pytest.raises(ValueError, match="block_size"):
+        hj.moe_align_block_size(jnp.zeros((4, 2), jnp.int32), 0, 8)
+    with pytest.raises(ValueError, match="hidden_states must be"):
+        hj.moe_permute(jnp.zeros((3, 8)), jnp.zeros((4, 2), jnp.int32), 8)
+    with pytest.raises(ValueError, match="inv_permuted_idx"):
+        hj.moe_unpermute(jnp.zeros((8, 4)), jnp.zeros((4, 2)), jnp.zeros(7, jnp.int32), jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match="inputs must be"):
+        hj.moe_fused_mul_sum(jnp.zeros((4, 3, 8)), jnp.zeros((4, 2)), jnp.zeros((4, 2), jnp.int32), 8)
