@@ -37,12 +37,13 @@ def default_backend() -> str:
 
 # The kernel backends each op implements: ("pallas", "interpret") once it
 # has a Pallas kernel, () while only its reference exists.
+KERNELS = ("pallas", "interpret")
 KERNEL_BACKENDS: dict[str, tuple[str, ...]] = {
-    "moe_align_block_size": (),
-    "moe_prepare_scatter": (),
-    "moe_permute": (),
-    "moe_unpermute": (),
-    "moe_fused_mul_sum": (),
+    "moe_align_block_size": KERNELS,
+    "moe_prepare_scatter": KERNELS,
+    "moe_permute": KERNELS,
+    "moe_unpermute": KERNELS,
+    "moe_fused_mul_sum": KERNELS,
     "process_input": (),
     "gemm": (),
 }

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from humming_jax.backend import resolve_backend
+from pallas_kernels import routing as kernels
 
 
 def align_length(num_slots: int, num_experts: int, block_size: int) -> int:
@@ -129,8 +130,26 @@ def moe_align_block_size(
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"moe_align_block_size: block_size must be a positive int, got {block_size!r}")
     num_local = num_experts if num_local_experts is None else num_local_experts
-    resolve_backend(backend, "moe_align_block_size")
-    return _align_reference(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts, num_local)
+    chosen = resolve_backend(backend, "moe_align_block_size")
+    if chosen == "reference":
+        return _align_reference(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts, num_local)
+    map_groups = expert_map is not None and ignore_invalid_experts
+    grouping = kernels.Grouping(
+        num_slots=topk_ids.size,
+        num_experts=num_experts,
+        num_bins=num_local if map_groups else num_experts,
+        has_map=expert_map is not None,
+        map_groups=map_groups,
+        block_size=block_size,
+    )
+    return kernels.group_slots(
+        topk_ids,
+        expert_map,
+        grouping,
+        outputs="sorted",
+        length=align_length(topk_ids.size, num_experts, block_size),
+        interpret=chosen == "interpret",
+    )
 
 
 def _scatter_reference(topk_ids, num_experts, expert_map, num_local_experts):
@@ -141,6 +160,20 @@ def _scatter_reference(topk_ids, num_experts, expert_map, num_local_experts):
     invalid_rank = jnp.cumsum(~valid) - 1
     destination = jnp.where(valid, offsets[group] + rank, offsets[-1] + invalid_rank).astype(jnp.int32)
     return offsets, destination.reshape(topk_ids.shape)
+
+
+def _scatter_kernel(topk_ids, num_experts, expert_map, num_local_experts, interpret):
+    """Kernel path of the grouped-contiguous layout: (offsets, dest [T*k], inverse [T*k])."""
+    grouping = kernels.Grouping(
+        num_slots=topk_ids.size,
+        num_experts=num_experts,
+        num_bins=num_local_experts,
+        has_map=expert_map is not None,
+        map_groups=expert_map is not None,
+        invalid_bin=True,
+    )
+    dest, inverse, bin_start = kernels.group_slots(topk_ids, expert_map, grouping, outputs="dest", interpret=interpret)
+    return bin_start[: num_local_experts + 1], dest, inverse
 
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "num_local_experts", "backend"))
@@ -161,8 +194,11 @@ def moe_prepare_scatter(
     """
     _check_routing(topk_ids, num_experts, expert_map, "moe_prepare_scatter")
     num_local = num_experts if num_local_experts is None else num_local_experts
-    resolve_backend(backend, "moe_prepare_scatter")
-    return _scatter_reference(topk_ids, num_experts, expert_map, num_local)
+    chosen = resolve_backend(backend, "moe_prepare_scatter")
+    if chosen == "reference":
+        return _scatter_reference(topk_ids, num_experts, expert_map, num_local)
+    offsets, dest, _ = _scatter_kernel(topk_ids, num_experts, expert_map, num_local, chosen == "interpret")
+    return offsets, dest.reshape(topk_ids.shape)
 
 
 @jax.tree_util.register_dataclass
@@ -202,9 +238,16 @@ def moe_permute(
             f"moe_permute: a1q_scale must be [T, S] with T={topk_ids.shape[0]}, got shape {a1q_scale.shape}"
         )
     num_local = num_experts if num_local_experts is None else num_local_experts
-    resolve_backend(backend, "moe_permute")
-    offsets, scatter_idx = _scatter_reference(topk_ids, num_experts, expert_map, num_local)
+    chosen = resolve_backend(backend, "moe_permute")
     top_k = topk_ids.shape[1]
+    if chosen != "reference":
+        interpret = chosen == "interpret"
+        offsets, dest, inverse = _scatter_kernel(topk_ids, num_experts, expert_map, num_local, interpret)
+        end = offsets[-1:]
+        move = functools.partial(kernels.scatter_rows, dest=dest, end=end, top_k=top_k, interpret=interpret)
+        scale = None if a1q_scale is None else move(a1q_scale)
+        return PermuteResult(move(hidden_states), scale, offsets, dest, inverse)
+    offsets, scatter_idx = _scatter_reference(topk_ids, num_experts, expert_map, num_local)
     inv = scatter_idx.reshape(-1)
     slots = jnp.arange(inv.shape[0], dtype=jnp.int32)
     permuted_idx = jnp.zeros_like(inv).at[inv].set(slots)
@@ -240,7 +283,18 @@ def moe_unpermute(
         raise ValueError(
             f"moe_unpermute: expert_first_token_offset must be [E+1], got shape {expert_first_token_offset.shape}"
         )
-    resolve_backend(backend, "moe_unpermute")
+    chosen = resolve_backend(backend, "moe_unpermute")
+    if chosen != "reference":
+        return kernels.weighted_gather(
+            permuted_hidden_states,
+            inv_permuted_idx,
+            topk_weights,
+            expert_first_token_offset[-1:],
+            t,
+            k,
+            mode="unpermute",
+            interpret=chosen == "interpret",
+        )
     m = permuted_hidden_states.shape[0]
     inv = inv_permuted_idx.astype(jnp.int32)
     valid = (inv >= 0) & (inv < jnp.minimum(expert_first_token_offset[-1], m))
@@ -271,7 +325,22 @@ def moe_fused_mul_sum(
         )
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"moe_fused_mul_sum: topk_weights must be {topk_ids.shape}, got {topk_weights.shape}")
-    resolve_backend(backend, "moe_fused_mul_sum")
+    chosen = resolve_backend(backend, "moe_fused_mul_sum")
+    if chosen != "reference":
+        num_tokens, top_k = topk_ids.shape
+        bound = jnp.full((1,), num_tokens, jnp.int32) if num_valid_tokens is None else num_valid_tokens
+        return kernels.weighted_gather(
+            inputs,
+            topk_ids,
+            topk_weights,
+            bound,
+            num_tokens,
+            top_k,
+            mode="fused_mul_sum",
+            num_experts=num_experts,
+            expert_map=expert_map,
+            interpret=chosen == "interpret",
+        )
     _, valid = _local_ids(topk_ids, num_experts, expert_map, num_experts)
     valid = valid.reshape(topk_ids.shape)
     if num_valid_tokens is not None:

@@ -2,6 +2,7 @@
 hypothesis over random routings (empty experts, one hot expert, T=1, ids
 outside [0, E), expert_map with -1 entries)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,12 +15,17 @@ from humming_jax.routing import align_length
 import np_ref
 
 
+# The Pallas kernels: compiled on a GPU, in interpret mode on the CPU.
+KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
+BACKENDS = ["reference", KERNEL_BACKEND]
+
+
 @st.composite
-def routings(draw, max_tokens=40):
+def routings(draw):
     """(topk_ids, num_experts, expert_map or None, num_local_experts)."""
-    num_experts = draw(st.sampled_from([1, 4, 8, 64, 256]))
+    num_experts = draw(st.sampled_from([1, 8, 64, 256]))
     top_k = draw(st.sampled_from([1, 2, 8]))
-    num_tokens = draw(st.sampled_from([1, 3, 16, max_tokens]))
+    num_tokens = draw(st.sampled_from([1, 3, 16, 40, 300]))
     shape = draw(st.sampled_from(["uniform", "hot", "few", "out_of_range"]))
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)
@@ -41,8 +47,9 @@ def routings(draw, max_tokens=40):
     return ids.astype(np.int32), num_experts, expert_map, num_local
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @given(routings(), st.sampled_from([16, 32, 64, 128]), st.booleans())
-def test_align_matches_loop(routing, block_size, ignore_invalid):
+def test_align_matches_loop(backend, routing, block_size, ignore_invalid):
     ids, num_experts, expert_map, num_local = routing
     sorted_ids, expert_ids, post_pad = hj.moe_align_block_size(
         jnp.asarray(ids),
@@ -51,6 +58,7 @@ def test_align_matches_loop(routing, block_size, ignore_invalid):
         expert_map=None if expert_map is None else jnp.asarray(expert_map, jnp.int32),
         ignore_invalid_experts=ignore_invalid,
         num_local_experts=num_local,
+        backend=backend,
     )
     exp_sorted, exp_experts, exp_total = np_ref.align(
         ids, block_size, num_experts, expert_map, ignore_invalid, num_local
@@ -71,25 +79,28 @@ def test_align_matches_loop(routing, block_size, ignore_invalid):
     assert np.all(np.asarray(sorted_ids)[exp_total:] == ids.size)
 
 
-def test_align_example_by_hand():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_align_example_by_hand(backend):
     ids = jnp.asarray([[2, 0], [2, 9], [0, 2]], jnp.int32)  # 9 is out of range for E=4
-    sorted_ids, expert_ids, post_pad = hj.moe_align_block_size(ids, 4, 4)
+    sorted_ids, expert_ids, post_pad = hj.moe_align_block_size(ids, 4, 4, backend=backend)
     assert align_length(6, 4, 4) == 6 + 4 * 3
     np.testing.assert_array_equal(np.asarray(sorted_ids), [1, 4, 6, 6, 0, 2, 5, 6] + [6] * 10)
     np.testing.assert_array_equal(np.asarray(expert_ids), [0, 2, -1, -1, -1])
     assert int(post_pad[0]) == 8
 
 
-def test_align_caps_length_when_few_slots():
-    sorted_ids, expert_ids, _ = hj.moe_align_block_size(jnp.asarray([[3]], jnp.int32), 16, 256)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_align_caps_length_when_few_slots(backend):
+    sorted_ids, expert_ids, _ = hj.moe_align_block_size(jnp.asarray([[3]], jnp.int32), 16, 256, backend=backend)
     assert sorted_ids.shape == (16,) and expert_ids.shape == (1,)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @given(routings())
-def test_prepare_scatter_and_permute_round_trip(routing):
+def test_prepare_scatter_and_permute_round_trip(backend, routing):
     ids, num_experts, expert_map, num_local = routing
     emap = None if expert_map is None else jnp.asarray(expert_map, jnp.int32)
-    offsets, scatter_idx = hj.moe_prepare_scatter(jnp.asarray(ids), num_experts, emap, num_local)
+    offsets, scatter_idx = hj.moe_prepare_scatter(jnp.asarray(ids), num_experts, emap, num_local, backend=backend)
     exp_offsets, exp_dest = np_ref.prepare_scatter(ids, num_experts, expert_map, num_local)
     np.testing.assert_array_equal(np.asarray(offsets), exp_offsets)
     np.testing.assert_array_equal(np.asarray(scatter_idx), exp_dest)
@@ -99,7 +110,13 @@ def test_prepare_scatter_and_permute_round_trip(routing):
     hidden = rng.normal(size=(ids.shape[0], 24)).astype(np.float32)
     scale = rng.random((ids.shape[0], 3)).astype(np.float32) + 0.5
     result = hj.moe_permute(
-        jnp.asarray(hidden), jnp.asarray(ids), num_experts, emap, num_local, a1q_scale=jnp.asarray(scale)
+        jnp.asarray(hidden),
+        jnp.asarray(ids),
+        num_experts,
+        emap,
+        num_local,
+        a1q_scale=jnp.asarray(scale),
+        backend=backend,
     )
     np.testing.assert_array_equal(np.asarray(result.expert_first_token_offset), exp_offsets)
     np.testing.assert_array_equal(np.asarray(result.inv_permuted_idx), exp_dest.reshape(-1))
@@ -121,6 +138,7 @@ def test_prepare_scatter_and_permute_round_trip(routing):
             jnp.asarray(weights),
             result.inv_permuted_idx,
             result.expert_first_token_offset,
+            backend=backend,
         )
     )
     valid = np.asarray(np_ref.slot_local_expert(ids, num_experts, expert_map)).reshape(ids.shape)
@@ -129,8 +147,9 @@ def test_prepare_scatter_and_permute_round_trip(routing):
     np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @given(routings(), st.booleans())
-def test_fused_mul_sum(routing, bound_rows):
+def test_fused_mul_sum(backend, routing, bound_rows):
     ids, num_experts, expert_map, _ = routing
     rng = np.random.default_rng(ids.size + 1)
     t, k = ids.shape
@@ -145,6 +164,7 @@ def test_fused_mul_sum(routing, bound_rows):
             num_experts,
             None if expert_map is None else jnp.asarray(expert_map, jnp.int32),
             None if num_valid is None else jnp.asarray([num_valid], jnp.int32),
+            backend=backend,
         )
     )
     expected = np.zeros((t, 20))
@@ -156,12 +176,13 @@ def test_fused_mul_sum(routing, bound_rows):
     np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_align_with_expert_map_marks_nonlocal_blocks():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_align_with_expert_map_marks_nonlocal_blocks(backend):
     ids = jnp.asarray([[0, 1], [1, 2]], jnp.int32)
     emap = jnp.asarray([-1, 0, -1], jnp.int32)
-    _, expert_ids, post_pad = hj.moe_align_block_size(ids, 2, 3, expert_map=emap)
+    _, expert_ids, post_pad = hj.moe_align_block_size(ids, 2, 3, expert_map=emap, backend=backend)
     np.testing.assert_array_equal(np.asarray(expert_ids)[: int(post_pad[0]) // 2], [-1, 0, -1])
-    sorted_ids, expert_ids, post_pad = hj.moe_align_block_size(ids, 2, 3, emap, True, 1)
+    sorted_ids, expert_ids, post_pad = hj.moe_align_block_size(ids, 2, 3, emap, True, 1, backend=backend)
     np.testing.assert_array_equal(np.asarray(sorted_ids)[:2], [1, 2])
     assert int(post_pad[0]) == 2 and np.asarray(expert_ids).tolist()[0] == 0
 

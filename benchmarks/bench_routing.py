@@ -1,0 +1,147 @@
+"""Routing and data-movement benchmark: the Pallas kernels against the plain
+``jnp`` implementations (the references) of the same ops, in one process.
+
+    python -m benchmarks.bench_routing [--out results/routing.json] [--quick]
+
+Prints a table and writes JSON: per op and problem, the time of each
+implementation, the bytes the op must move and the achieved GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import humming_jax as hj
+from benchmarks.timing import device_seconds
+from humming_jax.routing import align_length
+
+COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200
+TOKENS = (1, 16, 128, 512, 4096, 16384)
+EXPERTS = ((8, 2), (128, 8), (256, 8))
+HIDDEN = (2048, 7168)
+BLOCK_SIZE = 64
+KERNEL = "pallas"  # the backend timed against the jnp reference
+
+
+def _routing(rng, tokens, experts, top_k):
+    scores = rng.random((tokens, experts))
+    ids = np.argpartition(scores, -top_k, axis=1)[:, -top_k:].astype(np.int32)
+    weights = rng.random((tokens, top_k)).astype(np.float32)
+    return jnp.asarray(ids), jnp.asarray(weights)
+
+
+def _copies(nbytes: int) -> int:
+    return 2 if nbytes > 2**29 else 8
+
+
+def _row(op, backend, problem, seconds, nbytes):
+    return dict(
+        op=op,
+        backend=backend,
+        **problem,
+        us=seconds * 1e6,
+        bytes=nbytes,
+        gbps=nbytes / seconds / 1e9,
+        copy_fraction=nbytes / seconds / COPY_BANDWIDTH,
+    )
+
+
+def bench(tokens_list, experts_list, hidden_list, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for tokens in tokens_list:
+        for experts, top_k in experts_list:
+            slots = tokens * top_k
+            problem = dict(T=tokens, E=experts, k=top_k)
+            copies = 8
+            routings = [_routing(rng, tokens, experts, top_k) for _ in range(2 * copies)]
+            length = align_length(slots, experts, BLOCK_SIZE)
+            align_bytes = 4 * slots + 4 * length + 4 * -(-length // BLOCK_SIZE)
+            scatter_bytes = 4 * slots + 4 * slots + 4 * (experts + 1)
+            for backend in (KERNEL, "reference"):
+                align = lambda ids, w, b=backend: hj.moe_align_block_size(ids, BLOCK_SIZE, experts, backend=b)  # noqa: E731
+                rows.append(_row("align", backend, problem, device_seconds(align, routings, copies), align_bytes))
+                scatter = lambda ids, w, b=backend: hj.moe_prepare_scatter(ids, experts, backend=b)  # noqa: E731
+                rows.append(
+                    _row("prepare_scatter", backend, problem, device_seconds(scatter, routings, copies), scatter_bytes)
+                )
+            for hidden in hidden_list:
+                problem_h = dict(problem, H=hidden)
+                row_bytes = 2 * hidden
+                moved = slots * row_bytes + tokens * row_bytes  # k rows in (or out) per token, one row the other way
+                copies = _copies(slots * row_bytes * 4)
+                sets = []
+                for ids, weights in routings[: 2 * copies]:
+                    x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.bfloat16)
+                    permuted = hj.moe_permute(x, ids, experts)
+                    expanded = jnp.asarray(rng.normal(size=(tokens, top_k, hidden)), jnp.bfloat16)
+                    sets.append((x, ids, weights, permuted, expanded))
+                for backend in (KERNEL, "reference"):
+                    permute = lambda x, ids, w, p, e, b=backend: hj.moe_permute(x, ids, experts, backend=b)  # noqa: E731
+                    unpermute = lambda x, ids, w, p, e, b=backend: hj.moe_unpermute(  # noqa: E731
+                        p.permuted_hidden_states, w, p.inv_permuted_idx, p.expert_first_token_offset, backend=b
+                    )
+                    fused = lambda x, ids, w, p, e, b=backend: hj.moe_fused_mul_sum(e, w, ids, experts, backend=b)  # noqa: E731
+                    for name, fn in (("permute", permute), ("unpermute", unpermute), ("fused_mul_sum", fused)):
+                        rows.append(_row(name, backend, problem_h, device_seconds(fn, sets, copies), moved))
+            print(f"done T={tokens} E={experts} k={top_k}", file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows) -> str:
+    by_key = {}
+    for r in rows:
+        key = (r["op"], r["T"], r["E"], r["k"], r.get("H", "-"))
+        by_key.setdefault(key, {})[r["backend"]] = r
+    lines = [
+        f"{'op':<16}{'T':>6}{'E':>5}{'k':>3}{'H':>6}{'pallas us':>11}{'jnp us':>10}{'speedup':>9}"
+        f"{'GB/s':>8}{'% copy':>8}"
+    ]
+    for key, pair in by_key.items():
+        p, ref = pair.get(KERNEL), pair.get("reference")
+        if not p or not ref:
+            continue
+        lines.append(
+            f"{key[0]:<16}{key[1]:>6}{key[2]:>5}{key[3]:>3}{key[4]:>6}{p['us']:>11.1f}{ref['us']:>10.1f}"
+            f"{ref['us'] / p['us']:>9.2f}{p['gbps']:>8.0f}{100 * p['copy_fraction']:>7.0f}%"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results/routing.json")
+    parser.add_argument("--quick", action="store_true", help="a few sizes only")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("bench_routing: needs a GPU (the kernels are timed compiled, not interpreted)", file=sys.stderr)
+        return 2
+    if args.quick:
+        rows = bench((16, 4096), ((256, 8),), (7168,))
+    else:
+        rows = bench(TOKENS, EXPERTS, HIDDEN)
+    print(table(rows))
+    meta = dict(
+        device=str(jax.devices()[0].device_kind),
+        jax=jax.__version__,
+        python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d"),
+        block_size=BLOCK_SIZE,
+        copy_bandwidth=COPY_BANDWIDTH,
+    )
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

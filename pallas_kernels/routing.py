@@ -1,0 +1,411 @@
+"""Pallas kernels for routing and data movement of the expert path.
+
+Grouping slots by expert (``moe_align_block_size`` and ``moe_prepare_scatter``)
+runs as three launches, with no atomics (a slot's place comes from counts and
+prefix sums only, so the result is deterministic and exact in interpret mode):
+
+1. ``chunk_counts`` — grid over chunks of ``chunk`` slots: each slot's rank
+   among the earlier slots of its bin in the chunk (pairwise compares over
+   sub-tiles), and the per-bin count of the chunk.
+2. ``bin_prefix`` — one program: exclusive prefix of the chunk counts over
+   chunks (each chunk's base inside a bin) and over bins (each bin's start,
+   with its count rounded up to the block size).
+3. ``place_slots`` — grid over chunks (write each slot to ``bin_start[g] +
+   chunk_base[c, g] + rank``), plus, for the aligned layout, programs over
+   ``sorted_ids`` positions that write the padding sentinels and the block
+   experts.
+
+Row movement (permute, unpermute, fused weighted sum) is a grid over
+``block_tokens x block_cols`` tiles that gathers or scatters whole rows.
+
+Kernels only: validation and the backend choice live in ``humming_jax.routing``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+SUB_TILE = 128  # slots compared pairwise at a time
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouping:
+    """How slots map to bins. ``num_bins`` real bins; with ``invalid_bin`` the
+    invalid slots form one more bin after them (``moe_prepare_scatter``), else
+    they are dropped. ``map_groups``: bins are ``expert_map[id]`` (local ids);
+    ``map_labels``: bins are global ids, block labels are ``expert_map[bin]``."""
+
+    num_slots: int
+    num_experts: int
+    num_bins: int
+    has_map: bool = False
+    map_groups: bool = False
+    invalid_bin: bool = False
+    block_size: int = 1
+
+    @property
+    def total_bins(self) -> int:
+        return self.num_bins + int(self.invalid_bin)
+
+    @property
+    def bins_padded(self) -> int:
+        return max(16, pl.next_power_of_2(self.total_bins))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupingTiles:
+    chunk: int = 512  # slots per program of chunk_counts / place_slots
+    bin_tile: int = 128  # bins handled at a time
+    chunk_tile: int = 64  # chunks handled at a time by bin_prefix
+    fill_positions: int = 256  # sorted_ids positions per fill program
+    num_warps: int = 4
+
+    def for_slots(self, num_slots: int) -> "GroupingTiles":
+        chunk = min(self.chunk, max(SUB_TILE, pl.next_power_of_2(num_slots)))
+        return dataclasses.replace(self, chunk=chunk)
+
+
+def _scatter_index(index, mask, size: int):
+    """Send masked-out lanes of a scatter past the end: on the GPU the mask keeps
+    them from touching memory, and in interpret mode (a scatter that writes the
+    old value back on masked lanes) an out-of-bounds index is dropped instead
+    of racing with a real lane on the same address."""
+    return jnp.where(mask, index, size)
+
+
+def _slot_groups(ids_ref, map_ref, start, g: Grouping):
+    """Bins of the slots ``[start, start + SUB_TILE)``: (group, valid), int32/bool."""
+    slots = start + jnp.arange(SUB_TILE, dtype=jnp.int32)
+    in_slots = slots < g.num_slots
+    ids = plgpu.load(ids_ref.at[pl.ds(start, SUB_TILE)], mask=in_slots, other=-1)
+    valid = in_slots & (ids >= 0) & (ids < g.num_experts)
+    group = jnp.where(valid, ids, 0)
+    if g.map_groups:
+        local = plgpu.load(map_ref.at[group], mask=valid, other=-1)
+        valid = valid & (local >= 0) & (local < g.num_bins)
+        group = jnp.where(valid, local, 0)
+    if g.invalid_bin:
+        group = jnp.where(valid, group, g.num_bins)
+        valid = in_slots
+    return group, valid
+
+
+def _chunk_counts_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles):
+    map_ref = refs[0] if g.has_map else None
+    counts_ref, rank_ref = refs[-2:]
+    chunk = pl.program_id(0)
+    base = chunk * tiles.chunk
+    subtiles = [_slot_groups(ids_ref, map_ref, base + i * SUB_TILE, g) for i in range(tiles.chunk // SUB_TILE)]
+    lane = jnp.arange(SUB_TILE, dtype=jnp.int32)
+    for i, (group_i, valid_i) in enumerate(subtiles):
+        rank = jnp.zeros(SUB_TILE, jnp.int32)
+        for j in range(i + 1):
+            group_j, valid_j = subtiles[j]
+            same = (group_i[:, None] == group_j[None, :]) & valid_j[None, :]
+            if j == i:
+                same = same & (lane[None, :] < lane[:, None])
+            rank += jnp.sum(same.astype(jnp.int32), axis=1)
+        start = base + i * SUB_TILE
+        plgpu.store(rank_ref.at[pl.ds(start, SUB_TILE)], rank, mask=start + lane < g.num_slots)
+    width = min(tiles.bin_tile, g.bins_padded)
+    for t in range(g.bins_padded // width):
+        bins = t * width + jnp.arange(width, dtype=jnp.int32)
+        count = jnp.zeros(width, jnp.int32)
+        for group_i, valid_i in subtiles:
+            count += jnp.sum(((bins[:, None] == group_i[None, :]) & valid_i[None, :]).astype(jnp.int32), axis=1)
+        counts_ref[chunk, pl.ds(t * width, width)] = count
+
+
+def _bin_prefix_kernel(
+    counts_ref, base_ref, start_ref, count_ref, post_pad_ref, *, g: Grouping, tiles: GroupingTiles, num_chunks: int
+):
+    width = min(tiles.bin_tile, g.bins_padded)
+    rows = tiles.chunk_tile
+    running = jnp.int32(0)
+    for t in range(g.bins_padded // width):
+        bins = t * width + jnp.arange(width, dtype=jnp.int32)
+        bin_mask = bins < g.total_bins
+
+        def over_chunks(i, carry, t=t, bins_mask=bin_mask):
+            chunk_ids = i * rows + jnp.arange(rows, dtype=jnp.int32)
+            mask = (chunk_ids < num_chunks)[:, None] & bins_mask[None, :]
+            index = (pl.ds(i * rows, rows), pl.ds(t * width, width))
+            tile = plgpu.load(counts_ref.at[index], mask=mask, other=0)
+            inclusive = jnp.cumsum(tile, axis=0)
+            plgpu.store(base_ref.at[index], inclusive - tile + carry[None, :], mask=mask)
+            return carry + jnp.sum(tile, axis=0)
+
+        totals = jax.lax.fori_loop(0, pl.cdiv(num_chunks, rows), over_chunks, jnp.zeros(width, jnp.int32))
+        padded = (totals + g.block_size - 1) // g.block_size * g.block_size
+        starts = running + jnp.cumsum(padded) - padded
+        start_ref[pl.ds(t * width, width)] = starts  # bins past the last get the total: empty
+        count_ref[pl.ds(t * width, width)] = totals
+        running = running + jnp.sum(padded)
+    start_ref[g.bins_padded] = running
+    post_pad_ref[0] = running
+
+
+def _bin_of_positions(start_ref, positions, g: Grouping, width: int):
+    """The bin whose padded range holds each position (the last bin starting at or before it)."""
+    found = jnp.zeros(positions.shape, jnp.int32)
+    for t in range(g.bins_padded // width):
+        bins = t * width + jnp.arange(width, dtype=jnp.int32)
+        starts = plgpu.load(start_ref.at[pl.ds(t * width, width)], mask=bins < g.total_bins, other=2**30)
+        found += jnp.sum((starts[None, :] <= positions[:, None]).astype(jnp.int32), axis=1)
+    return jnp.maximum(found - 1, 0)
+
+
+def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_chunks: int, length: int, outputs: str):
+    n_in = 5 + int(g.has_map)
+    map_ref = refs[0] if g.has_map else None
+    rank_ref, base_ref, start_ref, count_ref = refs[n_in - 5 : n_in - 1]
+    outs = refs[n_in - 1 :]
+    program = pl.program_id(0)
+    lane = jnp.arange(SUB_TILE, dtype=jnp.int32)
+
+    @pl.when(program < num_chunks)
+    def _scatter():
+        for i in range(tiles.chunk // SUB_TILE):
+            start = program * tiles.chunk + i * SUB_TILE
+            group, valid = _slot_groups(ids_ref, map_ref, start, g)
+            slots = start + lane
+            in_slots = slots < g.num_slots
+            rank = plgpu.load(rank_ref.at[pl.ds(start, SUB_TILE)], mask=in_slots, other=0)
+            chunk_base = plgpu.load(base_ref.at[program, group], mask=valid, other=0)
+            dest = plgpu.load(start_ref.at[group], mask=valid, other=0) + chunk_base + rank
+            if outputs == "sorted":
+                plgpu.store(outs[0].at[_scatter_index(dest, valid, length)], slots, mask=valid)
+            else:
+                plgpu.store(outs[0].at[pl.ds(start, SUB_TILE)], dest, mask=in_slots)
+                plgpu.store(outs[1].at[_scatter_index(dest, in_slots, g.num_slots)], slots, mask=in_slots)
+
+    if outputs == "sorted":
+        sorted_ref, expert_ids_ref = outs
+        width = min(tiles.bin_tile, g.bins_padded)
+        per_program = tiles.fill_positions
+        blocks_per_program = per_program // g.block_size
+
+        @pl.when(program >= num_chunks)
+        def _fill():
+            first = (program - num_chunks) * per_program
+            positions = first + jnp.arange(per_program, dtype=jnp.int32)
+            total = start_ref[g.bins_padded]
+            group = _bin_of_positions(start_ref, positions, g, width)
+            offset = positions - plgpu.load(start_ref.at[group])
+            padding = (offset >= plgpu.load(count_ref.at[group])) | (positions >= total)
+            plgpu.store(
+                sorted_ref.at[pl.ds(first, per_program)],
+                jnp.full(per_program, g.num_slots, jnp.int32),
+                mask=padding & (positions < length),
+            )
+            first_block = (program - num_chunks) * blocks_per_program
+            block = first_block + jnp.arange(blocks_per_program, dtype=jnp.int32)
+            block_start = block * g.block_size
+            block_group = _bin_of_positions(start_ref, block_start, g, width)
+            label = block_group
+            if g.has_map and not g.map_groups:
+                label = plgpu.load(map_ref.at[block_group])
+            label = jnp.where(block_start < total, label, -1)
+            plgpu.store(
+                expert_ids_ref.at[pl.ds(first_block, blocks_per_program)],
+                label,
+                mask=block < pl.cdiv(length, g.block_size),
+            )
+
+
+def group_slots(
+    topk_ids: jax.Array,
+    expert_map: jax.Array | None,
+    g: Grouping,
+    *,
+    outputs: str,
+    length: int = 0,
+    tiles: GroupingTiles = GroupingTiles(),
+    interpret: bool = False,
+):
+    """Group the flattened slots of ``topk_ids`` into bins.
+
+    ``outputs="sorted"``: returns ``sorted_ids [length]``, ``expert_ids
+    [ceil(length/block_size)]``, ``num_tokens_post_pad [1]`` (the aligned layout).
+    ``outputs="dest"``: returns ``dest [num_slots]`` (each slot's row),
+    ``inverse [num_slots]`` (each row's slot) and ``bin_start [total_bins+1]``.
+    """
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    tiles = tiles.for_slots(g.num_slots)
+    num_chunks = pl.cdiv(g.num_slots, tiles.chunk)
+    maps = [expert_map.astype(jnp.int32)] if g.has_map else []
+    params = plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+
+    counts, rank = pl.pallas_call(
+        functools.partial(_chunk_counts_kernel, g=g, tiles=tiles),
+        grid=(num_chunks,),
+        out_shape=(i32((num_chunks, g.bins_padded)), i32((g.num_slots,))),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_chunk_counts",
+    )(ids, *maps)
+    chunk_base, bin_start, bin_count, post_pad = pl.pallas_call(
+        functools.partial(_bin_prefix_kernel, g=g, tiles=tiles, num_chunks=num_chunks),
+        grid=(1,),
+        out_shape=(i32((num_chunks, g.bins_padded)), i32((g.bins_padded + 1,)), i32((g.bins_padded,)), i32((1,))),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_bin_prefix",
+    )(counts)
+    if outputs == "sorted":
+        tiles = dataclasses.replace(tiles, fill_positions=max(tiles.fill_positions, g.block_size))
+        grid = num_chunks + pl.cdiv(length, tiles.fill_positions)
+        out_shape = (i32((length,)), i32((pl.cdiv(length, g.block_size),)))
+    else:
+        grid = num_chunks
+        out_shape = (i32((g.num_slots,)), i32((g.num_slots,)))
+    placed = pl.pallas_call(
+        functools.partial(_place_slots_kernel, g=g, tiles=tiles, num_chunks=num_chunks, length=length, outputs=outputs),
+        grid=(grid,),
+        out_shape=out_shape,
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_place_slots",
+    )(ids, *maps, rank, chunk_base, bin_start, bin_count)
+    if outputs == "sorted":
+        return placed[0], placed[1], post_pad
+    return placed[0], placed[1], bin_start
+
+
+# ---------------------------------------------------------------------------
+# row movement
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTiles:
+    block_tokens: int = 16
+    block_cols: int = 512
+    num_warps: int = 4
+
+    def fit(self, cols: int) -> "RowTiles":
+        return dataclasses.replace(self, block_cols=min(self.block_cols, max(16, pl.next_power_of_2(cols))))
+
+
+def _tile_rows_cols(tiles: RowTiles, num_rows: int, num_cols: int):
+    """Token rows ``[BT]`` and columns ``[1, BC]`` of this program, with masks. Rows
+    and columns are both index arrays (not slices) so that one indexer can mix
+    a gathered row with a column range (interpret mode takes no mixed indexers)."""
+    rows = pl.program_id(0) * tiles.block_tokens + jnp.arange(tiles.block_tokens, dtype=jnp.int32)
+    cols = pl.program_id(1) * tiles.block_cols + jnp.arange(tiles.block_cols, dtype=jnp.int32)
+    return rows, cols[None, :], rows < num_rows, (cols < num_cols)[None, :]
+
+
+def _scatter_rows_kernel(x_ref, dest_ref, end_ref, out_ref, *, tiles: RowTiles, top_k: int):
+    num_tokens, num_cols = x_ref.shape
+    tokens, cols, token_mask, col_mask = _tile_rows_cols(tiles, num_tokens, num_cols)
+    mask = token_mask[:, None] & col_mask
+    x = plgpu.load(x_ref.at[tokens[:, None], cols], mask=mask, other=0)
+    end = end_ref[0]
+    for j in range(top_k):
+        dest = plgpu.load(dest_ref.at[tokens * top_k + j], mask=token_mask, other=0)
+        row = jnp.where((dest < end)[:, None], x, jnp.zeros_like(x))
+        dest = _scatter_index(dest, token_mask, out_ref.shape[0])
+        plgpu.store(out_ref.at[dest[:, None], cols], row, mask=mask)
+
+
+def scatter_rows(
+    x: jax.Array, dest: jax.Array, end: jax.Array, top_k: int, *, tiles: RowTiles = RowTiles(), interpret: bool = False
+) -> jax.Array:
+    """``out[dest[t*k + j]] = x[t]`` for rows ``dest < end[0]``, zeros for the
+    other destinations. ``dest`` must be a permutation of ``[0, T*k)``."""
+    num_tokens, num_cols = x.shape
+    tiles = tiles.fit(num_cols)
+    return pl.pallas_call(
+        functools.partial(_scatter_rows_kernel, tiles=tiles, top_k=top_k),
+        grid=(pl.cdiv(num_tokens, tiles.block_tokens), pl.cdiv(num_cols, tiles.block_cols)),
+        out_shape=jax.ShapeDtypeStruct((num_tokens * top_k, num_cols), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret,
+        name="moe_scatter_rows",
+    )(x, dest, end)
+
+
+def _weighted_gather_kernel(
+    x_ref,
+    index_ref,
+    weight_ref,
+    bound_ref,
+    *refs,
+    tiles: RowTiles,
+    top_k: int,
+    mode: str,
+    num_experts: int,
+    has_map: bool,
+):
+    map_ref = refs[0] if has_map else None
+    out_ref = refs[-1]
+    num_tokens, num_cols = out_ref.shape
+    tokens, cols, token_mask, col_mask = _tile_rows_cols(tiles, num_tokens, num_cols)
+    bound = bound_ref[0]
+    acc = jnp.zeros((tiles.block_tokens, tiles.block_cols), jnp.float32)
+    for j in range(top_k):
+        slot = tokens * top_k + j
+        index = plgpu.load(index_ref.at[slot], mask=token_mask, other=-1)
+        weight = plgpu.load(weight_ref.at[slot], mask=token_mask, other=0).astype(jnp.float32)
+        if mode == "unpermute":  # index is the permuted row; rows past bound are not local
+            valid = token_mask & (index >= 0) & (index < bound)
+            source = x_ref.at[jnp.where(valid, index, 0)[:, None], cols]
+        else:  # index is the expert id; bound limits the token rows
+            valid = token_mask & (index >= 0) & (index < num_experts) & (tokens < bound)
+            if has_map:
+                local = plgpu.load(map_ref.at[jnp.where(valid, index, 0)], mask=valid, other=-1)
+                valid = valid & (local >= 0)
+            source = x_ref.at[tokens[:, None], j, cols]
+        rows = plgpu.load(source, mask=valid[:, None] & col_mask, other=0).astype(jnp.float32)
+        acc += rows * jnp.where(valid, weight, 0.0)[:, None]
+    plgpu.store(out_ref.at[tokens[:, None], cols], acc.astype(out_ref.dtype), mask=token_mask[:, None] & col_mask)
+
+
+def weighted_gather(
+    x: jax.Array,
+    index: jax.Array,
+    weights: jax.Array,
+    bound: jax.Array,
+    num_tokens: int,
+    top_k: int,
+    *,
+    mode: str,
+    num_experts: int = 0,
+    expert_map: jax.Array | None = None,
+    tiles: RowTiles = RowTiles(),
+    interpret: bool = False,
+) -> jax.Array:
+    """Weighted top-k reduce, fp32 accumulation, output ``[T, N]`` in ``x``'s dtype.
+
+    ``mode="unpermute"``: ``x [M, N]``, ``index [T*k]`` permuted rows; slots
+    whose row is ``>= bound[0]`` contribute zero.
+    ``mode="fused_mul_sum"``: ``x [T, k, N]``, ``index [T*k]`` expert ids; slots
+    with ids outside ``[0, num_experts)`` or mapped to -1 contribute zero, and
+    token rows ``>= bound[0]`` are zero.
+    """
+    num_cols = x.shape[-1]
+    tiles = tiles.fit(num_cols)
+    maps = [expert_map.astype(jnp.int32)] if expert_map is not None else []
+    return pl.pallas_call(
+        functools.partial(
+            _weighted_gather_kernel,
+            tiles=tiles,
+            top_k=top_k,
+            mode=mode,
+            num_experts=num_experts,
+            has_map=expert_map is not None,
+        ),
+        grid=(pl.cdiv(num_tokens, tiles.block_tokens), pl.cdiv(num_cols, tiles.block_cols)),
+        out_shape=jax.ShapeDtypeStruct((num_tokens, num_cols), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"moe_{mode}",
+    )(x, index.reshape(-1).astype(jnp.int32), weights.reshape(-1), bound.reshape(-1)[:1].astype(jnp.int32), *maps)
