@@ -67,9 +67,9 @@ def bench(tokens_list, experts_list, hidden_list, seed=0):
             align_bytes = 4 * slots + 4 * length + 4 * -(-length // BLOCK_SIZE)
             scatter_bytes = 4 * slots + 4 * slots + 4 * (experts + 1)
             for backend in (KERNEL, "reference"):
-                align = lambda ids, w, b=backend: hj.moe_align_block_size(ids, BLOCK_SIZE, experts, backend=b)  # noqa: E731
+                align = lambda ids, w, b=backend, n=experts: hj.moe_align_block_size(ids, BLOCK_SIZE, n, backend=b)  # noqa: E731
                 rows.append(_row("align", backend, problem, device_seconds(align, routings, copies), align_bytes))
-                scatter = lambda ids, w, b=backend: hj.moe_prepare_scatter(ids, experts, backend=b)  # noqa: E731
+                scatter = lambda ids, w, b=backend, n=experts: hj.moe_prepare_scatter(ids, n, backend=b)  # noqa: E731
                 rows.append(
                     _row("prepare_scatter", backend, problem, device_seconds(scatter, routings, copies), scatter_bytes)
                 )
@@ -85,11 +85,11 @@ def bench(tokens_list, experts_list, hidden_list, seed=0):
                     expanded = jnp.asarray(rng.normal(size=(tokens, top_k, hidden)), jnp.bfloat16)
                     sets.append((x, ids, weights, permuted, expanded))
                 for backend in (KERNEL, "reference"):
-                    permute = lambda x, ids, w, p, e, b=backend: hj.moe_permute(x, ids, experts, backend=b)  # noqa: E731
+                    permute = lambda x, ids, w, p, e, b=backend, n=experts: hj.moe_permute(x, ids, n, backend=b)  # noqa: E731
                     unpermute = lambda x, ids, w, p, e, b=backend: hj.moe_unpermute(  # noqa: E731
                         p.permuted_hidden_states, w, p.inv_permuted_idx, p.expert_first_token_offset, backend=b
                     )
-                    fused = lambda x, ids, w, p, e, b=backend: hj.moe_fused_mul_sum(e, w, ids, experts, backend=b)  # noqa: E731
+                    fused = lambda x, ids, w, p, e, b=backend, n=experts: hj.moe_fused_mul_sum(e, w, ids, n, backend=b)  # noqa: E731
                     for name, fn in (("permute", permute), ("unpermute", unpermute), ("fused_mul_sum", fused)):
                         rows.append(_row(name, backend, problem_h, device_seconds(fn, sets, copies), moved))
             print(f"done T={tokens} E={experts} k={top_k}", file=sys.stderr, flush=True)

@@ -66,7 +66,7 @@ class GroupingTiles:
     fill_positions: int = 256  # sorted_ids positions per fill program
     num_warps: int = 4
 
-    def for_slots(self, num_slots: int) -> "GroupingTiles":
+    def for_slots(self, num_slots: int) -> GroupingTiles:
         chunk = min(self.chunk, max(SUB_TILE, pl.next_power_of_2(num_slots)))
         return dataclasses.replace(self, chunk=chunk)
 
@@ -103,7 +103,7 @@ def _chunk_counts_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles):
     base = chunk * tiles.chunk
     subtiles = [_slot_groups(ids_ref, map_ref, base + i * SUB_TILE, g) for i in range(tiles.chunk // SUB_TILE)]
     lane = jnp.arange(SUB_TILE, dtype=jnp.int32)
-    for i, (group_i, valid_i) in enumerate(subtiles):
+    for i, (group_i, _) in enumerate(subtiles):
         rank = jnp.zeros(SUB_TILE, jnp.int32)
         for j in range(i + 1):
             group_j, valid_j = subtiles[j]
@@ -290,7 +290,7 @@ class RowTiles:
     block_cols: int = 512
     num_warps: int = 4
 
-    def fit(self, cols: int) -> "RowTiles":
+    def fit(self, cols: int) -> RowTiles:
         return dataclasses.replace(self, block_cols=min(self.block_cols, max(16, pl.next_power_of_2(cols))))
 
 

@@ -14,7 +14,6 @@ from humming_jax.routing import align_length
 
 import np_ref
 
-
 # The Pallas kernels: compiled on a GPU, in interpret mode on the CPU.
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
 BACKENDS = ["reference", KERNEL_BACKEND]
