@@ -39,7 +39,8 @@ def _routing(rng, tokens, experts, top_k):
 
 
 def _copies(nbytes: int) -> int:
-    return 2 if nbytes > 2**29 else 8
+    """Input sets per timing: enough to amortize the launch, few enough to fit memory."""
+    return 2 if nbytes > 2**29 else 4 if nbytes > 2**25 else 16
 
 
 def _row(op, backend, problem, seconds, nbytes):
@@ -61,8 +62,8 @@ def bench(tokens_list, experts_list, hidden_list, seed=0):
         for experts, top_k in experts_list:
             slots = tokens * top_k
             problem = dict(T=tokens, E=experts, k=top_k)
-            copies = 8
-            routings = [_routing(rng, tokens, experts, top_k) for _ in range(2 * copies)]
+            copies = 16
+            routings = [_routing(rng, tokens, experts, top_k) for _ in range(copies)]
             length = align_length(slots, experts, BLOCK_SIZE)
             align_bytes = 4 * slots + 4 * length + 4 * -(-length // BLOCK_SIZE)
             scatter_bytes = 4 * slots + 4 * slots + 4 * (experts + 1)
@@ -73,16 +74,18 @@ def bench(tokens_list, experts_list, hidden_list, seed=0):
                 rows.append(
                     _row("prepare_scatter", backend, problem, device_seconds(scatter, routings, copies), scatter_bytes)
                 )
+            print(table(rows[-4:], header=False), flush=True)
             for hidden in hidden_list:
                 problem_h = dict(problem, H=hidden)
                 row_bytes = 2 * hidden
                 moved = slots * row_bytes + tokens * row_bytes  # k rows in (or out) per token, one row the other way
                 copies = _copies(slots * row_bytes * 4)
                 sets = []
-                for ids, weights in routings[: 2 * copies]:
-                    x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.bfloat16)
+                for i, (ids, weights) in enumerate(routings[:copies]):
+                    key_x, key_e = jax.random.split(jax.random.key(seed * 1000 + i))
+                    x = jax.random.normal(key_x, (tokens, hidden), jnp.bfloat16)
                     permuted = hj.moe_permute(x, ids, experts)
-                    expanded = jnp.asarray(rng.normal(size=(tokens, top_k, hidden)), jnp.bfloat16)
+                    expanded = jax.random.normal(key_e, (tokens, top_k, hidden), jnp.bfloat16)
                     sets.append((x, ids, weights, permuted, expanded))
                 for backend in (KERNEL, "reference"):
                     permute = lambda x, ids, w, p, e, b=backend, n=experts: hj.moe_permute(x, ids, n, backend=b)  # noqa: E731
@@ -92,11 +95,12 @@ def bench(tokens_list, experts_list, hidden_list, seed=0):
                     fused = lambda x, ids, w, p, e, b=backend, n=experts: hj.moe_fused_mul_sum(e, w, ids, n, backend=b)  # noqa: E731
                     for name, fn in (("permute", permute), ("unpermute", unpermute), ("fused_mul_sum", fused)):
                         rows.append(_row(name, backend, problem_h, device_seconds(fn, sets, copies), moved))
+                print(table(rows[-6:], header=False), flush=True)
             print(f"done T={tokens} E={experts} k={top_k}", file=sys.stderr, flush=True)
     return rows
 
 
-def table(rows) -> str:
+def table(rows, header: bool = True) -> str:
     by_key = {}
     for r in rows:
         key = (r["op"], r["T"], r["E"], r["k"], r.get("H", "-"))
@@ -120,14 +124,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results/routing.json")
     parser.add_argument("--quick", action="store_true", help="a few sizes only")
+    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("bench_routing: needs a GPU (the kernels are timed compiled, not interpreted)", file=sys.stderr)
         return 2
+    print(table([], header=True), flush=True)
     if args.quick:
         rows = bench((16, 4096), ((256, 8),), (7168,))
     else:
-        rows = bench(TOKENS, EXPERTS, HIDDEN)
+        rows = bench(tuple(args.tokens), EXPERTS, HIDDEN)
     print(table(rows))
     meta = dict(
         device=str(jax.devices()[0].device_kind),

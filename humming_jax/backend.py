@@ -44,7 +44,7 @@ KERNEL_BACKENDS: dict[str, tuple[str, ...]] = {
     "moe_permute": KERNELS,
     "moe_unpermute": KERNELS,
     "moe_fused_mul_sum": KERNELS,
-    "process_input": (),
+    "process_input": KERNELS,
     "gemm": (),
 }
 

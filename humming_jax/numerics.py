@@ -22,6 +22,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The elementwise codecs are shared with the kernels, which cannot import this package.
+from pallas_kernels.codecs import (  # noqa: F401  (re-exported)
+    cast_float8_saturating,
+    e2m1_encode,
+    e8m0_decode,
+    e8m0_from_amax,
+    pow2,
+    round_half_even,
+    safe_reciprocal,
+)
+
 FLOAT8_E4M3_MAX = 448.0
 FLOAT8_E5M2_MAX = 57344.0
 FLOAT4_E2M1_MAX = 6.0
@@ -31,9 +42,6 @@ E8M0_BIAS = 127
 
 # Magnitudes of the eight non-negative e2m1 codes, in code order.
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-# Midpoints between neighbouring magnitudes. Crossing midpoint i moves the code
-# from i to i+1; on an exact tie round-to-nearest-even keeps the even code.
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def pack_nibbles(codes: jax.Array) -> jax.Array:
@@ -57,68 +65,11 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
     return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def round_half_even(x: jax.Array) -> jax.Array:
-    """Round to the nearest integer, ties to even (what the hardware cvt.rni does)."""
-    return jnp.round(x)
-
-
-def e2m1_encode(x: jax.Array) -> jax.Array:
-    """Round float32 ``x`` to the nearest e2m1 value (ties to even, saturating at
-    ±6) and return its 4-bit code as ``uint8``."""
-    x = x.astype(jnp.float32)
-    magnitude = jnp.abs(x)
-    code = jnp.zeros(x.shape, jnp.uint8)
-    for i, midpoint in enumerate(_E2M1_MIDPOINTS):
-        # Odd i: the upper neighbour i+1 is even, so a tie goes up.
-        crossed = magnitude >= midpoint if i % 2 else magnitude > midpoint
-        code = code + crossed.astype(jnp.uint8)
-    sign = jnp.where(x < 0, jnp.uint8(8), jnp.uint8(0))
-    return code | sign
-
-
 def e2m1_decode(code: jax.Array) -> jax.Array:
     """Decode 4-bit e2m1 codes (``uint8``, 0..15) to float32."""
     code = code.astype(jnp.int32)
     magnitude = jnp.asarray(E2M1_MAGNITUDES)[code & 7]
     return jnp.where(code >= 8, -magnitude, magnitude)
-
-
-def e8m0_decode(byte: jax.Array) -> jax.Array:
-    """Decode e8m0 scale bytes to float32 exactly: ``2**(byte - 127)``.
-
-    Built from the bits (the byte is the f32 exponent field) rather than with
-    ``exp2``, which is approximate on some backends. Byte 0 is the f32
-    subnormal 2**-127 (bit pattern 0x00400000)."""
-    bits = byte.astype(jnp.uint32) << 23
-    bits = jnp.where(bits == 0, jnp.uint32(0x00400000), bits)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def e8m0_from_amax(amax: jax.Array, element_max: float) -> jax.Array:
-    """The smallest power-of-two scale ``s`` with ``amax / s <= element_max``, as an
-    e8m0 byte. A zero ``amax`` gives the smallest scale (byte 0)."""
-    amax = amax.astype(jnp.float32)
-    safe = jnp.where(amax > 0, amax, 1.0)
-    exponent = jnp.ceil(jnp.log2(safe / element_max))
-    # log2 can land a hair under an exact power of two: fix up so amax/s <= max.
-    exponent = jnp.where(safe / jnp.exp2(exponent) > element_max, exponent + 1, exponent)
-    exponent = jnp.where(amax > 0, exponent, -E8M0_BIAS)
-    exponent = jnp.clip(exponent, -E8M0_BIAS, E8M0_BIAS)
-    return (exponent + E8M0_BIAS).astype(jnp.uint8)
-
-
-def cast_float8_saturating(x: jax.Array, dtype) -> jax.Array:
-    """Round float32 to a float8 dtype (round-to-nearest-even), saturating at its
-    largest finite value instead of overflowing to NaN."""
-    finite_max = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32), -finite_max, finite_max).astype(dtype)
-
-
-def safe_reciprocal(scale: jax.Array) -> jax.Array:
-    """``1/scale`` where ``scale > 0``, else 0: a zero scale quantizes to zero
-    instead of producing NaN or Inf."""
-    scale = scale.astype(jnp.float32)
-    return jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
 
 
 def block_broadcast(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:

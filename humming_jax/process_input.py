@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from humming_jax import input_quant as Q
 from humming_jax.activations import ActivationSpec, apply_activation, get_activation
 from humming_jax.backend import resolve_backend
+from pallas_kernels import process_input as kernel
 
 LAYOUTS = ("normal", "grouped_mask", "scatter")
 
@@ -164,8 +165,21 @@ def process_input(
     if spec.mode.is_static != (static_scale is not None):
         need = "needs" if spec.mode.is_static else "takes no"
         raise ValueError(f"process_input: static_scale: mode {spec.mode.value!r} {need} a static tensor scale")
-    resolve_backend(backend, "process_input")
-    return process_input_reference(
+    chosen = resolve_backend(backend, "process_input")
+    if chosen == "reference":
+        return process_input_reference(
+            x,
+            spec,
+            activation,
+            hadamard_block_size,
+            layout,
+            expert_num_tokens,
+            scatter_idx,
+            num_valid_tokens,
+            static_scale,
+            jnp.dtype(compute_dtype),
+        )
+    return _process_input_kernel(
         x,
         spec,
         activation,
@@ -176,4 +190,58 @@ def process_input(
         num_valid_tokens,
         static_scale,
         jnp.dtype(compute_dtype),
+        interpret=chosen == "interpret",
     )
+
+
+def _process_input_kernel(
+    x,
+    spec,
+    activation,
+    hadamard_block_size,
+    layout,
+    expert_num_tokens,
+    scatter_idx,
+    num_valid_tokens,
+    static_scale,
+    compute_dtype,
+    interpret,
+) -> Q.QuantizedInput:
+    m_in, k_in = x.shape
+    k_out = activation.output_width(k_in) if activation is not None else k_in
+    copies = 1 if scatter_idx is None or scatter_idx.ndim == 1 else scatter_idx.shape[1]
+    cfg = kernel.ProcessConfig(
+        k_in=k_in,
+        k_out=k_out,
+        activation=None if activation is None else activation.kind.value,
+        clamp_limit=None if activation is None else activation.clamp_limit,
+        alpha=1.702 if activation is None else activation.alpha,
+        beta=1.0 if activation is None else activation.beta,
+        hadamard=hadamard_block_size,
+        mode=spec.mode.value,
+        act_dtype=None if spec.dtype is None else spec.dtype.value,
+        qmax=0.0 if spec.dtype is None else spec.dtype.max_value,
+        group_size=spec.group_size,
+        scale_type=spec.scale_type.value,
+        out_dtype=compute_dtype.name,
+        layout=layout,
+        copies=copies,
+        max_tokens=m_in // expert_num_tokens.shape[0] if expert_num_tokens is not None else 0,
+    )
+    if num_valid_tokens is None:
+        num_valid_tokens = jnp.full((1,), m_in * copies, jnp.int32)
+    values, scale, scale_2 = kernel.process_input(
+        x,
+        cfg,
+        num_valid_tokens=num_valid_tokens,
+        static_scale=static_scale,
+        expert_num_tokens=expert_num_tokens,
+        scatter_idx=scatter_idx,
+        interpret=interpret,
+    )
+    static = None if static_scale is None else jnp.asarray(static_scale, jnp.float32).reshape(1)
+    if spec.mode == Q.InputQuantMode.STATIC_TENSOR:
+        scale = static
+    elif spec.mode == Q.InputQuantMode.STATIC_TENSOR_DYNAMIC_GROUP:
+        scale_2 = static
+    return Q.QuantizedInput(values=values, scale=scale, scale_2=scale_2, spec=spec, k=k_out)

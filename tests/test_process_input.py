@@ -1,6 +1,7 @@
 """process_input: activation -> Hadamard -> quantization -> layout, against
 float64 NumPy, for the three layouts and num_valid_tokens."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -119,3 +120,123 @@ def test_process_input_bad_arguments():
         hj.process_input(x, Q.FP8_STATIC_TENSOR)
     with pytest.raises(ValueError, match="not a multiple of E"):
         hj.process_input(jnp.ones((7, 256)), layout="grouped_mask", expert_num_tokens=jnp.ones(2, jnp.int32))
+
+
+# ---- the Pallas kernel against the reference --------------------------------------------
+# Ties round to nearest even everywhere (int8 by the f32 magic-number rounding,
+# fp8 by the hardware/XLA conversion, e2m1 by explicit midpoint rules), so the
+# kernel's quantized values equal the reference's whenever their f32 inputs
+# are equal. With an activation or a Hadamard rotation the f32 inputs can
+# differ in the last bits (the kernel's own exp/erf and bf16-split rotation);
+# a value next to a rounding boundary may then land one grid step away.
+
+KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
+KERNEL_SPECS = [
+    Q.NONE,
+    Q.FP8_DYNAMIC_TOKEN,
+    Q.FP8_DYNAMIC_GROUP128,
+    Q.INT8_DYNAMIC_TOKEN,
+    Q.MXFP8_DYNAMIC,
+    Q.NVFP4_DYNAMIC,
+    Q.FP8_STATIC_TENSOR,
+    Q.INT8_STATIC_TENSOR,
+    Q.MXFP4_DYNAMIC,
+    Q.NVFP4_DYNAMIC_TOKEN,
+    Q.FP8_E5M2_DYNAMIC_TOKEN,
+]
+
+
+def _inputs(rng, m, n):
+    x = rng.standard_t(df=3, size=(m, n)).astype(np.float32)
+    x[0, :7] *= 40  # outliers
+    x[1] = 0.0  # zero row
+    x[2] = -1.25  # all-equal row
+    return x
+
+
+def _check_against_reference(got, ref, exact: bool):
+    spec = ref.spec
+    dg, dr = np_ref.dequantize_input(got), np_ref.dequantize_input(ref)
+    assert np.all(np.isfinite(dg)) and np.all(np.isfinite(np_ref.to64(got.scale) if got.scale is not None else 0))
+    if not spec.is_quantized:
+        np.testing.assert_allclose(dg, dr, rtol=8e-3, atol=1e-6 * np.abs(dr).max())
+        return
+
+    def codes(values):  # as numbers, so that -0 and +0 compare equal
+        return np_ref.E2M1_TABLE[np_ref.unpack(values)] if spec.dtype.value == "float4_e2m1" else np_ref.to64(values)
+
+    same = codes(got.values) == codes(ref.values)
+    if exact:
+        assert same.all()
+    else:  # rounding noise (e.g. a rotated constant row) may be quantized differently: ignore it
+        signal = np.abs(dr) > 1e-5 * np.abs(dr).max(axis=1, keepdims=True)
+        assert same[signal].mean() > 0.995
+    if got.scale is not None and spec.scale_type.value == "float32":
+        np.testing.assert_allclose(np.asarray(got.scale), np.asarray(ref.scale), rtol=1e-6 if exact else 1e-5)
+    elif got.scale is not None and exact:
+        np.testing.assert_array_equal(np.asarray(got.scale).view(np.uint8), np.asarray(ref.scale).view(np.uint8))
+    if got.scale_2 is not None:
+        np.testing.assert_allclose(np.asarray(got.scale_2), np.asarray(ref.scale_2), rtol=1e-6 if exact else 1e-5)
+    # Dequantized values agree to within one grid step of the element.
+    bound = np.maximum(np.abs(dr), np.abs(dg)) * 2.0**-2 + 1e-6 * np.abs(dr).max()
+    if spec.dtype.value == "float4_e2m1":
+        bound = np.maximum(np.abs(dr), np.abs(dg)) * 0.5 + 1e-6 * np.abs(dr).max()
+    if spec.dtype.value == "int8":
+        bound = np.abs(dr).max(axis=1, keepdims=True) / 127 * 1.01 + 1e-30
+    assert np.all(np.abs(dg - dr) <= bound)
+
+
+@pytest.mark.parametrize("spec", KERNEL_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "activation,block",
+    [
+        (None, None),
+        ("silu", None),
+        ("gelu", None),
+        ("swigluoai", None),
+        ("silu_no_mul", None),
+        (None, 128),
+        ("gelu_tanh", 32),
+    ],
+)
+def test_kernel_matches_reference(spec, activation, block, rng):
+    m, n = 11, 512
+    x = jnp.asarray(_inputs(rng, m, n), jnp.bfloat16)
+    static = jnp.asarray([0.02], jnp.float32) if spec.mode.is_static else None
+    kw = dict(
+        activation=activation,
+        hadamard_block_size=block,
+        static_scale=static,
+        num_valid_tokens=jnp.asarray([9], jnp.int32),
+    )
+    got = hj.process_input(x, spec, backend=KERNEL_BACKEND, **kw)
+    ref = hj.process_input(x, spec, backend="reference", **kw)
+    assert got.values.shape == ref.values.shape and got.values.dtype == ref.values.dtype
+    _check_against_reference(got, ref, exact=activation is None and block is None)
+
+
+@pytest.mark.parametrize("spec", [Q.NONE, Q.FP8_DYNAMIC_GROUP128, Q.NVFP4_DYNAMIC_TOKEN], ids=lambda s: s.name)
+def test_kernel_layouts(spec, rng):
+    # grouped_mask: garbage (NaN) past the counts, an empty and an over-full expert
+    e, max_tokens, k = 4, 6, 256
+    counts = jnp.asarray([0, 6, 2, 9], jnp.int32)
+    x = _inputs(rng, e * max_tokens, 2 * k)
+    x[:max_tokens] = np.nan
+    results = {
+        backend: hj.process_input(
+            jnp.asarray(x), spec, activation="silu", layout="grouped_mask", expert_num_tokens=counts, backend=backend
+        )
+        for backend in (KERNEL_BACKEND, "reference")
+    }
+    _check_against_reference(results[KERNEL_BACKEND], results["reference"], exact=False)
+    # scatter: the permute of the grouped path, bounded by num_valid_tokens
+    t, top_k = 9, 3
+    ids = rng.integers(0, 8, size=(t, top_k)).astype(np.int32)
+    ids[0, 1] = -1
+    offsets, scatter_idx = hj.moe_prepare_scatter(jnp.asarray(ids), 8)
+    xs = jnp.asarray(_inputs(rng, t, k), jnp.bfloat16)
+    kw = dict(layout="scatter", scatter_idx=scatter_idx, num_valid_tokens=offsets[-1:])
+    got = hj.process_input(xs, spec, backend=KERNEL_BACKEND, **kw)
+    ref = hj.process_input(xs, spec, backend="reference", **kw)
+    _check_against_reference(got, ref, exact=True)
+    assert np.all(np_ref.dequantize_input(got)[int(offsets[-1]) :] == 0)

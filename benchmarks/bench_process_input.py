@@ -1,0 +1,121 @@
+"""``process_input`` benchmark: the fused Pallas kernel against the ``jnp``
+reference (XLA-fused) on the same rows, in one process.
+
+    python -m benchmarks.bench_process_input [--out results/process_input.json]
+
+M = T*k rows (k = 8) for T in {16, 512, 4096}; K in {768, 2048, 2880}
+(the gated cases read 2K columns). GB/s counts bytes in + bytes out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import humming_jax as hj
+from benchmarks.timing import device_seconds
+from humming_jax import input_quant as Q
+
+COPY_BANDWIDTH = 4.3e12
+TOKENS = (16, 512, 4096)
+TOP_K = 8
+WIDTHS = (768, 2048, 2880)
+KERNEL = "pallas"
+CASES = {
+    # name: (activation, hadamard block, input quantization)
+    "silu+fp8_group128": ("silu", None, Q.FP8_DYNAMIC_GROUP128),
+    "silu+mxfp8": ("silu", None, Q.MXFP8_DYNAMIC),
+    "swigluoai+none": ("swigluoai", None, Q.NONE),
+    "hadamard128+fp8_token": (None, 128, Q.FP8_DYNAMIC_TOKEN),
+}
+
+
+def _out_bytes(rows: int, width: int, spec: Q.InputQuantSpec) -> int:
+    if not spec.is_quantized:
+        return rows * width * 2
+    values = rows * width // spec.packs_k
+    scale = spec.scale_shape(rows, width)
+    scale_bytes = 0 if scale is None else int(jnp.prod(jnp.asarray(scale))) * jnp.dtype(spec.scale_dtype).itemsize
+    return values + scale_bytes
+
+
+def bench(tokens_list=TOKENS, widths=WIDTHS, seed=0):
+    rows_out = []
+    for tokens in tokens_list:
+        rows = tokens * TOP_K
+        for width in widths:
+            for name, (activation, block, spec) in CASES.items():
+                in_width = 2 * width if activation else width
+                moved = rows * in_width * 2 + _out_bytes(rows, width, spec)
+                copies = 4 if moved > 2**27 else 16
+                keys = jax.random.split(jax.random.key(seed), copies)
+                sets = [(jax.random.normal(key, (rows, in_width), jnp.bfloat16),) for key in keys]
+                for backend in (KERNEL, "reference"):
+                    fn = lambda x, b=backend, a=activation, h=block, s=spec: hj.process_input(  # noqa: E731
+                        x, s, activation=a, hadamard_block_size=h, backend=b
+                    )
+                    seconds = device_seconds(fn, sets, copies)
+                    rows_out.append(
+                        dict(
+                            case=name,
+                            backend=backend,
+                            T=tokens,
+                            M=rows,
+                            K=width,
+                            us=seconds * 1e6,
+                            bytes=moved,
+                            gbps=moved / seconds / 1e9,
+                            copy_fraction=moved / seconds / COPY_BANDWIDTH,
+                        )
+                    )
+                print(table(rows_out[-2:], header=False), flush=True)
+    return rows_out
+
+
+def table(rows, header: bool = True) -> str:
+    pairs = {}
+    for r in rows:
+        pairs.setdefault((r["case"], r["T"], r["K"]), {})[r["backend"]] = r
+    lines = [f"{'case':<24}{'T':>6}{'K':>6}{'kernel us':>11}{'jnp us':>10}{'speedup':>9}{'GB/s':>8}{'% copy':>8}"]
+    lines = lines if header else []
+    for (case, t, k), pair in pairs.items():
+        if KERNEL in pair and "reference" in pair:
+            p, r = pair[KERNEL], pair["reference"]
+            lines.append(
+                f"{case:<24}{t:>6}{k:>6}{p['us']:>11.1f}{r['us']:>10.1f}{r['us'] / p['us']:>9.2f}"
+                f"{p['gbps']:>8.0f}{100 * p['copy_fraction']:>7.0f}%"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results/process_input.json")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("bench_process_input: needs a GPU", file=sys.stderr)
+        return 2
+    print(table([], header=True), flush=True)
+    rows = bench()
+    meta = dict(
+        device=str(jax.devices()[0].device_kind),
+        jax=jax.__version__,
+        python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d"),
+        top_k=TOP_K,
+        copy_bandwidth=COPY_BANDWIDTH,
+    )
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

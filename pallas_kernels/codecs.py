@@ -1,0 +1,99 @@
+"""Elementwise number codecs usable inside Pallas kernels (Triton lowering) and
+in plain ``jnp`` alike: no gathers from values, no ``round``/``erf``
+primitives (the Triton lowering has neither), powers of two built from bits.
+
+Bit layouts are documented in ``humming_jax.numerics``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+E8M0_BIAS = 127
+# Adding and subtracting 1.5 * 2**23 rounds an f32 of magnitude below 2**22 to
+# the nearest integer, ties to even (the rounding of the addition itself).
+_ROUND_MAGIC = 12582912.0
+# Midpoints between neighbouring e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6.
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def round_half_even(x: jax.Array) -> jax.Array:
+    """Round f32 values of magnitude below 2**22 to integers, ties to even."""
+    x = x.astype(jnp.float32)
+    magic = jnp.where(x < 0, -_ROUND_MAGIC, _ROUND_MAGIC).astype(jnp.float32)
+    return (x + magic) - magic
+
+
+def e2m1_encode(x: jax.Array) -> jax.Array:
+    """Nearest e2m1 value of f32 ``x`` (ties to even, saturating at ±6) as a
+    4-bit code in ``uint8``: sign in bit 3, magnitude code in bits 0-2; zero
+    is always code 0 (never -0)."""
+    x = x.astype(jnp.float32)
+    magnitude = jnp.abs(x)
+    code = jnp.zeros(x.shape, jnp.int32)
+    for i, midpoint in enumerate(_E2M1_MIDPOINTS):
+        # Odd i: the upper neighbour i+1 has an even code, so a tie goes up.
+        crossed = magnitude >= midpoint if i % 2 else magnitude > midpoint
+        code = code + crossed.astype(jnp.int32)
+    # A value that rounds to zero gets code 0 whatever its sign: one zero code.
+    return (code + jnp.where((x < 0) & (code > 0), 8, 0)).astype(jnp.uint8)
+
+
+def pack_pairs(low: jax.Array, high: jax.Array) -> jax.Array:
+    """Two arrays of 4-bit codes -> one byte each: ``low | high << 4``."""
+    return (low.astype(jnp.int32) | (high.astype(jnp.int32) << 4)).astype(jnp.uint8)
+
+
+def pow2(exponent: jax.Array) -> jax.Array:
+    """``2**exponent`` in f32, exactly, for int32 exponents in ``[-127, 127]``
+    (``2**-127`` is the subnormal 0x00400000)."""
+    exponent = exponent.astype(jnp.int32)
+    bits = jnp.where(exponent > -E8M0_BIAS, (exponent + E8M0_BIAS) << 23, 0x00400000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def e8m0_decode(byte: jax.Array) -> jax.Array:
+    """Decode e8m0 scale bytes to f32 exactly: ``2**(byte - 127)``."""
+    return pow2(byte.astype(jnp.int32) - E8M0_BIAS)
+
+
+def e8m0_from_amax(amax: jax.Array, element_max: float) -> jax.Array:
+    """The smallest power-of-two scale ``s`` with ``amax / s <= element_max``, as
+    an e8m0 byte, computed exactly from the exponent and mantissa bits. A zero
+    (or subnormal) ``amax`` gives the smallest scale, byte 0."""
+    max_exponent = math.floor(math.log2(element_max))
+    max_mantissa = round((element_max / 2**max_exponent - 1) * 2**23)
+    bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32)
+    amax_exponent = ((bits >> 23) & 0xFF) - E8M0_BIAS
+    # amax = 2^a * m_a and max = 2^b * m_b with m in [1, 2): amax <= max * 2^(a-b)
+    # exactly when m_a <= m_b, else one more power of two is needed.
+    exponent = amax_exponent - max_exponent + ((bits & 0x7FFFFF) > max_mantissa).astype(jnp.int32)
+    exponent = jnp.where(((bits >> 23) & 0xFF) > 0, exponent, -E8M0_BIAS)
+    return (jnp.clip(exponent, -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).astype(jnp.uint8)
+
+
+def cast_float8_saturating(x: jax.Array, dtype) -> jax.Array:
+    """Round f32 to a float8 dtype (nearest, ties to even), saturating at its
+    largest finite value instead of overflowing to NaN."""
+    finite_max = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32), -finite_max, finite_max).astype(dtype)
+
+
+def safe_reciprocal(scale: jax.Array) -> jax.Array:
+    """``1/scale`` where ``scale > 0``, else 0: a zero scale quantizes to zero."""
+    scale = scale.astype(jnp.float32)
+    return jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+
+
+def erf(x: jax.Array) -> jax.Array:
+    """erf in f32 (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7): the Triton
+    lowering has no erf primitive."""
+    x = x.astype(jnp.float32)
+    sign = jnp.where(x < 0, -1.0, 1.0)
+    a = jnp.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return sign * (1.0 - poly * jnp.exp(-a * a))

@@ -1,0 +1,313 @@
+"""Pallas kernel for ``process_input``: activation -> Hadamard rotation ->
+quantization -> layout, one pass over the rows.
+
+Each program takes ``block_rows`` whole rows (quantization scales need whole
+groups or whole rows), computes the activation in f32 from the input columns,
+rotates blocks of ``b`` columns with a ``[b, b]`` ±1 Hadamard matrix on the
+tensor cores (two bf16 products, the value split into high and low halves, so
+the product keeps ~16 mantissa bits), quantizes, and writes each row to its
+place: the same row (``normal``, ``grouped_mask``) or the rows
+``scatter_idx[i, :]`` (``scatter``). Rows outside the valid set are written as
+zeros, so every output element is written exactly once.
+
+Kernels only: validation and the backend choice live in ``humming_jax``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import codecs
+
+FLOAT8_E4M3_MAX = 448.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessConfig:
+    """Static description of one ``process_input`` launch."""
+
+    k_in: int  # input row width
+    k_out: int  # row width after the activation
+    activation: str | None = None
+    clamp_limit: float | None = None
+    alpha: float = 1.702
+    beta: float = 1.0
+    hadamard: int | None = None
+    mode: str = "none"
+    act_dtype: str | None = None  # float8_e4m3 | float8_e5m2 | int8 | float4_e2m1
+    qmax: float = 0.0
+    group_size: int = 0
+    scale_type: str = "float32"  # float32 | e8m0 | float8_e4m3
+    out_dtype: str = "bfloat16"  # values dtype when not quantized
+    layout: str = "normal"  # normal | grouped_mask | scatter
+    copies: int = 1  # scatter: destinations per input row
+    max_tokens: int = 0  # grouped_mask: rows per expert
+    block_rows: int = 0  # 0: chosen from the width
+    num_warps: int = 4
+
+    @property
+    def width(self) -> int:
+        return max(16, pl.next_power_of_2(self.k_out))
+
+    @property
+    def rows(self) -> int:
+        if self.block_rows:
+            return self.block_rows
+        rows = max(1, 4096 // self.width)
+        if self.hadamard:  # the rotation's product needs at least 16 rows
+            rows = max(rows, 16 * self.hadamard // self.width)
+        return rows
+
+    @property
+    def packed(self) -> bool:
+        return self.act_dtype == "float4_e2m1"
+
+    @property
+    def num_groups(self) -> int:
+        return self.k_out // self.group_size if self.group_size else 0
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _gelu(x):
+    return 0.5 * x * (1.0 + codecs.erf(x * (1.0 / math.sqrt(2.0))))
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def _activated(x_ref, rows, row_mask, cols, col_mask, cfg: ProcessConfig):
+    """Activation output ``[rows, width]`` in f32, zero past ``k_out``."""
+    mask = row_mask[:, None] & col_mask[None, :]
+
+    def load(columns):
+        return plgpu.load(x_ref.at[rows[:, None], columns[None, :]], mask=mask, other=0).astype(jnp.float32)
+
+    kind, limit = cfg.activation, cfg.clamp_limit
+    if kind is None:
+        return load(cols)
+    if kind.endswith("_no_mul"):
+        x = load(cols)
+        return {
+            "silu_no_mul": lambda v: v * _sigmoid(v),
+            "gelu_no_mul": _gelu,
+            "gelu_tanh_no_mul": _gelu_tanh,
+            "relu2_no_mul": lambda v: jnp.square(jnp.maximum(v, 0.0)),
+        }[kind](x)
+    if kind == "swigluoai":  # interleaved [g0, u0, g1, u1, ...]
+        gate, up = load(2 * cols), load(2 * cols + 1)
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return gate * _sigmoid(cfg.alpha * gate) * (up + cfg.beta)
+    gate, up = load(cols), load(cols + cfg.k_out)
+    if kind == "silu":
+        if limit is not None:
+            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return gate * _sigmoid(gate) * up
+    if kind == "gelu":
+        return _gelu(gate) * up
+    if kind == "gelu_tanh":
+        return _gelu_tanh(gate) * up
+    if kind == "swiglustep":
+        return jnp.minimum(gate * _sigmoid(gate), limit) * jnp.clip(up, -limit, limit)
+    raise ValueError(f"unknown activation {kind!r}")
+
+
+def _rotate(y, h_ref, cfg: ProcessConfig):
+    """Blockwise Hadamard rotation of ``y [rows, width]`` by ``±1 / sqrt(b)``."""
+    b = cfg.hadamard
+    rows, width = y.shape
+    blocks = y.reshape(rows * width // b, b)
+    high = blocks.astype(jnp.bfloat16)
+    low = (blocks - high.astype(jnp.float32)).astype(jnp.bfloat16)
+    h = h_ref[...]
+    rotated = jnp.dot(high, h, preferred_element_type=jnp.float32) + jnp.dot(low, h, preferred_element_type=jnp.float32)
+    return (rotated * (1.0 / math.sqrt(b))).reshape(rows, width)
+
+
+def _encode(scaled, cfg: ProcessConfig):
+    if cfg.act_dtype == "int8":
+        return jnp.clip(codecs.round_half_even(scaled), -127, 127).astype(jnp.int8)
+    if cfg.act_dtype == "float4_e2m1":
+        codes = codecs.e2m1_encode(scaled)
+        rows, width = codes.shape
+        low, high = jax.lax.split(codes.reshape(rows, width // 2, 2), (1, 1), axis=2)
+        return codecs.pack_pairs(low.reshape(rows, width // 2), high.reshape(rows, width // 2))
+    dtype = jnp.float8_e4m3fn if cfg.act_dtype == "float8_e4m3" else jnp.float8_e5m2
+    return codecs.cast_float8_saturating(scaled, dtype)
+
+
+def _quantize(y, static_ref, cfg: ProcessConfig):
+    """Returns (values, group-or-token scale to store or None, second scale or None)."""
+    rows, width = y.shape
+    if cfg.mode == "none":
+        return y.astype(jnp.dtype(cfg.out_dtype)), None, None
+    qmax = cfg.qmax
+    if cfg.mode == "static_tensor":
+        return _encode(y * codecs.safe_reciprocal(static_ref[0]), cfg), None, None
+    if cfg.mode == "dynamic_token":
+        scale = jnp.max(jnp.abs(y), axis=1) / qmax
+        return _encode(y * codecs.safe_reciprocal(scale)[:, None], cfg), scale, None
+    groups = width // cfg.group_size
+    grouped = y.reshape(rows, groups, cfg.group_size)
+    amax = jnp.max(jnp.abs(grouped), axis=2)
+    second = None
+    if cfg.mode == "dynamic_group":
+        if cfg.scale_type == "e8m0":
+            stored = codecs.e8m0_from_amax(amax, qmax)
+            scale = codecs.e8m0_decode(stored)
+        elif cfg.scale_type == "float8_e4m3":
+            stored = codecs.cast_float8_saturating(amax / qmax, jnp.float8_e4m3fn)
+            scale = stored.astype(jnp.float32)
+        else:
+            stored = scale = amax / qmax
+    else:
+        if cfg.mode == "static_tensor_dynamic_group":
+            second = jnp.full((rows,), static_ref[0], jnp.float32)
+        else:  # dynamic_group_token: the row amax lands on e4m3 max x element max
+            second = jnp.max(amax, axis=1) / (FLOAT8_E4M3_MAX * qmax)
+        stored = codecs.cast_float8_saturating(amax / qmax * codecs.safe_reciprocal(second)[:, None], jnp.float8_e4m3fn)
+        scale = stored.astype(jnp.float32) * second[:, None]
+    scaled = grouped * codecs.safe_reciprocal(scale)[:, :, None]
+    values = _encode(scaled.reshape(rows, width), cfg)
+    return values, stored, (second if cfg.mode == "dynamic_group_token" else None)
+
+
+def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    h_ref = refs.pop(0) if cfg.hadamard else None
+    static_ref = refs.pop(0) if cfg.mode in ("static_tensor", "static_tensor_dynamic_group") else None
+    counts_ref = refs.pop(0) if cfg.layout == "grouped_mask" else None
+    scatter_ref = refs.pop(0) if cfg.layout == "scatter" else None
+    valid_ref = refs.pop(0)
+    values_ref = refs.pop(0)
+    scale_ref = refs.pop(0) if refs else None
+    scale2_ref = refs.pop(0) if refs else None
+
+    block_rows, width = cfg.rows, cfg.width
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    row_mask = rows < m_in
+    cols = jnp.arange(width, dtype=jnp.int32)
+    y = _activated(x_ref, rows, row_mask, cols, cols < cfg.k_out, cfg)
+    if cfg.hadamard:
+        y = _rotate(y, h_ref, cfg)
+    num_valid = valid_ref[0]
+
+    if cfg.layout == "scatter":
+        destinations = [
+            plgpu.load(scatter_ref.at[rows * cfg.copies + r], mask=row_mask, other=0) for r in range(cfg.copies)
+        ]
+        keeps = [row_mask & (dest < num_valid) for dest in destinations]
+    else:
+        keep = row_mask & (rows < num_valid)
+        if cfg.layout == "grouped_mask":
+            count = plgpu.load(counts_ref.at[rows // cfg.max_tokens], mask=row_mask, other=0)
+            keep = keep & (rows % cfg.max_tokens < count)
+        destinations, keeps = [rows], [keep]
+
+    values, scale, second = _quantize(y, static_ref, cfg)
+    value_width = width // 2 if cfg.packed else width
+    value_cols = jnp.arange(value_width, dtype=jnp.int32)
+    value_col_mask = value_cols < (cfg.k_out // 2 if cfg.packed else cfg.k_out)
+    for dest, keep in zip(destinations, keeps, strict=True):
+        # Masked-out lanes point past the end (dropped in interpret mode, untouched on the GPU).
+        out_rows = jnp.where(row_mask, dest, values_ref.shape[0])
+        plgpu.store(
+            values_ref.at[out_rows[:, None], value_cols[None, :]],
+            _zero_rows(values, keep),
+            mask=row_mask[:, None] & value_col_mask[None, :],
+        )
+        if scale is not None and scale.ndim == 1:
+            plgpu.store(scale_ref.at[out_rows, 0], _zero_rows(scale, keep), mask=row_mask)
+        elif scale is not None:
+            scale_cols = jnp.arange(scale.shape[1], dtype=jnp.int32)
+            plgpu.store(
+                scale_ref.at[out_rows[:, None], scale_cols[None, :]],
+                _zero_rows(scale, keep),
+                mask=row_mask[:, None] & (scale_cols < cfg.num_groups)[None, :],
+            )
+        if second is not None:
+            plgpu.store(scale2_ref.at[out_rows, 0], _zero_rows(second, keep), mask=row_mask)
+
+
+def _zero_rows(array, keep):
+    """Rows of ``array`` where ``keep`` is false replaced by zeros (of its dtype)."""
+    keep = keep.reshape(keep.shape + (1,) * (array.ndim - 1))
+    return jnp.where(keep, array, jnp.zeros((), array.dtype))
+
+
+def hadamard_signs(block: int) -> np.ndarray:
+    """The unnormalized Sylvester Hadamard matrix of order ``block`` (entries ±1)."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < block:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def _scale_dtype(cfg: ProcessConfig):
+    return {"float32": jnp.float32, "e8m0": jnp.uint8, "float8_e4m3": jnp.float8_e4m3fn}[cfg.scale_type]
+
+
+def process_input(
+    x: jax.Array,
+    cfg: ProcessConfig,
+    *,
+    num_valid_tokens: jax.Array,
+    static_scale: jax.Array | None = None,
+    expert_num_tokens: jax.Array | None = None,
+    scatter_idx: jax.Array | None = None,
+    interpret: bool = False,
+):
+    """Run the kernel on ``x [M, k_in]``. Returns ``(values, scale, scale_2)``
+    for the kernel-computed parts (static scales are the caller's). With the
+    scatter layout ``scatter_idx`` must be a permutation of ``[0, M*copies)``."""
+    m_in = x.shape[0]
+    m_out = m_in * cfg.copies
+    inputs = [x]
+    if cfg.hadamard:
+        inputs.append(jnp.asarray(hadamard_signs(cfg.hadamard), jnp.bfloat16))
+    if static_scale is not None:
+        inputs.append(static_scale.reshape(1).astype(jnp.float32))
+    if expert_num_tokens is not None:
+        inputs.append(expert_num_tokens.astype(jnp.int32))
+    if scatter_idx is not None:
+        inputs.append(scatter_idx.reshape(-1).astype(jnp.int32))
+    inputs.append(num_valid_tokens.reshape(-1)[:1].astype(jnp.int32))
+
+    if cfg.mode == "none":
+        out_shape = [jax.ShapeDtypeStruct((m_out, cfg.k_out), jnp.dtype(cfg.out_dtype))]
+    else:
+        storage = {
+            "float8_e4m3": jnp.float8_e4m3fn,
+            "float8_e5m2": jnp.float8_e5m2,
+            "int8": jnp.int8,
+            "float4_e2m1": jnp.uint8,
+        }[cfg.act_dtype]
+        out_shape = [jax.ShapeDtypeStruct((m_out, cfg.k_out // (2 if cfg.packed else 1)), storage)]
+        if cfg.mode == "dynamic_token":
+            out_shape.append(jax.ShapeDtypeStruct((m_out, 1), jnp.float32))
+        elif cfg.mode != "static_tensor":
+            out_shape.append(jax.ShapeDtypeStruct((m_out, cfg.num_groups), _scale_dtype(cfg)))
+        if cfg.mode == "dynamic_group_token":
+            out_shape.append(jax.ShapeDtypeStruct((m_out, 1), jnp.float32))
+    outs = pl.pallas_call(
+        functools.partial(_process_kernel, cfg=cfg, m_in=m_in),
+        grid=(pl.cdiv(m_in, cfg.rows),),
+        out_shape=tuple(out_shape),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+        interpret=interpret,
+        name="moe_process_input",
+    )(*inputs)
+    outs = list(outs) + [None] * (3 - len(outs))
+    return tuple(outs)
