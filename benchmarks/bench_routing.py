@@ -39,8 +39,8 @@ def _routing(rng, tokens, experts, top_k):
 
 
 def _copies(nbytes: int) -> int:
-    """Input sets per timing: enough to amortize the launch, few enough to fit memory."""
-    return 2 if nbytes > 2**29 else 4 if nbytes > 2**25 else 16
+    """Input sets rotated per timing: more than L2 holds where memory allows."""
+    return 2 if nbytes > 2**26 else 4
 
 
 def _row(op, backend, problem, seconds, nbytes):
@@ -62,18 +62,15 @@ def bench(tokens_list, experts_list, hidden_list, seed=0):
         for experts, top_k in experts_list:
             slots = tokens * top_k
             problem = dict(T=tokens, E=experts, k=top_k)
-            copies = 16
-            routings = [_routing(rng, tokens, experts, top_k) for _ in range(copies)]
+            routings = [_routing(rng, tokens, experts, top_k) for _ in range(4)]
             length = align_length(slots, experts, BLOCK_SIZE)
             align_bytes = 4 * slots + 4 * length + 4 * -(-length // BLOCK_SIZE)
             scatter_bytes = 4 * slots + 4 * slots + 4 * (experts + 1)
             for backend in (KERNEL, "reference"):
                 align = lambda ids, w, b=backend, n=experts: hj.moe_align_block_size(ids, BLOCK_SIZE, n, backend=b)  # noqa: E731
-                rows.append(_row("align", backend, problem, device_seconds(align, routings, copies), align_bytes))
+                rows.append(_row("align", backend, problem, device_seconds(align, routings), align_bytes))
                 scatter = lambda ids, w, b=backend, n=experts: hj.moe_prepare_scatter(ids, n, backend=b)  # noqa: E731
-                rows.append(
-                    _row("prepare_scatter", backend, problem, device_seconds(scatter, routings, copies), scatter_bytes)
-                )
+                rows.append(_row("prepare_scatter", backend, problem, device_seconds(scatter, routings), scatter_bytes))
             print(table(rows[-4:], header=False), flush=True)
             for hidden in hidden_list:
                 problem_h = dict(problem, H=hidden)
@@ -94,7 +91,7 @@ def bench(tokens_list, experts_list, hidden_list, seed=0):
                     )
                     fused = lambda x, ids, w, p, e, b=backend, n=experts: hj.moe_fused_mul_sum(e, w, ids, n, backend=b)  # noqa: E731
                     for name, fn in (("permute", permute), ("unpermute", unpermute), ("fused_mul_sum", fused)):
-                        rows.append(_row(name, backend, problem_h, device_seconds(fn, sets, copies), moved))
+                        rows.append(_row(name, backend, problem_h, device_seconds(fn, sets), moved))
                 print(table(rows[-6:], header=False), flush=True)
             print(f"done T={tokens} E={experts} k={top_k}", file=sys.stderr, flush=True)
     return rows

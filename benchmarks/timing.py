@@ -1,34 +1,64 @@
 """Device timing for jitted JAX functions.
 
-One executable runs the op on ``copies`` different input sets back to back
-(Python-unrolled: no host round trip between them, and distinct inputs leave
-nothing for XLA to deduplicate or hoist). The median wall time of that
-executable over ``copies`` is the time of one op; the fixed cost of launching
-the executable (tens of microseconds) is spread over the copies, so for ops of
-a few microseconds it adds about ``launch / copies`` to each.
+The op runs ``iterations`` times inside one ``fori_loop`` (one executable, one
+launch). Each iteration passes its inputs through an optimization barrier
+together with the loop index, so XLA cannot hoist the loop-invariant op out of
+the loop, and the outputs are the loop carry, so nothing is dead. The input
+sets rotate inside each iteration (unrolled), so consecutive calls do not just
+re-read what the previous one left in L2. The median time of the executable
+divided by the number of calls is the time of one op; iterations are raised
+until one timing lasts at least ``min_seconds`` (clocks ramp up, launch cost
+vanishes); the trip count is static (a dynamic one would make XLA read the
+loop predicate back to the host every iteration), so that costs one compile
+more.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 
-def device_seconds(fn: Callable, inputs: Sequence[tuple], copies: int | None = None, repeats: int = 10) -> float:
-    """Median seconds of one ``fn(*inputs[i])`` call (``copies`` defaults to ``len(inputs)``)."""
-    copies = copies or len(inputs)
+def _looped(fn: Callable, sets: Sequence[tuple]):
+    out_shapes = [jax.eval_shape(fn, *args) for args in sets]
 
-    @jax.jit
-    def run(sets):
-        return [fn(*sets[i % len(sets)]) for i in range(copies)]
+    @functools.partial(jax.jit, static_argnums=1)
+    def run(sets, iterations: int):
+        def body(i, carry):
+            del carry  # every set's outputs are the next carry: none is dead
+            outs = []
+            for args in sets:
+                args, _ = jax.lax.optimization_barrier((args, i))
+                outs.append(fn(*args))
+            return outs
 
-    jax.block_until_ready(run(inputs))  # compile and warm up
-    times = []
-    for _ in range(repeats):
+        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
+        return jax.lax.fori_loop(0, iterations, body, init)
+
+    return run
+
+
+def device_seconds(fn: Callable, sets: Sequence[tuple], repeats: int = 5, min_seconds: float = 0.01) -> float:
+    """Median device seconds of one ``fn(*sets[i])`` call."""
+    sets = list(sets)
+    run = _looped(fn, sets)
+
+    def timed(iterations: int) -> float:
         start = time.perf_counter()
-        jax.block_until_ready(run(inputs))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / copies
+        jax.block_until_ready(run(sets, iterations))
+        return time.perf_counter() - start
+
+    iterations = 4
+    timed(iterations)  # compile and warm up
+    estimate = min(timed(iterations) for _ in range(3)) / iterations
+    needed = min(4096, max(4, int(min_seconds / max(estimate, 1e-7))))
+    if needed > iterations:
+        iterations = 1 << (needed - 1).bit_length()  # a static trip count: one more compile
+        timed(iterations)
+    samples = [timed(iterations) for _ in range(repeats)]
+    return statistics.median(samples) / (iterations * len(sets))

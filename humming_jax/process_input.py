@@ -227,6 +227,7 @@ def _process_input_kernel(
         layout=layout,
         copies=copies,
         max_tokens=m_in // expert_num_tokens.shape[0] if expert_num_tokens is not None else 0,
+        gpu=not interpret,
     )
     if num_valid_tokens is None:
         num_valid_tokens = jnp.full((1,), m_in * copies, jnp.int32)

@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 E8M0_BIAS = 127
 # Adding and subtracting 1.5 * 2**23 rounds an f32 of magnitude below 2**22 to
@@ -82,10 +83,30 @@ def cast_float8_saturating(x: jax.Array, dtype) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32), -finite_max, finite_max).astype(dtype)
 
 
-def safe_reciprocal(scale: jax.Array) -> jax.Array:
+def divide(x: jax.Array, y, exact_on_gpu: bool = False) -> jax.Array:
+    """``x / y`` in f32, correctly rounded. Triton lowers an f32 ``/`` to the
+    approximate ``div.full.f32``; inside a compiled GPU kernel pass
+    ``exact_on_gpu=True`` to emit ``div.rn.f32`` instead, so that scales and
+    quantized values match the reference bit for bit."""
+    x = jnp.asarray(x, jnp.float32)
+    y = jnp.broadcast_to(jnp.asarray(y, jnp.float32), x.shape)
+    if not exact_on_gpu:
+        return x / y
+    (quotient,) = plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;",
+        args=[x, y],
+        constraints="=r,r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )
+    return quotient
+
+
+def safe_reciprocal(scale: jax.Array, exact_on_gpu: bool = False) -> jax.Array:
     """``1/scale`` where ``scale > 0``, else 0: a zero scale quantizes to zero."""
     scale = scale.astype(jnp.float32)
-    return jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+    positive = scale > 0
+    return jnp.where(positive, divide(jnp.ones_like(scale), jnp.where(positive, scale, 1.0), exact_on_gpu), 0.0)
 
 
 def erf(x: jax.Array) -> jax.Array:

@@ -52,6 +52,7 @@ class ProcessConfig:
     max_tokens: int = 0  # grouped_mask: rows per expert
     block_rows: int = 0  # 0: chosen from the width
     num_warps: int = 4
+    gpu: bool = False  # compiled for the GPU (not interpreted): use exact division
 
     @property
     def width(self) -> int:
@@ -152,12 +153,15 @@ def _quantize(y, static_ref, cfg: ProcessConfig):
     rows, width = y.shape
     if cfg.mode == "none":
         return y.astype(jnp.dtype(cfg.out_dtype)), None, None
-    qmax = cfg.qmax
+    qmax, exact = cfg.qmax, cfg.gpu
+    recip = functools.partial(codecs.safe_reciprocal, exact_on_gpu=exact)
+    divide = functools.partial(codecs.divide, exact_on_gpu=exact)
     if cfg.mode == "static_tensor":
-        return _encode(y * codecs.safe_reciprocal(static_ref[0]), cfg), None, None
+        static = jnp.full((rows, 1), static_ref[0], jnp.float32)
+        return _encode(y * recip(static), cfg), None, None
     if cfg.mode == "dynamic_token":
-        scale = jnp.max(jnp.abs(y), axis=1) / qmax
-        return _encode(y * codecs.safe_reciprocal(scale)[:, None], cfg), scale, None
+        scale = divide(jnp.max(jnp.abs(y), axis=1), qmax)
+        return _encode(y * recip(scale)[:, None], cfg), scale, None
     groups = width // cfg.group_size
     grouped = y.reshape(rows, groups, cfg.group_size)
     amax = jnp.max(jnp.abs(grouped), axis=2)
@@ -167,18 +171,18 @@ def _quantize(y, static_ref, cfg: ProcessConfig):
             stored = codecs.e8m0_from_amax(amax, qmax)
             scale = codecs.e8m0_decode(stored)
         elif cfg.scale_type == "float8_e4m3":
-            stored = codecs.cast_float8_saturating(amax / qmax, jnp.float8_e4m3fn)
+            stored = codecs.cast_float8_saturating(divide(amax, qmax), jnp.float8_e4m3fn)
             scale = stored.astype(jnp.float32)
         else:
-            stored = scale = amax / qmax
+            stored = scale = divide(amax, qmax)
     else:
         if cfg.mode == "static_tensor_dynamic_group":
             second = jnp.full((rows,), static_ref[0], jnp.float32)
         else:  # dynamic_group_token: the row amax lands on e4m3 max x element max
-            second = jnp.max(amax, axis=1) / (FLOAT8_E4M3_MAX * qmax)
-        stored = codecs.cast_float8_saturating(amax / qmax * codecs.safe_reciprocal(second)[:, None], jnp.float8_e4m3fn)
+            second = divide(jnp.max(amax, axis=1), FLOAT8_E4M3_MAX * qmax)
+        stored = codecs.cast_float8_saturating(divide(amax, qmax) * recip(second)[:, None], jnp.float8_e4m3fn)
         scale = stored.astype(jnp.float32) * second[:, None]
-    scaled = grouped * codecs.safe_reciprocal(scale)[:, :, None]
+    scaled = grouped * recip(scale)[:, :, None]
     values = _encode(scaled.reshape(rows, width), cfg)
     return values, stored, (second if cfg.mode == "dynamic_group_token" else None)
 
