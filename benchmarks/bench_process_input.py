@@ -53,8 +53,8 @@ def bench(tokens_list=TOKENS, widths=WIDTHS, seed=0):
             for name, (activation, block, spec) in CASES.items():
                 in_width = 2 * width if activation else width
                 moved = rows * in_width * 2 + _out_bytes(rows, width, spec)
-                if spec.mode.has_group_scale and width % spec.group_size:
-                    continue  # e.g. K=2880 with groups of 128: not a valid shape (pad K)
+                if (spec.mode.has_group_scale and width % spec.group_size) or (block and width % block):
+                    continue  # e.g. K=2880 with groups or Hadamard blocks of 128: not a valid shape (pad K)
                 copies = 2 if moved > 2**26 else 4
                 keys = jax.random.split(jax.random.key(seed), copies)
                 sets = [(jax.random.normal(key, (rows, in_width), jnp.bfloat16),) for key in keys]

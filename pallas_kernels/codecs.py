@@ -95,7 +95,7 @@ def divide(x: jax.Array, y, exact_on_gpu: bool = False) -> jax.Array:
     (quotient,) = plgpu.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;",
         args=[x, y],
-        constraints="=r,r,r",
+        constraints="=f,f,f",
         pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
     )

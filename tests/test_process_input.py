@@ -3,6 +3,7 @@ float64 NumPy, for the three layouts and num_valid_tokens."""
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -154,7 +155,31 @@ def _inputs(rng, m, n):
     return x
 
 
-def _check_against_reference(got, ref, exact: bool):
+def _near_tie(ref, x64):
+    """Elements whose scaled value x/scale sits within 1e-6 (relative) of a rounding
+    boundary of the value grid: a division rounded differently (the GPU's f32
+    reciprocal) may legitimately round them the other way."""
+    spec = ref.spec
+    m, k = x64.shape
+    if spec.mode.value == "static_tensor":
+        full = np.full((m, k), np_ref.to64(ref.scale).reshape(-1)[0])
+    elif spec.mode.value == "dynamic_token":
+        full = np.repeat(np_ref.to64(ref.scale), k, axis=1)
+    else:
+        scale = np.asarray(ref.scale)
+        scale = 2.0 ** (scale.astype(np.float64) - 127) if spec.scale_type.value == "e8m0" else np_ref.to64(scale)
+        if ref.scale_2 is not None:
+            scale = scale * np.asarray(ref.scale_2, np.float64).reshape(-1, 1)
+        full = np.repeat(scale, spec.group_size, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.where(full > 0, x64 / full, 0.0)
+    grid = {"int8": np.round, "float4_e2m1": lambda a: a.astype(ml_dtypes.float4_e2m1fn).astype(np.float64)}.get(
+        spec.dtype.value, lambda a: np.clip(a, -57344, 57344).astype(spec.dtype.storage_dtype).astype(np.float64)
+    )
+    return grid(v * (1 + 1e-6)) != grid(v * (1 - 1e-6))
+
+
+def _check_against_reference(got, ref, exact: bool, x64=None):
     spec = ref.spec
     dg, dr = np_ref.dequantize_input(got), np_ref.dequantize_input(ref)
     assert np.all(np.isfinite(dg)) and np.all(np.isfinite(np_ref.to64(got.scale) if got.scale is not None else 0))
@@ -167,7 +192,7 @@ def _check_against_reference(got, ref, exact: bool):
 
     same = codes(got.values) == codes(ref.values)
     if exact:
-        assert same.all()
+        assert (same | _near_tie(ref, x64)).all()
     else:  # rounding noise (e.g. a rotated constant row) may be quantized differently: ignore it
         signal = np.abs(dr) > 1e-5 * np.abs(dr).max(axis=1, keepdims=True)
         assert same[signal].mean() > 0.995
@@ -212,7 +237,8 @@ def test_kernel_matches_reference(spec, activation, block, rng):
     got = hj.process_input(x, spec, backend=KERNEL_BACKEND, **kw)
     ref = hj.process_input(x, spec, backend="reference", **kw)
     assert got.values.shape == ref.values.shape and got.values.dtype == ref.values.dtype
-    _check_against_reference(got, ref, exact=activation is None and block is None)
+    exact = activation is None and block is None
+    _check_against_reference(got, ref, exact, np.asarray(x, np.float64))
 
 
 @pytest.mark.parametrize("spec", [Q.NONE, Q.FP8_DYNAMIC_GROUP128, Q.NVFP4_DYNAMIC_TOKEN], ids=lambda s: s.name)
@@ -238,5 +264,6 @@ def test_kernel_layouts(spec, rng):
     kw = dict(layout="scatter", scatter_idx=scatter_idx, num_valid_tokens=offsets[-1:])
     got = hj.process_input(xs, spec, backend=KERNEL_BACKEND, **kw)
     ref = hj.process_input(xs, spec, backend="reference", **kw)
-    _check_against_reference(got, ref, exact=True)
+    x_rows = np.asarray(xs, np.float64)[np.argsort(np.asarray(scatter_idx).reshape(-1)) // top_k]
+    _check_against_reference(got, ref, exact=True, x64=x_rows)
     assert np.all(np_ref.dequantize_input(got)[int(offsets[-1]) :] == 0)
