@@ -45,7 +45,7 @@ KERNEL_BACKENDS: dict[str, tuple[str, ...]] = {
     "moe_unpermute": KERNELS,
     "moe_fused_mul_sum": KERNELS,
     "process_input": KERNELS,
-    "gemm": (),
+    "gemm": KERNELS,
 }
 
 

@@ -7,6 +7,7 @@ of the layout, accumulated in float32; rows no group owns are zero.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +17,9 @@ from humming_jax import configs
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
+from humming_jax import tuning as T
 from humming_jax.backend import resolve_backend
+from pallas_kernels import gemm as kernel
 
 _FLOAT_INPUTS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -140,7 +143,88 @@ def gemm(
         out_dtype = x.values.dtype if not x.spec.is_quantized else jnp.bfloat16
     out_dtype = jnp.dtype(out_dtype)
     _validate(x, weight, layout, use_f16_accum, out_dtype)
+    compute = configs.ComputeConfig(layout.kind, use_f16_accum, batch_invariant)
     if tuning is not None:
-        tuning.check_compute(configs.ComputeConfig(layout.kind, use_f16_accum, batch_invariant))
-    resolve_backend(backend, "gemm")
-    return gemm_reference(x, weight, layout, out_dtype)
+        tuning.check_compute(compute)
+    chosen = resolve_backend(backend, "gemm")
+    unsupported = _kernel_unsupported(x, layout)
+    if chosen != "reference" and unsupported:
+        if backend is not None:
+            raise ValueError(f"gemm: backend {backend!r}: the kernel does not take {unsupported} yet")
+        chosen = "reference"
+    if chosen == "reference":
+        return gemm_reference(x, weight, layout, out_dtype)
+    if tuning is None:
+        estimate = valid_shape_m or layout.output_rows(x.m)
+        tuning = T.choose_tuning(layout.kind, weight.format, estimate, weight.num_experts, weight.n, weight.k)
+    if isinstance(layout, L.Indexed):
+        tuning = dataclasses.replace(tuning, block_m=layout.block_size)
+    if batch_invariant:
+        tuning = dataclasses.replace(tuning, split_k=1)
+    return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=chosen == "interpret")
+
+
+def _kernel_unsupported(x: Q.QuantizedInput, layout) -> str | None:
+    """Why the kernel cannot run this call (None if it can)."""
+    if x.spec.is_quantized:
+        return f"quantized inputs ({x.spec.name})"
+    if jnp.dtype(x.values.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"{x.values.dtype} inputs (bfloat16 or float16)"
+    if isinstance(layout, L.Indexed) and (layout.block_size < 16 or layout.block_size & (layout.block_size - 1)):
+        return f"an indexed block_size of {layout.block_size} (a power of two >= 16)"
+    return None
+
+
+def _weight_spec(weight: F.QuantizedWeight) -> kernel.WeightSpec:
+    fmt = weight.format
+    return kernel.WeightSpec(
+        num_experts=weight.num_experts,
+        n=weight.n,
+        k=weight.k,
+        value_type=fmt.value_type.value,
+        scale=fmt.scale_granularity.value,
+        scale_type=None if fmt.scale_type is None else fmt.scale_type.value,
+        group_size=fmt.group_size,
+        block_n=fmt.block_n,
+        zero_point=fmt.zero_point.value,
+        global_scale=fmt.global_scale.value,
+        has_bias=fmt.has_bias,
+    )
+
+
+def _layout_spec(layout, m_in: int) -> tuple[kernel.LayoutSpec, tuple[jax.Array, ...]]:
+    kind = layout.kind.value
+    if isinstance(layout, L.Dense):
+        return kernel.LayoutSpec(kind, m_in, m_in), ()
+    if isinstance(layout, L.GroupedContiguous):
+        return kernel.LayoutSpec(kind, m_in, m_in), (layout.expert_offsets.astype(jnp.int32),)
+    if isinstance(layout, L.GroupedMasked):
+        counts = layout.expert_num_tokens.astype(jnp.int32)
+        return kernel.LayoutSpec(kind, m_in, m_in, max_tokens=m_in // counts.shape[0]), (counts,)
+    spec = kernel.LayoutSpec(kind, m_in, m_in * layout.top_k, top_k=layout.top_k, num_blocks=layout.expert_ids.shape[0])
+    arrays = (
+        layout.sorted_ids.astype(jnp.int32),
+        layout.expert_ids.astype(jnp.int32),
+        layout.num_tokens_padded.reshape(-1)[:1].astype(jnp.int32),
+    )
+    return spec, arrays
+
+
+def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret):
+    layout_spec, route = _layout_spec(layout, x.m)
+    parts = tuple(a for a in (weight.values, weight.scale, weight.zero_point, weight.second_scale) if a is not None)
+    tiles = kernel.Tiles(
+        tuning.block_m, tuning.block_n, tuning.block_k, tuning.split_k, tuning.num_warps, tuning.num_stages
+    )
+    return kernel.expert_gemm(
+        x.values,
+        parts,
+        weight.bias,
+        route,
+        _weight_spec(weight),
+        layout_spec,
+        tiles,
+        out_dtype=out_dtype,
+        use_f16_accum=use_f16_accum,
+        interpret=interpret,
+    )

@@ -1,0 +1,70 @@
+"""Kernel tiling: the tuning table and the default heuristic.
+
+``valid_shape_m`` (an estimate of the real rows, static) picks an entry; the
+table maps M ranges to :class:`TuningConfig` per layout and weight-format
+class. Until a table tuned on the GPU is shipped the heuristic below fills in.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+from humming_jax import formats as F
+from humming_jax.configs import GemmLayout, TuningConfig, TuningEntry, select_tuning
+
+TABLE_FILE = "tuning_h200.json"
+
+
+def format_class(fmt: F.WeightFormat) -> str:
+    """Formats that tile alike share table entries."""
+    if not fmt.is_quantized:
+        return "16bit"
+    return "4bit" if fmt.value_type.is_packed else "8bit"
+
+
+def _pow2_at_most(value: int, cap: int) -> int:
+    size = 16
+    while size * 2 <= min(value, cap):
+        size *= 2
+    return size
+
+
+def heuristic_tuning(rows_per_expert: int, n: int, k: int) -> TuningConfig:
+    """Small row counts get thin M tiles and long K tiles (weight bandwidth),
+    large ones square tiles (tensor-core throughput)."""
+    block_m = _pow2_at_most(max(rows_per_expert, 16), 128)
+    block_n = min(64 if block_m <= 32 else 128, max(16, 1 << (max(n, 16) - 1).bit_length()))
+    block_k = min(128 if block_m <= 32 else 64, max(16, 1 << (max(k, 16) - 1).bit_length()))
+    return TuningConfig(block_m, block_n, block_k, num_warps=4 if block_m <= 64 else 8, num_stages=3)
+
+
+def load_table(name: str = TABLE_FILE) -> dict[str, tuple[TuningEntry, ...]]:
+    """``{"<layout>/<format class>": entries}`` from the packaged JSON (empty if absent)."""
+    try:
+        text = resources.files("humming_jax").joinpath(name).read_text()
+    except FileNotFoundError:
+        return {}
+    table = {}
+    for key, entries in json.loads(text).get("entries", {}).items():
+        table[key] = tuple(
+            TuningEntry(e["min_shape_m"], e["max_shape_m"], TuningConfig(**e["config"])) for e in entries
+        )
+    return table
+
+
+_TABLE: dict[str, tuple[TuningEntry, ...]] | None = None
+
+
+def choose_tuning(
+    layout: GemmLayout, fmt: F.WeightFormat, valid_shape_m: int, num_experts: int, n: int, k: int
+) -> TuningConfig:
+    """The table's entry for this problem, else the heuristic."""
+    global _TABLE
+    if _TABLE is None:
+        _TABLE = load_table()
+    entries = _TABLE.get(f"{layout.value}/{format_class(fmt)}", ())
+    if any(e.min_shape_m < valid_shape_m <= e.max_shape_m for e in entries):
+        return select_tuning(entries, valid_shape_m)
+    rows = valid_shape_m if layout == GemmLayout.DENSE else max(1, valid_shape_m // max(num_experts, 1))
+    return heuristic_tuning(rows, n, k)

@@ -1,0 +1,281 @@
+"""Pallas expert GEMM: one kernel family for the four layouts and every weight
+format (16-bit activations).
+
+``out[r] = x[r_in] @ dequant(w[e]).T (+ bias[e])`` on ``block_m x block_n``
+output tiles. The layout decides which rows a tile covers and which expert
+it multiplies (``_tile_rows``); the weight format decides how a
+``[block_n, block_k]`` weight tile is dequantized in registers to the compute
+dtype (``_weight_tile``); the product accumulates in f32 (or f16). The grid
+is a static upper bound on the tiles (no host sync, no recompilation when the
+routing changes): tiles past the live ones exit at once.
+
+Layouts:
+
+* ``dense`` — tile t covers rows ``[t*bm, (t+1)*bm)``, expert 0.
+* ``grouped_contiguous`` — tiles are laid out group by group
+  (``ceil(count_e / bm)`` tiles for expert e), so a tile never straddles two
+  experts; the grid has ``ceil(M / bm) + E`` tiles.
+* ``grouped_masked`` — ``ceil(max_tokens / bm)`` tiles per expert.
+* ``indexed`` — tile b is block b of ``sorted_ids`` (``bm == block_size``);
+  entry ``idx`` reads row ``idx // top_k`` and writes row ``idx``.
+
+Rows no tile writes must read as zero: the caller passes a zeroed output that
+the kernel updates in place (``input_output_aliases``). With ``split_k > 1``
+each split writes its own f32 partial ``[split_k, M, N]``; the caller sums
+the partials in a fixed order (deterministic).
+
+Kernels only: validation, tuning and the backend choice live in ``humming_jax``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import codecs
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """Static description of a quantized weight ``[E, N, K]`` (see humming_jax.formats)."""
+
+    num_experts: int
+    n: int
+    k: int
+    value_type: str  # bfloat16 float16 int8 int4 uint4 float8_e4m3 float4_e2m1
+    scale: str = "none"  # none tensor channel group block
+    scale_type: str | None = None  # float32 bfloat16 float16 e8m0 float8_e4m3
+    group_size: int = 0
+    block_n: int = 0
+    zero_point: str = "none"  # none int float
+    global_scale: str = "none"  # none tensor expert
+    has_bias: bool = False
+
+    @property
+    def packed(self) -> bool:
+        return self.value_type in ("int4", "uint4", "float4_e2m1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutSpec:
+    kind: str  # dense grouped_contiguous grouped_masked indexed
+    m_in: int
+    m_out: int
+    top_k: int = 1
+    num_blocks: int = 0  # indexed: len(expert_ids)
+    max_tokens: int = 0  # grouped_masked
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
+    """Static upper bound on the row tiles of a layout."""
+    if layout.kind == "dense":
+        return pl.cdiv(layout.m_in, block_m)
+    if layout.kind == "grouped_contiguous":
+        return pl.cdiv(layout.m_in, block_m) + num_experts
+    if layout.kind == "grouped_masked":
+        return num_experts * pl.cdiv(layout.max_tokens, block_m)
+    return layout.num_blocks
+
+
+def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int):
+    """(rows_in [bm], rows_out [bm], row_mask [bm], expert, live) of this program's tile."""
+    tile = pl.program_id(0)
+    lane = jnp.arange(block_m, dtype=jnp.int32)
+    if layout.kind == "dense":
+        rows = tile * block_m + lane
+        return rows, rows, rows < layout.m_in, jnp.int32(0), tile >= 0
+    if layout.kind == "grouped_contiguous":
+        (offsets_ref,) = route_refs
+        width = max(16, pl.next_power_of_2(num_experts))
+        experts = jnp.arange(width, dtype=jnp.int32)
+        in_range = experts < num_experts
+        starts = plgpu.load(offsets_ref.at[experts], mask=in_range, other=0)
+        ends = plgpu.load(offsets_ref.at[experts + 1], mask=in_range, other=0)
+        tiles = jnp.where(in_range, (ends - starts + block_m - 1) // block_m, 0)
+        tile_ends = jnp.cumsum(tiles)
+        expert = jnp.minimum(jnp.sum((tile_ends <= tile).astype(jnp.int32)), num_experts - 1)
+        mine = experts == expert
+        first_tile = jnp.sum(jnp.where(mine, tile_ends - tiles, 0))
+        row_start = jnp.sum(jnp.where(mine, starts, 0))
+        row_end = jnp.sum(jnp.where(mine, ends, 0))
+        rows = row_start + (tile - first_tile) * block_m + lane
+        live = tile < jnp.sum(tiles)
+        return rows, rows, rows < row_end, expert, live
+    if layout.kind == "grouped_masked":
+        (counts_ref,) = route_refs
+        per_expert = pl.cdiv(layout.max_tokens, block_m)
+        expert = tile // per_expert
+        local = (tile % per_expert) * block_m + lane
+        count = jnp.clip(counts_ref[expert], 0, layout.max_tokens)
+        rows = expert * layout.max_tokens + local
+        return rows, rows, local < count, expert, (tile % per_expert) * block_m < count
+    sorted_ref, experts_ref, padded_ref = route_refs
+    positions = tile * block_m + lane
+    entries = plgpu.load(sorted_ref.at[positions], mask=positions < sorted_ref.shape[0], other=layout.m_out)
+    expert = experts_ref[tile]
+    mask = entries < layout.m_out
+    live = (tile * block_m < padded_ref[0]) & (expert >= 0) & (expert < num_experts)
+    return entries // layout.top_k, entries, mask, jnp.clip(expert, 0, num_experts - 1), live
+
+
+def _decode_e2m1(code):
+    """e2m1 codes (int32) to f32 without a table: 0, .5, 1, 1.5, 2, 3, 4, 6."""
+    exponent = (code >> 1) & 3
+    mantissa = (code & 1).astype(jnp.float32)
+    power = jnp.left_shift(1, jnp.maximum(exponent - 1, 0)).astype(jnp.float32)
+    magnitude = jnp.where(exponent == 0, 0.5 * mantissa, power * (1.0 + 0.5 * mantissa))
+    return jnp.where((code & 8) != 0, -magnitude, magnitude)
+
+
+def _decode_scale(raw, scale_type: str):
+    if scale_type == "e8m0":
+        return codecs.e8m0_decode(raw)
+    return raw.astype(jnp.float32)
+
+
+def _weight_tile(weight_refs, w: WeightSpec, expert, n_idx, k_start, block_k: int, compute_dtype):
+    """Dequantized weight tile ``[bn, bk]`` (columns ``k_start + [0, bk)``) of ``expert``."""
+    k_idx = k_start + jnp.arange(block_k, dtype=jnp.int32)
+    refs = list(weight_refs)
+    values_ref = refs.pop(0)
+    scale_ref = refs.pop(0) if w.scale != "none" else None
+    zero_ref = refs.pop(0) if w.zero_point != "none" else None
+    global_ref = refs.pop(0) if w.global_scale != "none" else None
+    n_col, k_row = n_idx[:, None], k_idx[None, :]
+    mask = (n_col < w.n) & (k_row < w.k)
+    if w.packed:  # byte j holds columns 2j (low nibble) and 2j+1 (high nibble)
+        pair = k_start // 2 + jnp.arange(block_k // 2, dtype=jnp.int32)
+        packed = plgpu.load(values_ref.at[expert, n_col, pair[None, :]],
+                            mask=(n_col < w.n) & (pair[None, :] < w.k // 2), other=0).astype(jnp.int32)
+        low, high = packed & 0xF, packed >> 4
+        codes = jnp.stack([low, high], axis=-1).reshape(packed.shape[0], block_k)
+        if w.value_type == "float4_e2m1":
+            values = _decode_e2m1(codes)
+        elif w.value_type == "int4":
+            values = (codes - 8).astype(jnp.float32)
+        else:
+            values = codes.astype(jnp.float32)
+    else:
+        values = plgpu.load(values_ref.at[expert, n_col, k_row], mask=mask, other=0)
+        if w.scale == "none":
+            return values.astype(compute_dtype)
+        values = values.astype(jnp.float32)
+    if w.zero_point != "none":
+        group = k_row // w.group_size
+        if w.zero_point == "int":
+            byte = plgpu.load(zero_ref.at[expert, n_col, group // 2], mask=mask, other=0).astype(jnp.int32)
+            zero = ((byte >> (4 * (group % 2))) & 0xF).astype(jnp.float32)
+        else:
+            zero = plgpu.load(zero_ref.at[expert, n_col, group], mask=mask, other=0).astype(jnp.float32)
+        values = values - zero
+    if w.scale == "tensor":
+        scale = _decode_scale(scale_ref[expert, 0, 0], w.scale_type)
+    elif w.scale == "channel":
+        scale = _decode_scale(plgpu.load(scale_ref.at[expert, n_idx, 0], mask=n_idx < w.n, other=0),
+                              w.scale_type)[:, None]
+    elif w.scale == "group":
+        raw = plgpu.load(scale_ref.at[expert, n_col, k_row // w.group_size], mask=mask, other=0)
+        scale = _decode_scale(raw, w.scale_type)
+    else:  # block
+        raw = plgpu.load(scale_ref.at[expert, n_col // w.block_n, k_row // w.group_size], mask=mask, other=0)
+        scale = _decode_scale(raw, w.scale_type)
+    values = values * scale
+    if w.global_scale == "expert":
+        values = values * global_ref[expert]
+    elif w.global_scale == "tensor":
+        values = values * global_ref[0]
+    return values.astype(compute_dtype)
+
+
+def _gemm_kernel(*refs, w: WeightSpec, layout: LayoutSpec, tiles: Tiles, compute_dtype, accum_dtype,
+                 num_route: int, num_weight: int):
+    x_ref = refs[0]
+    route_refs = refs[1 : 1 + num_route]
+    weight_refs = refs[1 + num_route : 1 + num_route + num_weight]
+    rest = refs[1 + num_route + num_weight :]
+    bias_ref = rest[0] if w.has_bias else None
+    out_ref = rest[-1]  # aliased to the zeroed output input
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm)
+    n_idx = pl.program_id(1) * bn + jnp.arange(bn, dtype=jnp.int32)
+    split = pl.program_id(2)
+    k_tiles = pl.cdiv(w.k, bk)
+    per_split = pl.cdiv(k_tiles, tiles.split_k)
+
+    @pl.when(live)
+    def _():
+        def step(i, acc):
+            k_start = (split * per_split + i) * bk
+            k_idx = k_start + jnp.arange(bk, dtype=jnp.int32)
+            x = plgpu.load(x_ref.at[rows_in[:, None], k_idx[None, :]],
+                           mask=row_mask[:, None] & (k_idx < w.k)[None, :], other=0).astype(compute_dtype)
+            weight = _weight_tile(weight_refs, w, expert, n_idx, k_start, bk, compute_dtype)
+            return acc + jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype)
+
+        steps = jnp.clip(k_tiles - split * per_split, 0, per_split)
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), accum_dtype)).astype(jnp.float32)
+        if bias_ref is not None:
+            bias = plgpu.load(bias_ref.at[expert, n_idx], mask=n_idx < w.n, other=0).astype(jnp.float32)
+            acc = acc + jnp.where(split == 0, bias, 0.0)[None, :]
+        mask = row_mask[:, None] & (n_idx < w.n)[None, :]
+        out_rows = jnp.where(row_mask, rows_out, layout.m_out)  # masked lanes past the end
+        if tiles.split_k > 1:
+            plgpu.store(out_ref.at[split, out_rows[:, None], n_idx[None, :]], acc, mask=mask)
+        else:
+            plgpu.store(out_ref.at[out_rows[:, None], n_idx[None, :]], acc.astype(out_ref.dtype), mask=mask)
+
+
+def expert_gemm(
+    x: jax.Array,
+    weight_arrays: tuple[jax.Array, ...],
+    bias: jax.Array | None,
+    route_arrays: tuple[jax.Array, ...],
+    w: WeightSpec,
+    layout: LayoutSpec,
+    tiles: Tiles,
+    *,
+    out_dtype,
+    use_f16_accum: bool = False,
+    interpret: bool = False,
+) -> jax.Array:
+    """``[m_out, N]`` in ``out_dtype``. ``weight_arrays`` are the stored parts in
+    order (values, scale, zero point, global scale), only those the format has;
+    ``route_arrays`` the layout's (offsets | counts | sorted_ids, expert_ids,
+    num_tokens_padded)."""
+    compute_dtype = jnp.dtype(x.dtype)
+    accum_dtype = jnp.float16 if use_f16_accum else jnp.float32
+    grid = (num_row_tiles(layout, w.num_experts, tiles.block_m), pl.cdiv(w.n, tiles.block_n), tiles.split_k)
+    if tiles.split_k > 1:
+        out = jnp.zeros((tiles.split_k, layout.m_out, w.n), jnp.float32)
+    else:
+        out = jnp.zeros((layout.m_out, w.n), out_dtype)
+    inputs = [x, *route_arrays, *weight_arrays] + ([bias] if bias is not None else []) + [out]
+    result = pl.pallas_call(
+        functools.partial(_gemm_kernel, w=w, layout=layout, tiles=tiles, compute_dtype=compute_dtype,
+                          accum_dtype=accum_dtype, num_route=len(route_arrays), num_weight=len(weight_arrays)),
+        grid=grid,
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+        input_output_aliases={len(inputs) - 1: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name=f"moe_gemm_{layout.kind}_{w.value_type}",
+    )(*inputs)
+    if tiles.split_k > 1:
+        # Fixed-order sum over the splits: deterministic.
+        result = functools.reduce(jnp.add, [result[s] for s in range(tiles.split_k)]).astype(out_dtype)
+    return result
