@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 import humming_jax as hj
-from benchmarks.timing import device_seconds
 from humming_jax import input_quant as Q
+from humming_jax.timing import device_seconds
 
 COPY_BANDWIDTH = 4.3e12
 TOKENS = (16, 512, 4096)

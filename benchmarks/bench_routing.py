@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import humming_jax as hj
-from benchmarks.timing import device_seconds
 from humming_jax.routing import align_length
+from humming_jax.timing import device_seconds
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200
 TOKENS = (1, 16, 128, 512, 4096, 16384)

@@ -10,12 +10,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m humming_jax", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo", help="run a small MoE layer through every expert pipeline and check it")
+    bench = commands.add_parser("bench", help="GPU: time the expert GEMMs over the problem set (JSON + table)")
+    tune = commands.add_parser("tune", help="GPU: sweep tiles per layout/format/M range and write the table")
+    from humming_jax import bench as bench_module
+
+    for sub, default_out in ((bench, "benchmarks/results/gemm.json"), (tune, "humming_jax/tuning_h200.json")):
+        sub.add_argument("--formats", nargs="+", default=list(bench_module.FORMATS))
+        sub.add_argument("--out", default=default_out)
+    bench.add_argument(
+        "--problems", nargs="+", default=list(bench_module.PROBLEMS), choices=list(bench_module.PROBLEMS)
+    )
+    bench.add_argument("--tokens", nargs="+", type=int, default=list(bench_module.TOKENS))
+    bench.add_argument("--no-compare", action="store_true", help="skip torch._grouped_mm and jax.lax.ragged_dot")
+    tune.add_argument("--problem", default="qwen3-30b-a3b", choices=list(bench_module.PROBLEMS))
     args = parser.parse_args(argv)
     if args.command == "demo":
         from humming_jax.demo import main as demo_main
 
         return demo_main()
-    return 2
+    if args.command == "bench":
+        return bench_module.bench_main(args)
+    return bench_module.tune_main(args)
 
 
 if __name__ == "__main__":

@@ -160,8 +160,9 @@ def _weight_tile(weight_refs, w: WeightSpec, expert, n_idx, k_start, block_k: in
     mask = (n_col < w.n) & (k_row < w.k)
     if w.packed:  # byte j holds columns 2j (low nibble) and 2j+1 (high nibble)
         pair = k_start // 2 + jnp.arange(block_k // 2, dtype=jnp.int32)
-        packed = plgpu.load(values_ref.at[expert, n_col, pair[None, :]],
-                            mask=(n_col < w.n) & (pair[None, :] < w.k // 2), other=0).astype(jnp.int32)
+        packed = plgpu.load(
+            values_ref.at[expert, n_col, pair[None, :]], mask=(n_col < w.n) & (pair[None, :] < w.k // 2), other=0
+        ).astype(jnp.int32)
         low, high = packed & 0xF, packed >> 4
         codes = jnp.stack([low, high], axis=-1).reshape(packed.shape[0], block_k)
         if w.value_type == "float4_e2m1":
@@ -186,8 +187,9 @@ def _weight_tile(weight_refs, w: WeightSpec, expert, n_idx, k_start, block_k: in
     if w.scale == "tensor":
         scale = _decode_scale(scale_ref[expert, 0, 0], w.scale_type)
     elif w.scale == "channel":
-        scale = _decode_scale(plgpu.load(scale_ref.at[expert, n_idx, 0], mask=n_idx < w.n, other=0),
-                              w.scale_type)[:, None]
+        scale = _decode_scale(plgpu.load(scale_ref.at[expert, n_idx, 0], mask=n_idx < w.n, other=0), w.scale_type)[
+            :, None
+        ]
     elif w.scale == "group":
         raw = plgpu.load(scale_ref.at[expert, n_col, k_row // w.group_size], mask=mask, other=0)
         scale = _decode_scale(raw, w.scale_type)
@@ -202,8 +204,9 @@ def _weight_tile(weight_refs, w: WeightSpec, expert, n_idx, k_start, block_k: in
     return values.astype(compute_dtype)
 
 
-def _gemm_kernel(*refs, w: WeightSpec, layout: LayoutSpec, tiles: Tiles, compute_dtype, accum_dtype,
-                 num_route: int, num_weight: int):
+def _gemm_kernel(
+    *refs, w: WeightSpec, layout: LayoutSpec, tiles: Tiles, compute_dtype, accum_dtype, num_route: int, num_weight: int
+):
     x_ref = refs[0]
     route_refs = refs[1 : 1 + num_route]
     weight_refs = refs[1 + num_route : 1 + num_route + num_weight]
@@ -222,8 +225,9 @@ def _gemm_kernel(*refs, w: WeightSpec, layout: LayoutSpec, tiles: Tiles, compute
         def step(i, acc):
             k_start = (split * per_split + i) * bk
             k_idx = k_start + jnp.arange(bk, dtype=jnp.int32)
-            x = plgpu.load(x_ref.at[rows_in[:, None], k_idx[None, :]],
-                           mask=row_mask[:, None] & (k_idx < w.k)[None, :], other=0).astype(compute_dtype)
+            x = plgpu.load(
+                x_ref.at[rows_in[:, None], k_idx[None, :]], mask=row_mask[:, None] & (k_idx < w.k)[None, :], other=0
+            ).astype(compute_dtype)
             weight = _weight_tile(weight_refs, w, expert, n_idx, k_start, bk, compute_dtype)
             return acc + jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype)
 
@@ -266,8 +270,16 @@ def expert_gemm(
         out = jnp.zeros((layout.m_out, w.n), out_dtype)
     inputs = [x, *route_arrays, *weight_arrays] + ([bias] if bias is not None else []) + [out]
     result = pl.pallas_call(
-        functools.partial(_gemm_kernel, w=w, layout=layout, tiles=tiles, compute_dtype=compute_dtype,
-                          accum_dtype=accum_dtype, num_route=len(route_arrays), num_weight=len(weight_arrays)),
+        functools.partial(
+            _gemm_kernel,
+            w=w,
+            layout=layout,
+            tiles=tiles,
+            compute_dtype=compute_dtype,
+            accum_dtype=accum_dtype,
+            num_route=len(route_arrays),
+            num_weight=len(weight_arrays),
+        ),
         grid=grid,
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
         input_output_aliases={len(inputs) - 1: 0},

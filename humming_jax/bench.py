@@ -1,0 +1,318 @@
+"""GEMM benchmark and tuning sweep (``python -m humming_jax bench|tune``).
+
+Problems (DESIGN §4, name: E, H, I, top_k); each runs w13 (N = 2I, K = H) and
+w2 (N = H, K = I) in the grouped and the indexed layout. Reported per case:
+time, TFLOP/s on the real rows (2·T·k·N·K), GB/s on the bytes that must move
+(the stored weights of the experts that received tokens + activations in and
+out), the fraction of the roofline max(bytes / 4.3 TB/s, flops / 790 TFLOP/s),
+and, in the same process, ``torch._grouped_mm`` (bf16) and
+``jax.lax.ragged_dot`` (bf16) on the same rows when they run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from humming_jax import formats as F
+from humming_jax import layouts as L
+from humming_jax import tuning as T
+from humming_jax.configs import GemmLayout, TuningConfig
+from humming_jax.gemm import gemm
+from humming_jax.routing import moe_align_block_size, moe_prepare_scatter
+from humming_jax.timing import device_seconds
+
+COPY_BANDWIDTH = 4.3e12
+MATMUL_RATE = 790e12
+L2_BYTES = 60 * 2**20
+PROBLEMS = {
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+    "deepseek-v3": (256, 7168, 2048, 8),
+    "gpt-oss-120b": (128, 2880, 2880, 4),
+}
+TOKENS = (1, 16, 128, 512, 4096)
+FORMATS = ("bf16", "int4_g128", "mxfp4")
+KERNEL_BACKEND = "pallas"  # "interpret" lets the CPU test suite run this code path
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    problem: str
+    gemm: str  # w13 | w2
+    layout: str  # grouped | indexed
+    tokens: int
+    fmt: str
+
+    def shapes(self):
+        e, h, i, k = PROBLEMS[self.problem]
+        n, kk = (2 * i, h) if self.gemm == "w13" else (h, i)
+        return e, n, kk, k
+
+
+def _weight_bytes(fmt: F.WeightFormat, n: int, k: int) -> int:
+    """Stored bytes of one expert's weight (values, scales, zero points)."""
+    shape = (1, n, k)
+    total = math.prod(fmt.values_shape(*shape)) * jnp.dtype(fmt.values_dtype).itemsize
+    for part, dtype in ((fmt.scale_shape(*shape), fmt.scale_dtype), (fmt.zero_point_shape(*shape), jnp.uint8)):
+        if part is not None:
+            total += math.prod(part) * jnp.dtype(dtype).itemsize
+    return total
+
+
+def _routing(rng, tokens: int, experts: int, top_k: int) -> np.ndarray:
+    scores = rng.random((tokens, experts))
+    return np.argpartition(scores, -top_k, axis=1)[:, -top_k:].astype(np.int32)
+
+
+def _input_rows(case: Case) -> int:
+    """Rows the GEMM reads: the indexed w13 reads the unexpanded ``[T, K]``."""
+    _, _, _, top_k = case.shapes()
+    return case.tokens if (case.layout == "indexed" and case.gemm == "w13") else case.tokens * top_k
+
+
+def _costs(case: Case, ids: np.ndarray) -> tuple[int, int]:
+    """(bytes that must move, flops) on the real rows."""
+    _, n, k, top_k = case.shapes()
+    rows = case.tokens * top_k
+    hit = len(np.unique(ids))
+    moved = hit * _weight_bytes(F.get_format(case.fmt), n, k) + _input_rows(case) * k * 2 + rows * n * 2
+    return moved, 2 * rows * n * k
+
+
+def _arrays(case: Case, sets: int, seed: int):
+    """Weights and inputs for ``sets`` independent calls (rotated so L2 does not serve them)."""
+    e, n, k, _ = case.shapes()
+    fmt = F.get_format(case.fmt)
+    weights, xs = [], []
+    for s in range(sets):
+        kw, kx = jax.random.split(jax.random.fold_in(jax.random.key(seed), s))
+        weights.append(F.quantize_weight(jax.random.normal(kw, (e, n, k), jnp.bfloat16) * 0.02, fmt))
+        xs.append(jax.random.normal(kx, (_input_rows(case), k), jnp.bfloat16))
+    return weights, xs
+
+
+def _layout(case: Case, ids: np.ndarray, tuning: TuningConfig):
+    e, _, _, top_k = case.shapes()
+    if case.layout == "grouped":
+        offsets, _ = moe_prepare_scatter(jnp.asarray(ids), e)
+        return L.GroupedContiguous(offsets)
+    aligned = moe_align_block_size(jnp.asarray(ids), tuning.block_m, e, ignore_invalid_experts=True)
+    return L.Indexed(*aligned, top_k=top_k if case.gemm == "w13" else 1, block_size=tuning.block_m)
+
+
+def _tuning_for(case: Case) -> TuningConfig:
+    e, n, k, top_k = case.shapes()
+    kind = GemmLayout.GROUPED_CONTIGUOUS if case.layout == "grouped" else GemmLayout.INDEXED
+    return T.choose_tuning(kind, F.get_format(case.fmt), case.tokens * top_k, e, n, k)
+
+
+def time_kernel(case: Case, tuning: TuningConfig | None = None, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    tuning = tuning or _tuning_for(case)
+    e, _, _, top_k = case.shapes()
+    ids = _routing(rng, case.tokens, e, top_k)
+    moved, flops = _costs(case, ids)
+    sets = int(min(8, max(2, math.ceil(2 * L2_BYTES / moved))))
+    weights, xs = _arrays(case, sets, seed)
+    layout = _layout(case, ids, tuning)
+    fn = lambda x, w: gemm(x, w, layout, tuning=tuning, backend=KERNEL_BACKEND)  # noqa: E731
+    seconds = device_seconds(fn, list(zip(xs, weights, strict=True)))
+    floor = max(moved / COPY_BANDWIDTH, flops / MATMUL_RATE)
+    return dict(
+        **dataclasses.asdict(case),
+        us=seconds * 1e6,
+        tflops=flops / seconds / 1e12,
+        gbps=moved / seconds / 1e9,
+        roofline_fraction=floor / seconds,
+        bytes=moved,
+        flops=flops,
+        tuning=dataclasses.asdict(tuning),
+        layout_ids=ids,
+        weights=weights[0],
+        x=xs[0],
+        layout_obj=layout,
+    )
+
+
+def time_torch_grouped_mm(case: Case, ids: np.ndarray) -> float | None:
+    """Median microseconds of ``torch._grouped_mm`` (bf16) on the same grouped rows, or None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
+        return None
+    e, n, k, top_k = case.shapes()
+    counts = np.bincount(ids.reshape(-1), minlength=e)
+    offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
+    a = torch.randn(int(counts.sum()), k, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(e, n, k, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    for _ in range(3):
+        torch._grouped_mm(a, b, offs=offs)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch._grouped_mm(a, b, offs=offs)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return float(np.median(times))
+
+
+def time_ragged_dot(case: Case, ids: np.ndarray) -> float | None:
+    e, n, k, _ = case.shapes()
+    counts = np.bincount(ids.reshape(-1), minlength=e).astype(np.int32)
+    try:
+        a = jax.random.normal(jax.random.key(1), (int(counts.sum()), k), jnp.bfloat16)
+        b = jax.random.normal(jax.random.key(2), (e, k, n), jnp.bfloat16)
+        fn = lambda x, w, g: jax.lax.ragged_dot(x, w, g)  # noqa: E731
+        return device_seconds(fn, [(a, b, jnp.asarray(counts))], repeats=3) * 1e6
+    except Exception as error:  # e.g. out of memory: recorded, not fatal
+        print(f"ragged_dot failed on {case}: {type(error).__name__}", file=sys.stderr)
+        return None
+
+
+def run_bench(problems, tokens, formats, layouts=("grouped", "indexed"), gemms=("w13", "w2"), compare=True):
+    rows = []
+    for problem in problems:
+        for t in tokens:
+            for g in gemms:
+                for layout in layouts:
+                    for fmt in formats:
+                        case = Case(problem, g, layout, t, fmt)
+                        e, n, k, _ = case.shapes()
+                        try:
+                            F.get_format(fmt).check_shape(n, k)
+                        except ValueError:
+                            continue  # e.g. gpt-oss K=2880 with groups of 128 (needs padding)
+                        result = time_kernel(case)
+                        ids = result.pop("layout_ids")
+                        for key in ("weights", "x", "layout_obj"):
+                            result.pop(key)
+                        if compare and layout == "grouped" and fmt == formats[0]:
+                            result["torch_grouped_mm_us"] = time_torch_grouped_mm(case, ids)
+                            result["ragged_dot_us"] = time_ragged_dot(case, ids)
+                        rows.append(result)
+                        print(format_row(result), flush=True)
+    return rows
+
+
+HEADER = (
+    f"{'problem':<15}{'gemm':<5}{'layout':<8}{'T':>6}{'format':>11}{'us':>10}{'TFLOP/s':>9}{'GB/s':>8}"
+    f"{'%roof':>7}{'torch us':>10}{'ragged us':>11}"
+)
+
+
+def format_row(r: dict) -> str:
+    torch_us = r.get("torch_grouped_mm_us")
+    ragged_us = r.get("ragged_dot_us")
+    return (
+        f"{r['problem']:<15}{r['gemm']:<5}{r['layout']:<8}{r['tokens']:>6}{r['fmt']:>11}{r['us']:>10.1f}"
+        f"{r['tflops']:>9.1f}{r['gbps']:>8.0f}{100 * r['roofline_fraction']:>6.0f}%"
+        f"{'' if torch_us is None else f'{torch_us:.1f}':>10}{'' if ragged_us is None else f'{ragged_us:.1f}':>11}"
+    )
+
+
+def _meta() -> dict:
+    return dict(
+        device=str(jax.devices()[0].device_kind),
+        jax=jax.__version__,
+        python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d"),
+        copy_bandwidth=COPY_BANDWIDTH,
+        matmul_rate=MATMUL_RATE,
+    )
+
+
+def bench_main(args) -> int:
+    if KERNEL_BACKEND == "pallas" and jax.default_backend() != "gpu":
+        print("bench: needs a GPU (kernels are timed compiled)", file=sys.stderr)
+        return 2
+    print(HEADER, flush=True)
+    rows = run_bench(args.problems, args.tokens, args.formats, compare=not args.no_compare)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=_meta(), rows=rows), f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+# ---- tuning ------------------------------------------------------------------------------
+
+CANDIDATES = tuple(
+    TuningConfig(bm, bn, bk, num_warps=w, num_stages=s, split_k=sk)
+    for bm, bn, bk, w, s, sk in (
+        (16, 64, 128, 4, 3, 1),
+        (16, 128, 128, 4, 3, 1),
+        (16, 64, 256, 4, 3, 1),
+        (16, 64, 128, 4, 4, 2),
+        (16, 64, 128, 4, 4, 4),
+        (16, 128, 256, 8, 3, 2),
+        (32, 64, 128, 4, 3, 1),
+        (32, 128, 128, 4, 3, 1),
+        (64, 64, 64, 4, 3, 1),
+        (64, 128, 64, 4, 3, 1),
+        (64, 128, 64, 8, 4, 1),
+        (128, 128, 64, 8, 3, 1),
+        (128, 128, 64, 8, 4, 1),
+        (128, 256, 64, 8, 3, 1),
+        (64, 256, 64, 8, 3, 1),
+    )
+)
+M_RANGES = ((0, 16), (16, 128), (128, 1024), (1024, 8192), (8192, 1 << 30))
+
+
+def tune_main(args) -> int:
+    """Sweep CANDIDATES per (layout, format class, M range) on one problem, check
+    each against the reference, keep the fastest, write the table JSON."""
+    if KERNEL_BACKEND == "pallas" and jax.default_backend() != "gpu":
+        print("tune: needs a GPU", file=sys.stderr)
+        return 2
+    table: dict[str, list[dict]] = {}
+    for fmt in args.formats:
+        for layout in ("grouped", "indexed"):
+            for low, high in M_RANGES:
+                top_k = PROBLEMS[args.problem][3]
+                tokens = max(1, min(high, 16384) // top_k)
+                case = Case(args.problem, "w13", layout, tokens, fmt)
+                best = None
+                for cand in CANDIDATES:
+                    try:
+                        result = time_kernel(case, cand)
+                    except Exception as error:  # a candidate that does not lower is skipped
+                        print(f"skip {cand}: {type(error).__name__}", file=sys.stderr)
+                        continue
+                    ref = gemm(
+                        result["x"], result["weights"], result["layout_obj"], out_dtype=jnp.float32, backend="reference"
+                    )
+                    out = gemm(
+                        result["x"], result["weights"], result["layout_obj"], tuning=cand, backend=KERNEL_BACKEND
+                    )
+                    err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+                    if not err < 1e-2:
+                        print(f"reject {cand}: error {err:.2e}", file=sys.stderr)
+                        continue
+                    if best is None or result["us"] < best[1]:
+                        best = (cand, result["us"])
+                if best is None:
+                    continue
+                kind = "grouped_contiguous" if layout == "grouped" else "indexed"
+                key = f"{kind}/{T.format_class(F.get_format(fmt))}"
+                table.setdefault(key, []).append(
+                    dict(min_shape_m=low, max_shape_m=high, config=dataclasses.asdict(best[0]), us=best[1])
+                )
+                print(f"{key} M in ({low}, {high}]: {best[0]} {best[1]:.1f} us", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=dict(_meta(), problem=args.problem), entries=table), f, indent=1)
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,42 @@
+"""The GEMM benchmark and tuning sweep run end to end on a tiny problem (interpret
+mode), so that GPU time is never spent finding a bug in the harness."""
+
+import json
+
+import pytest
+
+import humming_jax.__main__ as cli
+from humming_jax import bench, tuning
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    monkeypatch.setattr(bench, "KERNEL_BACKEND", "interpret")
+    monkeypatch.setitem(bench.PROBLEMS, "tiny", (4, 64, 32, 2))
+
+
+def test_bench_writes_json(tiny, tmp_path, capsys):
+    out = tmp_path / "gemm.json"
+    assert (
+        cli.main(["bench", "--problems", "tiny", "--tokens", "3", "--formats", "bf16", "mxfp4", "--out", str(out)]) == 0
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["gemm"], r["layout"], r["fmt"]) for r in rows} == {
+        (g, layout, f) for g in ("w13", "w2") for layout in ("grouped", "indexed") for f in ("bf16", "mxfp4")
+    }
+    for r in rows:
+        assert r["us"] > 0 and r["gbps"] > 0 and 0 < r["roofline_fraction"]
+    assert any(r.get("ragged_dot_us") for r in rows)
+    assert "tiny" in capsys.readouterr().out
+
+
+def test_tune_writes_a_table_the_loader_reads(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "CANDIDATES", (tuning.TuningConfig(16, 32, 32), tuning.TuningConfig(16, 64, 64)))
+    monkeypatch.setattr(bench, "M_RANGES", ((0, 8),))
+    out = tmp_path / "table.json"
+    assert cli.main(["tune", "--problem", "tiny", "--formats", "int4_g32", "--out", str(out)]) == 0
+    table = json.loads(out.read_text())["entries"]
+    assert set(table) == {"grouped_contiguous/4bit", "indexed/4bit"}
+    monkeypatch.setattr(tuning.resources, "files", lambda _: tmp_path)
+    loaded = tuning.load_table("table.json")
+    assert loaded["indexed/4bit"][0].config.block_m == 16
