@@ -3,9 +3,13 @@ format (16-bit activations).
 
 ``out[r] = x[r_in] @ dequant(w[e]).T (+ bias[e])`` on ``block_m x block_n``
 output tiles. The layout decides which rows a tile covers and which expert
-it multiplies (``_tile_rows``); the weight format decides how a
-``[block_n, block_k]`` weight tile is dequantized in registers to the compute
-dtype (``_weight_tile``); the product accumulates in f32 (or f16). The grid
+it multiplies (``_tile_rows``). The weight format decides how a weight tile
+enters the product: its raw values (minus the zero point) are exact in the
+compute dtype, so they go into the dot as they are, and the per-column scale
+(channel, group or block, times the global scale) multiplies the
+``[block_m, block_n]`` partial product of each span of K columns that share
+it (``scale_span``): fewer multiplies than scaling the weight tile, and no
+bf16 rounding of scaled weights. Accumulation is f32 (or f16). The grid
 is a static upper bound on the tiles (no host sync, no recompilation when the
 routing changes): tiles past the live ones exit at once.
 
@@ -148,60 +152,82 @@ def _decode_scale(raw, scale_type: str):
     return raw.astype(jnp.float32)
 
 
-def _weight_tile(weight_refs, w: WeightSpec, expert, n_idx, k_start, block_k: int, compute_dtype):
-    """Dequantized weight tile ``[bn, bk]`` (columns ``k_start + [0, bk)``) of ``expert``."""
-    k_idx = k_start + jnp.arange(block_k, dtype=jnp.int32)
+def scale_span(w: WeightSpec, block_k: int) -> int:
+    """Columns of K that share one scale (and zero point) inside a K tile: the
+    sub-product width. Scales apply to the ``[bm, bn]`` partial product of each
+    span, so the weight values enter the dot raw."""
+    if w.scale in ("group", "block"):
+        return min(block_k, w.group_size)
+    return block_k
+
+
+def _weight_parts(weight_refs, w: WeightSpec):
     refs = list(weight_refs)
     values_ref = refs.pop(0)
     scale_ref = refs.pop(0) if w.scale != "none" else None
     zero_ref = refs.pop(0) if w.zero_point != "none" else None
     global_ref = refs.pop(0) if w.global_scale != "none" else None
-    n_col, k_row = n_idx[:, None], k_idx[None, :]
-    mask = (n_col < w.n) & (k_row < w.k)
+    return values_ref, scale_ref, zero_ref, global_ref
+
+
+def _raw_weight(values_ref, zero_ref, w: WeightSpec, expert, n_idx, k_start, span: int, compute_dtype):
+    """Weight values of columns ``k_start + [0, span)`` minus their zero point, as
+    ``[bn, span]`` in the compute dtype. Every quantized value type (int8,
+    int4/uint4 minus a zero point, e4m3, e2m1) is exact in bf16 and f16, so no
+    rounding happens here; the scales come after the product."""
+    n_col = n_idx[:, None]
     if w.packed:  # byte j holds columns 2j (low nibble) and 2j+1 (high nibble)
-        pair = k_start // 2 + jnp.arange(block_k // 2, dtype=jnp.int32)
+        pair = k_start // 2 + jnp.arange(span // 2, dtype=jnp.int32)
         packed = plgpu.load(
             values_ref.at[expert, n_col, pair[None, :]], mask=(n_col < w.n) & (pair[None, :] < w.k // 2), other=0
         ).astype(jnp.int32)
-        low, high = packed & 0xF, packed >> 4
-        codes = jnp.stack([low, high], axis=-1).reshape(packed.shape[0], block_k)
+        codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], span)
         if w.value_type == "float4_e2m1":
             values = _decode_e2m1(codes)
-        elif w.value_type == "int4":
-            values = (codes - 8).astype(jnp.float32)
         else:
-            values = codes.astype(jnp.float32)
+            values = (codes - 8 if w.value_type == "int4" else codes).astype(jnp.float32)
     else:
-        values = plgpu.load(values_ref.at[expert, n_col, k_row], mask=mask, other=0)
-        if w.scale == "none":
+        k_row = (k_start + jnp.arange(span, dtype=jnp.int32))[None, :]
+        values = plgpu.load(values_ref.at[expert, n_col, k_row], mask=(n_col < w.n) & (k_row < w.k), other=0)
+        if w.zero_point == "none":
             return values.astype(compute_dtype)
         values = values.astype(jnp.float32)
-    if w.zero_point != "none":
-        group = k_row // w.group_size
-        if w.zero_point == "int":
-            byte = plgpu.load(zero_ref.at[expert, n_col, group // 2], mask=mask, other=0).astype(jnp.int32)
-            zero = ((byte >> (4 * (group % 2))) & 0xF).astype(jnp.float32)
-        else:
-            zero = plgpu.load(zero_ref.at[expert, n_col, group], mask=mask, other=0).astype(jnp.float32)
-        values = values - zero
+    if w.zero_point == "int":  # integer zero points: q - z is a small integer, exact
+        group = k_start // w.group_size
+        byte = plgpu.load(zero_ref.at[expert, n_idx, group // 2], mask=n_idx < w.n, other=0).astype(jnp.int32)
+        values = values - ((byte >> (4 * (group % 2))) & 0xF).astype(jnp.float32)[:, None]
+    return values.astype(compute_dtype)
+
+
+def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start):
+    """Float zero points ``[bn]`` of the span at ``k_start`` (not exact in bf16:
+    they are subtracted after the product as ``z * sum_k x``)."""
+    return plgpu.load(zero_ref.at[expert, n_idx, k_start // w.group_size], mask=n_idx < w.n, other=0).astype(
+        jnp.float32
+    )
+
+
+def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start):
+    """The f32 scale of each output column for columns starting at ``k_start``
+    (``[bn]``, or a scalar for per-tensor scales), times the global scale."""
+    if w.scale == "none":
+        return None
+    mask = n_idx < w.n
     if w.scale == "tensor":
         scale = _decode_scale(scale_ref[expert, 0, 0], w.scale_type)
     elif w.scale == "channel":
-        scale = _decode_scale(plgpu.load(scale_ref.at[expert, n_idx, 0], mask=n_idx < w.n, other=0), w.scale_type)[
-            :, None
-        ]
+        scale = _decode_scale(plgpu.load(scale_ref.at[expert, n_idx, 0], mask=mask, other=0), w.scale_type)
     elif w.scale == "group":
-        raw = plgpu.load(scale_ref.at[expert, n_col, k_row // w.group_size], mask=mask, other=0)
+        raw = plgpu.load(scale_ref.at[expert, n_idx, k_start // w.group_size], mask=mask, other=0)
         scale = _decode_scale(raw, w.scale_type)
     else:  # block
-        raw = plgpu.load(scale_ref.at[expert, n_col // w.block_n, k_row // w.group_size], mask=mask, other=0)
+        raw = plgpu.load(scale_ref.at[expert, n_idx // w.block_n, k_start // w.group_size], mask=mask, other=0)
         scale = _decode_scale(raw, w.scale_type)
-    values = values * scale
     if w.global_scale == "expert":
-        values = values * global_ref[expert]
+        scale = scale * global_ref[expert]
     elif w.global_scale == "tensor":
-        values = values * global_ref[0]
-    return values.astype(compute_dtype)
+        scale = scale * global_ref[0]
+    return scale
 
 
 def _gemm_kernel(
@@ -209,11 +235,12 @@ def _gemm_kernel(
 ):
     x_ref = refs[0]
     route_refs = refs[1 : 1 + num_route]
-    weight_refs = refs[1 + num_route : 1 + num_route + num_weight]
+    values_ref, scale_ref, zero_ref, global_ref = _weight_parts(refs[1 + num_route : 1 + num_route + num_weight], w)
     rest = refs[1 + num_route + num_weight :]
     bias_ref = rest[0] if w.has_bias else None
     out_ref = rest[-1]  # aliased to the zeroed output input
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    span = scale_span(w, bk)
     rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm)
     n_idx = pl.program_id(1) * bn + jnp.arange(bn, dtype=jnp.int32)
     split = pl.program_id(2)
@@ -223,13 +250,24 @@ def _gemm_kernel(
     @pl.when(live)
     def _():
         def step(i, acc):
-            k_start = (split * per_split + i) * bk
-            k_idx = k_start + jnp.arange(bk, dtype=jnp.int32)
-            x = plgpu.load(
-                x_ref.at[rows_in[:, None], k_idx[None, :]], mask=row_mask[:, None] & (k_idx < w.k)[None, :], other=0
-            ).astype(compute_dtype)
-            weight = _weight_tile(weight_refs, w, expert, n_idx, k_start, bk, compute_dtype)
-            return acc + jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype)
+            k_tile = (split * per_split + i) * bk
+            for j in range(bk // span):  # one product per span of columns sharing a scale
+                k_start = k_tile + j * span
+                k_idx = k_start + jnp.arange(span, dtype=jnp.int32)
+                x = plgpu.load(
+                    x_ref.at[rows_in[:, None], k_idx[None, :]], mask=row_mask[:, None] & (k_idx < w.k)[None, :], other=0
+                ).astype(compute_dtype)
+                weight = _raw_weight(values_ref, zero_ref, w, expert, n_idx, k_start, span, compute_dtype)
+                part = jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype)
+                if w.zero_point == "float":
+                    row_sum = jnp.sum(x.astype(jnp.float32), axis=1)
+                    zero = _float_zero(zero_ref, w, expert, n_idx, k_start)
+                    part = (part.astype(jnp.float32) - row_sum[:, None] * zero[None, :]).astype(accum_dtype)
+                scale = _column_scale(scale_ref, global_ref, w, expert, n_idx, k_start)
+                if scale is not None:
+                    part = (part.astype(jnp.float32) * scale).astype(accum_dtype)
+                acc = acc + part
+            return acc
 
         steps = jnp.clip(k_tiles - split * per_split, 0, per_split)
         acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), accum_dtype)).astype(jnp.float32)
