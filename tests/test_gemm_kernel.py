@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import humming_jax as hj
@@ -100,6 +100,7 @@ def test_batch_invariance(rng):
     np.testing.assert_array_equal(np.asarray(full[5:9], np.float32), np.asarray(part, np.float32))
 
 
+@settings(max_examples=20)
 @given(
     st.integers(1, 48),
     st.sampled_from([1, 2, 8]),

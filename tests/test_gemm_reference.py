@@ -56,7 +56,7 @@ def test_every_layout_every_format(layout_kind, fmt_name, rng):
     m_in = 16
     x = jnp.asarray(rng.normal(size=(m_in, K)), jnp.bfloat16)
     layout, layout_np = _layout(layout_kind, rng, m_in)
-    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32)
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
     w64 = np_ref.dequantize_weight(weight)
     b64 = None if weight.bias is None else np.asarray(weight.bias, np.float64)
     expected = np_ref.gemm(np.asarray(x, np.float64), w64, b64, layout_kind, **layout_np)
@@ -79,7 +79,7 @@ def test_quantized_inputs(fmt_name, spec, rng):
     static = jnp.asarray([np.abs(x).max() / 400], jnp.float32) if spec.mode.is_static else None
     q = Q.quantize_input(jnp.asarray(x), spec, static_scale=static)
     layout, layout_np = _layout("grouped_contiguous", rng, m_in)
-    out = hj.gemm(q, weight, layout, out_dtype=jnp.float32)
+    out = hj.gemm(q, weight, layout, out_dtype=jnp.float32, backend="reference")
     expected = np_ref.gemm(
         np_ref.dequantize_input(q), np_ref.dequantize_weight(weight), None, "grouped_contiguous", **layout_np
     )

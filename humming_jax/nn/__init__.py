@@ -1,0 +1,23 @@
+"""Flax NNX modules of humming_jax (imports go one way: nn -> ops -> kernels)."""
+
+from humming_jax.nn.experts import (
+    BatchedHummingGroupedExperts,
+    ExpertWeight,
+    HummingGroupedExperts,
+    HummingIndexedExperts,
+    InputScale,
+    MoonEPExperts,
+)
+from humming_jax.nn.moe_block import MoEBlock, SharedExpert, route
+
+__all__ = [
+    "BatchedHummingGroupedExperts",
+    "ExpertWeight",
+    "HummingGroupedExperts",
+    "HummingIndexedExperts",
+    "InputScale",
+    "MoEBlock",
+    "MoonEPExperts",
+    "SharedExpert",
+    "route",
+]

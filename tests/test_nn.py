@@ -1,0 +1,166 @@
+"""Flax NNX modules: equal to the functional pipelines, jit-compiled once across
+routings, usable inside nnx.scan over layers; MoEBlock routing against NumPy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import humming_jax as hj
+from humming_jax import nn
+
+CONFIG = hj.ExpertsConfig(8, 128, 128, 2, weight_format="int4_g128")
+
+
+def _routing(seed, tokens=6, experts=8, top_k=2):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    return jnp.asarray(rng.random((tokens, top_k)), jnp.float32), jnp.asarray(ids)
+
+
+def _tokens(seed, tokens=6, hidden=128):
+    return jax.random.normal(jax.random.key(seed), (tokens, hidden), jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "module_cls,pipeline",
+    [(nn.HummingGroupedExperts, hj.humming_grouped_experts), (nn.HummingIndexedExperts, hj.humming_indexed_experts)],
+)
+def test_modules_equal_functional_pipelines(module_cls, pipeline):
+    module = module_cls(CONFIG, rngs=nnx.Rngs(0))
+    weights, ids = _routing(1)
+    x = _tokens(2)
+    expected = pipeline(x, module.weights, weights, ids, CONFIG)
+    np.testing.assert_array_equal(np.asarray(module(x, weights, ids), np.float32), np.asarray(expected, np.float32))
+
+
+def test_from_float_matches_quantize_experts():
+    rng = np.random.default_rng(0)
+    w13 = jnp.asarray(rng.normal(size=(8, 256, 128)) / 11, jnp.float32)
+    w2 = jnp.asarray(rng.normal(size=(8, 128, 128)) / 11, jnp.float32)
+    module = nn.HummingIndexedExperts.from_float(CONFIG, w13, w2, block_size=16)
+    direct = hj.quantize_experts(w13, w2, CONFIG)
+    np.testing.assert_array_equal(np.asarray(module.weights.w13.values), np.asarray(direct.w13.values))
+    weights, ids = _routing(3)
+    out = module(_tokens(4), weights, ids)
+    assert out.shape == (6, 128) and out.dtype == jnp.bfloat16
+    assert module.workspace(6).buffers["output"].shape == (6, 128)
+
+
+def test_batched_and_moonep_modules_equal_functions():
+    batched = nn.BatchedHummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0), max_num_tokens=4)
+    x = jax.random.normal(jax.random.key(1), (8, 4, 128), jnp.bfloat16)
+    counts = jnp.asarray([1, 2, 0, 4, 4, 1, 0, 3], jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(batched(x, counts), np.float32),
+        np.asarray(hj.batched_humming_grouped_experts(x, counts, batched.weights, CONFIG), np.float32),
+    )
+    moon = nn.MoonEPExperts(4, 64, 32, num_redundant=2, rngs=nnx.Rngs(0))
+    xs = jax.random.normal(jax.random.key(2), (10, 64), jnp.bfloat16)
+    cu = jnp.asarray([2, 2, 5, 8, 8, 8], jnp.int32)  # empty segments, unused redundant rows, 2 padding rows
+    route_weights = jax.random.uniform(jax.random.key(3), (10,))
+    out = moon(xs, cu, route_weights)
+    expected = hj.moonep_experts(
+        xs, moon.w_gate.get_value(), moon.w_up.get_value(), moon.w_down.get_value(), cu, route_weights
+    )
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+    assert np.all(np.asarray(out, np.float32)[8:] == 0)
+
+
+def test_jit_compiles_once_across_routings():
+    block = nn.MoEBlock(nn.HummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
+    experts = nn.HummingIndexedExperts(CONFIG, rngs=nnx.Rngs(2), block_size=16)
+    traces = []
+
+    @nnx.jit
+    def step(block, experts, x, weights, ids):
+        traces.append(1)
+        return block(x), experts(x, weights, ids)
+
+    for seed in range(4):
+        weights, ids = _routing(seed)
+        jax.block_until_ready(step(block, experts, _tokens(seed), weights, ids))
+    assert len(traces) == 1
+
+
+def test_moe_block_routing_and_shared_expert():
+    experts = nn.HummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0))
+    for scoring in ("softmax", "sigmoid"):
+        block = nn.MoEBlock(
+            experts,
+            rngs=nnx.Rngs(1),
+            scoring=scoring,
+            shared_intermediate_size=64,
+            correction_bias=scoring == "sigmoid",
+        )
+        x = _tokens(5).reshape(2, 3, 128)
+        out = block(x)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        logits = np.asarray(block.router(x.reshape(6, 128).astype(jnp.float32)), np.float64)
+        scores = (
+            (
+                np.exp(logits - logits.max(-1, keepdims=True))
+                / np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)
+            )
+            if scoring == "softmax"
+            else 1 / (1 + np.exp(-logits))
+        )
+        ids = np.argsort(-scores, axis=-1)[:, :2]
+        weights = np.take_along_axis(scores, ids, -1)
+        weights = weights / weights.sum(-1, keepdims=True)
+        got_w, got_ids = nn.route(jnp.asarray(logits, jnp.float32), 2, scoring)
+        np.testing.assert_array_equal(np.sort(np.asarray(got_ids), -1), np.sort(ids, -1))
+        np.testing.assert_allclose(np.sort(np.asarray(got_w), -1), np.sort(weights, -1), rtol=1e-5)
+        expected = experts(x.reshape(6, 128), got_w, got_ids) + block.shared(x.reshape(6, 128))
+        np.testing.assert_allclose(
+            np.asarray(out.reshape(6, 128), np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2
+        )
+    with pytest.raises(ValueError, match="scoring"):
+        nn.route(jnp.zeros((2, 8)), 2, "relu")
+
+
+def test_scan_over_layers():
+    """Two MoE layers stacked with nnx.vmap and applied with nnx.scan."""
+    layers = 2
+
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return nn.MoEBlock(nn.HummingGroupedExperts(CONFIG, rngs=rngs), rngs=rngs)
+
+    stack = create(nnx.Rngs(0))
+
+    @nnx.jit
+    def forward(stack, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def layer(h, block):
+            return h + block(h)
+
+        return layer(x, stack)
+
+    x = _tokens(7)
+    out = forward(stack, x)
+    # The same layers applied one by one.
+    graphdef, state = nnx.split(stack)
+    h = x
+    for i in range(layers):
+        block = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+        h = h + block(h)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(h, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_module_errors():
+    with pytest.raises(ValueError, match="rngs"):
+        nn.HummingGroupedExperts(CONFIG)
+    with pytest.raises(ValueError, match="w_down must be"):
+        nn.MoonEPExperts(
+            4, 64, 32, w_gate=jnp.ones((4, 32, 64)), w_up=jnp.ones((4, 32, 64)), w_down=jnp.ones((4, 32, 64))
+        )
+    other = hj.ExpertsConfig(8, 128, 128, 2, weight_format="int8_channel")
+    weights = nn.HummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0)).weights
+    with pytest.raises(ValueError, match="format"):
+        nn.HummingGroupedExperts.from_quantized(other, weights)
+    batched = nn.BatchedHummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0), max_num_tokens=4)
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        batched(jnp.ones((8, 5, 128), jnp.bfloat16), jnp.ones(8, jnp.int32))
