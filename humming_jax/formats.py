@@ -27,6 +27,10 @@ float4_e2m1         ``uint8 [E, N, K/2]`` e2m1 codes            e8m0 (MX) or e4m
 Integer zero points of uint4 are packed two per byte along the group axis:
 ``uint8 [E, N, ceil(G/2)]`` (group ``2j`` low nibble, ``2j+1`` high).
 Float zero points are ``[E, N, G]`` in the scale dtype.
+
+A per-group weight may carry ``group_index int32 [E, K]`` (GPTQ act-order
+``g_idx``): column k then uses group ``group_index[e, k]`` instead of
+``k // group_size`` (each group still holds ``group_size`` columns).
 """
 
 from __future__ import annotations
@@ -301,6 +305,7 @@ class QuantizedWeight:
     zero_point: jax.Array | None = None
     second_scale: jax.Array | None = None
     bias: jax.Array | None = None
+    group_index: jax.Array | None = None
     format: WeightFormat = dataclasses.field(default=BF16, metadata=dict(static=True))
     shape: tuple[int, int, int] = dataclasses.field(default=(0, 0, 0), metadata=dict(static=True))
 
@@ -331,6 +336,10 @@ class QuantizedWeight:
             "second_scale": (fmt.second_scale_shape(e), jnp.float32),
             "bias": ((e, n) if fmt.has_bias else None, None),
         }
+        if self.group_index is not None:
+            if fmt.scale_granularity != ScaleGranularity.GROUP:
+                raise ValueError(f"{argument}.group_index: only per-group formats take a group index, not {fmt.name!r}")
+            expected["group_index"] = ((e, k), jnp.int32)
         for part, (shape, dtype) in expected.items():
             array = getattr(self, part)
             if shape is None:
@@ -500,6 +509,14 @@ def decode_values(weight: QuantizedWeight) -> jax.Array:
     return values.astype(jnp.float32)
 
 
+def _along_k(per_group: jax.Array, weight: QuantizedWeight) -> jax.Array:
+    """A ``[E, N(or blocks), G]`` per-group array expanded to ``[E, N, K]``."""
+    if weight.group_index is None:
+        return numerics.block_broadcast(per_group, weight.shape)
+    rows = numerics.block_broadcast(per_group, (weight.shape[0], weight.shape[1], per_group.shape[2]))
+    return jnp.take_along_axis(rows, jnp.broadcast_to(weight.group_index[:, None, :], weight.shape), axis=2)
+
+
 def decode_zero_point(weight: QuantizedWeight) -> jax.Array | None:
     """Zero points as float32 ``[E, N, G]``, or None."""
     fmt = weight.format
@@ -519,9 +536,13 @@ def dequantize_weight(weight: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
         return values.astype(dtype)
     zero = decode_zero_point(weight)
     if zero is not None:
-        values = values - numerics.block_broadcast(zero, values.shape)
+        values = values - _along_k(zero, weight)
     scale = _decode_scale(weight.scale, fmt)
-    out = values * numerics.block_broadcast(scale, values.shape)
+    out = values * (
+        _along_k(scale, weight)
+        if fmt.scale_granularity == ScaleGranularity.GROUP
+        else numerics.block_broadcast(scale, values.shape)
+    )
     if weight.second_scale is not None:
         second = weight.second_scale.astype(jnp.float32)
         out = out * (second.reshape(-1, 1, 1) if second.shape[0] == weight.num_experts else second[0])

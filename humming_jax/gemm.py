@@ -189,6 +189,7 @@ def _weight_spec(weight: F.QuantizedWeight) -> kernel.WeightSpec:
         zero_point=fmt.zero_point.value,
         global_scale=fmt.global_scale.value,
         has_bias=fmt.has_bias,
+        has_group_index=weight.group_index is not None,
     )
 
 
@@ -212,7 +213,11 @@ def _layout_spec(layout, m_in: int) -> tuple[kernel.LayoutSpec, tuple[jax.Array,
 
 def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret):
     layout_spec, route = _layout_spec(layout, x.m)
-    parts = tuple(a for a in (weight.values, weight.scale, weight.zero_point, weight.second_scale) if a is not None)
+    parts = tuple(
+        a
+        for a in (weight.values, weight.scale, weight.zero_point, weight.second_scale, weight.group_index)
+        if a is not None
+    )
     tiles = kernel.Tiles(
         tuning.block_m, tuning.block_n, tuning.block_k, tuning.split_k, tuning.num_warps, tuning.num_stages
     )

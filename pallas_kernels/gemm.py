@@ -59,6 +59,7 @@ class WeightSpec:
     zero_point: str = "none"  # none int float
     global_scale: str = "none"  # none tensor expert
     has_bias: bool = False
+    has_group_index: bool = False  # act-order: column k uses group group_index[e, k]
 
     @property
     def packed(self) -> bool:
@@ -156,7 +157,7 @@ def scale_span(w: WeightSpec, block_k: int) -> int:
     """Columns of K that share one scale (and zero point) inside a K tile: the
     sub-product width. Scales apply to the ``[bm, bn]`` partial product of each
     span, so the weight values enter the dot raw."""
-    if w.scale in ("group", "block"):
+    if w.scale in ("group", "block") and not w.has_group_index:
         return min(block_k, w.group_size)
     return block_k
 
@@ -167,10 +168,37 @@ def _weight_parts(weight_refs, w: WeightSpec):
     scale_ref = refs.pop(0) if w.scale != "none" else None
     zero_ref = refs.pop(0) if w.zero_point != "none" else None
     global_ref = refs.pop(0) if w.global_scale != "none" else None
-    return values_ref, scale_ref, zero_ref, global_ref
+    group_ref = refs.pop(0) if w.has_group_index else None
+    return values_ref, scale_ref, zero_ref, global_ref, group_ref
 
 
-def _raw_weight(values_ref, zero_ref, w: WeightSpec, expert, n_idx, k_start, span: int, compute_dtype):
+def _act_order_weight(values, scale_ref, zero_ref, group_ref, w: WeightSpec, expert, n_idx, k_start, span: int):
+    """Act-order (``group_index``): every column has its own group, so the scale
+    and zero point are gathered per element and applied before the product."""
+    k_idx = k_start + jnp.arange(span, dtype=jnp.int32)
+    group = plgpu.load(group_ref.at[expert, k_idx], mask=k_idx < w.k, other=0)[None, :]
+    n_col = n_idx[:, None]
+    mask = (n_col < w.n) & (k_idx < w.k)[None, :]
+    if w.zero_point == "int":
+        byte = plgpu.load(zero_ref.at[expert, n_col, group // 2], mask=mask, other=0).astype(jnp.int32)
+        values = values - ((byte >> (4 * (group % 2))) & 0xF).astype(jnp.float32)
+    elif w.zero_point == "float":
+        values = values - plgpu.load(zero_ref.at[expert, n_col, group], mask=mask, other=0).astype(jnp.float32)
+    return values * _decode_scale(plgpu.load(scale_ref.at[expert, n_col, group], mask=mask, other=0), w.scale_type)
+
+
+def _raw_weight(
+    values_ref,
+    zero_ref,
+    w: WeightSpec,
+    expert,
+    n_idx,
+    k_start,
+    span: int,
+    compute_dtype,
+    scale_ref=None,
+    group_ref=None,
+):
     """Weight values of columns ``k_start + [0, span)`` minus their zero point, as
     ``[bn, span]`` in the compute dtype. Every quantized value type (int8,
     int4/uint4 minus a zero point, e4m3, e2m1) is exact in bf16 and f16, so no
@@ -189,9 +217,13 @@ def _raw_weight(values_ref, zero_ref, w: WeightSpec, expert, n_idx, k_start, spa
     else:
         k_row = (k_start + jnp.arange(span, dtype=jnp.int32))[None, :]
         values = plgpu.load(values_ref.at[expert, n_col, k_row], mask=(n_col < w.n) & (k_row < w.k), other=0)
-        if w.zero_point == "none":
+        if w.zero_point == "none" and not w.has_group_index:
             return values.astype(compute_dtype)
         values = values.astype(jnp.float32)
+    if w.has_group_index:
+        return _act_order_weight(values, scale_ref, zero_ref, group_ref, w, expert, n_idx, k_start, span).astype(
+            compute_dtype
+        )
     if w.zero_point == "int":  # integer zero points: q - z is a small integer, exact
         group = k_start // w.group_size
         byte = plgpu.load(zero_ref.at[expert, n_idx, group // 2], mask=n_idx < w.n, other=0).astype(jnp.int32)
@@ -210,7 +242,7 @@ def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start):
 def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start):
     """The f32 scale of each output column for columns starting at ``k_start``
     (``[bn]``, or a scalar for per-tensor scales), times the global scale."""
-    if w.scale == "none":
+    if w.scale == "none" or w.has_group_index:  # act-order scales were applied per element
         return None
     mask = n_idx < w.n
     if w.scale == "tensor":
@@ -235,7 +267,9 @@ def _gemm_kernel(
 ):
     x_ref = refs[0]
     route_refs = refs[1 : 1 + num_route]
-    values_ref, scale_ref, zero_ref, global_ref = _weight_parts(refs[1 + num_route : 1 + num_route + num_weight], w)
+    values_ref, scale_ref, zero_ref, global_ref, group_ref = _weight_parts(
+        refs[1 + num_route : 1 + num_route + num_weight], w
+    )
     rest = refs[1 + num_route + num_weight :]
     bias_ref = rest[0] if w.has_bias else None
     out_ref = rest[-1]  # aliased to the zeroed output input
@@ -257,9 +291,11 @@ def _gemm_kernel(
                 x = plgpu.load(
                     x_ref.at[rows_in[:, None], k_idx[None, :]], mask=row_mask[:, None] & (k_idx < w.k)[None, :], other=0
                 ).astype(compute_dtype)
-                weight = _raw_weight(values_ref, zero_ref, w, expert, n_idx, k_start, span, compute_dtype)
+                weight = _raw_weight(
+                    values_ref, zero_ref, w, expert, n_idx, k_start, span, compute_dtype, scale_ref, group_ref
+                )
                 part = jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype)
-                if w.zero_point == "float":
+                if w.zero_point == "float" and not w.has_group_index:
                     row_sum = jnp.sum(x.astype(jnp.float32), axis=1)
                     zero = _float_zero(zero_ref, w, expert, n_idx, k_start)
                     part = (part.astype(jnp.float32) - row_sum[:, None] * zero[None, :]).astype(accum_dtype)
@@ -296,7 +332,7 @@ def expert_gemm(
     interpret: bool = False,
 ) -> jax.Array:
     """``[m_out, N]`` in ``out_dtype``. ``weight_arrays`` are the stored parts in
-    order (values, scale, zero point, global scale), only those the format has;
+    order (values, scale, zero point, global scale, group index), only those the weight has;
     ``route_arrays`` the layout's (offsets | counts | sorted_ids, expert_ids,
     num_tokens_padded)."""
     compute_dtype = jnp.dtype(x.dtype)

@@ -71,14 +71,21 @@ def dequantize_weight(weight) -> np.ndarray:
         v = to64(values)
     if not fmt.is_quantized:
         return v
+
+    def along_k(per_group):  # per-group values for every column (act-order: by group_index)
+        if weight.group_index is None:
+            return expand(per_group, v.shape)
+        gi = np.asarray(weight.group_index)
+        return np.stack([per_group[e][:, gi[e]] for e in range(v.shape[0])])
+
     if fmt.zero_point.value == "int":
         groups = weight.shape[2] // fmt.group_size
-        v = v - expand(unpack(np.asarray(weight.zero_point))[..., :groups].astype(np.float64), v.shape)
+        v = v - along_k(unpack(np.asarray(weight.zero_point))[..., :groups].astype(np.float64))
     elif fmt.zero_point.value == "float":
-        v = v - expand(to64(weight.zero_point), v.shape)
+        v = v - along_k(to64(weight.zero_point))
     scale = np.asarray(weight.scale)
     scale = 2.0 ** (scale.astype(np.float64) - 127) if fmt.scale_type.value == "e8m0" else to64(scale)
-    out = v * expand(scale, v.shape)
+    out = v * (along_k(scale) if fmt.scale_granularity.value == "group" else expand(scale, v.shape))
     if weight.second_scale is not None:
         second = np.asarray(weight.second_scale, np.float64)
         out = out * (second.reshape(-1, 1, 1) if second.shape[0] == weight.shape[0] else second[0])

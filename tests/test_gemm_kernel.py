@@ -9,6 +9,8 @@ to bf16 first (~1.7e-3; bound 5e-3). A bf16 output adds its own rounding
 (bound 1e-2). Rows no tile owns must be exactly zero.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 import humming_jax as hj
 from humming_jax import formats as F
 
+import np_ref
 from np_ref import relative_error
 
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
@@ -147,3 +150,21 @@ def test_kernel_backend_refuses_what_it_cannot_run(rng):
     with pytest.raises(ValueError, match="float32 inputs"):
         hj.gemm(x, weight, layout, backend=KERNEL_BACKEND)
     assert hj.gemm(q, weight, layout).shape == (M, N)  # the default backend falls back to the reference
+
+
+@pytest.mark.parametrize("layout_kind", ["dense", "grouped_contiguous", "indexed"])
+def test_act_order_group_index(layout_kind, rng):
+    """GPTQ act-order: column k uses group group_index[e, k] (per-element scales in the kernel)."""
+    e = 1 if layout_kind == "dense" else E
+    weight = _weight(rng, F.UINT4_ZP_G128, e)
+    group_index = jnp.asarray(np.stack([rng.permutation(K) // 128 for _ in range(e)]), jnp.int32)
+    weight = dataclasses.replace(weight, group_index=group_index)
+    weight.validate()
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = _layouts(rng)[layout_kind]
+    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    w64 = np_ref.dequantize_weight(weight)  # independent: scales gathered by group_index in NumPy
+    np.testing.assert_allclose(np.asarray(hj.dequantize_weight(weight), np.float64), w64, rtol=1e-6, atol=1e-12)
+    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND), ref, bound=5e-3)
+    with pytest.raises(ValueError, match="group_index"):
+        dataclasses.replace(_weight(rng, F.INT8_CHANNEL, e), group_index=group_index).validate()

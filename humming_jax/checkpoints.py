@@ -1,0 +1,349 @@
+"""Loading expert weights from real checkpoint layouts (safetensors).
+
+``read_safetensors`` reads the file format directly (NumPy + ml_dtypes, so fp8
+and bf16 tensors load too). ``load_experts`` turns the tensors of one MoE
+layer into :class:`ExpertWeights` for an :class:`ExpertsConfig`, converting
+the checkpoint's packing to this library's (DESIGN §3.1) without
+requantizing. Supported layouts (per-expert tensors are
+``{prefix}.{e}.{proj}.{name}`` with ``proj`` in ``names``; gpt-oss stores
+fused ``{prefix}.gate_up_proj_*`` / ``{prefix}.down_proj_*``):
+
+============================  ====================================================================
+``gptq``                      ``qweight`` i32 [K/8, N] (8 nibbles along K, low first), ``qzeros``
+                              i32 [G, N/8] (stored as z-1), ``scales`` [G, N], optional ``g_idx``
+                              [K] (act-order; gate and up of an expert share it, as they share
+                              their input) -> ``uint4_zp``, act-order as ``group_index``
+``awq``                       ``qweight`` i32 [K, N/8] (along N, AWQ order 0 2 4 6 1 3 5 7),
+                              ``qzeros`` i32 [G, N/8], ``scales`` [G, N] -> ``uint4_zp``
+``compressed_tensors``        ``weight_packed`` i32 [N, K/8] (q+8, low nibble first),
+                              ``weight_scale`` [N, G] -> ``int4`` symmetric per group
+``fp8_block``                 ``weight`` e4m3 [N, K], ``weight_scale_inv`` f32 [N/128, K/128]
+                              (DeepSeek: dequant = weight * weight_scale_inv) -> ``fp8_block128``
+``modelopt_nvfp4``            ``weight`` u8 [N, K/2], ``weight_scale`` e4m3 [N, K/16],
+                              ``weight_scale_2`` f32 [], ``input_scale`` f32 [] -> ``nvfp4``
+``gpt_oss_mxfp4``             ``{gate_up,down}_proj_blocks`` u8 [E, N, K/32, 16],
+                              ``..._scales`` u8 [E, N, K/32] (e8m0), ``..._bias`` [E, N];
+                              gate/up interleaved (SWIGLUOAI) -> ``mxfp4+bias``
+============================  ====================================================================
+
+A missing tensor, or one with the wrong shape or dtype, raises ``ValueError``
+naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from humming_jax import formats as F
+from humming_jax.configs import ExpertsConfig
+from humming_jax.experts import ExpertWeights, check_weights
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+LAYOUTS = ("gptq", "awq", "compressed_tensors", "fp8_block", "modelopt_nvfp4", "gpt_oss_mxfp4")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ int32 holds column AWQ_ORDER[j]
+
+
+def read_safetensors(paths: str | Sequence[str]) -> dict[str, np.ndarray]:
+    """All tensors of one or more ``.safetensors`` files as NumPy arrays."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    tensors: dict[str, np.ndarray] = {}
+    for path in paths:
+        with open(path, "rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_size))
+            data = f.read()
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in _DTYPES:
+                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+            start, end = info["data_offsets"]
+            tensors[name] = np.frombuffer(data[start:end], dtype=_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return tensors
+
+
+class _Tensors:
+    """Checked access to a checkpoint's tensors."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray]):
+        self.tensors = tensors
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None, dtypes=None, optional: bool = False):
+        if name not in self.tensors:
+            if optional:
+                return None
+            raise ValueError(f"checkpoint: missing tensor {name!r}")
+        array = np.asarray(self.tensors[name])
+        if shape is not None and tuple(array.shape) != tuple(shape):
+            raise ValueError(f"checkpoint: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)}")
+        if dtypes is not None and array.dtype not in [np.dtype(d) for d in dtypes]:
+            names = ", ".join(np.dtype(d).name for d in dtypes)
+            raise ValueError(f"checkpoint: tensor {name!r} has dtype {array.dtype}, expected {names}")
+        return array
+
+
+_FLOATS = (np.float16, np.float32, ml_dtypes.bfloat16)
+
+
+def _int32_nibbles(packed: np.ndarray, axis: int) -> np.ndarray:
+    """Split int32 words into their 8 nibbles (low first) along ``axis``."""
+    words = packed.astype(np.uint32)
+    nibbles = np.stack([(words >> (4 * j)) & 0xF for j in range(8)], axis=axis + 1)
+    shape = list(words.shape)
+    shape[axis] *= 8
+    return nibbles.reshape(shape).astype(np.uint8)
+
+
+def _pack_k(codes: np.ndarray) -> np.ndarray:
+    """``[..., K]`` 4-bit codes -> this library's bytes along K (low nibble first)."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _pack_groups(zero: np.ndarray) -> np.ndarray:
+    """``[N, G]`` 4-bit zero points -> ``[N, ceil(G/2)]`` bytes along the group axis."""
+    if zero.shape[-1] % 2:
+        zero = np.concatenate([zero, np.zeros_like(zero[..., :1])], axis=-1)
+    return _pack_k(zero)
+
+
+def _gptq_expert(t: _Tensors, name: str, n: int, k: int, group: int):
+    """One GPTQ projection as (codes [N, K], zero [N, G], scale [N, G], g_idx [K] or None)."""
+    groups = k // group
+    qweight = t.get(f"{name}.qweight", (k // 8, n), (np.int32,))
+    qzeros = t.get(f"{name}.qzeros", (groups, n // 8), (np.int32,))
+    scales = t.get(f"{name}.scales", (groups, n), _FLOATS)
+    g_idx = t.get(f"{name}.g_idx", (k,), (np.int32, np.int64), optional=True)
+    codes = _int32_nibbles(qweight, 0).T  # [N, K]
+    zero = ((_int32_nibbles(qzeros, 1) + 1) & 0xF).T  # stored as z - 1: [N, G]
+    if g_idx is not None and np.all(g_idx == np.arange(k) // group):
+        g_idx = None  # plain groups
+    if g_idx is not None and (g_idx.min() < 0 or g_idx.max() >= groups):
+        raise ValueError(f"checkpoint: tensor {name + '.g_idx'!r} holds groups outside [0, {groups})")
+    return codes, zero, scales.astype(np.float32).T, g_idx
+
+
+def _awq_expert(t: _Tensors, name: str, n: int, k: int, group: int):
+    groups = k // group
+    qweight = t.get(f"{name}.qweight", (k, n // 8), (np.int32,))
+    qzeros = t.get(f"{name}.qzeros", (groups, n // 8), (np.int32,))
+    scales = t.get(f"{name}.scales", (groups, n), _FLOATS)
+    order = np.argsort(AWQ_ORDER)  # position of column c inside a word
+
+    def unpack(words):  # [R, N/8] -> [R, N] in column order
+        nib = _int32_nibbles(words, 1).reshape(words.shape[0], n // 8, 8)
+        return nib[:, :, order].reshape(words.shape[0], n)
+
+    return unpack(qweight).T, unpack(qzeros).T, scales.astype(np.float32).T, None
+
+
+def _uint4_weight(experts, fmt: F.WeightFormat, n: int, k: int, scale_dtype, group_index=None) -> F.QuantizedWeight:
+    codes = np.stack([e[0] for e in experts])
+    zero = np.stack([e[1] for e in experts])
+    scale = np.stack([e[2] for e in experts])
+    return F.QuantizedWeight(
+        values=jnp.asarray(_pack_k(codes)),
+        scale=jnp.asarray(scale, scale_dtype),
+        zero_point=jnp.asarray(_pack_groups(zero)),
+        format=fmt,
+        shape=(len(experts), n, k),
+        group_index=None if group_index is None else jnp.asarray(group_index, jnp.int32),
+    )
+
+
+def _rows_of(config: ExpertsConfig) -> dict[str, tuple[int, int]]:
+    h, i = config.hidden_size, config.intermediate_size
+    return {"gate": (i, h), "up": (i, h), "down": (h, i)}
+
+
+def load_experts(
+    tensors: Mapping[str, np.ndarray],
+    prefix: str,
+    config: ExpertsConfig,
+    layout: str,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> ExpertWeights:
+    """The expert weights of one MoE layer, converted from ``layout`` (see the module table).
+
+    ``config``'s weight formats must be the ones the layout converts to (e.g.
+    ``uint4_zp_g128``-like for GPTQ/AWQ with the checkpoint's group size).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"load_experts: layout: expected one of {LAYOUTS}, got {layout!r}")
+    t = _Tensors(tensors)
+    e = config.num_experts
+    rows = _rows_of(config)
+    weights: dict[str, object] = {}
+    if layout == "gpt_oss_mxfp4":
+        weights = _load_gpt_oss(t, prefix, config)
+    elif layout in ("gptq", "awq"):
+        loader = _gptq_expert if layout == "gptq" else _awq_expert
+        per_proj = {}
+        for proj, name in zip(("gate", "up", "down"), names, strict=True):
+            fmt = config.w2_weight_format if proj == "down" else config.weight_format
+            n, k = rows[proj]
+            per_proj[proj] = [loader(t, f"{prefix}.{x}.{name}", n, k, fmt.group_size) for x in range(e)]
+        weights = _assemble_uint4(per_proj, config, prefix, names)
+    else:
+        per_proj = {}
+        for proj, name in zip(("gate", "up", "down"), names, strict=True):
+            n, k = rows[proj]
+            per_proj[proj] = [_load_plain(t, f"{prefix}.{x}.{name}", n, k, layout) for x in range(e)]
+        weights = _assemble_plain(per_proj, config, layout)
+    result = ExpertWeights(**weights)
+    check_weights(result, config)
+    return result
+
+
+def _group_index(projections, names: list[str], k: int, group: int):
+    """``[E, K]`` act-order group index of a weight (None when every g_idx is plain).
+    The projections fused into one weight (gate, up) must share their g_idx."""
+    experts = len(projections[0])
+    if all(p[x][3] is None for p in projections for x in range(experts)):
+        return None
+    plain = np.arange(k) // group
+    rows = []
+    for x in range(experts):
+        first = projections[0][x][3]
+        first = plain if first is None else first
+        for p, name in zip(projections[1:], names[1:], strict=True):
+            other = plain if p[x][3] is None else p[x][3]
+            if not np.array_equal(other, first):
+                raise ValueError(
+                    f"checkpoint: tensor '{name.format(x)}.g_idx' differs from the gate's: "
+                    "fused gate/up need the same act-order"
+                )
+        rows.append(first)
+    return np.stack(rows)
+
+
+def _assemble_uint4(per_proj, config: ExpertsConfig, prefix: str, names) -> dict:
+    h, i = config.hidden_size, config.intermediate_size
+    gate, up, down = per_proj["gate"], per_proj["up"], per_proj["down"]
+    fmt13, fmt2 = config.weight_format, config.w2_weight_format
+    w13 = [
+        (np.concatenate([g[0], u[0]]), np.concatenate([g[1], u[1]]), np.concatenate([g[2], u[2]]))
+        for g, u in zip(gate, up, strict=True)
+    ]
+    proj_names = [f"{prefix}.{{}}.{name}" for name in names]
+    return dict(
+        w13=_uint4_weight(
+            w13,
+            fmt13,
+            2 * i,
+            h,
+            jnp.dtype(fmt13.scale_dtype),
+            _group_index([gate, up], proj_names[:2], h, fmt13.group_size),
+        ),
+        w2=_uint4_weight(
+            down, fmt2, h, i, jnp.dtype(fmt2.scale_dtype), _group_index([down], proj_names[2:], i, fmt2.group_size)
+        ),
+    )
+
+
+def _load_plain(t: _Tensors, name: str, n: int, k: int, layout: str) -> dict:
+    if layout == "compressed_tensors":
+        packed = t.get(f"{name}.weight_packed", (n, k // 8), (np.int32,))
+        groups = t.get(f"{name}.weight_scale", None, _FLOATS)
+        if groups.ndim != 2 or groups.shape[0] != n:
+            raise ValueError(
+                f"checkpoint: tensor {name + '.weight_scale'!r} has shape {groups.shape}, expected [{n}, G]"
+            )
+        return dict(values=_pack_k(_int32_nibbles(packed, 1)), scale=groups.astype(np.float32))
+    if layout == "fp8_block":
+        weight = t.get(f"{name}.weight", (n, k), (ml_dtypes.float8_e4m3fn,))
+        scale = t.get(f"{name}.weight_scale_inv", (-(-n // 128), -(-k // 128)), (np.float32,))
+        return dict(values=weight, scale=scale)
+    weight = t.get(f"{name}.weight", (n, k // 2), (np.uint8,))
+    scale = t.get(f"{name}.weight_scale", (n, k // 16), (ml_dtypes.float8_e4m3fn,))
+    second = t.get(f"{name}.weight_scale_2", None, (np.float32,)).reshape(-1)
+    input_scale = t.get(f"{name}.input_scale", None, (np.float32,), optional=True)
+    return dict(
+        values=weight,
+        scale=scale,
+        second=float(second[0]),
+        input_scale=None if input_scale is None else float(np.asarray(input_scale).reshape(-1)[0]),
+    )
+
+
+def _assemble_plain(per_proj, config: ExpertsConfig, layout: str) -> dict:
+    h, i = config.hidden_size, config.intermediate_size
+    out = {}
+    for key, fmt, projs, (n, k) in (
+        ("w13", config.weight_format, ("gate", "up"), (2 * i, h)),
+        ("w2", config.w2_weight_format, ("down",), (h, i)),
+    ):
+        experts = [[per_proj[p][x] for p in projs] for x in range(config.num_experts)]
+        values = np.stack([np.concatenate([part["values"] for part in parts]) for parts in experts])
+        if layout == "modelopt_nvfp4":
+            seconds = [[part["second"] for part in parts] for parts in experts]
+            if any(len(set(s)) > 1 for s in seconds):  # one global scale per expert and weight
+                raise ValueError(f"checkpoint: {key}: weight_scale_2 of gate and up must be equal per expert")
+            scale = np.stack([np.concatenate([part["scale"] for part in parts]) for parts in experts])
+            weight = F.QuantizedWeight(
+                values=jnp.asarray(values),
+                scale=jnp.asarray(scale),
+                second_scale=jnp.asarray([s[0] for s in seconds], jnp.float32),
+                format=fmt,
+                shape=(len(experts), n, k),
+            )
+            layer = config.w13 if key == "w13" else config.w2
+            input_scales = [part["input_scale"] for parts in experts for part in parts]
+            if layer.input_quant.mode.is_static and None not in input_scales:
+                # One static activation scale for the layer: the largest covers every expert's range.
+                out[f"{key}_input_scale"] = jnp.asarray([max(input_scales)], jnp.float32)
+        elif layout == "fp8_block":
+            if len(projs) == 2 and i % 128:
+                raise ValueError(f"checkpoint: {key}: gate/up rows ({i}) must be a multiple of the 128-row scale block")
+            scale = np.stack([np.concatenate([part["scale"] for part in parts]) for parts in experts])
+            weight = F.QuantizedWeight(
+                values=jnp.asarray(values), scale=jnp.asarray(scale), format=fmt, shape=(len(experts), n, k)
+            )
+        else:
+            scale = np.stack([np.concatenate([part["scale"] for part in parts]) for parts in experts])
+            weight = F.QuantizedWeight(
+                values=jnp.asarray(values),
+                scale=jnp.asarray(scale, fmt.scale_dtype),
+                format=fmt,
+                shape=(len(experts), n, k),
+            )
+        out[key] = weight
+    return out
+
+
+def _load_gpt_oss(t: _Tensors, prefix: str, config: ExpertsConfig) -> dict:
+    e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+    out = {}
+    for key, proj, (n, k), fmt in (
+        ("w13", "gate_up_proj", (2 * i, h), config.weight_format),
+        ("w2", "down_proj", (h, i), config.w2_weight_format),
+    ):
+        blocks = t.get(f"{prefix}.{proj}_blocks", (e, n, k // 32, 16), (np.uint8,))
+        scales = t.get(f"{prefix}.{proj}_scales", (e, n, k // 32), (np.uint8,))
+        bias = t.get(f"{prefix}.{proj}_bias", (e, n), _FLOATS, optional=not fmt.has_bias)
+        out[key] = F.QuantizedWeight(
+            values=jnp.asarray(blocks.reshape(e, n, k // 2)),
+            scale=jnp.asarray(scales),
+            bias=None if bias is None or not fmt.has_bias else jnp.asarray(bias.astype(np.float32)),
+            format=fmt,
+            shape=(e, n, k),
+        )
+    return out
