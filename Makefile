@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	  echo "using $$PYTHON ($$($$PYTHON --version))"; \
 	  $$PYTHON -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,dev]'
+	$(PY) -m pip install -q -e '.[test,dev,notebooks]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -199,10 +199,25 @@ def format_table(rows: list[DemoRow], problem: DemoProblem) -> str:
     return "\n".join(lines)
 
 
+def workspace_line(problem: DemoProblem) -> str:
+    """The static workspace plan of the layer (what vLLM would allocate)."""
+    config = hj.ExpertsConfig(
+        problem.num_experts, problem.hidden, problem.intermediate, problem.top_k, weight_format=problem.weight_format
+    )
+    peaks = {
+        p: hj.plan_workspace(
+            config, problem.num_tokens, problem.top_k, p, max_num_tokens=problem.num_tokens, num_dispatchers=1
+        ).peak_bytes
+        for p in ("grouped", "indexed", "batched")
+    }
+    return "workspace peak bytes: " + ", ".join(f"{p} {b:,}" for p, b in peaks.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     problem = DemoProblem()
     rows = run_demo(problem)
     print(format_table(rows, problem))
+    print(workspace_line(problem))
     failed = [row.pipeline for row in rows if not row.passed]
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
