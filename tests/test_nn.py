@@ -164,3 +164,26 @@ def test_module_errors():
     batched = nn.BatchedHummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0), max_num_tokens=4)
     with pytest.raises(ValueError, match="max_num_tokens"):
         batched(jnp.ones((8, 5, 128), jnp.bfloat16), jnp.ones(8, jnp.int32))
+
+
+def test_moe_block_with_batched_and_moonep_experts():
+    """Every expert module drops into MoEBlock: the batched and MoonEP ones give
+    the grouped module's result on the same weights and routing."""
+    grouped = nn.HummingGroupedExperts(hj.ExpertsConfig(8, 128, 128, 2, weight_format="bf16"), rngs=nnx.Rngs(0))
+    batched = nn.BatchedHummingGroupedExperts.from_quantized(grouped.config, grouped.weights, max_num_tokens=6)
+    pad = lambda w: jnp.concatenate([w, w[:1]])  # noqa: E731  (one redundant row: a copy of expert 0)
+    w13 = grouped.weights.w13.values
+    moon = nn.MoonEPExperts(
+        8,
+        128,
+        128,
+        num_redundant=1,
+        w_gate=pad(w13[:, :128]),
+        w_up=pad(w13[:, 128:]),
+        w_down=pad(grouped.weights.w2.values),
+    )
+    x = _tokens(8)
+    reference = nn.MoEBlock(grouped, rngs=nnx.Rngs(1))(x)
+    for experts, kw in ((batched, {}), (moon, {"top_k": 2})):
+        out = nn.MoEBlock(experts, rngs=nnx.Rngs(1), **kw)(x)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference, np.float32), rtol=2e-2, atol=2e-2)

@@ -6,6 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from humming_jax import routing
+from humming_jax.nn.experts import BatchedHummingGroupedExperts, MoonEPExperts
+
 SCORING = ("softmax", "sigmoid")
 
 
@@ -48,12 +51,45 @@ class SharedExpert(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
-class MoEBlock(nnx.Module):
-    """Router + one of the Humming expert modules + optional shared expert.
+def _batched_experts(experts: BatchedHummingGroupedExperts, tokens, topk_weights, topk_ids):
+    """Dispatch tokens into ``[E, max_tokens, H]``, run, and do the weighted top-k reduce."""
+    num_experts = experts.config.num_experts
+    capacity = experts.max_num_tokens * experts.num_dispatchers
+    if tokens.shape[0] > capacity:
+        raise ValueError(f"MoEBlock: {tokens.shape[0]} tokens exceed the batched experts' capacity {capacity}")
+    offsets, scatter_idx = routing.moe_prepare_scatter(topk_ids, num_experts)
+    valid = (topk_ids >= 0) & (topk_ids < num_experts)
+    safe_ids = jnp.where(valid, topk_ids, 0)
+    position = scatter_idx - offsets[safe_ids]  # row inside its expert
+    expert = jnp.where(valid, topk_ids, num_experts)  # out of range: dropped by the scatter
+    rows = jnp.broadcast_to(tokens[:, None], (*topk_ids.shape, tokens.shape[1]))
+    batch = (
+        jnp.zeros((num_experts, capacity, tokens.shape[1]), tokens.dtype).at[expert, position].set(rows, mode="drop")
+    )
+    out = experts(batch, offsets[1:] - offsets[:-1])
+    picked = out[safe_ids, jnp.clip(position, 0, capacity - 1)].astype(jnp.float32)
+    return jnp.einsum("tk,tkh->th", jnp.where(valid, topk_weights, 0.0), picked).astype(tokens.dtype)
 
-    ``experts`` is a ``HummingGroupedExperts`` or ``HummingIndexedExperts``;
-    the router is a bias-free linear ``[H, E_global]`` in f32. Input ``[..., H]``
-    -> output of the same shape and dtype.
+
+def _moonep_experts(experts: MoonEPExperts, tokens, topk_weights, topk_ids):
+    """Lay tokens out in expert segments (redundant rows empty), run, reduce back."""
+    permuted = routing.moe_permute(tokens, topk_ids, experts.num_experts)
+    offsets = permuted.expert_first_token_offset
+    cu_seqlens = jnp.concatenate([offsets[1:], jnp.broadcast_to(offsets[-1:], (experts.num_redundant,))])
+    route_weights = topk_weights.reshape(-1)[permuted.permuted_idx]
+    out = experts(permuted.permuted_hidden_states, cu_seqlens, route_weights)
+    return routing.moe_unpermute(out, jnp.ones_like(topk_weights), permuted.inv_permuted_idx, offsets)
+
+
+class MoEBlock(nnx.Module):
+    """Router + one of the expert modules + optional shared expert.
+
+    ``experts`` is any expert module: the grouped and indexed ones take the
+    routing directly; for the batched one the block dispatches the tokens into
+    ``[E, max_tokens, H]`` and does the weighted reduce (vLLM's delegate); for
+    MoonEP it lays the tokens out in expert segments (``top_k`` is then
+    required). The router is a bias-free linear ``[H, E_global]`` in f32.
+    Input ``[..., H]`` -> output of the same shape and dtype.
     """
 
     def __init__(
@@ -65,18 +101,24 @@ class MoEBlock(nnx.Module):
         renormalize: bool = True,
         shared_intermediate_size: int | None = None,
         correction_bias: bool = False,
+        top_k: int | None = None,
     ):
-        config = experts.config
         if scoring not in SCORING:
             raise ValueError(f"MoEBlock: scoring: expected one of {SCORING}, got {scoring!r}")
+        if isinstance(experts, MoonEPExperts):
+            if top_k is None:
+                raise ValueError("MoEBlock: top_k is required with MoonEPExperts (it has no experts config)")
+            hidden, num_experts, dtype = experts.w_gate.get_value().shape[2], experts.num_experts, "bfloat16"
+        else:
+            config = experts.config
+            hidden, num_experts, dtype = config.hidden_size, config.global_num_experts, config.compute_dtype
+            top_k = config.top_k if top_k is None else top_k
         self.experts = experts
-        self.scoring, self.renormalize, self.top_k = scoring, renormalize, config.top_k
-        self.router = nnx.Linear(
-            config.hidden_size, config.global_num_experts, use_bias=False, param_dtype=jnp.float32, rngs=rngs
-        )
-        self.correction_bias = nnx.Param(jnp.zeros(config.global_num_experts, jnp.float32)) if correction_bias else None
+        self.scoring, self.renormalize, self.top_k = scoring, renormalize, top_k
+        self.router = nnx.Linear(hidden, num_experts, use_bias=False, param_dtype=jnp.float32, rngs=rngs)
+        self.correction_bias = nnx.Param(jnp.zeros(num_experts, jnp.float32)) if correction_bias else None
         self.shared = (
-            SharedExpert(config.hidden_size, shared_intermediate_size, rngs=rngs, dtype=jnp.dtype(config.compute_dtype))
+            SharedExpert(hidden, shared_intermediate_size, rngs=rngs, dtype=jnp.dtype(dtype))
             if shared_intermediate_size
             else None
         )
@@ -88,7 +130,12 @@ class MoEBlock(nnx.Module):
         topk_weights, topk_ids = route(
             self.router(tokens.astype(jnp.float32)), self.top_k, self.scoring, self.renormalize, bias
         )
-        out = self.experts(tokens, topk_weights, topk_ids, expert_map=expert_map)
+        if isinstance(self.experts, BatchedHummingGroupedExperts):
+            out = _batched_experts(self.experts, tokens, topk_weights, topk_ids)
+        elif isinstance(self.experts, MoonEPExperts):
+            out = _moonep_experts(self.experts, tokens.astype(jnp.bfloat16), topk_weights, topk_ids)
+        else:
+            out = self.experts(tokens, topk_weights, topk_ids, expert_map=expert_map)
         if self.shared is not None:
             out = out + self.shared(tokens).astype(out.dtype)
         return out.reshape(shape).astype(x.dtype)
