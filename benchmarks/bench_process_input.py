@@ -10,17 +10,14 @@ M = T*k rows (k = 8) for T in {16, 512, 4096}; K in {768, 2048, 2880}
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 import humming_jax as hj
 from humming_jax import input_quant as Q
-from humming_jax.timing import device_seconds
+from humming_jax.timing import device_seconds, write_results
 
 COPY_BANDWIDTH = 4.3e12
 TOKENS = (16, 512, 4096)
@@ -105,17 +102,7 @@ def main(argv=None) -> int:
         return 2
     print(table([], header=True), flush=True)
     rows = bench()
-    meta = dict(
-        device=str(jax.devices()[0].device_kind),
-        jax=jax.__version__,
-        python=platform.python_version(),
-        date=time.strftime("%Y-%m-%d"),
-        top_k=TOP_K,
-        copy_bandwidth=COPY_BANDWIDTH,
-    )
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, rows, top_k=TOP_K, copy_bandwidth=COPY_BANDWIDTH)
     return 0
 
 

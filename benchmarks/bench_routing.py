@@ -10,10 +10,7 @@ implementation, the bytes the op must move and the achieved GB/s.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +18,7 @@ import numpy as np
 
 import humming_jax as hj
 from humming_jax.routing import align_length
-from humming_jax.timing import device_seconds
+from humming_jax.timing import device_seconds, write_results
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200
 TOKENS = (1, 16, 128, 512, 4096, 16384)
@@ -132,17 +129,7 @@ def main(argv=None) -> int:
     else:
         rows = bench(tuple(args.tokens), EXPERTS, HIDDEN)
     print(table(rows))
-    meta = dict(
-        device=str(jax.devices()[0].device_kind),
-        jax=jax.__version__,
-        python=platform.python_version(),
-        date=time.strftime("%Y-%m-%d"),
-        block_size=BLOCK_SIZE,
-        copy_bandwidth=COPY_BANDWIDTH,
-    )
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, rows, block_size=BLOCK_SIZE, copy_bandwidth=COPY_BANDWIDTH)
     return 0
 
 

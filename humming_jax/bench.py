@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import platform
 import sys
 import time
 
@@ -28,7 +27,7 @@ from humming_jax import tuning as T
 from humming_jax.configs import GemmLayout, TuningConfig
 from humming_jax.gemm import gemm
 from humming_jax.routing import moe_align_block_size, moe_prepare_scatter
-from humming_jax.timing import device_seconds
+from humming_jax.timing import device_seconds, write_results
 
 COPY_BANDWIDTH = 4.3e12
 MATMUL_RATE = 790e12
@@ -224,26 +223,13 @@ def format_row(r: dict) -> str:
     )
 
 
-def _meta() -> dict:
-    return dict(
-        device=str(jax.devices()[0].device_kind),
-        jax=jax.__version__,
-        python=platform.python_version(),
-        date=time.strftime("%Y-%m-%d"),
-        copy_bandwidth=COPY_BANDWIDTH,
-        matmul_rate=MATMUL_RATE,
-    )
-
-
 def bench_main(args) -> int:
     if KERNEL_BACKEND == "pallas" and jax.default_backend() != "gpu":
         print("bench: needs a GPU (kernels are timed compiled)", file=sys.stderr)
         return 2
     print(HEADER, flush=True)
     rows = run_bench(args.problems, args.tokens, args.formats, compare=not args.no_compare)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=_meta(), rows=rows), f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, rows, copy_bandwidth=COPY_BANDWIDTH, matmul_rate=MATMUL_RATE)
     return 0
 
 
@@ -313,6 +299,6 @@ def tune_main(args) -> int:
                 )
                 print(f"{key} M in ({low}, {high}]: {best[0]} {best[1]:.1f} us", flush=True)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=dict(_meta(), problem=args.problem), entries=table), f, indent=1)
+        json.dump(dict(meta=dict(problem=args.problem, date=time.strftime("%Y-%m-%d")), entries=table), f, indent=1)
     print(f"wrote {args.out}")
     return 0

@@ -62,3 +62,20 @@ def device_seconds(fn: Callable, sets: Sequence[tuple], repeats: int = 5, min_se
         timed(iterations)
     samples = [timed(iterations) for _ in range(repeats)]
     return statistics.median(samples) / (iterations * len(sets))
+
+
+def write_results(path: str, rows: list[dict], **meta) -> None:
+    """Write benchmark rows as JSON with the machine they were measured on."""
+    import json
+    import platform
+
+    header = dict(
+        device=str(jax.devices()[0].device_kind),
+        jax=jax.__version__,
+        python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d"),
+        **meta,
+    )
+    with open(path, "w") as f:
+        json.dump(dict(meta=header, rows=rows), f, indent=1)
+    print(f"wrote {path}")
