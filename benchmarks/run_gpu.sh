@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One GPU session's checks and measurements, in priority order. Usage (from the
+# repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
+# Steps: gemm-tests gemm-bench tune routing-tests process-tests routing-bench process-bench
+set -u
+out=${1:?output directory}
+shift
+steps=${*:-gemm-tests gemm-bench}
+mkdir -p "$out"
+export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+pytest_gpu() { timeout "$1" python3 -m pytest -q -n 6 -p no:cacheprovider -W ignore::DeprecationWarning "${@:2}"; }
+for step in $steps; do
+  echo "=== $step"
+  case $step in
+    gemm-tests) pytest_gpu 240 tests/test_gemm_kernel.py tests/test_pipelines.py 2>&1 | tee "$out/gemm_tests.log" | tail -15 ;;
+    gemm-bench) timeout 420 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
+                  --tokens 16 4096 --out "$out/gemm.json" 2>&1 | tee "$out/gemm_bench.log" ;;
+    tune) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats bf16 int4_g128 \
+            --out "$out/tuning_h200.json" 2>&1 | tee "$out/tune.log" | tail -20 ;;
+    routing-tests) pytest_gpu 240 tests/test_routing.py 2>&1 | tee "$out/routing_tests.log" | tail -5 ;;
+    process-tests) pytest_gpu 120 tests/test_process_input.py 2>&1 | tee "$out/process_tests.log" | tail -20 ;;
+    routing-bench) timeout 300 python3 -W ignore -m benchmarks.bench_routing --tokens 512 16384 \
+                     --out "$out/routing.json" 2>&1 | grep -v '^done' | tee "$out/routing_bench.log" ;;
+    process-bench) timeout 150 python3 -W ignore -m benchmarks.bench_process_input --out "$out/process_input.json" \
+                     2>&1 | tee "$out/process_bench.log" | tail -30 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
