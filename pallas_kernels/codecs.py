@@ -1,5 +1,5 @@
-"""Elementwise number codecs usable inside Pallas kernels (Triton lowering) and
-in plain ``jnp`` alike: no gathers from values, no ``round``/``erf``
+"""Elementwise helpers usable inside Pallas kernels (Triton lowering) and
+in plain ``jnp`` alike — number codecs and masked-scatter indices: no gathers from values, no ``round``/``erf``
 primitives (the Triton lowering has neither), powers of two built from bits.
 
 Bit layouts are documented in ``humming_jax.numerics``.
@@ -107,6 +107,14 @@ def safe_reciprocal(scale: jax.Array, exact_on_gpu: bool = False) -> jax.Array:
     scale = scale.astype(jnp.float32)
     positive = scale > 0
     return jnp.where(positive, divide(jnp.ones_like(scale), jnp.where(positive, scale, 1.0), exact_on_gpu), 0.0)
+
+
+def scatter_index(index: jax.Array, mask: jax.Array, size: int) -> jax.Array:
+    """Indices for a masked scatter store: masked-out lanes point past the end.
+    On the GPU the mask keeps them from touching memory; in interpret mode (a
+    scatter that writes the old value back on masked lanes) an out-of-bounds
+    index is dropped instead of racing with a real lane on the same address."""
+    return jnp.where(mask, index, size)
 
 
 def erf(x: jax.Array) -> jax.Array:

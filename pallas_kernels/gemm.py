@@ -311,7 +311,7 @@ def _gemm_kernel(
             bias = plgpu.load(bias_ref.at[expert, n_idx], mask=n_idx < w.n, other=0).astype(jnp.float32)
             acc = acc + jnp.where(split == 0, bias, 0.0)[None, :]
         mask = row_mask[:, None] & (n_idx < w.n)[None, :]
-        out_rows = jnp.where(row_mask, rows_out, layout.m_out)  # masked lanes past the end
+        out_rows = codecs.scatter_index(rows_out, row_mask, layout.m_out)
         if tiles.split_k > 1:
             plgpu.store(out_ref.at[split, out_rows[:, None], n_idx[None, :]], acc, mask=mask)
         else:

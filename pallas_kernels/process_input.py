@@ -225,8 +225,7 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
     value_cols = jnp.arange(value_width, dtype=jnp.int32)
     value_col_mask = value_cols < (cfg.k_out // 2 if cfg.packed else cfg.k_out)
     for dest, keep in zip(destinations, keeps, strict=True):
-        # Masked-out lanes point past the end (dropped in interpret mode, untouched on the GPU).
-        out_rows = jnp.where(row_mask, dest, values_ref.shape[0])
+        out_rows = codecs.scatter_index(dest, row_mask, values_ref.shape[0])
         plgpu.store(
             values_ref.at[out_rows[:, None], value_cols[None, :]],
             _zero_rows(values, keep),

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import codecs
+
 SUB_TILE = 128  # slots compared pairwise at a time
 
 
@@ -69,14 +71,6 @@ class GroupingTiles:
     def for_slots(self, num_slots: int) -> GroupingTiles:
         chunk = min(self.chunk, max(SUB_TILE, pl.next_power_of_2(num_slots)))
         return dataclasses.replace(self, chunk=chunk)
-
-
-def _scatter_index(index, mask, size: int):
-    """Send masked-out lanes of a scatter past the end: on the GPU the mask keeps
-    them from touching memory, and in interpret mode (a scatter that writes the
-    old value back on masked lanes) an out-of-bounds index is dropped instead
-    of racing with a real lane on the same address."""
-    return jnp.where(mask, index, size)
 
 
 def _slot_groups(ids_ref, map_ref, start, g: Grouping):
@@ -180,10 +174,10 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
             chunk_base = plgpu.load(base_ref.at[program, group], mask=valid, other=0)
             dest = plgpu.load(start_ref.at[group], mask=valid, other=0) + chunk_base + rank
             if outputs == "sorted":
-                plgpu.store(outs[0].at[_scatter_index(dest, valid, length)], slots, mask=valid)
+                plgpu.store(outs[0].at[codecs.scatter_index(dest, valid, length)], slots, mask=valid)
             else:
                 plgpu.store(outs[0].at[pl.ds(start, SUB_TILE)], dest, mask=in_slots)
-                plgpu.store(outs[1].at[_scatter_index(dest, in_slots, g.num_slots)], slots, mask=in_slots)
+                plgpu.store(outs[1].at[codecs.scatter_index(dest, in_slots, g.num_slots)], slots, mask=in_slots)
 
     if outputs == "sorted":
         sorted_ref, expert_ids_ref = outs
@@ -312,7 +306,7 @@ def _scatter_rows_kernel(x_ref, dest_ref, end_ref, out_ref, *, tiles: RowTiles, 
     for j in range(top_k):
         dest = plgpu.load(dest_ref.at[tokens * top_k + j], mask=token_mask, other=0)
         row = jnp.where((dest < end)[:, None], x, jnp.zeros_like(x))
-        dest = _scatter_index(dest, token_mask, out_ref.shape[0])
+        dest = codecs.scatter_index(dest, token_mask, out_ref.shape[0])
         plgpu.store(out_ref.at[dest[:, None], cols], row, mask=mask)
 
 
