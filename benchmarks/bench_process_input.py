@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 import humming_jax as hj
 from humming_jax import input_quant as Q
-from humming_jax.timing import device_seconds, write_results
+from humming_jax.timing import comparison_cells, device_seconds, write_results
 
 COPY_BANDWIDTH = 4.3e12
 TOKENS = (16, 512, 4096)
@@ -86,10 +86,7 @@ def table(rows, header: bool = True) -> str:
     for (case, t, k), pair in pairs.items():
         if KERNEL in pair and "reference" in pair:
             p, r = pair[KERNEL], pair["reference"]
-            lines.append(
-                f"{case:<24}{t:>6}{k:>6}{p['us']:>11.1f}{r['us']:>10.1f}{r['us'] / p['us']:>9.2f}"
-                f"{p['gbps']:>8.0f}{100 * p['copy_fraction']:>7.0f}%"
-            )
+            lines.append(f"{case:<24}{t:>6}{k:>6}" + comparison_cells(p, r))
     return "\n".join(lines)
 
 

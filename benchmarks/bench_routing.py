@@ -18,7 +18,7 @@ import numpy as np
 
 import humming_jax as hj
 from humming_jax.routing import align_length
-from humming_jax.timing import device_seconds, write_results
+from humming_jax.timing import comparison_cells, device_seconds, write_results
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200
 TOKENS = (1, 16, 128, 512, 4096, 16384)
@@ -107,10 +107,7 @@ def table(rows, header: bool = True) -> str:
         p, ref = pair.get(KERNEL), pair.get("reference")
         if not p or not ref:
             continue
-        lines.append(
-            f"{key[0]:<16}{key[1]:>6}{key[2]:>5}{key[3]:>3}{key[4]:>6}{p['us']:>11.1f}{ref['us']:>10.1f}"
-            f"{ref['us'] / p['us']:>9.2f}{p['gbps']:>8.0f}{100 * p['copy_fraction']:>7.0f}%"
-        )
+        lines.append(f"{key[0]:<16}{key[1]:>6}{key[2]:>5}{key[3]:>3}{key[4]:>6}" + comparison_cells(p, ref))
     return "\n".join(lines)
 
 

@@ -166,20 +166,13 @@ def process_input(
         need = "needs" if spec.mode.is_static else "takes no"
         raise ValueError(f"process_input: static_scale: mode {spec.mode.value!r} {need} a static tensor scale")
     chosen = resolve_backend(backend, "process_input")
-    if chosen == "reference":
-        return process_input_reference(
-            x,
-            spec,
-            activation,
-            hadamard_block_size,
-            layout,
-            expert_num_tokens,
-            scatter_idx,
-            num_valid_tokens,
-            static_scale,
-            jnp.dtype(compute_dtype),
-        )
-    return _process_input_kernel(
+    # The reference and the kernel path take the same arguments.
+    implementation = (
+        process_input_reference
+        if chosen == "reference"
+        else functools.partial(_process_input_kernel, interpret=chosen == "interpret")
+    )
+    return implementation(
         x,
         spec,
         activation,
@@ -190,7 +183,6 @@ def process_input(
         num_valid_tokens,
         static_scale,
         jnp.dtype(compute_dtype),
-        interpret=chosen == "interpret",
     )
 
 

@@ -79,3 +79,12 @@ def write_results(path: str, rows: list[dict], **meta) -> None:
     with open(path, "w") as f:
         json.dump(dict(meta=header, rows=rows), f, indent=1)
     print(f"wrote {path}")
+
+
+def comparison_cells(kernel: dict, reference: dict) -> str:
+    """Table cells comparing a kernel row with its ``jnp`` reference row:
+    kernel us, jnp us, speedup, GB/s and % of the copy bandwidth."""
+    return (
+        f"{kernel['us']:>11.1f}{reference['us']:>10.1f}{reference['us'] / kernel['us']:>9.2f}"
+        f"{kernel['gbps']:>8.0f}{100 * kernel['copy_fraction']:>7.0f}%"
+    )
