@@ -147,6 +147,7 @@ class TuningConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    swap_ab: bool = False  # compute out.T = w @ x.T (the weight tile is the MMA's A operand)
 
     def __post_init__(self):
         owner = "TuningConfig"

@@ -219,7 +219,13 @@ def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         if a is not None
     )
     tiles = kernel.Tiles(
-        tuning.block_m, tuning.block_n, tuning.block_k, tuning.split_k, tuning.num_warps, tuning.num_stages
+        tuning.block_m,
+        tuning.block_n,
+        tuning.block_k,
+        tuning.split_k,
+        tuning.num_warps,
+        tuning.num_stages,
+        tuning.swap_ab,
     )
     return kernel.expert_gemm(
         x.values,

@@ -84,6 +84,7 @@ class Tiles:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
 
 
 def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
@@ -97,9 +98,8 @@ def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
     return layout.num_blocks
 
 
-def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int):
-    """(rows_in [bm], rows_out [bm], row_mask [bm], expert, live) of this program's tile."""
-    tile = pl.program_id(0)
+def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, tile):
+    """(rows_in [bm], rows_out [bm], row_mask [bm], expert, live) of row tile ``tile``."""
     lane = jnp.arange(block_m, dtype=jnp.int32)
     if layout.kind == "dense":
         rows = tile * block_m + lane
@@ -138,18 +138,26 @@ def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int):
     return entries // layout.top_k, entries, mask, jnp.clip(expert, 0, num_experts - 1), live
 
 
-def _decode_e2m1(code):
-    """e2m1 codes (int32) to f32 without a table: 0, .5, 1, 1.5, 2, 3, 4, 6."""
-    exponent = (code >> 1) & 3
-    mantissa = (code & 1).astype(jnp.float32)
-    power = jnp.left_shift(1, jnp.maximum(exponent - 1, 0)).astype(jnp.float32)
-    magnitude = jnp.where(exponent == 0, 0.5 * mantissa, power * (1.0 + 0.5 * mantissa))
-    return jnp.where((code & 8) != 0, -magnitude, magnitude)
+# Bit patterns whose 16-bit float value is ``base + nibble`` (nibble in the low
+# mantissa bits): int4/uint4 codes become exact compute-dtype values with an
+# OR and a subtraction, no integer-to-float conversion.
+_MAGIC = {"bfloat16": (0x4300, 128.0), "float16": (0x6400, 1024.0)}
+# e2m1 code bits placed in an e4m3 byte decode (in hardware, subnormals
+# included) to the e2m1 value times 2**-6; the 2**6 joins the scale.
+E2M1_AS_E4M3_FACTOR = 64.0
+
+
+def _storage_bits(raw, dtype):
+    """Loaded uint8 storage of an 8-bit float (fp8 arrays travel as uint8: the
+    lowering cannot fill masked fp8 lanes) back to its float type."""
+    return jax.lax.bitcast_convert_type(raw, dtype)
 
 
 def _decode_scale(raw, scale_type: str):
     if scale_type == "e8m0":
         return codecs.e8m0_decode(raw)
+    if scale_type == "float8_e4m3":
+        return _storage_bits(raw, jnp.float8_e4m3fn).astype(jnp.float32)
     return raw.astype(jnp.float32)
 
 
@@ -162,6 +170,11 @@ def scale_span(w: WeightSpec, block_k: int) -> int:
     return block_k
 
 
+def value_factor(w: WeightSpec) -> float:
+    """The factor between the decoded weight values and the stored ones."""
+    return E2M1_AS_E4M3_FACTOR if w.value_type == "float4_e2m1" else 1.0
+
+
 def _weight_parts(weight_refs, w: WeightSpec):
     refs = list(weight_refs)
     values_ref = refs.pop(0)
@@ -172,63 +185,89 @@ def _weight_parts(weight_refs, w: WeightSpec):
     return values_ref, scale_ref, zero_ref, global_ref, group_ref
 
 
-def _act_order_weight(values, scale_ref, zero_ref, group_ref, w: WeightSpec, expert, n_idx, k_start, span: int):
+def _int_zero(zero_ref, expert, n_idx, group, n: int):
+    """Integer zero points ``[bn]`` (int32) of one group (two groups per byte)."""
+    byte = plgpu.load(zero_ref.at[expert, n_idx, group // 2], mask=n_idx < n, other=0).astype(jnp.int32)
+    return (byte >> (4 * (group % 2))) & 0xF
+
+
+def _act_order_values(values, scale_ref, zero_ref, group_ref, w: WeightSpec, expert, n_idx, cols):
     """Act-order (``group_index``): every column has its own group, so the scale
-    and zero point are gathered per element and applied before the product."""
-    k_idx = k_start + jnp.arange(span, dtype=jnp.int32)
-    group = plgpu.load(group_ref.at[expert, k_idx], mask=k_idx < w.k, other=0)[None, :]
+    and zero point are gathered per element and applied before the product.
+    ``values`` f32 ``[bn, len(cols)]``."""
+    group = plgpu.load(group_ref.at[expert, cols], mask=cols < w.k, other=0)[None, :]
     n_col = n_idx[:, None]
-    mask = (n_col < w.n) & (k_idx < w.k)[None, :]
+    mask = (n_col < w.n) & (cols < w.k)[None, :]
     if w.zero_point == "int":
         byte = plgpu.load(zero_ref.at[expert, n_col, group // 2], mask=mask, other=0).astype(jnp.int32)
         values = values - ((byte >> (4 * (group % 2))) & 0xF).astype(jnp.float32)
     elif w.zero_point == "float":
         values = values - plgpu.load(zero_ref.at[expert, n_col, group], mask=mask, other=0).astype(jnp.float32)
-    return values * _decode_scale(plgpu.load(scale_ref.at[expert, n_col, group], mask=mask, other=0), w.scale_type)
+    scale = _decode_scale(plgpu.load(scale_ref.at[expert, n_col, group], mask=mask, other=0), w.scale_type)
+    return values * scale * value_factor(w)
 
 
-def _raw_weight(
-    values_ref,
-    zero_ref,
-    w: WeightSpec,
-    expert,
-    n_idx,
-    k_start,
-    span: int,
-    compute_dtype,
-    scale_ref=None,
-    group_ref=None,
+def _nibbles_to_values(codes, w: WeightSpec, compute_dtype, zero=None):
+    """4-bit codes (uint8, low nibble) to exact compute-dtype values (e2m1: times
+    2**-6); ``zero`` ([bn] int32) is subtracted from uint4 codes."""
+    if w.value_type == "float4_e2m1":
+        bits = ((codes & 8) << 4) | ((codes & 7) << 2)
+        return _storage_bits(bits, jnp.float8_e4m3fn).astype(compute_dtype)
+    magic, base = _MAGIC[jnp.dtype(compute_dtype).name]
+    values = jax.lax.bitcast_convert_type(codes.astype(jnp.int16) | magic, compute_dtype)
+    offset = base + 8.0 if w.value_type == "int4" else base
+    if zero is not None:
+        return values - (zero.astype(jnp.float32) + offset).astype(compute_dtype)[:, None]
+    return values - jnp.asarray(offset, compute_dtype)
+
+
+def _weight_pieces(
+    values_ref, zero_ref, scale_ref, group_ref, w: WeightSpec, expert, n_idx, k_start, span, compute_dtype
 ):
-    """Weight values of columns ``k_start + [0, span)`` minus their zero point, as
-    ``[bn, span]`` in the compute dtype. Every quantized value type (int8,
-    int4/uint4 minus a zero point, e4m3, e2m1) is exact in bf16 and f16, so no
-    rounding happens here; the scales come after the product."""
+    """The weight columns ``k_start + [0, span)`` minus their zero point, as
+    pieces ``(cols [c], values [bn, c])`` in the compute dtype whose products
+    with ``x[:, cols]`` sum to the span's product. Every quantized value type
+    (int8, int4/uint4 minus an integer zero point, e4m3, e2m1) is exact in bf16
+    and f16, so nothing rounds here; the scales come after the product.
+    Packed 4-bit weights give two pieces, the low nibbles (even columns) and
+    the high nibbles (odd columns), so no interleave is needed."""
     n_col = n_idx[:, None]
-    if w.packed:  # byte j holds columns 2j (low nibble) and 2j+1 (high nibble)
+    act_order = w.has_group_index
+    if w.packed:
         pair = k_start // 2 + jnp.arange(span // 2, dtype=jnp.int32)
         packed = plgpu.load(
             values_ref.at[expert, n_col, pair[None, :]], mask=(n_col < w.n) & (pair[None, :] < w.k // 2), other=0
-        ).astype(jnp.int32)
-        codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], span)
-        if w.value_type == "float4_e2m1":
-            values = _decode_e2m1(codes)
-        else:
-            values = (codes - 8 if w.value_type == "int4" else codes).astype(jnp.float32)
-    else:
-        k_row = (k_start + jnp.arange(span, dtype=jnp.int32))[None, :]
-        values = plgpu.load(values_ref.at[expert, n_col, k_row], mask=(n_col < w.n) & (k_row < w.k), other=0)
-        if w.zero_point == "none" and not w.has_group_index:
-            return values.astype(compute_dtype)
-        values = values.astype(jnp.float32)
-    if w.has_group_index:
-        return _act_order_weight(values, scale_ref, zero_ref, group_ref, w, expert, n_idx, k_start, span).astype(
-            compute_dtype
         )
-    if w.zero_point == "int":  # integer zero points: q - z is a small integer, exact
-        group = k_start // w.group_size
-        byte = plgpu.load(zero_ref.at[expert, n_idx, group // 2], mask=n_idx < w.n, other=0).astype(jnp.int32)
-        values = values - ((byte >> (4 * (group % 2))) & 0xF).astype(jnp.float32)[:, None]
-    return values.astype(compute_dtype)
+        zero = None
+        if w.zero_point == "int" and not act_order:
+            zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, w.n)
+        pieces = []
+        for parity, codes in ((0, packed & 0xF), (1, packed >> 4)):
+            cols = k_start + parity + 2 * jnp.arange(span // 2, dtype=jnp.int32)
+            pieces.append((cols, _nibbles_to_values(codes, w, compute_dtype, zero)))
+    else:
+        cols = k_start + jnp.arange(span, dtype=jnp.int32)
+        raw = plgpu.load(
+            values_ref.at[expert, n_col, cols[None, :]], mask=(n_col < w.n) & (cols < w.k)[None, :], other=0
+        )
+        if w.value_type == "float8_e4m3":
+            raw = _storage_bits(raw, jnp.float8_e4m3fn)
+        values = raw.astype(compute_dtype)
+        if w.zero_point == "int" and not act_order:  # q - z is a small integer, exact
+            zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, w.n)
+            values = (raw.astype(jnp.float32) - zero.astype(jnp.float32)[:, None]).astype(compute_dtype)
+        pieces = [(cols, values)]
+    if act_order:
+        pieces = [
+            (
+                cols,
+                _act_order_values(v.astype(jnp.float32), scale_ref, zero_ref, group_ref, w, expert, n_idx, cols).astype(
+                    compute_dtype
+                ),
+            )
+            for cols, v in pieces
+        ]
+    return pieces
 
 
 def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start):
@@ -240,10 +279,13 @@ def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start):
 
 
 def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start):
-    """The f32 scale of each output column for columns starting at ``k_start``
-    (``[bn]``, or a scalar for per-tensor scales), times the global scale."""
-    if w.scale == "none" or w.has_group_index:  # act-order scales were applied per element
+    """The f32 factor of each output column for columns starting at ``k_start``
+    (``[bn]`` or a scalar): scale x global scale x value factor, or None."""
+    factor = value_factor(w)
+    if w.has_group_index:  # act-order scales were applied per element
         return None
+    if w.scale == "none":
+        return None if factor == 1.0 else jnp.float32(factor)
     mask = n_idx < w.n
     if w.scale == "tensor":
         scale = _decode_scale(scale_ref[expert, 0, 0], w.scale_type)
@@ -259,7 +301,7 @@ def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start):
         scale = scale * global_ref[expert]
     elif w.global_scale == "tensor":
         scale = scale * global_ref[0]
-    return scale
+    return scale * factor if factor != 1.0 else scale
 
 
 def _gemm_kernel(
@@ -275,11 +317,23 @@ def _gemm_kernel(
     out_ref = rest[-1]  # aliased to the zeroed output input
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     span = scale_span(w, bk)
-    rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm)
-    n_idx = pl.program_id(1) * bn + jnp.arange(bn, dtype=jnp.int32)
+    # Output-column tiles vary fastest: the programs running together share
+    # their row tile (and its expert), which then stays in L2.
+    rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, pl.program_id(1))
+    n_idx = pl.program_id(0) * bn + jnp.arange(bn, dtype=jnp.int32)
     split = pl.program_id(2)
     k_tiles = pl.cdiv(w.k, bk)
     per_split = pl.cdiv(k_tiles, tiles.split_k)
+    # swap_ab computes out.T = w @ x.T: the weight tile (decoded in registers)
+    # is the MMA's A operand and the few rows of a decode tile its narrow N.
+    swap = tiles.swap_ab
+    acc_shape = (bn, bm) if swap else (bm, bn)
+
+    def along_n(column):  # a [bn] vector broadcast against the accumulator
+        return column[:, None] if swap else column[None, :]
+
+    def along_m(row):  # a [bm] vector broadcast against the accumulator
+        return row[None, :] if swap else row[:, None]
 
     @pl.when(live)
     def _():
@@ -287,35 +341,43 @@ def _gemm_kernel(
             k_tile = (split * per_split + i) * bk
             for j in range(bk // span):  # one product per span of columns sharing a scale
                 k_start = k_tile + j * span
-                k_idx = k_start + jnp.arange(span, dtype=jnp.int32)
-                x = plgpu.load(
-                    x_ref.at[rows_in[:, None], k_idx[None, :]], mask=row_mask[:, None] & (k_idx < w.k)[None, :], other=0
-                ).astype(compute_dtype)
-                weight = _raw_weight(
-                    values_ref, zero_ref, w, expert, n_idx, k_start, span, compute_dtype, scale_ref, group_ref
+                pieces = _weight_pieces(
+                    values_ref, zero_ref, scale_ref, group_ref, w, expert, n_idx, k_start, span, compute_dtype
                 )
-                part = jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype)
+                part = jnp.zeros(acc_shape, accum_dtype)
+                row_sum = jnp.zeros((bm,), jnp.float32)
+                for cols, weight in pieces:
+                    x = plgpu.load(
+                        x_ref.at[rows_in[:, None], cols[None, :]],
+                        mask=row_mask[:, None] & (cols < w.k)[None, :],
+                        other=0,
+                    ).astype(compute_dtype)
+                    operands = (weight, x) if swap else (x, weight)
+                    part += jax.lax.dot_general(*operands, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype)
+                    if w.zero_point == "float" and not w.has_group_index:
+                        row_sum += jnp.sum(x.astype(jnp.float32), axis=1)
                 if w.zero_point == "float" and not w.has_group_index:
-                    row_sum = jnp.sum(x.astype(jnp.float32), axis=1)
                     zero = _float_zero(zero_ref, w, expert, n_idx, k_start)
-                    part = (part.astype(jnp.float32) - row_sum[:, None] * zero[None, :]).astype(accum_dtype)
+                    part = (part.astype(jnp.float32) - along_m(row_sum) * along_n(zero)).astype(accum_dtype)
                 scale = _column_scale(scale_ref, global_ref, w, expert, n_idx, k_start)
                 if scale is not None:
+                    scale = along_n(scale) if jnp.ndim(scale) else scale
                     part = (part.astype(jnp.float32) * scale).astype(accum_dtype)
                 acc = acc + part
             return acc
 
         steps = jnp.clip(k_tiles - split * per_split, 0, per_split)
-        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), accum_dtype)).astype(jnp.float32)
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(acc_shape, accum_dtype)).astype(jnp.float32)
         if bias_ref is not None:
             bias = plgpu.load(bias_ref.at[expert, n_idx], mask=n_idx < w.n, other=0).astype(jnp.float32)
-            acc = acc + jnp.where(split == 0, bias, 0.0)[None, :]
-        mask = row_mask[:, None] & (n_idx < w.n)[None, :]
-        out_rows = codecs.scatter_index(rows_out, row_mask, layout.m_out)
+            acc = acc + along_n(jnp.where(split == 0, bias, 0.0))
+        mask = along_m(row_mask) & along_n(n_idx < w.n)
+        out_rows = along_m(codecs.scatter_index(rows_out, row_mask, layout.m_out))
+        cols = along_n(n_idx)
         if tiles.split_k > 1:
-            plgpu.store(out_ref.at[split, out_rows[:, None], n_idx[None, :]], acc, mask=mask)
+            plgpu.store(out_ref.at[split, out_rows, cols], acc, mask=mask)
         else:
-            plgpu.store(out_ref.at[out_rows[:, None], n_idx[None, :]], acc.astype(out_ref.dtype), mask=mask)
+            plgpu.store(out_ref.at[out_rows, cols], acc.astype(out_ref.dtype), mask=mask)
 
 
 def expert_gemm(
@@ -337,7 +399,11 @@ def expert_gemm(
     num_tokens_padded)."""
     compute_dtype = jnp.dtype(x.dtype)
     accum_dtype = jnp.float16 if use_f16_accum else jnp.float32
-    grid = (num_row_tiles(layout, w.num_experts, tiles.block_m), pl.cdiv(w.n, tiles.block_n), tiles.split_k)
+    grid = (pl.cdiv(w.n, tiles.block_n), num_row_tiles(layout, w.num_experts, tiles.block_m), tiles.split_k)
+    # 8-bit floats travel as their uint8 bits (see _storage_bits).
+    weight_arrays = tuple(
+        jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype == jnp.float8_e4m3fn else a for a in weight_arrays
+    )
     if tiles.split_k > 1:
         out = jnp.zeros((tiles.split_k, layout.m_out, w.n), jnp.float32)
     else:

@@ -25,13 +25,15 @@ def test_bench_writes_json(tiny, tmp_path, capsys):
         (g, layout, f) for g in ("w13", "w2") for layout in ("grouped", "indexed") for f in ("bf16", "mxfp4")
     }
     for r in rows:
+        assert r["error"] < 1e-2, r  # checked against ragged_dot on the dequantized weights
         assert r["us"] > 0 and r["gbps"] > 0 and 0 < r["roofline_fraction"]
     assert any(r.get("ragged_dot_us") for r in rows)
     assert "tiny" in capsys.readouterr().out
 
 
 def test_tune_writes_a_table_the_loader_reads(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "CANDIDATES", (tuning.TuningConfig(16, 32, 32), tuning.TuningConfig(16, 64, 64)))
+    candidates = (tuning.TuningConfig(16, 32, 32), tuning.TuningConfig(16, 64, 64, swap_ab=True))
+    monkeypatch.setattr(bench, "DECODE_CANDIDATES", candidates)
     monkeypatch.setattr(bench, "M_RANGES", ((0, 8),))
     out = tmp_path / "table.json"
     assert cli.main(["tune", "--problem", "tiny", "--formats", "int4_g32", "--out", str(out)]) == 0

@@ -168,3 +168,16 @@ def test_act_order_group_index(layout_kind, rng):
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND), ref, bound=5e-3)
     with pytest.raises(ValueError, match="group_index"):
         dataclasses.replace(_weight(rng, F.INT8_CHANNEL, e), group_index=group_index).validate()
+
+
+@pytest.mark.parametrize("layout_kind", ["dense", "grouped_contiguous", "grouped_masked", "indexed"])
+@pytest.mark.parametrize("fmt_name", ["bf16", "int4_g128+bias", "uint4_fzp_g128", "mxfp4", "nvfp4", "fp8_block128"])
+def test_swap_ab_tiles(layout_kind, fmt_name, rng):
+    """``swap_ab`` (out.T = w @ x.T, the decode tiling) computes the same values."""
+    fmt = F.get_format(fmt_name)
+    weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = _layouts(rng)[layout_kind]
+    tuning = hj.TuningConfig(block_m=16, block_n=64, block_k=128, swap_ab=True)
+    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
