@@ -161,11 +161,32 @@ def _decode_scale(raw, scale_type: str):
     return raw.astype(jnp.float32)
 
 
-def scale_span(w: WeightSpec, block_k: int) -> int:
+def scales_in_weights(w: WeightSpec, block_k: int, compute_dtype) -> bool:
+    """Whether the scales multiply the weight elements before the product
+    (instead of the ``[bm, bn]`` partial product of each scale span):
+
+    * act-order (``group_index``): every column has its own group;
+    * MX and NV formats in bf16: an e2m1/e4m3 value times an e8m0/e4m3 scale
+      has at most 7 significant bits, so the scaled weight is exact in bf16 and
+      one product covers the whole K tile (NVFP4's groups of 16 would otherwise
+      make products of K=8, below the smallest MMA);
+    * groups narrower than one MMA (the scaled weight rounds to the compute dtype).
+    """
+    if w.has_group_index:
+        return True
+    exact = (
+        w.value_type in ("float4_e2m1", "float8_e4m3")
+        and w.scale_type in ("e8m0", "float8_e4m3")
+        and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16)
+    )
+    narrow = w.scale in ("group", "block") and min(block_k, w.group_size) < (32 if w.packed else 16)
+    return w.scale != "none" and (exact or narrow)
+
+
+def scale_span(w: WeightSpec, block_k: int, compute_dtype) -> int:
     """Columns of K that share one scale (and zero point) inside a K tile: the
-    sub-product width. Scales apply to the ``[bm, bn]`` partial product of each
-    span, so the weight values enter the dot raw."""
-    if w.scale in ("group", "block") and not w.has_group_index:
+    width of one product, whose ``[bm, bn]`` result the scale multiplies."""
+    if w.scale in ("group", "block") and not scales_in_weights(w, block_k, compute_dtype):
         return min(block_k, w.group_size)
     return block_k
 
@@ -185,26 +206,46 @@ def _weight_parts(weight_refs, w: WeightSpec):
     return values_ref, scale_ref, zero_ref, global_ref, group_ref
 
 
-def _int_zero(zero_ref, expert, n_idx, group, n: int):
-    """Integer zero points ``[bn]`` (int32) of one group (two groups per byte)."""
-    byte = plgpu.load(zero_ref.at[expert, n_idx, group // 2], mask=n_idx < n, other=0).astype(jnp.int32)
+def _all(*masks):
+    """The conjunction of the masks that are not None (None: nothing to mask)."""
+    masks = [m for m in masks if m is not None]
+    return None if not masks else functools.reduce(jnp.logical_and, masks)
+
+
+def _load(ref_at, mask):
+    return plgpu.load(ref_at) if mask is None else plgpu.load(ref_at, mask=mask, other=0)
+
+
+def _int_zero(zero_ref, expert, n_idx, group, n_mask):
+    """Integer zero points (int32) of the given groups (two groups per byte)."""
+    byte = _load(zero_ref.at[expert, n_idx, group // 2], n_mask).astype(jnp.int32)
     return (byte >> (4 * (group % 2))) & 0xF
 
 
-def _act_order_values(values, scale_ref, zero_ref, group_ref, w: WeightSpec, expert, n_idx, cols):
-    """Act-order (``group_index``): every column has its own group, so the scale
-    and zero point are gathered per element and applied before the product.
-    ``values`` f32 ``[bn, len(cols)]``."""
-    group = plgpu.load(group_ref.at[expert, cols], mask=cols < w.k, other=0)[None, :]
+def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, cols, masks):
+    """``(values - zero) * scale`` per element (f32 ``[bn, len(cols)]``), the
+    group of column k being ``group_index[e, k]`` (act-order) or ``k // group``."""
+    scale_ref, zero_ref, group_ref = refs
+    n_mask, k_mask = masks
+    if w.has_group_index:
+        group = _load(group_ref.at[expert, cols], k_mask)[None, :]
+    else:
+        group = (cols // max(w.group_size, 1))[None, :]
     n_col = n_idx[:, None]
-    mask = (n_col < w.n) & (cols < w.k)[None, :]
+    mask = _all(None if n_mask is None else n_mask[:, None], None if k_mask is None else k_mask[None, :])
     if w.zero_point == "int":
-        byte = plgpu.load(zero_ref.at[expert, n_col, group // 2], mask=mask, other=0).astype(jnp.int32)
-        values = values - ((byte >> (4 * (group % 2))) & 0xF).astype(jnp.float32)
+        values = values - _int_zero(zero_ref, expert, n_col, group, mask).astype(jnp.float32)
     elif w.zero_point == "float":
-        values = values - plgpu.load(zero_ref.at[expert, n_col, group], mask=mask, other=0).astype(jnp.float32)
-    scale = _decode_scale(plgpu.load(scale_ref.at[expert, n_col, group], mask=mask, other=0), w.scale_type)
-    return values * scale * value_factor(w)
+        values = values - _load(zero_ref.at[expert, n_col, group], mask).astype(jnp.float32)
+    if w.scale == "tensor":
+        raw = scale_ref[expert, 0, 0]
+    elif w.scale == "channel":
+        raw = _load(scale_ref.at[expert, n_col, 0], None if n_mask is None else n_mask[:, None])
+    elif w.scale == "block":
+        raw = _load(scale_ref.at[expert, n_col // w.block_n, group], mask)
+    else:
+        raw = _load(scale_ref.at[expert, n_col, group], mask)
+    return values * _decode_scale(raw, w.scale_type)
 
 
 def _nibbles_to_values(codes, w: WeightSpec, compute_dtype, zero=None):
@@ -221,91 +262,108 @@ def _nibbles_to_values(codes, w: WeightSpec, compute_dtype, zero=None):
     return values - jnp.asarray(offset, compute_dtype)
 
 
-def _weight_pieces(
-    values_ref, zero_ref, scale_ref, group_ref, w: WeightSpec, expert, n_idx, k_start, span, compute_dtype
-):
-    """The weight columns ``k_start + [0, span)`` minus their zero point, as
-    pieces ``(cols [c], values [bn, c])`` in the compute dtype whose products
-    with ``x[:, cols]`` sum to the span's product. Every quantized value type
-    (int8, int4/uint4 minus an integer zero point, e4m3, e2m1) is exact in bf16
-    and f16, so nothing rounds here; the scales come after the product.
-    Packed 4-bit weights give two pieces, the low nibbles (even columns) and
-    the high nibbles (odd columns), so no interleave is needed."""
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    cols: jax.Array  # [c] weight columns (global K index)
+    x_cols: jax.Array  # [c] the columns of x holding them (x may be stored split, see expert_gemm)
+    values: jax.Array  # [bn, c] compute dtype
+
+
+def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, span, compute_dtype, in_weights, x_split, masks):
+    """The weight columns ``k_start + [0, span)`` as pieces whose products with
+    ``x[:, piece.x_cols]`` sum to the span's product: the values minus their
+    zero point, times their scales when ``in_weights``. Every quantized value
+    type (int8, int4/uint4 minus an integer zero point, e4m3, e2m1) is exact in
+    bf16 and f16, so otherwise nothing rounds here and the scales come after
+    the product. Packed 4-bit weights give two pieces, the low nibbles (even
+    columns) and the high nibbles (odd columns): no interleave."""
+    values_ref, scale_ref, zero_ref, group_ref = refs
+    n_mask, k_limit = masks
     n_col = n_idx[:, None]
-    act_order = w.has_group_index
+    n_mask2 = None if n_mask is None else n_mask[:, None]
+    pieces = []
     if w.packed:
-        pair = k_start // 2 + jnp.arange(span // 2, dtype=jnp.int32)
-        packed = plgpu.load(
-            values_ref.at[expert, n_col, pair[None, :]], mask=(n_col < w.n) & (pair[None, :] < w.k // 2), other=0
-        )
+        half = span // 2
+        pair = k_start // 2 + jnp.arange(half, dtype=jnp.int32)
+        pair_mask = None if k_limit is None else (pair < k_limit // 2)[None, :]
+        packed = _load(values_ref.at[expert, n_col, pair[None, :]], _all(n_mask2, pair_mask))
         zero = None
-        if w.zero_point == "int" and not act_order:
-            zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, w.n)
-        pieces = []
+        if w.zero_point == "int" and not in_weights:
+            zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, n_mask)
         for parity, codes in ((0, packed & 0xF), (1, packed >> 4)):
-            cols = k_start + parity + 2 * jnp.arange(span // 2, dtype=jnp.int32)
-            pieces.append((cols, _nibbles_to_values(codes, w, compute_dtype, zero)))
+            cols = k_start + parity + 2 * jnp.arange(half, dtype=jnp.int32)
+            x_cols = k_start + parity * half + jnp.arange(half, dtype=jnp.int32) if x_split else cols
+            pieces.append(_Piece(cols, x_cols, _nibbles_to_values(codes, w, compute_dtype, zero)))
     else:
         cols = k_start + jnp.arange(span, dtype=jnp.int32)
-        raw = plgpu.load(
-            values_ref.at[expert, n_col, cols[None, :]], mask=(n_col < w.n) & (cols < w.k)[None, :], other=0
-        )
+        k_mask = None if k_limit is None else (cols < k_limit)[None, :]
+        raw = _load(values_ref.at[expert, n_col, cols[None, :]], _all(n_mask2, k_mask))
         if w.value_type == "float8_e4m3":
             raw = _storage_bits(raw, jnp.float8_e4m3fn)
         values = raw.astype(compute_dtype)
-        if w.zero_point == "int" and not act_order:  # q - z is a small integer, exact
-            zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, w.n)
+        if w.zero_point == "int" and not in_weights:  # q - z is a small integer, exact
+            zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, n_mask)
             values = (raw.astype(jnp.float32) - zero.astype(jnp.float32)[:, None]).astype(compute_dtype)
-        pieces = [(cols, values)]
-    if act_order:
-        pieces = [
-            (
-                cols,
-                _act_order_values(v.astype(jnp.float32), scale_ref, zero_ref, group_ref, w, expert, n_idx, cols).astype(
-                    compute_dtype
-                ),
-            )
-            for cols, v in pieces
-        ]
-    return pieces
+        pieces.append(_Piece(cols, cols, values))
+    if not in_weights:
+        return pieces
+    return [
+        dataclasses.replace(
+            p,
+            values=_scaled_elements(
+                p.values.astype(jnp.float32),
+                (scale_ref, zero_ref, group_ref),
+                w,
+                expert,
+                n_idx,
+                p.cols,
+                (n_mask, None if k_limit is None else p.cols < k_limit),
+            ).astype(compute_dtype),
+        )
+        for p in pieces
+    ]
 
 
-def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start):
+def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start, n_mask):
     """Float zero points ``[bn]`` of the span at ``k_start`` (not exact in bf16:
     they are subtracted after the product as ``z * sum_k x``)."""
-    return plgpu.load(zero_ref.at[expert, n_idx, k_start // w.group_size], mask=n_idx < w.n, other=0).astype(
-        jnp.float32
-    )
+    return _load(zero_ref.at[expert, n_idx, k_start // w.group_size], n_mask).astype(jnp.float32)
 
 
-def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start):
+def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, in_weights, n_mask):
     """The f32 factor of each output column for columns starting at ``k_start``
-    (``[bn]`` or a scalar): scale x global scale x value factor, or None."""
+    (``[bn]`` or a scalar): scale (unless applied in the weights) x global
+    scale x value factor, or None when it is 1."""
     factor = value_factor(w)
-    if w.has_group_index:  # act-order scales were applied per element
-        return None
-    if w.scale == "none":
-        return None if factor == 1.0 else jnp.float32(factor)
-    mask = n_idx < w.n
-    if w.scale == "tensor":
+    if w.scale == "none" or in_weights:
+        scale = None
+    elif w.scale == "tensor":
         scale = _decode_scale(scale_ref[expert, 0, 0], w.scale_type)
     elif w.scale == "channel":
-        scale = _decode_scale(plgpu.load(scale_ref.at[expert, n_idx, 0], mask=mask, other=0), w.scale_type)
+        scale = _decode_scale(_load(scale_ref.at[expert, n_idx, 0], n_mask), w.scale_type)
     elif w.scale == "group":
-        raw = plgpu.load(scale_ref.at[expert, n_idx, k_start // w.group_size], mask=mask, other=0)
-        scale = _decode_scale(raw, w.scale_type)
+        scale = _decode_scale(_load(scale_ref.at[expert, n_idx, k_start // w.group_size], n_mask), w.scale_type)
     else:  # block
-        raw = plgpu.load(scale_ref.at[expert, n_idx // w.block_n, k_start // w.group_size], mask=mask, other=0)
+        raw = _load(scale_ref.at[expert, n_idx // w.block_n, k_start // w.group_size], n_mask)
         scale = _decode_scale(raw, w.scale_type)
-    if w.global_scale == "expert":
-        scale = scale * global_ref[expert]
-    elif w.global_scale == "tensor":
-        scale = scale * global_ref[0]
-    return scale * factor if factor != 1.0 else scale
+    if w.global_scale != "none":
+        global_scale = global_ref[expert] if w.global_scale == "expert" else global_ref[0]
+        scale = global_scale if scale is None else scale * global_scale
+    if factor != 1.0:
+        scale = jnp.float32(factor) if scale is None else scale * factor
+    return scale
 
 
 def _gemm_kernel(
-    *refs, w: WeightSpec, layout: LayoutSpec, tiles: Tiles, compute_dtype, accum_dtype, num_route: int, num_weight: int
+    *refs,
+    w: WeightSpec,
+    layout: LayoutSpec,
+    tiles: Tiles,
+    compute_dtype,
+    accum_dtype,
+    num_route: int,
+    num_weight: int,
+    x_split: bool,
 ):
     x_ref = refs[0]
     route_refs = refs[1 : 1 + num_route]
@@ -316,11 +374,14 @@ def _gemm_kernel(
     bias_ref = rest[0] if w.has_bias else None
     out_ref = rest[-1]  # aliased to the zeroed output input
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    span = scale_span(w, bk)
+    in_weights = scales_in_weights(w, bk, compute_dtype)
+    span = scale_span(w, bk, compute_dtype)
     # Output-column tiles vary fastest: the programs running together share
     # their row tile (and its expert), which then stays in L2.
     rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, pl.program_id(1))
     n_idx = pl.program_id(0) * bn + jnp.arange(bn, dtype=jnp.int32)
+    n_mask = None if w.n % bn == 0 else n_idx < w.n  # static: no mask when the tiles divide N
+    k_limit = None if w.k % bk == 0 else w.k
     split = pl.program_id(2)
     k_tiles = pl.cdiv(w.k, bk)
     per_split = pl.cdiv(k_tiles, tiles.split_k)
@@ -328,12 +389,21 @@ def _gemm_kernel(
     # is the MMA's A operand and the few rows of a decode tile its narrow N.
     swap = tiles.swap_ab
     acc_shape = (bn, bm) if swap else (bm, bn)
+    float_zero = w.zero_point == "float" and not in_weights
 
     def along_n(column):  # a [bn] vector broadcast against the accumulator
         return column[:, None] if swap else column[None, :]
 
     def along_m(row):  # a [bm] vector broadcast against the accumulator
         return row[None, :] if swap else row[:, None]
+
+    def product(piece):
+        k_mask = None if k_limit is None else (piece.cols < k_limit)[None, :]
+        x = _load(x_ref.at[rows_in[:, None], piece.x_cols[None, :]], _all(row_mask[:, None], k_mask))
+        x = x.astype(compute_dtype)
+        operands = (piece.values, x) if swap else (x, piece.values)
+        dot = jax.lax.dot_general(*operands, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype)
+        return dot, (jnp.sum(x.astype(jnp.float32), axis=1) if float_zero else None)
 
     @pl.when(live)
     def _():
@@ -342,42 +412,64 @@ def _gemm_kernel(
             for j in range(bk // span):  # one product per span of columns sharing a scale
                 k_start = k_tile + j * span
                 pieces = _weight_pieces(
-                    values_ref, zero_ref, scale_ref, group_ref, w, expert, n_idx, k_start, span, compute_dtype
+                    (values_ref, scale_ref, zero_ref, group_ref),
+                    w,
+                    expert,
+                    n_idx,
+                    k_start,
+                    span,
+                    compute_dtype,
+                    in_weights,
+                    x_split,
+                    (n_mask, k_limit),
                 )
-                part = jnp.zeros(acc_shape, accum_dtype)
-                row_sum = jnp.zeros((bm,), jnp.float32)
-                for cols, weight in pieces:
-                    x = plgpu.load(
-                        x_ref.at[rows_in[:, None], cols[None, :]],
-                        mask=row_mask[:, None] & (cols < w.k)[None, :],
-                        other=0,
-                    ).astype(compute_dtype)
-                    operands = (weight, x) if swap else (x, weight)
-                    part += jax.lax.dot_general(*operands, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype)
-                    if w.zero_point == "float" and not w.has_group_index:
-                        row_sum += jnp.sum(x.astype(jnp.float32), axis=1)
-                if w.zero_point == "float" and not w.has_group_index:
-                    zero = _float_zero(zero_ref, w, expert, n_idx, k_start)
-                    part = (part.astype(jnp.float32) - along_m(row_sum) * along_n(zero)).astype(accum_dtype)
-                scale = _column_scale(scale_ref, global_ref, w, expert, n_idx, k_start)
+                scale = _column_scale(scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask)
+                if scale is None and not float_zero:  # accumulate straight into acc (one MMA chain)
+                    for piece in pieces:
+                        acc = acc + product(piece)[0]
+                    continue
+                part, row_sum = None, None
+                for piece in pieces:
+                    dot, sums = product(piece)
+                    part = dot if part is None else part + dot
+                    row_sum = sums if row_sum is None else row_sum + sums
+                part = part.astype(jnp.float32)
+                if float_zero:
+                    zero = _float_zero(zero_ref, w, expert, n_idx, k_start, n_mask)
+                    part = part - along_m(row_sum) * along_n(zero)
                 if scale is not None:
-                    scale = along_n(scale) if jnp.ndim(scale) else scale
-                    part = (part.astype(jnp.float32) * scale).astype(accum_dtype)
-                acc = acc + part
+                    part = part * (along_n(scale) if jnp.ndim(scale) else scale)
+                acc = acc + part.astype(accum_dtype)
             return acc
 
         steps = jnp.clip(k_tiles - split * per_split, 0, per_split)
         acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(acc_shape, accum_dtype)).astype(jnp.float32)
         if bias_ref is not None:
-            bias = plgpu.load(bias_ref.at[expert, n_idx], mask=n_idx < w.n, other=0).astype(jnp.float32)
+            bias = _load(bias_ref.at[expert, n_idx], n_mask).astype(jnp.float32)
             acc = acc + along_n(jnp.where(split == 0, bias, 0.0))
-        mask = along_m(row_mask) & along_n(n_idx < w.n)
+        mask = _all(along_m(row_mask), None if n_mask is None else along_n(n_mask))
         out_rows = along_m(codecs.scatter_index(rows_out, row_mask, layout.m_out))
         cols = along_n(n_idx)
         if tiles.split_k > 1:
             plgpu.store(out_ref.at[split, out_rows, cols], acc, mask=mask)
         else:
             plgpu.store(out_ref.at[out_rows, cols], acc.astype(out_ref.dtype), mask=mask)
+
+
+def split_packed_columns(x: jax.Array, span: int) -> jax.Array:
+    """``x [M, K]`` with the columns of each span of ``span`` reordered even
+    columns first, then odd ones (zero-padded to a whole number of spans): the
+    low and high nibbles of packed weights then meet contiguous columns of x."""
+    m, k = x.shape
+    padded = pl.cdiv(k, span) * span
+    x = jnp.pad(x, ((0, 0), (0, padded - k)))
+    return x.reshape(m, padded // span, span // 2, 2).swapaxes(2, 3).reshape(m, padded)
+
+
+def splits_x(w: WeightSpec, tiles: Tiles) -> bool:
+    """Large row tiles read x once per column tile: they get the split copy of x
+    (contiguous, pipelined loads); small ones gather the even/odd columns."""
+    return w.packed and tiles.block_m >= 64
 
 
 def expert_gemm(
@@ -408,6 +500,9 @@ def expert_gemm(
         out = jnp.zeros((tiles.split_k, layout.m_out, w.n), jnp.float32)
     else:
         out = jnp.zeros((layout.m_out, w.n), out_dtype)
+    x_split = splits_x(w, tiles)
+    if x_split:
+        x = split_packed_columns(x, scale_span(w, tiles.block_k, compute_dtype))
     inputs = [x, *route_arrays, *weight_arrays] + ([bias] if bias is not None else []) + [out]
     result = pl.pallas_call(
         functools.partial(
@@ -419,6 +514,7 @@ def expert_gemm(
             accum_dtype=accum_dtype,
             num_route=len(route_arrays),
             num_weight=len(weight_arrays),
+            x_split=x_split,
         ),
         grid=grid,
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
