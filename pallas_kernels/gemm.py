@@ -161,34 +161,37 @@ def _decode_scale(raw, scale_type: str):
     return raw.astype(jnp.float32)
 
 
-def scales_in_weights(w: WeightSpec, block_k: int, compute_dtype) -> bool:
+def scales_in_weights(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
     """Whether the scales multiply the weight elements before the product
     (instead of the ``[bm, bn]`` partial product of each scale span):
 
     * act-order (``group_index``): every column has its own group;
-    * MX and NV formats in bf16: an e2m1/e4m3 value times an e8m0/e4m3 scale
-      has at most 7 significant bits, so the scaled weight is exact in bf16 and
-      one product covers the whole K tile (NVFP4's groups of 16 would otherwise
-      make products of K=8, below the smallest MMA);
-    * groups narrower than one MMA (the scaled weight rounds to the compute dtype).
+    * groups narrower than one MMA (NVFP4's 16 would make products of K=8);
+    * MX and NV formats in bf16 on row tiles of 64+: an e2m1/e4m3 value times
+      an e8m0/e4m3 scale has at most 7 significant bits, so the scaled weight
+      is exact in bf16, and one product per K tile keeps the MMAs chained
+      (decode tiles are cheaper scaling the partial products).
+    Except for the narrow groups of integer formats, nothing rounds.
     """
     if w.has_group_index:
         return True
+    if w.scale == "none":
+        return False
     exact = (
         w.value_type in ("float4_e2m1", "float8_e4m3")
         and w.scale_type in ("e8m0", "float8_e4m3")
         and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16)
     )
-    narrow = w.scale in ("group", "block") and min(block_k, w.group_size) < (32 if w.packed else 16)
-    return w.scale != "none" and (exact or narrow)
+    narrow = w.scale in ("group", "block") and min(tiles.block_k, w.group_size) < (32 if w.packed else 16)
+    return narrow or (exact and tiles.block_m >= 64)
 
 
-def scale_span(w: WeightSpec, block_k: int, compute_dtype) -> int:
+def scale_span(w: WeightSpec, tiles: Tiles, compute_dtype) -> int:
     """Columns of K that share one scale (and zero point) inside a K tile: the
     width of one product, whose ``[bm, bn]`` result the scale multiplies."""
-    if w.scale in ("group", "block") and not scales_in_weights(w, block_k, compute_dtype):
-        return min(block_k, w.group_size)
-    return block_k
+    if w.scale in ("group", "block") and not scales_in_weights(w, tiles, compute_dtype):
+        return min(tiles.block_k, w.group_size)
+    return tiles.block_k
 
 
 def value_factor(w: WeightSpec) -> float:
@@ -222,7 +225,7 @@ def _int_zero(zero_ref, expert, n_idx, group, n_mask):
     return (byte >> (4 * (group % 2))) & 0xF
 
 
-def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, cols, masks):
+def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, masks):
     """``(values - zero) * scale`` per element (f32 ``[bn, len(cols)]``), the
     group of column k being ``group_index[e, k]`` (act-order) or ``k // group``."""
     scale_ref, zero_ref, group_ref = refs
@@ -232,11 +235,23 @@ def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, cols, masks):
     else:
         group = (cols // max(w.group_size, 1))[None, :]
     n_col = n_idx[:, None]
-    mask = _all(None if n_mask is None else n_mask[:, None], None if k_mask is None else k_mask[None, :])
+    n_mask2 = None if n_mask is None else n_mask[:, None]
+    mask = _all(n_mask2, None if k_mask is None else k_mask[None, :])
     if w.zero_point == "int":
         values = values - _int_zero(zero_ref, expert, n_col, group, mask).astype(jnp.float32)
     elif w.zero_point == "float":
         values = values - _load(zero_ref.at[expert, n_col, group], mask).astype(jnp.float32)
+    if w.scale == "group" and not w.has_group_index:
+        # The piece's columns fall in runs of ``run`` per group: one scale per
+        # run, broadcast along it (no per-element gather).
+        width = cols.shape[0]
+        run = min(width, w.group_size // 2 if w.packed else w.group_size)
+        groups = k_start // w.group_size + jnp.arange(width // run, dtype=jnp.int32)
+        group_mask = None if k_mask is None else (groups < w.k // w.group_size)[None, :]
+        raw = _load(scale_ref.at[expert, n_col, groups[None, :]], _all(n_mask2, group_mask))
+        scale = _decode_scale(raw, w.scale_type)
+        scale = jnp.broadcast_to(scale[:, :, None], (scale.shape[0], width // run, run)).reshape(-1, width)
+        return values * scale
     if w.scale == "tensor":
         raw = scale_ref[expert, 0, 0]
     elif w.scale == "channel":
@@ -316,6 +331,7 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, span, compute_dt
                 w,
                 expert,
                 n_idx,
+                k_start,
                 p.cols,
                 (n_mask, None if k_limit is None else p.cols < k_limit),
             ).astype(compute_dtype),
@@ -374,8 +390,8 @@ def _gemm_kernel(
     bias_ref = rest[0] if w.has_bias else None
     out_ref = rest[-1]  # aliased to the zeroed output input
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    in_weights = scales_in_weights(w, bk, compute_dtype)
-    span = scale_span(w, bk, compute_dtype)
+    in_weights = scales_in_weights(w, tiles, compute_dtype)
+    span = scale_span(w, tiles, compute_dtype)
     # Output-column tiles vary fastest: the programs running together share
     # their row tile (and its expert), which then stays in L2.
     rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, pl.program_id(1))
@@ -502,7 +518,7 @@ def expert_gemm(
         out = jnp.zeros((layout.m_out, w.n), out_dtype)
     x_split = splits_x(w, tiles)
     if x_split:
-        x = split_packed_columns(x, scale_span(w, tiles.block_k, compute_dtype))
+        x = split_packed_columns(x, scale_span(w, tiles, compute_dtype))
     inputs = [x, *route_arrays, *weight_arrays] + ([bias] if bias is not None else []) + [out]
     result = pl.pallas_call(
         functools.partial(
