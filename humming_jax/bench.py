@@ -328,22 +328,26 @@ def candidates_for(high: int) -> tuple[TuningConfig, ...]:
 
 def tune_main(args) -> int:
     """Sweep the candidates per (layout, format class, M range) on one problem,
-    check each against :func:`reference_output`, print every candidate, keep the
-    fastest, write the table JSON."""
+    check each against :func:`reference_output`, print every candidate, and
+    keep for each table key the candidate with the least total time over the
+    formats of its class that all passed; write the table JSON."""
     if KERNEL_BACKEND == "pallas" and jax.default_backend() != "gpu":
         print("tune: needs a GPU", file=sys.stderr)
         return 2
-    table: dict[str, list[dict]] = {}
     top_k = PROBLEMS[args.problem][3]
+    timings: dict[tuple[str, int, int], dict[TuningConfig, list[float]]] = {}
+    members: dict[tuple[str, int, int], int] = {}
     for fmt in args.formats:
         for layout_name in args.layouts:
+            kind = "grouped_contiguous" if layout_name == "grouped" else "indexed"
             for low, high in M_RANGES:
                 if (args.max_m and low >= args.max_m) or high < args.min_m:
                     continue
+                key = (f"{kind}/{T.format_class(F.get_format(fmt))}", low, high)
+                members[key] = members.get(key, 0) + 1
                 case = Case(args.problem, "w13", layout_name, max(1, min(high, 16384) // top_k), fmt)
                 prep = prepare(case)
                 reference = {}
-                best = None
                 for cand in candidates_for(high):
                     try:
                         result, out, layout = time_prepared(prep, cand)
@@ -356,18 +360,17 @@ def tune_main(args) -> int:
                     print(
                         f"  {fmt} {layout_name} T={case.tokens} {cand}: {result['us']:.1f} us err {err:.1e}", flush=True
                     )
-                    if not err < 1e-2:
-                        continue
-                    if best is None or result["us"] < best[1]:
-                        best = (cand, result["us"])
-                if best is None:
-                    continue
-                kind = "grouped_contiguous" if layout_name == "grouped" else "indexed"
-                key = f"{kind}/{T.format_class(F.get_format(fmt))}"
-                table.setdefault(key, []).append(
-                    dict(min_shape_m=low, max_shape_m=high, config=dataclasses.asdict(best[0]), us=best[1])
-                )
-                print(f"{key} M in ({low}, {high}]: {best[0]} {best[1]:.1f} us", flush=True)
+                    if err < 1e-2:
+                        timings.setdefault(key, {}).setdefault(cand, []).append(result["us"])
+    table: dict[str, list[dict]] = {}
+    for (name, low, high), by_config in timings.items():
+        complete = {c: sum(t) for c, t in by_config.items() if len(t) == members[(name, low, high)]}
+        if not complete:
+            continue
+        best = min(complete, key=complete.get)
+        entry = dict(min_shape_m=low, max_shape_m=high, config=dataclasses.asdict(best), us=by_config[best])
+        table.setdefault(name, []).append(entry)
+        print(f"{name} M in ({low}, {high}]: {best} {by_config[best]} us", flush=True)
     with open(args.out, "w") as f:
         json.dump(dict(meta=dict(problem=args.problem, date=time.strftime("%Y-%m-%d")), entries=table), f, indent=1)
     print(f"wrote {args.out}")

@@ -30,13 +30,21 @@ def _pow2_at_most(value: int, cap: int) -> int:
     return size
 
 
-def heuristic_tuning(rows_per_expert: int, n: int, k: int) -> TuningConfig:
+def heuristic_tuning(rows_per_expert: int, n: int, k: int, fmt_class: str = "16bit") -> TuningConfig:
     """Small row counts get thin M tiles and long K tiles (weight bandwidth),
-    large ones square tiles (tensor-core throughput)."""
+    large ones big tiles (tensor-core throughput); the shapes are the ones the
+    H200 sweeps picked (benchmarks/NOTES.md): 4-bit weights prefer 64-row
+    tiles with the decoded weight as the MMA's A operand (``swap_ab``)."""
     block_m = _pow2_at_most(max(rows_per_expert, 16), 128)
-    block_n = min(64 if block_m <= 32 else 128, max(16, 1 << (max(n, 16) - 1).bit_length()))
-    block_k = min(128 if block_m <= 32 else 64, max(16, 1 << (max(k, 16) - 1).bit_length()))
-    return TuningConfig(block_m, block_n, block_k, num_warps=4 if block_m <= 64 else 8, num_stages=3)
+    cap_n = max(16, 1 << (max(n, 16) - 1).bit_length())
+    cap_k = max(16, 1 << (max(k, 16) - 1).bit_length())
+    if block_m == 128 and fmt_class == "4bit":
+        return TuningConfig(64, min(128, cap_n), min(128, cap_k), num_warps=4, num_stages=3, swap_ab=True)
+    if block_m == 128:
+        return TuningConfig(128, min(256, cap_n), min(64, cap_k), num_warps=8, num_stages=4)
+    block_n = min(64 if block_m <= 32 else 128, cap_n)
+    block_k = min(128 if block_m <= 32 else 64, cap_k)
+    return TuningConfig(block_m, block_n, block_k, num_warps=4, num_stages=3)
 
 
 def load_table(name: str = TABLE_FILE) -> dict[str, tuple[TuningEntry, ...]]:
@@ -67,4 +75,4 @@ def choose_tuning(
     if any(e.min_shape_m < valid_shape_m <= e.max_shape_m for e in entries):
         return select_tuning(entries, valid_shape_m)
     rows = valid_shape_m if layout == GemmLayout.DENSE else max(1, valid_shape_m // max(num_experts, 1))
-    return heuristic_tuning(rows, n, k)
+    return heuristic_tuning(rows, n, k, format_class(fmt))
