@@ -233,7 +233,11 @@ def time_ragged_dot(case: Case, ids: np.ndarray) -> float | None:
         return None
 
 
-def run_bench(problems, tokens, formats, layouts=("grouped", "indexed"), gemms=("w13", "w2"), compare=True):
+def run_bench(
+    problems, tokens, formats, layouts=("grouped", "indexed"), gemms=("w13", "w2"), compare=True, on_row=None
+):
+    """Time every case; ``on_row(rows)`` runs after each one (the JSON is kept
+    current, so a run cut short keeps what it measured)."""
     rows = []
     for problem in problems:
         for t in tokens:
@@ -253,6 +257,8 @@ def run_bench(problems, tokens, formats, layouts=("grouped", "indexed"), gemms=(
                             result["ragged_dot_us"] = time_ragged_dot(case, ids)
                         rows.append(result)
                         print(format_row(result), flush=True)
+                        if on_row is not None:
+                            on_row(rows)
     return rows
 
 
@@ -278,8 +284,12 @@ def bench_main(args) -> int:
         print("bench: needs a GPU (kernels are timed compiled)", file=sys.stderr)
         return 2
     print(HEADER, flush=True)
-    rows = run_bench(args.problems, args.tokens, args.formats, compare=not args.no_compare)
-    write_results(args.out, rows, copy_bandwidth=COPY_BANDWIDTH, matmul_rate=MATMUL_RATE)
+
+    def save(rows):
+        write_results(args.out, rows, quiet=True, copy_bandwidth=COPY_BANDWIDTH, matmul_rate=MATMUL_RATE)
+
+    save(run_bench(args.problems, args.tokens, args.formats, compare=not args.no_compare, on_row=save))
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -287,10 +297,10 @@ def bench_main(args) -> int:
 
 
 def _candidates(rows):
-    return tuple(TuningConfig(*c[:5], split_k=c[5], swap_ab=c[6]) for c in rows)
+    return tuple(TuningConfig(*c[:5], split_k=c[5], swap_ab=c[6], group_m=(c[7:] or (1,))[0]) for c in rows)
 
 
-# (block_m, block_n, block_k, num_warps, num_stages, split_k, swap_ab)
+# (block_m, block_n, block_k, num_warps, num_stages, split_k, swap_ab[, group_m])
 DECODE_CANDIDATES = _candidates(
     (
         (16, 64, 128, 4, 3, 1, False),
@@ -316,6 +326,8 @@ PREFILL_CANDIDATES = _candidates(
         (64, 128, 64, 4, 3, 1, True),
         (128, 128, 64, 8, 3, 1, True),
         (64, 128, 128, 4, 3, 1, True),
+        (128, 256, 64, 8, 4, 1, False, 8),
+        (64, 128, 128, 4, 3, 1, True, 8),
     )
 )
 M_RANGES = ((0, 16), (16, 128), (128, 1024), (1024, 8192), (8192, 1 << 30))

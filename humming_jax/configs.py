@@ -148,11 +148,13 @@ class TuningConfig:
     num_stages: int = 3
     split_k: int = 1
     swap_ab: bool = False  # compute out.T = w @ x.T (the weight tile is the MMA's A operand)
+    group_m: int = 1  # row tiles per band of the program order: >1 keeps an expert's weight columns in L2
 
     def __post_init__(self):
         owner = "TuningConfig"
         for name in ("block_m", "block_n", "block_k", "num_warps", "split_k"):
             _power_of_two(getattr(self, name), name, owner)
+        _positive_int(self.group_m, "group_m", owner)
         for name in ("block_m", "block_n", "block_k"):
             if getattr(self, name) < 16:
                 raise ValueError(f"{owner}.{name}: expected at least 16, got {getattr(self, name)}")

@@ -226,6 +226,7 @@ def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         tuning.num_warps,
         tuning.num_stages,
         tuning.swap_ab,
+        tuning.group_m,
     )
     return kernel.expert_gemm(
         x.values,

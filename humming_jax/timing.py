@@ -64,7 +64,7 @@ def device_seconds(fn: Callable, sets: Sequence[tuple], repeats: int = 5, min_se
     return statistics.median(samples) / (iterations * len(sets))
 
 
-def write_results(path: str, rows: list[dict], **meta) -> None:
+def write_results(path: str, rows: list[dict], quiet: bool = False, **meta) -> None:
     """Write benchmark rows as JSON with the machine they were measured on."""
     import json
     import platform
@@ -78,7 +78,8 @@ def write_results(path: str, rows: list[dict], **meta) -> None:
     )
     with open(path, "w") as f:
         json.dump(dict(meta=header, rows=rows), f, indent=1)
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def comparison_cells(kernel: dict, reference: dict) -> str:

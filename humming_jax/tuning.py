@@ -14,6 +14,7 @@ from humming_jax import formats as F
 from humming_jax.configs import GemmLayout, TuningConfig, TuningEntry, select_tuning
 
 TABLE_FILE = "tuning_h200.json"
+LARGE_EXPERT_BYTES = 16 * 2**20
 
 
 def format_class(fmt: F.WeightFormat) -> str:
@@ -38,10 +39,16 @@ def heuristic_tuning(rows_per_expert: int, n: int, k: int, fmt_class: str = "16b
     block_m = _pow2_at_most(max(rows_per_expert, 16), 128)
     cap_n = max(16, 1 << (max(n, 16) - 1).bit_length())
     cap_k = max(16, 1 << (max(k, 16) - 1).bit_length())
+    # An expert whose weight outgrows L2 and whose rows span several row tiles
+    # is read once per row tile unless the programs run in bands (tile_order).
+    weight_bytes = n * k * {"16bit": 2.0, "8bit": 1.0}.get(fmt_class, 0.5)
+    group_m = 8 if weight_bytes > LARGE_EXPERT_BYTES and rows_per_expert > 2 * block_m else 1
     if block_m == 128 and fmt_class == "4bit":
-        return TuningConfig(64, min(128, cap_n), min(128, cap_k), num_warps=4, num_stages=3, swap_ab=True)
+        return TuningConfig(
+            64, min(128, cap_n), min(128, cap_k), num_warps=4, num_stages=3, swap_ab=True, group_m=group_m
+        )
     if block_m == 128:
-        return TuningConfig(128, min(256, cap_n), min(64, cap_k), num_warps=8, num_stages=4)
+        return TuningConfig(128, min(256, cap_n), min(64, cap_k), num_warps=8, num_stages=4, group_m=group_m)
     block_n = min(64 if block_m <= 32 else 128, cap_n)
     block_k = min(128 if block_m <= 32 else 64, cap_k)
     return TuningConfig(block_m, block_n, block_k, num_warps=4, num_stages=3)

@@ -85,6 +85,7 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    group_m: int = 1  # row tiles per band of the program order (tile_order)
 
 
 def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
@@ -96,6 +97,21 @@ def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
     if layout.kind == "grouped_masked":
         return num_experts * pl.cdiv(layout.max_tokens, block_m)
     return layout.num_blocks
+
+
+def tile_order(program, row_tiles: int, col_tiles: int, tiles: Tiles):
+    """(row tile, column tile) of a program. Programs run in bands of
+    ``group_m`` row tiles; inside a band the row tile varies fastest, then the
+    column tile. ``group_m = 1``: the programs running together share one row
+    tile (and its expert), which stays in L2 (small experts). Larger bands keep
+    a few row tiles and the weight columns they share in L2 together, so an
+    expert's weight is read from memory about once, not once per row tile
+    (experts with many rows and large weights)."""
+    band = tiles.group_m * col_tiles
+    first_row = (program // band) * tiles.group_m
+    rows_in_band = jnp.minimum(row_tiles - first_row, tiles.group_m)
+    within = program % band
+    return first_row + within % rows_in_band, within // rows_in_band
 
 
 def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, tile):
@@ -392,13 +408,12 @@ def _gemm_kernel(
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     in_weights = scales_in_weights(w, tiles, compute_dtype)
     span = scale_span(w, tiles, compute_dtype)
-    # Output-column tiles vary fastest: the programs running together share
-    # their row tile (and its expert), which then stays in L2.
-    rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, pl.program_id(1))
-    n_idx = pl.program_id(0) * bn + jnp.arange(bn, dtype=jnp.int32)
+    row_tile, col_tile = tile_order(pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), pl.cdiv(w.n, bn), tiles)
+    rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
+    n_idx = col_tile * bn + jnp.arange(bn, dtype=jnp.int32)
     n_mask = None if w.n % bn == 0 else n_idx < w.n  # static: no mask when the tiles divide N
     k_limit = None if w.k % bk == 0 else w.k
-    split = pl.program_id(2)
+    split = pl.program_id(1)
     k_tiles = pl.cdiv(w.k, bk)
     per_split = pl.cdiv(k_tiles, tiles.split_k)
     # swap_ab computes out.T = w @ x.T: the weight tile (decoded in registers)
@@ -507,7 +522,7 @@ def expert_gemm(
     num_tokens_padded)."""
     compute_dtype = jnp.dtype(x.dtype)
     accum_dtype = jnp.float16 if use_f16_accum else jnp.float32
-    grid = (pl.cdiv(w.n, tiles.block_n), num_row_tiles(layout, w.num_experts, tiles.block_m), tiles.split_k)
+    grid = (pl.cdiv(w.n, tiles.block_n) * num_row_tiles(layout, w.num_experts, tiles.block_m), tiles.split_k)
     # 8-bit floats travel as their uint8 bits (see _storage_bits).
     weight_arrays = tuple(
         jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype == jnp.float8_e4m3fn else a for a in weight_arrays

@@ -196,3 +196,16 @@ def test_prefill_tiles_split_x(layout_kind, fmt_name, block_k, rng):
     tuning = hj.TuningConfig(block_m=64, block_n=32, block_k=block_k)
     ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
+
+
+@pytest.mark.parametrize("group_m", [2, 4])
+@pytest.mark.parametrize("layout_kind", ["dense", "grouped_contiguous", "indexed"])
+def test_banded_program_order(group_m, layout_kind, rng):
+    """Programs in bands of ``group_m`` row tiles (a partial last band
+    included) cover every output tile exactly once."""
+    weight = _weight(rng, F.INT4_G32, 1 if layout_kind == "dense" else E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = _layouts(rng)[layout_kind]
+    tuning = hj.TuningConfig(block_m=16, block_n=16, block_k=64, group_m=group_m)
+    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
