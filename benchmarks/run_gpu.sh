@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: gemm-tests gemm-bench tune routing-tests process-tests routing-bench process-bench
+# Steps: gemm-tests gemm-bench tune tune-large process-nvfp4 routing-tests process-tests routing-bench process-bench
 set -u
 out=${1:?output directory}
 shift
-steps=${*:-gemm-tests gemm-bench}
+steps=${*:-gemm-tests tune-large process-nvfp4}
 mkdir -p "$out"
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
@@ -13,11 +13,17 @@ pytest_gpu() { timeout "$1" python3 -m pytest -q -n 6 -p no:cacheprovider -W ign
 for step in $steps; do
   echo "=== $step"
   case $step in
-    gemm-tests) pytest_gpu 240 tests/test_gemm_kernel.py tests/test_pipelines.py 2>&1 | tee "$out/gemm_tests.log" | tail -15 ;;
+    gemm-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_pipelines.py 2>&1 | tee "$out/gemm_tests.log" | tail -15 ;;
     gemm-bench) timeout 420 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
                   --tokens 16 4096 --out "$out/gemm.json" 2>&1 | tee "$out/gemm_bench.log" ;;
     tune) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats bf16 int4_g128 \
             --out "$out/tuning_h200.json" 2>&1 | tee "$out/tune.log" | tail -20 ;;
+    # Large experts (the banded program order, group_m): mixtral prefill.
+    tune-large) timeout 400 python3 -W ignore -m humming_jax tune --problem mixtral-8x7b --formats bf16 int4_g128 \
+                  --layouts grouped --min-m 1025 --max-m 8192 --out "$out/tuning_mixtral.json" 2>&1 \
+                  | tee "$out/tune_large.log" | tail -20 ;;
+    # NVFP4 input quantization: kernel and reference each against float64 (which side is off on the GPU).
+    process-nvfp4) pytest_gpu 120 tests/test_process_input.py -k "float64 or nvfp4" 2>&1 | tee "$out/nvfp4.log" | tail -20 ;;
     routing-tests) pytest_gpu 240 tests/test_routing.py 2>&1 | tee "$out/routing_tests.log" | tail -5 ;;
     process-tests) pytest_gpu 120 tests/test_process_input.py 2>&1 | tee "$out/process_tests.log" | tail -20 ;;
     routing-bench) timeout 300 python3 -W ignore -m benchmarks.bench_routing --tokens 512 16384 \

@@ -18,7 +18,9 @@ already quantized and is returned unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,29 +71,40 @@ def _check_layout_args(x, layout, expert_num_tokens, scatter_idx, num_valid_toke
         raise ValueError(f"process_input: num_valid_tokens must hold one element, got shape {num_valid_tokens.shape}")
 
 
-def process_input_reference(
-    x,
-    spec,
-    activation,
-    hadamard_block_size,
-    layout,
-    expert_num_tokens,
-    scatter_idx,
-    num_valid_tokens,
-    static_scale,
-    compute_dtype,
-) -> Q.QuantizedInput:
+@dataclasses.dataclass(frozen=True)
+class ProcessSteps:
+    """The static part of a :func:`process_input` call, validated."""
+
+    spec: Q.InputQuantSpec
+    activation: ActivationSpec | None
+    hadamard_block_size: int | None
+    layout: str
+    compute_dtype: jnp.dtype
+
+
+class ProcessArrays(NamedTuple):
+    """The layout's and the quantizer's device arrays (None where unused)."""
+
+    expert_num_tokens: jax.Array | None
+    scatter_idx: jax.Array | None
+    num_valid_tokens: jax.Array | None
+    static_scale: jax.Array | None
+
+
+def process_input_reference(x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays) -> Q.QuantizedInput:
     """The semantics of :func:`process_input` (no validation)."""
+    spec, activation, layout = steps.spec, steps.activation, steps.layout
+    expert_num_tokens, scatter_idx, num_valid_tokens, static_scale = arrays
     y = x
     if activation is not None:
         y = apply_activation(y, activation)
-    if hadamard_block_size is not None:
-        y = Q.hadamard_rotate(y, hadamard_block_size)
+    if steps.hadamard_block_size is not None:
+        y = Q.hadamard_rotate(y, steps.hadamard_block_size)
     if spec.is_quantized:
         q = Q.quantize_input(y, spec, static_scale=static_scale)
         values, scale, scale_2 = q.values, q.scale, q.scale_2
     else:
-        values, scale, scale_2 = y.astype(compute_dtype), None, None
+        values, scale, scale_2 = y.astype(steps.compute_dtype), None, None
     k = y.shape[1]
     m_in = x.shape[0]
     if layout == "scatter":
@@ -165,40 +178,19 @@ def process_input(
     if spec.mode.is_static != (static_scale is not None):
         need = "needs" if spec.mode.is_static else "takes no"
         raise ValueError(f"process_input: static_scale: mode {spec.mode.value!r} {need} a static tensor scale")
+    steps = ProcessSteps(spec, activation, hadamard_block_size, layout, jnp.dtype(compute_dtype))
+    arrays = ProcessArrays(expert_num_tokens, scatter_idx, num_valid_tokens, static_scale)
     chosen = resolve_backend(backend, "process_input")
-    # The reference and the kernel path take the same arguments.
-    implementation = (
-        process_input_reference
-        if chosen == "reference"
-        else functools.partial(_process_input_kernel, interpret=chosen == "interpret")
-    )
-    return implementation(
-        x,
-        spec,
-        activation,
-        hadamard_block_size,
-        layout,
-        expert_num_tokens,
-        scatter_idx,
-        num_valid_tokens,
-        static_scale,
-        jnp.dtype(compute_dtype),
-    )
+    if chosen == "reference":
+        return process_input_reference(x, steps, arrays)
+    return _process_input_kernel(x, steps, arrays, interpret=chosen == "interpret")
 
 
 def _process_input_kernel(
-    x,
-    spec,
-    activation,
-    hadamard_block_size,
-    layout,
-    expert_num_tokens,
-    scatter_idx,
-    num_valid_tokens,
-    static_scale,
-    compute_dtype,
-    interpret,
+    x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays, interpret: bool
 ) -> Q.QuantizedInput:
+    spec, activation, layout = steps.spec, steps.activation, steps.layout
+    expert_num_tokens, scatter_idx, num_valid_tokens, static_scale = arrays
     m_in, k_in = x.shape
     k_out = activation.output_width(k_in) if activation is not None else k_in
     copies = 1 if scatter_idx is None or scatter_idx.ndim == 1 else scatter_idx.shape[1]
@@ -209,13 +201,13 @@ def _process_input_kernel(
         clamp_limit=None if activation is None else activation.clamp_limit,
         alpha=1.702 if activation is None else activation.alpha,
         beta=1.0 if activation is None else activation.beta,
-        hadamard=hadamard_block_size,
+        hadamard=steps.hadamard_block_size,
         mode=spec.mode.value,
         act_dtype=None if spec.dtype is None else spec.dtype.value,
         qmax=0.0 if spec.dtype is None else spec.dtype.max_value,
         group_size=spec.group_size,
         scale_type=spec.scale_type.value,
-        out_dtype=compute_dtype.name,
+        out_dtype=steps.compute_dtype.name,
         layout=layout,
         copies=copies,
         max_tokens=m_in // expert_num_tokens.shape[0] if expert_num_tokens is not None else 0,

@@ -92,6 +92,28 @@ def dequantize_weight(weight) -> np.ndarray:
     return out
 
 
+E4M3_GRID = e4m3_from_bits(np.arange(0x7F))  # the finite non-negative e4m3 values, code order
+E2M1_GRID = E2M1_TABLE[:8]
+
+
+def round_to_grid(v: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Non-negative ``v`` to the nearest value of ``grid`` (ascending, index =
+    code), ties to the even code, saturating at the largest value."""
+    v = np.minimum(np.asarray(v, np.float64), grid[-1])
+    idx = np.clip(np.searchsorted(grid, v), 1, len(grid) - 1)
+    lo, hi = grid[idx - 1], grid[idx]
+    up = (v - lo > hi - v) | ((v - lo == hi - v) & (idx % 2 == 0))
+    return np.where(up, hi, lo)
+
+
+def near_midpoint(v: np.ndarray, grid: np.ndarray, rel: float = 1e-6) -> np.ndarray:
+    """Where ``v`` lies within ``rel`` (relative) of a rounding boundary of ``grid``."""
+    mids = (grid[:-1] + grid[1:]) / 2
+    v = np.asarray(v, np.float64)
+    nearest = np.min(np.abs(v[..., None] - mids), axis=-1)
+    return nearest <= rel * np.maximum(np.abs(v), 1e-30)
+
+
 def dequantize_input(q) -> np.ndarray:
     spec = q.spec
     if spec.mode.value == "none":

@@ -268,3 +268,37 @@ def test_kernel_layouts(spec, rng):
     x_rows = np.asarray(xs, np.float64)[np.argsort(np.asarray(scatter_idx).reshape(-1)) // top_k]
     _check_against_reference(got, ref, exact=True, x64=x_rows)
     assert np.all(np_ref.dequantize_input(got)[int(offsets[-1]) :] == 0)
+
+
+@pytest.mark.parametrize("backend", [KERNEL_BACKEND, "reference"])
+@pytest.mark.parametrize("spec", [Q.NVFP4_DYNAMIC, Q.NVFP4_DYNAMIC_TOKEN], ids=lambda s: s.name)
+def test_nvfp4_against_float64_quantizer(spec, backend, rng):
+    """Kernel and reference each against an independent float64 NVFP4 quantizer:
+    the e4m3 group scale is amax/6/second rounded to nearest (ties to even,
+    saturating at 448), the e2m1 value x/(scale*second) likewise. Only values
+    within 1e-6 of a rounding boundary may differ (f32 vs float64 arithmetic).
+    On a GPU this tells which side a kernel/reference mismatch is on."""
+    m, n, group = 11, 512, 16
+    x = jnp.asarray(_inputs(rng, m, n), jnp.bfloat16)
+    x64 = np.asarray(x, np.float64)
+    static = jnp.asarray([0.02], jnp.float32) if spec.mode.is_static else None
+    q = hj.process_input(x, spec, static_scale=static, backend=backend)
+    amax = np.abs(x64).reshape(m, n // group, group).max(axis=2)
+    if static is not None:
+        second = np.full((m, 1), float(np.asarray(static, np.float64)[0]))
+    else:
+        second = np.abs(x64).max(axis=1, keepdims=True) / (448.0 * 6.0)
+        np.testing.assert_allclose(np.asarray(q.scale_2, np.float64).reshape(m, 1), second, rtol=1e-6)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        target = np.where(second > 0, amax / 6.0 / second, 0.0)
+    got_scale = np_ref.f8(q.scale)
+    expected_scale = np_ref.round_to_grid(target, np_ref.E4M3_GRID)
+    scale_ok = (got_scale == expected_scale) | np_ref.near_midpoint(target, np_ref.E4M3_GRID)
+    assert scale_ok.all(), f"{(~scale_ok).sum()} of {scale_ok.size} group scales differ from float64"
+    full = np.repeat(got_scale * second, group, axis=1)  # the values follow the scale actually stored
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.where(full > 0, x64 / full, 0.0)
+    expected = np.sign(v) * np_ref.round_to_grid(np.abs(v), np_ref.E2M1_GRID)
+    got = np_ref.E2M1_TABLE[np_ref.unpack(q.values)]
+    value_ok = (got == expected) | np_ref.near_midpoint(np.abs(v), np_ref.E2M1_GRID)
+    assert value_ok.all(), f"{(~value_ok).sum()} of {value_ok.size} values differ from float64"
