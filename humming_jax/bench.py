@@ -297,37 +297,35 @@ def bench_main(args) -> int:
 
 
 def _candidates(rows):
-    return tuple(TuningConfig(*c[:5], split_k=c[5], swap_ab=c[6], group_m=(c[7:] or (1,))[0]) for c in rows)
+    """``(block_m, block_n, block_k, num_warps, num_stages, **options)`` rows."""
+    return tuple(TuningConfig(*row[:5], **(row[5] if len(row) > 5 else {})) for row in rows)
 
 
-# (block_m, block_n, block_k, num_warps, num_stages, split_k, swap_ab[, group_m])
+SWAP, WORD, BANDS = {"swap_ab": True}, {"word_decode": True}, {"group_m": 8}
+# Pruned by the v2-v4 sweeps (benchmarks/results/gemm_tune_h200.json): 32-row
+# decode tiles, 8-warp decode tiles and 64x256 prefill tiles never won.
 DECODE_CANDIDATES = _candidates(
     (
-        (16, 64, 128, 4, 3, 1, False),
-        (16, 64, 128, 4, 3, 1, True),
-        (16, 128, 128, 4, 3, 1, True),
-        (16, 64, 256, 4, 3, 1, True),
-        (16, 128, 256, 4, 4, 1, True),
-        (16, 64, 128, 4, 4, 2, True),
-        (16, 128, 128, 8, 3, 1, True),
-        (32, 64, 128, 4, 3, 1, True),
-        (32, 128, 128, 4, 3, 1, False),
+        (16, 64, 128, 4, 3),
+        (16, 128, 128, 8, 3, SWAP),
+        (16, 64, 256, 4, 3, SWAP),
+        (16, 64, 128, 4, 4, {"split_k": 2, "swap_ab": True}),
+        (16, 64, 128, 4, 3, WORD),
+        (16, 128, 128, 4, 3, WORD),
+        (16, 64, 256, 4, 3, WORD),
     )
 )
 PREFILL_CANDIDATES = _candidates(
     (
-        (64, 128, 64, 4, 3, 1, False),
-        (64, 256, 64, 8, 3, 1, False),
-        (128, 128, 64, 8, 3, 1, False),
-        (128, 128, 64, 8, 4, 1, False),
-        (128, 256, 64, 8, 3, 1, False),
-        (128, 128, 128, 8, 3, 1, False),
-        (128, 256, 64, 8, 4, 1, False),
-        (64, 128, 64, 4, 3, 1, True),
-        (128, 128, 64, 8, 3, 1, True),
-        (64, 128, 128, 4, 3, 1, True),
-        (128, 256, 64, 8, 4, 1, False, 8),
-        (64, 128, 128, 4, 3, 1, True, 8),
+        (128, 256, 64, 8, 4),
+        (128, 128, 64, 8, 3),
+        (128, 128, 128, 8, 3),
+        (64, 128, 64, 4, 3),
+        (64, 128, 128, 4, 3, SWAP),
+        (64, 128, 128, 4, 3, SWAP | WORD),
+        (128, 128, 128, 8, 3, WORD),
+        (128, 256, 64, 8, 4, BANDS),
+        (64, 128, 128, 4, 3, SWAP | BANDS),
     )
 )
 M_RANGES = ((0, 16), (16, 128), (128, 1024), (1024, 8192), (8192, 1 << 30))

@@ -149,6 +149,7 @@ class TuningConfig:
     split_k: int = 1
     swap_ab: bool = False  # compute out.T = w @ x.T (the weight tile is the MMA's A operand)
     group_m: int = 1  # row tiles per band of the program order: >1 keeps an expert's weight columns in L2
+    word_decode: bool = False  # 4-bit weights read as uint32 words of 8 codes (spans of 128+)
 
     def __post_init__(self):
         owner = "TuningConfig"

@@ -227,6 +227,7 @@ def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         tuning.num_stages,
         tuning.swap_ab,
         tuning.group_m,
+        tuning.word_decode,
     )
     return kernel.expert_gemm(
         x.values,

@@ -38,6 +38,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -86,6 +87,7 @@ class Tiles:
     num_stages: int = 3
     swap_ab: bool = False
     group_m: int = 1  # row tiles per band of the program order (tile_order)
+    word_decode: bool = False  # packed weights read as uint32 words of 8 codes (nibbles_per_unit)
 
 
 def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
@@ -241,7 +243,7 @@ def _int_zero(zero_ref, expert, n_idx, group, n_mask):
     return (byte >> (4 * (group % 2))) & 0xF
 
 
-def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, masks):
+def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, masks, ways: int):
     """``(values - zero) * scale`` per element (f32 ``[bn, len(cols)]``), the
     group of column k being ``group_index[e, k]`` (act-order) or ``k // group``."""
     scale_ref, zero_ref, group_ref = refs
@@ -261,7 +263,7 @@ def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, 
         # The piece's columns fall in runs of ``run`` per group: one scale per
         # run, broadcast along it (no per-element gather).
         width = cols.shape[0]
-        run = min(width, w.group_size // 2 if w.packed else w.group_size)
+        run = min(width, max(1, w.group_size // ways))
         groups = k_start // w.group_size + jnp.arange(width // run, dtype=jnp.int32)
         group_mask = None if k_mask is None else (groups < w.k // w.group_size)[None, :]
         raw = _load(scale_ref.at[expert, n_col, groups[None, :]], _all(n_mask2, group_mask))
@@ -300,31 +302,98 @@ class _Piece:
     values: jax.Array  # [bn, c] compute dtype
 
 
-def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, span, compute_dtype, in_weights, x_split, masks):
+def nibbles_per_unit(w: WeightSpec, tiles: Tiles, compute_dtype) -> int:
+    """4-bit codes per loaded unit of a packed weight: 2 (uint8) or, with
+    ``tiles.word_decode`` and spans of 128+ (so every piece keeps K >= 16), 8
+    (uint32 words). The codes at position j of their unit form piece j."""
+    if not w.packed:
+        return 1
+    if tiles.word_decode and scale_span(w, tiles, compute_dtype) % 128 == 0 and w.k % 8 == 0:
+        return 8
+    return 2
+
+
+def _int4_word_asm(compute_dtype, offset: float) -> str:
+    """PTX decoding one uint32 of 8 int4/uint4 codes into 8 16-bit floats minus
+    ``offset`` (results $0-$7, the word $8): ``lop3`` puts nibbles j and j+4
+    under the exponent of ``base`` (two values per 32-bit register), one
+    packed subtraction removes ``base + offset``."""
+    magic, base = _MAGIC[jnp.dtype(compute_dtype).name]
+    kind = "bf16x2" if jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) else "f16x2"
+    bias = int(np.asarray(base + offset, jnp.dtype(compute_dtype)).view(np.uint16))
+    lines = ["{", ".reg .b32 t0, t1, t2, t3, s, bias;", f"mov.b32 bias, {bias | bias << 16:#x};"]
+    for j in range(4):
+        source = "$8" if j == 0 else "s"
+        if j:
+            lines.append(f"shr.u32 s, $8, {4 * j};")
+        lines.append(f"lop3.b32 t{j}, {source}, 0x000F000F, {magic | magic << 16:#x}, 0xEA;")
+        lines.append(f"sub.rn.{kind} t{j}, t{j}, bias;")
+        lines.append(f"mov.b32 {{${j}, ${j + 4}}}, t{j};")
+    return "\n".join(lines + ["}"])
+
+
+def _decode_units(units, w: WeightSpec, ways: int, compute_dtype, zero, on_gpu: bool):
+    """The ``ways`` pieces (values ``[bn, c]``) of packed units ``[bn, c]``:
+    piece j holds the codes at nibble position j of every unit."""
+    integer = w.value_type in ("int4", "uint4")
+    if ways == 8 and integer and on_gpu:
+        offset = 8.0 if w.value_type == "int4" else 0.0
+        bits = plgpu.elementwise_inline_asm(
+            _int4_word_asm(compute_dtype, offset),
+            args=[units],
+            constraints=",".join(["=h"] * 8 + ["r"]),
+            pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(units.shape, jnp.int16)] * 8,
+        )
+        values = [jax.lax.bitcast_convert_type(b, compute_dtype) for b in bits]
+        if zero is not None:
+            values = [v - zero.astype(jnp.float32).astype(compute_dtype)[:, None] for v in values]
+        return values
+    return [
+        _nibbles_to_values(((units >> (4 * j)) & 0xF).astype(jnp.uint8), w, compute_dtype, zero) for j in range(ways)
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SpanPlan:
+    """How a span of K columns is decoded and multiplied (static)."""
+
+    span: int
+    ways: int  # pieces per span of a packed weight (nibbles per load unit)
+    in_weights: bool  # scales multiply the weight elements
+    x_split: bool  # x is stored with each span's columns grouped by piece
+    compute_dtype: object
+    on_gpu: bool
+
+
+def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan, masks):
     """The weight columns ``k_start + [0, span)`` as pieces whose products with
     ``x[:, piece.x_cols]`` sum to the span's product: the values minus their
-    zero point, times their scales when ``in_weights``. Every quantized value
-    type (int8, int4/uint4 minus an integer zero point, e4m3, e2m1) is exact in
-    bf16 and f16, so otherwise nothing rounds here and the scales come after
-    the product. Packed 4-bit weights give two pieces, the low nibbles (even
-    columns) and the high nibbles (odd columns): no interleave."""
+    zero point, times their scales when ``plan.in_weights``. Every quantized
+    value type (int8, int4/uint4 minus an integer zero point, e4m3, e2m1) is
+    exact in bf16 and f16, so otherwise nothing rounds here and the scales come
+    after the product. Packed 4-bit weights give one piece per nibble position
+    of their load unit (``plan.ways``): piece j holds columns j, j+ways, ...
+    of the span, so no interleave is needed."""
     values_ref, scale_ref, zero_ref, group_ref = refs
     n_mask, k_limit = masks
+    span, ways, compute_dtype = plan.span, plan.ways, plan.compute_dtype
     n_col = n_idx[:, None]
     n_mask2 = None if n_mask is None else n_mask[:, None]
     pieces = []
     if w.packed:
-        half = span // 2
-        pair = k_start // 2 + jnp.arange(half, dtype=jnp.int32)
-        pair_mask = None if k_limit is None else (pair < k_limit // 2)[None, :]
-        packed = _load(values_ref.at[expert, n_col, pair[None, :]], _all(n_mask2, pair_mask))
+        width = span // ways
+        unit = k_start // ways + jnp.arange(width, dtype=jnp.int32)
+        unit_mask = None if k_limit is None else (unit < pl.cdiv(k_limit, ways))[None, :]
+        units = _load(values_ref.at[expert, n_col, unit[None, :]], _all(n_mask2, unit_mask))
         zero = None
-        if w.zero_point == "int" and not in_weights:
+        if w.zero_point == "int" and not plan.in_weights:
             zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, n_mask)
-        for parity, codes in ((0, packed & 0xF), (1, packed >> 4)):
-            cols = k_start + parity + 2 * jnp.arange(half, dtype=jnp.int32)
-            x_cols = k_start + parity * half + jnp.arange(half, dtype=jnp.int32) if x_split else cols
-            pieces.append(_Piece(cols, x_cols, _nibbles_to_values(codes, w, compute_dtype, zero)))
+        decoded = _decode_units(units, w, ways, compute_dtype, zero, plan.on_gpu)
+        for j, values in enumerate(decoded):
+            cols = k_start + j + ways * jnp.arange(width, dtype=jnp.int32)
+            x_cols = k_start + j * width + jnp.arange(width, dtype=jnp.int32) if plan.x_split else cols
+            pieces.append(_Piece(cols, x_cols, values))
     else:
         cols = k_start + jnp.arange(span, dtype=jnp.int32)
         k_mask = None if k_limit is None else (cols < k_limit)[None, :]
@@ -332,11 +401,11 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, span, compute_dt
         if w.value_type == "float8_e4m3":
             raw = _storage_bits(raw, jnp.float8_e4m3fn)
         values = raw.astype(compute_dtype)
-        if w.zero_point == "int" and not in_weights:  # q - z is a small integer, exact
+        if w.zero_point == "int" and not plan.in_weights:  # q - z is a small integer, exact
             zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, n_mask)
             values = (raw.astype(jnp.float32) - zero.astype(jnp.float32)[:, None]).astype(compute_dtype)
         pieces.append(_Piece(cols, cols, values))
-    if not in_weights:
+    if not plan.in_weights:
         return pieces
     return [
         dataclasses.replace(
@@ -350,6 +419,7 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, span, compute_dt
                 k_start,
                 p.cols,
                 (n_mask, None if k_limit is None else p.cols < k_limit),
+                ways,
             ).astype(compute_dtype),
         )
         for p in pieces
@@ -396,6 +466,7 @@ def _gemm_kernel(
     num_route: int,
     num_weight: int,
     x_split: bool,
+    on_gpu: bool,
 ):
     x_ref = refs[0]
     route_refs = refs[1 : 1 + num_route]
@@ -408,6 +479,7 @@ def _gemm_kernel(
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     in_weights = scales_in_weights(w, tiles, compute_dtype)
     span = scale_span(w, tiles, compute_dtype)
+    plan = _SpanPlan(span, nibbles_per_unit(w, tiles, compute_dtype), in_weights, x_split, compute_dtype, on_gpu)
     row_tile, col_tile = tile_order(pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), pl.cdiv(w.n, bn), tiles)
     rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
     n_idx = col_tile * bn + jnp.arange(bn, dtype=jnp.int32)
@@ -448,10 +520,7 @@ def _gemm_kernel(
                     expert,
                     n_idx,
                     k_start,
-                    span,
-                    compute_dtype,
-                    in_weights,
-                    x_split,
+                    plan,
                     (n_mask, k_limit),
                 )
                 scale = _column_scale(scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask)
@@ -487,14 +556,24 @@ def _gemm_kernel(
             plgpu.store(out_ref.at[out_rows, cols], acc.astype(out_ref.dtype), mask=mask)
 
 
-def split_packed_columns(x: jax.Array, span: int) -> jax.Array:
-    """``x [M, K]`` with the columns of each span of ``span`` reordered even
-    columns first, then odd ones (zero-padded to a whole number of spans): the
-    low and high nibbles of packed weights then meet contiguous columns of x."""
+def split_packed_columns(x: jax.Array, span: int, ways: int = 2) -> jax.Array:
+    """``x [M, K]`` with the columns of each span of ``span`` grouped by their
+    position modulo ``ways`` (zero-padded to a whole number of spans): the
+    pieces of packed weights (nibble position j: columns j, j+ways, ...) then
+    meet contiguous columns of x."""
     m, k = x.shape
     padded = pl.cdiv(k, span) * span
     x = jnp.pad(x, ((0, 0), (0, padded - k)))
-    return x.reshape(m, padded // span, span // 2, 2).swapaxes(2, 3).reshape(m, padded)
+    return x.reshape(m, padded // span, span // ways, ways).swapaxes(2, 3).reshape(m, padded)
+
+
+def _as_units(values: jax.Array, ways: int) -> jax.Array:
+    """Packed bytes ``[E, N, K/2]`` as load units of ``ways`` nibbles (uint32
+    words for 8, little-endian: byte 0 holds nibble positions 0 and 1)."""
+    if ways == 2:
+        return values
+    e, n, half = values.shape
+    return jax.lax.bitcast_convert_type(values.reshape(e, n, half // 4, 4), jnp.uint32)
 
 
 def splits_x(w: WeightSpec, tiles: Tiles) -> bool:
@@ -531,9 +610,12 @@ def expert_gemm(
         out = jnp.zeros((tiles.split_k, layout.m_out, w.n), jnp.float32)
     else:
         out = jnp.zeros((layout.m_out, w.n), out_dtype)
+    ways = nibbles_per_unit(w, tiles, compute_dtype)
+    if w.packed:
+        weight_arrays = (_as_units(weight_arrays[0], ways), *weight_arrays[1:])
     x_split = splits_x(w, tiles)
     if x_split:
-        x = split_packed_columns(x, scale_span(w, tiles, compute_dtype))
+        x = split_packed_columns(x, scale_span(w, tiles, compute_dtype), ways)
     inputs = [x, *route_arrays, *weight_arrays] + ([bias] if bias is not None else []) + [out]
     result = pl.pallas_call(
         functools.partial(
@@ -546,6 +628,7 @@ def expert_gemm(
             num_route=len(route_arrays),
             num_weight=len(weight_arrays),
             x_split=x_split,
+            on_gpu=not interpret,
         ),
         grid=grid,
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),

@@ -209,3 +209,31 @@ def test_banded_program_order(group_m, layout_kind, rng):
     tuning = hj.TuningConfig(block_m=16, block_n=16, block_k=64, group_m=group_m)
     ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
+
+
+@pytest.mark.parametrize(
+    "layout_kind,block_m",
+    # 64-row tiles read the split copy of x; an indexed tile is its alignment block (16 here).
+    [("dense", 16), ("dense", 64), ("grouped_contiguous", 16), ("grouped_contiguous", 64), ("grouped_masked", 64)]
+    + [("indexed", 16)],
+)
+@pytest.mark.parametrize("fmt_name", ["int4_g128", "int4_channel", "uint4_zp_g128", "uint4_fzp_g128", "mxfp4+bias"])
+def test_word_decode(block_m, layout_kind, fmt_name, rng):
+    """``word_decode``: packed weights read as uint32 words, 8 pieces per span
+    (on a GPU, integer codes are decoded by inline PTX); same values."""
+    fmt = F.get_format(fmt_name)
+    weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = _layouts(rng)[layout_kind]
+    tuning = hj.TuningConfig(block_m=block_m, block_n=32, block_k=128, word_decode=True)
+    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
+
+
+def test_word_decode_f16(rng):
+    weight = _weight(rng, F.INT4_G128, E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.float16)
+    layout = _layouts(rng)["grouped_contiguous"]
+    tuning = hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True)
+    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
