@@ -237,3 +237,23 @@ def test_word_decode_f16(rng):
     tuning = hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True)
     ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
+
+
+@pytest.mark.parametrize(
+    "fmt_name,k,tuning",
+    [
+        ("mxfp4", 96, hj.TuningConfig(block_m=64, block_n=32, block_k=64)),  # split x, scales in the weights
+        ("mxfp4", 160, hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True)),
+        ("int4_g32", 96, hj.TuningConfig(block_m=64, block_n=32, block_k=64)),
+        ("int4_channel", 160, hj.TuningConfig(block_m=64, block_n=32, block_k=128, word_decode=True)),
+        ("int4_channel", 160, hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True)),
+    ],
+)
+def test_k_not_a_multiple_of_the_tile(fmt_name, k, tuning, rng):
+    """A last K tile that is partly past K (gpt-oss: K=2880 with 128-wide tiles)."""
+    fmt = F.get_format(fmt_name)
+    weight = F.quantize_weight(jnp.asarray(rng.normal(0, 0.05, (E, N, k)), jnp.float32), fmt)
+    x = jnp.asarray(rng.normal(size=(M, k)), jnp.bfloat16)
+    layout = _layouts(rng)["grouped_contiguous"]
+    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
