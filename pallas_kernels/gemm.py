@@ -3,14 +3,19 @@ format (16-bit activations).
 
 ``out[r] = x[r_in] @ dequant(w[e]).T (+ bias[e])`` on ``block_m x block_n``
 output tiles. The layout decides which rows a tile covers and which expert
-it multiplies (``_tile_rows``). The weight format decides how a weight tile
-enters the product: its raw values (minus the zero point) are exact in the
-compute dtype, so they go into the dot as they are, and the per-column scale
-(channel, group or block, times the global scale) multiplies the
-``[block_m, block_n]`` partial product of each span of K columns that share
-it (``scale_span``): fewer multiplies than scaling the weight tile, and no
-bf16 rounding of scaled weights. Accumulation is f32 (or f16). The grid
-is a static upper bound on the tiles (no host sync, no recompilation when the
+it multiplies (``_tile_rows``); ``tile_order`` maps programs to tiles (column
+tiles fastest, optionally in bands of ``group_m`` row tiles). The weight
+format decides how a weight tile enters the product (``_weight_pieces``):
+its raw values (minus an integer zero point) are exact in the compute dtype,
+so they go into the dot as they are, decoded from bit patterns (4-bit codes
+one piece per nibble position of their load unit, so no interleave), and
+the per-column scale (channel, group or block, times the global scale)
+multiplies the ``[block_m, block_n]`` partial product of each span of K
+columns that share it (``scale_span``). MX/NV scales on large row tiles,
+act-order and groups narrower than an MMA multiply the weight elements
+instead (``scales_in_weights``; exact for MX/NV in bf16). ``swap_ab``
+computes ``out.T = w @ x.T``. Accumulation is f32 (or f16). The grid is a
+static upper bound on the tiles (no host sync, no recompilation when the
 routing changes): tiles past the live ones exit at once.
 
 Layouts:
