@@ -43,11 +43,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import codecs
+from pallas_kernels import codecs, word_decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +165,9 @@ def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, t
 # OR and a subtraction, no integer-to-float conversion.
 _MAGIC = {"bfloat16": (0x4300, 128.0), "float16": (0x6400, 1024.0)}
 # e2m1 code bits placed in an e4m3 byte decode (in hardware, subnormals
-# included) to the e2m1 value times 2**-6; the 2**6 joins the scale.
-E2M1_AS_E4M3_FACTOR = 64.0
+# included) to the e2m1 value times 2**-6, as the word decoder's do; the 2**6
+# joins the scale.
+E2M1_DECODE_FACTOR = 1.0 / word_decode.E2M1_FACTOR
 
 
 def _storage_bits(raw, dtype):
@@ -219,7 +219,7 @@ def scale_span(w: WeightSpec, tiles: Tiles, compute_dtype) -> int:
 
 def value_factor(w: WeightSpec) -> float:
     """The factor between the decoded weight values and the stored ones."""
-    return E2M1_AS_E4M3_FACTOR if w.value_type == "float4_e2m1" else 1.0
+    return E2M1_DECODE_FACTOR if w.value_type == "float4_e2m1" else 1.0
 
 
 def _weight_parts(weight_refs, w: WeightSpec):
@@ -318,39 +318,16 @@ def nibbles_per_unit(w: WeightSpec, tiles: Tiles, compute_dtype) -> int:
     return 2
 
 
-def _int4_word_asm(compute_dtype, offset: float) -> str:
-    """PTX decoding one uint32 of 8 int4/uint4 codes into 8 16-bit floats minus
-    ``offset`` (results $0-$7, the word $8): ``lop3`` puts nibbles j and j+4
-    under the exponent of ``base`` (two values per 32-bit register), one
-    packed subtraction removes ``base + offset``."""
-    magic, base = _MAGIC[jnp.dtype(compute_dtype).name]
-    kind = "bf16x2" if jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) else "f16x2"
-    bias = int(np.asarray(base + offset, jnp.dtype(compute_dtype)).view(np.uint16))
-    lines = ["{", ".reg .b32 t0, t1, t2, t3, s, bias;", f"mov.b32 bias, {bias | bias << 16:#x};"]
-    for j in range(4):
-        source = "$8" if j == 0 else "s"
-        if j:
-            lines.append(f"shr.u32 s, $8, {4 * j};")
-        lines.append(f"lop3.b32 t{j}, {source}, 0x000F000F, {magic | magic << 16:#x}, 0xEA;")
-        lines.append(f"sub.rn.{kind} t{j}, t{j}, bias;")
-        lines.append(f"mov.b32 {{${j}, ${j + 4}}}, t{j};")
-    return "\n".join(lines + ["}"])
-
-
 def _decode_units(units, w: WeightSpec, ways: int, compute_dtype, zero, on_gpu: bool):
     """The ``ways`` pieces (values ``[bn, c]``) of packed units ``[bn, c]``:
-    piece j holds the codes at nibble position j of every unit."""
-    integer = w.value_type in ("int4", "uint4")
-    if ways == 8 and integer and on_gpu:
-        offset = 8.0 if w.value_type == "int4" else 0.0
-        bits = plgpu.elementwise_inline_asm(
-            _int4_word_asm(compute_dtype, offset),
-            args=[units],
-            constraints=",".join(["=h"] * 8 + ["r"]),
-            pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(units.shape, jnp.int16)] * 8,
-        )
-        values = [jax.lax.bitcast_convert_type(b, compute_dtype) for b in bits]
+    piece j holds the codes at nibble position j of every unit. On the GPU,
+    uint32 words are decoded by inline PTX (``word_decode``)."""
+    if ways == 8 and on_gpu:
+        dtype = jnp.dtype(compute_dtype).name
+        if w.value_type == "float4_e2m1":  # values times 2**-6, as _nibbles_to_values
+            return word_decode.decode_words(units, word_decode.e2m1_program(dtype))
+        program = word_decode.int4_program(dtype, 8.0 if w.value_type == "int4" else 0.0)
+        values = word_decode.decode_words(units, program)
         if zero is not None:
             values = [v - zero.astype(jnp.float32).astype(compute_dtype)[:, None] for v in values]
         return values

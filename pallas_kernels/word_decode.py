@@ -1,0 +1,131 @@
+"""Decoding 8 packed 4-bit codes of a uint32 word into 8 16-bit floats with
+a few 32-bit integer instructions (inline PTX on the GPU).
+
+A decoder is a short *program* over 32-bit registers (data, not text): it is
+rendered to PTX for ``plgpu.elementwise_inline_asm`` and can be run by any
+other interpreter (the tests run it in NumPy). Each of its four outputs holds
+two 16-bit floats: the codes at nibble positions j (low half) and j + 4 (high
+half) of the word, so position j of a word is piece j of the GEMM.
+
+Programs:
+
+* int4/uint4 — ``lop3`` puts nibbles j and j+4 under the exponent of the
+  16-bit float ``base`` (128 for bf16, 1024 for f16: the nibble lands in the
+  integer part), a packed subtraction removes ``base + offset``. Exact.
+* e2m1 — the 3 magnitude bits go to the top of the exponent/mantissa fields
+  (exponent field = e, first mantissa bit = m; e = 0 is a subnormal, which
+  is exactly the e2m1 subnormal), the sign bit to bit 15, and a packed
+  multiply by a power of two makes every value normal. The result is the
+  e2m1 value times ``2**-6`` (the GEMM folds the 2**6 into its scales).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import triton as plgpu
+
+WORD = "w"  # the input register of every program
+E2M1_FACTOR = 2.0**-6  # decoded e2m1 values are the true ones times this
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """``dst = op(a, b[, c])`` on 32-bit registers; ``b``/``c`` may be ints.
+
+    op: ``shl``/``shr`` (logical, b = count), ``and``, ``or_and`` (``(a & b) | c``,
+    lop3 0xEA), ``sub2``/``mul2`` (two packed 16-bit floats of the compute dtype).
+    """
+
+    op: str
+    dst: str
+    a: str
+    b: str | int
+    c: str | int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    ops: tuple[Op, ...]
+    outputs: tuple[str, ...]  # 4 registers: output j holds positions j (low) and j + 4 (high)
+    dtype: str  # bfloat16 | float16
+
+
+def _pair(value: float, dtype: str) -> int:
+    half = int(np.asarray(value, jnp.dtype(dtype)).view(np.uint16))
+    return half | half << 16
+
+
+def int4_program(dtype: str, offset: float) -> Program:
+    """Codes ``q + offset`` (int4: offset 8; uint4: 0) to ``q`` exactly."""
+    magic, base = {"bfloat16": (0x4300, 128.0), "float16": (0x6400, 1024.0)}[dtype]
+    ops, outputs = [], []
+    for j in range(4):
+        source = WORD
+        if j:
+            source = f"s{j}"
+            ops.append(Op("shr", source, WORD, 4 * j))
+        ops.append(Op("or_and", f"t{j}", source, 0x000F000F, magic | magic << 16))
+        ops.append(Op("sub2", f"t{j}", f"t{j}", _pair(base + offset, dtype)))
+        outputs.append(f"t{j}")
+    return Program(tuple(ops), tuple(outputs), dtype)
+
+
+def e2m1_program(dtype: str) -> Program:
+    """e2m1 codes to their values times :data:`E2M1_FACTOR`, exactly."""
+    # The exponent field's lowest bit and the value the multiply brings it to.
+    exponent_bit, scale = {"bfloat16": (7, 2.0**120), "float16": (10, 2.0**8)}[dtype]
+    magnitude_at = exponent_bit - 1  # where the 3 bits (e1 e0 m) of nibble j must start
+    mask = (0x7 << magnitude_at) | (0x7 << (magnitude_at + 16))
+    ops, outputs = [], []
+    for j in range(4):
+        move = magnitude_at - 4 * j
+        ops.append(Op("shl" if move >= 0 else "shr", f"m{j}", WORD, abs(move)))
+        ops.append(Op("and", f"m{j}", f"m{j}", mask))
+        ops.append(Op("shl", f"s{j}", WORD, 12 - 4 * j))  # sign bit 4j+3 -> 15 (and 4j+19 -> 31)
+        ops.append(Op("or_and", f"t{j}", f"s{j}", 0x80008000, f"m{j}"))
+        ops.append(Op("mul2", f"t{j}", f"t{j}", _pair(scale, dtype)))
+        outputs.append(f"t{j}")
+    return Program(tuple(ops), tuple(outputs), dtype)
+
+
+def to_ptx(program: Program) -> str:
+    """The program as an inline-PTX block: results $0-$7, the word $8."""
+    kind = {"bfloat16": "bf16x2", "float16": "f16x2"}[program.dtype]
+    constants = {f"k{i}" for i, op in enumerate(program.ops) if op.op in ("sub2", "mul2")}
+    registers = sorted({op.dst for op in program.ops} | constants)
+    lines = ["{", f".reg .b32 {', '.join(registers)};"]
+
+    def reg(name):
+        return "$8" if name == WORD else name
+
+    for i, op in enumerate(program.ops):
+        if op.op in ("shl", "shr"):
+            lines.append(f"{op.op}.b32 {op.dst}, {reg(op.a)}, {op.b};")
+        elif op.op == "and":
+            lines.append(f"and.b32 {op.dst}, {reg(op.a)}, {op.b:#x};")
+        elif op.op == "or_and":
+            c = f"{op.c:#x}" if isinstance(op.c, int) else reg(op.c)
+            lines.append(f"lop3.b32 {op.dst}, {reg(op.a)}, {op.b:#x}, {c}, 0xEA;")
+        else:  # packed float arithmetic takes registers only
+            lines.append(f"mov.b32 k{i}, {op.b:#x};")
+            lines.append(f"{op.op[:3]}.rn.{kind} {op.dst}, {reg(op.a)}, k{i};")
+    for j, out in enumerate(program.outputs):
+        lines.append(f"mov.b32 {{${j}, ${j + 4}}}, {out};")
+    return "\n".join(lines + ["}"])
+
+
+def decode_words(words: jax.Array, program: Program) -> list[jax.Array]:
+    """Run ``program`` on uint32 ``words`` (GPU kernels only): the 8 pieces,
+    piece j = the codes at nibble position j, in the program's dtype."""
+    bits = plgpu.elementwise_inline_asm(
+        to_ptx(program),
+        args=[words],
+        constraints=",".join(["=h"] * 8 + ["r"]),
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int16)] * 8,
+    )
+    return [jax.lax.bitcast_convert_type(b, jnp.dtype(program.dtype)) for b in bits]

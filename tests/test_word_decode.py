@@ -1,0 +1,83 @@
+"""The word decoders (inline PTX on the GPU) run by an independent NumPy
+interpreter of their programs, for every code at every nibble position."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import word_decode as wd
+
+import np_ref
+
+FLOAT = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def run(program: wd.Program, words: np.ndarray) -> np.ndarray:
+    """``[len(words), 8]`` float64: the program's 8 results per word."""
+    regs = {wd.WORD: words.astype(np.uint64)}
+    mask32 = np.uint64(0xFFFFFFFF)
+
+    def val(x):
+        return regs[x] if isinstance(x, str) else np.uint64(x)
+
+    def halves(x):
+        lo = (x & np.uint64(0xFFFF)).astype(np.uint16).view(FLOAT[program.dtype]).astype(np.float64)
+        hi = (x >> np.uint64(16)).astype(np.uint16).view(FLOAT[program.dtype]).astype(np.float64)
+        return lo, hi
+
+    def pack(lo, hi):
+        lo = lo.astype(FLOAT[program.dtype]).view(np.uint16).astype(np.uint64)
+        hi = hi.astype(FLOAT[program.dtype]).view(np.uint16).astype(np.uint64)
+        return lo | (hi << np.uint64(16))
+
+    for op in program.ops:
+        a = val(op.a)
+        if op.op == "shl":
+            out = (a << np.uint64(op.b)) & mask32
+        elif op.op == "shr":
+            out = a >> np.uint64(op.b)
+        elif op.op == "and":
+            out = a & val(op.b)
+        elif op.op == "or_and":
+            out = (a & val(op.b)) | val(op.c)
+        else:  # packed float arithmetic, rounded to the 16-bit type (exact here)
+            (al, ah), (bl, bh) = halves(a), halves(val(op.b))
+            f = np.subtract if op.op == "sub2" else np.multiply
+            out = pack(f(al, bl), f(ah, bh))
+        regs[op.dst] = out
+    results = np.empty((len(words), 8))
+    for j, name in enumerate(program.outputs):
+        results[:, j], results[:, j + 4] = halves(regs[name])
+    return results
+
+
+def _words(rng):
+    """Every code at every position, plus random words."""
+    codes = np.tile(np.arange(16, dtype=np.uint64), (8, 1))  # [8 positions, 16 codes]
+    words = [np.uint64(c) << np.uint64(4 * p) for p in range(8) for c in codes[p]]
+    words = np.array(words + list(rng.integers(0, 2**32, size=200, dtype=np.uint64)), np.uint64)
+    nibbles = np.stack([(words >> np.uint64(4 * p)) & np.uint64(0xF) for p in range(8)], axis=1).astype(np.int64)
+    return words, nibbles
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("offset", [8.0, 0.0])
+def test_int4_words(dtype, offset, rng):
+    words, nibbles = _words(rng)
+    np.testing.assert_array_equal(run(wd.int4_program(dtype, offset), words), nibbles - offset)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_e2m1_words(dtype, rng):
+    words, nibbles = _words(rng)
+    np.testing.assert_array_equal(run(wd.e2m1_program(dtype), words), np_ref.E2M1_TABLE[nibbles] * wd.E2M1_FACTOR)
+
+
+def test_ptx_text():
+    """Registers are declared, packed float ops take registers, results $0-$7."""
+    text = wd.to_ptx(wd.e2m1_program("bfloat16"))
+    assert text.startswith("{") and text.endswith("}")
+    assert "mul.rn.bf16x2 t0, t0, k" in text and "mov.b32 {$3, $7}, t3;" in text
+    assert "lop3.b32 t0, s0, 0x80008000, m0, 0xEA;" in text
+    text = wd.to_ptx(wd.int4_program("float16", 8.0))
+    assert "sub.rn.f16x2" in text and "lop3.b32 t1, s1, 0xf000f, 0x64006400, 0xEA;" in text
