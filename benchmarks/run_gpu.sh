@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: gemm-tests gemm-bench tune tune-large process-nvfp4 routing-tests process-tests routing-bench process-bench
+# Steps: gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+#        routing-tests process-tests routing-bench process-bench
+# Each step fits one 10-minute device call; the bench JSON is rewritten after every row.
 set -u
 out=${1:?output directory}
 shift
@@ -16,6 +18,10 @@ for step in $steps; do
     gemm-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_pipelines.py 2>&1 | tee "$out/gemm_tests.log" | tail -15 ;;
     gemm-bench) timeout 420 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
                   --tokens 16 4096 --out "$out/gemm.json" 2>&1 | tee "$out/gemm_bench.log" ;;
+    gemm-bench-small) timeout 540 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
+                        --tokens 1 128 512 --out "$out/gemm_small.json" 2>&1 | tee "$out/gemm_bench_small.log" ;;
+    gemm-bench-large) timeout 540 python3 -W ignore -m humming_jax bench --problems deepseek-v3 gpt-oss-120b \
+                        --tokens 16 4096 --out "$out/gemm_large.json" 2>&1 | tee "$out/gemm_bench_large.log" ;;
     tune) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats bf16 int4_g128 \
             --out "$out/tuning_h200.json" 2>&1 | tee "$out/tune.log" | tail -20 ;;
     # Large experts (the banded program order, group_m): mixtral prefill.
