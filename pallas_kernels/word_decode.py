@@ -5,7 +5,9 @@ A decoder is a short *program* over 32-bit registers (data, not text): it is
 rendered to PTX for ``plgpu.elementwise_inline_asm`` and can be run by any
 other interpreter (the tests run it in NumPy). Each of its four outputs holds
 two 16-bit floats: the codes at nibble positions j (low half) and j + 4 (high
-half) of the word, so position j of a word is piece j of the GEMM.
+half) of the word, so position j of a word is piece j of the GEMM. Pallas's
+inline asm returns one result, so each position is rendered separately (the
+ops it needs only); ptxas sees the eight blocks of a word together.
 
 Programs:
 
@@ -92,17 +94,29 @@ def e2m1_program(dtype: str) -> Program:
     return Program(tuple(ops), tuple(outputs), dtype)
 
 
-def to_ptx(program: Program) -> str:
-    """The program as an inline-PTX block: results $0-$7, the word $8."""
+def needed_ops(program: Program, register: str) -> list[Op]:
+    """The ops ``register`` depends on, in program order."""
+    wanted, kept = {register}, []
+    for op in reversed(program.ops):
+        if op.dst in wanted:
+            kept.append(op)
+            wanted |= {x for x in (op.a, op.b, op.c) if isinstance(x, str)}
+    return kept[::-1]
+
+
+def to_ptx(program: Program, position: int) -> str:
+    """Inline PTX computing the value at nibble ``position`` (0-7) of the word
+    ``$1`` into the 16-bit ``$0`` (Pallas's inline asm has one result)."""
     kind = {"bfloat16": "bf16x2", "float16": "f16x2"}[program.dtype]
-    constants = {f"k{i}" for i, op in enumerate(program.ops) if op.op in ("sub2", "mul2")}
-    registers = sorted({op.dst for op in program.ops} | constants)
-    lines = ["{", f".reg .b32 {', '.join(registers)};"]
+    register = program.outputs[position % 4]
+    ops = needed_ops(program, register)
+    constants = [f"k{i}" for i, op in enumerate(ops) if op.op in ("sub2", "mul2")]
+    lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};"]
 
     def reg(name):
-        return "$8" if name == WORD else name
+        return "$1" if name == WORD else name
 
-    for i, op in enumerate(program.ops):
+    for i, op in enumerate(ops):
         if op.op in ("shl", "shr"):
             lines.append(f"{op.op}.b32 {op.dst}, {reg(op.a)}, {op.b};")
         elif op.op == "and":
@@ -113,19 +127,22 @@ def to_ptx(program: Program) -> str:
         else:  # packed float arithmetic takes registers only
             lines.append(f"mov.b32 k{i}, {op.b:#x};")
             lines.append(f"{op.op[:3]}.rn.{kind} {op.dst}, {reg(op.a)}, k{i};")
-    for j, out in enumerate(program.outputs):
-        lines.append(f"mov.b32 {{${j}, ${j + 4}}}, {out};")
+    halves = "{$0, _}" if position < 4 else "{_, $0}"
+    lines.append(f"mov.b32 {halves}, {register};")
     return "\n".join(lines + ["}"])
 
 
 def decode_words(words: jax.Array, program: Program) -> list[jax.Array]:
     """Run ``program`` on uint32 ``words`` (GPU kernels only): the 8 pieces,
     piece j = the codes at nibble position j, in the program's dtype."""
-    bits = plgpu.elementwise_inline_asm(
-        to_ptx(program),
-        args=[words],
-        constraints=",".join(["=h"] * 8 + ["r"]),
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int16)] * 8,
-    )
-    return [jax.lax.bitcast_convert_type(b, jnp.dtype(program.dtype)) for b in bits]
+    pieces = []
+    for position in range(8):
+        (bits,) = plgpu.elementwise_inline_asm(
+            to_ptx(program, position),
+            args=[words],
+            constraints="=h,r",
+            pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int16)],
+        )
+        pieces.append(jax.lax.bitcast_convert_type(bits, jnp.dtype(program.dtype)))
+    return pieces

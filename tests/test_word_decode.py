@@ -13,24 +13,35 @@ FLOAT = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def run(program: wd.Program, words: np.ndarray) -> np.ndarray:
-    """``[len(words), 8]`` float64: the program's 8 results per word."""
+    """``[len(words), 8]`` float64: the 8 results per word, each position from
+    only the ops its PTX block keeps."""
+    out = np.empty((len(words), 8))
+    for position in range(8):
+        register = program.outputs[position % 4]
+        regs = _interpret(program.dtype, wd.needed_ops(program, register), words)
+        out[:, position] = _halves(program.dtype, regs[register])[position // 4]
+    return out
+
+
+def _halves(dtype, x):
+    lo = (x & np.uint64(0xFFFF)).astype(np.uint16).view(FLOAT[dtype]).astype(np.float64)
+    hi = (x >> np.uint64(16)).astype(np.uint16).view(FLOAT[dtype]).astype(np.float64)
+    return lo, hi
+
+
+def _interpret(dtype, ops, words):
     regs = {wd.WORD: words.astype(np.uint64)}
     mask32 = np.uint64(0xFFFFFFFF)
 
     def val(x):
         return regs[x] if isinstance(x, str) else np.uint64(x)
 
-    def halves(x):
-        lo = (x & np.uint64(0xFFFF)).astype(np.uint16).view(FLOAT[program.dtype]).astype(np.float64)
-        hi = (x >> np.uint64(16)).astype(np.uint16).view(FLOAT[program.dtype]).astype(np.float64)
-        return lo, hi
-
     def pack(lo, hi):
-        lo = lo.astype(FLOAT[program.dtype]).view(np.uint16).astype(np.uint64)
-        hi = hi.astype(FLOAT[program.dtype]).view(np.uint16).astype(np.uint64)
+        lo = lo.astype(FLOAT[dtype]).view(np.uint16).astype(np.uint64)
+        hi = hi.astype(FLOAT[dtype]).view(np.uint16).astype(np.uint64)
         return lo | (hi << np.uint64(16))
 
-    for op in program.ops:
+    for op in ops:
         a = val(op.a)
         if op.op == "shl":
             out = (a << np.uint64(op.b)) & mask32
@@ -41,14 +52,11 @@ def run(program: wd.Program, words: np.ndarray) -> np.ndarray:
         elif op.op == "or_and":
             out = (a & val(op.b)) | val(op.c)
         else:  # packed float arithmetic, rounded to the 16-bit type (exact here)
-            (al, ah), (bl, bh) = halves(a), halves(val(op.b))
+            (al, ah), (bl, bh) = _halves(dtype, a), _halves(dtype, val(op.b))
             f = np.subtract if op.op == "sub2" else np.multiply
             out = pack(f(al, bl), f(ah, bh))
         regs[op.dst] = out
-    results = np.empty((len(words), 8))
-    for j, name in enumerate(program.outputs):
-        results[:, j], results[:, j + 4] = halves(regs[name])
-    return results
+    return regs
 
 
 def _words(rng):
@@ -74,10 +82,10 @@ def test_e2m1_words(dtype, rng):
 
 
 def test_ptx_text():
-    """Registers are declared, packed float ops take registers, results $0-$7."""
-    text = wd.to_ptx(wd.e2m1_program("bfloat16"))
+    """One 16-bit result per position ($0), the word is $1, only the needed ops."""
+    text = wd.to_ptx(wd.e2m1_program("bfloat16"), 5)
     assert text.startswith("{") and text.endswith("}")
-    assert "mul.rn.bf16x2 t0, t0, k" in text and "mov.b32 {$3, $7}, t3;" in text
-    assert "lop3.b32 t0, s0, 0x80008000, m0, 0xEA;" in text
-    text = wd.to_ptx(wd.int4_program("float16", 8.0))
-    assert "sub.rn.f16x2" in text and "lop3.b32 t1, s1, 0xf000f, 0x64006400, 0xEA;" in text
+    assert "mov.b32 {_, $0}, t1;" in text and "lop3.b32 t1, s1, 0x80008000, m1, 0xEA;" in text
+    assert "mul.rn.bf16x2 t1, t1, k" in text and "t0" not in text
+    text = wd.to_ptx(wd.int4_program("float16", 8.0), 2)
+    assert "mov.b32 {$0, _}, t2;" in text and "shr.b32 s2, $1, 8;" in text and "sub.rn.f16x2" in text
