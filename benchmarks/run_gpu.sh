@@ -3,7 +3,7 @@
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
 # Steps: gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
-# Each step fits one 10-minute device call; the bench JSON is rewritten after every row.
+# Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
 out=${1:?output directory}
 shift
