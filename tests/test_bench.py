@@ -42,3 +42,12 @@ def test_tune_writes_a_table_the_loader_reads(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(tuning.resources, "files", lambda _: tmp_path)
     loaded = tuning.load_table("table.json")
     assert loaded["indexed/4bit"][0].config.block_m == 16
+
+
+@pytest.mark.parametrize("layout_name", ["grouped", "indexed"])
+def test_sampled_error_catches_a_wrong_output(tiny, layout_name):
+    prep = bench.prepare(bench.Case("tiny", "w13", layout_name, 5, "int4_g32"))
+    row, out, layout = bench.time_prepared(prep, tuning.TuningConfig(16, 32, 32))
+    assert bench.sampled_error(prep, layout, out) < 1e-2
+    assert bench.sampled_error(prep, layout, out * 1.1) > 5e-2
+    assert bench.sampled_error(prep, layout, out.at[:, 0].add(1.0)) > 1e-2
