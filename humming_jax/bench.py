@@ -355,11 +355,20 @@ def candidates_for(high: int) -> tuple[TuningConfig, ...]:
     return DECODE_CANDIDATES if high <= DECODE_MAX_M else PREFILL_CANDIDATES
 
 
+def _existing_entries(path: str) -> dict[str, list[dict]]:
+    try:
+        with open(path) as f:
+            return json.load(f).get("entries", {})
+    except FileNotFoundError:
+        return {}
+
+
 def tune_main(args) -> int:
     """Sweep the candidates per (layout, format class, M range) on one problem,
     check each with :func:`sampled_error`, print every candidate, and
     keep for each table key the candidate with the least total time over the
-    formats of its class that all passed; write the table JSON."""
+    formats of its class that all passed; write the table JSON (merged into
+    ``args.out`` if it exists: a key's entry for the same M range is replaced)."""
     if KERNEL_BACKEND == "pallas" and jax.default_backend() != "gpu":
         print("tune: needs a GPU", file=sys.stderr)
         return 2
@@ -388,16 +397,18 @@ def tune_main(args) -> int:
                     )
                     if err < 1e-2:
                         timings.setdefault(key, {}).setdefault(cand, []).append(result["us"])
-    table: dict[str, list[dict]] = {}
+    table = _existing_entries(args.out)  # other problems' and ranges' entries are kept
     for (name, low, high), by_config in timings.items():
         complete = {c: sum(t) for c, t in by_config.items() if len(t) == members[(name, low, high)]}
         if not complete:
             continue
         best = min(complete, key=complete.get)
         entry = dict(min_shape_m=low, max_shape_m=high, config=dataclasses.asdict(best), us=by_config[best])
-        table.setdefault(name, []).append(entry)
+        kept = [e for e in table.get(name, []) if (e["min_shape_m"], e["max_shape_m"]) != (low, high)]
+        table[name] = sorted([*kept, entry], key=lambda e: e["min_shape_m"])
         print(f"{name} M in ({low}, {high}]: {best} {by_config[best]} us", flush=True)
+    meta = dict(problem=args.problem, device=str(jax.devices()[0].device_kind), date=time.strftime("%Y-%m-%d"))
     with open(args.out, "w") as f:
-        json.dump(dict(meta=dict(problem=args.problem, date=time.strftime("%Y-%m-%d")), entries=table), f, indent=1)
+        json.dump(dict(meta=meta, entries=table), f, indent=1)
     print(f"wrote {args.out}")
     return 0
