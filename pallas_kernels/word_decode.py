@@ -111,7 +111,7 @@ def to_ptx(program: Program, position: int) -> str:
     register = program.outputs[position % 4]
     ops = needed_ops(program, register)
     constants = [f"k{i}" for i, op in enumerate(ops) if op.op in ("sub2", "mul2")]
-    lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};"]
+    lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};", ".reg .b16 other;"]
 
     def reg(name):
         return "$1" if name == WORD else name
@@ -127,7 +127,7 @@ def to_ptx(program: Program, position: int) -> str:
         else:  # packed float arithmetic takes registers only
             lines.append(f"mov.b32 k{i}, {op.b:#x};")
             lines.append(f"{op.op[:3]}.rn.{kind} {op.dst}, {reg(op.a)}, k{i};")
-    halves = "{$0, _}" if position < 4 else "{_, $0}"
+    halves = "{$0, other}" if position < 4 else "{other, $0}"
     lines.append(f"mov.b32 {halves}, {register};")
     return "\n".join(lines + ["}"])
 

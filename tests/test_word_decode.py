@@ -85,7 +85,7 @@ def test_ptx_text():
     """One 16-bit result per position ($0), the word is $1, only the needed ops."""
     text = wd.to_ptx(wd.e2m1_program("bfloat16"), 5)
     assert text.startswith("{") and text.endswith("}")
-    assert "mov.b32 {_, $0}, t1;" in text and "lop3.b32 t1, s1, 0x80008000, m1, 0xEA;" in text
+    assert "mov.b32 {other, $0}, t1;" in text and "lop3.b32 t1, s1, 0x80008000, m1, 0xEA;" in text
     assert "mul.rn.bf16x2 t1, t1, k" in text and "t0" not in text
     text = wd.to_ptx(wd.int4_program("float16", 8.0), 2)
-    assert "mov.b32 {$0, _}, t2;" in text and "shr.b32 s2, $1, 8;" in text and "sub.rn.f16x2" in text
+    assert "mov.b32 {$0, other}, t2;" in text and "shr.b32 s2, $1, 8;" in text and "sub.rn.f16x2" in text
