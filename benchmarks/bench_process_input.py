@@ -17,9 +17,8 @@ import jax.numpy as jnp
 
 import humming_jax as hj
 from humming_jax import input_quant as Q
-from humming_jax.timing import comparison_cells, device_seconds, write_results
+from humming_jax.timing import COPY_BANDWIDTH, bandwidth_fields, comparison_cells, device_seconds, write_results
 
-COPY_BANDWIDTH = 4.3e12
 TOKENS = (16, 512, 4096)
 TOP_K = 8
 WIDTHS = (768, 2048, 2880)
@@ -61,17 +60,7 @@ def bench(tokens_list=TOKENS, widths=WIDTHS, seed=0):
                     )
                     seconds = device_seconds(fn, sets)
                     rows_out.append(
-                        dict(
-                            case=name,
-                            backend=backend,
-                            T=tokens,
-                            M=rows,
-                            K=width,
-                            us=seconds * 1e6,
-                            bytes=moved,
-                            gbps=moved / seconds / 1e9,
-                            copy_fraction=moved / seconds / COPY_BANDWIDTH,
-                        )
+                        dict(case=name, backend=backend, T=tokens, M=rows, K=width, **bandwidth_fields(seconds, moved))
                     )
                 print(table(rows_out[-2:], header=False), flush=True)
     return rows_out

@@ -18,9 +18,8 @@ import numpy as np
 
 import humming_jax as hj
 from humming_jax.routing import align_length
-from humming_jax.timing import comparison_cells, device_seconds, write_results
+from humming_jax.timing import COPY_BANDWIDTH, bandwidth_fields, comparison_cells, device_seconds, write_results
 
-COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200
 TOKENS = (1, 16, 128, 512, 4096, 16384)
 EXPERTS = ((8, 2), (128, 8), (256, 8))
 HIDDEN = (2048, 7168)
@@ -41,15 +40,7 @@ def _copies(nbytes: int) -> int:
 
 
 def _row(op, backend, problem, seconds, nbytes):
-    return dict(
-        op=op,
-        backend=backend,
-        **problem,
-        us=seconds * 1e6,
-        bytes=nbytes,
-        gbps=nbytes / seconds / 1e9,
-        copy_fraction=nbytes / seconds / COPY_BANDWIDTH,
-    )
+    return dict(op=op, backend=backend, **problem, **bandwidth_fields(seconds, nbytes))
 
 
 def bench(tokens_list, experts_list, hidden_list, seed=0):

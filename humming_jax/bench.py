@@ -27,10 +27,8 @@ from humming_jax import tuning as T
 from humming_jax.configs import GemmLayout, TuningConfig
 from humming_jax.gemm import gemm
 from humming_jax.routing import moe_align_block_size, moe_prepare_scatter
-from humming_jax.timing import device_seconds, write_results
+from humming_jax.timing import COPY_BANDWIDTH, MATMUL_RATE, bandwidth_fields, device_seconds, write_results
 
-COPY_BANDWIDTH = 4.3e12
-MATMUL_RATE = 790e12
 L2_BYTES = 60 * 2**20
 PROBLEMS = {
     "qwen3-30b-a3b": (128, 2048, 768, 8),
@@ -145,11 +143,9 @@ def time_prepared(prep: Prepared, tuning: TuningConfig) -> tuple[dict, jax.Array
     floor = max(prep.moved / COPY_BANDWIDTH, prep.flops / MATMUL_RATE)
     row = dict(
         **dataclasses.asdict(case),
-        us=seconds * 1e6,
+        **bandwidth_fields(seconds, prep.moved),
         tflops=prep.flops / seconds / 1e12,
-        gbps=prep.moved / seconds / 1e9,
         roofline_fraction=floor / seconds,
-        bytes=prep.moved,
         flops=prep.flops,
         tuning=dataclasses.asdict(tuning),
     )

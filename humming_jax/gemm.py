@@ -218,17 +218,7 @@ def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         for a in (weight.values, weight.scale, weight.zero_point, weight.second_scale, weight.group_index)
         if a is not None
     )
-    tiles = kernel.Tiles(
-        tuning.block_m,
-        tuning.block_n,
-        tuning.block_k,
-        tuning.split_k,
-        tuning.num_warps,
-        tuning.num_stages,
-        tuning.swap_ab,
-        tuning.group_m,
-        tuning.word_decode,
-    )
+    tiles = kernel.Tiles(**dataclasses.asdict(tuning))  # the kernel's mirror of TuningConfig, field for field
     return kernel.expert_gemm(
         x.values,
         parts,

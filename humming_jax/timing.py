@@ -64,6 +64,20 @@ def device_seconds(fn: Callable, sets: Sequence[tuple], repeats: int = 5, min_se
     return statistics.median(samples) / (iterations * len(sets))
 
 
+COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200
+MATMUL_RATE = 790e12  # flop/s, bf16 matrix products measured on the H200
+
+
+def bandwidth_fields(seconds: float, nbytes: int) -> dict:
+    """The time and bandwidth columns of a benchmark row."""
+    return dict(
+        us=seconds * 1e6,
+        bytes=nbytes,
+        gbps=nbytes / seconds / 1e9,
+        copy_fraction=nbytes / seconds / COPY_BANDWIDTH,
+    )
+
+
 def write_results(path: str, rows: list[dict], quiet: bool = False, **meta) -> None:
     """Write benchmark rows as JSON with the machine they were measured on."""
     import json

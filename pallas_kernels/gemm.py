@@ -160,10 +160,6 @@ def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, t
     return entries // layout.top_k, entries, mask, jnp.clip(expert, 0, num_experts - 1), live
 
 
-# Bit patterns whose 16-bit float value is ``base + nibble`` (nibble in the low
-# mantissa bits): int4/uint4 codes become exact compute-dtype values with an
-# OR and a subtraction, no integer-to-float conversion.
-_MAGIC = {"bfloat16": (0x4300, 128.0), "float16": (0x6400, 1024.0)}
 # e2m1 code bits placed in an e4m3 byte decode (in hardware, subnormals
 # included) to the e2m1 value times 2**-6, as the word decoder's do; the 2**6
 # joins the scale.
@@ -292,7 +288,8 @@ def _nibbles_to_values(codes, w: WeightSpec, compute_dtype, zero=None):
     if w.value_type == "float4_e2m1":
         bits = ((codes & 8) << 4) | ((codes & 7) << 2)
         return _storage_bits(bits, jnp.float8_e4m3fn).astype(compute_dtype)
-    magic, base = _MAGIC[jnp.dtype(compute_dtype).name]
+    # int4/uint4 codes become exact values with an OR and a subtraction (no int-to-float).
+    magic, base = word_decode.MAGIC[jnp.dtype(compute_dtype).name]
     values = jax.lax.bitcast_convert_type(codes.astype(jnp.int16) | magic, compute_dtype)
     offset = base + 8.0 if w.value_type == "int4" else base
     if zero is not None:

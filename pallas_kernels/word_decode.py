@@ -31,6 +31,9 @@ import numpy as np
 from jax.experimental.pallas import triton as plgpu
 
 WORD = "w"  # the input register of every program
+# 16-bit float bit patterns whose value is ``base + nibble`` when a nibble is
+# OR-ed into the low mantissa bits: (pattern, base) per compute dtype.
+MAGIC = {"bfloat16": (0x4300, 128.0), "float16": (0x6400, 1024.0)}
 E2M1_FACTOR = 2.0**-6  # decoded e2m1 values are the true ones times this
 
 
@@ -63,7 +66,7 @@ def _pair(value: float, dtype: str) -> int:
 
 def int4_program(dtype: str, offset: float) -> Program:
     """Codes ``q + offset`` (int4: offset 8; uint4: 0) to ``q`` exactly."""
-    magic, base = {"bfloat16": (0x4300, 128.0), "float16": (0x6400, 1024.0)}[dtype]
+    magic, base = MAGIC[dtype]
     ops, outputs = [], []
     for j in range(4):
         source = WORD
