@@ -28,8 +28,8 @@ KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
 E, N, K, M = 4, 64, 256, 40
 
 
-def _weight(rng, fmt, e):
-    w = jnp.asarray(rng.normal(0, 0.05, (e, N, K)), jnp.float32)
+def _weight(rng, fmt, e, k=K):
+    w = jnp.asarray(rng.normal(0, 0.05, (e, N, k)), jnp.float32)
     bias = jnp.asarray(rng.normal(size=(e, N)), jnp.float32) if fmt.has_bias else None
     return F.quantize_weight(w, fmt, bias=bias)
 
@@ -52,6 +52,15 @@ def _check(out, ref, bound=1e-2):
     assert relative_error(out, ref) < bound
     unowned = np.all(ref == 0, axis=1)
     assert np.all(out[unowned] == 0), "rows no tile owns must be zero"
+
+
+def _check_tiling(rng, fmt_name, layout_kind, tuning, k=K, x_dtype=jnp.bfloat16):
+    """The kernel under ``tuning`` equals the reference (f32 output, bound 1e-5)."""
+    weight = _weight(rng, F.get_format(fmt_name), 1 if layout_kind == "dense" else E, k)
+    x = jnp.asarray(rng.normal(size=(M, k)), x_dtype)
+    layout = _layouts(rng)[layout_kind]
+    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
 
 
 @pytest.mark.parametrize("layout_kind", ["dense", "grouped_contiguous", "grouped_masked", "indexed"])
@@ -174,13 +183,7 @@ def test_act_order_group_index(layout_kind, rng):
 @pytest.mark.parametrize("fmt_name", ["bf16", "int4_g128+bias", "uint4_fzp_g128", "mxfp4", "nvfp4", "fp8_block128"])
 def test_swap_ab_tiles(layout_kind, fmt_name, rng):
     """``swap_ab`` (out.T = w @ x.T, the decode tiling) computes the same values."""
-    fmt = F.get_format(fmt_name)
-    weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
-    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-    layout = _layouts(rng)[layout_kind]
-    tuning = hj.TuningConfig(block_m=16, block_n=64, block_k=128, swap_ab=True)
-    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
-    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
+    _check_tiling(rng, fmt_name, layout_kind, hj.TuningConfig(block_m=16, block_n=64, block_k=128, swap_ab=True))
 
 
 @pytest.mark.parametrize("layout_kind", ["dense", "grouped_contiguous", "grouped_masked"])
@@ -189,13 +192,7 @@ def test_swap_ab_tiles(layout_kind, fmt_name, rng):
 def test_prefill_tiles_split_x(layout_kind, fmt_name, block_k, rng):
     """Row tiles of 64+ read a copy of x with each span's columns split even/odd
     (packed formats): same values as the reference."""
-    fmt = F.get_format(fmt_name)
-    weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
-    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-    layout = _layouts(rng)[layout_kind]
-    tuning = hj.TuningConfig(block_m=64, block_n=32, block_k=block_k)
-    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
-    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
+    _check_tiling(rng, fmt_name, layout_kind, hj.TuningConfig(block_m=64, block_n=32, block_k=block_k))
 
 
 @pytest.mark.parametrize("group_m", [2, 4])
@@ -203,12 +200,7 @@ def test_prefill_tiles_split_x(layout_kind, fmt_name, block_k, rng):
 def test_banded_program_order(group_m, layout_kind, rng):
     """Programs in bands of ``group_m`` row tiles (a partial last band
     included) cover every output tile exactly once."""
-    weight = _weight(rng, F.INT4_G32, 1 if layout_kind == "dense" else E)
-    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-    layout = _layouts(rng)[layout_kind]
-    tuning = hj.TuningConfig(block_m=16, block_n=16, block_k=64, group_m=group_m)
-    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
-    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
+    _check_tiling(rng, "int4_g32", layout_kind, hj.TuningConfig(block_m=16, block_n=16, block_k=64, group_m=group_m))
 
 
 @pytest.mark.parametrize(
@@ -221,22 +213,14 @@ def test_banded_program_order(group_m, layout_kind, rng):
 def test_word_decode(block_m, layout_kind, fmt_name, rng):
     """``word_decode``: packed weights read as uint32 words, 8 pieces per span
     (on a GPU, integer codes are decoded by inline PTX); same values."""
-    fmt = F.get_format(fmt_name)
-    weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
-    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-    layout = _layouts(rng)[layout_kind]
-    tuning = hj.TuningConfig(block_m=block_m, block_n=32, block_k=128, word_decode=True)
-    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
-    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
+    _check_tiling(
+        rng, fmt_name, layout_kind, hj.TuningConfig(block_m=block_m, block_n=32, block_k=128, word_decode=True)
+    )
 
 
 def test_word_decode_f16(rng):
-    weight = _weight(rng, F.INT4_G128, E)
-    x = jnp.asarray(rng.normal(size=(M, K)), jnp.float16)
-    layout = _layouts(rng)["grouped_contiguous"]
     tuning = hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True)
-    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
-    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
+    _check_tiling(rng, "int4_g128", "grouped_contiguous", tuning, x_dtype=jnp.float16)
 
 
 @pytest.mark.parametrize(
@@ -251,9 +235,4 @@ def test_word_decode_f16(rng):
 )
 def test_k_not_a_multiple_of_the_tile(fmt_name, k, tuning, rng):
     """A last K tile that is partly past K (gpt-oss: K=2880 with 128-wide tiles)."""
-    fmt = F.get_format(fmt_name)
-    weight = F.quantize_weight(jnp.asarray(rng.normal(0, 0.05, (E, N, k)), jnp.float32), fmt)
-    x = jnp.asarray(rng.normal(size=(M, k)), jnp.bfloat16)
-    layout = _layouts(rng)["grouped_contiguous"]
-    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
-    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
+    _check_tiling(rng, fmt_name, "grouped_contiguous", tuning, k=k)
