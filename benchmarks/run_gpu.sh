@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v5-tests tune-decode gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -15,6 +15,12 @@ pytest_gpu() { timeout "$1" python3 -m pytest -q -n 6 -p no:cacheprovider -W ign
 for step in $steps; do
   echo "=== $step"
   case $step in
+    # The kernels added after v4 (word decode PTX, banded order, ragged K) and the pipelines.
+    v5-tests) pytest_gpu 300 tests/test_gemm_kernel.py -k "word or banded or not_a_multiple" tests/test_pipelines.py \
+                2>&1 | tee "$out/v5_tests.log" | tail -25 ;;
+    # Quantized decode candidates (word decode) on qwen3, grouped layout.
+    tune-decode) timeout 300 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 mxfp4 \
+                   --layouts grouped --max-m 128 --out "$out/tuning_decode.json" 2>&1 | tee "$out/tune_decode.log" | tail -30 ;;
     gemm-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_pipelines.py 2>&1 | tee "$out/gemm_tests.log" | tail -15 ;;
     gemm-bench) timeout 420 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
                   --tokens 16 4096 --out "$out/gemm.json" 2>&1 | tee "$out/gemm_bench.log" ;;
