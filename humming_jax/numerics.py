@@ -24,7 +24,6 @@ import numpy as np
 
 # The elementwise codecs are shared with the kernels, which cannot import this package.
 from pallas_kernels.codecs import (  # noqa: F401  (re-exported)
-    cast_float8_saturating,
     e2m1_encode,
     e8m0_decode,
     e8m0_from_amax,
@@ -39,6 +38,40 @@ FLOAT4_E2M1_MAX = 6.0
 INT8_MAX = 127.0
 INT4_MAX = 7.0
 E8M0_BIAS = 127
+
+
+def round_to_float8(x: jax.Array, dtype) -> jax.Array:
+    """f32 ``x`` rounded to the nearest value of a float8 dtype (ties to even,
+    saturating at its largest finite value), still in f32.
+
+    Rounded with ``reduce_precision``, not an f32 -> float8 -> f32 round trip:
+    XLA may drop such a pair of converts inside a fusion (it allows excess
+    precision; the GPU compiler does), which would keep the unrounded value.
+    e4m3fn has no infinities, so its top binade (256..448) lies past the
+    IEEE-like 4-bit-exponent range: normal values round with 5 exponent bits
+    (same 3-bit mantissa); subnormal ones (below 2**-6, which
+    ``reduce_precision`` would flush) to the nearest multiple of 2**-9."""
+    x = x.astype(jnp.float32)
+    dtype = jnp.dtype(dtype)
+    finite_max = float(jnp.finfo(dtype).max)
+    x = jnp.clip(x, -finite_max, finite_max)
+    if dtype == jnp.dtype(jnp.float8_e5m2):  # IEEE-like: subnormals are multiples of 2**-16
+        normal = jax.lax.reduce_precision(x, exponent_bits=6, mantissa_bits=2)
+        return jnp.where(jnp.abs(x) < 2.0**-14, jnp.copysign(round_half_even(x * 2.0**16) * 2.0**-16, x), normal)
+    if dtype != jnp.dtype(jnp.float8_e4m3fn):
+        raise ValueError(f"round_to_float8: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    normal = jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=3)
+    subnormal = jnp.copysign(round_half_even(x * 2.0**9) * 2.0**-9, x)  # exact; keeps the sign of zero
+    return jnp.where(jnp.abs(x) < 2.0**-6, subnormal, normal)
+
+
+def cast_float8_saturating(x: jax.Array, dtype) -> jax.Array:
+    """Round f32 to a float8 dtype (nearest, ties to even), saturating at its
+    largest finite value instead of overflowing to NaN. The same numbers as the
+    kernels' ``codecs.cast_float8_saturating``, but safe to convert back to f32
+    inside one XLA computation (see :func:`round_to_float8`)."""
+    return round_to_float8(x, dtype).astype(dtype)
+
 
 # Magnitudes of the eight non-negative e2m1 codes, in code order.
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)

@@ -44,6 +44,57 @@ def test_e2m1_encode_matches_round_to_nearest_even(rng):
     assert np.all(np.sign(np_ref.E2M1_TABLE[codes]) * np.sign(x) >= 0)
 
 
+def _log_uniform(rng, low_exp, high_exp, n):
+    magnitude = 2.0 ** rng.uniform(low_exp, high_exp, n)
+    return (magnitude * rng.choice([-1.0, 1.0], n)).astype(np.float32)
+
+
+def test_float8_e4m3_cast_rounds_to_nearest_even_under_jit(rng):
+    """f32 -> e4m3 (saturating) and back, compiled, over the subnormal, normal and
+    saturating ranges and every midpoint between two e4m3 values: the compiler's
+    conversion must round once to nearest-even, as ml_dtypes does."""
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    grid = np.unique(grid[np.isfinite(grid)])
+    midpoints = ((grid[1:] + grid[:-1]) / 2).astype(np.float32)
+    x = np.concatenate([_log_uniform(rng, -12, 10, 20000), midpoints, -midpoints, [0.0, 448.0, 464.0, 1e6]])
+    x = x.astype(np.float32)
+    cast = jax.jit(lambda v: numerics.cast_float8_saturating(v, jnp.float8_e4m3fn))
+    got = np.asarray(cast(jnp.asarray(x))).view(np.uint8)
+    expected = np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    bad = np.flatnonzero(got != expected)
+    assert bad.size == 0, (
+        f"{bad.size} of {x.size} differ, e.g. x={x[bad[:5]]} got={got[bad[:5]]} want={expected[bad[:5]]}"
+    )
+    decode = jax.jit(lambda b: jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.float32))
+    codes = np.arange(256, dtype=np.uint8)
+    finite = np.isfinite(codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(decode(jnp.asarray(codes)))[finite], codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)[finite]
+    )
+    # Converted back to f32 in the same computation (XLA may fuse away a convert pair).
+    round_trip = jax.jit(lambda v: numerics.cast_float8_saturating(v, jnp.float8_e4m3fn).astype(jnp.float32) * 1.0)
+    np.testing.assert_array_equal(np.asarray(round_trip(jnp.asarray(x))), expected.view(ml_dtypes.float8_e4m3fn))
+    e5m2 = jax.jit(lambda v: numerics.cast_float8_saturating(v, jnp.float8_e5m2).astype(jnp.float32))
+    np.testing.assert_array_equal(
+        np.asarray(e5m2(jnp.asarray(x))), np.clip(x, -57344, 57344).astype(ml_dtypes.float8_e5m2).astype(np.float32)
+    )
+
+
+def test_scaling_is_correctly_rounded_under_jit(rng):
+    """The quantizers' ``x * safe_reciprocal(scale)``, compiled: the product of
+    the correctly rounded reciprocal, or (XLA's GPU compiler rewrites
+    ``a * (1/b)`` as ``a / b``) the correctly rounded quotient — nothing else.
+    The two differ by an ulp at most, which is why the quantizer tests let
+    values within 1e-6 of a rounding boundary go either way."""
+    x = _log_uniform(rng, -20, 20, 20000)
+    scale = np.abs(_log_uniform(rng, -30, 30, 20000))
+    got = np.asarray(jax.jit(lambda a, s: a * numerics.safe_reciprocal(s))(jnp.asarray(x), jnp.asarray(scale)))
+    x64, scale64 = x.astype(np.float64), scale.astype(np.float64)
+    product = (x64 * (1.0 / scale64).astype(np.float32)).astype(np.float32)
+    quotient = (x64 / scale64).astype(np.float32)
+    assert np.all((got == product) | (got == quotient))
+
+
 def test_e8m0_decodes_exactly():
     byte = jnp.arange(255, dtype=jnp.uint8)
     decoded = np.asarray(numerics.e8m0_decode(byte))
