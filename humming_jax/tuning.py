@@ -43,15 +43,17 @@ def heuristic_tuning(rows_per_expert: int, n: int, k: int, fmt_class: str = "16b
     # is read once per row tile unless the programs run in bands (tile_order).
     weight_bytes = n * k * {"16bit": 2.0, "8bit": 1.0}.get(fmt_class, 0.5)
     group_m = 8 if weight_bytes > LARGE_EXPERT_BYTES and rows_per_expert > 2 * block_m else 1
+    # 4-bit weights are decoded a uint32 word (8 codes) at a time (v5: 1.3-1.6x).
+    word_decode = fmt_class == "4bit"
     if block_m == 128 and fmt_class == "4bit":
         return TuningConfig(
-            64, min(128, cap_n), min(128, cap_k), num_warps=4, num_stages=3, swap_ab=True, group_m=group_m
+            64, min(128, cap_n), min(128, cap_k), 4, 3, swap_ab=True, group_m=group_m, word_decode=word_decode
         )
     if block_m == 128:
         return TuningConfig(128, min(256, cap_n), min(64, cap_k), num_warps=8, num_stages=4, group_m=group_m)
     block_n = min(64 if block_m <= 32 else 128, cap_n)
     block_k = min(128 if block_m <= 32 else 64, cap_k)
-    return TuningConfig(block_m, block_n, block_k, num_warps=4, num_stages=3)
+    return TuningConfig(block_m, block_n, block_k, num_warps=4, num_stages=3, word_decode=word_decode)
 
 
 def load_table(name: str = TABLE_FILE) -> dict[str, tuple[TuningEntry, ...]]:

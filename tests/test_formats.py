@@ -80,19 +80,22 @@ def test_float8_e4m3_cast_rounds_to_nearest_even_under_jit(rng):
     )
 
 
-def test_scaling_is_correctly_rounded_under_jit(rng):
-    """The quantizers' ``x * safe_reciprocal(scale)``, compiled: the product of
-    the correctly rounded reciprocal, or (XLA's GPU compiler rewrites
-    ``a * (1/b)`` as ``a / b``) the correctly rounded quotient — nothing else.
-    The two differ by an ulp at most, which is why the quantizer tests let
-    values within 1e-6 of a rounding boundary go either way."""
+def test_scaling_is_within_three_ulp_under_jit(rng):
+    """The quantizers' ``x * safe_reciprocal(scale)``, compiled: on the CPU the
+    product of the correctly rounded reciprocal; XLA's GPU compiler divides with
+    ``div.full.f32`` (up to 2 ulp) — measured on the H200: neither the product nor
+    the quotient bit for bit. So the references agree with float64 to 3 ulp
+    (< 4e-7 relative), which is why the quantizer tests let values within 1e-6
+    of a rounding boundary go either way."""
     x = _log_uniform(rng, -20, 20, 20000)
     scale = np.abs(_log_uniform(rng, -30, 30, 20000))
     got = np.asarray(jax.jit(lambda a, s: a * numerics.safe_reciprocal(s))(jnp.asarray(x), jnp.asarray(scale)))
     x64, scale64 = x.astype(np.float64), scale.astype(np.float64)
     product = (x64 * (1.0 / scale64).astype(np.float32)).astype(np.float32)
     quotient = (x64 / scale64).astype(np.float32)
-    assert np.all((got == product) | (got == quotient))
+    if jax.default_backend() == "cpu":
+        assert np.all((got == product) | (got == quotient))
+    np.testing.assert_allclose(got, quotient, rtol=4e-7, atol=0)
 
 
 def test_e8m0_decodes_exactly():
