@@ -62,7 +62,11 @@ class Grouping:
 
 @dataclasses.dataclass(frozen=True)
 class GroupingTiles:
-    chunk: int = 512  # slots per program of chunk_counts / place_slots
+    # Slots per program of chunk_counts / place_slots. One sub-tile: a chunk of
+    # 512 costs 10 pairwise [128, 128] compares (and 4x fewer programs); the
+    # H200 took ~50 us per 512-slot program (align: 14 us at 128 slots in one
+    # chunk, 58 us at 1024 slots in two).
+    chunk: int = 128
     bin_tile: int = 128  # bins handled at a time
     chunk_tile: int = 64  # chunks handled at a time by bin_prefix
     fill_positions: int = 256  # sorted_ids positions per fill program
@@ -278,14 +282,27 @@ def group_slots(
 # ---------------------------------------------------------------------------
 
 
+MIN_ROW_PROGRAMS = 1024  # ~8 per SM: enough row gathers in flight to hide their latency
+
+
 @dataclasses.dataclass(frozen=True)
 class RowTiles:
     block_tokens: int = 16
     block_cols: int = 512
     num_warps: int = 4
+    min_block_tokens: int = 4
 
-    def fit(self, cols: int) -> RowTiles:
-        return dataclasses.replace(self, block_cols=min(self.block_cols, max(16, pl.next_power_of_2(cols))))
+    def fit(self, cols: int, tokens: int | None = None) -> RowTiles:
+        """Columns capped to the row width; with ``tokens``, fewer token rows
+        per program (down to ``min_block_tokens``) until the grid has
+        ``MIN_ROW_PROGRAMS`` programs (small T: the row ops are latency-bound)."""
+        block_cols = min(self.block_cols, max(16, pl.next_power_of_2(cols)))
+        block_tokens = self.block_tokens
+        if tokens is not None:
+            col_tiles = pl.cdiv(cols, block_cols)
+            while block_tokens > self.min_block_tokens and pl.cdiv(tokens, block_tokens) * col_tiles < MIN_ROW_PROGRAMS:
+                block_tokens //= 2
+        return dataclasses.replace(self, block_cols=block_cols, block_tokens=block_tokens)
 
 
 def _tile_rows_cols(tiles: RowTiles, num_rows: int, num_cols: int):
@@ -316,7 +333,7 @@ def scatter_rows(
     """``out[dest[t*k + j]] = x[t]`` for rows ``dest < end[0]``, zeros for the
     other destinations. ``dest`` must be a permutation of ``[0, T*k)``."""
     num_tokens, num_cols = x.shape
-    tiles = tiles.fit(num_cols)
+    tiles = tiles.fit(num_cols, num_tokens)
     return pl.pallas_call(
         functools.partial(_scatter_rows_kernel, tiles=tiles, top_k=top_k),
         grid=(pl.cdiv(num_tokens, tiles.block_tokens), pl.cdiv(num_cols, tiles.block_cols)),
@@ -386,7 +403,7 @@ def weighted_gather(
     token rows ``>= bound[0]`` are zero.
     """
     num_cols = x.shape[-1]
-    tiles = tiles.fit(num_cols)
+    tiles = tiles.fit(num_cols, num_tokens)
     maps = [expert_map.astype(jnp.int32)] if expert_map is not None else []
     return pl.pallas_call(
         functools.partial(

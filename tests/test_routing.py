@@ -201,3 +201,100 @@ def test_routing_bad_input_raises():
         hj.moe_unpermute(jnp.zeros((8, 4)), jnp.zeros((4, 2)), jnp.zeros(7, jnp.int32), jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match="inputs must be"):
         hj.moe_fused_mul_sum(jnp.zeros((4, 3, 8)), jnp.zeros((4, 2)), jnp.zeros((4, 2), jnp.int32), 8)
+
+
+# ---- kernel tilings (the op layer picks one; these pin down the others) ----------
+
+
+@pytest.mark.parametrize("chunk", [128, 256, 512])
+def test_grouping_chunk_sizes_agree(chunk, rng):
+    """``group_slots`` with chunks of one to four pairwise-ranked sub-tiles: the
+    aligned layout equals the NumPy loop (stable order, padding, invalid ids)."""
+    from pallas_kernels import routing as kernels
+
+    num_experts, block_size = 64, 16
+    ids = rng.integers(-2, num_experts + 2, size=(300, 8)).astype(np.int32)
+    ids[:40] = 5  # a hot expert spanning sub-tiles and chunks
+    grouping = kernels.Grouping(ids.size, num_experts, num_experts, block_size=block_size)
+    got = kernels.group_slots(
+        jnp.asarray(ids),
+        None,
+        grouping,
+        outputs="sorted",
+        length=align_length(ids.size, num_experts, block_size),
+        tiles=kernels.GroupingTiles(chunk=chunk),
+        interpret=KERNEL_BACKEND == "interpret",
+    )
+    expected = np_ref.align(ids, block_size, num_experts, None, True, num_experts)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(g).reshape(-1), np.asarray(e).reshape(-1))
+
+
+def test_row_tiles_shrink_for_small_grids():
+    from pallas_kernels import routing as kernels
+
+    tiles = kernels.RowTiles()
+    assert tiles.fit(7168).block_tokens == 16  # no token count: unchanged
+    assert tiles.fit(7168, 16384).block_tokens == 16  # 1024 x 14 programs
+    assert tiles.fit(7168, 512).block_tokens == 4  # 128 x 14 programs at most
+    assert tiles.fit(100, 3).block_cols == 128 and tiles.fit(100, 3).block_tokens == 4
+
+
+@pytest.mark.parametrize("block_tokens", [4, 16])
+def test_row_ops_with_either_token_tile(block_tokens, rng):
+    """scatter_rows and both weighted_gather modes with 4- and 16-token tiles
+    against float64 NumPy (ragged last tile: 37 tokens)."""
+    from pallas_kernels import routing as kernels
+
+    interpret = KERNEL_BACKEND == "interpret"
+    tiles = kernels.RowTiles(block_tokens=block_tokens, block_cols=128, min_block_tokens=block_tokens)
+    tokens, top_k, cols = 37, 2, 200
+    x = rng.normal(size=(tokens, cols)).astype(np.float32)
+    dest = rng.permutation(tokens * top_k).astype(np.int32)
+    end = tokens * top_k - 5  # the last 5 destinations are not local: zeros
+    out = np.asarray(
+        kernels.scatter_rows(
+            jnp.asarray(x), jnp.asarray(dest), jnp.asarray([end]), top_k, tiles=tiles, interpret=interpret
+        )
+    )
+    expected = np.zeros((tokens * top_k, cols))
+    for slot, row in enumerate(dest):
+        if row < end:
+            expected[row] = x[slot // top_k]
+    np.testing.assert_array_equal(out, expected)
+    weights = rng.random((tokens, top_k)).astype(np.float32)
+    gathered = np.asarray(
+        kernels.weighted_gather(
+            jnp.asarray(out),
+            jnp.asarray(dest),
+            jnp.asarray(weights),
+            jnp.asarray([end]),
+            tokens,
+            top_k,
+            mode="unpermute",
+            tiles=tiles,
+            interpret=interpret,
+        )
+    )
+    valid = (dest < end).reshape(tokens, top_k)
+    want = np.einsum("tj,th->th", np.where(valid, weights, 0).astype(np.float64), x.astype(np.float64))
+    np.testing.assert_allclose(gathered, want, rtol=1e-6, atol=1e-6)
+    per_slot = rng.normal(size=(tokens, top_k, cols)).astype(np.float32)
+    experts = rng.integers(-1, 5, size=(tokens, top_k)).astype(np.int32)
+    fused = np.asarray(
+        kernels.weighted_gather(
+            jnp.asarray(per_slot),
+            jnp.asarray(experts),
+            jnp.asarray(weights),
+            jnp.asarray([30]),
+            tokens,
+            top_k,
+            mode="fused_mul_sum",
+            num_experts=4,
+            tiles=tiles,
+            interpret=interpret,
+        )
+    )
+    live = (experts >= 0) & (experts < 4) & (np.arange(tokens)[:, None] < 30)
+    want = np.einsum("tj,tjh->th", np.where(live, weights, 0).astype(np.float64), per_slot.astype(np.float64))
+    np.testing.assert_allclose(fused, want, rtol=1e-6, atol=1e-6)
