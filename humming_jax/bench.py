@@ -316,7 +316,7 @@ def _candidates(rows):
     return tuple(TuningConfig(*row[:5], **(row[5] if len(row) > 5 else {})) for row in rows)
 
 
-SWAP, WORD, BANDS = {"swap_ab": True}, {"word_decode": True}, {"group_m": 8}
+SWAP, WORD, BANDS, FOLD = {"swap_ab": True}, {"word_decode": True}, {"group_m": 8}, {"fold_scales": True}
 # Pruned by the v2-v4 sweeps (benchmarks/results/gemm_tune_h200.json): 32-row
 # decode tiles, 8-warp decode tiles and 64x256 prefill tiles never won.
 DECODE_CANDIDATES = _candidates(
@@ -328,6 +328,11 @@ DECODE_CANDIDATES = _candidates(
         (16, 64, 128, 4, 3, WORD),
         (16, 128, 128, 4, 3, WORD),
         (16, 64, 256, 4, 3, WORD),
+        # v5's profile: 92 registers, 5 blocks per SM, latency-bound: fewer warps, fewer stages, longer K
+        (16, 32, 256, 2, 3, WORD),
+        (16, 64, 256, 4, 2, WORD),
+        (16, 64, 512, 4, 2, WORD),
+        (16, 64, 256, 4, 3, WORD | FOLD),  # MXFP4: folded scales make the span 256 wide, so words apply
     )
 )
 PREFILL_CANDIDATES = _candidates(
@@ -341,6 +346,10 @@ PREFILL_CANDIDATES = _candidates(
         (128, 128, 128, 8, 3, WORD),
         (128, 256, 64, 8, 4, BANDS),
         (64, 128, 128, 4, 3, SWAP | BANDS),
+        (128, 128, 64, 8, 4, BANDS),
+        (64, 128, 128, 4, 3, SWAP | WORD | BANDS),
+        (64, 128, 128, 4, 3, SWAP | WORD | FOLD),  # one MMA chain per K tile for integer formats too
+        (128, 128, 128, 8, 3, WORD | FOLD),
     )
 )
 M_RANGES = ((0, 16), (16, 128), (128, 1024), (1024, 8192), (8192, 1 << 30))

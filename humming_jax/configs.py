@@ -150,6 +150,9 @@ class TuningConfig:
     swap_ab: bool = False  # compute out.T = w @ x.T (the weight tile is the MMA's A operand)
     group_m: int = 1  # row tiles per band of the program order: >1 keeps an expert's weight columns in L2
     word_decode: bool = False  # 4-bit weights read as uint32 words of 8 codes (spans of 128+)
+    # Scales multiply the decoded weight tile before the product (one MMA chain per K
+    # tile); integer formats then round (q - z) * s once to the compute dtype.
+    fold_scales: bool = False
 
     def __post_init__(self):
         owner = "TuningConfig"

@@ -92,6 +92,7 @@ class Tiles:
     swap_ab: bool = False
     group_m: int = 1  # row tiles per band of the program order (tile_order)
     word_decode: bool = False  # packed weights read as uint32 words of 8 codes (nibbles_per_unit)
+    fold_scales: bool = False  # scales multiply the weight tile (scales_in_weights)
 
 
 def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
@@ -189,13 +190,17 @@ def scales_in_weights(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
     * MX and NV formats in bf16 on row tiles of 64+: an e2m1/e4m3 value times
       an e8m0/e4m3 scale has at most 7 significant bits, so the scaled weight
       is exact in bf16, and one product per K tile keeps the MMAs chained
-      (decode tiles are cheaper scaling the partial products).
-    Except for the narrow groups of integer formats, nothing rounds.
+      (decode tiles are cheaper scaling the partial products);
+    * ``tiles.fold_scales``: any scaled format (integer ones round once).
+    Except for the narrow groups and folded scales of integer formats,
+    nothing rounds.
     """
     if w.has_group_index:
         return True
     if w.scale == "none":
         return False
+    if tiles.fold_scales:
+        return True
     exact = (
         w.value_type in ("float4_e2m1", "float8_e4m3")
         and w.scale_type in ("e8m0", "float8_e4m3")

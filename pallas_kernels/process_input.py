@@ -59,12 +59,26 @@ class ProcessConfig:
         return max(16, pl.next_power_of_2(self.k_out))
 
     @property
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """``(start, size)`` column blocks of a row, each a power of two: the
+        binary digits of ``k_out`` (768 = 512 + 256, 2880 = 2048 + 512 + 256 +
+        64), so no lane is padding. Every block is a whole number of groups and
+        Hadamard blocks when ``k_out`` is (they are powers of two). Rows
+        narrower than 16 columns or not a multiple of 16 take one padded block
+        of ``width`` (masked past ``k_out``)."""
+        if self.k_out % 16:
+            return ((0, self.width),)
+        sizes = [1 << bit for bit in range(self.k_out.bit_length() - 1, 3, -1) if self.k_out >> bit & 1]
+        starts = np.cumsum([0, *sizes[:-1]]).tolist()
+        return tuple(zip(starts, sizes, strict=True))
+
+    @property
     def rows(self) -> int:
         if self.block_rows:
             return self.block_rows
         rows = max(1, 4096 // self.width)
-        if self.hadamard:  # the rotation's product needs at least 16 rows
-            rows = max(rows, 16 * self.hadamard // self.width)
+        if self.hadamard:  # the rotation's product needs at least 16 rows, in every column block
+            rows = max(rows, 16 * self.hadamard // min(size for _, size in self.segments))
         return rows
 
     @property
@@ -88,11 +102,13 @@ def _gelu_tanh(x):
     return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
-def _activated(x_ref, rows, row_mask, cols, col_mask, cfg: ProcessConfig):
-    """Activation output ``[rows, width]`` in f32, zero past ``k_out``."""
-    mask = row_mask[:, None] & col_mask[None, :]
+def _activated(x_ref, rows, row_mask, start: int, size: int, padded: bool, cfg: ProcessConfig):
+    """Activation output of columns ``[start, start + size)``: ``[rows, size]``
+    in f32, zero past ``k_out`` (only a ``padded`` block reaches past it)."""
+    cols = start + jnp.arange(size, dtype=jnp.int32)
 
-    def load(columns):
+    def load(columns, width=cfg.k_out):
+        mask = row_mask[:, None] & (columns < width)[None, :] if padded else row_mask[:, None]
         return plgpu.load(x_ref.at[rows[:, None], columns[None, :]], mask=mask, other=0).astype(jnp.float32)
 
     kind, limit = cfg.activation, cfg.clamp_limit
@@ -106,8 +122,9 @@ def _activated(x_ref, rows, row_mask, cols, col_mask, cfg: ProcessConfig):
             "gelu_tanh_no_mul": _gelu_tanh,
             "relu2_no_mul": lambda v: jnp.square(jnp.maximum(v, 0.0)),
         }[kind](x)
-    if kind == "swigluoai":  # interleaved [g0, u0, g1, u1, ...]
-        gate, up = load(2 * cols), load(2 * cols + 1)
+    if kind == "swigluoai":  # interleaved [g0, u0, g1, u1, ...]: one contiguous load, split in registers
+        pairs = load(2 * start + jnp.arange(2 * size, dtype=jnp.int32), 2 * cfg.k_out)
+        gate, up = (half.reshape(pairs.shape[0], size) for half in jax.lax.split(pairs.reshape(-1, size, 2), (1, 1), 2))
         gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
         return gate * _sigmoid(cfg.alpha * gate) * (up + cfg.beta)
     gate, up = load(cols), load(cols + cfg.k_out)
@@ -148,26 +165,42 @@ def _encode(scaled, cfg: ProcessConfig):
     return codecs.cast_float8_saturating(scaled, dtype)
 
 
-def _quantize(y, static_ref, cfg: ProcessConfig):
-    """Returns (values, group-or-token scale to store or None, second scale or None)."""
-    rows, width = y.shape
+def _row_max(blocks):
+    """Per-row max over a list of ``[rows, c]`` (or ``[rows]``) blocks."""
+    maxima = [b if b.ndim == 1 else jnp.max(b, axis=1) for b in blocks]
+    return functools.reduce(jnp.maximum, maxima)
+
+
+def _quantize(ys, static_ref, cfg: ProcessConfig):
+    """Quantize a row's column blocks ``ys`` (list of ``[rows, c]`` f32).
+    Returns (values per block, scale per block (groups) or per row (token) or
+    None, second scale per row or None)."""
+    rows = ys[0].shape[0]
     if cfg.mode == "none":
-        return y.astype(jnp.dtype(cfg.out_dtype)), None, None
+        return [y.astype(jnp.dtype(cfg.out_dtype)) for y in ys], None, None
     qmax, exact = cfg.qmax, cfg.gpu
     recip = functools.partial(codecs.safe_reciprocal, exact_on_gpu=exact)
     divide = functools.partial(codecs.divide, exact_on_gpu=exact)
     if cfg.mode == "static_tensor":
-        static = jnp.full((rows, 1), static_ref[0], jnp.float32)
-        return _encode(y * recip(static), cfg), None, None
+        inverse = recip(jnp.full((rows, 1), static_ref[0], jnp.float32))
+        return [_encode(y * inverse, cfg) for y in ys], None, None
     if cfg.mode == "dynamic_token":
-        scale = divide(jnp.max(jnp.abs(y), axis=1), qmax)
-        return _encode(y * recip(scale)[:, None], cfg), scale, None
-    groups = width // cfg.group_size
-    grouped = y.reshape(rows, groups, cfg.group_size)
-    amax = jnp.max(jnp.abs(grouped), axis=2)
+        scale = divide(_row_max([jnp.abs(y) for y in ys]), qmax)
+        inverse = recip(scale)[:, None]
+        return [_encode(y * inverse, cfg) for y in ys], scale, None
+    grouped = [y.reshape(rows, y.shape[1] // cfg.group_size, cfg.group_size) for y in ys]
+    amaxes = [jnp.max(jnp.abs(g), axis=2) for g in grouped]
     second = None
-    if cfg.mode == "dynamic_group":
-        if cfg.scale_type == "e8m0":
+    if cfg.mode == "static_tensor_dynamic_group":
+        second = jnp.full((rows,), static_ref[0], jnp.float32)
+    elif cfg.mode == "dynamic_group_token":  # the row amax lands on e4m3 max x element max
+        second = divide(_row_max(amaxes), FLOAT8_E4M3_MAX * qmax)
+    values, stored_scales = [], []
+    for g, amax in zip(grouped, amaxes, strict=True):
+        if second is not None:
+            stored = codecs.cast_float8_saturating(divide(amax, qmax) * recip(second)[:, None], jnp.float8_e4m3fn)
+            scale = stored.astype(jnp.float32) * second[:, None]
+        elif cfg.scale_type == "e8m0":
             stored = codecs.e8m0_from_amax(amax, qmax)
             scale = codecs.e8m0_decode(stored)
         elif cfg.scale_type == "float8_e4m3":
@@ -175,16 +208,9 @@ def _quantize(y, static_ref, cfg: ProcessConfig):
             scale = stored.astype(jnp.float32)
         else:
             stored = scale = divide(amax, qmax)
-    else:
-        if cfg.mode == "static_tensor_dynamic_group":
-            second = jnp.full((rows,), static_ref[0], jnp.float32)
-        else:  # dynamic_group_token: the row amax lands on e4m3 max x element max
-            second = divide(jnp.max(amax, axis=1), FLOAT8_E4M3_MAX * qmax)
-        stored = codecs.cast_float8_saturating(divide(amax, qmax) * recip(second)[:, None], jnp.float8_e4m3fn)
-        scale = stored.astype(jnp.float32) * second[:, None]
-    scaled = grouped * recip(scale)[:, :, None]
-    values = _encode(scaled.reshape(rows, width), cfg)
-    return values, stored, (second if cfg.mode == "dynamic_group_token" else None)
+        values.append(_encode((g * recip(scale)[:, :, None]).reshape(rows, -1), cfg))
+        stored_scales.append(stored)
+    return values, stored_scales, (second if cfg.mode == "dynamic_group_token" else None)
 
 
 def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
@@ -199,13 +225,15 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
     scale_ref = refs.pop(0) if refs else None
     scale2_ref = refs.pop(0) if refs else None
 
-    block_rows, width = cfg.rows, cfg.width
+    block_rows = cfg.rows
     rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     row_mask = rows < m_in
-    cols = jnp.arange(width, dtype=jnp.int32)
-    y = _activated(x_ref, rows, row_mask, cols, cols < cfg.k_out, cfg)
-    if cfg.hadamard:
-        y = _rotate(y, h_ref, cfg)
+    segments = cfg.segments
+    padded = segments[0][1] > cfg.k_out  # one block wider than the row: mask its tail
+    ys = []
+    for start, size in segments:
+        y = _activated(x_ref, rows, row_mask, start, size, padded, cfg)
+        ys.append(_rotate(y, h_ref, cfg) if cfg.hadamard else y)
     num_valid = valid_ref[0]
 
     if cfg.layout == "scatter":
@@ -220,26 +248,24 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
             keep = keep & (rows % cfg.max_tokens < count)
         destinations, keeps = [rows], [keep]
 
-    values, scale, second = _quantize(y, static_ref, cfg)
-    value_width = width // 2 if cfg.packed else width
-    value_cols = jnp.arange(value_width, dtype=jnp.int32)
-    value_col_mask = value_cols < (cfg.k_out // 2 if cfg.packed else cfg.k_out)
+    values, scales, second = _quantize(ys, static_ref, cfg)
+    per_byte = 2 if cfg.packed else 1
     for dest, keep in zip(destinations, keeps, strict=True):
         out_rows = codecs.scatter_index(dest, row_mask, values_ref.shape[0])
-        plgpu.store(
-            values_ref.at[out_rows[:, None], value_cols[None, :]],
-            _zero_rows(values, keep),
-            mask=row_mask[:, None] & value_col_mask[None, :],
-        )
-        if scale is not None and scale.ndim == 1:
-            plgpu.store(scale_ref.at[out_rows, 0], _zero_rows(scale, keep), mask=row_mask)
-        elif scale is not None:
-            scale_cols = jnp.arange(scale.shape[1], dtype=jnp.int32)
+        for index, (start, size) in enumerate(segments):
+            value_cols = start // per_byte + jnp.arange(size // per_byte, dtype=jnp.int32)
+            mask = row_mask[:, None] & (value_cols < cfg.k_out // per_byte)[None, :] if padded else row_mask[:, None]
             plgpu.store(
-                scale_ref.at[out_rows[:, None], scale_cols[None, :]],
-                _zero_rows(scale, keep),
-                mask=row_mask[:, None] & (scale_cols < cfg.num_groups)[None, :],
+                values_ref.at[out_rows[:, None], value_cols[None, :]], _zero_rows(values[index], keep), mask=mask
             )
+            if isinstance(scales, list):
+                group_cols = start // cfg.group_size + jnp.arange(size // cfg.group_size, dtype=jnp.int32)
+                mask = row_mask[:, None] & (group_cols < cfg.num_groups)[None, :] if padded else row_mask[:, None]
+                plgpu.store(
+                    scale_ref.at[out_rows[:, None], group_cols[None, :]], _zero_rows(scales[index], keep), mask=mask
+                )
+        if scales is not None and not isinstance(scales, list):
+            plgpu.store(scale_ref.at[out_rows, 0], _zero_rows(scales, keep), mask=row_mask)
         if second is not None:
             plgpu.store(scale2_ref.at[out_rows, 0], _zero_rows(second, keep), mask=row_mask)
 

@@ -224,6 +224,33 @@ def test_word_decode_f16(rng):
 
 
 @pytest.mark.parametrize(
+    "tuning",
+    [
+        hj.TuningConfig(block_m=64, block_n=32, block_k=128, swap_ab=True, fold_scales=True),
+        hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True, fold_scales=True),
+    ],
+    ids=["prefill", "decode_word"],
+)
+@pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "indexed"])
+@pytest.mark.parametrize(
+    "fmt_name",
+    ["int4_g128+bias", "int4_channel", "uint4_zp_g128", "uint4_fzp_g128", "int8_g64", "mxfp4", "fp8_block128"],
+)
+def test_folded_scales(fmt_name, layout_kind, tuning, rng):
+    """``fold_scales``: the kernel multiplies the decoded tile by its scales and
+    rounds ``(q - z) * s`` once to bf16, so it equals the reference run on the
+    bf16-rounded dequantized weight (f32 output, bound 1e-5)."""
+    weight = _weight(rng, F.get_format(fmt_name), E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = _layouts(rng)[layout_kind]
+    rounded = F.dequantize_weight(weight).astype(jnp.bfloat16).astype(jnp.float32)
+    bf16 = F.BF16.with_bias() if weight.bias is not None else F.BF16
+    as_bf16 = F.quantize_weight(rounded, bf16, bias=weight.bias)
+    ref = hj.gemm(x, as_bf16, layout, out_dtype=jnp.float32, backend="reference")
+    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
+
+
+@pytest.mark.parametrize(
     "fmt_name,k,tuning",
     [
         ("mxfp4", 96, hj.TuningConfig(block_m=64, block_n=32, block_k=64)),  # split x, scales in the weights

@@ -322,3 +322,29 @@ def test_nvfp4_against_float64_quantizer(spec, backend, rng):
     got = np_ref.E2M1_TABLE[np_ref.unpack(q.values)]
     value_ok = (got == expected) | np_ref.near_midpoint(np.abs(v), np_ref.E2M1_GRID)
     assert value_ok.all(), f"{(~value_ok).sum()} of {value_ok.size} values differ from float64"
+
+
+@pytest.mark.parametrize(
+    "spec,k_out,activation,block",
+    [
+        (Q.FP8_DYNAMIC_GROUP128, 384, "silu", None),  # 256 + 128
+        (Q.FP8_DYNAMIC_GROUP128, 384, None, 128),  # Hadamard blocks in both column blocks
+        (Q.FP8_DYNAMIC_TOKEN, 176, "swigluoai", None),  # 128 + 32 + 16: the row amax spans three blocks
+        (Q.MXFP8_DYNAMIC, 352, "gelu", None),  # 256 + 64 + 32
+        (Q.NVFP4_DYNAMIC_TOKEN, 176, None, None),  # packed values and e4m3 scales per block
+        (Q.INT8_DYNAMIC_TOKEN, 200, None, None),  # not a multiple of 16: one padded block
+        (Q.NONE, 176, "silu", None),
+    ],
+    ids=str,
+)
+def test_kernel_rows_in_power_of_two_column_blocks(spec, k_out, activation, block, rng):
+    """Rows whose width is not a power of two run as several power-of-two column
+    blocks (no padded lanes): kernel against the reference, scales included."""
+    m = 13
+    k_in = 2 * k_out if activation in ("silu", "swigluoai", "gelu") else k_out
+    x = jnp.asarray(_inputs(rng, m, k_in), jnp.bfloat16)
+    kw = dict(activation=activation, hadamard_block_size=block, num_valid_tokens=jnp.asarray([11], jnp.int32))
+    got = hj.process_input(x, spec, backend=KERNEL_BACKEND, **kw)
+    ref = hj.process_input(x, spec, backend="reference", **kw)
+    assert got.values.shape == ref.values.shape
+    _check_against_reference(got, ref, activation is None and block is None, np.asarray(x, np.float64))
