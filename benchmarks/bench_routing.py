@@ -43,9 +43,12 @@ def _row(op, backend, problem, seconds, nbytes):
     return dict(op=op, backend=backend, **problem, **bandwidth_fields(seconds, nbytes))
 
 
-def bench(tokens_list, experts_list, hidden_list, seed=0):
+def bench(tokens_list, experts_list, hidden_list, seed=0, on_rows=None):
+    """All rows; ``on_rows(rows)`` after each group of measurements (the JSON is
+    rewritten as it goes, so a run cut by a time limit keeps what it measured)."""
     rng = np.random.default_rng(seed)
     rows = []
+    on_rows = on_rows or (lambda rows: None)
     for tokens in tokens_list:
         for experts, top_k in experts_list:
             slots = tokens * top_k
@@ -60,6 +63,7 @@ def bench(tokens_list, experts_list, hidden_list, seed=0):
                 scatter = lambda ids, w, b=backend, n=experts: hj.moe_prepare_scatter(ids, n, backend=b)  # noqa: E731
                 rows.append(_row("prepare_scatter", backend, problem, device_seconds(scatter, routings), scatter_bytes))
             print(table(rows[-4:], header=False), flush=True)
+            on_rows(rows)
             for hidden in hidden_list:
                 problem_h = dict(problem, H=hidden)
                 row_bytes = 2 * hidden
@@ -81,6 +85,7 @@ def bench(tokens_list, experts_list, hidden_list, seed=0):
                     for name, fn in (("permute", permute), ("unpermute", unpermute), ("fused_mul_sum", fused)):
                         rows.append(_row(name, backend, problem_h, device_seconds(fn, sets), moved))
                 print(table(rows[-6:], header=False), flush=True)
+                on_rows(rows)
             print(f"done T={tokens} E={experts} k={top_k}", file=sys.stderr, flush=True)
     return rows
 
@@ -107,17 +112,31 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results/routing.json")
     parser.add_argument("--quick", action="store_true", help="a few sizes only")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    parser.add_argument(
+        "--experts", nargs="*", default=[f"{e},{k}" for e, k in EXPERTS], help="E,k pairs (default: all three)"
+    )
+    parser.add_argument("--hidden", type=int, nargs="*", default=list(HIDDEN))
     args = parser.parse_args(argv)
+    try:
+        experts = tuple(tuple(int(v) for v in pair.split(",")) for pair in args.experts)
+        assert all(len(pair) == 2 for pair in experts)
+    except (ValueError, AssertionError):
+        parser.error(f"--experts: expected E,k pairs such as 128,8, got {args.experts}")
     if jax.default_backend() != "gpu":
         print("bench_routing: needs a GPU (the kernels are timed compiled, not interpreted)", file=sys.stderr)
         return 2
     print(table([], header=True), flush=True)
+
+    def save(rows):
+        write_results(args.out, rows, quiet=True, block_size=BLOCK_SIZE, copy_bandwidth=COPY_BANDWIDTH)
+
     if args.quick:
-        rows = bench((16, 4096), ((256, 8),), (7168,))
+        rows = bench((16, 4096), ((256, 8),), (7168,), on_rows=save)
     else:
-        rows = bench(tuple(args.tokens), EXPERTS, HIDDEN)
+        rows = bench(tuple(args.tokens), experts, tuple(args.hidden), on_rows=save)
     print(table(rows))
-    write_results(args.out, rows, block_size=BLOCK_SIZE, copy_bandwidth=COPY_BANDWIDTH)
+    save(rows)
+    print(f"wrote {args.out}")
     return 0
 
 

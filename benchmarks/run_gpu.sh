@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v5-tests tune-decode gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
 out=${1:?output directory}
 shift
-steps=${*:-gemm-tests tune-large process-nvfp4}
+steps=${*:-v6-tests routing-bench process-bench tune-decode}
 mkdir -p "$out"
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
@@ -15,6 +15,12 @@ pytest_gpu() { timeout "$1" python3 -m pytest -q -n 6 -p no:cacheprovider -W ign
 for step in $steps; do
   echo "=== $step"
   case $step in
+    # What changed after v5: routing v2 tiles, process_input column blocks, folded GEMM scales.
+    v6-tests) pytest_gpu 360 tests/test_routing.py tests/test_process_input.py tests/test_gemm_kernel.py \
+                -k "not test_gemm_kernel or folded or word" 2>&1 | tee "$out/v6_tests.log" | tail -25 ;;
+    # Quantized prefill candidates (fold_scales, word decode) on qwen3, grouped layout.
+    tune-prefill) timeout 400 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 mxfp4 \
+                    --layouts grouped --min-m 8193 --out "$out/tuning_prefill.json" 2>&1 | tee "$out/tune_prefill.log" | tail -30 ;;
     # The kernels added after v4 (word decode PTX, banded order, ragged K) and the pipelines.
     v5-tests) pytest_gpu 300 tests/test_gemm_kernel.py -k "word or banded or not_a_multiple" tests/test_pipelines.py \
                 2>&1 | tee "$out/v5_tests.log" | tail -25 ;;
@@ -38,8 +44,10 @@ for step in $steps; do
     process-nvfp4) pytest_gpu 120 tests/test_process_input.py -k "float64 or nvfp4" 2>&1 | tee "$out/nvfp4.log" | tail -20 ;;
     routing-tests) pytest_gpu 240 tests/test_routing.py 2>&1 | tee "$out/routing_tests.log" | tail -5 ;;
     process-tests) pytest_gpu 120 tests/test_process_input.py 2>&1 | tee "$out/process_tests.log" | tail -20 ;;
-    routing-bench) timeout 300 python3 -W ignore -m benchmarks.bench_routing --tokens 512 16384 \
+    routing-bench) timeout 300 python3 -W ignore -m benchmarks.bench_routing --tokens 16 512 4096 --experts 8,2 128,8 \
                      --out "$out/routing.json" 2>&1 | grep -v '^done' | tee "$out/routing_bench.log" ;;
+    routing-bench-large) timeout 300 python3 -W ignore -m benchmarks.bench_routing --tokens 4096 16384 --experts 256,8 \
+                           --hidden 7168 --out "$out/routing_large.json" 2>&1 | grep -v '^done' | tee "$out/routing_large.log" ;;
     process-bench) timeout 150 python3 -W ignore -m benchmarks.bench_process_input --out "$out/process_input.json" \
                      2>&1 | tee "$out/process_bench.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
