@@ -186,6 +186,25 @@ def activation(x: np.ndarray, kind: str, limit: float | None = None) -> np.ndarr
 # ---- routing ---------------------------------------------------------------
 
 
+SMALL_EXPERTS = 8
+SMALL_EXPERT_MAP = np.array([0, -1, 1, 2, -1, 3, -1, -1], np.int32)  # 4 local experts, 4 elsewhere
+ROUTING_SHAPES = ("uniform", "hot", "map", "empty")
+
+
+def small_routing(rng, num_tokens: int, top_k: int, shape: str):
+    """``(topk_ids [T, k] int32, expert_map or None, local experts)`` over
+    ``SMALL_EXPERTS``: uniform ids, every slot on expert 3 (``hot``), uniform
+    ids with half the experts elsewhere (``map``), or every id invalid
+    (``empty``: nothing to compute)."""
+    ids = rng.integers(0, SMALL_EXPERTS, size=(num_tokens, top_k)).astype(np.int32)
+    if shape == "hot":
+        ids[:] = 3
+    elif shape == "empty":
+        ids[:] = SMALL_EXPERTS + 1
+    expert_map = SMALL_EXPERT_MAP if shape == "map" else None
+    return ids, expert_map, 4 if expert_map is not None else SMALL_EXPERTS
+
+
 def slot_local_expert(ids, num_experts, expert_map=None):
     """Per flattened slot: local expert id or -1 if invalid."""
     flat = np.asarray(ids).reshape(-1)

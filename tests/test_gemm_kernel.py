@@ -118,20 +118,15 @@ def test_batch_invariance(rng):
     st.sampled_from([1, 2, 8]),
     st.sampled_from([16, 32, 64]),
     st.integers(0, 2**31 - 1),
-    st.sampled_from(["uniform", "hot", "map", "empty"]),
+    st.sampled_from(np_ref.ROUTING_SHAPES),
 )
 def test_kernel_over_random_routings(num_tokens, top_k, block_size, seed, shape):
     """Indexed (reading [T, K]) and grouped (reading the permuted rows) kernels
     agree with the reference, slot by slot, for any routing."""
     rng = np.random.default_rng(seed)
-    num_experts = 8
-    ids = rng.integers(0, num_experts, size=(num_tokens, top_k)).astype(np.int32)
-    if shape == "hot":
-        ids[:] = 3
-    if shape == "empty":
-        ids[:] = num_experts + 1  # every slot invalid: nothing to compute, all zeros
-    emap = jnp.asarray([0, -1, 1, 2, -1, 3, -1, -1], jnp.int32) if shape == "map" else None
-    local = 4 if emap is not None else num_experts
+    ids, emap, local = np_ref.small_routing(rng, num_tokens, top_k, shape)
+    emap = None if emap is None else jnp.asarray(emap)
+    num_experts = np_ref.SMALL_EXPERTS
     weight = F.quantize_weight(jnp.asarray(rng.normal(size=(local, 32, 64)), jnp.float32), F.INT4_G32)
     x = jnp.asarray(rng.normal(size=(num_tokens, 64)), jnp.bfloat16)
     aligned = hj.moe_align_block_size(jnp.asarray(ids), block_size, num_experts, emap, True, local)
