@@ -18,10 +18,14 @@ LARGE_EXPERT_BYTES = 16 * 2**20
 
 
 def format_class(fmt: F.WeightFormat) -> str:
-    """Formats that tile alike share table entries."""
+    """Formats that tile alike share table entries: 16-bit weights, 8-bit
+    weights, 4-bit integers (int4/uint4: word decode) and 4-bit floats (e2m1:
+    MX/NV scales every 32/16 columns, which tile differently at decode)."""
     if not fmt.is_quantized:
         return "16bit"
-    return "4bit" if fmt.value_type.is_packed else "8bit"
+    if not fmt.value_type.is_packed:
+        return "8bit"
+    return "fp4" if fmt.value_type.value == "float4_e2m1" else "4bit"
 
 
 def _pow2_at_most(value: int, cap: int) -> int:
@@ -43,9 +47,9 @@ def heuristic_tuning(rows_per_expert: int, n: int, k: int, fmt_class: str = "16b
     # is read once per row tile unless the programs run in bands (tile_order).
     weight_bytes = n * k * {"16bit": 2.0, "8bit": 1.0}.get(fmt_class, 0.5)
     group_m = 8 if weight_bytes > LARGE_EXPERT_BYTES and rows_per_expert > 2 * block_m else 1
-    # 4-bit weights are decoded a uint32 word (8 codes) at a time (v5: 1.3-1.6x).
+    # 4-bit integers are decoded a uint32 word (8 codes) at a time (v5: 1.3-1.6x).
     word_decode = fmt_class == "4bit"
-    if block_m == 128 and fmt_class == "4bit":
+    if block_m == 128 and fmt_class in ("4bit", "fp4"):
         return TuningConfig(
             64, min(128, cap_n), min(128, cap_k), 4, 3, swap_ab=True, group_m=group_m, word_decode=word_decode
         )
