@@ -51,7 +51,7 @@ class ProcessConfig:
     copies: int = 1  # scatter: destinations per input row
     max_tokens: int = 0  # grouped_mask: rows per expert
     block_rows: int = 0  # 0: chosen from the width
-    num_warps: int = 4
+    num_warps: int = 0  # 0: 4, or 8 for blocks of 8192+ elements
     gpu: bool = False  # compiled for the GPU (not interpreted): use exact division
 
     @property
@@ -77,9 +77,21 @@ class ProcessConfig:
         if self.block_rows:
             return self.block_rows
         rows = max(1, 4096 // self.width)
-        if self.hadamard:  # the rotation's product needs at least 16 rows, in every column block
-            rows = max(rows, 16 * self.hadamard // min(size for _, size in self.segments))
+        if self.hadamard:
+            # The rotation's products [rows * size / b, b] x [b, b] need 16 rows in
+            # every column block (the MMA minimum) and run better with 64 (v1's
+            # 32-row products left the Hadamard case at 20 % of copy bandwidth),
+            # as far as a block of 8192 elements allows.
+            per_row = min(size for _, size in self.segments) // self.hadamard
+            wanted = min(pl.cdiv(64, per_row), max(1, 8192 // self.width))
+            rows = max(rows, pl.cdiv(16, per_row), wanted)
         return rows
+
+    @property
+    def warps(self) -> int:
+        if self.num_warps:
+            return self.num_warps
+        return 8 if self.rows * self.width >= 8192 else 4
 
     @property
     def packed(self) -> bool:
@@ -334,7 +346,7 @@ def process_input(
         functools.partial(_process_kernel, cfg=cfg, m_in=m_in),
         grid=(pl.cdiv(m_in, cfg.rows),),
         out_shape=tuple(out_shape),
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=1),
         interpret=interpret,
         name="moe_process_input",
     )(*inputs)
