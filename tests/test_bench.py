@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+import humming_jax as hj
 import humming_jax.__main__ as cli
 from humming_jax import bench, tuning
 
@@ -54,3 +55,13 @@ def test_sampled_error_catches_a_wrong_output(tiny, layout_name):
     assert bench.sampled_error(prep, layout, out) < 1e-2
     assert bench.sampled_error(prep, layout, out * 1.1) > 5e-2
     assert bench.sampled_error(prep, layout, out.at[:, 0].add(1.0)) > 1e-2
+
+
+def test_inspect_gemm_parses_configs():
+    from benchmarks.inspect_gemm import parse_config
+
+    assert parse_config("16,64,256,4,3,word_decode,fold_scales,split_k=2") == hj.TuningConfig(
+        16, 64, 256, 4, 3, split_k=2, word_decode=True, fold_scales=True
+    )
+    with pytest.raises(ValueError, match="block_n"):
+        parse_config("16,48,256,4,3")  # not a power of two
