@@ -321,21 +321,25 @@ def nibbles_per_unit(w: WeightSpec, tiles: Tiles, compute_dtype) -> int:
 
 
 def _decode_units(units, w: WeightSpec, ways: int, compute_dtype, zero, on_gpu: bool):
-    """The ``ways`` pieces (values ``[bn, c]``) of packed units ``[bn, c]``:
-    piece j holds the codes at nibble position j of every unit. On the GPU,
-    uint32 words are decoded by inline PTX (``word_decode``)."""
+    """The ``ways`` pieces (values ``[bn, c]``) of packed units ``[bn, c]``,
+    one at a time (a generator: each piece is decoded just before its product,
+    so only one decoded piece is live): piece j holds the codes at nibble
+    position j of every unit. On the GPU, uint32 words are decoded by inline
+    PTX (``word_decode``)."""
     if ways == 8 and on_gpu:
         dtype = jnp.dtype(compute_dtype).name
         if w.value_type == "float4_e2m1":  # values times 2**-6, as _nibbles_to_values
-            return word_decode.decode_words(units, word_decode.e2m1_program(dtype))
-        program = word_decode.int4_program(dtype, 8.0 if w.value_type == "int4" else 0.0)
-        values = word_decode.decode_words(units, program)
-        if zero is not None:
-            values = [v - zero.astype(jnp.float32).astype(compute_dtype)[:, None] for v in values]
-        return values
-    return [
-        _nibbles_to_values(((units >> (4 * j)) & 0xF).astype(jnp.uint8), w, compute_dtype, zero) for j in range(ways)
-    ]
+            program = word_decode.e2m1_program(dtype)
+        else:
+            program = word_decode.int4_program(dtype, 8.0 if w.value_type == "int4" else 0.0)
+        for j in range(8):
+            values = word_decode.decode_word_position(units, program, j)
+            if zero is not None:
+                values = values - zero.astype(jnp.float32).astype(compute_dtype)[:, None]
+            yield values
+        return
+    for j in range(ways):
+        yield _nibbles_to_values(((units >> (4 * j)) & 0xF).astype(jnp.uint8), w, compute_dtype, zero)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +355,8 @@ class _SpanPlan:
 
 
 def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan, masks):
-    """The weight columns ``k_start + [0, span)`` as pieces whose products with
+    """The weight columns ``k_start + [0, span)`` as pieces (yielded one at a
+    time, see _decode_units) whose products with
     ``x[:, piece.x_cols]`` sum to the span's product: the values minus their
     zero point, times their scales when ``plan.in_weights``. Every quantized
     value type (int8, int4/uint4 minus an integer zero point, e4m3, e2m1) is
@@ -364,7 +369,23 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
     span, ways, compute_dtype = plan.span, plan.ways, plan.compute_dtype
     n_col = n_idx[:, None]
     n_mask2 = None if n_mask is None else n_mask[:, None]
-    pieces = []
+
+    def finish(piece: _Piece) -> _Piece:
+        if not plan.in_weights:
+            return piece
+        scaled = _scaled_elements(
+            piece.values.astype(jnp.float32),
+            (scale_ref, zero_ref, group_ref),
+            w,
+            expert,
+            n_idx,
+            k_start,
+            piece.cols,
+            (n_mask, None if k_limit is None else piece.cols < k_limit),
+            ways,
+        )
+        return dataclasses.replace(piece, values=scaled.astype(compute_dtype))
+
     if w.packed:
         width = span // ways
         unit = k_start // ways + jnp.arange(width, dtype=jnp.int32)
@@ -373,41 +394,21 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
         zero = None
         if w.zero_point == "int" and not plan.in_weights:
             zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, n_mask)
-        decoded = _decode_units(units, w, ways, compute_dtype, zero, plan.on_gpu)
-        for j, values in enumerate(decoded):
+        for j, values in enumerate(_decode_units(units, w, ways, compute_dtype, zero, plan.on_gpu)):
             cols = k_start + j + ways * jnp.arange(width, dtype=jnp.int32)
             x_cols = k_start + j * width + jnp.arange(width, dtype=jnp.int32) if plan.x_split else cols
-            pieces.append(_Piece(cols, x_cols, values))
-    else:
-        cols = k_start + jnp.arange(span, dtype=jnp.int32)
-        k_mask = None if k_limit is None else (cols < k_limit)[None, :]
-        raw = _load(values_ref.at[expert, n_col, cols[None, :]], _all(n_mask2, k_mask))
-        if w.value_type == "float8_e4m3":
-            raw = _storage_bits(raw, jnp.float8_e4m3fn)
-        values = raw.astype(compute_dtype)
-        if w.zero_point == "int" and not plan.in_weights:  # q - z is a small integer, exact
-            zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, n_mask)
-            values = (raw.astype(jnp.float32) - zero.astype(jnp.float32)[:, None]).astype(compute_dtype)
-        pieces.append(_Piece(cols, cols, values))
-    if not plan.in_weights:
-        return pieces
-    return [
-        dataclasses.replace(
-            p,
-            values=_scaled_elements(
-                p.values.astype(jnp.float32),
-                (scale_ref, zero_ref, group_ref),
-                w,
-                expert,
-                n_idx,
-                k_start,
-                p.cols,
-                (n_mask, None if k_limit is None else p.cols < k_limit),
-                ways,
-            ).astype(compute_dtype),
-        )
-        for p in pieces
-    ]
+            yield finish(_Piece(cols, x_cols, values))
+        return
+    cols = k_start + jnp.arange(span, dtype=jnp.int32)
+    k_mask = None if k_limit is None else (cols < k_limit)[None, :]
+    raw = _load(values_ref.at[expert, n_col, cols[None, :]], _all(n_mask2, k_mask))
+    if w.value_type == "float8_e4m3":
+        raw = _storage_bits(raw, jnp.float8_e4m3fn)
+    values = raw.astype(compute_dtype)
+    if w.zero_point == "int" and not plan.in_weights:  # q - z is a small integer, exact
+        zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, n_mask)
+        values = (raw.astype(jnp.float32) - zero.astype(jnp.float32)[:, None]).astype(compute_dtype)
+    yield finish(_Piece(cols, cols, values))
 
 
 def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start, n_mask):

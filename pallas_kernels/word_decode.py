@@ -135,17 +135,19 @@ def to_ptx(program: Program, position: int) -> str:
     return "\n".join(lines + ["}"])
 
 
+def decode_word_position(words: jax.Array, program: Program, position: int) -> jax.Array:
+    """Run ``program`` on uint32 ``words`` (GPU kernels only): the codes at
+    nibble ``position`` of every word, in the program's dtype."""
+    (bits,) = plgpu.elementwise_inline_asm(
+        to_ptx(program, position),
+        args=[words],
+        constraints="=h,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int16)],
+    )
+    return jax.lax.bitcast_convert_type(bits, jnp.dtype(program.dtype))
+
+
 def decode_words(words: jax.Array, program: Program) -> list[jax.Array]:
-    """Run ``program`` on uint32 ``words`` (GPU kernels only): the 8 pieces,
-    piece j = the codes at nibble position j, in the program's dtype."""
-    pieces = []
-    for position in range(8):
-        (bits,) = plgpu.elementwise_inline_asm(
-            to_ptx(program, position),
-            args=[words],
-            constraints="=h,r",
-            pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int16)],
-        )
-        pieces.append(jax.lax.bitcast_convert_type(bits, jnp.dtype(program.dtype)))
-    return pieces
+    """The 8 pieces of ``words``: piece j = the codes at nibble position j."""
+    return [decode_word_position(words, program, position) for position in range(8)]
