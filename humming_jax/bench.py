@@ -347,6 +347,7 @@ PREFILL_CANDIDATES = _candidates(
         (128, 256, 64, 8, 4, BANDS),
         (64, 128, 128, 4, 3, SWAP | BANDS),
         (128, 128, 64, 8, 4, BANDS),
+        (256, 128, 64, 8, 3, BANDS),  # experts with 1000+ rows (mixtral prefill): twice the reuse of each weight tile
         (64, 128, 128, 4, 3, SWAP | WORD | BANDS),
         (64, 128, 128, 4, 3, SWAP | WORD | FOLD),  # one MMA chain per K tile for integer formats too
         (128, 128, 128, 8, 3, WORD | FOLD),
