@@ -12,6 +12,10 @@ mkdir -p "$out"
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 pytest_gpu() { timeout "$1" python3 -m pytest -q -n 6 -p no:cacheprovider -W ignore::DeprecationWarning "${@:2}"; }
+# The tune steps merge into a copy of the shipped table: what comes back in OUT
+# is the whole new table (copy it over humming_jax/tuning_h200.json after review).
+table="$out/tuning_h200.json"
+[ -f "$table" ] || cp humming_jax/tuning_h200.json "$table"
 for step in $steps; do
   echo "=== $step"
   case $step in
@@ -20,13 +24,13 @@ for step in $steps; do
                 -k "not test_gemm_kernel or folded or word" 2>&1 | tee "$out/v6_tests.log" | tail -25 ;;
     # Quantized prefill candidates (fold_scales, word decode) on qwen3, grouped layout.
     tune-prefill) timeout 400 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 mxfp4 \
-                    --layouts grouped --min-m 8193 --out "$out/tuning_prefill.json" 2>&1 | tee "$out/tune_prefill.log" | tail -30 ;;
+                    --layouts grouped --min-m 8193 --out "$table" 2>&1 | tee "$out/tune_prefill.log" | tail -30 ;;
     # The kernels added after v4 (word decode PTX, banded order, ragged K) and the pipelines.
     v5-tests) pytest_gpu 300 tests/test_gemm_kernel.py -k "word or banded or not_a_multiple" tests/test_pipelines.py \
                 2>&1 | tee "$out/v5_tests.log" | tail -25 ;;
     # Quantized decode candidates (word decode) on qwen3, grouped layout.
     tune-decode) timeout 300 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 mxfp4 \
-                   --layouts grouped --max-m 128 --out "$out/tuning_decode.json" 2>&1 | tee "$out/tune_decode.log" | tail -30 ;;
+                   --layouts grouped --max-m 128 --out "$table" 2>&1 | tee "$out/tune_decode.log" | tail -30 ;;
     gemm-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_pipelines.py 2>&1 | tee "$out/gemm_tests.log" | tail -15 ;;
     gemm-bench) timeout 420 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
                   --tokens 16 4096 --out "$out/gemm.json" 2>&1 | tee "$out/gemm_bench.log" ;;

@@ -361,12 +361,19 @@ def candidates_for(high: int) -> tuple[TuningConfig, ...]:
     return DECODE_CANDIDATES if high <= DECODE_MAX_M else PREFILL_CANDIDATES
 
 
-def _existing_entries(path: str) -> dict[str, list[dict]]:
+def _existing_table(path: str) -> tuple[dict, dict[str, list[dict]]]:
+    """(meta, entries) of the table at ``path``, empty if there is none."""
     try:
         with open(path) as f:
-            return json.load(f).get("entries", {})
+            table = json.load(f)
     except FileNotFoundError:
-        return {}
+        return {}, {}
+    return table.get("meta", {}), table.get("entries", {})
+
+
+def timings_keys(timings) -> set[str]:
+    """``name(low,high]`` of every swept table key."""
+    return {f"{name}({low},{high}]" for name, low, high in timings}
 
 
 def tune_main(args) -> int:
@@ -403,7 +410,7 @@ def tune_main(args) -> int:
                     )
                     if err < 1e-2:
                         timings.setdefault(key, {}).setdefault(cand, []).append(result["us"])
-    table = _existing_entries(args.out)  # other problems' and ranges' entries are kept
+    old_meta, table = _existing_table(args.out)  # other problems' and ranges' entries are kept
     for (name, low, high), by_config in timings.items():
         complete = {c: sum(t) for c, t in by_config.items() if len(t) == members[(name, low, high)]}
         if not complete:
@@ -413,7 +420,11 @@ def tune_main(args) -> int:
         kept = [e for e in table.get(name, []) if (e["min_shape_m"], e["max_shape_m"]) != (low, high)]
         table[name] = sorted([*kept, entry], key=lambda e: e["min_shape_m"])
         print(f"{name} M in ({low}, {high}]: {best} {by_config[best]} us", flush=True)
-    meta = dict(problem=args.problem, device=str(jax.devices()[0].device_kind), date=time.strftime("%Y-%m-%d"))
+    meta = dict(old_meta, device=str(jax.devices()[0].device_kind), date=time.strftime("%Y-%m-%d"))
+    meta["tuned"] = [
+        *old_meta.get("tuned", []),
+        f"{meta['date']} {args.problem}: {' '.join(sorted(timings_keys(timings)))}",
+    ]
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, entries=table), f, indent=1)
     print(f"wrote {args.out}")

@@ -38,9 +38,12 @@ def test_tune_writes_a_table_the_loader_reads(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "M_RANGES", ((0, 8),))
     out = tmp_path / "table.json"
     kept = dict(min_shape_m=8192, max_shape_m=16384, config=dict(block_m=128), us=[1.0])
-    out.write_text(json.dumps(dict(entries={"indexed/4bit": [kept], "grouped_contiguous/16bit": [kept]})))
+    meta = dict(note="how the table was made")
+    out.write_text(json.dumps(dict(meta=meta, entries={"indexed/4bit": [kept], "grouped_contiguous/16bit": [kept]})))
     assert cli.main(["tune", "--problem", "tiny", "--formats", "int4_g32", "--out", str(out)]) == 0
-    table = json.loads(out.read_text())["entries"]
+    written = json.loads(out.read_text())
+    assert written["meta"]["note"] == meta["note"] and "tiny" in written["meta"]["tuned"][-1]  # history kept
+    table = written["entries"]
     assert set(table) == {"grouped_contiguous/4bit", "indexed/4bit", "grouped_contiguous/16bit"}
     assert [e["min_shape_m"] for e in table["indexed/4bit"]] == [0, 8192]  # merged, ordered
     monkeypatch.setattr(tuning.resources, "files", lambda _: tmp_path)
