@@ -29,7 +29,7 @@ for step in $steps; do
     v5-tests) pytest_gpu 300 tests/test_gemm_kernel.py -k "word or banded or not_a_multiple" tests/test_pipelines.py \
                 2>&1 | tee "$out/v5_tests.log" | tail -25 ;;
     # Quantized decode candidates (word decode) on qwen3, grouped layout.
-    tune-decode) timeout 300 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 mxfp4 \
+    tune-decode) timeout 420 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 mxfp4 \
                    --layouts grouped --max-m 128 --out "$table" 2>&1 | tee "$out/tune_decode.log" | tail -30 ;;
     gemm-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_pipelines.py 2>&1 | tee "$out/gemm_tests.log" | tail -15 ;;
     gemm-bench) timeout 420 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \

@@ -333,6 +333,8 @@ DECODE_CANDIDATES = _candidates(
         (16, 64, 256, 4, 2, WORD),
         (16, 64, 512, 4, 2, WORD),
         (16, 64, 256, 4, 3, WORD | FOLD),  # MXFP4: folded scales make the span 256 wide, so words apply
+        (16, 64, 256, 4, 3, SWAP | WORD),  # decoded words as the A operand (Hopper: straight from registers)
+        (16, 128, 256, 4, 3, SWAP | WORD),
     )
 )
 PREFILL_CANDIDATES = _candidates(

@@ -213,6 +213,13 @@ def test_word_decode(block_m, layout_kind, fmt_name, rng):
     )
 
 
+@pytest.mark.parametrize("fmt_name", ["int4_g128", "uint4_zp_g128", "mxfp4"])
+def test_word_decode_swap_ab(fmt_name, rng):
+    """Word-decoded weights as the MMA's A operand (decode tiles)."""
+    tuning = hj.TuningConfig(block_m=16, block_n=32, block_k=256, swap_ab=True, word_decode=True)
+    _check_tiling(rng, fmt_name, "grouped_contiguous", tuning)
+
+
 def test_word_decode_f16(rng):
     tuning = hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True)
     _check_tiling(rng, "int4_g128", "grouped_contiguous", tuning, x_dtype=jnp.float16)
