@@ -6,7 +6,7 @@ against a float32 product on sampled experts.
 
 Each ``--config`` is ``block_m,block_n,block_k,num_warps,num_stages[,option...]``
 with options ``swap_ab``, ``word_decode``, ``fold_scales``, ``split_k=S``,
-``group_m=G``. For the hardware view of one kernel, run it under Nsight
+``group_m=G``, ``use_mma=0`` (multiply-add tiles of 1-8 rows). For the hardware view of one kernel, run it under Nsight
 Compute with a few sections (the ``full`` set does not finish in a 10-minute
 slot): ``ncu -k regex:gemm -c 1 --section SpeedOfLight --section Occupancy
 --section LaunchStats --section WarpStateStats --section SchedulerStats
@@ -26,7 +26,7 @@ def parse_config(text: str):
     options = {}
     for option in fields[5:]:
         key, _, value = option.partition("=")
-        options[key] = int(value) if value else True
+        options[key] = (bool(int(value)) if key == "use_mma" else int(value)) if value else True
     return TuningConfig(*(int(v) for v in fields[:5]), **options)
 
 

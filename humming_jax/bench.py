@@ -317,6 +317,7 @@ def _candidates(rows):
 
 
 SWAP, WORD, BANDS, FOLD = {"swap_ab": True}, {"word_decode": True}, {"group_m": 8}, {"fold_scales": True}
+FMA = {"use_mma": False}
 # Pruned by the v2-v4 sweeps (benchmarks/results/gemm_tune_h200.json): 32-row
 # decode tiles, 8-warp decode tiles and 64x256 prefill tiles never won.
 DECODE_CANDIDATES = _candidates(
@@ -335,6 +336,10 @@ DECODE_CANDIDATES = _candidates(
         (16, 64, 256, 4, 3, WORD | FOLD),  # MXFP4: folded scales make the span 256 wide, so words apply
         (16, 64, 256, 4, 3, SWAP | WORD),  # decoded words as the A operand (Hopper: straight from registers)
         (16, 128, 256, 4, 3, SWAP | WORD),
+        # Row tiles of 1-4 rows on the CUDA cores (T=16 gives ~1.6 rows per qwen3 expert).
+        (1, 64, 256, 4, 3, WORD | FMA),
+        (2, 64, 256, 4, 3, WORD | FMA),
+        (4, 64, 256, 4, 3, WORD | FMA),
     )
 )
 PREFILL_CANDIDATES = _candidates(

@@ -139,7 +139,8 @@ class ComputeConfig:
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
     """Kernel launch parameters. Tiles are powers of two (Triton's rule);
-    ``block_m``/``block_n``/``block_k`` at least 16 (the smallest MMA)."""
+    ``block_m``/``block_n``/``block_k`` at least 16 (the smallest MMA), except
+    ``block_m`` without MMAs (``use_mma=False``)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -153,15 +154,23 @@ class TuningConfig:
     # Scales multiply the decoded weight tile before the product (one MMA chain per K
     # tile); integer formats then round (q - z) * s once to the compute dtype.
     fold_scales: bool = False
+    # False: the products are f32 multiply-adds on the CUDA cores (a GEMV-like
+    # path for row tiles of 1-8 rows, where a 16-row MMA would mostly multiply padding).
+    use_mma: bool = True
 
     def __post_init__(self):
         owner = "TuningConfig"
         for name in ("block_m", "block_n", "block_k", "num_warps", "split_k"):
             _power_of_two(getattr(self, name), name, owner)
         _positive_int(self.group_m, "group_m", owner)
-        for name in ("block_m", "block_n", "block_k"):
+        for name in ("block_m", "block_n", "block_k") if self.use_mma else ("block_n", "block_k"):
             if getattr(self, name) < 16:
                 raise ValueError(f"{owner}.{name}: expected at least 16, got {getattr(self, name)}")
+        if not self.use_mma and (self.block_m > 8 or self.swap_ab):
+            raise ValueError(
+                f"{owner}.use_mma: False is for row tiles of at most 8 rows without swap_ab, "
+                f"got block_m={self.block_m}, swap_ab={self.swap_ab}"
+            )
         if self.num_warps > 32:
             raise ValueError(f"{owner}.num_warps: expected at most 32, got {self.num_warps}")
         _positive_int(self.num_stages, "num_stages", owner)

@@ -157,8 +157,14 @@ def gemm(
     if tuning is None:
         estimate = valid_shape_m or layout.output_rows(x.m)
         tuning = T.choose_tuning(layout.kind, weight.format, estimate, weight.num_experts, weight.n, weight.k)
-    if isinstance(layout, L.Indexed):
-        tuning = dataclasses.replace(tuning, block_m=layout.block_size)
+    if isinstance(layout, L.Indexed):  # a tile is one alignment block; blocks under 16 rows skip the MMAs
+        small = layout.block_size < 16
+        tuning = dataclasses.replace(
+            tuning,
+            block_m=layout.block_size,
+            use_mma=tuning.use_mma and not small,
+            swap_ab=tuning.swap_ab and not small,
+        )
     if batch_invariant:
         tuning = dataclasses.replace(tuning, split_k=1)
     return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=chosen == "interpret")
@@ -170,8 +176,8 @@ def _kernel_unsupported(x: Q.QuantizedInput, layout) -> str | None:
         return f"quantized inputs ({x.spec.name})"
     if jnp.dtype(x.values.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"{x.values.dtype} inputs (bfloat16 or float16)"
-    if isinstance(layout, L.Indexed) and (layout.block_size < 16 or layout.block_size & (layout.block_size - 1)):
-        return f"an indexed block_size of {layout.block_size} (a power of two >= 16)"
+    if isinstance(layout, L.Indexed) and layout.block_size & (layout.block_size - 1):
+        return f"an indexed block_size of {layout.block_size} (a power of two)"
     return None
 
 

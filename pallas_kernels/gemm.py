@@ -93,6 +93,7 @@ class Tiles:
     group_m: int = 1  # row tiles per band of the program order (tile_order)
     word_decode: bool = False  # packed weights read as uint32 words of 8 codes (nibbles_per_unit)
     fold_scales: bool = False  # scales multiply the weight tile (scales_in_weights)
+    use_mma: bool = True  # False: f32 multiply-adds (tiles of a few rows)
 
 
 def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
@@ -489,6 +490,11 @@ def _gemm_kernel(
         k_mask = None if k_limit is None else (piece.cols < k_limit)[None, :]
         x = _load(x_ref.at[rows_in[:, None], piece.x_cols[None, :]], _all(row_mask[:, None], k_mask))
         x = x.astype(compute_dtype)
+        if not tiles.use_mma:  # [bm, 1, c] x [1, bn, c] summed over c, in f32
+            products = x.astype(jnp.float32)[:, None, :] * piece.values.astype(jnp.float32)[None, :, :]
+            return jnp.sum(products, axis=2).astype(accum_dtype), (
+                jnp.sum(x.astype(jnp.float32), axis=1) if float_zero else None
+            )
         operands = (piece.values, x) if swap else (x, piece.values)
         dot = jax.lax.dot_general(*operands, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype)
         return dot, (jnp.sum(x.astype(jnp.float32), axis=1) if float_zero else None)

@@ -220,6 +220,38 @@ def test_word_decode_swap_ab(fmt_name, rng):
     _check_tiling(rng, fmt_name, "grouped_contiguous", tuning)
 
 
+@pytest.mark.parametrize("block_m", [1, 4, 8])
+@pytest.mark.parametrize(
+    "fmt_name,word",
+    [("int4_g128", True), ("uint4_fzp_g128", False), ("mxfp4", False), ("bf16", False), ("nvfp4", False)],
+)
+@pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "grouped_masked", "dense"])
+def test_multiply_add_tiles(block_m, fmt_name, word, layout_kind, rng):
+    """``use_mma=False``: row tiles of 1-8 rows multiply on the CUDA cores (f32),
+    every format's pieces and scales as in the MMA path."""
+    tuning = hj.TuningConfig(block_m=block_m, block_n=32, block_k=128, word_decode=word, use_mma=False)
+    _check_tiling(rng, fmt_name, layout_kind, tuning)
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_indexed_blocks_under_16_rows(block_size, rng):
+    """An indexed layout aligned to blocks of 4 or 8 rows runs on the kernel
+    (multiply-add tiles) and equals the reference."""
+    weight = _weight(rng, F.INT4_G128, E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    ids = rng.integers(0, E, size=(M, 2)).astype(np.int32)
+    layout = hj.Indexed(*hj.moe_align_block_size(jnp.asarray(ids), block_size, E), top_k=2, block_size=block_size)
+    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND), ref, bound=1e-5)
+
+
+def test_multiply_add_config_validation():
+    with pytest.raises(ValueError, match="use_mma"):
+        hj.TuningConfig(block_m=16, use_mma=False)
+    with pytest.raises(ValueError, match="block_m"):
+        hj.TuningConfig(block_m=4)
+
+
 def test_word_decode_f16(rng):
     tuning = hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True)
     _check_tiling(rng, "int4_g128", "grouped_contiguous", tuning, x_dtype=jnp.float16)
