@@ -16,3 +16,16 @@ settings.load_profile("ci")
 def rng(request):
     """A NumPy generator seeded from the test's id, so a failure reproduces."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+    """Drop JAX's compiled executables after each test module. Every CPU
+    executable keeps ~6 memory mappings until it is freed; a test worker that
+    compiles through the whole suite (interpret-mode kernels compile many)
+    reaches the kernel's limit of 65530 mappings, and the next compilation
+    crashes with a segmentation fault."""
+    yield
+    import jax
+
+    jax.clear_caches()
