@@ -40,6 +40,16 @@ INT4_MAX = 7.0
 E8M0_BIAS = 127
 
 
+# How each float8 dtype rounds in f32: reduce_precision's (exponent_bits,
+# mantissa_bits) for its normal range, the smallest normal, and the subnormal step.
+_FLOAT8_GRIDS = {
+    # e4m3fn has no infinities, so its top binade (256..448) lies past the IEEE-like
+    # 4-bit-exponent range: its normal values round as with 5 exponent bits.
+    jnp.dtype(jnp.float8_e4m3fn): (5, 3, 2.0**-6, 2.0**-9),
+    jnp.dtype(jnp.float8_e5m2): (6, 2, 2.0**-14, 2.0**-16),
+}
+
+
 def round_to_float8(x: jax.Array, dtype) -> jax.Array:
     """f32 ``x`` rounded to the nearest value of a float8 dtype (ties to even,
     saturating at its largest finite value), still in f32.
@@ -47,22 +57,18 @@ def round_to_float8(x: jax.Array, dtype) -> jax.Array:
     Rounded with ``reduce_precision``, not an f32 -> float8 -> f32 round trip:
     XLA may drop such a pair of converts inside a fusion (it allows excess
     precision; the GPU compiler does), which would keep the unrounded value.
-    e4m3fn has no infinities, so its top binade (256..448) lies past the
-    IEEE-like 4-bit-exponent range: normal values round with 5 exponent bits
-    (same 3-bit mantissa); subnormal ones (below 2**-6, which
-    ``reduce_precision`` would flush) to the nearest multiple of 2**-9."""
-    x = x.astype(jnp.float32)
+    Normal values round with one more exponent bit than the dtype has (the
+    same mantissa); subnormal ones, which ``reduce_precision`` would flush, to
+    the nearest multiple of the subnormal step."""
     dtype = jnp.dtype(dtype)
-    finite_max = float(jnp.finfo(dtype).max)
-    x = jnp.clip(x, -finite_max, finite_max)
-    if dtype == jnp.dtype(jnp.float8_e5m2):  # IEEE-like: subnormals are multiples of 2**-16
-        normal = jax.lax.reduce_precision(x, exponent_bits=6, mantissa_bits=2)
-        return jnp.where(jnp.abs(x) < 2.0**-14, jnp.copysign(round_half_even(x * 2.0**16) * 2.0**-16, x), normal)
-    if dtype != jnp.dtype(jnp.float8_e4m3fn):
+    if dtype not in _FLOAT8_GRIDS:
         raise ValueError(f"round_to_float8: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
-    normal = jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=3)
-    subnormal = jnp.copysign(round_half_even(x * 2.0**9) * 2.0**-9, x)  # exact; keeps the sign of zero
-    return jnp.where(jnp.abs(x) < 2.0**-6, subnormal, normal)
+    exponent_bits, mantissa_bits, smallest_normal, step = _FLOAT8_GRIDS[dtype]
+    finite_max = float(jnp.finfo(dtype).max)
+    x = jnp.clip(x.astype(jnp.float32), -finite_max, finite_max)
+    normal = jax.lax.reduce_precision(x, exponent_bits=exponent_bits, mantissa_bits=mantissa_bits)
+    subnormal = jnp.copysign(round_half_even(x / step) * step, x)  # exact scalings; keeps the sign of zero
+    return jnp.where(jnp.abs(x) < smallest_normal, subnormal, normal)
 
 
 def cast_float8_saturating(x: jax.Array, dtype) -> jax.Array:

@@ -333,11 +333,10 @@ def _decode_units(units, w: WeightSpec, ways: int, compute_dtype, zero, on_gpu: 
             program = word_decode.e2m1_program(dtype)
         else:
             program = word_decode.int4_program(dtype, 8.0 if w.value_type == "int4" else 0.0)
+        zero_values = None if zero is None else zero.astype(jnp.float32).astype(compute_dtype)[:, None]
         for j in range(8):
             values = word_decode.decode_word_position(units, program, j)
-            if zero is not None:
-                values = values - zero.astype(jnp.float32).astype(compute_dtype)[:, None]
-            yield values
+            yield values if zero_values is None else values - zero_values
         return
     for j in range(ways):
         yield _nibbles_to_values(((units >> (4 * j)) & 0xF).astype(jnp.uint8), w, compute_dtype, zero)
@@ -490,14 +489,12 @@ def _gemm_kernel(
         k_mask = None if k_limit is None else (piece.cols < k_limit)[None, :]
         x = _load(x_ref.at[rows_in[:, None], piece.x_cols[None, :]], _all(row_mask[:, None], k_mask))
         x = x.astype(compute_dtype)
+        row_sum = jnp.sum(x.astype(jnp.float32), axis=1) if float_zero else None
         if not tiles.use_mma:  # [bm, 1, c] x [1, bn, c] summed over c, in f32
             products = x.astype(jnp.float32)[:, None, :] * piece.values.astype(jnp.float32)[None, :, :]
-            return jnp.sum(products, axis=2).astype(accum_dtype), (
-                jnp.sum(x.astype(jnp.float32), axis=1) if float_zero else None
-            )
+            return jnp.sum(products, axis=2).astype(accum_dtype), row_sum
         operands = (piece.values, x) if swap else (x, piece.values)
-        dot = jax.lax.dot_general(*operands, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype)
-        return dot, (jnp.sum(x.astype(jnp.float32), axis=1) if float_zero else None)
+        return jax.lax.dot_general(*operands, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype), row_sum
 
     @pl.when(live)
     def _():

@@ -146,8 +146,3 @@ def decode_word_position(words: jax.Array, program: Program, position: int) -> j
         result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int16)],
     )
     return jax.lax.bitcast_convert_type(bits, jnp.dtype(program.dtype))
-
-
-def decode_words(words: jax.Array, program: Program) -> list[jax.Array]:
-    """The 8 pieces of ``words``: piece j = the codes at nibble position j."""
-    return [decode_word_position(words, program, position) for position in range(8)]
