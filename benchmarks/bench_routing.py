@@ -43,9 +43,11 @@ def _row(op, backend, problem, seconds, nbytes):
     return dict(op=op, backend=backend, **problem, **bandwidth_fields(seconds, nbytes))
 
 
-def bench(tokens_list, experts_list, hidden_list, seed=0, on_rows=None):
+def bench(tokens_list, experts_list, hidden_list, seed=0, on_rows=None, row_tiles=(None,)):
     """All rows; ``on_rows(rows)`` after each group of measurements (the JSON is
-    rewritten as it goes, so a run cut by a time limit keeps what it measured)."""
+    rewritten as it goes, so a run cut by a time limit keeps what it measured).
+    The row ops' kernels are timed once per entry of ``row_tiles``
+    (:class:`RowTilesConfig`, None: the default tiling), the references once."""
     rng = np.random.default_rng(seed)
     rows = []
     on_rows = on_rows or (lambda rows: None)
@@ -76,35 +78,58 @@ def bench(tokens_list, experts_list, hidden_list, seed=0, on_rows=None):
                     permuted = hj.moe_permute(x, ids, experts)
                     expanded = jax.random.normal(key_e, (tokens, top_k, hidden), jnp.bfloat16)
                     sets.append((x, ids, weights, permuted, expanded))
-                for backend in (KERNEL, "reference"):
-                    permute = lambda x, ids, w, p, e, b=backend, n=experts: hj.moe_permute(x, ids, n, backend=b)  # noqa: E731
-                    unpermute = lambda x, ids, w, p, e, b=backend: hj.moe_unpermute(  # noqa: E731
-                        p.permuted_hidden_states, w, p.inv_permuted_idx, p.expert_first_token_offset, backend=b
-                    )
-                    fused = lambda x, ids, w, p, e, b=backend, n=experts: hj.moe_fused_mul_sum(e, w, ids, n, backend=b)  # noqa: E731
-                    for name, fn in (("permute", permute), ("unpermute", unpermute), ("fused_mul_sum", fused)):
-                        rows.append(_row(name, backend, problem_h, device_seconds(fn, sets), moved))
-                print(table(rows[-6:], header=False), flush=True)
+                runs = [(KERNEL, tiles) for tiles in row_tiles] + [("reference", None)]
+                for backend, tiles in runs:
+                    for name, fn in _row_ops(backend, experts, tiles):
+                        row = _row(name, backend, problem_h, device_seconds(fn, sets), moved)
+                        rows.append(dict(row, row_tiles=_tiles_name(tiles)) if backend == KERNEL else row)
+                print(table(rows[-3 * len(runs) :], header=False), flush=True)
                 on_rows(rows)
             print(f"done T={tokens} E={experts} k={top_k}", file=sys.stderr, flush=True)
     return rows
 
 
+def _tiles_name(tiles) -> str:
+    return "default" if tiles is None else f"{tiles.block_tokens}x{tiles.block_cols}x{tiles.num_warps}"
+
+
+def _row_ops(backend: str, experts: int, tiles):
+    """(name, fn(x, ids, weights, permuted, expanded)) of the three row ops."""
+    options = dict(backend=backend) if backend == "reference" else dict(backend=backend, row_tiles=tiles)
+
+    def permute(x, ids, w, p, e):
+        return hj.moe_permute(x, ids, experts, **options)
+
+    def unpermute(x, ids, w, p, e):
+        return hj.moe_unpermute(p.permuted_hidden_states, w, p.inv_permuted_idx, p.expert_first_token_offset, **options)
+
+    def fused(x, ids, w, p, e):
+        return hj.moe_fused_mul_sum(e, w, ids, experts, **options)
+
+    return (("permute", permute), ("unpermute", unpermute), ("fused_mul_sum", fused))
+
+
 def table(rows, header: bool = True) -> str:
-    by_key = {}
+    references = {_problem_key(r): r for r in rows if r["backend"] == "reference"}
+    lines = (
+        [
+            f"{'op':<16}{'T':>6}{'E':>5}{'k':>3}{'H':>6}{'tiles':>11}{'pallas us':>11}{'jnp us':>10}{'speedup':>9}"
+            f"{'GB/s':>8}{'% copy':>8}"
+        ]
+        if header
+        else []
+    )
     for r in rows:
-        key = (r["op"], r["T"], r["E"], r["k"], r.get("H", "-"))
-        by_key.setdefault(key, {})[r["backend"]] = r
-    lines = [
-        f"{'op':<16}{'T':>6}{'E':>5}{'k':>3}{'H':>6}{'pallas us':>11}{'jnp us':>10}{'speedup':>9}"
-        f"{'GB/s':>8}{'% copy':>8}"
-    ]
-    for key, pair in by_key.items():
-        p, ref = pair.get(KERNEL), pair.get("reference")
-        if not p or not ref:
+        ref = references.get(_problem_key(r))
+        if r["backend"] != KERNEL or ref is None:
             continue
-        lines.append(f"{key[0]:<16}{key[1]:>6}{key[2]:>5}{key[3]:>3}{key[4]:>6}" + comparison_cells(p, ref))
+        op, t, e, k, h = _problem_key(r)
+        lines.append(f"{op:<16}{t:>6}{e:>5}{k:>3}{h:>6}{r.get('row_tiles', '-'):>11}" + comparison_cells(r, ref))
     return "\n".join(lines)
+
+
+def _problem_key(r: dict) -> tuple:
+    return (r["op"], r["T"], r["E"], r["k"], r.get("H", "-"))
 
 
 def main(argv=None) -> int:
@@ -116,7 +141,17 @@ def main(argv=None) -> int:
         "--experts", nargs="*", default=[f"{e},{k}" for e, k in EXPERTS], help="E,k pairs (default: all three)"
     )
     parser.add_argument("--hidden", type=int, nargs="*", default=list(HIDDEN))
+    parser.add_argument(
+        "--row-tiles",
+        nargs="*",
+        default=[],
+        help="TOKENSxCOLSxWARPS tilings of the row ops to sweep (default tiling first)",
+    )
     args = parser.parse_args(argv)
+    try:
+        row_tiles = (None, *(hj.RowTilesConfig.parse(text) for text in args.row_tiles))
+    except ValueError as error:
+        parser.error(f"--row-tiles: {error}")
     try:
         experts = tuple(tuple(int(v) for v in pair.split(",")) for pair in args.experts)
         assert all(len(pair) == 2 for pair in experts)
@@ -133,7 +168,7 @@ def main(argv=None) -> int:
     if args.quick:
         rows = bench((16, 4096), ((256, 8),), (7168,), on_rows=save)
     else:
-        rows = bench(tuple(args.tokens), experts, tuple(args.hidden), on_rows=save)
+        rows = bench(tuple(args.tokens), experts, tuple(args.hidden), on_rows=save, row_tiles=row_tiles)
     print(table(rows))
     save(rows)
     print(f"wrote {args.out}")

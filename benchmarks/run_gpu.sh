@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v7-tests routing-tiles hadamard-split hadamard-profile v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
 out=${1:?output directory}
 shift
-steps=${*:-v6-tests routing-bench process-bench tune-decode}
+steps=${*:-v7-tests routing-tiles hadamard-split tune-decode}
 mkdir -p "$out"
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
@@ -19,6 +19,22 @@ table="$out/tuning_h200.json"
 for step in $steps; do
   echo "=== $step"
   case $step in
+    # After the fourth session: row_tiles of the routing ops, folded decode defaults, the bench's chunked weights.
+    v7-tests) pytest_gpu 300 tests/test_routing.py tests/test_bench.py tests/test_gemm_kernel.py \
+                -k "row_tiles or every_layout or under_16 or folded or random_weight" 2>&1 | tee "$out/v7_tests.log" | tail -25 ;;
+    # Row tilings of permute / unpermute / fused_mul_sum at the 70 % target's size.
+    routing-tiles) timeout 300 python3 -W ignore -m benchmarks.bench_routing --tokens 4096 --experts 128,8 --hidden 7168 \
+                     --row-tiles 8x512x4 4x1024x4 8x1024x8 8x512x8 16x256x4 4x512x4 2x2048x8 \
+                     --out "$out/routing_tiles.json" 2>&1 | grep -v '^done' | tee "$out/routing_tiles.log" ;;
+    # Where the Hadamard case's time goes: rotation alone, + per-group scale, + per-token scale.
+    hadamard-split) timeout 150 python3 -W ignore -m benchmarks.bench_process_input --tokens 512 4096 --widths 768 2048 \
+                      --cases hadamard128+none hadamard128+fp8_group128 hadamard128+fp8_token silu+fp8_group128 \
+                      --out "$out/hadamard_split.json" 2>&1 | tee "$out/hadamard_split.log" | tail -12 ;;
+    hadamard-profile) timeout 200 ncu -k regex:process_input -c 1 --section SpeedOfLight --section Occupancy \
+                        --section LaunchStats --section WarpStateStats --section SchedulerStats \
+                        python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 2048 \
+                        --cases hadamard128+fp8_token --out "$out/hadamard_profile.json" > "$out/hadamard_ncu.txt" 2>&1
+                      tail -60 "$out/hadamard_ncu.txt" ;;
     # What changed after v5: routing v2 tiles, process_input column blocks, folded GEMM scales.
     v6-tests) pytest_gpu 360 tests/test_routing.py tests/test_process_input.py tests/test_gemm_kernel.py \
                 -k "not test_gemm_kernel or folded or word" 2>&1 | tee "$out/v6_tests.log" | tail -25 ;;
@@ -29,7 +45,7 @@ for step in $steps; do
     v5-tests) pytest_gpu 300 tests/test_gemm_kernel.py -k "word or banded or not_a_multiple" tests/test_pipelines.py \
                 2>&1 | tee "$out/v5_tests.log" | tail -25 ;;
     # Quantized decode candidates (word decode) on qwen3, grouped layout.
-    tune-decode) timeout 420 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 mxfp4 \
+    tune-decode) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 mxfp4 \
                    --layouts grouped --max-m 128 --out "$table" 2>&1 | tee "$out/tune_decode.log" | tail -30 ;;
     gemm-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_pipelines.py 2>&1 | tee "$out/gemm_tests.log" | tail -15 ;;
     gemm-bench) timeout 420 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \

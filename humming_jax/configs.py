@@ -184,6 +184,35 @@ class TuningConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RowTilesConfig:
+    """Tiling of the row-moving routing kernels (``moe_permute``,
+    ``moe_unpermute``, ``moe_fused_mul_sum``): ``block_tokens`` token rows by
+    ``block_cols`` columns per program on ``num_warps`` warps (powers of two).
+    Below ~1024 programs the kernels halve ``block_tokens`` (down to 4)."""
+
+    block_tokens: int = 16
+    block_cols: int = 512
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_tokens", "block_cols", "num_warps"):
+            _power_of_two(getattr(self, name), name, "RowTilesConfig")
+        if self.block_cols < 16:
+            raise ValueError(f"RowTilesConfig.block_cols: expected at least 16, got {self.block_cols}")
+        if self.num_warps > 32:
+            raise ValueError(f"RowTilesConfig.num_warps: expected at most 32, got {self.num_warps}")
+
+    @classmethod
+    def parse(cls, text: str) -> RowTilesConfig:
+        """From ``"TOKENSxCOLSxWARPS"`` (e.g. ``"8x1024x8"``)."""
+        try:
+            tokens, cols, warps = (int(part) for part in text.split("x"))
+        except ValueError:
+            raise ValueError(f"row tiles: expected TOKENSxCOLSxWARPS such as 8x1024x8, got {text!r}") from None
+        return cls(tokens, cols, warps)
+
+
+@dataclasses.dataclass(frozen=True)
 class TuningEntry:
     """``config`` applies when ``min_shape_m < valid_shape_m <= max_shape_m``."""
 

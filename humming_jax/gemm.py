@@ -136,6 +136,7 @@ def gemm(
     unquantized, else bfloat16). ``valid_shape_m`` (an estimate of the real
     rows) picks the tuning entry; ``tuning`` overrides it. ``batch_invariant``
     forbids split-K so that a row's result never depends on other rows.
+    The tiling is :func:`kernel_tuning`'s (see there for folded scales).
     """
     x = as_quantized_input(x)
     weight = as_weight(weight)
@@ -154,8 +155,27 @@ def gemm(
         chosen = "reference"
     if chosen == "reference":
         return gemm_reference(x, weight, layout, out_dtype)
+    tuning = kernel_tuning(layout, weight, x.m, valid_shape_m, tuning, batch_invariant)
+    return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=chosen == "interpret")
+
+
+def kernel_tuning(
+    layout: L.Layout,
+    weight: F.QuantizedWeight,
+    rows: int,
+    valid_shape_m: int | None = None,
+    tuning: configs.TuningConfig | None = None,
+    batch_invariant: bool = False,
+) -> configs.TuningConfig:
+    """The tiling the kernel runs for ``rows`` input rows: ``tuning``, else the
+    table's entry (or the heuristic) for ``valid_shape_m`` (default: the
+    layout's output rows), adapted to the layout.
+
+    With ``fold_scales`` (the H200 decode entries) integer formats round
+    ``(q - z) * s`` once to the compute dtype before the product, as Humming's
+    and Marlin's kernels do; the other formats stay exact."""
     if tuning is None:
-        estimate = valid_shape_m or layout.output_rows(x.m)
+        estimate = valid_shape_m or layout.output_rows(rows)
         tuning = T.choose_tuning(layout.kind, weight.format, estimate, weight.num_experts, weight.n, weight.k)
     if isinstance(layout, L.Indexed):  # a tile is one alignment block; blocks under 16 rows skip the MMAs
         small = layout.block_size < 16
@@ -167,7 +187,7 @@ def gemm(
         )
     if batch_invariant:
         tuning = dataclasses.replace(tuning, split_k=1)
-    return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=chosen == "interpret")
+    return tuning
 
 
 def _kernel_unsupported(x: Q.QuantizedInput, layout) -> str | None:

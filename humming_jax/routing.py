@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from humming_jax.backend import resolve_backend
+from humming_jax.configs import RowTilesConfig
 from pallas_kernels import routing as kernels
 
 
@@ -213,7 +214,14 @@ class PermuteResult:
     permuted_idx: jax.Array  # [T*k]: slot of row r
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "num_local_experts", "backend"))
+def _row_tiles(config: RowTilesConfig | None) -> kernels.RowTiles:
+    """The kernels' row tiling (``row_tiles`` of the row ops; None: the default)."""
+    if config is None:
+        return kernels.RowTiles()
+    return kernels.RowTiles(config.block_tokens, config.block_cols, config.num_warps)
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "num_local_experts", "row_tiles", "backend"))
 def moe_permute(
     hidden_states: jax.Array,
     topk_ids: jax.Array,
@@ -221,6 +229,7 @@ def moe_permute(
     expert_map: jax.Array | None = None,
     num_local_experts: int | None = None,
     a1q_scale: jax.Array | None = None,
+    row_tiles: RowTilesConfig | None = None,
     backend: str | None = None,
 ) -> PermuteResult:
     """Gather ``hidden_states [T, H]`` into the grouped-contiguous layout
@@ -244,7 +253,9 @@ def moe_permute(
         interpret = chosen == "interpret"
         offsets, dest, inverse = _scatter_kernel(topk_ids, num_experts, expert_map, num_local, interpret)
         end = offsets[-1:]
-        move = functools.partial(kernels.scatter_rows, dest=dest, end=end, top_k=top_k, interpret=interpret)
+        move = functools.partial(
+            kernels.scatter_rows, dest=dest, end=end, top_k=top_k, tiles=_row_tiles(row_tiles), interpret=interpret
+        )
         scale = None if a1q_scale is None else move(a1q_scale)
         return PermuteResult(move(hidden_states), scale, offsets, dest, inverse)
     offsets, scatter_idx = _scatter_reference(topk_ids, num_experts, expert_map, num_local)
@@ -260,12 +271,13 @@ def moe_permute(
     return PermuteResult(gather(hidden_states), scale, offsets, inv, permuted_idx)
 
 
-@functools.partial(jax.jit, static_argnames=("backend",))
+@functools.partial(jax.jit, static_argnames=("row_tiles", "backend"))
 def moe_unpermute(
     permuted_hidden_states: jax.Array,
     topk_weights: jax.Array,
     inv_permuted_idx: jax.Array,
     expert_first_token_offset: jax.Array,
+    row_tiles: RowTilesConfig | None = None,
     backend: str | None = None,
 ) -> jax.Array:
     """Weighted gather-reduce back to token order:
@@ -293,6 +305,7 @@ def moe_unpermute(
             t,
             k,
             mode="unpermute",
+            tiles=_row_tiles(row_tiles),
             interpret=chosen == "interpret",
         )
     m = permuted_hidden_states.shape[0]
@@ -304,7 +317,7 @@ def moe_unpermute(
     return rows.reshape(t, k, -1).sum(axis=1).astype(permuted_hidden_states.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "backend"))
+@functools.partial(jax.jit, static_argnames=("num_experts", "row_tiles", "backend"))
 def moe_fused_mul_sum(
     inputs: jax.Array,
     topk_weights: jax.Array,
@@ -312,6 +325,7 @@ def moe_fused_mul_sum(
     num_experts: int,
     expert_map: jax.Array | None = None,
     num_valid_tokens: jax.Array | None = None,
+    row_tiles: RowTilesConfig | None = None,
     backend: str | None = None,
 ) -> jax.Array:
     """``out[t] = sum_j w[t, j] * inputs[t, j]`` over valid slots, for
@@ -339,6 +353,7 @@ def moe_fused_mul_sum(
             mode="fused_mul_sum",
             num_experts=num_experts,
             expert_map=expert_map,
+            tiles=_row_tiles(row_tiles),
             interpret=chosen == "interpret",
         )
     _, valid = _local_ids(topk_ids, num_experts, expert_map, num_experts)

@@ -47,17 +47,20 @@ def heuristic_tuning(rows_per_expert: int, n: int, k: int, fmt_class: str = "16b
     # is read once per row tile unless the programs run in bands (tile_order).
     weight_bytes = n * k * {"16bit": 2.0, "8bit": 1.0}.get(fmt_class, 0.5)
     group_m = 8 if weight_bytes > LARGE_EXPERT_BYTES and rows_per_expert > 2 * block_m else 1
-    # 4-bit integers are decoded a uint32 word (8 codes) at a time (v5: 1.3-1.6x).
-    word_decode = fmt_class == "4bit"
-    if block_m == 128 and fmt_class in ("4bit", "fp4"):
-        return TuningConfig(
-            64, min(128, cap_n), min(128, cap_k), 4, 3, swap_ab=True, group_m=group_m, word_decode=word_decode
-        )
+    # 4-bit weights are decoded a uint32 word (8 codes) at a time (v5: 1.3-1.6x;
+    # v6: e2m1 too, 950 -> 711 us on qwen3 prefill).
+    four_bit = fmt_class in ("4bit", "fp4")
+    if block_m == 128 and four_bit:
+        return TuningConfig(64, min(128, cap_n), min(128, cap_k), 4, 3, swap_ab=True, group_m=group_m, word_decode=True)
     if block_m == 128:
         return TuningConfig(128, min(256, cap_n), min(64, cap_k), num_warps=8, num_stages=4, group_m=group_m)
+    if block_m == 16 and four_bit:
+        # Decode: scales folded into the decoded tile, one MMA chain per 256-wide
+        # K tile (v6 on qwen3/mixtral: int4 97 -> 84 us, MXFP4 212 -> 118 us).
+        return TuningConfig(16, min(64, cap_n), min(256, cap_k), 4, 3, word_decode=True, fold_scales=True)
     block_n = min(64 if block_m <= 32 else 128, cap_n)
     block_k = min(128 if block_m <= 32 else 64, cap_k)
-    return TuningConfig(block_m, block_n, block_k, num_warps=4, num_stages=3, word_decode=word_decode)
+    return TuningConfig(block_m, block_n, block_k, num_warps=4, num_stages=3, word_decode=fmt_class == "4bit")
 
 
 def load_table(name: str = TABLE_FILE) -> dict[str, tuple[TuningEntry, ...]]:

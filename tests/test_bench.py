@@ -68,3 +68,39 @@ def test_inspect_gemm_parses_configs():
     )
     with pytest.raises(ValueError, match="block_n"):
         parse_config("16,48,256,4,3")  # not a power of two
+
+
+def test_random_weight_in_expert_chunks(monkeypatch):
+    """Large problems draw and quantize a few experts at a time: the joined
+    weight is valid and each chunk is the quantized draw of its experts."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from humming_jax import formats as F
+
+    e, n, k = 5, 32, 64
+    monkeypatch.setattr(bench, "QUANTIZE_CHUNK_BYTES", 2 * 4 * n * k)  # two experts per chunk
+    key = jax.random.key(3)
+    weight = bench._random_weight(key, F.INT4_G32, e, n, k)
+    weight.validate()
+    assert weight.shape == (e, n, k) and weight.values.shape[0] == e
+    last = F.quantize_weight(jax.random.normal(jax.random.fold_in(key, 4), (1, n, k), jnp.bfloat16) * 0.02, F.INT4_G32)
+    np.testing.assert_array_equal(np.asarray(F.dequantize_weight(weight)[4:]), np.asarray(F.dequantize_weight(last)))
+    assert len({float(jnp.std(F.dequantize_weight(weight)[i])) for i in range(e)}) == e  # no chunk repeated
+
+
+def test_routing_bench_sweeps_row_tiles(monkeypatch):
+    """The routing benchmark (interpret mode): one row per op and tiling, the
+    references once, and the table pairs each tiling with its reference."""
+    from benchmarks import bench_routing
+
+    monkeypatch.setattr(bench_routing, "KERNEL", "interpret")
+    tiles = hj.RowTilesConfig.parse("4x64x2")
+    rows = bench_routing.bench((5,), ((4, 2),), (64,), row_tiles=(None, tiles))
+    kernel_rows = [r for r in rows if r["backend"] == "interpret" and "H" in r]
+    assert sorted((r["op"], r["row_tiles"]) for r in kernel_rows) == sorted(
+        (op, name) for op in ("permute", "unpermute", "fused_mul_sum") for name in ("default", "4x64x2")
+    )
+    assert sum(r["backend"] == "reference" and "H" in r for r in rows) == 3
+    assert bench_routing.table(rows).count("4x64x2") == 3

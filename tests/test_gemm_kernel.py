@@ -4,7 +4,9 @@ reference, for every layout and weight format, over random routings.
 What we measure: the kernel feeds the raw quantized values (exact in bf16) to
 the product and applies the scales to the f32 partial products, so with an f32
 output ‖kernel − reference‖/‖reference‖ is ~3e-7 (summation order) for every
-quantized format; bound 1e-5. f16 weights with bf16 activations are rounded
+quantized format; bound 1e-5. Tilings with folded scales (the H200 decode
+entries) round the scaled integer weight once to bf16: they are held to the
+reference on the bf16-rounded weight, same bound. f16 weights with bf16 activations are rounded
 to bf16 first (~1.7e-3; bound 5e-3). A bf16 output adds its own rounding
 (bound 1e-2). Rows no tile owns must be exactly zero.
 """
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 
 import humming_jax as hj
 from humming_jax import formats as F
+from humming_jax.gemm import kernel_tuning
 
 import np_ref
 from np_ref import relative_error
@@ -46,6 +49,29 @@ def _layouts(rng):
     }
 
 
+def _reference(x, weight, layout):
+    return hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+
+
+def _kernel_reference(x, weight, layout):
+    """The reference the kernel's default tiling must match: with folded scales
+    (the H200 table's decode entries) integer and fp8-with-float-scale weights
+    are rounded to bf16 once; e2m1/e4m3 values times e8m0/e4m3 scales are exact."""
+    fmt = weight.format
+    exact = fmt.value_type.value in ("float4_e2m1", "float8_e4m3") and fmt.scale_type.value in ("e8m0", "float8_e4m3")
+    if kernel_tuning(layout, weight, x.shape[0]).fold_scales and fmt.is_quantized and not exact:
+        return _folded_reference(x, weight, layout)
+    return _reference(x, weight, layout)
+
+
+def _folded_reference(x, weight, layout):
+    """What a kernel with folded scales computes: the reference on the
+    dequantized weight rounded once to bf16 (exact for the e2m1/e4m3 formats)."""
+    rounded = F.dequantize_weight(weight).astype(jnp.bfloat16).astype(jnp.float32)
+    bf16 = F.BF16.with_bias() if weight.bias is not None else F.BF16
+    return _reference(x, F.quantize_weight(rounded, bf16, bias=weight.bias), layout)
+
+
 def _check(out, ref, bound=1e-2):
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert out.shape == ref.shape
@@ -70,7 +96,7 @@ def test_kernel_every_layout_every_format(layout_kind, fmt_name, rng):
     weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
     layout = _layouts(rng)[layout_kind]
-    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    ref = _kernel_reference(x, weight, layout)
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
     _check(out, ref, bound=5e-3 if fmt.value_type.value == "float16" else 1e-5)
     out_bf16 = hj.gemm(x, weight, layout, backend=KERNEL_BACKEND)
@@ -241,7 +267,7 @@ def test_indexed_blocks_under_16_rows(block_size, rng):
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
     ids = rng.integers(0, E, size=(M, 2)).astype(np.int32)
     layout = hj.Indexed(*hj.moe_align_block_size(jnp.asarray(ids), block_size, E), top_k=2, block_size=block_size)
-    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    ref = _kernel_reference(x, weight, layout)
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND), ref, bound=1e-5)
 
 
@@ -277,10 +303,7 @@ def test_folded_scales(fmt_name, layout_kind, tuning, rng):
     weight = _weight(rng, F.get_format(fmt_name), E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
     layout = _layouts(rng)[layout_kind]
-    rounded = F.dequantize_weight(weight).astype(jnp.bfloat16).astype(jnp.float32)
-    bf16 = F.BF16.with_bias() if weight.bias is not None else F.BF16
-    as_bf16 = F.quantize_weight(rounded, bf16, bias=weight.bias)
-    ref = hj.gemm(x, as_bf16, layout, out_dtype=jnp.float32, backend="reference")
+    ref = _folded_reference(x, weight, layout)
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
 
 

@@ -298,3 +298,40 @@ def test_row_ops_with_either_token_tile(block_tokens, rng):
     live = (experts >= 0) & (experts < 4) & (np.arange(tokens)[:, None] < 30)
     want = np.einsum("tj,tjh->th", np.where(live, weights, 0).astype(np.float64), per_slot.astype(np.float64))
     np.testing.assert_allclose(fused, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("row_tiles", ["2x2048x8", "8x64x2"])
+def test_row_ops_take_row_tiles(row_tiles, rng):
+    """``row_tiles`` changes only the tiling: permute, unpermute and
+    fused_mul_sum equal the reference exactly (38 tokens, E=8, k=2, H=192)."""
+    tiles = hj.RowTilesConfig.parse(row_tiles)
+    tokens, experts, top_k, hidden = 38, 8, 2, 192
+    ids = jnp.asarray(rng.integers(-1, experts + 2, size=(tokens, top_k)), jnp.int32)  # some ids out of range
+    x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.float32)
+    weights = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
+    got = hj.moe_permute(x, ids, experts, row_tiles=tiles, backend=KERNEL_BACKEND)
+    ref = hj.moe_permute(x, ids, experts, backend="reference")
+    np.testing.assert_array_equal(np.asarray(got.permuted_hidden_states), np.asarray(ref.permuted_hidden_states))
+    args = (ref.permuted_hidden_states, weights, ref.inv_permuted_idx, ref.expert_first_token_offset)
+    np.testing.assert_allclose(
+        np.asarray(hj.moe_unpermute(*args, row_tiles=tiles, backend=KERNEL_BACKEND)),
+        np.asarray(hj.moe_unpermute(*args, backend="reference")),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+    per_slot = jnp.asarray(rng.normal(size=(tokens, top_k, hidden)), jnp.float32)
+    np.testing.assert_allclose(
+        np.asarray(hj.moe_fused_mul_sum(per_slot, weights, ids, experts, row_tiles=tiles, backend=KERNEL_BACKEND)),
+        np.asarray(hj.moe_fused_mul_sum(per_slot, weights, ids, experts, backend="reference")),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
+def test_row_tiles_config_rejects_bad_tiles():
+    with pytest.raises(ValueError, match="block_cols"):
+        hj.RowTilesConfig(16, 8, 4)
+    with pytest.raises(ValueError, match="block_tokens"):
+        hj.RowTilesConfig(12, 512, 4)
+    with pytest.raises(ValueError, match="TOKENSxCOLSxWARPS"):
+        hj.RowTilesConfig.parse("16x512")
