@@ -485,7 +485,7 @@ def _gemm_kernel(
     def along_m(row):  # a [bm] vector broadcast against the accumulator
         return row[None, :] if swap else row[:, None]
 
-    def product(piece):
+    def product(piece, k_limit):
         k_mask = None if k_limit is None else (piece.cols < k_limit)[None, :]
         x = _load(x_ref.at[rows_in[:, None], piece.x_cols[None, :]], _all(row_mask[:, None], k_mask))
         x = x.astype(compute_dtype)
@@ -496,8 +496,10 @@ def _gemm_kernel(
         operands = (piece.values, x) if swap else (x, piece.values)
         return jax.lax.dot_general(*operands, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype), row_sum
 
-    @pl.when(live)
-    def _():
+    def k_tile_step(k_limit):
+        """One K tile's products added to ``acc``; ``k_limit`` masks the columns
+        at and past K (only the last, partial tile needs it)."""
+
         def step(i, acc):
             k_tile = (split * per_split + i) * bk
             for j in range(bk // span):  # one product per span of columns sharing a scale
@@ -514,11 +516,11 @@ def _gemm_kernel(
                 scale = _column_scale(scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask)
                 if scale is None and not float_zero:  # accumulate straight into acc (one MMA chain)
                     for piece in pieces:
-                        acc = acc + product(piece)[0]
+                        acc = acc + product(piece, k_limit)[0]
                     continue
                 part, row_sum = None, None
                 for piece in pieces:
-                    dot, sums = product(piece)
+                    dot, sums = product(piece, k_limit)
                     part = dot if part is None else part + dot
                     row_sum = sums if row_sum is None else row_sum + sums
                 part = part.astype(jnp.float32)
@@ -530,8 +532,23 @@ def _gemm_kernel(
                 acc = acc + part.astype(accum_dtype)
             return acc
 
-        steps = jnp.clip(k_tiles - split * per_split, 0, per_split)
-        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(acc_shape, accum_dtype)).astype(jnp.float32)
+        return step
+
+    @pl.when(live)
+    def _():
+        first = split * per_split
+        # Whole K tiles run unmasked; a partial last tile (gpt-oss: K=2880) runs
+        # once after them, in the split that owns it, with the column mask.
+        full_steps = jnp.clip(w.k // bk - first, 0, per_split)
+        acc = jax.lax.fori_loop(0, full_steps, k_tile_step(None), jnp.zeros(acc_shape, accum_dtype))
+        if k_limit is not None:
+            tail = functools.partial(k_tile_step(k_limit), w.k // bk - first)
+            if tiles.split_k == 1:
+                acc = tail(acc)
+            else:
+                owns_tail = (first <= w.k // bk) & (w.k // bk < first + per_split)
+                acc = jax.lax.cond(owns_tail, tail, lambda a: a, acc)
+        acc = acc.astype(jnp.float32)
         if bias_ref is not None:
             bias = _load(bias_ref.at[expert, n_idx], n_mask).astype(jnp.float32)
             acc = acc + along_n(jnp.where(split == 0, bias, 0.0))

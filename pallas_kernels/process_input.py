@@ -153,15 +153,19 @@ def _activated(x_ref, rows, row_mask, start: int, size: int, padded: bool, cfg: 
     raise ValueError(f"unknown activation {kind!r}")
 
 
-def _rotate(y, h_ref, cfg: ProcessConfig):
-    """Blockwise Hadamard rotation of ``y [rows, width]`` by ``±1 / sqrt(b)``."""
+def _rotate(y, h_ref, cfg: ProcessConfig, bf16_exact: bool):
+    """Blockwise Hadamard rotation of ``y [rows, width]`` by ``±1 / sqrt(b)``:
+    f32 values as two bf16 tensor-core products (high and low halves), or one
+    when ``bf16_exact`` (a bf16 input without activation: the low half is 0)."""
     b = cfg.hadamard
     rows, width = y.shape
     blocks = y.reshape(rows * width // b, b)
     high = blocks.astype(jnp.bfloat16)
-    low = (blocks - high.astype(jnp.float32)).astype(jnp.bfloat16)
     h = h_ref[...]
-    rotated = jnp.dot(high, h, preferred_element_type=jnp.float32) + jnp.dot(low, h, preferred_element_type=jnp.float32)
+    rotated = jnp.dot(high, h, preferred_element_type=jnp.float32)
+    if not bf16_exact:
+        low = (blocks - high.astype(jnp.float32)).astype(jnp.bfloat16)
+        rotated = rotated + jnp.dot(low, h, preferred_element_type=jnp.float32)
     return (rotated * (1.0 / math.sqrt(b))).reshape(rows, width)
 
 
@@ -242,10 +246,11 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
     row_mask = rows < m_in
     segments = cfg.segments
     padded = segments[0][1] > cfg.k_out  # one block wider than the row: mask its tail
+    bf16_exact = cfg.activation is None and x_ref.dtype == jnp.bfloat16
     ys = []
     for start, size in segments:
         y = _activated(x_ref, rows, row_mask, start, size, padded, cfg)
-        ys.append(_rotate(y, h_ref, cfg) if cfg.hadamard else y)
+        ys.append(_rotate(y, h_ref, cfg, bf16_exact) if cfg.hadamard else y)
     num_valid = valid_ref[0]
 
     if cfg.layout == "scatter":

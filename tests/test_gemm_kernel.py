@@ -315,6 +315,9 @@ def test_folded_scales(fmt_name, layout_kind, tuning, rng):
         ("int4_g32", 96, hj.TuningConfig(block_m=64, block_n=32, block_k=64)),
         ("int4_channel", 160, hj.TuningConfig(block_m=64, block_n=32, block_k=128, word_decode=True)),
         ("int4_channel", 160, hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True)),
+        # The partial tile in the last split, and (split_k=4) a split with no tile at all.
+        ("mxfp4", 160, hj.TuningConfig(block_m=16, block_n=32, block_k=64, split_k=2)),
+        ("int4_channel", 144, hj.TuningConfig(block_m=16, block_n=32, block_k=32, split_k=4)),
     ],
 )
 def test_k_not_a_multiple_of_the_tile(fmt_name, k, tuning, rng):

@@ -262,6 +262,18 @@ def test_kernel_matches_reference(spec, activation, block, rng):
     _check_against_reference(got, ref, exact, np.asarray(x, np.float64))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16_one_product", "f32_two_products"])
+def test_hadamard_without_activation(dtype, rng):
+    """No activation: a bf16 input is rotated with one bf16 product (exact, its
+    low half is zero), an f32 input with a high and a low bf16 product."""
+    x = jnp.asarray(_inputs(rng, 11, 384), dtype)
+    for spec in (Q.NONE, Q.FP8_DYNAMIC_TOKEN):
+        kw = dict(hadamard_block_size=128, num_valid_tokens=jnp.asarray([9], jnp.int32))
+        got = hj.process_input(x, spec, backend=KERNEL_BACKEND, **kw)
+        ref = hj.process_input(x, spec, backend="reference", **kw)
+        _check_against_reference(got, ref, False, np.asarray(x, np.float64))
+
+
 @pytest.mark.parametrize("k", [256, 384])  # 384: two column blocks (256 + 128)
 @pytest.mark.parametrize("spec", [Q.NONE, Q.FP8_DYNAMIC_GROUP128, Q.NVFP4_DYNAMIC_TOKEN], ids=lambda s: s.name)
 def test_kernel_layouts(spec, k, rng):
