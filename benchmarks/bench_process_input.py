@@ -46,7 +46,13 @@ def _out_bytes(rows: int, width: int, spec: Q.InputQuantSpec) -> int:
     return values + scale_bytes
 
 
-def bench(tokens_list=TOKENS, widths=WIDTHS, cases=DEFAULT_CASES, seed=0):
+def _tiles_name(tiles) -> str:
+    return "default" if tiles is None else f"{tiles.block_rows}x{tiles.num_warps}"
+
+
+def bench(tokens_list=TOKENS, widths=WIDTHS, cases=DEFAULT_CASES, seed=0, tiles_list=(None,)):
+    """Rows of the kernel (once per entry of ``tiles_list``:
+    :class:`ProcessTilesConfig`, None: the default) and of the reference."""
     rows_out = []
     for tokens in tokens_list:
         rows = tokens * TOP_K
@@ -60,28 +66,30 @@ def bench(tokens_list=TOKENS, widths=WIDTHS, cases=DEFAULT_CASES, seed=0):
                 copies = 2 if moved > 2**26 else 4
                 keys = jax.random.split(jax.random.key(seed), copies)
                 sets = [(jax.random.normal(key, (rows, in_width), jnp.bfloat16),) for key in keys]
-                for backend in (KERNEL, "reference"):
-                    fn = lambda x, b=backend, a=activation, h=block, s=spec: hj.process_input(  # noqa: E731
-                        x, s, activation=a, hadamard_block_size=h, backend=b
+                runs = [(KERNEL, tiles) for tiles in tiles_list] + [("reference", None)]
+                for backend, tiles in runs:
+                    options = dict(activation=activation, hadamard_block_size=block, backend=backend)
+                    if backend == KERNEL:
+                        options["tiles"] = tiles
+                    seconds = device_seconds(lambda x, s=spec, o=options: hj.process_input(x, s, **o), sets)
+                    row = dict(
+                        case=name, backend=backend, T=tokens, M=rows, K=width, **bandwidth_fields(seconds, moved)
                     )
-                    seconds = device_seconds(fn, sets)
-                    rows_out.append(
-                        dict(case=name, backend=backend, T=tokens, M=rows, K=width, **bandwidth_fields(seconds, moved))
-                    )
-                print(table(rows_out[-2:], header=False), flush=True)
+                    rows_out.append(dict(row, tiles=_tiles_name(tiles)) if backend == KERNEL else row)
+                print(table(rows_out[-len(runs) :], header=False), flush=True)
     return rows_out
 
 
 def table(rows, header: bool = True) -> str:
-    pairs = {}
-    for r in rows:
-        pairs.setdefault((r["case"], r["T"], r["K"]), {})[r["backend"]] = r
-    lines = [f"{'case':<24}{'T':>6}{'K':>6}{'kernel us':>11}{'jnp us':>10}{'speedup':>9}{'GB/s':>8}{'% copy':>8}"]
+    references = {(r["case"], r["T"], r["K"]): r for r in rows if r["backend"] == "reference"}
+    lines = [
+        f"{'case':<24}{'T':>6}{'K':>6}{'tiles':>8}{'kernel us':>11}{'jnp us':>10}{'speedup':>9}{'GB/s':>8}{'% copy':>8}"
+    ]
     lines = lines if header else []
-    for (case, t, k), pair in pairs.items():
-        if KERNEL in pair and "reference" in pair:
-            p, r = pair[KERNEL], pair["reference"]
-            lines.append(f"{case:<24}{t:>6}{k:>6}" + comparison_cells(p, r))
+    for r in rows:
+        ref = references.get((r["case"], r["T"], r["K"]))
+        if r["backend"] == KERNEL and ref is not None:
+            lines.append(f"{r['case']:<24}{r['T']:>6}{r['K']:>6}{r.get('tiles', '-'):>8}" + comparison_cells(r, ref))
     return "\n".join(lines)
 
 
@@ -91,12 +99,17 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="*", choices=sorted(CASES), default=list(DEFAULT_CASES))
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     parser.add_argument("--widths", type=int, nargs="*", default=list(WIDTHS), help="K after the activation")
+    parser.add_argument("--tiles", nargs="*", default=[], help="ROWSxWARPS kernel tilings to sweep (default first)")
     args = parser.parse_args(argv)
+    try:
+        tiles_list = (None, *(hj.ProcessTilesConfig.parse(text) for text in args.tiles))
+    except ValueError as error:
+        parser.error(f"--tiles: {error}")
     if jax.default_backend() != "gpu":
         print("bench_process_input: needs a GPU", file=sys.stderr)
         return 2
     print(table([], header=True), flush=True)
-    rows = bench(tuple(args.tokens), tuple(args.widths), tuple(args.cases))
+    rows = bench(tuple(args.tokens), tuple(args.widths), tuple(args.cases), tiles_list=tiles_list)
     write_results(args.out, rows, top_k=TOP_K, copy_bandwidth=COPY_BANDWIDTH)
     return 0
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v7-tests routing-tiles hadamard-split hadamard-profile v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v7-tests routing-tiles process-tiles hadamard-split hadamard-profile v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
 out=${1:?output directory}
 shift
-steps=${*:-v7-tests routing-tiles hadamard-split tune-decode}
+steps=${*:-v7-tests routing-tiles process-tiles hadamard-split}
 mkdir -p "$out"
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
@@ -20,8 +20,8 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     # After the fourth session: row_tiles of the routing ops, folded decode defaults, the bench's chunked weights.
-    v7-tests) pytest_gpu 300 tests/test_routing.py tests/test_bench.py tests/test_gemm_kernel.py \
-                -k "row_tiles or every_layout or under_16 or folded or random_weight or not_a_multiple or split_k" 2>&1 | tee "$out/v7_tests.log" | tail -25 ;;
+    v7-tests) pytest_gpu 300 tests/test_routing.py tests/test_process_input.py tests/test_gemm_kernel.py \
+                -k "tiles or every_layout or under_16 or folded or random_weight or not_a_multiple or split_k or hadamard" 2>&1 | tee "$out/v7_tests.log" | tail -25 ;;
     # Row tilings of permute / unpermute / fused_mul_sum at the 70 % target's size.
     routing-tiles) timeout 300 python3 -W ignore -m benchmarks.bench_routing --tokens 4096 --experts 128,8 --hidden 7168 \
                      --row-tiles 8x512x4 4x1024x4 8x1024x8 8x512x8 16x256x4 4x512x4 2x2048x8 \
@@ -30,6 +30,10 @@ for step in $steps; do
     hadamard-split) timeout 150 python3 -W ignore -m benchmarks.bench_process_input --tokens 512 4096 --widths 768 2048 \
                       --cases hadamard128+none hadamard128+fp8_group128 hadamard128+fp8_token silu+fp8_group128 \
                       --out "$out/hadamard_split.json" 2>&1 | tee "$out/hadamard_split.log" | tail -12 ;;
+    # Rows per program and warps of process_input where it misses 70 % (K=768: 61 %, K=2880: 64 %).
+    process-tiles) timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 2048 2880 \
+                     --cases silu+fp8_group128 silu+mxfp8 --tiles 2x4 4x4 4x8 8x8 16x8 8x4 \
+                     --out "$out/process_tiles.json" 2>&1 | tee "$out/process_tiles.log" | tail -45 ;;
     hadamard-profile) timeout 200 ncu -k regex:process_input -c 1 --section SpeedOfLight --section Occupancy \
                         --section LaunchStats --section WarpStateStats --section SchedulerStats \
                         python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 2048 \

@@ -213,6 +213,32 @@ class RowTilesConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProcessTilesConfig:
+    """Tiling of the ``process_input`` kernel: ``block_rows`` whole rows per
+    program on ``num_warps`` warps (powers of two; 0: chosen from the row width
+    — ~4096 elements per program, 8 warps from 8192)."""
+
+    block_rows: int = 0
+    num_warps: int = 0
+
+    def __post_init__(self):
+        for name in ("block_rows", "num_warps"):
+            if getattr(self, name):
+                _power_of_two(getattr(self, name), name, "ProcessTilesConfig")
+        if self.num_warps > 32:
+            raise ValueError(f"ProcessTilesConfig.num_warps: expected at most 32, got {self.num_warps}")
+
+    @classmethod
+    def parse(cls, text: str) -> ProcessTilesConfig:
+        """From ``"ROWSxWARPS"`` (e.g. ``"8x8"``)."""
+        try:
+            rows, warps = (int(part) for part in text.split("x"))
+        except ValueError:
+            raise ValueError(f"process tiles: expected ROWSxWARPS such as 8x8, got {text!r}") from None
+        return cls(rows, warps)
+
+
+@dataclasses.dataclass(frozen=True)
 class TuningEntry:
     """``config`` applies when ``min_shape_m < valid_shape_m <= max_shape_m``."""
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from humming_jax import input_quant as Q
 from humming_jax.activations import ActivationSpec, apply_activation, get_activation
 from humming_jax.backend import resolve_backend
+from humming_jax.configs import ProcessTilesConfig
 from pallas_kernels import process_input as kernel
 
 LAYOUTS = ("normal", "grouped_mask", "scatter")
@@ -125,7 +126,8 @@ def process_input_reference(x: jax.Array, steps: ProcessSteps, arrays: ProcessAr
 
 
 @functools.partial(
-    jax.jit, static_argnames=("spec", "activation", "hadamard_block_size", "layout", "compute_dtype", "backend")
+    jax.jit,
+    static_argnames=("spec", "activation", "hadamard_block_size", "layout", "compute_dtype", "tiles", "backend"),
 )
 def process_input(
     x: jax.Array,
@@ -141,6 +143,7 @@ def process_input(
     input_scale: jax.Array | None = None,
     input_scale_2: jax.Array | None = None,
     compute_dtype=jnp.bfloat16,
+    tiles: ProcessTilesConfig | None = None,
     backend: str | None = None,
 ) -> Q.QuantizedInput:
     """Prepare a GEMM input: ``x [M, N]`` -> activation -> Hadamard -> quantize
@@ -150,6 +153,7 @@ def process_input(
     ``x`` may be ``[E, max_tokens, K]`` for ``grouped_mask``; the output is
     flattened to 2-D. If ``input_scale`` is given, ``x`` is already quantized
     per ``spec``: it is returned unchanged (an activation is then an error).
+    ``tiles`` sets the kernel's rows per program and warps (default: by width).
     """
     spec = Q.get_input_spec(spec)
     activation = get_activation(activation)
@@ -183,11 +187,11 @@ def process_input(
     chosen = resolve_backend(backend, "process_input")
     if chosen == "reference":
         return process_input_reference(x, steps, arrays)
-    return _process_input_kernel(x, steps, arrays, interpret=chosen == "interpret")
+    return _process_input_kernel(x, steps, arrays, tiles or ProcessTilesConfig(), interpret=chosen == "interpret")
 
 
 def _process_input_kernel(
-    x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays, interpret: bool
+    x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays, tiles: ProcessTilesConfig, interpret: bool
 ) -> Q.QuantizedInput:
     spec, activation, layout = steps.spec, steps.activation, steps.layout
     expert_num_tokens, scatter_idx, num_valid_tokens, static_scale = arrays
@@ -211,8 +215,17 @@ def _process_input_kernel(
         layout=layout,
         copies=copies,
         max_tokens=m_in // expert_num_tokens.shape[0] if expert_num_tokens is not None else 0,
+        block_rows=tiles.block_rows,
+        num_warps=tiles.num_warps,
         gpu=not interpret,
     )
+    if cfg.hadamard and tiles.block_rows:
+        per_row = min(size for _, size in cfg.segments) // cfg.hadamard
+        if tiles.block_rows * per_row < 16:
+            raise ValueError(
+                f"process_input: tiles.block_rows: the Hadamard products need 16 rows of {cfg.hadamard} columns, "
+                f"so at least {-(-16 // per_row)} rows per program here; got {tiles.block_rows}"
+            )
     if num_valid_tokens is None:
         num_valid_tokens = jnp.full((1,), m_in * copies, jnp.int32)
     values, scale, scale_2 = kernel.process_input(

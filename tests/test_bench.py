@@ -104,3 +104,20 @@ def test_routing_bench_sweeps_row_tiles(monkeypatch):
     )
     assert sum(r["backend"] == "reference" and "H" in r for r in rows) == 3
     assert bench_routing.table(rows).count("4x64x2") == 3
+
+
+def test_process_input_bench_sweeps_tiles(monkeypatch):
+    """The process_input benchmark (interpret mode): one kernel row per tiling,
+    one reference row, and the table pairs each tiling with the reference."""
+    from benchmarks import bench_process_input
+
+    monkeypatch.setattr(bench_process_input, "KERNEL", "interpret")
+    monkeypatch.setattr(bench_process_input, "TOP_K", 1)
+    tiles = hj.ProcessTilesConfig.parse("2x2")
+    rows = bench_process_input.bench((3,), (256,), ("silu+mxfp8",), tiles_list=(None, tiles))
+    assert [(r["backend"], r.get("tiles")) for r in rows] == [
+        ("interpret", "default"),
+        ("interpret", "2x2"),
+        ("reference", None),
+    ]
+    assert bench_process_input.table(rows).count("2x2") == 1

@@ -361,3 +361,23 @@ def test_kernel_rows_in_power_of_two_column_blocks(spec, k_out, activation, bloc
     ref = hj.process_input(x, spec, backend="reference", **kw)
     assert got.values.shape == ref.values.shape
     _check_against_reference(got, ref, activation is None and block is None, np.asarray(x, np.float64))
+
+
+@pytest.mark.parametrize("tiles", ["1x1", "8x8", "32x2"])
+def test_tiles_change_only_the_tiling(tiles, rng):
+    """``tiles`` (rows per program, warps) gives the default tiling's output
+    bit for bit: SILU + MXFP8 over 19 rows (a ragged last block), K=384."""
+    x = jnp.asarray(_inputs(rng, 19, 768), jnp.bfloat16)
+    kw = dict(activation="silu", num_valid_tokens=jnp.asarray([17], jnp.int32), backend=KERNEL_BACKEND)
+    want = hj.process_input(x, Q.MXFP8_DYNAMIC, **kw)
+    got = hj.process_input(x, Q.MXFP8_DYNAMIC, tiles=hj.ProcessTilesConfig.parse(tiles), **kw)
+    for a, b in ((got.values, want.values), (got.scale, want.scale)):
+        np.testing.assert_array_equal(np.asarray(a.view(jnp.uint8)), np.asarray(b.view(jnp.uint8)))
+
+
+def test_tiles_too_few_rows_for_the_hadamard_products():
+    x = jnp.ones((8, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="tiles.block_rows"):
+        hj.process_input(x, hadamard_block_size=128, tiles=hj.ProcessTilesConfig(4, 4), backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="num_warps"):
+        hj.ProcessTilesConfig(4, 3)
