@@ -61,8 +61,8 @@ for step in $steps; do
     tune) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats bf16 int4_g128 \
             --out "$out/tuning_h200.json" 2>&1 | tee "$out/tune.log" | tail -20 ;;
     # Large experts (the banded program order, group_m): mixtral prefill.
-    tune-large) timeout 400 python3 -W ignore -m humming_jax tune --problem mixtral-8x7b --formats bf16 int4_g128 \
-                  --layouts grouped --min-m 1025 --max-m 8192 --out "$out/tuning_mixtral.json" 2>&1 \
+    tune-large) timeout 540 python3 -W ignore -m humming_jax tune --problem mixtral-8x7b --formats bf16 int4_g128 \
+                  --layouts grouped --min-m 1025 --max-m 8192 --per-shape --out "$table" 2>&1 \
                   | tee "$out/tune_large.log" | tail -20 ;;
     # NVFP4 input quantization: kernel and reference each against float64 (which side is off on the GPU).
     process-nvfp4) pytest_gpu 120 tests/test_process_input.py -k "float64 or nvfp4" 2>&1 | tee "$out/nvfp4.log" | tail -20 ;;

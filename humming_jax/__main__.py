@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--layouts", nargs="+", default=["grouped", "indexed"], choices=["grouped", "indexed"])
     tune.add_argument("--min-m", type=int, default=0, help="skip M ranges ending below this")
     tune.add_argument("--max-m", type=int, default=0, help="skip M ranges starting at or above this")
+    tune.add_argument(
+        "--per-shape",
+        action="store_true",
+        help="write the entries for this problem's (E, N, K) only (they take precedence over the class entries)",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from humming_jax.demo import main as demo_main

@@ -371,10 +371,13 @@ PREFILL_CANDIDATES = _candidates(
         (256, 128, 64, 8, 3, BANDS),  # experts with 1000+ rows (mixtral prefill): twice the reuse of each weight tile
         (64, 128, 128, 4, 3, SWAP | WORD | BANDS),  # v6 4-bit winner: int4 552.6, MXFP4 711.0 us (qwen3 T=2048)
         # v6: folded scales lost at prefill (int4 850 us) and were dropped; next, more
-        # rows per decoded weight tile (the decode is paid once per bm rows).
+        # rows per decoded weight tile (the decode is paid once per bm rows: at
+        # 64 rows it costs ~4x the tile's MMAs, NOTES.md v7).
         (128, 128, 64, 8, 3, SWAP | WORD | BANDS),
         (128, 128, 128, 8, 3, SWAP | WORD | BANDS),
         (128, 64, 128, 4, 3, SWAP | WORD | BANDS),
+        (256, 64, 128, 8, 3, SWAP | WORD | BANDS),
+        (256, 128, 64, 8, 3, SWAP | WORD | BANDS),
     )
 )
 M_RANGES = ((0, 16), (16, 128), (128, 1024), (1024, 8192), (8192, 1 << 30))
@@ -418,9 +421,10 @@ def tune_main(args) -> int:
             for low, high in M_RANGES:
                 if (args.max_m and low >= args.max_m) or high < args.min_m:
                     continue
-                key = (f"{kind}/{T.format_class(F.get_format(fmt))}", low, high)
-                members[key] = members.get(key, 0) + 1
                 case = Case(args.problem, "w13", layout_name, max(1, min(high, 16384) // top_k), fmt)
+                shape = case.shapes()[:3] if args.per_shape else None
+                key = (T.table_key(kind, T.format_class(F.get_format(fmt)), shape), low, high)
+                members[key] = members.get(key, 0) + 1
                 prep = prepare(case)
                 for cand in candidates_for(high):
                     try:

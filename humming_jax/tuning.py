@@ -80,15 +80,27 @@ def load_table(name: str = TABLE_FILE) -> dict[str, tuple[TuningEntry, ...]]:
 _TABLE: dict[str, tuple[TuningEntry, ...]] | None = None
 
 
+def table_key(layout: GemmLayout | str, fmt_class: str, shape: tuple[int, int, int] | None = None) -> str:
+    """``"<layout>/<format class>"``, or with ``shape = (E, N, K)`` the key of
+    entries for that weight shape only (``"…@E=8,N=28672,K=4096"``, as vLLM
+    keys its MoE configs by E and N): the same M means 1024 rows per expert on
+    mixtral and 64 on qwen3, which tile differently."""
+    base = f"{GemmLayout(layout).value}/{fmt_class}"
+    return base if shape is None else f"{base}@E={shape[0]},N={shape[1]},K={shape[2]}"
+
+
 def choose_tuning(
     layout: GemmLayout, fmt: F.WeightFormat, valid_shape_m: int, num_experts: int, n: int, k: int
 ) -> TuningConfig:
-    """The table's entry for this problem, else the heuristic."""
+    """The table's entry for this weight shape, else for the format class,
+    else the heuristic."""
     global _TABLE
     if _TABLE is None:
         _TABLE = load_table()
-    entries = _TABLE.get(f"{layout.value}/{format_class(fmt)}", ())
-    if any(e.min_shape_m < valid_shape_m <= e.max_shape_m for e in entries):
-        return select_tuning(entries, valid_shape_m)
+    fmt_class = format_class(fmt)
+    for key in (table_key(layout, fmt_class, (num_experts, n, k)), table_key(layout, fmt_class)):
+        entries = _TABLE.get(key, ())
+        if any(e.min_shape_m < valid_shape_m <= e.max_shape_m for e in entries):
+            return select_tuning(entries, valid_shape_m)
     rows = valid_shape_m if layout == GemmLayout.DENSE else max(1, valid_shape_m // max(num_experts, 1))
-    return heuristic_tuning(rows, n, k, format_class(fmt))
+    return heuristic_tuning(rows, n, k, fmt_class)

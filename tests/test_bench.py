@@ -51,6 +51,31 @@ def test_tune_writes_a_table_the_loader_reads(tiny, tmp_path, monkeypatch):
     assert loaded["indexed/4bit"][0].config.block_m == 16
 
 
+def test_tune_per_shape_entries_take_precedence(tiny, tmp_path, monkeypatch):
+    """``tune --per-shape`` keys its entries by (E, N, K); choose_tuning prefers
+    them to the class entries for that shape only."""
+    from humming_jax.configs import GemmLayout
+    from humming_jax.formats import get_format
+
+    monkeypatch.setattr(bench, "DECODE_CANDIDATES", (tuning.TuningConfig(16, 32, 32, num_stages=2),))
+    monkeypatch.setattr(bench, "M_RANGES", ((0, 8),))
+    out = tmp_path / "table.json"
+    generic = dict(min_shape_m=0, max_shape_m=8, config=dict(block_m=16, block_n=64, block_k=64), us=[1.0])
+    out.write_text(json.dumps(dict(meta={}, entries={"grouped_contiguous/4bit": [generic]})))
+    args = ["tune", "--problem", "tiny", "--formats", "int4_g32", "--layouts", "grouped", "--per-shape"]
+    assert cli.main([*args, "--out", str(out)]) == 0
+    e, n, k, _ = bench.Case("tiny", "w13", "grouped", 1, "int4_g32").shapes()
+    shape_key = tuning.table_key("grouped_contiguous", "4bit", (e, n, k))
+    assert set(json.loads(out.read_text())["entries"]) == {"grouped_contiguous/4bit", shape_key}
+    monkeypatch.setattr(tuning.resources, "files", lambda _: tmp_path)
+    monkeypatch.setattr(tuning, "_TABLE", tuning.load_table("table.json"))
+    int4 = get_format("int4_g32")
+    layout = GemmLayout.GROUPED_CONTIGUOUS
+    assert tuning.choose_tuning(layout, int4, 6, e, n, k).num_stages == 2  # the shape's entry
+    assert tuning.choose_tuning(layout, int4, 6, e, n, 2 * k).block_n == 64  # another shape: the class entry
+    assert tuning.choose_tuning(layout, int4, 64, e, n, k) == tuning.heuristic_tuning(64 // e, n, k, "4bit")
+
+
 @pytest.mark.parametrize("layout_name", ["grouped", "indexed"])
 def test_sampled_error_catches_a_wrong_output(tiny, layout_name):
     prep = bench.prepare(bench.Case("tiny", "w13", layout_name, 5, "int4_g32"))
