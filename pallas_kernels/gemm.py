@@ -250,6 +250,18 @@ def _int_zero(zero_ref, expert, n_idx, group, n_mask):
     return (byte >> (4 * (group % 2))) & 0xF
 
 
+def _scales_exact_in(w: WeightSpec, compute_dtype) -> bool:
+    """Group scales (no zero point, no act-order) whose stored type converts
+    exactly to the compute dtype (e8m0 and e4m3 to bf16, bf16 to bf16, …)."""
+    exact = {"bfloat16": ("bfloat16", "e8m0", "float8_e4m3"), "float16": ("float16", "float8_e4m3")}
+    return (
+        w.scale == "group"
+        and w.zero_point == "none"
+        and not w.has_group_index
+        and w.scale_type in exact.get(jnp.dtype(compute_dtype).name, ())
+    )
+
+
 def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, masks, ways: int):
     """``(values - zero) * scale`` per element (f32 ``[bn, len(cols)]``), the
     group of column k being ``group_index[e, k]`` (act-order) or ``k // group``."""
@@ -274,7 +286,7 @@ def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, 
         groups = k_start // w.group_size + jnp.arange(width // run, dtype=jnp.int32)
         group_mask = None if k_mask is None else (groups < w.k // w.group_size)[None, :]
         raw = _load(scale_ref.at[expert, n_col, groups[None, :]], _all(n_mask2, group_mask))
-        scale = _decode_scale(raw, w.scale_type)
+        scale = _decode_scale(raw, w.scale_type).astype(values.dtype)
         scale = jnp.broadcast_to(scale[:, :, None], (scale.shape[0], width // run, run)).reshape(-1, width)
         return values * scale
     if w.scale == "tensor":
@@ -370,11 +382,16 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
     n_col = n_idx[:, None]
     n_mask2 = None if n_mask is None else n_mask[:, None]
 
+    # Scales exact in the compute dtype multiply in it (one bf16x2 multiply per
+    # two weights): the product of two bf16 values is exact in f32, so rounding
+    # it once gives what the f32 multiply and a cast give.
+    in_compute = _scales_exact_in(w, compute_dtype)
+
     def finish(piece: _Piece) -> _Piece:
         if not plan.in_weights:
             return piece
         scaled = _scaled_elements(
-            piece.values.astype(jnp.float32),
+            piece.values if in_compute else piece.values.astype(jnp.float32),
             (scale_ref, zero_ref, group_ref),
             w,
             expert,
