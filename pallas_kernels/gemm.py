@@ -434,11 +434,10 @@ def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start, n_mask):
     return _load(zero_ref.at[expert, n_idx, k_start // w.group_size], n_mask).astype(jnp.float32)
 
 
-def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, in_weights, n_mask):
+def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, in_weights, n_mask, factor):
     """The f32 factor of each output column for columns starting at ``k_start``
     (``[bn]`` or a scalar): scale (unless applied in the weights) x global
-    scale x value factor, or None when it is 1."""
-    factor = value_factor(w)
+    scale x ``factor``, or None when it is 1."""
     if w.scale == "none" or in_weights:
         scale = None
     elif w.scale == "tensor":
@@ -530,7 +529,7 @@ def _gemm_kernel(
                     plan,
                     (n_mask, k_limit),
                 )
-                scale = _column_scale(scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask)
+                scale = _column_scale(scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask, span_factor)
                 if scale is None and not float_zero:  # accumulate straight into acc (one MMA chain)
                     for piece in pieces:
                         acc = acc + product(piece, k_limit)[0]
@@ -551,6 +550,11 @@ def _gemm_kernel(
 
         return step
 
+    # A constant factor left once scales are in the weights (e2m1's 2**6) is
+    # applied to the sum, so the K loop stays one accumulation chain.
+    end_factor = value_factor(w) if in_weights and w.global_scale == "none" else 1.0
+    span_factor = value_factor(w) / end_factor
+
     @pl.when(live)
     def _():
         first = split * per_split
@@ -566,6 +570,8 @@ def _gemm_kernel(
                 owns_tail = (first <= w.k // bk) & (w.k // bk < first + per_split)
                 acc = jax.lax.cond(owns_tail, tail, lambda a: a, acc)
         acc = acc.astype(jnp.float32)
+        if end_factor != 1.0:
+            acc = acc * end_factor
         if bias_ref is not None:
             bias = _load(bias_ref.at[expert, n_idx], n_mask).astype(jnp.float32)
             acc = acc + along_n(jnp.where(split == 0, bias, 0.0))
