@@ -262,6 +262,20 @@ def _scales_exact_in(w: WeightSpec, compute_dtype) -> bool:
     )
 
 
+def _group_scale_tile(scale_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked):
+    """Group scales (f32 ``[bn, width]``) of a piece of ``width`` columns of the
+    span at ``k_start``: its columns fall in runs of ``run`` per group (the
+    same runs for every piece of the span), so one scale per run is loaded and
+    broadcast along it (no per-element gather)."""
+    run = min(width, max(1, w.group_size // ways))
+    groups = k_start // w.group_size + jnp.arange(width // run, dtype=jnp.int32)
+    group_mask = (groups < w.k // w.group_size)[None, :] if k_masked else None
+    n_mask2 = None if n_mask is None else n_mask[:, None]
+    raw = _load(scale_ref.at[expert, n_idx[:, None], groups[None, :]], _all(n_mask2, group_mask))
+    scale = _decode_scale(raw, w.scale_type)
+    return jnp.broadcast_to(scale[:, :, None], (scale.shape[0], width // run, run)).reshape(-1, width)
+
+
 def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, masks, ways: int):
     """``(values - zero) * scale`` per element (f32 ``[bn, len(cols)]``), the
     group of column k being ``group_index[e, k]`` (act-order) or ``k // group``."""
@@ -279,16 +293,8 @@ def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, 
     elif w.zero_point == "float":
         values = values - _load(zero_ref.at[expert, n_col, group], mask).astype(jnp.float32)
     if w.scale == "group" and not w.has_group_index:
-        # The piece's columns fall in runs of ``run`` per group: one scale per
-        # run, broadcast along it (no per-element gather).
-        width = cols.shape[0]
-        run = min(width, max(1, w.group_size // ways))
-        groups = k_start // w.group_size + jnp.arange(width // run, dtype=jnp.int32)
-        group_mask = None if k_mask is None else (groups < w.k // w.group_size)[None, :]
-        raw = _load(scale_ref.at[expert, n_col, groups[None, :]], _all(n_mask2, group_mask))
-        scale = _decode_scale(raw, w.scale_type).astype(values.dtype)
-        scale = jnp.broadcast_to(scale[:, :, None], (scale.shape[0], width // run, run)).reshape(-1, width)
-        return values * scale
+        tile = _group_scale_tile(scale_ref, w, expert, n_idx, k_start, cols.shape[0], ways, n_mask, k_mask is not None)
+        return values * tile.astype(values.dtype)
     if w.scale == "tensor":
         raw = scale_ref[expert, 0, 0]
     elif w.scale == "channel":
@@ -387,9 +393,18 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
     # it once gives what the f32 multiply and a cast give.
     in_compute = _scales_exact_in(w, compute_dtype)
 
+    shared_scale = None  # the span's group-scale tile, the same for each of its pieces
+
     def finish(piece: _Piece) -> _Piece:
+        nonlocal shared_scale
         if not plan.in_weights:
             return piece
+        if in_compute and w.packed:
+            if shared_scale is None:
+                width = piece.cols.shape[0]
+                tile = _group_scale_tile(scale_ref, w, expert, n_idx, k_start, width, ways, n_mask, k_limit is not None)
+                shared_scale = tile.astype(compute_dtype)
+            return dataclasses.replace(piece, values=piece.values * shared_scale)
         scaled = _scaled_elements(
             piece.values if in_compute else piece.values.astype(jnp.float32),
             (scale_ref, zero_ref, group_ref),
