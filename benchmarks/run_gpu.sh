@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v7-tests routing-tiles process-tiles hadamard-split hadamard-profile v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -36,6 +36,17 @@ for step in $steps; do
     process-tiles) timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 2048 2880 \
                      --cases silu+fp8_group128 silu+mxfp8 --tiles 2x4 4x4 4x8 8x8 16x8 8x4 \
                      --out "$out/process_tiles.json" 2>&1 | tee "$out/process_tiles.log" | tail -45 ;;
+    # Stall reasons and the SASS of the folded int4 decode kernel: are there shared-memory
+    # round trips (STS/LDS + BAR.SYNC) per decoded piece, and how many instructions per weight?
+    gemm-profile) timeout 300 ncu -k regex:gemm -c 1 --section LaunchStats --section Occupancy \
+                    --section WarpStateStats --section SchedulerStats --section SourceCounters -o "$out/gemm_decode" \
+                    python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 16 \
+                    --config 16,64,256,4,3,word_decode,fold_scales > "$out/gemm_ncu_run.txt" 2>&1
+                  ncu --import "$out/gemm_decode.ncu-rep" --page details > "$out/gemm_profile.txt" 2>&1
+                  ncu --import "$out/gemm_decode.ncu-rep" --page source --print-source sass --csv \
+                    > "$out/gemm_sass.csv" 2>&1
+                  grep -E "Stall|Warp Cycles|Registers|Achieved Occupancy|Issued" "$out/gemm_profile.txt" | head -40
+                  grep -c -E "BAR|LDS|STS" "$out/gemm_sass.csv" ;;
     hadamard-profile) timeout 200 ncu -k regex:process_input -c 1 --section SpeedOfLight --section Occupancy \
                         --section LaunchStats --section WarpStateStats --section SchedulerStats \
                         python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 2048 \
