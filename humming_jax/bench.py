@@ -335,6 +335,7 @@ def _candidates(rows):
 
 
 SWAP, WORD, BANDS, FOLD = {"swap_ab": True}, {"word_decode": True}, {"group_m": 8}, {"fold_scales": True}
+DEQ = {"dequantize_first": True}
 # Pruned by the v2-v6 sweeps (benchmarks/results/gemm_tune_h200.json): 32-row
 # decode tiles, 8-warp decode tiles and 64x256 prefill tiles never won; v6:
 # folded scales beat every unfolded decode tile (int4 97 -> 84 us, MXFP4 213 ->
@@ -378,6 +379,9 @@ PREFILL_CANDIDATES = _candidates(
         (128, 64, 128, 4, 3, SWAP | WORD | BANDS),
         (256, 64, 128, 8, 3, SWAP | WORD | BANDS),
         (256, 128, 64, 8, 3, SWAP | WORD | BANDS),
+        # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
+        (128, 256, 64, 8, 4, DEQ),
+        (128, 256, 64, 8, 4, DEQ | BANDS),
     )
 )
 M_RANGES = ((0, 16), (16, 128), (128, 1024), (1024, 8192), (8192, 1 << 30))

@@ -157,6 +157,10 @@ class TuningConfig:
     # False: the products are f32 multiply-adds on the CUDA cores (a GEMV-like
     # path for row tiles of 1-8 rows, where a 16-row MMA would mostly multiply padding).
     use_mma: bool = True
+    # Prefill: dequantize the whole weight to the compute dtype once (one pass over
+    # it, transient memory E*N*K*2 bytes) and run the 16-bit product with these
+    # tiles, instead of decoding each weight tile once per row tile.
+    dequantize_first: bool = False
 
     def __post_init__(self):
         owner = "TuningConfig"

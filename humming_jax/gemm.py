@@ -156,7 +156,20 @@ def gemm(
     if chosen == "reference":
         return gemm_reference(x, weight, layout, out_dtype)
     tuning = kernel_tuning(layout, weight, x.m, valid_shape_m, tuning, batch_invariant)
+    if tuning.dequantize_first and weight.format.is_quantized:
+        weight = _dequantized(weight, x.values.dtype)
+        tuning = dataclasses.replace(tuning, dequantize_first=False, word_decode=False, fold_scales=False)
     return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=chosen == "interpret")
+
+
+def _dequantized(weight: F.QuantizedWeight, dtype) -> F.QuantizedWeight:
+    """``weight`` as an unquantized ``[E, N, K]`` weight in ``dtype`` (bf16 or
+    f16), its bias kept: each element rounded once, as folded scales do."""
+    fmt = F.BF16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else F.F16
+    fmt = fmt.with_bias() if weight.bias is not None else fmt
+    return F.QuantizedWeight(
+        values=F.dequantize_weight(weight, dtype), bias=weight.bias, format=fmt, shape=weight.shape
+    )
 
 
 def kernel_tuning(
@@ -244,7 +257,9 @@ def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         for a in (weight.values, weight.scale, weight.zero_point, weight.second_scale, weight.group_index)
         if a is not None
     )
-    tiles = kernel.Tiles(**dataclasses.asdict(tuning))  # the kernel's mirror of TuningConfig, field for field
+    fields = dataclasses.asdict(tuning)
+    del fields["dequantize_first"]  # decided here, before the kernel
+    tiles = kernel.Tiles(**fields)  # the kernel's mirror of TuningConfig, field for field
     return kernel.expert_gemm(
         x.values,
         parts,

@@ -307,6 +307,20 @@ def test_folded_scales(fmt_name, layout_kind, tuning, rng):
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
 
 
+@pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "grouped_masked", "indexed"])
+@pytest.mark.parametrize("fmt_name", ["int4_g128+bias", "uint4_fzp_g128", "mxfp4", "nvfp4", "fp8_block128"])
+def test_dequantize_first(fmt_name, layout_kind, rng):
+    """``dequantize_first``: the weight is dequantized to bf16 once and the
+    16-bit kernel runs, so the result is the reference on the bf16-rounded
+    dequantized weight (f32 output, bound 1e-5); rows no tile owns stay zero."""
+    weight = _weight(rng, F.get_format(fmt_name), E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = _layouts(rng)[layout_kind]
+    tuning = hj.TuningConfig(block_m=16, block_n=32, block_k=64, word_decode=True, dequantize_first=True)
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
+    _check(out, _folded_reference(x, weight, layout), bound=1e-5)
+
+
 @pytest.mark.parametrize(
     "fmt_name,k,tuning",
     [
