@@ -370,6 +370,11 @@ class _SpanPlan:
     x_split: bool  # x is stored with each span's columns grouped by piece
     compute_dtype: object
     on_gpu: bool
+    # Scales in the weights multiply in the compute dtype (see _scales_exact_in).
+    # Only for MMA tiles: the multiply-add tiles widen the weights to f32 right
+    # away, and interpreted XLA then drops the bf16 rounding in between (excess
+    # precision), which the f32 multiply and cast keep.
+    scale_in_compute: bool = False
 
 
 def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan, masks):
@@ -391,7 +396,7 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
     # Scales exact in the compute dtype multiply in it (one bf16x2 multiply per
     # two weights): the product of two bf16 values is exact in f32, so rounding
     # it once gives what the f32 multiply and a cast give.
-    in_compute = _scales_exact_in(w, compute_dtype)
+    in_compute = plan.scale_in_compute
 
     shared_scale = None  # the span's group-scale tile, the same for each of its pieces
 
@@ -495,7 +500,15 @@ def _gemm_kernel(
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     in_weights = scales_in_weights(w, tiles, compute_dtype)
     span = scale_span(w, tiles, compute_dtype)
-    plan = _SpanPlan(span, nibbles_per_unit(w, tiles, compute_dtype), in_weights, x_split, compute_dtype, on_gpu)
+    plan = _SpanPlan(
+        span,
+        nibbles_per_unit(w, tiles, compute_dtype),
+        in_weights,
+        x_split,
+        compute_dtype,
+        on_gpu,
+        scale_in_compute=_scales_exact_in(w, compute_dtype) and tiles.use_mma,
+    )
     row_tile, col_tile = tile_order(pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), pl.cdiv(w.n, bn), tiles)
     rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
     n_idx = col_tile * bn + jnp.arange(bn, dtype=jnp.int32)
