@@ -12,6 +12,7 @@ and, in the same process, ``torch._grouped_mm`` (bf16) and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -266,6 +267,43 @@ def time_ragged_dot(case: Case, ids: np.ndarray) -> float | None:
         return None
 
 
+MGPU_CONFIGS = (  # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n) from its own sweep's space
+    (128, 128, 64, 4, 4),
+    (128, 192, 64, 4, 1),
+    (128, 128, 64, 4, 1),
+)
+
+
+def time_mgpu_ragged_dot(case: Case, ids: np.ndarray) -> float | None:
+    """Median microseconds of JAX's own Hopper grouped GEMM (Pallas Mosaic GPU:
+    TMA + wgmma, ``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``) on the
+    same bf16 problem, best of a few tilings; None off the GPU or if none
+    lowers. A second reference point for prefill: what TMA and wgmma reach."""
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    except ImportError:
+        return None
+    e, n, k, _ = case.shapes()
+    counts = jnp.asarray(np.bincount(ids.reshape(-1), minlength=e).astype(np.int32))
+    a = jax.random.normal(jax.random.key(1), (int(counts.sum()), k), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (e, k, n), jnp.bfloat16)
+    best = None
+    for bm, bn, bk, steps, grid_n in MGPU_CONFIGS:
+        if k % bk or n % (bn * grid_n):
+            continue
+        tiles = dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=steps, grid_block_n=grid_n)
+        fn = functools.partial(ragged_dot_mgpu.ragged_dot, **tiles)
+        try:
+            us = device_seconds(lambda x, w, g, f=fn: f(x, w, group_sizes=g), [(a, b, counts)], repeats=3) * 1e6
+        except Exception as error:  # a tiling that does not fit (shared memory) or lower: next one
+            print(f"mgpu ragged_dot {tiles} failed on {case}: {type(error).__name__}", file=sys.stderr)
+            continue
+        best = us if best is None else min(best, us)
+    return best
+
+
 def run_bench(
     problems, tokens, formats, layouts=("grouped", "indexed"), gemms=("w13", "w2"), compare=True, on_row=None
 ):
@@ -288,6 +326,8 @@ def run_bench(
                         if compare and layout == "grouped" and fmt == formats[0]:
                             result["torch_grouped_mm_us"] = time_torch_grouped_mm(case, ids)
                             result["ragged_dot_us"] = time_ragged_dot(case, ids)
+                            if t >= 512:  # prefill: the Mosaic GPU grouped GEMM as well
+                                result["mgpu_ragged_dot_us"] = time_mgpu_ragged_dot(case, ids)
                         rows.append(result)
                         print(format_row(result), flush=True)
                         if on_row is not None:
@@ -297,17 +337,19 @@ def run_bench(
 
 HEADER = (
     f"{'problem':<15}{'gemm':<5}{'layout':<8}{'T':>6}{'format':>11}{'us':>10}{'TFLOP/s':>9}{'GB/s':>8}"
-    f"{'%roof':>7}{'torch us':>10}{'ragged us':>11}{'error':>9}"
+    f"{'%roof':>7}{'torch us':>10}{'ragged us':>11}{'mgpu us':>10}{'error':>9}"
 )
 
 
 def format_row(r: dict) -> str:
-    torch_us = r.get("torch_grouped_mm_us")
-    ragged_us = r.get("ragged_dot_us")
+    def cell(key, width):
+        value = r.get(key)
+        return f"{'' if value is None else f'{value:.1f}':>{width}}"
+
     return (
         f"{r['problem']:<15}{r['gemm']:<5}{r['layout']:<8}{r['tokens']:>6}{r['fmt']:>11}{r['us']:>10.1f}"
         f"{r['tflops']:>9.1f}{r['gbps']:>8.0f}{100 * r['roofline_fraction']:>6.0f}%"
-        f"{'' if torch_us is None else f'{torch_us:.1f}':>10}{'' if ragged_us is None else f'{ragged_us:.1f}':>11}"
+        f"{cell('torch_grouped_mm_us', 10)}{cell('ragged_dot_us', 11)}{cell('mgpu_ragged_dot_us', 10)}"
         f"{r['error']:>9.1e}"
     )
 

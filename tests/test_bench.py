@@ -3,6 +3,7 @@ mode), so that GPU time is never spent finding a bug in the harness."""
 
 import json
 
+import numpy as np
 import pytest
 
 import humming_jax as hj
@@ -30,6 +31,10 @@ def test_bench_writes_json(tiny, tmp_path, capsys):
         assert r["us"] > 0 and r["gbps"] > 0 and 0 < r["roofline_fraction"]
     assert any(r.get("ragged_dot_us") for r in rows)
     assert "tiny" in capsys.readouterr().out
+    # JAX's Mosaic GPU grouped GEMM is a GPU-only reference point: no row off the GPU.
+    assert all(r.get("mgpu_ragged_dot_us") is None for r in rows)
+    ids = np.zeros((512, 2), np.int32)
+    assert bench.time_mgpu_ragged_dot(bench.Case("tiny", "w13", "grouped", 512, "bf16"), ids) is None
 
 
 def test_tune_writes_a_table_the_loader_reads(tiny, tmp_path, monkeypatch):
@@ -100,7 +105,6 @@ def test_random_weight_in_expert_chunks(monkeypatch):
     weight is valid and each chunk is the quantized draw of its experts."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from humming_jax import formats as F
 
