@@ -235,7 +235,8 @@ def moe_permute(
     """Gather ``hidden_states [T, H]`` into the grouped-contiguous layout
     ``[T*k, H]`` (row ``scatter_idx[t, j]`` holds token t), carrying an optional
     per-token input scale ``a1q_scale [T, S]`` (e.g. block-FP8 ``[T, H/128]``)
-    along. Rows of invalid slots (``>= offsets[-1]``) are zero."""
+    along. Rows of invalid slots (``>= offsets[-1]``) are zero. ``row_tiles``
+    sets the kernel's tiling (:class:`RowTilesConfig`; default 16 x 512 x 4)."""
     _check_routing(topk_ids, num_experts, expert_map, "moe_permute")
     if hidden_states.ndim != 2 or hidden_states.shape[0] != topk_ids.shape[0]:
         raise ValueError(
@@ -283,7 +284,8 @@ def moe_unpermute(
     """Weighted gather-reduce back to token order:
     ``out[t] = sum_j w[t, j] * permuted[inv[t*k + j]]`` over slots whose row is
     below ``expert_first_token_offset[-1]`` (others contribute zero). fp32
-    accumulation; returns ``[T, H]`` in the dtype of ``permuted_hidden_states``."""
+    accumulation; returns ``[T, H]`` in the dtype of ``permuted_hidden_states``.
+    ``row_tiles`` sets the kernel's tiling (:class:`RowTilesConfig`)."""
     if permuted_hidden_states.ndim != 2:
         raise ValueError(f"moe_unpermute: permuted_hidden_states must be [M, H], got {permuted_hidden_states.shape}")
     if topk_weights.ndim != 2:
@@ -331,7 +333,8 @@ def moe_fused_mul_sum(
     """``out[t] = sum_j w[t, j] * inputs[t, j]`` over valid slots, for
     ``inputs [T, k, N]``; slots whose id is outside ``[0, E)`` or maps to -1
     contribute zero; rows ``t >= num_valid_tokens[0]`` are zero. fp32
-    accumulation; returns ``[T, N]`` in the dtype of ``inputs``."""
+    accumulation; returns ``[T, N]`` in the dtype of ``inputs``. ``row_tiles``
+    sets the kernel's tiling (:class:`RowTilesConfig`)."""
     _check_routing(topk_ids, num_experts, expert_map, "moe_fused_mul_sum")
     if inputs.ndim != 3 or inputs.shape[:2] != topk_ids.shape:
         raise ValueError(
