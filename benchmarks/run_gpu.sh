@@ -29,9 +29,10 @@ for step in $steps; do
                      --row-tiles 8x512x4 4x1024x4 8x1024x8 8x512x8 16x256x4 4x512x4 2x2048x8 4x256x4 2x512x2 \
                      --out "$out/routing_tiles.json" 2>&1 | grep -v '^done' | tee "$out/routing_tiles.log" ;;
     # Where the Hadamard case's time goes: rotation alone, + per-group scale, + per-token scale.
-    hadamard-split) timeout 150 python3 -W ignore -m benchmarks.bench_process_input --tokens 512 4096 --widths 768 2048 \
+    # (and the two-pass kernel: 128-column blocks of 64 / 32 rows, the per-token max in a first pass).
+    hadamard-split) timeout 240 python3 -W ignore -m benchmarks.bench_process_input --tokens 512 4096 --widths 768 2048 \
                       --cases hadamard128+none hadamard128+fp8_group128 hadamard128+fp8_token silu+fp8_group128 \
-                      --out "$out/hadamard_split.json" 2>&1 | tee "$out/hadamard_split.log" | tail -12 ;;
+                      --tiles 0x0x2 32x4x2 --out "$out/hadamard_split.json" 2>&1 | tee "$out/hadamard_split.log" | tail -30 ;;
     # Rows per program and warps of process_input where it misses 70 % (K=768: 61 %, K=2880: 64 %).
     process-tiles) timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 2048 2880 \
                      --cases silu+fp8_group128 silu+mxfp8 --tiles 2x4 4x4 4x8 8x8 16x8 8x4 \

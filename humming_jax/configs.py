@@ -220,10 +220,14 @@ class RowTilesConfig:
 class ProcessTilesConfig:
     """Tiling of the ``process_input`` kernel: ``block_rows`` whole rows per
     program on ``num_warps`` warps (powers of two; 0: chosen from the row width
-    — ~4096 elements per program, 8 warps from 8192)."""
+    — ~4096 elements per program, 8 warps from 8192). ``two_pass`` (Hadamard
+    only): the rows are processed as b-wide column blocks of up to 64 rows, the
+    per-token max found in a first pass and the blocks rotated again to be
+    quantized, instead of whole rows held at once."""
 
     block_rows: int = 0
     num_warps: int = 0
+    two_pass: bool = False
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):
@@ -234,12 +238,16 @@ class ProcessTilesConfig:
 
     @classmethod
     def parse(cls, text: str) -> ProcessTilesConfig:
-        """From ``"ROWSxWARPS"`` (e.g. ``"8x8"``)."""
+        """From ``"ROWSxWARPS"`` or ``"ROWSxWARPSxPASSES"`` (e.g. ``"8x8"``,
+        ``"64x8x2"``; 0 rows or warps: chosen)."""
         try:
-            rows, warps = (int(part) for part in text.split("x"))
-        except ValueError:
-            raise ValueError(f"process tiles: expected ROWSxWARPS such as 8x8, got {text!r}") from None
-        return cls(rows, warps)
+            parts = [int(part) for part in text.split("x")]
+            assert len(parts) in (2, 3) and (len(parts) == 2 or parts[2] in (1, 2))
+        except (ValueError, AssertionError):
+            raise ValueError(
+                f"process tiles: expected ROWSxWARPS[xPASSES] such as 8x8 or 64x8x2, got {text!r}"
+            ) from None
+        return cls(parts[0], parts[1], two_pass=len(parts) == 3 and parts[2] == 2)
 
 
 @dataclasses.dataclass(frozen=True)

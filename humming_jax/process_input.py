@@ -190,6 +190,20 @@ def process_input(
     return _process_input_kernel(x, steps, arrays, tiles or ProcessTilesConfig(), interpret=chosen == "interpret")
 
 
+def _check_two_pass(cfg, tiles: ProcessTilesConfig) -> None:
+    """Two passes rotate b-wide column blocks of 16+ rows: they need a Hadamard
+    block size and groups that fit in one block."""
+    if not cfg.hadamard:
+        raise ValueError("process_input: tiles.two_pass: only for a Hadamard rotation (hadamard_block_size)")
+    if cfg.group_size > cfg.hadamard:
+        raise ValueError(
+            f"process_input: tiles.two_pass: groups of {cfg.group_size} columns span several Hadamard blocks of "
+            f"{cfg.hadamard}; use one pass"
+        )
+    if tiles.block_rows and tiles.block_rows < 16:
+        raise ValueError(f"process_input: tiles.block_rows: two passes need at least 16 rows, got {tiles.block_rows}")
+
+
 def _process_input_kernel(
     x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays, tiles: ProcessTilesConfig, interpret: bool
 ) -> Q.QuantizedInput:
@@ -217,9 +231,12 @@ def _process_input_kernel(
         max_tokens=m_in // expert_num_tokens.shape[0] if expert_num_tokens is not None else 0,
         block_rows=tiles.block_rows,
         num_warps=tiles.num_warps,
+        two_pass=tiles.two_pass,
         gpu=not interpret,
     )
-    if cfg.hadamard and tiles.block_rows:
+    if tiles.two_pass:
+        _check_two_pass(cfg, tiles)
+    elif cfg.hadamard and tiles.block_rows:
         per_row = min(size for _, size in cfg.segments) // cfg.hadamard
         if tiles.block_rows * per_row < 16:
             raise ValueError(

@@ -52,6 +52,10 @@ class ProcessConfig:
     max_tokens: int = 0  # grouped_mask: rows per expert
     block_rows: int = 0  # 0: chosen from the width
     num_warps: int = 0  # 0: 4, or 8 for blocks of 8192+ elements
+    # Hadamard in two passes over b-wide column blocks of many rows (first the
+    # per-token max, then rotate again and quantize): no reshape around the
+    # products, which take [rows, b] tiles straight from the loads.
+    two_pass: bool = False
     gpu: bool = False  # compiled for the GPU (not interpreted): use exact division
 
     @property
@@ -76,6 +80,8 @@ class ProcessConfig:
     def rows(self) -> int:
         if self.block_rows:
             return self.block_rows
+        if self.two_pass:
+            return max(16, min(64, 8192 // self.hadamard))
         rows = max(1, 4096 // self.width)
         if self.hadamard:
             # The rotation's products [rows * size / b, b] x [b, b] need 16 rows in
@@ -91,7 +97,7 @@ class ProcessConfig:
     def warps(self) -> int:
         if self.num_warps:
             return self.num_warps
-        return 8 if self.rows * self.width >= 8192 else 4
+        return 8 if self.rows * (self.hadamard if self.two_pass else self.width) >= 8192 else 4
 
     @property
     def packed(self) -> bool:
@@ -187,10 +193,11 @@ def _row_max(blocks):
     return functools.reduce(jnp.maximum, maxima)
 
 
-def _quantize(ys, static_ref, cfg: ProcessConfig):
+def _quantize(ys, static_ref, cfg: ProcessConfig, row_amax=None):
     """Quantize a row's column blocks ``ys`` (list of ``[rows, c]`` f32).
-    Returns (values per block, scale per block (groups) or per row (token) or
-    None, second scale per row or None)."""
+    ``row_amax`` ``[rows]``: the max of ``|y|`` over the whole row when ``ys``
+    is only part of it (two passes). Returns (values per block, scale per
+    block (groups) or per row (token) or None, second scale per row or None)."""
     rows = ys[0].shape[0]
     if cfg.mode == "none":
         return [y.astype(jnp.dtype(cfg.out_dtype)) for y in ys], None, None
@@ -201,7 +208,7 @@ def _quantize(ys, static_ref, cfg: ProcessConfig):
         inverse = recip(jnp.full((rows, 1), static_ref[0], jnp.float32))
         return [_encode(y * inverse, cfg) for y in ys], None, None
     if cfg.mode == "dynamic_token":
-        scale = divide(_row_max([jnp.abs(y) for y in ys]), qmax)
+        scale = divide(_row_max([jnp.abs(y) for y in ys]) if row_amax is None else row_amax, qmax)
         inverse = recip(scale)[:, None]
         return [_encode(y * inverse, cfg) for y in ys], scale, None
     grouped = [y.reshape(rows, y.shape[1] // cfg.group_size, cfg.group_size) for y in ys]
@@ -210,7 +217,7 @@ def _quantize(ys, static_ref, cfg: ProcessConfig):
     if cfg.mode == "static_tensor_dynamic_group":
         second = jnp.full((rows,), static_ref[0], jnp.float32)
     elif cfg.mode == "dynamic_group_token":  # the row amax lands on e4m3 max x element max
-        second = divide(_row_max(amaxes), FLOAT8_E4M3_MAX * qmax)
+        second = divide(_row_max(amaxes) if row_amax is None else row_amax, FLOAT8_E4M3_MAX * qmax)
     values, stored_scales = [], []
     for g, amax in zip(grouped, amaxes, strict=True):
         if second is not None:
@@ -244,15 +251,8 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
     block_rows = cfg.rows
     rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     row_mask = rows < m_in
-    segments = cfg.segments
-    padded = segments[0][1] > cfg.k_out  # one block wider than the row: mask its tail
     bf16_exact = cfg.activation is None and x_ref.dtype == jnp.bfloat16
-    ys = []
-    for start, size in segments:
-        y = _activated(x_ref, rows, row_mask, start, size, padded, cfg)
-        ys.append(_rotate(y, h_ref, cfg, bf16_exact) if cfg.hadamard else y)
     num_valid = valid_ref[0]
-
     if cfg.layout == "scatter":
         destinations = [
             plgpu.load(scatter_ref.at[rows * cfg.copies + r], mask=row_mask, other=0) for r in range(cfg.copies)
@@ -264,27 +264,77 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
             count = plgpu.load(counts_ref.at[rows // cfg.max_tokens], mask=row_mask, other=0)
             keep = keep & (rows % cfg.max_tokens < count)
         destinations, keeps = [rows], [keep]
+    out = _Outputs(values_ref, scale_ref, scale2_ref, destinations, keeps, row_mask)
 
-    values, scales, second = _quantize(ys, static_ref, cfg)
+    if cfg.two_pass:
+        b = cfg.hadamard
+
+        def rotated(i):  # columns [i*b, (i+1)*b) after activation and rotation
+            return _rotate(_activated(x_ref, rows, row_mask, i * b, b, False, cfg), h_ref, cfg, bf16_exact)
+
+        row_amax = None
+        if cfg.mode in ("dynamic_token", "dynamic_group_token"):
+            row_amax = jax.lax.fori_loop(
+                0,
+                cfg.k_out // b,
+                lambda i, amax: jnp.maximum(amax, jnp.max(jnp.abs(rotated(i)), axis=1)),
+                jnp.zeros((block_rows,), jnp.float32),
+            )
+
+        def write(i, carry):
+            _store(out, _quantize([rotated(i)], static_ref, cfg, row_amax), ((i * b, b),), False, cfg)
+            return carry
+
+        jax.lax.fori_loop(0, cfg.k_out // b, write, 0)
+        return
+    segments = cfg.segments
+    padded = segments[0][1] > cfg.k_out  # one block wider than the row: mask its tail
+    ys = []
+    for start, size in segments:
+        y = _activated(x_ref, rows, row_mask, start, size, padded, cfg)
+        ys.append(_rotate(y, h_ref, cfg, bf16_exact) if cfg.hadamard else y)
+    _store(out, _quantize(ys, static_ref, cfg), segments, padded, cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    """Where a program's rows go: the output refs and, per copy of a row, its
+    destination rows and which of them keep their values (others get zeros)."""
+
+    values_ref: object
+    scale_ref: object
+    scale2_ref: object
+    destinations: list
+    keeps: list
+    row_mask: jax.Array
+
+
+def _store(out: _Outputs, quantized, segments, padded: bool, cfg: ProcessConfig):
+    """Store the quantized column blocks (``segments``: ``(start, size)``, start
+    static or traced) and their scales at every destination of the rows."""
+    values, scales, second = quantized
+    row_mask = out.row_mask
     per_byte = 2 if cfg.packed else 1
-    for dest, keep in zip(destinations, keeps, strict=True):
-        out_rows = codecs.scatter_index(dest, row_mask, values_ref.shape[0])
+    for dest, keep in zip(out.destinations, out.keeps, strict=True):
+        out_rows = codecs.scatter_index(dest, row_mask, out.values_ref.shape[0])
         for index, (start, size) in enumerate(segments):
             value_cols = start // per_byte + jnp.arange(size // per_byte, dtype=jnp.int32)
             mask = row_mask[:, None] & (value_cols < cfg.k_out // per_byte)[None, :] if padded else row_mask[:, None]
             plgpu.store(
-                values_ref.at[out_rows[:, None], value_cols[None, :]], _zero_rows(values[index], keep), mask=mask
+                out.values_ref.at[out_rows[:, None], value_cols[None, :]], _zero_rows(values[index], keep), mask=mask
             )
             if isinstance(scales, list):
                 group_cols = start // cfg.group_size + jnp.arange(size // cfg.group_size, dtype=jnp.int32)
                 mask = row_mask[:, None] & (group_cols < cfg.num_groups)[None, :] if padded else row_mask[:, None]
                 plgpu.store(
-                    scale_ref.at[out_rows[:, None], group_cols[None, :]], _zero_rows(scales[index], keep), mask=mask
+                    out.scale_ref.at[out_rows[:, None], group_cols[None, :]],
+                    _zero_rows(scales[index], keep),
+                    mask=mask,
                 )
         if scales is not None and not isinstance(scales, list):
-            plgpu.store(scale_ref.at[out_rows, 0], _zero_rows(scales, keep), mask=row_mask)
+            plgpu.store(out.scale_ref.at[out_rows, 0], _zero_rows(scales, keep), mask=row_mask)
         if second is not None:
-            plgpu.store(scale2_ref.at[out_rows, 0], _zero_rows(second, keep), mask=row_mask)
+            plgpu.store(out.scale2_ref.at[out_rows, 0], _zero_rows(second, keep), mask=row_mask)
 
 
 def _zero_rows(array, keep):

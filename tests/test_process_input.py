@@ -381,3 +381,58 @@ def test_tiles_too_few_rows_for_the_hadamard_products():
         hj.process_input(x, hadamard_block_size=128, tiles=hj.ProcessTilesConfig(4, 4), backend=KERNEL_BACKEND)
     with pytest.raises(ValueError, match="num_warps"):
         hj.ProcessTilesConfig(4, 3)
+
+
+@pytest.mark.parametrize(
+    "spec", [Q.NONE, Q.FP8_DYNAMIC_TOKEN, Q.MXFP8_DYNAMIC, Q.NVFP4_DYNAMIC_TOKEN], ids=lambda s: s.name
+)
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_hadamard_two_pass(spec, activation, rng):
+    """``tiles.two_pass``: 128-column blocks of 16 rows, the per-token max from a
+    first pass; against the reference like the one-pass kernel (19 rows: a ragged
+    last block; K=384: three blocks). Without activation (one bf16 product of
+    exact inputs) it equals the one-pass output; after SILU the two high/low
+    products may sum in another order for another tile shape."""
+    x = jnp.asarray(_inputs(rng, 19, 768 if activation else 384), jnp.bfloat16)
+    static = jnp.asarray([0.02], jnp.float32) if spec.mode.is_static else None
+    kw = dict(activation=activation, hadamard_block_size=128, static_scale=static)
+    kw["num_valid_tokens"] = jnp.asarray([17], jnp.int32)
+    two = hj.process_input(x, spec, tiles=hj.ProcessTilesConfig(16, 4, two_pass=True), backend=KERNEL_BACKEND, **kw)
+    ref = hj.process_input(x, spec, backend="reference", **kw)
+    _check_against_reference(two, ref, False, np.asarray(x, np.float64))
+    if activation is not None:
+        return
+    one = hj.process_input(x, spec, backend=KERNEL_BACKEND, **kw)
+    for a, b in ((two.values, one.values), (two.scale, one.scale), (two.scale_2, one.scale_2)):
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_two_pass_needs_a_hadamard_and_fitting_groups():
+    x = jnp.ones((16, 256), jnp.bfloat16)
+    two = hj.ProcessTilesConfig(two_pass=True)
+    with pytest.raises(ValueError, match="two_pass"):
+        hj.process_input(x, Q.FP8_DYNAMIC_TOKEN, tiles=two, backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="two_pass"):
+        hj.process_input(x, Q.FP8_DYNAMIC_GROUP128, hadamard_block_size=64, tiles=two, backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="block_rows"):
+        hj.process_input(x, hadamard_block_size=64, tiles=hj.ProcessTilesConfig(8, 4, True), backend=KERNEL_BACKEND)
+    assert hj.ProcessTilesConfig.parse("64x8x2") == hj.ProcessTilesConfig(64, 8, True)
+
+
+def test_hadamard_two_pass_scatter(rng):
+    """Two passes with the scatter layout (the grouped path's permute, 3 copies
+    per token, bounded by num_valid_tokens): the one-pass kernel's output."""
+    t, top_k = 21, 3
+    ids = rng.integers(0, 8, size=(t, top_k)).astype(np.int32)
+    ids[0, 1] = -1
+    offsets, scatter_idx = hj.moe_prepare_scatter(jnp.asarray(ids), 8)
+    x = jnp.asarray(_inputs(rng, t, 256), jnp.bfloat16)
+    kw = dict(hadamard_block_size=64, layout="scatter", scatter_idx=scatter_idx, num_valid_tokens=offsets[-1:])
+    two = hj.process_input(
+        x, Q.FP8_DYNAMIC_TOKEN, tiles=hj.ProcessTilesConfig(two_pass=True), backend=KERNEL_BACKEND, **kw
+    )
+    one = hj.process_input(x, Q.FP8_DYNAMIC_TOKEN, backend=KERNEL_BACKEND, **kw)
+    np.testing.assert_array_equal(np.asarray(two.values).view(np.uint8), np.asarray(one.values).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(two.scale), np.asarray(one.scale))
+    assert np.all(np_ref.dequantize_input(two)[int(offsets[-1]) :] == 0)
