@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -74,6 +74,9 @@ for step in $steps; do
                         --tokens 16 4096 --out "$out/gemm_large.json" 2>&1 | tee "$out/gemm_bench_large.log" ;;
     tune) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats bf16 int4_g128 \
             --out "$out/tuning_h200.json" 2>&1 | tee "$out/tune.log" | tail -20 ;;
+    # qwen3 w2 (K=768) prefill, bf16 at 0.86x torch: its own entries, keyed by its shape.
+    tune-w2) timeout 400 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --gemm w2 --formats bf16 \
+               --layouts grouped --min-m 8193 --per-shape --out "$table" 2>&1 | tee "$out/tune_w2.log" | tail -20 ;;
     # Large experts (the banded program order, group_m): mixtral prefill.
     tune-large) timeout 540 python3 -W ignore -m humming_jax tune --problem mixtral-8x7b --formats bf16 int4_g128 \
                   --layouts grouped --min-m 1025 --max-m 8192 --per-shape --out "$table" 2>&1 \

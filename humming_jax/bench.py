@@ -467,7 +467,7 @@ def tune_main(args) -> int:
             for low, high in M_RANGES:
                 if (args.max_m and low >= args.max_m) or high < args.min_m:
                     continue
-                case = Case(args.problem, "w13", layout_name, max(1, min(high, 16384) // top_k), fmt)
+                case = Case(args.problem, args.gemm, layout_name, max(1, min(high, 16384) // top_k), fmt)
                 shape = case.shapes()[:3] if args.per_shape else None
                 key = (T.table_key(kind, T.format_class(F.get_format(fmt)), shape), low, high)
                 members[key] = members.get(key, 0) + 1
@@ -497,7 +497,7 @@ def tune_main(args) -> int:
     meta = dict(old_meta, device=str(jax.devices()[0].device_kind), date=time.strftime("%Y-%m-%d"))
     meta["tuned"] = [
         *old_meta.get("tuned", []),
-        f"{meta['date']} {args.problem}: {' '.join(sorted(timings_keys(timings)))}",
+        f"{meta['date']} {args.problem} {args.gemm}: {' '.join(sorted(timings_keys(timings)))}",
     ]
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, entries=table), f, indent=1)

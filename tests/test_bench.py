@@ -79,6 +79,9 @@ def test_tune_per_shape_entries_take_precedence(tiny, tmp_path, monkeypatch):
     assert tuning.choose_tuning(layout, int4, 6, e, n, k).num_stages == 2  # the shape's entry
     assert tuning.choose_tuning(layout, int4, 6, e, n, 2 * k).block_n == 64  # another shape: the class entry
     assert tuning.choose_tuning(layout, int4, 64, e, n, k) == tuning.heuristic_tuning(64 // e, n, k, "4bit")
+    assert cli.main([*args, "--gemm", "w2", "--out", str(out)]) == 0  # w2's shape gets its own key
+    e2, n2, k2, _ = bench.Case("tiny", "w2", "grouped", 1, "int4_g32").shapes()
+    assert tuning.table_key("grouped_contiguous", "4bit", (e2, n2, k2)) in json.loads(out.read_text())["entries"]
 
 
 @pytest.mark.parametrize("layout_name", ["grouped", "indexed"])
