@@ -262,18 +262,36 @@ def _scales_exact_in(w: WeightSpec, compute_dtype) -> bool:
     )
 
 
-def _group_scale_tile(scale_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked):
-    """Group scales (f32 ``[bn, width]``) of a piece of ``width`` columns of the
-    span at ``k_start``: its columns fall in runs of ``run`` per group (the
-    same runs for every piece of the span), so one scale per run is loaded and
-    broadcast along it (no per-element gather)."""
+def _group_runs(w: WeightSpec, k_start, width: int, ways: int, n_mask, k_masked: bool):
+    """The groups of a piece of ``width`` columns of the span at ``k_start``:
+    its columns fall in runs of ``run`` per group (the same runs for every
+    piece of the span). Returns (groups ``[1, width // run]``, run, load mask)."""
     run = min(width, max(1, w.group_size // ways))
     groups = k_start // w.group_size + jnp.arange(width // run, dtype=jnp.int32)
     group_mask = (groups < w.k // w.group_size)[None, :] if k_masked else None
-    n_mask2 = None if n_mask is None else n_mask[:, None]
-    raw = _load(scale_ref.at[expert, n_idx[:, None], groups[None, :]], _all(n_mask2, group_mask))
-    scale = _decode_scale(raw, w.scale_type)
-    return jnp.broadcast_to(scale[:, :, None], (scale.shape[0], width // run, run)).reshape(-1, width)
+    return groups[None, :], run, _all(None if n_mask is None else n_mask[:, None], group_mask)
+
+
+def _along_runs(per_group, width: int, run: int):
+    """``[bn, width // run]`` (one value per run) broadcast to ``[bn, width]``."""
+    return jnp.broadcast_to(per_group[:, :, None], (per_group.shape[0], width // run, run)).reshape(-1, width)
+
+
+def _group_scale_tile(scale_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked):
+    """Group scales (f32 ``[bn, width]``) of a piece: one load per run of columns."""
+    groups, run, mask = _group_runs(w, k_start, width, ways, n_mask, k_masked)
+    raw = _load(scale_ref.at[expert, n_idx[:, None], groups], mask)
+    return _along_runs(_decode_scale(raw, w.scale_type), width, run)
+
+
+def _group_zero_tile(zero_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked):
+    """Zero points (f32 ``[bn, width]``) of a piece: one load per run of columns."""
+    groups, run, mask = _group_runs(w, k_start, width, ways, n_mask, k_masked)
+    if w.zero_point == "int":
+        zero = _int_zero(zero_ref, expert, n_idx[:, None], groups, mask)
+    else:
+        zero = _load(zero_ref.at[expert, n_idx[:, None], groups], mask)
+    return _along_runs(zero.astype(jnp.float32), width, run)
 
 
 def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, masks, ways: int):
@@ -288,7 +306,10 @@ def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, 
     n_col = n_idx[:, None]
     n_mask2 = None if n_mask is None else n_mask[:, None]
     mask = _all(n_mask2, None if k_mask is None else k_mask[None, :])
-    if w.zero_point == "int":
+    if w.zero_point != "none" and not w.has_group_index:
+        width = cols.shape[0]
+        values = values - _group_zero_tile(zero_ref, w, expert, n_idx, k_start, width, ways, n_mask, k_mask is not None)
+    elif w.zero_point == "int":
         values = values - _int_zero(zero_ref, expert, n_col, group, mask).astype(jnp.float32)
     elif w.zero_point == "float":
         values = values - _load(zero_ref.at[expert, n_col, group], mask).astype(jnp.float32)

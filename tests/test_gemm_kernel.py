@@ -307,6 +307,20 @@ def test_folded_scales(fmt_name, layout_kind, tuning, rng):
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
 
 
+@pytest.mark.parametrize("fmt_name", ["uint4_zp_g128", "uint4_fzp_g128"])
+def test_folded_zero_points_with_a_partial_last_tile(fmt_name, rng):
+    """Folded scales and zero points (one load per group run) when the last K
+    tile is partial (K=384 with 256-wide tiles): the bf16-rounded reference."""
+    weight = _weight(rng, F.get_format(fmt_name), E, k=384)
+    x = jnp.asarray(rng.normal(size=(M, 384)), jnp.bfloat16)
+    for layout in _layouts(rng).values():
+        if isinstance(layout, hj.Dense):
+            continue
+        tuning = hj.TuningConfig(16, 32, 256, word_decode=True, fold_scales=True)
+        out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
+        _check(out, _folded_reference(x, weight, layout), bound=1e-5)
+
+
 @pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "grouped_masked", "indexed"])
 @pytest.mark.parametrize("fmt_name", ["int4_g128+bias", "uint4_fzp_g128", "mxfp4", "nvfp4", "fp8_block128"])
 def test_dequantize_first(fmt_name, layout_kind, rng):
