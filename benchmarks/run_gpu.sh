@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -68,6 +68,9 @@ for step in $steps; do
     gemm-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_pipelines.py 2>&1 | tee "$out/gemm_tests.log" | tail -15 ;;
     gemm-bench) timeout 420 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
                   --tokens 16 4096 --out "$out/gemm.json" 2>&1 | tee "$out/gemm_bench.log" ;;
+    # AWQ-style uint4 with zero points at decode (folded scales and zero points).
+    gemm-bench-awq) timeout 200 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b --tokens 16 \
+                      --formats uint4_zp_g128 --no-compare --out "$out/gemm_awq.json" 2>&1 | tee "$out/gemm_bench_awq.log" ;;
     gemm-bench-small) timeout 540 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
                         --tokens 1 128 512 --out "$out/gemm_small.json" 2>&1 | tee "$out/gemm_bench_small.log" ;;
     gemm-bench-large) timeout 540 python3 -W ignore -m humming_jax bench --problems deepseek-v3 gpt-oss-120b \
