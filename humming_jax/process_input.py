@@ -190,9 +190,18 @@ def process_input(
     return _process_input_kernel(x, steps, arrays, tiles or ProcessTilesConfig(), interpret=chosen == "interpret")
 
 
-def _check_two_pass(cfg, tiles: ProcessTilesConfig) -> None:
-    """Two passes rotate b-wide column blocks of 16+ rows: they need a Hadamard
-    block size and groups that fit in one block."""
+def _check_tiles(cfg, tiles: ProcessTilesConfig) -> None:
+    """The Hadamard products need 16 rows (the MMA minimum). Two passes rotate
+    b-wide column blocks of the program's rows: they need a Hadamard block size
+    and groups that fit in one block."""
+    if not tiles.two_pass:
+        per_row = cfg.hadamard_blocks_per_row if cfg.hadamard else 0
+        if per_row and tiles.block_rows and tiles.block_rows * per_row < 16:
+            raise ValueError(
+                f"process_input: tiles.block_rows: the Hadamard products need 16 rows of {cfg.hadamard} columns, "
+                f"so at least {-(-16 // per_row)} rows per program here; got {tiles.block_rows}"
+            )
+        return
     if not cfg.hadamard:
         raise ValueError("process_input: tiles.two_pass: only for a Hadamard rotation (hadamard_block_size)")
     if cfg.group_size > cfg.hadamard:
@@ -234,15 +243,7 @@ def _process_input_kernel(
         two_pass=tiles.two_pass,
         gpu=not interpret,
     )
-    if tiles.two_pass:
-        _check_two_pass(cfg, tiles)
-    elif cfg.hadamard and tiles.block_rows:
-        per_row = min(size for _, size in cfg.segments) // cfg.hadamard
-        if tiles.block_rows * per_row < 16:
-            raise ValueError(
-                f"process_input: tiles.block_rows: the Hadamard products need 16 rows of {cfg.hadamard} columns, "
-                f"so at least {-(-16 // per_row)} rows per program here; got {tiles.block_rows}"
-            )
+    _check_tiles(cfg, tiles)
     if num_valid_tokens is None:
         num_valid_tokens = jnp.full((1,), m_in * copies, jnp.int32)
     values, scale, scale_2 = kernel.process_input(

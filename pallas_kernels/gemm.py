@@ -299,23 +299,24 @@ def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, 
     group of column k being ``group_index[e, k]`` (act-order) or ``k // group``."""
     scale_ref, zero_ref, group_ref = refs
     n_mask, k_mask = masks
-    if w.has_group_index:
-        group = _load(group_ref.at[expert, cols], k_mask)[None, :]
-    else:
-        group = (cols // max(w.group_size, 1))[None, :]
+    width, k_masked = cols.shape[0], k_mask is not None
+    if not w.has_group_index:  # groups of consecutive columns: one load per run of a group
+        if w.zero_point != "none":
+            values = values - _group_zero_tile(zero_ref, w, expert, n_idx, k_start, width, ways, n_mask, k_masked)
+        if w.scale == "group":
+            tile = _group_scale_tile(scale_ref, w, expert, n_idx, k_start, width, ways, n_mask, k_masked)
+            return values * tile.astype(values.dtype)
     n_col = n_idx[:, None]
     n_mask2 = None if n_mask is None else n_mask[:, None]
     mask = _all(n_mask2, None if k_mask is None else k_mask[None, :])
-    if w.zero_point != "none" and not w.has_group_index:
-        width = cols.shape[0]
-        values = values - _group_zero_tile(zero_ref, w, expert, n_idx, k_start, width, ways, n_mask, k_mask is not None)
-    elif w.zero_point == "int":
-        values = values - _int_zero(zero_ref, expert, n_col, group, mask).astype(jnp.float32)
-    elif w.zero_point == "float":
-        values = values - _load(zero_ref.at[expert, n_col, group], mask).astype(jnp.float32)
-    if w.scale == "group" and not w.has_group_index:
-        tile = _group_scale_tile(scale_ref, w, expert, n_idx, k_start, cols.shape[0], ways, n_mask, k_mask is not None)
-        return values * tile.astype(values.dtype)
+    if w.has_group_index:  # act-order: each column's own group
+        group = _load(group_ref.at[expert, cols], k_mask)[None, :]
+        if w.zero_point == "int":
+            values = values - _int_zero(zero_ref, expert, n_col, group, mask).astype(jnp.float32)
+        elif w.zero_point == "float":
+            values = values - _load(zero_ref.at[expert, n_col, group], mask).astype(jnp.float32)
+    else:
+        group = (cols // max(w.group_size, 1))[None, :]
     if w.scale == "tensor":
         raw = scale_ref[expert, 0, 0]
     elif w.scale == "channel":
@@ -417,22 +418,20 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
     # Scales exact in the compute dtype multiply in it (one bf16x2 multiply per
     # two weights): the product of two bf16 values is exact in f32, so rounding
     # it once gives what the f32 multiply and a cast give.
-    in_compute = plan.scale_in_compute
-
     shared_scale = None  # the span's group-scale tile, the same for each of its pieces
 
     def finish(piece: _Piece) -> _Piece:
         nonlocal shared_scale
         if not plan.in_weights:
             return piece
-        if in_compute and w.packed:
+        if plan.scale_in_compute and w.packed:
             if shared_scale is None:
                 width = piece.cols.shape[0]
                 tile = _group_scale_tile(scale_ref, w, expert, n_idx, k_start, width, ways, n_mask, k_limit is not None)
                 shared_scale = tile.astype(compute_dtype)
             return dataclasses.replace(piece, values=piece.values * shared_scale)
         scaled = _scaled_elements(
-            piece.values if in_compute else piece.values.astype(jnp.float32),
+            piece.values if plan.scale_in_compute else piece.values.astype(jnp.float32),
             (scale_ref, zero_ref, group_ref),
             w,
             expert,

@@ -88,10 +88,16 @@ class ProcessConfig:
             # every column block (the MMA minimum) and run better with 64 (v1's
             # 32-row products left the Hadamard case at 20 % of copy bandwidth),
             # as far as a block of 8192 elements allows.
-            per_row = min(size for _, size in self.segments) // self.hadamard
+            per_row = self.hadamard_blocks_per_row
             wanted = min(pl.cdiv(64, per_row), max(1, 8192 // self.width))
             rows = max(rows, pl.cdiv(16, per_row), wanted)
         return rows
+
+    @property
+    def hadamard_blocks_per_row(self) -> int:
+        """Hadamard blocks in a row's narrowest column block: a product of one
+        pass has ``rows * hadamard_blocks_per_row`` rows."""
+        return min(size for _, size in self.segments) // self.hadamard
 
     @property
     def warps(self) -> int:
