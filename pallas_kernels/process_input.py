@@ -82,7 +82,9 @@ class ProcessConfig:
             return self.block_rows
         if self.two_pass:
             return max(16, min(64, 8192 // self.hadamard))
-        rows = max(1, 4096 // self.width)
+        # At least 2 rows: the H200 sweep had K=2880 (width 4096) at 71 % of copy
+        # bandwidth with 2 rows and 4 warps, 63 % with 1.
+        rows = max(2, 4096 // self.width)
         if self.hadamard:
             # The rotation's products [rows * size / b, b] x [b, b] need 16 rows in
             # every column block (the MMA minimum) and run better with 64 (v1's
@@ -103,7 +105,10 @@ class ProcessConfig:
     def warps(self) -> int:
         if self.num_warps:
             return self.num_warps
-        return 8 if self.rows * (self.hadamard if self.two_pass else self.width) >= 8192 else 4
+        elements = self.rows * (self.hadamard if self.two_pass else self.width)
+        # Plain rows kept 4 warps up to 2 x 4096 elements on the H200 (8 warps: 66 %
+        # vs 71 % at K=2880); the Hadamard products were measured with 8 at 8192.
+        return 8 if elements >= (8192 if self.hadamard else 16384) else 4
 
     @property
     def packed(self) -> bool:

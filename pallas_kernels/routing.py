@@ -287,8 +287,8 @@ MIN_ROW_PROGRAMS = 1024  # ~8 per SM: enough row gathers in flight to hide their
 
 @dataclasses.dataclass(frozen=True)
 class RowTiles:
-    block_tokens: int = 16
-    block_cols: int = 512
+    block_tokens: int = 4
+    block_cols: int = 256
     num_warps: int = 4
     min_block_tokens: int = 4
 
