@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v8-tests pair-inspect tune-prefill-int4 v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -21,6 +21,17 @@ table="$out/tuning_h200.json"
 for step in $steps; do
   echo "=== $step"
   case $step in
+    # After the fifth session: the pair decode (nibbles j and j+4 as one MMA k-pair) with the real lowering.
+    v8-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_word_decode.py -k "pair or word or fold" \
+                2>&1 | tee "$out/v8_tests.log" | tail -5 ;;
+    pair-inspect) timeout 300 python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 16 \
+                    --config 16,32,256,2,3,word_decode,fold_scales --config 16,32,256,2,3,word_decode,fold_scales,pair_decode \
+                    --config 16,64,256,4,3,word_decode,fold_scales,pair_decode 2>&1 | tee "$out/pair_inspect.log" | tail -5
+                  timeout 200 python3 -W ignore -m benchmarks.inspect_gemm --fmt mxfp4 --tokens 16 \
+                    --config 16,32,256,2,3,word_decode,fold_scales --config 16,32,256,2,3,word_decode,fold_scales,pair_decode \
+                    2>&1 | tee -a "$out/pair_inspect.log" | tail -3 ;;
+    tune-prefill-int4) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 \
+                         --layouts grouped --min-m 8193 --out "$table" 2>&1 | tee "$out/tune_prefill_int4.log" | tail -30 ;;
     # After the fourth session: row_tiles of the routing ops, folded decode defaults, the bench's chunked weights.
     v7-tests) pytest_gpu 300 tests/test_routing.py tests/test_process_input.py tests/test_gemm_kernel.py \
                 -k "tiles or every_layout or under_16 or folded or random_weight or not_a_multiple or split_k or hadamard" 2>&1 | tee "$out/v7_tests.log" | tail -25 ;;

@@ -378,25 +378,27 @@ def _candidates(rows):
 
 SWAP, WORD, BANDS, FOLD = {"swap_ab": True}, {"word_decode": True}, {"group_m": 8}, {"fold_scales": True}
 DEQ = {"dequantize_first": True}
-# Pruned by the v2-v6 sweeps (benchmarks/results/gemm_tune_h200.json): 32-row
+# Pruned by the v2-v7 sweeps (benchmarks/results/gemm_tune_h200.json): 32-row
 # decode tiles, 8-warp decode tiles and 64x256 prefill tiles never won; v6:
 # folded scales beat every unfolded decode tile (int4 97 -> 84 us, MXFP4 213 ->
-# 118 us at T=16) and multiply-add tiles of 1-4 rows lost 4-10x (365-904 us).
+# 118 us at T=16) and multiply-add tiles of 1-4 rows lost 4-10x (365-904 us);
+# v7 (qwen3 w13, T=16): 512-K, split-K 2, 4 stages and swap + fold all lost to
+# 16x32x256 / 16x64x256 word + fold (int4 83.7-83.9 us, MXFP4 94.4-96.1 us).
+PAIR = {"pair_decode": True}
 DECODE_CANDIDATES = _candidates(
     (
         (16, 64, 128, 4, 3),
-        (16, 64, 256, 4, 3, WORD),
         (16, 64, 256, 4, 3, WORD | FOLD),
-        (16, 64, 128, 4, 3, WORD | FOLD),
-        (16, 32, 256, 2, 3, WORD | FOLD),  # mixtral w13: 244 vs 254 us
+        (16, 32, 256, 2, 3, WORD | FOLD),  # v7 winner, int4 and MXFP4
         (16, 128, 256, 4, 3, WORD | FOLD),
-        (16, 64, 512, 4, 3, WORD | FOLD),
-        (16, 64, 256, 4, 4, WORD | FOLD),
-        (16, 64, 256, 4, 3, {**WORD, **FOLD, "split_k": 2}),
-        # Decoded words as the A operand (Hopper: an MMA of 64 weight rows straight from registers).
         (16, 64, 256, 4, 3, SWAP | WORD | FOLD),
-        (16, 128, 256, 4, 3, SWAP | WORD | FOLD),
-        (16, 128, 128, 8, 3, SWAP | WORD | FOLD),
+        # v8: nibbles j and j+4 of a word as one MMA k-pair (no repacking; the sm_90
+        # SASS of the 16x64x256 int4 loop: 562 -> 435 instructions, NOTES.md).
+        (16, 64, 256, 4, 3, WORD | FOLD | PAIR),
+        (16, 32, 256, 2, 3, WORD | FOLD | PAIR),
+        (16, 128, 256, 4, 3, WORD | FOLD | PAIR),
+        (16, 64, 256, 4, 4, WORD | FOLD | PAIR),
+        (16, 64, 256, 4, 3, SWAP | WORD | FOLD | PAIR),
     )
 )
 PREFILL_CANDIDATES = _candidates(
@@ -421,6 +423,10 @@ PREFILL_CANDIDATES = _candidates(
         (128, 64, 128, 4, 3, SWAP | WORD | BANDS),
         (256, 64, 128, 8, 3, SWAP | WORD | BANDS),
         (256, 128, 64, 8, 3, SWAP | WORD | BANDS),
+        # v8 pairs on the 4-bit prefill tiles (sm_90 SASS of the 64x128x128 loop: 1116 -> 678).
+        (64, 128, 128, 4, 3, SWAP | WORD | BANDS | PAIR),
+        (128, 128, 128, 8, 3, SWAP | WORD | BANDS | PAIR),
+        (128, 64, 128, 4, 3, SWAP | WORD | BANDS | PAIR),
         # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
         (128, 256, 64, 8, 4, DEQ),
         (128, 256, 64, 8, 4, DEQ | BANDS),

@@ -161,6 +161,9 @@ class TuningConfig:
     # it, transient memory E*N*K*2 bytes) and run the 16-bit product with these
     # tiles, instead of decoding each weight tile once per row tile.
     dequantize_first: bool = False
+    # With word_decode: pieces pair the nibbles j and j+4 of each word as consecutive K,
+    # so each decoded 32-bit register is an MMA operand's k-pair (no repacking).
+    pair_decode: bool = False
 
     def __post_init__(self):
         owner = "TuningConfig"
@@ -178,6 +181,8 @@ class TuningConfig:
         if self.num_warps > 32:
             raise ValueError(f"{owner}.num_warps: expected at most 32, got {self.num_warps}")
         _positive_int(self.num_stages, "num_stages", owner)
+        if self.pair_decode and not self.word_decode:
+            raise ValueError(f"{owner}.pair_decode: pairs the nibbles of decoded words, so it needs word_decode=True")
 
     def check_compute(self, compute: ComputeConfig) -> None:
         if compute.batch_invariant and self.split_k > 1:

@@ -158,7 +158,9 @@ def gemm(
     tuning = kernel_tuning(layout, weight, x.m, valid_shape_m, tuning, batch_invariant)
     if tuning.dequantize_first and weight.format.is_quantized:
         weight = _dequantized(weight, x.values.dtype)
-        tuning = dataclasses.replace(tuning, dequantize_first=False, word_decode=False, fold_scales=False)
+        tuning = dataclasses.replace(
+            tuning, dequantize_first=False, word_decode=False, fold_scales=False, pair_decode=False
+        )
     return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=chosen == "interpret")
 
 

@@ -94,6 +94,9 @@ class Tiles:
     word_decode: bool = False  # packed weights read as uint32 words of 8 codes (nibbles_per_unit)
     fold_scales: bool = False  # scales multiply the weight tile (scales_in_weights)
     use_mma: bool = True  # False: f32 multiply-adds (tiles of a few rows)
+    # Word-decoded pieces pair nibbles j and j+4 of a word as consecutive K (4
+    # pieces of span/4 columns): each decoded register is an MMA k-pair as it is.
+    pair_decode: bool = False
 
 
 def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
@@ -361,12 +364,19 @@ def nibbles_per_unit(w: WeightSpec, tiles: Tiles, compute_dtype) -> int:
     return 2
 
 
-def _decode_units(units, w: WeightSpec, ways: int, compute_dtype, zero, on_gpu: bool):
-    """The ``ways`` pieces (values ``[bn, c]``) of packed units ``[bn, c]``,
-    one at a time (a generator: each piece is decoded just before its product,
-    so only one decoded piece is live): piece j holds the codes at nibble
-    position j of every unit. On the GPU, uint32 words are decoded by inline
-    PTX (``word_decode``)."""
+def decodes_pairs(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
+    """Whether word-decoded pieces pair nibble positions j and j+4 (``tiles.pair_decode``)."""
+    return tiles.pair_decode and nibbles_per_unit(w, tiles, compute_dtype) == 8
+
+
+def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, zero, on_gpu: bool):
+    """The pieces (values ``[bn, c]``) of packed units ``[bn, c]``, one at a
+    time (a generator: each piece is decoded just before its product, so only
+    one decoded piece is live): piece j holds the codes at nibble position j
+    of every unit. With ``pairs`` the units come twice each (elements 2u and
+    2u+1 are word u) and piece j (0-3) holds nibble j of word u at 2u and
+    nibble j + 4 at 2u+1. On the GPU, uint32 words are decoded by inline PTX
+    (``word_decode``)."""
     if ways == 8 and on_gpu:
         dtype = jnp.dtype(compute_dtype).name
         if w.value_type == "float4_e2m1":  # values times 2**-6, as _nibbles_to_values
@@ -374,9 +384,18 @@ def _decode_units(units, w: WeightSpec, ways: int, compute_dtype, zero, on_gpu: 
         else:
             program = word_decode.int4_program(dtype, 8.0 if w.value_type == "int4" else 0.0)
         zero_values = None if zero is None else zero.astype(jnp.float32).astype(compute_dtype)[:, None]
-        for j in range(8):
-            values = word_decode.decode_word_position(units, program, j)
+        for j in range(4 if pairs else 8):
+            if pairs:
+                values = word_decode.decode_word_pairs(units, program, j)
+            else:
+                values = word_decode.decode_word_position(units, program, j)
             yield values if zero_values is None else values - zero_values
+        return
+    if pairs:
+        second = (jnp.arange(units.shape[1], dtype=jnp.uint32) % 2)[None, :]  # element 2u+1: nibble j + 4
+        for j in range(ways // 2):
+            shift = 4 * (j + (ways // 2) * second)
+            yield _nibbles_to_values(((units >> shift) & 0xF).astype(jnp.uint8), w, compute_dtype, zero)
         return
     for j in range(ways):
         yield _nibbles_to_values(((units >> (4 * j)) & 0xF).astype(jnp.uint8), w, compute_dtype, zero)
@@ -387,7 +406,7 @@ class _SpanPlan:
     """How a span of K columns is decoded and multiplied (static)."""
 
     span: int
-    ways: int  # pieces per span of a packed weight (nibbles per load unit)
+    ways: int  # nibbles per load unit of a packed weight
     in_weights: bool  # scales multiply the weight elements
     x_split: bool  # x is stored with each span's columns grouped by piece
     compute_dtype: object
@@ -397,6 +416,12 @@ class _SpanPlan:
     # away, and interpreted XLA then drops the bf16 rounding in between (excess
     # precision), which the f32 multiply and cast keep.
     scale_in_compute: bool = False
+    pairs: bool = False  # word pieces pair nibbles j and j+4 (Tiles.pair_decode)
+
+    @property
+    def pieces(self) -> int:
+        """Pieces per span: one per nibble position, or per pair of positions."""
+        return self.ways // 2 if self.pairs else self.ways
 
 
 def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan, masks):
@@ -427,7 +452,9 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
         if plan.scale_in_compute and w.packed:
             if shared_scale is None:
                 width = piece.cols.shape[0]
-                tile = _group_scale_tile(scale_ref, w, expert, n_idx, k_start, width, ways, n_mask, k_limit is not None)
+                tile = _group_scale_tile(
+                    scale_ref, w, expert, n_idx, k_start, width, plan.pieces, n_mask, k_limit is not None
+                )
                 shared_scale = tile.astype(compute_dtype)
             return dataclasses.replace(piece, values=piece.values * shared_scale)
         scaled = _scaled_elements(
@@ -439,21 +466,28 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
             k_start,
             piece.cols,
             (n_mask, None if k_limit is None else piece.cols < k_limit),
-            ways,
+            plan.pieces,
         )
         return dataclasses.replace(piece, values=scaled.astype(compute_dtype))
 
     if w.packed:
-        width = span // ways
-        unit = k_start // ways + jnp.arange(width, dtype=jnp.int32)
+        width = span // plan.pieces  # columns per piece
+        along = jnp.arange(width, dtype=jnp.int32)
+        words = span // ways
+        unit = k_start // ways + jnp.arange(words, dtype=jnp.int32)
         unit_mask = None if k_limit is None else (unit < pl.cdiv(k_limit, ways))[None, :]
         units = _load(values_ref.at[expert, n_col, unit[None, :]], _all(n_mask2, unit_mask))
+        if plan.pairs:  # each word twice: elements 2u and 2u+1
+            units = jnp.broadcast_to(units[:, :, None], (units.shape[0], words, 2)).reshape(units.shape[0], width)
         zero = None
         if w.zero_point == "int" and not plan.in_weights:
             zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, n_mask)
-        for j, values in enumerate(_decode_units(units, w, ways, compute_dtype, zero, plan.on_gpu)):
-            cols = k_start + j + ways * jnp.arange(width, dtype=jnp.int32)
-            x_cols = k_start + j * width + jnp.arange(width, dtype=jnp.int32) if plan.x_split else cols
+        for j, values in enumerate(_decode_units(units, w, ways, plan.pairs, compute_dtype, zero, plan.on_gpu)):
+            if plan.pairs:  # element 2u: column 8u + j, element 2u+1: column 8u + j + 4
+                cols = k_start + ways * (along // 2) + j + (ways // 2) * (along % 2)
+            else:
+                cols = k_start + j + ways * along
+            x_cols = k_start + j * width + along if plan.x_split else cols
             yield finish(_Piece(cols, x_cols, values))
         return
     cols = k_start + jnp.arange(span, dtype=jnp.int32)
@@ -528,6 +562,7 @@ def _gemm_kernel(
         compute_dtype,
         on_gpu,
         scale_in_compute=_scales_exact_in(w, compute_dtype) and tiles.use_mma,
+        pairs=decodes_pairs(w, tiles, compute_dtype),
     )
     row_tile, col_tile = tile_order(pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), pl.cdiv(w.n, bn), tiles)
     rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
@@ -632,14 +667,18 @@ def _gemm_kernel(
             plgpu.store(out_ref.at[out_rows, cols], acc.astype(out_ref.dtype), mask=mask)
 
 
-def split_packed_columns(x: jax.Array, span: int, ways: int = 2) -> jax.Array:
+def split_packed_columns(x: jax.Array, span: int, ways: int = 2, pairs: bool = False) -> jax.Array:
     """``x [M, K]`` with the columns of each span of ``span`` grouped by their
     position modulo ``ways`` (zero-padded to a whole number of spans): the
     pieces of packed weights (nibble position j: columns j, j+ways, ...) then
-    meet contiguous columns of x."""
+    meet contiguous columns of x. With ``pairs`` piece j takes positions j and
+    j + ways/2 of each unit in turn (columns j, j+4, j+8, j+12, ... for words)."""
     m, k = x.shape
     padded = pl.cdiv(k, span) * span
     x = jnp.pad(x, ((0, 0), (0, padded - k)))
+    if pairs:  # [.., unit, half, j] -> [.., j, unit, half]
+        blocks = x.reshape(m, padded // span, span // ways, 2, ways // 2)
+        return blocks.transpose(0, 1, 4, 2, 3).reshape(m, padded)
     return x.reshape(m, padded // span, span // ways, ways).swapaxes(2, 3).reshape(m, padded)
 
 
@@ -693,7 +732,7 @@ def expert_gemm(
         weight_arrays = (_as_units(weight_arrays[0], ways), *weight_arrays[1:])
     x_split = splits_x(w, tiles)
     if x_split:
-        x = split_packed_columns(x, scale_span(w, tiles, compute_dtype), ways)
+        x = split_packed_columns(x, scale_span(w, tiles, compute_dtype), ways, decodes_pairs(w, tiles, compute_dtype))
     inputs = [x, *route_arrays, *weight_arrays] + ([bias] if bias is not None else []) + [out]
     result = pl.pallas_call(
         functools.partial(

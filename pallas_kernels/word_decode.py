@@ -7,7 +7,9 @@ other interpreter (the tests run it in NumPy). Each of its four outputs holds
 two 16-bit floats: the codes at nibble positions j (low half) and j + 4 (high
 half) of the word, so position j of a word is piece j of the GEMM. Pallas's
 inline asm returns one result, so each position is rendered separately (the
-ops it needs only); ptxas sees the eight blocks of a word together.
+ops it needs only); ptxas sees the eight blocks of a word together. With
+``pair_decode`` a register is used whole instead (``to_ptx_pair``, Triton's
+``pack=2``): its two results become one k-pair of the MMA operand.
 
 Programs:
 
@@ -115,10 +117,32 @@ def to_ptx(program: Program, position: int) -> str:
     ops = needed_ops(program, register)
     constants = [f"k{i}" for i, op in enumerate(ops) if op.op in ("sub2", "mul2")]
     lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};", ".reg .b16 other;"]
+    lines += _op_lines(ops, kind)
+    halves = "{$0, other}" if position < 4 else "{other, $0}"
+    lines.append(f"mov.b32 {halves}, {register};")
+    return "\n".join(lines + ["}"])
 
+
+def to_ptx_pair(program: Program, pair: int) -> str:
+    """Inline PTX for ``pack=2``: the output register ``pair`` (0-3) of the
+    word ``$1`` — the codes at nibble positions ``pair`` (low half) and
+    ``pair + 4`` (high half) — as the 32-bit ``$0`` holding both 16-bit
+    results. ``$2`` (the second element of the pack) is the same word."""
+    kind = {"bfloat16": "bf16x2", "float16": "f16x2"}[program.dtype]
+    register = program.outputs[pair]
+    ops = needed_ops(program, register)
+    constants = [f"k{i}" for i, op in enumerate(ops) if op.op in ("sub2", "mul2")]
+    lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};"]
+    lines += _op_lines(ops, kind)
+    lines.append(f"mov.b32 $0, {register};")
+    return "\n".join(lines + ["}"])
+
+
+def _op_lines(ops: list[Op], kind: str) -> list[str]:
     def reg(name):
         return "$1" if name == WORD else name
 
+    lines = []
     for i, op in enumerate(ops):
         if op.op in ("shl", "shr"):
             lines.append(f"{op.op}.b32 {op.dst}, {reg(op.a)}, {op.b};")
@@ -130,19 +154,31 @@ def to_ptx(program: Program, position: int) -> str:
         else:  # packed float arithmetic takes registers only
             lines.append(f"mov.b32 k{i}, {op.b:#x};")
             lines.append(f"{op.op[:3]}.rn.{kind} {op.dst}, {reg(op.a)}, k{i};")
-    halves = "{$0, other}" if position < 4 else "{other, $0}"
-    lines.append(f"mov.b32 {halves}, {register};")
-    return "\n".join(lines + ["}"])
+    return lines
+
+
+def _run(words: jax.Array, ptx: str, constraints: str, pack: int, dtype: str) -> jax.Array:
+    (bits,) = plgpu.elementwise_inline_asm(
+        ptx,
+        args=[words],
+        constraints=constraints,
+        pack=pack,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int16)],
+    )
+    return jax.lax.bitcast_convert_type(bits, jnp.dtype(dtype))
+
+
+def decode_word_pairs(words: jax.Array, program: Program, pair: int) -> jax.Array:
+    """Run ``program`` on uint32 ``words`` whose elements come in equal pairs
+    (``[..., 2c]``, elements 2u and 2u+1 the same word; GPU kernels only):
+    element 2u gets the code at nibble ``pair`` of word u, element 2u+1 the
+    code at nibble ``pair + 4`` — the program's register ``pair`` as it is,
+    so each pair of results is one 32-bit register (an MMA operand's k-pair)
+    with no repacking."""
+    return _run(words, to_ptx_pair(program, pair), "=r,r,r", 2, program.dtype)
 
 
 def decode_word_position(words: jax.Array, program: Program, position: int) -> jax.Array:
     """Run ``program`` on uint32 ``words`` (GPU kernels only): the codes at
     nibble ``position`` of every word, in the program's dtype."""
-    (bits,) = plgpu.elementwise_inline_asm(
-        to_ptx(program, position),
-        args=[words],
-        constraints="=h,r",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int16)],
-    )
-    return jax.lax.bitcast_convert_type(bits, jnp.dtype(program.dtype))
+    return _run(words, to_ptx(program, position), "=h,r", 1, program.dtype)

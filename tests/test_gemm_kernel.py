@@ -246,6 +246,57 @@ def test_word_decode_swap_ab(fmt_name, rng):
     _check_tiling(rng, fmt_name, "grouped_contiguous", tuning)
 
 
+@pytest.mark.parametrize(
+    "layout_kind,tuning",
+    [
+        ("grouped_contiguous", hj.TuningConfig(16, 32, 128, word_decode=True, pair_decode=True)),
+        ("indexed", hj.TuningConfig(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)),
+        ("grouped_masked", hj.TuningConfig(64, 32, 128, word_decode=True, pair_decode=True)),
+        ("dense", hj.TuningConfig(16, 32, 256, swap_ab=True, word_decode=True, pair_decode=True, fold_scales=True)),
+    ],
+    ids=["grouped", "indexed_fold", "masked_64rows", "dense_swap_fold"],
+)
+@pytest.mark.parametrize("fmt_name", ["int4_g128", "uint4_zp_g128", "mxfp4+bias"])
+def test_pair_decode(fmt_name, layout_kind, tuning, rng):
+    """``pair_decode``: 4 pieces per span, each pairing nibbles j and j+4 of a
+    word as consecutive K (x split to match); folded tilings against the
+    bf16-rounded reference (f32 output, bound 1e-5), others as every tiling."""
+    if not tuning.fold_scales:
+        _check_tiling(rng, fmt_name, layout_kind, tuning)
+        return
+    weight = _weight(rng, F.get_format(fmt_name), 1 if layout_kind == "dense" else E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = _layouts(rng)[layout_kind]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
+    _check(out, _folded_reference(x, weight, layout), bound=1e-5)
+
+
+def test_pair_decode_with_a_partial_last_tile(rng):
+    """Pairs when the last K tile is partial (K=384, 256-wide tiles: the peeled tail)."""
+    weight = _weight(rng, F.INT4_G128, E, k=384)
+    x = jnp.asarray(rng.normal(size=(M, 384)), jnp.bfloat16)
+    layout = _layouts(rng)["grouped_contiguous"]
+    tuning = hj.TuningConfig(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
+    _check(out, _folded_reference(x, weight, layout), bound=1e-5)
+
+
+def test_pair_decode_needs_word_decode():
+    with pytest.raises(ValueError, match="pair_decode"):
+        hj.TuningConfig(16, 32, 128, pair_decode=True)
+
+
+def test_split_packed_columns_for_pairs():
+    """Piece j of a pair-decoded span meets x columns 8u + j, 8u + j + 4 (u = 0, 1, ...)."""
+    from pallas_kernels.gemm import split_packed_columns
+
+    x = jnp.arange(2 * 256, dtype=jnp.float32).reshape(2, 256)
+    split = np.asarray(split_packed_columns(x, 128, 8, pairs=True))
+    expected = [8 * u + j + 4 * h for j in range(4) for u in range(16) for h in range(2)]
+    np.testing.assert_array_equal(split[0, :128], expected)
+    np.testing.assert_array_equal(split[1, 128:], 256 + 128 + np.asarray(expected))
+
+
 @pytest.mark.parametrize("block_m", [1, 4, 8])
 @pytest.mark.parametrize(
     "fmt_name,word",

@@ -89,3 +89,28 @@ def test_ptx_text():
     assert "mul.rn.bf16x2 t1, t1, k" in text and "t0" not in text
     text = wd.to_ptx(wd.int4_program("float16", 8.0), 2)
     assert "mov.b32 {$0, other}, t2;" in text and "shr.b32 s2, $1, 8;" in text and "sub.rn.f16x2" in text
+
+
+def test_pair_ptx_text():
+    """``pack=2``: register ``pair`` (nibbles pair and pair+4) is the 32-bit $0 as it is."""
+    text = wd.to_ptx_pair(wd.int4_program("bfloat16", 8.0), 3)
+    assert text.startswith("{") and text.endswith("}")
+    assert "mov.b32 $0, t3;" in text and "shr.b32 s3, $1, 12;" in text and "sub.rn.bf16x2 t3, t3, k" in text
+    assert "other" not in text and "$2" not in text and "t2" not in text
+    text = wd.to_ptx_pair(wd.e2m1_program("float16"), 0)
+    assert "mov.b32 $0, t0;" in text and "mul.rn.f16x2 t0, t0, k" in text
+
+
+@pytest.mark.parametrize("program", [wd.int4_program("bfloat16", 8.0), wd.e2m1_program("float16")])
+def test_pair_registers_hold_nibbles_j_and_j_plus_4(program, rng):
+    """The whole register ``pair`` of the pair decoder: low half = the value at
+    nibble ``pair``, high half = the value at nibble ``pair + 4`` (what
+    ``decode_word_pairs`` hands the MMA as one k-pair)."""
+    words, _ = _words(rng)
+    single = run(program, words)
+    for pair in range(4):
+        register = program.outputs[pair]
+        regs = _interpret(program.dtype, wd.needed_ops(program, register), words)
+        low, high = _halves(program.dtype, regs[register])
+        np.testing.assert_array_equal(low, single[:, pair])
+        np.testing.assert_array_equal(high, single[:, pair + 4])

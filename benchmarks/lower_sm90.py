@@ -1,0 +1,169 @@
+"""Lower one GEMM tiling for sm_90 on a machine without a GPU and, when the
+``triton`` package is importable, compile it to SASS and count the
+instructions of its K loop — how a decode change can be judged (and its
+lowering checked) before any GPU run.
+
+    python -m benchmarks.lower_sm90 --fmt int4_g128 --tokens 16 \\
+        --config 16,64,256,4,3,word_decode,fold_scales,pair_decode --out build/sm90
+
+Writes ``<out>/<name>.ttir`` (the Triton IR that Pallas emits) and, with
+Triton, ``.ttgir``, ``.llir``, ``.ptx``, ``.sass``. Triton here is the
+standalone package (``pip install triton``; it ships ptxas and cuobjdump), not
+the copy inside jaxlib, so register counts and a few passes may differ from
+the GPU build: compare tilings with each other, not with a profile. Uses two
+private hooks of jax 0.11.2's Pallas Triton lowering (the GPU query and the
+module builder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import types
+
+import numpy as np
+
+from benchmarks.inspect_gemm import parse_config
+
+
+@contextlib.contextmanager
+def capture_triton_modules(compute_capability: str = "9.0"):
+    """Within the block, Pallas Triton kernels lower without a GPU (as for
+    ``compute_capability``); yields the list their TTIR texts are appended to."""
+    from jax._src.pallas.triton import lowering
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    texts: list[str] = []
+    build = lowering.lower_jaxpr_to_triton_module
+
+    def recording(*args, **kwargs):
+        result = build(*args, **kwargs)
+        texts.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    info = types.SimpleNamespace(compute_capability=compute_capability)
+    saved = registration.gpu_info_lib, registration.lowering.lower_jaxpr_to_triton_module
+    registration.gpu_info_lib = types.SimpleNamespace(get_gpu_info=lambda: info)
+    registration.lowering.lower_jaxpr_to_triton_module = recording
+    try:
+        yield texts
+    finally:
+        registration.gpu_info_lib, registration.lowering.lower_jaxpr_to_triton_module = saved
+
+
+def gemm_ttir(fmt: str, tokens: int, tuning, shape: tuple[int, int, int]) -> list[str]:
+    """TTIR of the grouped GEMM kernels of ``tokens`` tokens (top-8 of ``E``
+    experts, or top-2 below 8) on an ``[E, N, K]`` weight of format ``fmt``."""
+    import jax
+    import jax.numpy as jnp
+
+    from humming_jax import formats as F
+    from humming_jax import layouts as L
+    from humming_jax.gemm import gemm
+    from humming_jax.routing import moe_prepare_scatter
+
+    e, n, k = shape
+    top_k = 8 if e >= 8 else 2
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.choice(e, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weight = F.quantize_weight(jnp.asarray(rng.normal(size=shape).astype(np.float32) * 0.02), F.get_format(fmt))
+    x = jnp.asarray(rng.normal(size=(tokens * top_k, k)), jnp.bfloat16)
+    layout = L.GroupedContiguous(moe_prepare_scatter(jnp.asarray(ids), e, backend="reference")[0])
+
+    def run(x, weight, layout):
+        return gemm(x, weight, layout, tuning=tuning, backend="pallas")
+
+    with capture_triton_modules() as texts:
+        jax.jit(run).trace(x, weight, layout).lower(lowering_platforms=("cuda",))
+    return texts
+
+
+SASS_OP = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+
+
+def loop_histogram(sass: str) -> tuple[int, collections.Counter]:
+    """Instructions of the SASS loops (from each backward branch's target to
+    the branch), by opcode with modifiers."""
+    lines = sass.splitlines()
+    address = {}
+    for i, line in enumerate(lines):
+        found = re.search(r"/\*([0-9a-f]{4,})\*/", line)
+        if found:
+            address.setdefault(int(found.group(1), 16), i)
+    ops: collections.Counter = collections.Counter()
+    for i, line in enumerate(lines):
+        branch = re.search(r"@!?P\d BRA (0x[0-9a-f]+)", line)
+        start = address.get(int(branch.group(1), 16)) if branch else None
+        if start is None or start > i:
+            continue
+        for body in lines[start : i + 1]:
+            found = SASS_OP.match(body)
+            if found:
+                ops[found.group(2)] += 1
+    return sum(ops.values()), ops
+
+
+def compile_sm90(ttir_path: str, num_warps: int, num_stages: int) -> str:
+    """Compile with the standalone Triton for sm_90; write its stages next to
+    ``ttir_path`` and return the SASS."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    kernel = triton.compile(
+        ttir_path, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
+    base = ttir_path.removesuffix(".ttir")
+    for stage in ("ttgir", "llir", "ptx"):
+        text = kernel.asm.get(stage)
+        if text is not None:
+            with open(f"{base}.{stage}", "w") as f:
+                f.write(text if isinstance(text, str) else text.decode())
+    with open(f"{base}.cubin", "wb") as f:
+        f.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    sass = subprocess.run([tool, "-sass", f"{base}.cubin"], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([tool, "-res-usage", f"{base}.cubin"], capture_output=True, text=True, check=True).stdout
+    with open(f"{base}.sass", "w") as f:
+        f.write(sass)
+    registers = re.search(r"REG:(\d+)", usage)
+    print(f"registers {registers.group(1) if registers else '?'}, shared bytes {kernel.metadata.shared}")
+    return sass
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fmt", default="int4_g128")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--config", required=True, help="as benchmarks.inspect_gemm")
+    parser.add_argument("--shape", default="8,1536,2048", help="E,N,K of the weight (qwen3 w13 with 8 experts)")
+    parser.add_argument("--out", default="build/sm90")
+    parser.add_argument("--name", default="gemm")
+    args = parser.parse_args(argv)
+    tuning = parse_config(args.config)
+    shape = tuple(int(v) for v in args.shape.split(","))
+    os.makedirs(args.out, exist_ok=True)
+    paths = []
+    for i, text in enumerate(gemm_ttir(args.fmt, args.tokens, tuning, shape)):
+        paths.append(os.path.join(args.out, f"{args.name}{i}.ttir"))
+        with open(paths[-1], "w") as f:
+            f.write(text)
+    print("wrote", ", ".join(paths))
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("lower_sm90: no triton package here; TTIR only", file=sys.stderr)
+        return 0
+    for path in paths:
+        total, ops = loop_histogram(compile_sm90(path, tuning.num_warps, tuning.num_stages))
+        print(f"{path}: K loop {total} instructions")
+        print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common(16)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
