@@ -32,7 +32,7 @@ from benchmarks.inspect_gemm import parse_config
 
 
 @contextlib.contextmanager
-def capture_triton_modules(compute_capability: str = "9.0"):
+def capture_triton_modules(compute_capability: int = 90):
     """Within the block, Pallas Triton kernels lower without a GPU (as for
     ``compute_capability``); yields the list their TTIR texts are appended to."""
     from jax._src.pallas.triton import lowering

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v8-tests pair-inspect tune-prefill-int4 v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v8-tests pair-inspect process-loop tune-prefill-int4 v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -32,6 +32,10 @@ for step in $steps; do
                     2>&1 | tee -a "$out/pair_inspect.log" | tail -3 ;;
     tune-prefill-int4) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 \
                          --layouts grouped --min-m 8193 --out "$table" 2>&1 | tee "$out/tune_prefill_int4.log" | tail -30 ;;
+    # process_input v4: row blocks per program (next block's loads issued first, the Hadamard matrix read once).
+    process-loop) timeout 400 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 2048 2880 \
+                    --cases silu+fp8_group128 silu+mxfp8 hadamard128+fp8_token \
+                    --tiles 0x0x1x2 0x0x1x4 0x0x1x8 0x0x1x16 --out "$out/process_loop.json" 2>&1 | tee "$out/process_loop.log" | tail -40 ;;
     # After the fourth session: row_tiles of the routing ops, folded decode defaults, the bench's chunked weights.
     v7-tests) pytest_gpu 300 tests/test_routing.py tests/test_process_input.py tests/test_gemm_kernel.py \
                 -k "tiles or every_layout or under_16 or folded or random_weight or not_a_multiple or split_k or hadamard" 2>&1 | tee "$out/v7_tests.log" | tail -25 ;;

@@ -233,26 +233,35 @@ class ProcessTilesConfig:
     block_rows: int = 0
     num_warps: int = 0
     two_pass: bool = False
+    # Blocks of rows per program, in a loop the compiler pipelines (loads of the
+    # next blocks in flight while one is processed); 1: one block per program.
+    row_blocks: int = 1
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):
             if getattr(self, name):
                 _power_of_two(getattr(self, name), name, "ProcessTilesConfig")
+        _positive_int(self.row_blocks, "row_blocks", "ProcessTilesConfig")
+        if self.row_blocks > 1 and self.two_pass:
+            raise ValueError("ProcessTilesConfig.row_blocks: a loop over row blocks is for one pass, not two_pass")
         if self.num_warps > 32:
             raise ValueError(f"ProcessTilesConfig.num_warps: expected at most 32, got {self.num_warps}")
 
     @classmethod
     def parse(cls, text: str) -> ProcessTilesConfig:
-        """From ``"ROWSxWARPS"`` or ``"ROWSxWARPSxPASSES"`` (e.g. ``"8x8"``,
-        ``"64x8x2"``; 0 rows or warps: chosen)."""
+        """From ``"ROWSxWARPS"``, ``"ROWSxWARPSxPASSES"`` or
+        ``"ROWSxWARPSxPASSESxBLOCKS"`` (e.g. ``"8x8"``, ``"64x8x2"``, ``"4x4x1x8"``;
+        0 rows or warps: chosen)."""
         try:
             parts = [int(part) for part in text.split("x")]
-            assert len(parts) in (2, 3) and (len(parts) == 2 or parts[2] in (1, 2))
+            assert 2 <= len(parts) <= 4 and (len(parts) == 2 or parts[2] in (1, 2))
+            assert len(parts) < 4 or parts[3] >= 1
         except (ValueError, AssertionError):
             raise ValueError(
-                f"process tiles: expected ROWSxWARPS[xPASSES] such as 8x8 or 64x8x2, got {text!r}"
+                f"process tiles: expected ROWSxWARPS[xPASSES[xBLOCKS]] such as 8x8, 64x8x2 or 4x4x1x8, got {text!r}"
             ) from None
-        return cls(parts[0], parts[1], two_pass=len(parts) == 3 and parts[2] == 2)
+        blocks = parts[3] if len(parts) == 4 else 1
+        return cls(parts[0], parts[1], two_pass=len(parts) >= 3 and parts[2] == 2, row_blocks=blocks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -241,6 +241,7 @@ def _process_input_kernel(
         block_rows=tiles.block_rows,
         num_warps=tiles.num_warps,
         two_pass=tiles.two_pass,
+        row_blocks=tiles.row_blocks,
         gpu=not interpret,
     )
     _check_tiles(cfg, tiles)

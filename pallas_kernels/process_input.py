@@ -56,6 +56,9 @@ class ProcessConfig:
     # per-token max, then rotate again and quantize): no reshape around the
     # products, which take [rows, b] tiles straight from the loads.
     two_pass: bool = False
+    # Row blocks per program: a loop over blocks program, program + grid, ...
+    # whose loads the compiler can pipeline (issued a block or two ahead).
+    row_blocks: int = 1
     gpu: bool = False  # compiled for the GPU (not interpreted): use exact division
 
     @property
@@ -131,32 +134,55 @@ def _gelu_tanh(x):
     return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
+def _input_columns(start: int, size: int, cfg: ProcessConfig) -> list[tuple[int, int, int]]:
+    """The input loads behind activation columns ``[start, start + size)``:
+    ``(first column, count, row width)`` each, in the order :func:`_activate` takes them."""
+    kind = cfg.activation
+    if kind is None or kind.endswith("_no_mul"):
+        return [(start, size, cfg.k_out)]
+    if kind == "swigluoai":  # interleaved [g0, u0, g1, u1, ...]: one contiguous load, split in registers
+        return [(2 * start, 2 * size, 2 * cfg.k_out)]
+    return [(start, size, cfg.k_out), (start + cfg.k_out, size, 2 * cfg.k_out)]  # gate, up
+
+
+def _load_inputs(x_ref, rows, row_mask, padded: bool, cfg: ProcessConfig, segments) -> list:
+    """Every input tile the column blocks ``segments`` need (``x``'s dtype),
+    rows outside ``row_mask`` and columns past a ``padded`` block's width as 0."""
+    tiles = []
+    for start, size in segments:
+        for first, count, width in _input_columns(start, size, cfg):
+            columns = first + jnp.arange(count, dtype=jnp.int32)
+            mask = row_mask[:, None] & (columns < width)[None, :] if padded else row_mask[:, None]
+            tiles.append(plgpu.load(x_ref.at[rows[:, None], columns[None, :]], mask=mask, other=0))
+    return tiles
+
+
 def _activated(x_ref, rows, row_mask, start: int, size: int, padded: bool, cfg: ProcessConfig):
     """Activation output of columns ``[start, start + size)``: ``[rows, size]``
     in f32, zero past ``k_out`` (only a ``padded`` block reaches past it)."""
-    cols = start + jnp.arange(size, dtype=jnp.int32)
+    return _activate(_load_inputs(x_ref, rows, row_mask, padded, cfg, ((start, size),)), size, cfg)
 
-    def load(columns, width=cfg.k_out):
-        mask = row_mask[:, None] & (columns < width)[None, :] if padded else row_mask[:, None]
-        return plgpu.load(x_ref.at[rows[:, None], columns[None, :]], mask=mask, other=0).astype(jnp.float32)
 
+def _activate(tiles: list, size: int, cfg: ProcessConfig):
+    """The activation of one column block from its input tiles (:func:`_input_columns`)."""
+    tiles = [tile.astype(jnp.float32) for tile in tiles]
     kind, limit = cfg.activation, cfg.clamp_limit
     if kind is None:
-        return load(cols)
+        return tiles[0]
     if kind.endswith("_no_mul"):
-        x = load(cols)
+        x = tiles[0]
         return {
             "silu_no_mul": lambda v: v * _sigmoid(v),
             "gelu_no_mul": _gelu,
             "gelu_tanh_no_mul": _gelu_tanh,
             "relu2_no_mul": lambda v: jnp.square(jnp.maximum(v, 0.0)),
         }[kind](x)
-    if kind == "swigluoai":  # interleaved [g0, u0, g1, u1, ...]: one contiguous load, split in registers
-        pairs = load(2 * start + jnp.arange(2 * size, dtype=jnp.int32), 2 * cfg.k_out)
+    if kind == "swigluoai":
+        pairs = tiles[0]
         gate, up = (half.reshape(pairs.shape[0], size) for half in jax.lax.split(pairs.reshape(-1, size, 2), (1, 1), 2))
         gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
         return gate * _sigmoid(cfg.alpha * gate) * (up + cfg.beta)
-    gate, up = load(cols), load(cols + cfg.k_out)
+    gate, up = tiles
     if kind == "silu":
         if limit is not None:
             gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
@@ -170,15 +196,15 @@ def _activated(x_ref, rows, row_mask, start: int, size: int, padded: bool, cfg: 
     raise ValueError(f"unknown activation {kind!r}")
 
 
-def _rotate(y, h_ref, cfg: ProcessConfig, bf16_exact: bool):
+def _rotate(y, h, cfg: ProcessConfig, bf16_exact: bool):
     """Blockwise Hadamard rotation of ``y [rows, width]`` by ``±1 / sqrt(b)``:
     f32 values as two bf16 tensor-core products (high and low halves), or one
-    when ``bf16_exact`` (a bf16 input without activation: the low half is 0)."""
+    when ``bf16_exact`` (a bf16 input without activation: the low half is 0).
+    ``h``: the ``[b, b]`` ±1 matrix (bf16), loaded once per program."""
     b = cfg.hadamard
     rows, width = y.shape
     blocks = y.reshape(rows * width // b, b)
     high = blocks.astype(jnp.bfloat16)
-    h = h_ref[...]
     rotated = jnp.dot(high, h, preferred_element_type=jnp.float32)
     if not bf16_exact:
         low = (blocks - high.astype(jnp.float32)).astype(jnp.bfloat16)
@@ -259,9 +285,50 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
     scale_ref = refs.pop(0) if refs else None
     scale2_ref = refs.pop(0) if refs else None
 
+    # The Hadamard matrix is read once per program (once for all its row blocks).
+    h = h_ref[...] if cfg.hadamard else None
+    refs_of = dict(x_ref=x_ref, h=h, static_ref=static_ref, counts_ref=counts_ref, scatter_ref=scatter_ref)
+    out_refs = (values_ref, scale_ref, scale2_ref)
+    if cfg.two_pass:
+        _process_rows(pl.program_id(0), None, refs_of, valid_ref, out_refs, cfg, m_in)
+        return
+    if cfg.row_blocks == 1:
+        _process_rows(
+            pl.program_id(0), _block_inputs(x_ref, pl.program_id(0), cfg, m_in), refs_of, valid_ref, out_refs, cfg, m_in
+        )
+        return
+    # Blocks program, program + grid, ...: the next block's loads are issued
+    # before this block is processed (its tiles are the loop's carry).
+    program, programs = pl.program_id(0), pl.num_programs(0)  # outside the loop (interpret mode)
+
+    def block(i, tiles):
+        index = program + i * programs
+        ahead = _block_inputs(x_ref, index + programs, cfg, m_in)  # past the last block: all masked
+        _process_rows(index, tiles, refs_of, valid_ref, out_refs, cfg, m_in)
+        return ahead
+
+    jax.lax.fori_loop(0, cfg.row_blocks, block, _block_inputs(x_ref, program, cfg, m_in))
+
+
+def _block_rows(block, cfg: ProcessConfig, m_in: int):
+    rows = block * cfg.rows + jnp.arange(cfg.rows, dtype=jnp.int32)
+    return rows, rows < m_in
+
+
+def _block_inputs(x_ref, block, cfg: ProcessConfig, m_in: int) -> list:
+    """The input tiles of a block of rows (one pass: every column block)."""
+    rows, row_mask = _block_rows(block, cfg, m_in)
+    return _load_inputs(x_ref, rows, row_mask, cfg.segments[0][1] > cfg.k_out, cfg, cfg.segments)
+
+
+def _process_rows(block, tiles, refs_of: dict, valid_ref, out_refs, cfg: ProcessConfig, m_in: int):
+    """The rows ``[block * rows, (block + 1) * rows)`` (those below ``m_in``),
+    from their input ``tiles`` (:func:`_block_inputs`; two passes load their own)."""
+    x_ref, h, static_ref = refs_of["x_ref"], refs_of["h"], refs_of["static_ref"]
+    counts_ref, scatter_ref = refs_of["counts_ref"], refs_of["scatter_ref"]
+    values_ref, scale_ref, scale2_ref = out_refs
     block_rows = cfg.rows
-    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
-    row_mask = rows < m_in
+    rows, row_mask = _block_rows(block, cfg, m_in)
     bf16_exact = cfg.activation is None and x_ref.dtype == jnp.bfloat16
     num_valid = valid_ref[0]
     if cfg.layout == "scatter":
@@ -281,7 +348,7 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
         b = cfg.hadamard
 
         def rotated(i):  # columns [i*b, (i+1)*b) after activation and rotation
-            return _rotate(_activated(x_ref, rows, row_mask, i * b, b, False, cfg), h_ref, cfg, bf16_exact)
+            return _rotate(_activated(x_ref, rows, row_mask, i * b, b, False, cfg), h, cfg, bf16_exact)
 
         row_amax = None
         if cfg.mode in ("dynamic_token", "dynamic_group_token"):
@@ -300,10 +367,10 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
         return
     segments = cfg.segments
     padded = segments[0][1] > cfg.k_out  # one block wider than the row: mask its tail
-    ys = []
+    ys, loads = [], iter(tiles)
     for start, size in segments:
-        y = _activated(x_ref, rows, row_mask, start, size, padded, cfg)
-        ys.append(_rotate(y, h_ref, cfg, bf16_exact) if cfg.hadamard else y)
+        y = _activate([next(loads) for _ in _input_columns(start, size, cfg)], size, cfg)
+        ys.append(_rotate(y, h, cfg, bf16_exact) if cfg.hadamard else y)
     _store(out, _quantize(ys, static_ref, cfg), segments, padded, cfg)
 
 
@@ -410,9 +477,9 @@ def process_input(
             out_shape.append(jax.ShapeDtypeStruct((m_out, 1), jnp.float32))
     outs = pl.pallas_call(
         functools.partial(_process_kernel, cfg=cfg, m_in=m_in),
-        grid=(pl.cdiv(m_in, cfg.rows),),
+        grid=(pl.cdiv(pl.cdiv(m_in, cfg.rows), cfg.row_blocks),),
         out_shape=tuple(out_shape),
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=1 if cfg.row_blocks == 1 else 3),
         interpret=interpret,
         name="moe_process_input",
     )(*inputs)

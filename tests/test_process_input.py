@@ -375,6 +375,40 @@ def test_tiles_change_only_the_tiling(tiles, rng):
         np.testing.assert_array_equal(np.asarray(a.view(jnp.uint8)), np.asarray(b.view(jnp.uint8)))
 
 
+@pytest.mark.parametrize(
+    "tiles,case",
+    [("2x4x1x3", "silu"), ("4x4x1x2", "swigluoai"), ("8x4x1x2", "hadamard"), ("2x4x1x4", "scatter")],
+)
+def test_row_blocks_loop(tiles, case, rng):
+    """``row_blocks``: each program loops over several row blocks (the next
+    block's loads issued before this one is processed) — the same output bit
+    for bit as one block per program, ragged last blocks included (19 rows)."""
+    x = jnp.asarray(_inputs(rng, 19, 768), jnp.bfloat16)
+    kw = dict(num_valid_tokens=jnp.asarray([17], jnp.int32), backend=KERNEL_BACKEND)
+    spec = Q.FP8_DYNAMIC_GROUP128
+    if case == "silu":
+        kw["activation"] = "silu"
+    elif case == "swigluoai":
+        kw["activation"], spec = "swigluoai", Q.MXFP8_DYNAMIC
+    elif case == "hadamard":
+        x, spec, kw["hadamard_block_size"] = x[:, :256], Q.FP8_DYNAMIC_TOKEN, 128
+    else:
+        kw.update(layout="scatter", scatter_idx=jnp.asarray(rng.permutation(38).reshape(19, 2), jnp.int32))
+        kw["num_valid_tokens"] = jnp.asarray([30], jnp.int32)
+    want = hj.process_input(x, spec, **kw)
+    got = hj.process_input(x, spec, tiles=hj.ProcessTilesConfig.parse(tiles), **kw)
+    for a, b in ((got.values, want.values), (got.scale, want.scale)):
+        np.testing.assert_array_equal(np.asarray(a.view(jnp.uint8)), np.asarray(b.view(jnp.uint8)))
+
+
+def test_row_blocks_config():
+    assert hj.ProcessTilesConfig.parse("4x4x1x8") == hj.ProcessTilesConfig(4, 4, row_blocks=8)
+    with pytest.raises(ValueError, match="row_blocks"):
+        hj.ProcessTilesConfig(16, 4, two_pass=True, row_blocks=2)
+    with pytest.raises(ValueError, match="row_blocks"):
+        hj.ProcessTilesConfig(4, 4, row_blocks=0)
+
+
 def test_tiles_too_few_rows_for_the_hadamard_products():
     x = jnp.ones((8, 256), jnp.bfloat16)
     with pytest.raises(ValueError, match="tiles.block_rows"):
