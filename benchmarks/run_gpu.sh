@@ -21,9 +21,11 @@ table="$out/tuning_h200.json"
 for step in $steps; do
   echo "=== $step"
   case $step in
-    # After the fifth session: the pair decode (nibbles j and j+4 as one MMA k-pair) with the real lowering.
+    # After the fifth session: the pair decode and aligned word loads, the parallel bin prefix, process_input row blocks.
     v8-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_word_decode.py -k "pair or word or fold" \
-                2>&1 | tee "$out/v8_tests.log" | tail -5 ;;
+                2>&1 | tee "$out/v8_tests.log" | tail -5
+              pytest_gpu 240 tests/test_routing.py tests/test_process_input.py -k "grouping or align or scatter or row_blocks" \
+                2>&1 | tee -a "$out/v8_tests.log" | tail -5 ;;
     pair-inspect) timeout 300 python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 16 \
                     --config 16,32,256,2,3,word_decode,fold_scales --config 16,32,256,2,3,word_decode,fold_scales,pair_decode \
                     --config 16,64,256,4,3,word_decode,fold_scales,pair_decode 2>&1 | tee "$out/pair_inspect.log" | tail -5

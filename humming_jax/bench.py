@@ -398,6 +398,7 @@ DECODE_CANDIDATES = _candidates(
         (16, 32, 256, 2, 3, WORD | FOLD | PAIR),
         (16, 128, 256, 4, 3, WORD | FOLD | PAIR),
         (16, 64, 256, 4, 4, WORD | FOLD | PAIR),
+        (16, 64, 512, 4, 3, WORD | FOLD | PAIR),  # fewer loop instructions per byte
         (16, 64, 256, 4, 3, SWAP | WORD | FOLD | PAIR),
     )
 )

@@ -270,7 +270,7 @@ def _group_runs(w: WeightSpec, k_start, width: int, ways: int, n_mask, k_masked:
     its columns fall in runs of ``run`` per group (the same runs for every
     piece of the span). Returns (groups ``[1, width // run]``, run, load mask)."""
     run = min(width, max(1, w.group_size // ways))
-    groups = k_start // w.group_size + jnp.arange(width // run, dtype=jnp.int32)
+    groups = _floor_div(k_start, w.group_size) + jnp.arange(width // run, dtype=jnp.int32)
     group_mask = (groups < w.k // w.group_size)[None, :] if k_masked else None
     return groups[None, :], run, _all(None if n_mask is None else n_mask[:, None], group_mask)
 
@@ -424,6 +424,16 @@ class _SpanPlan:
         return self.ways // 2 if self.pairs else self.ways
 
 
+def _floor_div(value, divisor: int):
+    """``value // divisor`` for a non-negative ``value`` (a K offset): a shift
+    (or a truncating division), not jnp's floor division, whose sign fix-up
+    hides from the compiler that the result stays aligned (the weight words
+    then load 4 bytes at a time instead of 16)."""
+    if divisor & (divisor - 1) == 0:
+        return jax.lax.shift_right_logical(value, jnp.int32(divisor.bit_length() - 1))
+    return jax.lax.div(value, jnp.int32(divisor))
+
+
 def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan, masks):
     """The weight columns ``k_start + [0, span)`` as pieces (yielded one at a
     time, see _decode_units) whose products with
@@ -474,14 +484,14 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
         width = span // plan.pieces  # columns per piece
         along = jnp.arange(width, dtype=jnp.int32)
         words = span // ways
-        unit = k_start // ways + jnp.arange(words, dtype=jnp.int32)
+        unit = _floor_div(k_start, ways) + jnp.arange(words, dtype=jnp.int32)
         unit_mask = None if k_limit is None else (unit < pl.cdiv(k_limit, ways))[None, :]
         units = _load(values_ref.at[expert, n_col, unit[None, :]], _all(n_mask2, unit_mask))
         if plan.pairs:  # each word twice: elements 2u and 2u+1
             units = jnp.broadcast_to(units[:, :, None], (units.shape[0], words, 2)).reshape(units.shape[0], width)
         zero = None
         if w.zero_point == "int" and not plan.in_weights:
-            zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, n_mask)
+            zero = _int_zero(zero_ref, expert, n_idx, _floor_div(k_start, w.group_size), n_mask)
         for j, values in enumerate(_decode_units(units, w, ways, plan.pairs, compute_dtype, zero, plan.on_gpu)):
             if plan.pairs:  # element 2u: column 8u + j, element 2u+1: column 8u + j + 4
                 cols = k_start + ways * (along // 2) + j + (ways // 2) * (along % 2)
@@ -497,7 +507,7 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
         raw = _storage_bits(raw, jnp.float8_e4m3fn)
     values = raw.astype(compute_dtype)
     if w.zero_point == "int" and not plan.in_weights:  # q - z is a small integer, exact
-        zero = _int_zero(zero_ref, expert, n_idx, k_start // w.group_size, n_mask)
+        zero = _int_zero(zero_ref, expert, n_idx, _floor_div(k_start, w.group_size), n_mask)
         values = (raw.astype(jnp.float32) - zero.astype(jnp.float32)[:, None]).astype(compute_dtype)
     yield finish(_Piece(cols, cols, values))
 
@@ -505,7 +515,7 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
 def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start, n_mask):
     """Float zero points ``[bn]`` of the span at ``k_start`` (not exact in bf16:
     they are subtracted after the product as ``z * sum_k x``)."""
-    return _load(zero_ref.at[expert, n_idx, k_start // w.group_size], n_mask).astype(jnp.float32)
+    return _load(zero_ref.at[expert, n_idx, _floor_div(k_start, w.group_size)], n_mask).astype(jnp.float32)
 
 
 def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, in_weights, n_mask, factor):
@@ -519,9 +529,11 @@ def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, 
     elif w.scale == "channel":
         scale = _decode_scale(_load(scale_ref.at[expert, n_idx, 0], n_mask), w.scale_type)
     elif w.scale == "group":
-        scale = _decode_scale(_load(scale_ref.at[expert, n_idx, k_start // w.group_size], n_mask), w.scale_type)
+        scale = _decode_scale(
+            _load(scale_ref.at[expert, n_idx, _floor_div(k_start, w.group_size)], n_mask), w.scale_type
+        )
     else:  # block
-        raw = _load(scale_ref.at[expert, n_idx // w.block_n, k_start // w.group_size], n_mask)
+        raw = _load(scale_ref.at[expert, n_idx // w.block_n, _floor_div(k_start, w.group_size)], n_mask)
         scale = _decode_scale(raw, w.scale_type)
     if w.global_scale != "none":
         global_scale = global_ref[expert] if w.global_scale == "expert" else global_ref[0]

@@ -1,15 +1,17 @@
 """Pallas kernels for routing and data movement of the expert path.
 
 Grouping slots by expert (``moe_align_block_size`` and ``moe_prepare_scatter``)
-runs as three launches, with no atomics (a slot's place comes from counts and
+runs as three or four launches, with no atomics (a slot's place comes from counts and
 prefix sums only, so the result is deterministic and exact in interpret mode):
 
 1. ``chunk_counts`` — grid over chunks of ``chunk`` slots: each slot's rank
    among the earlier slots of its bin in the chunk (pairwise compares over
    sub-tiles), and the per-bin count of the chunk.
-2. ``bin_prefix`` — one program: exclusive prefix of the chunk counts over
-   chunks (each chunk's base inside a bin) and over bins (each bin's start,
-   with its count rounded up to the block size).
+2. ``bin_prefix`` — a program per tile of ``prefix_bins`` bins: exclusive
+   prefix of the chunk counts over chunks (each chunk's base inside a bin)
+   and each bin's count; then (``bin_starts``, a fourth launch, or the same
+   program when the counts are few enough for one) the prefix over bins:
+   each bin's start, with its count rounded up to the block size.
 3. ``place_slots`` — grid over chunks (write each slot to ``bin_start[g] +
    chunk_base[c, g] + rank``), plus, for the aligned layout, programs over
    ``sorted_ids`` positions that write the padding sentinels and the block
@@ -69,6 +71,10 @@ class GroupingTiles:
     chunk: int = 128
     bin_tile: int = 128  # bins handled at a time
     chunk_tile: int = 64  # chunks handled at a time by bin_prefix
+    # Bins per bin_prefix program: the prefix over chunks runs in parallel over
+    # bin tiles (it was one program walking chunks x bins: at T=16384 and 256
+    # experts, 1024 x 512 counts in 64 sequential [64, 128] scans).
+    prefix_bins: int = 32
     fill_positions: int = 256  # sorted_ids positions per fill program
     num_warps: int = 4
 
@@ -121,32 +127,51 @@ def _chunk_counts_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles):
 
 
 def _bin_prefix_kernel(
-    counts_ref, base_ref, start_ref, count_ref, post_pad_ref, *, g: Grouping, tiles: GroupingTiles, num_chunks: int
+    counts_ref, base_ref, count_ref, *start_refs, g: Grouping, tiles: GroupingTiles, num_chunks: int, per_program: int
 ):
-    width = min(tiles.bin_tile, g.bins_padded)
+    """Program p: bin tiles ``p * per_program ...`` of ``prefix_bins`` bins —
+    each chunk's base inside its bin (exclusive prefix over chunks) and each
+    bin's count. With ``start_refs`` (a single program) also the bin starts."""
+    width = _prefix_width(g, tiles)
     rows = tiles.chunk_tile
-    running = jnp.int32(0)
-    for t in range(g.bins_padded // width):
-        bins = t * width + jnp.arange(width, dtype=jnp.int32)
-        bin_mask = bins < g.total_bins
+    for local in range(per_program):
+        first = (pl.program_id(0) * per_program + local) * width
+        bin_mask = first + jnp.arange(width, dtype=jnp.int32) < g.total_bins
 
-        def over_chunks(i, carry, t=t, bins_mask=bin_mask):
+        def over_chunks(i, carry, first=first, bin_mask=bin_mask):
             chunk_ids = i * rows + jnp.arange(rows, dtype=jnp.int32)
-            mask = (chunk_ids < num_chunks)[:, None] & bins_mask[None, :]
-            index = (pl.ds(i * rows, rows), pl.ds(t * width, width))
+            mask = (chunk_ids < num_chunks)[:, None] & bin_mask[None, :]
+            index = (pl.ds(i * rows, rows), pl.ds(first, width))
             tile = plgpu.load(counts_ref.at[index], mask=mask, other=0)
             inclusive = jnp.cumsum(tile, axis=0)
             plgpu.store(base_ref.at[index], inclusive - tile + carry[None, :], mask=mask)
             return carry + jnp.sum(tile, axis=0)
 
         totals = jax.lax.fori_loop(0, pl.cdiv(num_chunks, rows), over_chunks, jnp.zeros(width, jnp.int32))
+        count_ref[pl.ds(first, width)] = totals
+    if start_refs:
+        _write_starts(count_ref, *start_refs, g=g, width=width)
+
+
+def _write_starts(count_ref, start_ref, post_pad_ref, *, g: Grouping, width: int):
+    """Each bin's start (its count rounded up to the block size, prefix over
+    bins; bins past the last get the total) and the padded total."""
+    running = jnp.int32(0)
+    for t in range(g.bins_padded // width):
+        totals = count_ref[pl.ds(t * width, width)]
         padded = (totals + g.block_size - 1) // g.block_size * g.block_size
-        starts = running + jnp.cumsum(padded) - padded
-        start_ref[pl.ds(t * width, width)] = starts  # bins past the last get the total: empty
-        count_ref[pl.ds(t * width, width)] = totals
+        start_ref[pl.ds(t * width, width)] = running + jnp.cumsum(padded) - padded
         running = running + jnp.sum(padded)
     start_ref[g.bins_padded] = running
     post_pad_ref[0] = running
+
+
+def _bin_starts_kernel(count_ref, start_ref, post_pad_ref, *, g: Grouping, tiles: GroupingTiles):
+    _write_starts(count_ref, start_ref, post_pad_ref, g=g, width=min(tiles.bin_tile, g.bins_padded))
+
+
+def _prefix_width(g: Grouping, tiles: GroupingTiles) -> int:
+    return min(tiles.prefix_bins, g.bins_padded)
 
 
 def _bin_of_positions(start_ref, positions, g: Grouping, width: int):
@@ -249,14 +274,37 @@ def group_slots(
         interpret=interpret,
         name="moe_chunk_counts",
     )(ids, *maps)
-    chunk_base, bin_start, bin_count, post_pad = pl.pallas_call(
-        functools.partial(_bin_prefix_kernel, g=g, tiles=tiles, num_chunks=num_chunks),
-        grid=(1,),
-        out_shape=(i32((num_chunks, g.bins_padded)), i32((g.bins_padded + 1,)), i32((g.bins_padded,)), i32((1,))),
-        compiler_params=params,
-        interpret=interpret,
-        name="moe_bin_prefix",
-    )(counts)
+    bin_tiles = g.bins_padded // _prefix_width(g, tiles)
+    prefix_shapes = (i32((num_chunks, g.bins_padded)), i32((g.bins_padded,)))
+    starts_shapes = (i32((g.bins_padded + 1,)), i32((1,)))
+    prefix = functools.partial(_bin_prefix_kernel, g=g, tiles=tiles, num_chunks=num_chunks)
+    if num_chunks <= tiles.chunk_tile or bin_tiles == 1:
+        # Little to walk: one program (no fourth launch) writes the starts too.
+        chunk_base, bin_count, bin_start, post_pad = pl.pallas_call(
+            functools.partial(prefix, per_program=bin_tiles),
+            grid=(1,),
+            out_shape=prefix_shapes + starts_shapes,
+            compiler_params=params,
+            interpret=interpret,
+            name="moe_bin_prefix",
+        )(counts)
+    else:
+        chunk_base, bin_count = pl.pallas_call(
+            functools.partial(prefix, per_program=1),
+            grid=(bin_tiles,),
+            out_shape=prefix_shapes,
+            compiler_params=params,
+            interpret=interpret,
+            name="moe_bin_prefix",
+        )(counts)
+        bin_start, post_pad = pl.pallas_call(
+            functools.partial(_bin_starts_kernel, g=g, tiles=tiles),
+            grid=(1,),
+            out_shape=starts_shapes,
+            compiler_params=params,
+            interpret=interpret,
+            name="moe_bin_starts",
+        )(bin_count)
     if outputs == "sorted":
         tiles = dataclasses.replace(tiles, fill_positions=max(tiles.fill_positions, g.block_size))
         grid = num_chunks + pl.cdiv(length, tiles.fill_positions)

@@ -230,6 +230,45 @@ def test_grouping_chunk_sizes_agree(chunk, rng):
         np.testing.assert_array_equal(np.asarray(g).reshape(-1), np.asarray(e).reshape(-1))
 
 
+@pytest.mark.parametrize("outputs", ["sorted", "dest"])
+@pytest.mark.parametrize("prefix_bins", [16, 32])
+def test_grouping_parallel_bin_prefix(outputs, prefix_bins, rng):
+    """A bin prefix spread over programs of 16 or 32 bins with a bin-starts
+    launch after it (many chunks: 19 here, 4 per scan), for both layouts:
+    the aligned layout equals the NumPy loop, and the scatter destinations
+    are the stable order by expert (invalid ids in the bin after the last)."""
+    from pallas_kernels import routing as kernels
+
+    num_experts, block_size = 64, 16
+    ids = rng.integers(-2, num_experts + 2, size=(300, 8)).astype(np.int32)
+    ids[:40] = 5
+    invalid = outputs == "dest"  # moe_prepare_scatter's grouping: invalid ids last, no padding
+    grouping = kernels.Grouping(
+        ids.size, num_experts, num_experts, invalid_bin=invalid, block_size=1 if invalid else block_size
+    )
+    tiles = kernels.GroupingTiles(chunk_tile=4, prefix_bins=prefix_bins)
+    length = align_length(ids.size, num_experts, block_size)
+    got = kernels.group_slots(
+        jnp.asarray(ids),
+        None,
+        grouping,
+        outputs=outputs,
+        length=length if outputs == "sorted" else 0,
+        tiles=tiles,
+        interpret=KERNEL_BACKEND == "interpret",
+    )
+    if outputs == "sorted":
+        expected = np_ref.align(ids, block_size, num_experts, None, True, num_experts)
+        for g, e in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(np.asarray(g).reshape(-1), np.asarray(e).reshape(-1))
+        return
+    flat = ids.reshape(-1)
+    key = np.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    order = np.argsort(key, kind="stable")  # row r holds slot order[r]
+    np.testing.assert_array_equal(np.asarray(got[1]), order)
+    np.testing.assert_array_equal(np.asarray(got[0])[order], np.arange(flat.size))
+
+
 def test_row_tiles_shrink_for_small_grids():
     from pallas_kernels import routing as kernels
 
