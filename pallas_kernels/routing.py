@@ -100,6 +100,13 @@ def _slot_groups(ids_ref, map_ref, start, g: Grouping):
     return group, valid
 
 
+def _counts_by_scatter(g: Grouping, tiles: GroupingTiles) -> bool:
+    """Many bins: each bin's count is written by its last slot in the chunk
+    (from the same pairwise compares as the ranks) into a zeroed row, instead
+    of comparing every bin with every slot (bins x slots per chunk)."""
+    return g.bins_padded > tiles.bin_tile
+
+
 def _chunk_counts_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles):
     map_ref = refs[0] if g.has_map else None
     counts_ref, rank_ref = refs[-2:]
@@ -107,16 +114,25 @@ def _chunk_counts_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles):
     base = chunk * tiles.chunk
     subtiles = [_slot_groups(ids_ref, map_ref, base + i * SUB_TILE, g) for i in range(tiles.chunk // SUB_TILE)]
     lane = jnp.arange(SUB_TILE, dtype=jnp.int32)
-    for i, (group_i, _) in enumerate(subtiles):
+    scatter = _counts_by_scatter(g, tiles)
+    for i, (group_i, valid_i) in enumerate(subtiles):
         rank = jnp.zeros(SUB_TILE, jnp.int32)
-        for j in range(i + 1):
-            group_j, valid_j = subtiles[j]
+        later = jnp.zeros(SUB_TILE, jnp.int32)  # same-bin slots after this one (scatter only)
+        for j, (group_j, valid_j) in enumerate(subtiles):
+            if j > i and not scatter:
+                break
             same = (group_i[:, None] == group_j[None, :]) & valid_j[None, :]
-            if j == i:
-                same = same & (lane[None, :] < lane[:, None])
-            rank += jnp.sum(same.astype(jnp.int32), axis=1)
+            if j <= i:
+                rank += jnp.sum((same & (lane[None, :] < lane[:, None]) if j == i else same).astype(jnp.int32), axis=1)
+            if scatter and j >= i:
+                later += jnp.sum((same & (lane[None, :] > lane[:, None]) if j == i else same).astype(jnp.int32), axis=1)
         start = base + i * SUB_TILE
         plgpu.store(rank_ref.at[pl.ds(start, SUB_TILE)], rank, mask=start + lane < g.num_slots)
+        if scatter:  # one writer per bin present in the chunk; absent bins keep the zeros
+            last = valid_i & (later == 0)
+            plgpu.store(counts_ref.at[chunk, codecs.scatter_index(group_i, last, g.bins_padded)], rank + 1, mask=last)
+    if scatter:
+        return
     width = min(tiles.bin_tile, g.bins_padded)
     for t in range(g.bins_padded // width):
         bins = t * width + jnp.arange(width, dtype=jnp.int32)
@@ -134,6 +150,7 @@ def _bin_prefix_kernel(
     bin's count. With ``start_refs`` (a single program) also the bin starts."""
     width = _prefix_width(g, tiles)
     rows = tiles.chunk_tile
+    per_tile = []
     for local in range(per_program):
         first = (pl.program_id(0) * per_program + local) * width
         bin_mask = first + jnp.arange(width, dtype=jnp.int32) < g.total_bins
@@ -149,16 +166,18 @@ def _bin_prefix_kernel(
 
         totals = jax.lax.fori_loop(0, pl.cdiv(num_chunks, rows), over_chunks, jnp.zeros(width, jnp.int32))
         count_ref[pl.ds(first, width)] = totals
-    if start_refs:
-        _write_starts(count_ref, *start_refs, g=g, width=width)
+        per_tile.append(totals)
+    if start_refs:  # from the totals in registers (a reload of count_ref could race its stores)
+        _write_starts(per_tile, *start_refs, g=g)
 
 
-def _write_starts(count_ref, start_ref, post_pad_ref, *, g: Grouping, width: int):
+def _write_starts(per_tile: list, start_ref, post_pad_ref, *, g: Grouping):
     """Each bin's start (its count rounded up to the block size, prefix over
-    bins; bins past the last get the total) and the padded total."""
+    bins; bins past the last get the total) and the padded total, from the
+    bin counts in equal tiles ``per_tile``."""
     running = jnp.int32(0)
-    for t in range(g.bins_padded // width):
-        totals = count_ref[pl.ds(t * width, width)]
+    for t, totals in enumerate(per_tile):
+        width = totals.shape[0]
         padded = (totals + g.block_size - 1) // g.block_size * g.block_size
         start_ref[pl.ds(t * width, width)] = running + jnp.cumsum(padded) - padded
         running = running + jnp.sum(padded)
@@ -167,7 +186,9 @@ def _write_starts(count_ref, start_ref, post_pad_ref, *, g: Grouping, width: int
 
 
 def _bin_starts_kernel(count_ref, start_ref, post_pad_ref, *, g: Grouping, tiles: GroupingTiles):
-    _write_starts(count_ref, start_ref, post_pad_ref, g=g, width=min(tiles.bin_tile, g.bins_padded))
+    width = min(tiles.bin_tile, g.bins_padded)
+    per_tile = [count_ref[pl.ds(t * width, width)] for t in range(g.bins_padded // width)]
+    _write_starts(per_tile, start_ref, post_pad_ref, g=g)
 
 
 def _prefix_width(g: Grouping, tiles: GroupingTiles) -> int:
@@ -266,14 +287,18 @@ def group_slots(
     params = plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1)
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
 
+    counts_inputs, aliases = [], {}
+    if _counts_by_scatter(g, tiles):  # the counts start as zeros (bins absent from a chunk)
+        counts_inputs, aliases = [jnp.zeros((num_chunks, g.bins_padded), jnp.int32)], {1 + len(maps): 0}
     counts, rank = pl.pallas_call(
         functools.partial(_chunk_counts_kernel, g=g, tiles=tiles),
         grid=(num_chunks,),
         out_shape=(i32((num_chunks, g.bins_padded)), i32((g.num_slots,))),
+        input_output_aliases=aliases,
         compiler_params=params,
         interpret=interpret,
         name="moe_chunk_counts",
-    )(ids, *maps)
+    )(ids, *maps, *counts_inputs)
     bin_tiles = g.bins_padded // _prefix_width(g, tiles)
     prefix_shapes = (i32((num_chunks, g.bins_padded)), i32((g.bins_padded,)))
     starts_shapes = (i32((g.bins_padded + 1,)), i32((1,)))

@@ -206,13 +206,14 @@ def test_routing_bad_input_raises():
 # ---- kernel tilings (the op layer picks one; these pin down the others) ----------
 
 
+@pytest.mark.parametrize("num_experts", [64, 256])  # 256: counts written by each bin's last slot
 @pytest.mark.parametrize("chunk", [128, 256, 512])
-def test_grouping_chunk_sizes_agree(chunk, rng):
+def test_grouping_chunk_sizes_agree(chunk, num_experts, rng):
     """``group_slots`` with chunks of one to four pairwise-ranked sub-tiles: the
     aligned layout equals the NumPy loop (stable order, padding, invalid ids)."""
     from pallas_kernels import routing as kernels
 
-    num_experts, block_size = 64, 16
+    block_size = 16
     ids = rng.integers(-2, num_experts + 2, size=(300, 8)).astype(np.int32)
     ids[:40] = 5  # a hot expert spanning sub-tiles and chunks
     grouping = kernels.Grouping(ids.size, num_experts, num_experts, block_size=block_size)
