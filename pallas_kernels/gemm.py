@@ -443,7 +443,8 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
     exact in bf16 and f16, so otherwise nothing rounds here and the scales come
     after the product. Packed 4-bit weights give one piece per nibble position
     of their load unit (``plan.ways``): piece j holds columns j, j+ways, ...
-    of the span, so no interleave is needed."""
+    of the span, so no interleave is needed; with ``plan.pairs`` one piece per
+    pair of positions j, j+4 (columns j, j+4, j+8, j+12, ...)."""
     values_ref, scale_ref, zero_ref, group_ref = refs
     n_mask, k_limit = masks
     span, ways, compute_dtype = plan.span, plan.ways, plan.compute_dtype

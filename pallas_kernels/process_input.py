@@ -57,7 +57,8 @@ class ProcessConfig:
     # products, which take [rows, b] tiles straight from the loads.
     two_pass: bool = False
     # Row blocks per program: a loop over blocks program, program + grid, ...
-    # whose loads the compiler can pipeline (issued a block or two ahead).
+    # that loads the next block's input before processing this one (by hand:
+    # Triton pipelines only loads that feed a dot).
     row_blocks: int = 1
     gpu: bool = False  # compiled for the GPU (not interpreted): use exact division
 
@@ -287,15 +288,13 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
 
     # The Hadamard matrix is read once per program (once for all its row blocks).
     h = h_ref[...] if cfg.hadamard else None
-    refs_of = dict(x_ref=x_ref, h=h, static_ref=static_ref, counts_ref=counts_ref, scatter_ref=scatter_ref)
+    ins = _Inputs(x_ref, h, static_ref, counts_ref, scatter_ref, valid_ref)
     out_refs = (values_ref, scale_ref, scale2_ref)
     if cfg.two_pass:
-        _process_rows(pl.program_id(0), None, refs_of, valid_ref, out_refs, cfg, m_in)
+        _process_rows(pl.program_id(0), None, ins, out_refs, cfg, m_in)
         return
     if cfg.row_blocks == 1:
-        _process_rows(
-            pl.program_id(0), _block_inputs(x_ref, pl.program_id(0), cfg, m_in), refs_of, valid_ref, out_refs, cfg, m_in
-        )
+        _process_rows(pl.program_id(0), _block_inputs(x_ref, pl.program_id(0), cfg, m_in), ins, out_refs, cfg, m_in)
         return
     # Blocks program, program + grid, ...: the next block's loads are issued
     # before this block is processed (its tiles are the loop's carry).
@@ -304,7 +303,7 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
     def block(i, tiles):
         index = program + i * programs
         ahead = _block_inputs(x_ref, index + programs, cfg, m_in)  # past the last block: all masked
-        _process_rows(index, tiles, refs_of, valid_ref, out_refs, cfg, m_in)
+        _process_rows(index, tiles, ins, out_refs, cfg, m_in)
         return ahead
 
     jax.lax.fori_loop(0, cfg.row_blocks, block, _block_inputs(x_ref, program, cfg, m_in))
@@ -321,11 +320,24 @@ def _block_inputs(x_ref, block, cfg: ProcessConfig, m_in: int) -> list:
     return _load_inputs(x_ref, rows, row_mask, cfg.segments[0][1] > cfg.k_out, cfg, cfg.segments)
 
 
-def _process_rows(block, tiles, refs_of: dict, valid_ref, out_refs, cfg: ProcessConfig, m_in: int):
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What a program reads besides its rows' input tiles (refs, or None when
+    the launch has no such input; ``h`` the loaded Hadamard matrix)."""
+
+    x_ref: object
+    h: object
+    static_ref: object
+    counts_ref: object
+    scatter_ref: object
+    valid_ref: object
+
+
+def _process_rows(block, tiles, ins: _Inputs, out_refs, cfg: ProcessConfig, m_in: int):
     """The rows ``[block * rows, (block + 1) * rows)`` (those below ``m_in``),
     from their input ``tiles`` (:func:`_block_inputs`; two passes load their own)."""
-    x_ref, h, static_ref = refs_of["x_ref"], refs_of["h"], refs_of["static_ref"]
-    counts_ref, scatter_ref = refs_of["counts_ref"], refs_of["scatter_ref"]
+    x_ref, h, static_ref, valid_ref = ins.x_ref, ins.h, ins.static_ref, ins.valid_ref
+    counts_ref, scatter_ref = ins.counts_ref, ins.scatter_ref
     values_ref, scale_ref, scale2_ref = out_refs
     block_rows = cfg.rows
     rows, row_mask = _block_rows(block, cfg, m_in)

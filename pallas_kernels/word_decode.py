@@ -112,15 +112,9 @@ def needed_ops(program: Program, register: str) -> list[Op]:
 def to_ptx(program: Program, position: int) -> str:
     """Inline PTX computing the value at nibble ``position`` (0-7) of the word
     ``$1`` into the 16-bit ``$0`` (Pallas's inline asm has one result)."""
-    kind = {"bfloat16": "bf16x2", "float16": "f16x2"}[program.dtype]
     register = program.outputs[position % 4]
-    ops = needed_ops(program, register)
-    constants = [f"k{i}" for i, op in enumerate(ops) if op.op in ("sub2", "mul2")]
-    lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};", ".reg .b16 other;"]
-    lines += _op_lines(ops, kind)
     halves = "{$0, other}" if position < 4 else "{other, $0}"
-    lines.append(f"mov.b32 {halves}, {register};")
-    return "\n".join(lines + ["}"])
+    return _ptx(program, register, [".reg .b16 other;"], f"mov.b32 {halves}, {register};")
 
 
 def to_ptx_pair(program: Program, pair: int) -> str:
@@ -128,14 +122,17 @@ def to_ptx_pair(program: Program, pair: int) -> str:
     word ``$1`` — the codes at nibble positions ``pair`` (low half) and
     ``pair + 4`` (high half) — as the 32-bit ``$0`` holding both 16-bit
     results. ``$2`` (the second element of the pack) is the same word."""
-    kind = {"bfloat16": "bf16x2", "float16": "f16x2"}[program.dtype]
     register = program.outputs[pair]
+    return _ptx(program, register, [], f"mov.b32 $0, {register};")
+
+
+def _ptx(program: Program, register: str, declarations: list[str], result: str) -> str:
+    """One asm block: the ops ``register`` needs, then the ``result`` move."""
+    kind = {"bfloat16": "bf16x2", "float16": "f16x2"}[program.dtype]
     ops = needed_ops(program, register)
     constants = [f"k{i}" for i, op in enumerate(ops) if op.op in ("sub2", "mul2")]
-    lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};"]
-    lines += _op_lines(ops, kind)
-    lines.append(f"mov.b32 $0, {register};")
-    return "\n".join(lines + ["}"])
+    lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};", *declarations]
+    return "\n".join([*lines, *_op_lines(ops, kind), result, "}"])
 
 
 def _op_lines(ops: list[Op], kind: str) -> list[str]:
