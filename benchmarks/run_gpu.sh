@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -65,6 +65,15 @@ for step in $steps; do
                     > "$out/gemm_sass.csv" 2>&1
                   grep -E "Stall|Warp Cycles|Registers|Achieved Occupancy|Issued" "$out/gemm_profile.txt" | head -40
                   grep -c -E "BAR|LDS|STS" "$out/gemm_sass.csv" ;;
+    # The same for the 4-bit prefill tile (qwen3 w13 int4 T=4096: 1050 us = 0.43x torch): decode or MMA bound?
+    gemm-profile-prefill) timeout 300 ncu -k regex:gemm -c 1 --section LaunchStats --section Occupancy \
+                            --section WarpStateStats --section SchedulerStats --section SourceCounters -o "$out/gemm_prefill" \
+                            python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 4096 \
+                            --config 64,128,128,4,3,swap_ab,word_decode,group_m=8,pair_decode > "$out/gemm_prefill_run.txt" 2>&1
+                          ncu --import "$out/gemm_prefill.ncu-rep" --page details > "$out/gemm_prefill_profile.txt" 2>&1
+                          ncu --import "$out/gemm_prefill.ncu-rep" --page source --print-source sass --csv \
+                            > "$out/gemm_prefill_sass.csv" 2>&1
+                          grep -E "Stall|Warp Cycles|Registers|Achieved Occupancy|Issued|Local" "$out/gemm_prefill_profile.txt" | head -40 ;;
     hadamard-profile) timeout 200 ncu -k regex:process_input -c 1 --section SpeedOfLight --section Occupancy \
                         --section LaunchStats --section WarpStateStats --section SchedulerStats \
                         python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 2048 \
