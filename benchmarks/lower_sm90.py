@@ -56,10 +56,19 @@ def capture_triton_modules(compute_capability: int = 90):
         registration.gpu_info_lib, registration.lowering.lower_jaxpr_to_triton_module = saved
 
 
+def ttir_of(fn, *args) -> list[str]:
+    """TTIR of every Pallas Triton kernel ``jax.jit(fn)(*args)`` launches,
+    lowered for sm_90 without a GPU (arrays or ShapeDtypeStructs)."""
+    import jax
+
+    with capture_triton_modules() as texts:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return texts
+
+
 def gemm_ttir(fmt: str, tokens: int, tuning, shape: tuple[int, int, int]) -> list[str]:
     """TTIR of the grouped GEMM kernels of ``tokens`` tokens (top-8 of ``E``
     experts, or top-2 below 8) on an ``[E, N, K]`` weight of format ``fmt``."""
-    import jax
     import jax.numpy as jnp
 
     from humming_jax import formats as F
@@ -78,9 +87,7 @@ def gemm_ttir(fmt: str, tokens: int, tuning, shape: tuple[int, int, int]) -> lis
     def run(x, weight, layout):
         return gemm(x, weight, layout, tuning=tuning, backend="pallas")
 
-    with capture_triton_modules() as texts:
-        jax.jit(run).trace(x, weight, layout).lower(lowering_platforms=("cuda",))
-    return texts
+    return ttir_of(run, x, weight, layout)
 
 
 SASS_OP = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")

@@ -1,11 +1,16 @@
-"""The GPU-only paths of the GEMM (the inline-PTX word decoders, which
-interpret mode replaces by jnp) lower to Triton IR for sm_90 on the CPU:
-what the kernel tests cannot see without a GPU."""
+"""The kernels lower to Triton IR for sm_90 on the CPU — the GPU-only paths
+(the GEMM's inline-PTX word decoders, which interpret mode replaces by jnp)
+and the loops and launches interpret mode runs differently: what the kernel
+tests cannot see without a GPU."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+import humming_jax as hj
 from benchmarks.inspect_gemm import parse_config
-from benchmarks.lower_sm90 import gemm_ttir
+from benchmarks.lower_sm90 import gemm_ttir, ttir_of
+from humming_jax import input_quant as Q
 
 SHAPE = (4, 256, 512)
 # Lowering for the GPU backend warns that Pallas's Triton backend is deprecated (our GPU path today).
@@ -29,3 +34,31 @@ def test_word_decoders_lower_for_sm90(fmt, config, pack):
     pieces = 8 // pack
     assert text.count("tt.elementwise_inline_asm") == pieces and text.count("tt.dot") == pieces
     assert f"packed_element = {pack}" in text
+
+
+@pytest.mark.parametrize(
+    "case,tiles",
+    [("silu", "4x4x1x8"), ("hadamard", "8x8x1x4"), ("hadamard", "0x0x2"), ("swigluoai", "default")],
+)
+def test_process_input_lowers_for_sm90(case, tiles):
+    """One kernel; the row-block loop carries the next block's input tiles."""
+    k_in = {"silu": 1536, "hadamard": 768, "swigluoai": 1536}[case]
+    x = jax.ShapeDtypeStruct((512, k_in), jnp.bfloat16)
+    kw = dict(backend="pallas", tiles=None if tiles == "default" else hj.ProcessTilesConfig.parse(tiles))
+    if case == "hadamard":
+        kw["hadamard_block_size"] = 128
+    else:
+        kw["activation"] = case
+    spec = Q.FP8_DYNAMIC_TOKEN if case == "hadamard" else Q.FP8_DYNAMIC_GROUP128
+    (text,) = ttir_of(lambda x: hj.process_input(x, spec, **kw), x)
+    assert ("scf.for" in text) == (tiles != "default")
+
+
+@pytest.mark.parametrize("tokens,launches", [(64, 3), (2048, 4)])
+def test_grouping_lowers_for_sm90(tokens, launches):
+    """prepare_scatter at E=256: chunk counts by each bin's last slot (a zeroed,
+    aliased row), then one prefix program (few chunks) or a grid of them and
+    the bin-starts launch (2048 tokens x 8 = 128 chunks)."""
+    ids = jax.ShapeDtypeStruct((tokens, 8), jnp.int32)
+    texts = ttir_of(lambda ids: hj.moe_prepare_scatter(ids, 256, backend="pallas"), ids)
+    assert len(texts) == launches
