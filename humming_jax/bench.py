@@ -310,6 +310,7 @@ def run_bench(
     """Time every case; ``on_row(rows)`` runs after each one (the JSON is kept
     current, so a run cut short keeps what it measured)."""
     rows = []
+    torch_us = {}  # (problem, gemm, T) -> torch._grouped_mm (bf16) time, the ratio's reference
     for problem in problems:
         for t in tokens:
             for g in gemms:
@@ -328,6 +329,10 @@ def run_bench(
                             result["ragged_dot_us"] = time_ragged_dot(case, ids)
                             if t >= 512:  # prefill: the Mosaic GPU grouped GEMM as well
                                 result["mgpu_ragged_dot_us"] = time_mgpu_ragged_dot(case, ids)
+                            if result["torch_grouped_mm_us"] is not None:
+                                torch_us[problem, g, t] = result["torch_grouped_mm_us"]
+                        if (problem, g, t) in torch_us:  # throughput relative to bf16 torch (>1: faster)
+                            result["vs_torch"] = torch_us[problem, g, t] / result["us"]
                         rows.append(result)
                         print(format_row(result), flush=True)
                         if on_row is not None:
@@ -337,7 +342,7 @@ def run_bench(
 
 HEADER = (
     f"{'problem':<15}{'gemm':<5}{'layout':<8}{'T':>6}{'format':>11}{'us':>10}{'TFLOP/s':>9}{'GB/s':>8}"
-    f"{'%roof':>7}{'torch us':>10}{'ragged us':>11}{'mgpu us':>10}{'error':>9}"
+    f"{'%roof':>7}{'torch us':>10}{'ragged us':>11}{'mgpu us':>10}{'x torch':>8}{'error':>9}"
 )
 
 
@@ -350,7 +355,7 @@ def format_row(r: dict) -> str:
         f"{r['problem']:<15}{r['gemm']:<5}{r['layout']:<8}{r['tokens']:>6}{r['fmt']:>11}{r['us']:>10.1f}"
         f"{r['tflops']:>9.1f}{r['gbps']:>8.0f}{100 * r['roofline_fraction']:>6.0f}%"
         f"{cell('torch_grouped_mm_us', 10)}{cell('ragged_dot_us', 11)}{cell('mgpu_ragged_dot_us', 10)}"
-        f"{r['error']:>9.1e}"
+        f"{'' if r.get('vs_torch') is None else format(r['vs_torch'], '.2f'):>8}{r['error']:>9.1e}"
     )
 
 
