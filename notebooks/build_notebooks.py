@@ -134,8 +134,11 @@ PERFORMANCE = [
         """# Measured performance against the roofline
 
 Reads the benchmark JSON files in `benchmarks/results/` (measured on an
-H200) and plots achieved bandwidth against the measured copy bandwidth
-(4.3 TB/s) per op and token count.""",
+H200; every kernel version and session is kept there, `benchmarks/NOTES.md`
+tells their story) and shows the latest measurement of each case: achieved
+bandwidth against the measured copy bandwidth (4.3 TB/s) for the routing and
+`process_input` kernels, and the expert GEMMs against their roofline and
+against `torch._grouped_mm` (bf16) timed in the same run.""",
     ),
     (
         "code",
@@ -148,30 +151,57 @@ from IPython.display import Image, display
 root = os.path.join(os.path.dirname(os.path.abspath("__file__")), "..", "benchmarks", "results")
 files = sorted(glob.glob(os.path.join(root, "*.json")))
 print([os.path.basename(f) for f in files])
-data = {os.path.basename(f): json.load(open(f)) for f in files}""",
+data = {os.path.basename(f): json.load(open(f)) for f in files}
+
+
+def latest(rows, key, version):
+    \"\"\"The row of each ``key(row)`` with the highest ``version(row)`` (later rows win ties).\"\"\"
+    best = {}
+    for r in rows:
+        k = key(r)
+        if k not in best or version(r) >= version(best[k]):
+            best[k] = r
+    return best""",
     ),
     (
         "code",
         """fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-routing = data.get("routing_h200.json", {"rows": []})["rows"]
+routing = [r for r in data.get("routing_h200.json", {"rows": []})["rows"]
+           # the kernel's rows with default tiles (the first session's rows, parsed from a table, name no backend)
+           if r.get("backend", "pallas") == "pallas" and r.get("row_tiles") in (None, "4x256x4")]
 for op in ("unpermute", "fused_mul_sum", "permute"):
-    pts = sorted((r["T"], 100 * r["copy_fraction"]) for r in routing if r["op"] == op and r["H"] == 7168 and r["E"] == 128)
+    rows = latest([r for r in routing if r["op"] == op and r.get("H") == 7168 and r["E"] == 128],
+                  lambda r: r["T"], lambda r: r.get("session", 0))
+    pts = sorted((t, 100 * r["copy_fraction"]) for t, r in rows.items())
     if pts:
         axes[0].plot(*zip(*pts), marker="o", label=op)
 axes[0].set_xscale("log"); axes[0].set_xlabel("tokens T (E=128, k=8, H=7168)"); axes[0].set_ylabel("% of copy bandwidth")
 axes[0].axhline(70, color="gray", ls="--", lw=1); axes[0].legend(); axes[0].set_title("routing kernels")
-proc = data.get("process_input_h200.json", {"rows": []})["rows"]
+proc = [r for r in data.get("process_input_h200.json", {"rows": []})["rows"]
+        if r["backend"] == "pallas" and r.get("tiles") in (None, "default") and r["K"] == 2048]
 for case in sorted({r["case"] for r in proc}):
-    pts = sorted((r["T"], 100 * r["copy_fraction"]) for r in proc if r["case"] == case and r["K"] == 2048
-                 and r["backend"] == "pallas")
+    rows = latest([r for r in proc if r["case"] == case], lambda r: r["T"], lambda r: r.get("kernel_version", ""))
+    pts = sorted((t, 100 * r["copy_fraction"]) for t, r in rows.items())
     if pts:
         axes[1].plot(*zip(*pts), marker="o", label=case)
 axes[1].set_xscale("log"); axes[1].set_xlabel("tokens T (k=8, K=2048)"); axes[1].axhline(70, color="gray", ls="--", lw=1)
 axes[1].legend(fontsize=7); axes[1].set_title("process_input")
 fig.tight_layout(); fig.savefig("performance.png", dpi=80)
-display(Image("performance.png"))
-gemm = data.get("gemm.json")
-print("GEMM benchmark:", "present" if gemm else "not measured yet (python -m humming_jax bench on a GPU)")""",
+display(Image("performance.png"))""",
+    ),
+    (
+        "code",
+        """gemm = data.get("gemm_h200.json", {"rows": []})["rows"]
+torch_us = {(r["problem"], r["gemm"], r["tokens"], r.get("kernel_version")): r["torch_grouped_mm_us"]
+            for r in gemm if r.get("torch_grouped_mm_us")}
+rows = latest([r for r in gemm if r["layout"] == "grouped"],
+              lambda r: (r["problem"], r["gemm"], r["tokens"], r["fmt"]), lambda r: r.get("kernel_version", ""))
+print(f"{'problem':<15}{'gemm':<5}{'T':>6}{'format':>11}{'version':>8}{'us':>9}{'% roofline':>11}{'x torch bf16':>13}")
+for (problem, g, t, fmt), r in sorted(rows.items()):
+    ref = torch_us.get((problem, g, t, r.get("kernel_version")))
+    ratio = f"{ref / r['us']:.2f}" if ref else ""
+    print(f"{problem:<15}{g:<5}{t:>6}{fmt:>11}{r.get('kernel_version', ''):>8}{r['us']:>9.1f}"
+          f"{100 * r['roofline_fraction']:>10.0f}%{ratio:>13}")""",
     ),
 ]
 
