@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -100,10 +100,15 @@ for step in $steps; do
     # AWQ-style uint4 with zero points at decode (folded scales and zero points).
     gemm-bench-awq) timeout 200 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b --tokens 16 \
                       --formats uint4_zp_g128 --no-compare --out "$out/gemm_awq.json" 2>&1 | tee "$out/gemm_bench_awq.log" ;;
-    gemm-bench-small) timeout 540 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
+    # One problem per step: two problems at three token counts do not fit 540 s (a qwen3 T is ~100-140 s).
+    gemm-bench-small) timeout 540 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b \
                         --tokens 1 128 512 --out "$out/gemm_small.json" 2>&1 | tee "$out/gemm_bench_small.log" ;;
-    gemm-bench-large) timeout 540 python3 -W ignore -m humming_jax bench --problems deepseek-v3 gpt-oss-120b \
+    gemm-bench-small-mixtral) timeout 540 python3 -W ignore -m humming_jax bench --problems mixtral-8x7b \
+                        --tokens 1 128 512 --out "$out/gemm_small_mixtral.json" 2>&1 | tee "$out/gemm_bench_small_mixtral.log" ;;
+    gemm-bench-large) timeout 540 python3 -W ignore -m humming_jax bench --problems deepseek-v3 \
                         --tokens 16 4096 --out "$out/gemm_large.json" 2>&1 | tee "$out/gemm_bench_large.log" ;;
+    gemm-bench-gptoss) timeout 540 python3 -W ignore -m humming_jax bench --problems gpt-oss-120b \
+                        --tokens 16 4096 --out "$out/gemm_gptoss.json" 2>&1 | tee "$out/gemm_bench_gptoss.log" ;;
     tune) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats bf16 int4_g128 \
             --out "$out/tuning_h200.json" 2>&1 | tee "$out/tune.log" | tail -20 ;;
     # qwen3 w2 (K=768) prefill, bf16 at 0.86x torch: its own entries, keyed by its shape.
