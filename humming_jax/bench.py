@@ -433,6 +433,11 @@ PREFILL_CANDIDATES = _candidates(
         (64, 128, 128, 4, 3, SWAP | WORD | BANDS | PAIR),
         (128, 128, 128, 8, 3, SWAP | WORD | BANDS | PAIR),
         (128, 64, 128, 4, 3, SWAP | WORD | BANDS | PAIR),
+        # Folded scales again (v6 lost with an f32 fold; it is one bf16x2 multiply per
+        # two weights now): one accumulation chain, so the products need not be
+        # waited on piece by piece (the unfolded SASS waits on every wgmma).
+        (64, 128, 128, 4, 3, SWAP | WORD | BANDS | PAIR | FOLD),
+        (128, 128, 128, 8, 3, SWAP | WORD | BANDS | PAIR | FOLD),
         # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
         (128, 256, 64, 8, 4, DEQ),
         (128, 256, 64, 8, 4, DEQ | BANDS),

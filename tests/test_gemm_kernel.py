@@ -253,8 +253,12 @@ def test_word_decode_swap_ab(fmt_name, rng):
         ("indexed", hj.TuningConfig(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)),
         ("grouped_masked", hj.TuningConfig(64, 32, 128, word_decode=True, pair_decode=True)),
         ("dense", hj.TuningConfig(16, 32, 256, swap_ab=True, word_decode=True, pair_decode=True, fold_scales=True)),
+        (  # the prefill candidate's shape: 64 rows, swap, bands, folded scales
+            "grouped_contiguous",
+            hj.TuningConfig(64, 32, 128, swap_ab=True, group_m=2, word_decode=True, pair_decode=True, fold_scales=True),
+        ),
     ],
-    ids=["grouped", "indexed_fold", "masked_64rows", "dense_swap_fold"],
+    ids=["grouped", "indexed_fold", "masked_64rows", "dense_swap_fold", "prefill_swap_fold"],
 )
 @pytest.mark.parametrize("fmt_name", ["int4_g128", "uint4_zp_g128", "mxfp4+bias"])
 def test_pair_decode(fmt_name, layout_kind, tuning, rng):
