@@ -47,10 +47,7 @@ def _out_bytes(rows: int, width: int, spec: Q.InputQuantSpec) -> int:
 
 
 def _tiles_name(tiles) -> str:
-    if tiles is None:
-        return "default"
-    name = f"{tiles.block_rows}x{tiles.num_warps}" + ("x2" if tiles.two_pass else "")
-    return name if tiles.row_blocks == 1 else f"{name}x1x{tiles.row_blocks}"
+    return "default" if tiles is None else tiles.text()
 
 
 def bench(tokens_list=TOKENS, widths=WIDTHS, cases=DEFAULT_CASES, seed=0, tiles_list=(None,)):

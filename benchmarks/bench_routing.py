@@ -90,7 +90,7 @@ def bench(tokens_list, experts_list, hidden_list, seed=0, on_rows=None, row_tile
 
 
 def _tiles_name(tiles) -> str:
-    return "default" if tiles is None else f"{tiles.block_tokens}x{tiles.block_cols}x{tiles.num_warps}"
+    return "default" if tiles is None else tiles.text()
 
 
 def _row_ops(backend: str, experts: int, tiles):

@@ -222,6 +222,10 @@ class RowTilesConfig:
             raise ValueError(f"row tiles: expected TOKENSxCOLSxWARPS such as 8x1024x8, got {text!r}") from None
         return cls(tokens, cols, warps)
 
+    def text(self) -> str:
+        """The form :meth:`parse` reads."""
+        return f"{self.block_tokens}x{self.block_cols}x{self.num_warps}"
+
 
 @dataclasses.dataclass(frozen=True)
 class ProcessTilesConfig:
@@ -265,6 +269,11 @@ class ProcessTilesConfig:
             ) from None
         blocks = parts[3] if len(parts) == 4 else 1
         return cls(parts[0], parts[1], two_pass=len(parts) >= 3 and parts[2] == 2, row_blocks=blocks)
+
+    def text(self) -> str:
+        """The form :meth:`parse` reads (shortest: passes and blocks only when set)."""
+        name = f"{self.block_rows}x{self.num_warps}" + ("x2" if self.two_pass else "")
+        return name if self.row_blocks == 1 else f"{name}x1x{self.row_blocks}"
 
 
 @dataclasses.dataclass(frozen=True)

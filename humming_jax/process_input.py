@@ -153,7 +153,8 @@ def process_input(
     ``x`` may be ``[E, max_tokens, K]`` for ``grouped_mask``; the output is
     flattened to 2-D. If ``input_scale`` is given, ``x`` is already quantized
     per ``spec``: it is returned unchanged (an activation is then an error).
-    ``tiles`` sets the kernel's rows per program and warps (default: by width).
+    ``tiles`` sets the kernel's rows per program, warps, two passes (Hadamard)
+    and row blocks per program (default: chosen from the width).
     """
     spec = Q.get_input_spec(spec)
     activation = get_activation(activation)

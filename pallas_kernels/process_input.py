@@ -100,6 +100,11 @@ class ProcessConfig:
         return rows
 
     @property
+    def padded(self) -> bool:
+        """One column block wider than the row (its tail past ``k_out`` masked)."""
+        return self.segments[0][1] > self.k_out
+
+    @property
     def hadamard_blocks_per_row(self) -> int:
         """Hadamard blocks in a row's narrowest column block: a product of one
         pass has ``rows * hadamard_blocks_per_row`` rows."""
@@ -317,7 +322,7 @@ def _block_rows(block, cfg: ProcessConfig, m_in: int):
 def _block_inputs(x_ref, block, cfg: ProcessConfig, m_in: int) -> list:
     """The input tiles of a block of rows (one pass: every column block)."""
     rows, row_mask = _block_rows(block, cfg, m_in)
-    return _load_inputs(x_ref, rows, row_mask, cfg.segments[0][1] > cfg.k_out, cfg, cfg.segments)
+    return _load_inputs(x_ref, rows, row_mask, cfg.padded, cfg, cfg.segments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,7 +383,7 @@ def _process_rows(block, tiles, ins: _Inputs, out_refs, cfg: ProcessConfig, m_in
         jax.lax.fori_loop(0, cfg.k_out // b, write, 0)
         return
     segments = cfg.segments
-    padded = segments[0][1] > cfg.k_out  # one block wider than the row: mask its tail
+    padded = cfg.padded
     ys, loads = [], iter(tiles)
     for start, size in segments:
         y = _activate([next(loads) for _ in _input_columns(start, size, cfg)], size, cfg)

@@ -377,3 +377,4 @@ def test_row_tiles_config_rejects_bad_tiles():
         hj.RowTilesConfig(12, 512, 4)
     with pytest.raises(ValueError, match="TOKENSxCOLSxWARPS"):
         hj.RowTilesConfig.parse("16x512")
+    assert hj.RowTilesConfig.parse("8x1024x8").text() == "8x1024x8"
