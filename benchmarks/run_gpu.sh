@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v9-tests pair-inspect-2 v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -22,6 +22,16 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     # After the fifth session: the pair decode and aligned word loads, the parallel bin prefix, process_input row blocks.
+    # After the sixth session's first run: pairs read words as 16-bit halves (right in any layout Triton picks).
+    v9-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_word_decode.py tests/test_lowering.py -k "pair or word" \
+                2>&1 | tee "$out/v9_tests.log" | tail -5 ;;
+    pair-inspect-2) timeout 300 python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 16 \
+                      --config 16,32,256,2,3,word_decode,fold_scales,pair_decode \
+                      --config 16,64,256,4,3,word_decode,fold_scales --config 16,64,256,4,3,word_decode,fold_scales,pair_decode \
+                      --config 16,64,256,4,4,word_decode,fold_scales,pair_decode 2>&1 | tee "$out/pair_inspect.log" | tail -5
+                    timeout 200 python3 -W ignore -m benchmarks.inspect_gemm --fmt mxfp4 --tokens 16 \
+                      --config 16,32,256,2,3,word_decode,fold_scales,pair_decode \
+                      --config 16,64,256,4,3,word_decode,fold_scales,pair_decode 2>&1 | tee -a "$out/pair_inspect.log" | tail -3 ;;
     v8-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_word_decode.py -k "pair or word or fold" \
                 2>&1 | tee "$out/v8_tests.log" | tail -5
               pytest_gpu 240 tests/test_routing.py tests/test_process_input.py -k "grouping or align or scatter or row_blocks" \

@@ -373,10 +373,10 @@ def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, z
     """The pieces (values ``[bn, c]``) of packed units ``[bn, c]``, one at a
     time (a generator: each piece is decoded just before its product, so only
     one decoded piece is live): piece j holds the codes at nibble position j
-    of every unit. With ``pairs`` the units come twice each (elements 2u and
-    2u+1 are word u) and piece j (0-3) holds nibble j of word u at 2u and
-    nibble j + 4 at 2u+1. On the GPU, uint32 words are decoded by inline PTX
-    (``word_decode``)."""
+    of every unit. With ``pairs`` the units are 16-bit halves of words
+    (element 2u: nibbles 0-3 of word u, 2u+1: nibbles 4-7) and piece j (0-3)
+    holds nibble j of each half: nibbles j and j + 4 of word u. On the GPU,
+    words (or halves) are decoded by inline PTX (``word_decode``)."""
     if ways == 8 and on_gpu:
         dtype = jnp.dtype(compute_dtype).name
         if w.value_type == "float4_e2m1":  # values times 2**-6, as _nibbles_to_values
@@ -391,13 +391,7 @@ def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, z
                 values = word_decode.decode_word_position(units, program, j)
             yield values if zero_values is None else values - zero_values
         return
-    if pairs:
-        second = (jnp.arange(units.shape[1], dtype=jnp.uint32) % 2)[None, :]  # element 2u+1: nibble j + 4
-        for j in range(ways // 2):
-            shift = 4 * (j + (ways // 2) * second)
-            yield _nibbles_to_values(((units >> shift) & 0xF).astype(jnp.uint8), w, compute_dtype, zero)
-        return
-    for j in range(ways):
+    for j in range(ways // 2 if pairs else ways):
         yield _nibbles_to_values(((units >> (4 * j)) & 0xF).astype(jnp.uint8), w, compute_dtype, zero)
 
 
@@ -421,6 +415,11 @@ class _SpanPlan:
     @property
     def pieces(self) -> int:
         """Pieces per span: one per nibble position, or per pair of positions."""
+        return self.ways // 2 if self.pairs else self.ways
+
+    @property
+    def unit_nibbles(self) -> int:
+        """Nibbles per loaded element: pairs read the words as 16-bit halves."""
         return self.ways // 2 if self.pairs else self.ways
 
 
@@ -484,12 +483,10 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
     if w.packed:
         width = span // plan.pieces  # columns per piece
         along = jnp.arange(width, dtype=jnp.int32)
-        words = span // ways
-        unit = _floor_div(k_start, ways) + jnp.arange(words, dtype=jnp.int32)
-        unit_mask = None if k_limit is None else (unit < pl.cdiv(k_limit, ways))[None, :]
+        per_unit = plan.unit_nibbles
+        unit = _floor_div(k_start, per_unit) + jnp.arange(span // per_unit, dtype=jnp.int32)
+        unit_mask = None if k_limit is None else (unit < pl.cdiv(k_limit, per_unit))[None, :]
         units = _load(values_ref.at[expert, n_col, unit[None, :]], _all(n_mask2, unit_mask))
-        if plan.pairs:  # each word twice: elements 2u and 2u+1
-            units = jnp.broadcast_to(units[:, :, None], (units.shape[0], words, 2)).reshape(units.shape[0], width)
         zero = None
         if w.zero_point == "int" and not plan.in_weights:
             zero = _int_zero(zero_ref, expert, n_idx, _floor_div(k_start, w.group_size), n_mask)
@@ -697,11 +694,14 @@ def split_packed_columns(x: jax.Array, span: int, ways: int = 2, pairs: bool = F
 
 def _as_units(values: jax.Array, ways: int) -> jax.Array:
     """Packed bytes ``[E, N, K/2]`` as load units of ``ways`` nibbles (uint32
-    words for 8, little-endian: byte 0 holds nibble positions 0 and 1)."""
+    words for 8, uint16 halves for 4; little-endian: byte 0 holds nibble
+    positions 0 and 1)."""
     if ways == 2:
         return values
     e, n, half = values.shape
-    return jax.lax.bitcast_convert_type(values.reshape(e, n, half // 4, 4), jnp.uint32)
+    per = ways // 2  # bytes per unit
+    dtype = {2: jnp.uint16, 4: jnp.uint32}[per]
+    return jax.lax.bitcast_convert_type(values.reshape(e, n, half // per, per), dtype)
 
 
 def splits_x(w: WeightSpec, tiles: Tiles) -> bool:
@@ -741,8 +741,9 @@ def expert_gemm(
     else:
         out = jnp.zeros((layout.m_out, w.n), out_dtype)
     ways = nibbles_per_unit(w, tiles, compute_dtype)
-    if w.packed:
-        weight_arrays = (_as_units(weight_arrays[0], ways), *weight_arrays[1:])
+    if w.packed:  # pairs read words as their 16-bit halves
+        unit = ways // 2 if decodes_pairs(w, tiles, compute_dtype) else ways
+        weight_arrays = (_as_units(weight_arrays[0], unit), *weight_arrays[1:])
     x_split = splits_x(w, tiles)
     if x_split:
         x = split_packed_columns(x, scale_span(w, tiles, compute_dtype), ways, decodes_pairs(w, tiles, compute_dtype))

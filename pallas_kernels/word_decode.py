@@ -8,8 +8,13 @@ two 16-bit floats: the codes at nibble positions j (low half) and j + 4 (high
 half) of the word, so position j of a word is piece j of the GEMM. Pallas's
 inline asm returns one result, so each position is rendered separately (the
 ops it needs only); ptxas sees the eight blocks of a word together. With
-``pair_decode`` a register is used whole instead (``to_ptx_pair``, Triton's
-``pack=2``): its two results become one k-pair of the MMA operand.
+``pair_decode`` the words are read as 16-bit halves (nibbles 0-3 and 4-7) and
+Triton's ``pack=2`` hands two halves to one call as one 32-bit register
+(``to_ptx_pair``; Triton packs 16-bit operands), and the register for
+position j holds the code at position j of each half — where the two halves are one word's (the decode
+layouts: consecutive elements of a thread), exactly the program's register,
+an MMA k-pair with no repacking; whichever two elements Triton packs, each
+result is its own element's code.
 
 Programs:
 
@@ -118,26 +123,29 @@ def to_ptx(program: Program, position: int) -> str:
 
 
 def to_ptx_pair(program: Program, pair: int) -> str:
-    """Inline PTX for ``pack=2``: the output register ``pair`` (0-3) of the
-    word ``$1`` — the codes at nibble positions ``pair`` (low half) and
-    ``pair + 4`` (high half) — as the 32-bit ``$0`` holding both 16-bit
-    results. ``$2`` (the second element of the pack) is the same word."""
+    """Inline PTX for ``pack=2`` over 16-bit halves of words: Triton packs the
+    two halves into the 32-bit ``$1`` (first element low) and the two 16-bit
+    results into the 32-bit ``$0``. The program's register ``pair`` computed
+    on ``$1``: its low half depends on the low 16 bits only, its high half on
+    the high 16 bits (checked by the tests), so each result is the code at
+    nibble position ``pair`` (0-3) of its own half."""
     register = program.outputs[pair]
     return _ptx(program, register, [], f"mov.b32 $0, {register};")
 
 
-def _ptx(program: Program, register: str, declarations: list[str], result: str) -> str:
-    """One asm block: the ops ``register`` needs, then the ``result`` move."""
+def _ptx(program: Program, register: str, prelude: list[str], result: str, word: str = "$1") -> str:
+    """One asm block: the ``prelude``, the ops ``register`` needs (the input
+    word read from ``word``), then the ``result`` move."""
     kind = {"bfloat16": "bf16x2", "float16": "f16x2"}[program.dtype]
     ops = needed_ops(program, register)
     constants = [f"k{i}" for i, op in enumerate(ops) if op.op in ("sub2", "mul2")]
-    lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};", *declarations]
-    return "\n".join([*lines, *_op_lines(ops, kind), result, "}"])
+    lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};", *prelude]
+    return "\n".join([*lines, *_op_lines(ops, kind, word), result, "}"])
 
 
-def _op_lines(ops: list[Op], kind: str) -> list[str]:
+def _op_lines(ops: list[Op], kind: str, word: str) -> list[str]:
     def reg(name):
-        return "$1" if name == WORD else name
+        return word if name == WORD else name
 
     lines = []
     for i, op in enumerate(ops):
@@ -154,25 +162,24 @@ def _op_lines(ops: list[Op], kind: str) -> list[str]:
     return lines
 
 
-def _run(words: jax.Array, ptx: str, constraints: str, pack: int, dtype: str) -> jax.Array:
+def _run(units: jax.Array, ptx: str, constraints: str, pack: int, dtype: str) -> jax.Array:
     (bits,) = plgpu.elementwise_inline_asm(
         ptx,
-        args=[words],
+        args=[units],
         constraints=constraints,
         pack=pack,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int16)],
+        result_shape_dtypes=[jax.ShapeDtypeStruct(units.shape, jnp.int16)],
     )
     return jax.lax.bitcast_convert_type(bits, jnp.dtype(dtype))
 
 
-def decode_word_pairs(words: jax.Array, program: Program, pair: int) -> jax.Array:
-    """Run ``program`` on uint32 ``words`` whose elements come in equal pairs
-    (``[..., 2c]``, elements 2u and 2u+1 the same word; GPU kernels only):
-    element 2u gets the code at nibble ``pair`` of word u, element 2u+1 the
-    code at nibble ``pair + 4`` — the program's register ``pair`` as it is,
-    so each pair of results is one 32-bit register (an MMA operand's k-pair)
-    with no repacking."""
-    return _run(words, to_ptx_pair(program, pair), "=r,r,r", 2, program.dtype)
+def decode_word_pairs(halves: jax.Array, program: Program, pair: int) -> jax.Array:
+    """The code at nibble position ``pair`` (0-3) of each uint16 element of
+    ``halves`` (16-bit halves of words: element 2u holds nibbles 0-3 of word
+    u, element 2u+1 nibbles 4-7; GPU kernels only), in the program's dtype.
+    Where Triton packs elements 2u and 2u+1 into one call, the joined word is
+    word u and the result is the program's register ``pair`` as it is."""
+    return _run(halves, to_ptx_pair(program, pair), "=r,r", 2, program.dtype)
 
 
 def decode_word_position(words: jax.Array, program: Program, position: int) -> jax.Array:

@@ -92,7 +92,8 @@ def test_ptx_text():
 
 
 def test_pair_ptx_text():
-    """``pack=2``: register ``pair`` (nibbles pair and pair+4) is the 32-bit $0 as it is."""
+    """``pack=2`` over 16-bit halves: Triton packs the two halves into the
+    32-bit $1; register ``pair`` of it is the 32-bit $0."""
     text = wd.to_ptx_pair(wd.int4_program("bfloat16", 8.0), 3)
     assert text.startswith("{") and text.endswith("}")
     assert "mov.b32 $0, t3;" in text and "shr.b32 s3, $1, 12;" in text and "sub.rn.bf16x2 t3, t3, k" in text
@@ -101,16 +102,49 @@ def test_pair_ptx_text():
     assert "mov.b32 $0, t0;" in text and "mul.rn.f16x2 t0, t0, k" in text
 
 
+def _packed(first, second):
+    """Two 16-bit operands as Triton's ``pack=2`` hands them to the asm: one
+    32-bit register, the first element in the low half."""
+    return (first & np.uint64(0xFFFF)) | ((second & np.uint64(0xFFFF)) << np.uint64(16))
+
+
+def _halves_of(words):
+    """uint32 words as their 16-bit halves in memory order (little-endian)."""
+    return np.stack([words & np.uint64(0xFFFF), words >> np.uint64(16)], axis=1).reshape(-1)
+
+
+@pytest.mark.parametrize("program", [wd.int4_program("bfloat16", 8.0), wd.e2m1_program("float16")])
+def test_pair_decoder_on_any_two_halves(program, rng):
+    """Whichever two halves Triton packs into one call (a word's two halves,
+    or two unrelated elements, as in layouts that pair rows), each result is
+    the code at nibble ``pair`` of its own half."""
+    words, _ = _words(rng)
+    halves = _halves_of(words)
+    alone = run(program, halves)  # each half decoded as a word of its own: positions 0-3
+    partners = {"the word's halves": np.arange(len(halves)) ^ 1, "shuffled": rng.permutation(len(halves))}
+    for name, partner in partners.items():
+        joined = _packed(halves, halves[partner])
+        for pair in range(4):
+            register = program.outputs[pair]
+            regs = _interpret(program.dtype, wd.needed_ops(program, register), joined)
+            low, high = _halves(program.dtype, regs[register])
+            np.testing.assert_array_equal(low, alone[:, pair], err_msg=name)
+            np.testing.assert_array_equal(high, alone[partner, pair], err_msg=name)
+
+
 @pytest.mark.parametrize("program", [wd.int4_program("bfloat16", 8.0), wd.e2m1_program("float16")])
 def test_pair_registers_hold_nibbles_j_and_j_plus_4(program, rng):
-    """The whole register ``pair`` of the pair decoder: low half = the value at
-    nibble ``pair``, high half = the value at nibble ``pair + 4`` (what
-    ``decode_word_pairs`` hands the MMA as one k-pair)."""
+    """Where a word's two halves are packed together (the decode layouts),
+    the joined register is the word: register ``pair`` holds the value at
+    nibble ``pair`` (low) and ``pair + 4`` (high), one k-pair of the MMA."""
     words, _ = _words(rng)
     single = run(program, words)
+    halves = _halves_of(words)
+    joined = _packed(halves[0::2], halves[1::2])
+    np.testing.assert_array_equal(joined, words)
     for pair in range(4):
         register = program.outputs[pair]
-        regs = _interpret(program.dtype, wd.needed_ops(program, register), words)
+        regs = _interpret(program.dtype, wd.needed_ops(program, register), joined)
         low, high = _halves(program.dtype, regs[register])
         np.testing.assert_array_equal(low, single[:, pair])
         np.testing.assert_array_equal(high, single[:, pair + 4])
