@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v9-tests pair-inspect-2 v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -32,6 +32,10 @@ for step in $steps; do
                     timeout 200 python3 -W ignore -m benchmarks.inspect_gemm --fmt mxfp4 --tokens 16 \
                       --config 16,32,256,2,3,word_decode,fold_scales,pair_decode \
                       --config 16,64,256,4,3,word_decode,fold_scales,pair_decode 2>&1 | tee -a "$out/pair_inspect.log" | tail -3 ;;
+    tune-prefill-fp4) timeout 300 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats mxfp4 \
+                        --layouts grouped --min-m 8193 --out "$table" 2>&1 | tee "$out/tune_prefill_fp4.log" | tail -8 ;;
+    tune-decode-indexed) timeout 300 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 mxfp4 \
+                           --layouts indexed --max-m 128 --out "$table" 2>&1 | tee "$out/tune_decode_indexed.log" | tail -8 ;;
     v8-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_word_decode.py -k "pair or word or fold" \
                 2>&1 | tee "$out/v8_tests.log" | tail -5
               pytest_gpu 240 tests/test_routing.py tests/test_process_input.py -k "grouping or align or scatter or row_blocks" \
