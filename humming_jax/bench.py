@@ -451,6 +451,15 @@ def candidates_for(high: int) -> tuple[TuningConfig, ...]:
     return DECODE_CANDIDATES if high <= DECODE_MAX_M else PREFILL_CANDIDATES
 
 
+def merge_entry(entries: list[dict], entry: dict) -> list[dict]:
+    """``entries`` (a table key's JSON entries) with ``entry`` in place of every
+    entry whose M range overlaps its own: lookups take the first range that
+    holds M, so an older, wider range left in place would shadow the new one."""
+    low, high = entry["min_shape_m"], entry["max_shape_m"]
+    kept = [e for e in entries if e["max_shape_m"] <= low or e["min_shape_m"] >= high]
+    return sorted([*kept, entry], key=lambda e: e["min_shape_m"])
+
+
 def _existing_table(path: str) -> tuple[dict, dict[str, list[dict]]]:
     """(meta, entries) of the table at ``path``, empty if there is none."""
     try:
@@ -508,8 +517,7 @@ def tune_main(args) -> int:
             continue
         best = min(complete, key=complete.get)
         entry = dict(min_shape_m=low, max_shape_m=high, config=dataclasses.asdict(best), us=by_config[best])
-        kept = [e for e in table.get(name, []) if (e["min_shape_m"], e["max_shape_m"]) != (low, high)]
-        table[name] = sorted([*kept, entry], key=lambda e: e["min_shape_m"])
+        table[name] = merge_entry(table.get(name, []), entry)
         print(f"{name} M in ({low}, {high}]: {best} {by_config[best]} us", flush=True)
     meta = dict(old_meta, device=str(jax.devices()[0].device_kind), date=time.strftime("%Y-%m-%d"))
     meta["tuned"] = [

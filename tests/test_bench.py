@@ -153,3 +153,23 @@ def test_process_input_bench_sweeps_tiles(monkeypatch):
         ("reference", None),
     ]
     assert bench_process_input.table(rows).count("2x2") == 1
+
+
+def test_merge_entry_replaces_overlapping_ranges():
+    """A new (0, 16] entry replaces an older (0, 128] one: lookups take the
+    first range holding M, so the wider old range would shadow it."""
+    old = [dict(min_shape_m=0, max_shape_m=128, us=[9.0]), dict(min_shape_m=8192, max_shape_m=2**30, us=[1.0])]
+    new = dict(min_shape_m=0, max_shape_m=16, us=[2.0])
+    merged = bench.merge_entry(old, new)
+    assert [(e["min_shape_m"], e["max_shape_m"]) for e in merged] == [(0, 16), (8192, 2**30)]
+    merged = bench.merge_entry(merged, dict(min_shape_m=16, max_shape_m=128, us=[3.0]))
+    assert [(e["min_shape_m"], e["max_shape_m"]) for e in merged] == [(0, 16), (16, 128), (8192, 2**30)]
+
+
+def test_shipped_table_ranges_do_not_overlap():
+    """Every key of the shipped H200 table has disjoint M ranges (else one
+    entry silently shadows another)."""
+    for key, entries in tuning.load_table().items():
+        ranges = sorted((e.min_shape_m, e.max_shape_m) for e in entries)
+        for (_, high), (low, _) in zip(ranges, ranges[1:]):
+            assert high <= low, (key, ranges)
