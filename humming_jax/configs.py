@@ -241,14 +241,15 @@ class ProcessTilesConfig:
     two_pass: bool = False
     # Blocks of rows per program, in a loop that loads the next block's input
     # while this one is processed (pipelined by hand: Triton pipelines only loads
-    # that feed a dot); 1: one block per program.
-    row_blocks: int = 1
+    # that feed a dot); 1: one block per program; 0: chosen (8 for a one-pass
+    # Hadamard rotation while the grid keeps 2 programs per SM, else 1).
+    row_blocks: int = 0
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):
             if getattr(self, name):
                 _power_of_two(getattr(self, name), name, "ProcessTilesConfig")
-        _positive_int(self.row_blocks, "row_blocks", "ProcessTilesConfig")
+        _positive_int(self.row_blocks, "row_blocks", "ProcessTilesConfig", allow_zero=True)
         if self.row_blocks > 1 and self.two_pass:
             raise ValueError("ProcessTilesConfig.row_blocks: a loop over row blocks is for one pass, not two_pass")
         if self.num_warps > 32:
@@ -267,13 +268,13 @@ class ProcessTilesConfig:
             raise ValueError(
                 f"process tiles: expected ROWSxWARPS[xPASSES[xBLOCKS]] such as 8x8, 64x8x2 or 4x4x1x8, got {text!r}"
             ) from None
-        blocks = parts[3] if len(parts) == 4 else 1
+        blocks = parts[3] if len(parts) == 4 else 0
         return cls(parts[0], parts[1], two_pass=len(parts) >= 3 and parts[2] == 2, row_blocks=blocks)
 
     def text(self) -> str:
         """The form :meth:`parse` reads (shortest: passes and blocks only when set)."""
         name = f"{self.block_rows}x{self.num_warps}" + ("x2" if self.two_pass else "")
-        return name if self.row_blocks == 1 else f"{name}x1x{self.row_blocks}"
+        return name if self.row_blocks == 0 else f"{name}x1x{self.row_blocks}"
 
 
 @dataclasses.dataclass(frozen=True)

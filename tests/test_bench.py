@@ -171,5 +171,5 @@ def test_shipped_table_ranges_do_not_overlap():
     entry silently shadows another)."""
     for key, entries in tuning.load_table().items():
         ranges = sorted((e.min_shape_m, e.max_shape_m) for e in entries)
-        for (_, high), (low, _) in zip(ranges, ranges[1:]):
+        for (_, high), (low, _) in zip(ranges, ranges[1:], strict=False):
             assert high <= low, (key, ranges)

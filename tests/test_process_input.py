@@ -1,6 +1,8 @@
 """process_input: activation -> Hadamard -> quantization -> layout, against
 float64 NumPy, for the three layouts and num_valid_tokens."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -408,7 +410,23 @@ def test_row_blocks_config():
     with pytest.raises(ValueError, match="row_blocks"):
         hj.ProcessTilesConfig(16, 4, two_pass=True, row_blocks=2)
     with pytest.raises(ValueError, match="row_blocks"):
-        hj.ProcessTilesConfig(4, 4, row_blocks=0)
+        hj.ProcessTilesConfig(4, 4, row_blocks=-1)
+    assert hj.ProcessTilesConfig.parse("4x4").row_blocks == 0  # chosen
+
+
+def test_chosen_row_blocks():
+    """Left open, a one-pass Hadamard rotation loops over 8 row blocks where the
+    grid keeps 2 programs per SM (fewer blocks below), everything else 1."""
+    from pallas_kernels import process_input as kernel
+
+    hadamard = kernel.ProcessConfig(k_in=2048, k_out=2048, hadamard=128, mode="dynamic_token")
+    assert kernel.chosen_row_blocks(hadamard, 32768) == 8
+    assert kernel.chosen_row_blocks(hadamard, 128) == 1
+    rows = hadamard.rows
+    assert kernel.chosen_row_blocks(hadamard, rows * 2 * kernel.MIN_LOOPED_PROGRAMS) == 2
+    assert kernel.chosen_row_blocks(dataclasses.replace(hadamard, two_pass=True), 32768) == 1
+    silu = kernel.ProcessConfig(k_in=4096, k_out=2048, activation="silu", mode="dynamic_group")
+    assert kernel.chosen_row_blocks(silu, 32768) == 1
 
 
 def test_tiles_too_few_rows_for_the_hadamard_products():
