@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
 out=${1:?output directory}
 shift
-steps=${*:-v8-tests pair-inspect process-loop}
+steps=${*:-v10-tests process-bench}
 mkdir -p "$out"
 # deepseek-v3 keeps two 15 GB bf16 weights per case: let JAX grow past its default 75 %
 # (torch returns its cached blocks after timing, see humming_jax.bench).
@@ -22,6 +22,19 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     # After the fifth session: the pair decode and aligned word loads, the parallel bin prefix, process_input row blocks.
+    # After the sixth session: every kernel module with the real lowering (halves for pairs, chosen row blocks).
+    v10-tests) pytest_gpu 420 tests/test_gemm_kernel.py tests/test_word_decode.py tests/test_lowering.py \
+                 tests/test_process_input.py tests/test_routing.py 2>&1 | tee "$out/v10_tests.log" | tail -8 ;;
+    # qwen3 w2 (K=768) 4-bit entries of its own shape: decode (0,128] and prefill (M > 8192).
+    tune-w2-4bit) for range in "--max-m 128" "--min-m 8193"; do
+                    timeout 270 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --gemm w2 \
+                      --formats int4_g128 mxfp4 --layouts grouped $range --per-shape --out "$table" 2>&1 \
+                      | tee -a "$out/tune_w2_4bit.log" | tail -6
+                  done ;;
+    # mixtral w13 4-bit prefill per shape (M in (1024, 8192]: T=4096, 1024 rows per expert).
+    tune-large-4bit) timeout 540 python3 -W ignore -m humming_jax tune --problem mixtral-8x7b --formats int4_g128 \
+                       --layouts grouped --min-m 1025 --max-m 8192 --per-shape --out "$table" 2>&1 \
+                       | tee "$out/tune_large_4bit.log" | tail -12 ;;
     # After the sixth session's first run: pairs read words as 16-bit halves (right in any layout Triton picks).
     v9-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_word_decode.py tests/test_lowering.py -k "pair or word" \
                 2>&1 | tee "$out/v9_tests.log" | tail -5 ;;
