@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fmt", default="int4_g128")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--config", action="append", required=True)
+    parser.add_argument("--k-order", action="store_true", help="4-bit weights in K order (default: planar)")
     args = parser.parse_args(argv)
     configs = [parse_config(text) for text in args.config]  # bad configs fail before the GPU work
     import jax
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu":
         print("inspect_gemm: needs a GPU", file=sys.stderr)
         return 2
-    prep = bench.prepare(bench.Case(args.problem, args.gemm, args.layout, args.tokens, args.fmt))
+    prep = bench.prepare(bench.Case(args.problem, args.gemm, args.layout, args.tokens, args.fmt, args.k_order))
     for text, tuning in zip(args.config, configs, strict=True):
         row, out, layout = bench.time_prepared(prep, tuning)
         error = bench.sampled_error(prep, layout, out)

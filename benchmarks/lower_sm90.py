@@ -66,9 +66,10 @@ def ttir_of(fn, *args) -> list[str]:
     return texts
 
 
-def gemm_ttir(fmt: str, tokens: int, tuning, shape: tuple[int, int, int]) -> list[str]:
+def gemm_ttir(fmt: str, tokens: int, tuning, shape: tuple[int, int, int], planar: bool = False) -> list[str]:
     """TTIR of the grouped GEMM kernels of ``tokens`` tokens (top-8 of ``E``
-    experts, or top-2 below 8) on an ``[E, N, K]`` weight of format ``fmt``."""
+    experts, or top-2 below 8) on an ``[E, N, K]`` weight of format ``fmt``
+    (in the planar nibble order with ``planar``)."""
     import jax.numpy as jnp
 
     from humming_jax import formats as F
@@ -81,6 +82,8 @@ def gemm_ttir(fmt: str, tokens: int, tuning, shape: tuple[int, int, int]) -> lis
     rng = np.random.default_rng(0)
     ids = np.stack([rng.choice(e, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
     weight = F.quantize_weight(jnp.asarray(rng.normal(size=shape).astype(np.float32) * 0.02), F.get_format(fmt))
+    if planar:
+        weight = F.to_planar(weight)
     x = jnp.asarray(rng.normal(size=(tokens * top_k, k)), jnp.bfloat16)
     layout = L.GroupedContiguous(moe_prepare_scatter(jnp.asarray(ids), e, backend="reference")[0])
 
@@ -150,12 +153,13 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="8,1536,2048", help="E,N,K of the weight (qwen3 w13 with 8 experts)")
     parser.add_argument("--out", default="build/sm90")
     parser.add_argument("--name", default="gemm")
+    parser.add_argument("--planar", action="store_true", help="the weight in the planar nibble order (to_planar)")
     args = parser.parse_args(argv)
     tuning = parse_config(args.config)
     shape = tuple(int(v) for v in args.shape.split(","))
     os.makedirs(args.out, exist_ok=True)
     paths = []
-    for i, text in enumerate(gemm_ttir(args.fmt, args.tokens, tuning, shape)):
+    for i, text in enumerate(gemm_ttir(args.fmt, args.tokens, tuning, shape, args.planar)):
         paths.append(os.path.join(args.out, f"{args.name}{i}.ttir"))
         with open(paths[-1], "w") as f:
             f.write(text)

@@ -31,7 +31,15 @@ from humming_jax.experts import (
     moonep_grouped_gemm,
     quantize_experts,
 )
-from humming_jax.formats import QuantizedWeight, WeightFormat, dequantize_weight, get_format, quantize_weight
+from humming_jax.formats import (
+    QuantizedWeight,
+    WeightFormat,
+    dequantize_weight,
+    get_format,
+    quantize_weight,
+    to_k_order,
+    to_planar,
+)
 from humming_jax.gemm import gemm
 from humming_jax.input_quant import (
     InputQuantMode,
@@ -98,6 +106,8 @@ __all__ = [
     "moe_prepare_scatter",
     "moe_unpermute",
     "moonep_experts",
+    "to_k_order",
+    "to_planar",
     "moonep_grouped_gemm",
     "numerics",
     "plan_workspace",

@@ -17,6 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     for sub, default_out in ((bench, "benchmarks/results/gemm.json"), (tune, "humming_jax/tuning_h200.json")):
         sub.add_argument("--formats", nargs="+", default=list(bench_module.FORMATS))
         sub.add_argument("--out", default=default_out)
+        sub.add_argument(
+            "--k-order",
+            action="store_true",
+            help="4-bit weights in K order (default: planar, as the modules store them)",
+        )
     bench.add_argument(
         "--problems", nargs="+", default=list(bench_module.PROBLEMS), choices=list(bench_module.PROBLEMS)
     )

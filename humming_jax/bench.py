@@ -49,6 +49,9 @@ class Case:
     layout: str  # grouped | indexed
     tokens: int
     fmt: str
+    # 4-bit codes stored in K order instead of the planar order the library
+    # repacks them into at load time (to_planar; the kernel then needs no split x).
+    k_order: bool = False
 
     def shapes(self):
         e, h, i, k = PROBLEMS[self.problem]
@@ -109,7 +112,8 @@ def _arrays(case: Case, sets: int, seed: int):
     weights, xs = [], []
     for s in range(sets):
         kw, kx = jax.random.split(jax.random.fold_in(jax.random.key(seed), s))
-        weights.append(_random_weight(kw, fmt, e, n, k))
+        weight = _random_weight(kw, fmt, e, n, k)
+        weights.append(weight if case.k_order else F.to_planar(weight))
         xs.append(jax.random.normal(kx, (_input_rows(case), k), jnp.bfloat16))
     return weights, xs
 
@@ -305,10 +309,18 @@ def time_mgpu_ragged_dot(case: Case, ids: np.ndarray) -> float | None:
 
 
 def run_bench(
-    problems, tokens, formats, layouts=("grouped", "indexed"), gemms=("w13", "w2"), compare=True, on_row=None
+    problems,
+    tokens,
+    formats,
+    layouts=("grouped", "indexed"),
+    gemms=("w13", "w2"),
+    compare=True,
+    on_row=None,
+    k_order=False,
 ):
     """Time every case; ``on_row(rows)`` runs after each one (the JSON is kept
-    current, so a run cut short keeps what it measured)."""
+    current, so a run cut short keeps what it measured). ``k_order``: 4-bit
+    weights as quantized, not repacked (see :class:`Case`)."""
     rows = []
     torch_us = {}  # (problem, gemm, T) -> torch._grouped_mm (bf16) time, the ratio's reference
     for problem in problems:
@@ -316,7 +328,7 @@ def run_bench(
             for g in gemms:
                 for layout in layouts:
                     for fmt in formats:
-                        case = Case(problem, g, layout, t, fmt)
+                        case = Case(problem, g, layout, t, fmt, k_order)
                         e, n, k, _ = case.shapes()
                         try:
                             F.get_format(fmt).check_shape(n, k)
@@ -368,7 +380,10 @@ def bench_main(args) -> int:
     def save(rows):
         write_results(args.out, rows, quiet=True, copy_bandwidth=COPY_BANDWIDTH, matmul_rate=MATMUL_RATE)
 
-    save(run_bench(args.problems, args.tokens, args.formats, compare=not args.no_compare, on_row=save))
+    rows = run_bench(
+        args.problems, args.tokens, args.formats, compare=not args.no_compare, on_row=save, k_order=args.k_order
+    )
+    save(rows)
     print(f"wrote {args.out}")
     return 0
 
@@ -493,7 +508,7 @@ def tune_main(args) -> int:
             for low, high in M_RANGES:
                 if (args.max_m and low >= args.max_m) or high < args.min_m:
                     continue
-                case = Case(args.problem, args.gemm, layout_name, max(1, min(high, 16384) // top_k), fmt)
+                case = Case(args.problem, args.gemm, layout_name, max(1, min(high, 16384) // top_k), fmt, args.k_order)
                 shape = case.shapes()[:3] if args.per_shape else None
                 key = (T.table_key(kind, T.format_class(F.get_format(fmt)), shape), low, high)
                 members[key] = members.get(key, 0) + 1

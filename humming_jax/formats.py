@@ -42,6 +42,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from humming_jax import numerics
 
@@ -308,6 +309,9 @@ class QuantizedWeight:
     group_index: jax.Array | None = None
     format: WeightFormat = dataclasses.field(default=BF16, metadata=dict(static=True))
     shape: tuple[int, int, int] = dataclasses.field(default=(0, 0, 0), metadata=dict(static=True))
+    # 0: packed codes in K order (column k at nibble k). U > 0: the kernel's
+    # planar order within units of U columns (see to_planar).
+    nibble_unit: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def num_experts(self) -> int:
@@ -326,6 +330,11 @@ class QuantizedWeight:
         fmt = self.format
         e, n, k = self.shape
         fmt.check_shape(n, k, argument)
+        if self.nibble_unit and self.nibble_unit != planar_unit(fmt, k):
+            raise ValueError(
+                f"{argument}.nibble_unit: expected 0 (K order) or {planar_unit(fmt, k)} (planar) for format "
+                f"{fmt.name!r} and K={k}, got {self.nibble_unit}"
+            )
         expected = {
             "values": (fmt.values_shape(e, n, k), fmt.values_dtype),
             "scale": (fmt.scale_shape(e, n, k), fmt.scale_dtype),
@@ -500,13 +509,75 @@ def decode_values(weight: QuantizedWeight) -> jax.Array:
     """Stored values as float32 ``[E, N, K]`` (before zero point and scales)."""
     vt = weight.format.value_type
     values = weight.values
+    if not vt.is_packed:
+        return values.astype(jnp.float32)
+    codes = _codes_in_k_order(weight)
     if vt == ValueType.INT4:
-        return numerics.unpack_nibbles(values).astype(jnp.float32) - 8.0
+        return codes.astype(jnp.float32) - 8.0
     if vt == ValueType.UINT4:
-        return numerics.unpack_nibbles(values).astype(jnp.float32)
-    if vt == ValueType.FLOAT4_E2M1:
-        return numerics.e2m1_decode(numerics.unpack_nibbles(values))
-    return values.astype(jnp.float32)
+        return codes.astype(jnp.float32)
+    return numerics.e2m1_decode(codes)
+
+
+# ---------------------------------------------------------------------------
+# planar nibble order (a load-time layout for the GEMM kernel)
+# ---------------------------------------------------------------------------
+
+
+def planar_unit(fmt: WeightFormat, k: int) -> int:
+    """Columns per unit of the planar order for a packed 4-bit format and K
+    columns: the group size for per-group scales (so a unit never straddles
+    two groups), else 128; 0 when the format is not packed or K is not a
+    whole number of units."""
+    if not fmt.value_type.is_packed:
+        return 0
+    unit = fmt.group_size if fmt.scale_granularity == ScaleGranularity.GROUP else 128
+    return unit if unit >= 8 and k % unit == 0 else 0
+
+
+def planar_columns(unit: int) -> np.ndarray:
+    """``[unit]``: the column (within its unit) of each nibble position of the
+    planar order. Nibble i holds column ``i // 4 + (unit / 4) * (i % 4)``: the
+    16-bit half h of a unit holds columns h, h + unit/4, h + unit/2,
+    h + 3·unit/4, so the kernel's piece j (nibble j of every half) covers
+    unit/4 consecutive columns and meets x as it is, with no split copy."""
+    i = np.arange(unit)
+    return i // 4 + (unit // 4) * (i % 4)
+
+
+def _codes_in_k_order(weight: QuantizedWeight) -> jax.Array:
+    """The 4-bit codes ``uint8 [E, N, K]`` in column order, whatever the storage order."""
+    codes = numerics.unpack_nibbles(weight.values)
+    unit = weight.nibble_unit
+    if not unit:
+        return codes
+    e, n, k = weight.shape
+    inverse = np.argsort(planar_columns(unit))  # column c sits at nibble inverse[c]
+    return codes.reshape(e, n, k // unit, unit)[..., inverse].reshape(e, n, k)
+
+
+def to_planar(weight: QuantizedWeight) -> QuantizedWeight:
+    """``weight`` with its 4-bit codes in the planar order the GEMM kernel
+    reads without splitting x (a load-time repack: same arrays but the packed
+    values, a permutation of nibbles within each unit of
+    :func:`planar_unit` columns). Weights that cannot be planar (unpacked
+    formats, K not a whole number of units) and planar ones are returned as
+    they are."""
+    unit = planar_unit(weight.format, weight.k)
+    if weight.nibble_unit or not unit:
+        return weight
+    e, n, k = weight.shape
+    codes = numerics.unpack_nibbles(weight.values).reshape(e, n, k // unit, unit)
+    planar = codes[..., planar_columns(unit)].reshape(e, n, k)
+    return dataclasses.replace(weight, values=numerics.pack_nibbles(planar), nibble_unit=unit)
+
+
+def to_k_order(weight: QuantizedWeight) -> QuantizedWeight:
+    """Inverse of :func:`to_planar`: the codes back in column order."""
+    if not weight.nibble_unit:
+        return weight
+    values = numerics.pack_nibbles(_codes_in_k_order(weight))
+    return dataclasses.replace(weight, values=values, nibble_unit=0)
 
 
 def _along_k(per_group: jax.Array, weight: QuantizedWeight) -> jax.Array:

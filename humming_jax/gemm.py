@@ -231,6 +231,7 @@ def _weight_spec(weight: F.QuantizedWeight) -> kernel.WeightSpec:
         global_scale=fmt.global_scale.value,
         has_bias=fmt.has_bias,
         has_group_index=weight.group_index is not None,
+        nibble_unit=weight.nibble_unit,
     )
 
 

@@ -65,6 +65,9 @@ class WeightSpec:
     global_scale: str = "none"  # none tensor expert
     has_bias: bool = False
     has_group_index: bool = False  # act-order: column k uses group group_index[e, k]
+    # Packed codes in K order (0) or in the planar order within units of this
+    # many columns: nibble i of a unit holds column i // 4 + (unit / 4) * (i % 4).
+    nibble_unit: int = 0
 
     @property
     def packed(self) -> bool:
@@ -423,6 +426,44 @@ class _SpanPlan:
         return self.ways // 2 if self.pairs else self.ways
 
 
+def _piece_columns(k_start, along, j: int, per_element: int, unit: int, span: int):
+    """The K columns of piece ``j`` of the span at ``k_start``: its element a
+    (a loaded unit of ``per_element`` nibbles) holds stored nibble
+    ``k_start + per_element * a + j``. In K order that is the column; in the
+    planar order (``unit`` > 0) nibble i of a unit holds column
+    ``i // 4 + (unit / 4) * (i % 4)``. Written with truncating divisions and
+    remainders of ``along`` by constants (not jnp's floor forms, whose sign
+    fix-ups hide them), so the compiler sees the runs of consecutive columns
+    (a pair piece: unit/4 per unit) and vectorizes the x loads."""
+    if not unit:
+        return k_start + per_element * along + j
+    quarter = unit // 4
+
+    def div(value, by):
+        return jax.lax.div(value, jnp.int32(by))
+
+    def rem(value, by):
+        return jax.lax.rem(value, jnp.int32(by))
+
+    per_unit = unit // per_element  # elements of a piece in one unit
+    a = rem(along, per_unit)
+    if per_element == 4:  # halves (pairs): nibble j of half a
+        within = a + quarter * j
+    elif per_element == 8:  # words: position j of word a is nibble j % 4 of its half 2a + j // 4
+        within = 2 * a + (j // 4 + quarter * (j % 4))
+    else:  # bytes: byte 2h holds nibbles 0, 1 of half h, byte 2h + 1 nibbles 2, 3
+        within = div(a, 2) + quarter * (2 * rem(a, 2) + j)
+    if span >= unit:  # whole units: the span starts a unit
+        return k_start + unit * div(along, per_unit) + within
+    start = _rem_const(k_start, unit)  # part of one unit (a multiple of the span)
+    return k_start - start + _floor_div(start, 4) + within
+
+
+def _rem_const(value, divisor: int):
+    """``value % divisor`` for a non-negative ``value`` and a power-of-two divisor."""
+    return jax.lax.bitwise_and(value, jnp.int32(divisor - 1))
+
+
 def _floor_div(value, divisor: int):
     """``value // divisor`` for a non-negative ``value`` (a K offset): a shift
     (or a truncating division), not jnp's floor division, whose sign fix-up
@@ -491,10 +532,7 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
         if w.zero_point == "int" and not plan.in_weights:
             zero = _int_zero(zero_ref, expert, n_idx, _floor_div(k_start, w.group_size), n_mask)
         for j, values in enumerate(_decode_units(units, w, ways, plan.pairs, compute_dtype, zero, plan.on_gpu)):
-            if plan.pairs:  # element 2u: column 8u + j, element 2u+1: column 8u + j + 4
-                cols = k_start + ways * (along // 2) + j + (ways // 2) * (along % 2)
-            else:
-                cols = k_start + j + ways * along
+            cols = _piece_columns(k_start, along, j, per_unit, w.nibble_unit, span)
             x_cols = k_start + j * width + along if plan.x_split else cols
             yield finish(_Piece(cols, x_cols, values))
         return
@@ -708,8 +746,10 @@ def splits_x(w: WeightSpec, tiles: Tiles) -> bool:
     """Large row tiles read x once per column tile, and word-decoded tiles would
     gather every 8th column: both get the split copy of x (contiguous loads;
     measured on the H200 for word decode at 16 rows: 112 -> 95 us). Small
-    byte-decoded tiles gather the even/odd columns."""
-    return w.packed and (tiles.block_m >= 64 or tiles.word_decode)
+    byte-decoded tiles gather the even/odd columns. Planar weights
+    (``nibble_unit``) need no split: a pair piece meets runs of unit/4
+    consecutive columns of x as it is."""
+    return w.packed and not w.nibble_unit and (tiles.block_m >= 64 or tiles.word_decode)
 
 
 def expert_gemm(

@@ -261,3 +261,57 @@ def test_validate_names_the_part(rng):
         broken.validate()
     with pytest.raises(TypeError, match=r"weight\.values: expected dtype uint8"):
         dataclasses.replace(weight, values=weight.values.astype(jnp.int8)).validate()
+
+
+@pytest.mark.parametrize("fmt_name", ["int4_g128", "uint4_zp_g128", "mxfp4", "nvfp4", "int4_channel"])
+def test_planar_order_against_numpy(fmt_name):
+    """``to_planar`` against a NumPy construction from the definition: nibble i
+    of each unit holds column ``i // 4 + (unit / 4) * (i % 4)``; the 16-bit
+    half h of a unit then holds columns h + unit/4 * j at nibble j. Scales and
+    zero points are untouched, the dequantized weight is the same, and
+    ``to_k_order`` restores the stored bytes."""
+    rng = np.random.default_rng(3)
+    fmt = F.get_format(fmt_name)
+    e, n, k = 2, 8, 256
+    weight = F.quantize_weight(jnp.asarray(rng.normal(size=(e, n, k)), jnp.float32), fmt)
+    unit = F.planar_unit(fmt, k)
+    assert unit == (fmt.group_size if fmt.group_size else 128)
+    planar = F.to_planar(weight)
+    planar.validate()
+    codes = np.asarray(weight.values).astype(np.int64)
+    codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(e, n, k)  # column order
+    expected = np.empty_like(codes)
+    for i in range(k):
+        base, within = i - i % unit, i % unit
+        expected[..., i] = codes[..., base + within // 4 + (unit // 4) * (within % 4)]
+    stored = np.asarray(planar.values).astype(np.int64)
+    np.testing.assert_array_equal(stored, expected[..., 0::2] | (expected[..., 1::2] << 4))
+    halves = stored.reshape(e, n, k // 4, 2)
+    halves = halves[..., 0] | (halves[..., 1] << 8)  # little-endian 16-bit halves
+    h = min(5, unit // 4 - 1)  # half h of unit 1: nibble j is column unit + h + unit/4 * j
+    for j in range(4):
+        np.testing.assert_array_equal(
+            (halves[..., unit // 4 + h] >> (4 * j)) & 15, codes[..., unit + h + unit // 4 * j]
+        )
+    for part in ("scale", "zero_point", "second_scale"):
+        assert getattr(planar, part) is getattr(weight, part)
+    np.testing.assert_array_equal(np.asarray(F.dequantize_weight(planar)), np.asarray(F.dequantize_weight(weight)))
+    back = F.to_k_order(planar)
+    assert back.nibble_unit == 0
+    np.testing.assert_array_equal(np.asarray(back.values), np.asarray(weight.values))
+    assert F.to_planar(planar) is planar
+
+
+def test_planar_only_where_it_applies():
+    """Unpacked formats and K not a whole number of units stay in K order; a
+    wrong ``nibble_unit`` is refused naming the field."""
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.normal(size=(1, 8, 192)), jnp.float32)
+    assert F.planar_unit(F.get_format("int8_channel"), 256) == 0
+    assert F.planar_unit(F.get_format("int4_channel"), 192) == 0  # 192 is not a multiple of 128
+    for name in ("int8_channel", "int4_channel", "bf16"):
+        weight = F.quantize_weight(w, F.get_format(name))
+        assert F.to_planar(weight) is weight
+    weight = F.quantize_weight(w, F.get_format("int4_g64"))
+    with pytest.raises(ValueError, match="nibble_unit"):
+        dataclasses.replace(weight, nibble_unit=128).validate()

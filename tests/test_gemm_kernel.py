@@ -57,9 +57,14 @@ def _kernel_reference(x, weight, layout):
     """The reference the kernel's default tiling must match: with folded scales
     (the H200 table's decode entries) integer and fp8-with-float-scale weights
     are rounded to bf16 once; e2m1/e4m3 values times e8m0/e4m3 scales are exact."""
+    return _reference_for(kernel_tuning(layout, weight, x.shape[0]), x, weight, layout)
+
+
+def _reference_for(tuning, x, weight, layout):
+    """The folded reference when ``tuning`` folds scales that round, else the reference."""
     fmt = weight.format
     exact = fmt.value_type.value in ("float4_e2m1", "float8_e4m3") and fmt.scale_type.value in ("e8m0", "float8_e4m3")
-    if kernel_tuning(layout, weight, x.shape[0]).fold_scales and fmt.is_quantized and not exact:
+    if tuning.fold_scales and fmt.is_quantized and not exact:
         return _folded_reference(x, weight, layout)
     return _reference(x, weight, layout)
 
@@ -406,3 +411,89 @@ def test_dequantize_first(fmt_name, layout_kind, rng):
 def test_k_not_a_multiple_of_the_tile(fmt_name, k, tuning, rng):
     """A last K tile that is partly past K (gpt-oss: K=2880 with 128-wide tiles)."""
     _check_tiling(rng, fmt_name, "grouped_contiguous", tuning, k=k)
+
+
+_PLANAR_TILINGS = {
+    "bytes_16rows": hj.TuningConfig(16, 32, 64),
+    "bytes_64rows": hj.TuningConfig(64, 32, 64),
+    "word": hj.TuningConfig(16, 32, 128, word_decode=True),
+    "pairs_fold": hj.TuningConfig(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True),
+    "pairs_64rows": hj.TuningConfig(64, 32, 128, word_decode=True, pair_decode=True),
+    "prefill_swap_fold_pairs": hj.TuningConfig(
+        64, 32, 128, swap_ab=True, group_m=2, word_decode=True, pair_decode=True, fold_scales=True
+    ),
+    "multiply_add": hj.TuningConfig(8, 32, 64, use_mma=False),
+    "split_k": hj.TuningConfig(16, 32, 64, split_k=2),
+}
+
+
+@pytest.mark.parametrize("tiling", sorted(_PLANAR_TILINGS))
+@pytest.mark.parametrize(
+    "fmt_name,layout_kind",
+    [
+        ("int4_g128", "grouped_contiguous"),
+        ("uint4_zp_g128", "indexed"),
+        ("mxfp4+bias", "grouped_masked"),
+        ("int4_g32", "dense"),
+        ("int4_channel", "grouped_contiguous"),
+        ("nvfp4", "indexed"),
+    ],
+)
+def test_planar_weights(fmt_name, layout_kind, tiling, rng):
+    """Weights repacked at load time (``to_planar``: each unit's nibbles in the
+    order the pair decoder reads, x used as it is) give the same output as in
+    K order under every kind of tiling: byte, word and pair decode, 64-row
+    tiles, swap_ab, folded scales, multiply-add tiles, split-K."""
+    tuning = _PLANAR_TILINGS[tiling]
+    if not tuning.use_mma and layout_kind == "indexed":  # indexed tiles are 16-row blocks: no multiply-add tiles
+        layout_kind = "grouped_masked"
+    fmt = F.get_format(fmt_name)
+    weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
+    planar = hj.to_planar(weight)
+    assert planar.nibble_unit == F.planar_unit(fmt, K) > 0
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = _layouts(rng)[layout_kind]
+    run = dict(out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
+    ref = _reference_for(tuning, x, weight, layout)
+    out = hj.gemm(x, planar, layout, **run)
+    _check(out, ref, bound=1e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(hj.gemm(x, weight, layout, **run)), rtol=1e-6, atol=1e-6)
+
+
+def test_planar_weights_with_a_partial_last_tile(rng):
+    """K=384 with 256-wide tiles: the last K tile's second unit is masked."""
+    weight = _weight(rng, F.INT4_G128, E, k=384)
+    x = jnp.asarray(rng.normal(size=(M, 384)), jnp.bfloat16)
+    layout = _layouts(rng)["grouped_contiguous"]
+    tuning = hj.TuningConfig(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)
+    out = hj.gemm(x, hj.to_planar(weight), layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
+    _check(out, _folded_reference(x, weight, layout), bound=1e-5)
+
+
+def test_planar_weights_need_no_split_copy_of_x(rng):
+    """With K-order 4-bit weights a word-decoded tiling first copies x with
+    each span's columns grouped by piece (a transpose XLA runs before the
+    kernel); planar weights hand x to the kernel as it is."""
+    weight = _weight(rng, F.INT4_G128, E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = _layouts(rng)["grouped_contiguous"]
+    tuning = hj.TuningConfig(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)
+
+    def outside_kernels(jaxpr):  # primitive names, through nested jits, not into the Pallas kernels
+        for eqn in jaxpr.eqns:
+            yield eqn.primitive.name
+            if eqn.primitive.name == "pallas_call":
+                continue
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    yield from outside_kernels(inner)
+
+    def primitives(w):
+        closed = jax.make_jaxpr(lambda x, w: hj.gemm(x, w, layout, tuning=tuning, backend=KERNEL_BACKEND))(x, w)
+        names = set(outside_kernels(closed.jaxpr))
+        assert "pallas_call" in names
+        return names
+
+    assert "transpose" in primitives(weight)
+    assert "transpose" not in primitives(hj.to_planar(weight))

@@ -34,6 +34,22 @@ def test_word_decoders_lower_for_sm90(fmt, config, pack):
     pieces = 8 // pack
     assert text.count("tt.elementwise_inline_asm") == pieces and text.count("tt.dot") == pieces
     assert f"packed_element = {pack}" in text
+    if pack == 2:  # the pair decoder reads 16-bit halves (two per 32-bit operand)
+        assert "tensor<" in text and "xi16>" in text.split("tt.elementwise_inline_asm")[1].split("->")[0]
+
+
+@pytest.mark.parametrize(
+    "fmt,config",
+    [
+        ("int4_g128", "16,64,256,4,3,swap_ab,word_decode,fold_scales,pair_decode"),
+        ("int4_g128", "128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode"),
+        ("mxfp4", "16,128,256,4,3,word_decode,fold_scales,pair_decode"),
+    ],
+)
+def test_planar_weights_lower_for_sm90(fmt, config):
+    """Planar weights (``to_planar``) lower with 4 pair decoders per span."""
+    (text,) = gemm_ttir(fmt, 64, parse_config(config), SHAPE, planar=True)
+    assert text.count("tt.elementwise_inline_asm") % 4 == 0 and "packed_element = 2" in text
 
 
 @pytest.mark.parametrize(
