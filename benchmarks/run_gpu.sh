@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -22,6 +22,13 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     # After the fifth session: the pair decode and aligned word loads, the parallel bin prefix, process_input row blocks.
+    # v9: planar 4-bit weights (no split copy of x) against K order, decode and prefill, the tuned tilings.
+    planar-inspect) for order in "" "--k-order"; do
+                      timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 16 $order \
+                        --config 16,128,256,4,3,word_decode,fold_scales,pair_decode 2>&1 | tail -1
+                      timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 4096 $order \
+                        --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode 2>&1 | tail -1
+                    done | tee "$out/planar_inspect.log" ;;
     # After the sixth session: every kernel module with the real lowering (halves for pairs, chosen row blocks).
     v10-tests) pytest_gpu 420 tests/test_gemm_kernel.py tests/test_word_decode.py tests/test_lowering.py \
                  tests/test_process_input.py tests/test_routing.py 2>&1 | tee "$out/v10_tests.log" | tail -8 ;;
