@@ -199,6 +199,10 @@ def kernel_tuning(
             block_m=layout.block_size,
             use_mma=tuning.use_mma and not small,
             swap_ab=tuning.swap_ab and not small,
+            # Multiply-add tiles widen the weights to f32 at once: scales after
+            # the product (exact), not folded into a rounded bf16 weight.
+            fold_scales=tuning.fold_scales and not small,
+            pair_decode=tuning.pair_decode and not small,
         )
     if batch_invariant:
         tuning = dataclasses.replace(tuning, split_k=1)

@@ -417,12 +417,9 @@ class _SpanPlan:
 
     @property
     def pieces(self) -> int:
-        """Pieces per span: one per nibble position, or per pair of positions."""
-        return self.ways // 2 if self.pairs else self.ways
-
-    @property
-    def unit_nibbles(self) -> int:
-        """Nibbles per loaded element: pairs read the words as 16-bit halves."""
+        """Pieces per span: one per nibble position of the loaded elements
+        (words or bytes; pairs load the words as 16-bit halves, 4 positions),
+        so also the nibbles per loaded element."""
         return self.ways // 2 if self.pairs else self.ways
 
 
@@ -524,8 +521,8 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
     if w.packed:
         width = span // plan.pieces  # columns per piece
         along = jnp.arange(width, dtype=jnp.int32)
-        per_unit = plan.unit_nibbles
-        unit = _floor_div(k_start, per_unit) + jnp.arange(span // per_unit, dtype=jnp.int32)
+        per_unit = plan.pieces  # nibbles per loaded element
+        unit = _floor_div(k_start, per_unit) + jnp.arange(width, dtype=jnp.int32)
         unit_mask = None if k_limit is None else (unit < pl.cdiv(k_limit, per_unit))[None, :]
         units = _load(values_ref.at[expert, n_col, unit[None, :]], _all(n_mask2, unit_mask))
         zero = None

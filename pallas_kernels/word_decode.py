@@ -8,13 +8,13 @@ two 16-bit floats: the codes at nibble positions j (low half) and j + 4 (high
 half) of the word, so position j of a word is piece j of the GEMM. Pallas's
 inline asm returns one result, so each position is rendered separately (the
 ops it needs only); ptxas sees the eight blocks of a word together. With
-``pair_decode`` the words are read as 16-bit halves (nibbles 0-3 and 4-7) and
+``pair_decode`` the words are read as 16-bit halves (nibbles 0-3 and 4-7):
 Triton's ``pack=2`` hands two halves to one call as one 32-bit register
-(``to_ptx_pair``; Triton packs 16-bit operands), and the register for
-position j holds the code at position j of each half — where the two halves are one word's (the decode
-layouts: consecutive elements of a thread), exactly the program's register,
-an MMA k-pair with no repacking; whichever two elements Triton packs, each
-result is its own element's code.
+(``to_ptx_pair``; it packs 16-bit operands) and the program's register for
+position j holds the code at position j of each half. Where the two halves
+are one word's (the decode layouts: consecutive elements of a thread) that
+register is an MMA k-pair with no repacking; whichever two elements Triton
+packs (the layout decides), each result is its own element's code.
 
 Programs:
 
@@ -133,19 +133,19 @@ def to_ptx_pair(program: Program, pair: int) -> str:
     return _ptx(program, register, [], f"mov.b32 $0, {register};")
 
 
-def _ptx(program: Program, register: str, prelude: list[str], result: str, word: str = "$1") -> str:
-    """One asm block: the ``prelude``, the ops ``register`` needs (the input
-    word read from ``word``), then the ``result`` move."""
+def _ptx(program: Program, register: str, declarations: list[str], result: str) -> str:
+    """One asm block: the ops ``register`` needs (the input word is ``$1``),
+    then the ``result`` move."""
     kind = {"bfloat16": "bf16x2", "float16": "f16x2"}[program.dtype]
     ops = needed_ops(program, register)
     constants = [f"k{i}" for i, op in enumerate(ops) if op.op in ("sub2", "mul2")]
-    lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};", *prelude]
-    return "\n".join([*lines, *_op_lines(ops, kind, word), result, "}"])
+    lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};", *declarations]
+    return "\n".join([*lines, *_op_lines(ops, kind), result, "}"])
 
 
-def _op_lines(ops: list[Op], kind: str, word: str) -> list[str]:
+def _op_lines(ops: list[Op], kind: str) -> list[str]:
     def reg(name):
-        return word if name == WORD else name
+        return "$1" if name == WORD else name
 
     lines = []
     for i, op in enumerate(ops):

@@ -57,7 +57,9 @@ def expand(scale: np.ndarray, shape) -> np.ndarray:
 
 
 def dequantize_weight(weight) -> np.ndarray:
-    """Dequantize a QuantizedWeight from its stored arrays, in float64."""
+    """Dequantize a QuantizedWeight from its stored arrays (codes in K order), in float64."""
+    if weight.nibble_unit:
+        raise ValueError("np_ref.dequantize_weight: codes in the planar order; pass to_k_order(weight)")
     fmt = weight.format
     vt = fmt.value_type.value
     values = np.asarray(weight.values)

@@ -201,6 +201,8 @@ def test_act_order_group_index(layout_kind, rng):
     w64 = np_ref.dequantize_weight(weight)  # independent: scales gathered by group_index in NumPy
     np.testing.assert_allclose(np.asarray(hj.dequantize_weight(weight), np.float64), w64, rtol=1e-6, atol=1e-12)
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND), ref, bound=5e-3)
+    planar = hj.to_planar(weight)  # groups by group_index, codes in the planar order: the same product
+    _check(hj.gemm(x, planar, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND), ref, bound=5e-3)
     with pytest.raises(ValueError, match="group_index"):
         dataclasses.replace(_weight(rng, F.INT8_CHANNEL, e), group_index=group_index).validate()
 
