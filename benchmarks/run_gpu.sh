@@ -31,7 +31,8 @@ for step in $steps; do
                     done | tee "$out/planar_inspect.log" ;;
     # After the sixth session: every kernel module with the real lowering (halves for pairs, chosen row blocks).
     v10-tests) pytest_gpu 420 tests/test_gemm_kernel.py tests/test_word_decode.py tests/test_lowering.py \
-                 tests/test_process_input.py tests/test_routing.py 2>&1 | tee "$out/v10_tests.log" | tail -8 ;;
+                 tests/test_process_input.py tests/test_routing.py tests/test_nn.py tests/test_pipelines.py 2>&1 \
+                 | tee "$out/v10_tests.log" | tail -8 ;;
     # qwen3 w2 (K=768) 4-bit entries of its own shape: decode (0,128] and prefill (M > 8192).
     tune-w2-4bit) for range in "--max-m 128" "--min-m 8193"; do
                     timeout 270 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --gemm w2 \
