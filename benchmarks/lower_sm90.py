@@ -118,14 +118,47 @@ def loop_histogram(sass: str) -> tuple[int, collections.Counter]:
     return sum(ops.values()), ops
 
 
+def optimize_ttir(ttir_path: str) -> str:
+    """Run the TTIR passes (canonicalize, combine — e.g. ``acc + dot(a, b, 0)``
+    into ``dot(a, b, acc)`` —, CSE, …) on the Pallas module, as a compile from
+    Python source or jaxlib's pipeline does; ``triton.compile`` on an IR file
+    skips its first stage's passes. Writes and returns ``<base>.opt.ttir``."""
+    from triton._C.libtriton import ir, passes
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = ir.parse_mlir_module(ttir_path, context)
+    manager = ir.pass_manager(context)  # the nvidia backend's make_ttir passes for sm_90
+    passes.common.add_inliner(manager)
+    passes.ttir.add_rewrite_tensor_pointer(manager)
+    passes.common.add_canonicalizer(manager)
+    passes.ttir.add_combine(manager)
+    passes.ttir.add_reorder_broadcast(manager)
+    passes.common.add_cse(manager)
+    passes.common.add_symbol_dce(manager)
+    passes.ttir.add_loop_unroll(manager)
+    manager.run(module, "make_ttir")
+    path = ttir_path.removesuffix(".ttir") + ".opt.ttir"
+    with open(path, "w") as f:
+        f.write(str(module))
+    return path
+
+
 def compile_sm90(ttir_path: str, num_warps: int, num_stages: int) -> str:
-    """Compile with the standalone Triton for sm_90; write its stages next to
-    ``ttir_path`` and return the SASS."""
+    """Compile with the standalone Triton for sm_90 (the TTIR passes first,
+    :func:`optimize_ttir`); write its stages next to ``ttir_path`` and return
+    the SASS."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     kernel = triton.compile(
-        ttir_path, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+        optimize_ttir(ttir_path),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages),
     )
     base = ttir_path.removesuffix(".ttir")
     for stage in ("ttgir", "llir", "ptx"):

@@ -43,6 +43,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -423,27 +424,29 @@ class _SpanPlan:
         return self.ways // 2 if self.pairs else self.ways
 
 
-def _piece_columns(k_start, along, j: int, per_element: int, unit: int, span: int):
+def _lax_div(value, by: int):
+    return jax.lax.div(value, jnp.int32(by))
+
+
+def _lax_rem(value, by: int):
+    return jax.lax.rem(value, jnp.int32(by))
+
+
+def _piece_columns(k_start, along, j: int, per_element: int, unit: int, span: int, div=_lax_div, rem=_lax_rem):
     """The K columns of piece ``j`` of the span at ``k_start``: its element a
     (a loaded unit of ``per_element`` nibbles) holds stored nibble
     ``k_start + per_element * a + j``. In K order that is the column; in the
     planar order (``unit`` > 0) nibble i of a unit holds column
-    ``i // 4 + (unit / 4) * (i % 4)``. Written with truncating divisions and
-    remainders of ``along`` by constants (not jnp's floor forms, whose sign
-    fix-ups hide them), so the compiler sees the runs of consecutive columns
-    (a pair piece: unit/4 per unit) and vectorizes the x loads."""
+    ``i // 4 + (unit / 4) * (i % 4)``. In the kernel, written with truncating
+    divisions and remainders by constants (``div``, ``rem``; not jnp's floor
+    forms, whose sign fix-ups hide them) so the compiler sees the runs of
+    consecutive columns (a pair piece: unit/4 per unit) and vectorizes the x
+    loads; NumPy's work too (:func:`piece_column_order`)."""
     if not unit:
         return k_start + per_element * along + j
     quarter = unit // 4
-
-    def div(value, by):
-        return jax.lax.div(value, jnp.int32(by))
-
-    def rem(value, by):
-        return jax.lax.rem(value, jnp.int32(by))
-
     per_unit = unit // per_element  # elements of a piece in one unit
-    a = rem(along, per_unit)
+    a = rem(along, per_unit) if span > unit else along  # the element's place in its unit
     if per_element == 4:  # halves (pairs): nibble j of half a
         within = a + quarter * j
     elif per_element == 8:  # words: position j of word a is nibble j % 4 of its half 2a + j // 4
@@ -452,13 +455,23 @@ def _piece_columns(k_start, along, j: int, per_element: int, unit: int, span: in
         within = div(a, 2) + quarter * (2 * rem(a, 2) + j)
     if span >= unit:  # whole units: the span starts a unit
         return k_start + unit * div(along, per_unit) + within
-    start = _rem_const(k_start, unit)  # part of one unit (a multiple of the span)
-    return k_start - start + _floor_div(start, 4) + within
+    start = rem(k_start, unit)  # part of one unit (a multiple of the span)
+    return k_start - start + div(start, 4) + within
 
 
-def _rem_const(value, divisor: int):
-    """``value % divisor`` for a non-negative ``value`` and a power-of-two divisor."""
-    return jax.lax.bitwise_and(value, jnp.int32(divisor - 1))
+def piece_column_order(k: int, span: int, pieces: int, unit: int) -> np.ndarray:
+    """``[K rounded up to spans]``: the column each position of the split
+    copy of x holds — span by span, piece by piece, the columns of the
+    piece's elements (for planar weights whose pieces are not runs of
+    consecutive columns: word and byte decoding)."""
+    width = span // pieces
+    along = np.arange(width)
+    order = [
+        _piece_columns(k_start, along, j, pieces, unit, span, np.floor_divide, np.remainder)
+        for k_start in range(0, pl.cdiv(k, span) * span, span)
+        for j in range(pieces)
+    ]
+    return np.concatenate(order)
 
 
 def _floor_div(value, divisor: int):
@@ -739,14 +752,16 @@ def _as_units(values: jax.Array, ways: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(values.reshape(e, n, half // per, per), dtype)
 
 
-def splits_x(w: WeightSpec, tiles: Tiles) -> bool:
+def splits_x(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
     """Large row tiles read x once per column tile, and word-decoded tiles would
     gather every 8th column: both get the split copy of x (contiguous loads;
     measured on the H200 for word decode at 16 rows: 112 -> 95 us). Small
-    byte-decoded tiles gather the even/odd columns. Planar weights
-    (``nibble_unit``) need no split: a pair piece meets runs of unit/4
+    byte-decoded tiles gather the even/odd columns. Pair-decoded planar
+    weights (``nibble_unit``) need no split: each piece meets a run of
     consecutive columns of x as it is."""
-    return w.packed and not w.nibble_unit and (tiles.block_m >= 64 or tiles.word_decode)
+    if w.nibble_unit and decodes_pairs(w, tiles, compute_dtype):
+        return False
+    return w.packed and (tiles.block_m >= 64 or tiles.word_decode)
 
 
 def expert_gemm(
@@ -781,9 +796,14 @@ def expert_gemm(
     if w.packed:  # pairs read words as their 16-bit halves
         unit = ways // 2 if decodes_pairs(w, tiles, compute_dtype) else ways
         weight_arrays = (_as_units(weight_arrays[0], unit), *weight_arrays[1:])
-    x_split = splits_x(w, tiles)
-    if x_split:
-        x = split_packed_columns(x, scale_span(w, tiles, compute_dtype), ways, decodes_pairs(w, tiles, compute_dtype))
+    x_split = splits_x(w, tiles, compute_dtype)
+    span, pairs = scale_span(w, tiles, compute_dtype), decodes_pairs(w, tiles, compute_dtype)
+    if x_split and w.nibble_unit:  # planar words or bytes: gather each piece's columns
+        pieces = ways // 2 if pairs else ways
+        order = piece_column_order(w.k, span, pieces, w.nibble_unit)
+        x = jnp.pad(x, ((0, 0), (0, len(order) - w.k)))[:, order]
+    elif x_split:
+        x = split_packed_columns(x, span, ways, pairs)
     inputs = [x, *route_arrays, *weight_arrays] + ([bias] if bias is not None else []) + [out]
     result = pl.pallas_call(
         functools.partial(

@@ -308,6 +308,26 @@ def test_split_packed_columns_for_pairs():
     np.testing.assert_array_equal(split[1, 128:], 256 + 128 + np.asarray(expected))
 
 
+def test_piece_column_order():
+    """The kernel's column map in NumPy: in K order it is the split copy of x
+    (bytes, words, pairs), and for planar weights every column appears once
+    and pair pieces are runs of unit/4 consecutive columns."""
+    from pallas_kernels.gemm import piece_column_order, split_packed_columns
+
+    x = np.arange(384)[None, :]
+    for span, ways, pairs in ((64, 2, False), (128, 8, False), (256, 8, True)):
+        pieces = ways // 2 if pairs else ways
+        split = np.asarray(split_packed_columns(jnp.asarray(x), span, ways, pairs))[0]
+        order = piece_column_order(384, span, pieces, 0)
+        np.testing.assert_array_equal(np.where(order < 384, order, 0), np.where(order < 384, split, 0))
+    for span, pieces, unit in ((64, 2, 128), (128, 8, 128), (256, 4, 128), (256, 8, 32), (128, 4, 16)):
+        order = piece_column_order(512, span, pieces, unit)
+        np.testing.assert_array_equal(np.sort(order), np.arange(512))
+        if pieces == 4:  # pairs: runs of unit/4 (or the whole piece when the span is smaller)
+            runs = order.reshape(-1, min(unit // 4, span // 4))
+            np.testing.assert_array_equal(np.diff(runs, axis=1), 1)
+
+
 @pytest.mark.parametrize("block_m", [1, 4, 8])
 @pytest.mark.parametrize(
     "fmt_name,word",
