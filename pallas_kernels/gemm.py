@@ -798,9 +798,8 @@ def expert_gemm(
         weight_arrays = (_as_units(weight_arrays[0], unit), *weight_arrays[1:])
     x_split = splits_x(w, tiles, compute_dtype)
     span, pairs = scale_span(w, tiles, compute_dtype), decodes_pairs(w, tiles, compute_dtype)
-    if x_split and w.nibble_unit:  # planar words or bytes: gather each piece's columns
-        pieces = ways // 2 if pairs else ways
-        order = piece_column_order(w.k, span, pieces, w.nibble_unit)
+    if x_split and w.nibble_unit:  # planar words or bytes (never pairs): gather each piece's columns
+        order = piece_column_order(w.k, span, ways, w.nibble_unit)
         x = jnp.pad(x, ((0, 0), (0, len(order) - w.k)))[:, order]
     elif x_split:
         x = split_packed_columns(x, span, ways, pairs)
