@@ -76,9 +76,14 @@ def e8m0_from_amax(amax: jax.Array, element_max: float) -> jax.Array:
     return (jnp.clip(exponent, -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).astype(jnp.uint8)
 
 
-def cast_float8_saturating(x: jax.Array, dtype) -> jax.Array:
+def cast_float8_saturating(x: jax.Array, dtype, on_gpu: bool = False) -> jax.Array:
     """Round f32 to a float8 dtype (nearest, ties to even), saturating at its
-    largest finite value instead of overflowing to NaN."""
+    largest finite value instead of overflowing to NaN. Inside a compiled GPU
+    kernel (``on_gpu``) the conversion itself saturates (Triton emits
+    ``cvt.rn.satfinite``), so the clamp — two instructions per element — is
+    left out; elsewhere (interpret mode, XLA) it is needed."""
+    if on_gpu:
+        return x.astype(jnp.float32).astype(dtype)
     finite_max = float(jnp.finfo(dtype).max)
     return jnp.clip(x.astype(jnp.float32), -finite_max, finite_max).astype(dtype)
 

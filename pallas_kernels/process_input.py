@@ -227,7 +227,7 @@ def _encode(scaled, cfg: ProcessConfig):
         low, high = jax.lax.split(codes.reshape(rows, width // 2, 2), (1, 1), axis=2)
         return codecs.pack_pairs(low.reshape(rows, width // 2), high.reshape(rows, width // 2))
     dtype = jnp.float8_e4m3fn if cfg.act_dtype == "float8_e4m3" else jnp.float8_e5m2
-    return codecs.cast_float8_saturating(scaled, dtype)
+    return codecs.cast_float8_saturating(scaled, dtype, on_gpu=cfg.gpu)
 
 
 def _row_max(blocks):
