@@ -244,6 +244,9 @@ class ProcessTilesConfig:
     # that feed a dot); 1: one block per program; 0: chosen (8 for a one-pass
     # Hadamard rotation while the grid keeps 2 programs per SM, else 1).
     row_blocks: int = 0
+    # A bf16 input rotated without activation is loaded as [rows · n, b]
+    # Hadamard blocks, the product's operand as it is (False: as rows, reshaped).
+    operand_blocks: bool = True
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):

@@ -243,6 +243,7 @@ def _process_input_kernel(
         num_warps=tiles.num_warps,
         two_pass=tiles.two_pass,
         row_blocks=tiles.row_blocks,
+        operand_blocks=tiles.operand_blocks,
         gpu=not interpret,
     )
     _check_tiles(cfg, tiles)

@@ -60,6 +60,7 @@ class ProcessConfig:
     # that loads the next block's input before processing this one (by hand:
     # Triton pipelines only loads that feed a dot). 0: chosen_row_blocks.
     row_blocks: int = 0
+    operand_blocks: bool = True  # see rotates_blocks
     gpu: bool = False  # compiled for the GPU (not interpreted): use exact division
 
     @property
@@ -298,6 +299,15 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
     if cfg.two_pass:
         _process_rows(pl.program_id(0), None, ins, out_refs, cfg, m_in)
         return
+    if rotates_blocks(cfg, x_ref.dtype):
+        program, programs = pl.program_id(0), pl.num_programs(0)  # outside the loop (interpret mode)
+
+        def rotated_block(i, carry):  # no carried tiles: Triton pipelines these loads itself
+            _process_rotated_rows(program + i * programs, ins, out_refs, cfg, m_in)
+            return carry
+
+        jax.lax.fori_loop(0, cfg.row_blocks, rotated_block, 0)
+        return
     if cfg.row_blocks == 1:
         _process_rows(pl.program_id(0), _block_inputs(x_ref, pl.program_id(0), cfg, m_in), ins, out_refs, cfg, m_in)
         return
@@ -341,24 +351,12 @@ class _Inputs:
 def _process_rows(block, tiles, ins: _Inputs, out_refs, cfg: ProcessConfig, m_in: int):
     """The rows ``[block * rows, (block + 1) * rows)`` (those below ``m_in``),
     from their input ``tiles`` (:func:`_block_inputs`; two passes load their own)."""
-    x_ref, h, static_ref, valid_ref = ins.x_ref, ins.h, ins.static_ref, ins.valid_ref
-    counts_ref, scatter_ref = ins.counts_ref, ins.scatter_ref
+    x_ref, h, static_ref = ins.x_ref, ins.h, ins.static_ref
     values_ref, scale_ref, scale2_ref = out_refs
     block_rows = cfg.rows
     rows, row_mask = _block_rows(block, cfg, m_in)
     bf16_exact = cfg.activation is None and x_ref.dtype == jnp.bfloat16
-    num_valid = valid_ref[0]
-    if cfg.layout == "scatter":
-        destinations = [
-            plgpu.load(scatter_ref.at[rows * cfg.copies + r], mask=row_mask, other=0) for r in range(cfg.copies)
-        ]
-        keeps = [row_mask & (dest < num_valid) for dest in destinations]
-    else:
-        keep = row_mask & (rows < num_valid)
-        if cfg.layout == "grouped_mask":
-            count = plgpu.load(counts_ref.at[rows // cfg.max_tokens], mask=row_mask, other=0)
-            keep = keep & (rows % cfg.max_tokens < count)
-        destinations, keeps = [rows], [keep]
+    destinations, keeps = _destinations(rows, row_mask, ins, cfg)
     out = _Outputs(values_ref, scale_ref, scale2_ref, destinations, keeps, row_mask)
 
     if cfg.two_pass:
@@ -389,6 +387,93 @@ def _process_rows(block, tiles, ins: _Inputs, out_refs, cfg: ProcessConfig, m_in
         y = _activate([next(loads) for _ in _input_columns(start, size, cfg)], size, cfg)
         ys.append(_rotate(y, h, cfg, bf16_exact) if cfg.hadamard else y)
     _store(out, _quantize(ys, static_ref, cfg), segments, padded, cfg)
+
+
+def _destinations(rows, row_mask, ins: _Inputs, cfg: ProcessConfig):
+    """Per copy of the rows: their output rows and which of them keep their
+    values (the others are written as zeros)."""
+    num_valid = ins.valid_ref[0]
+    if cfg.layout == "scatter":
+        destinations = [
+            plgpu.load(ins.scatter_ref.at[rows * cfg.copies + r], mask=row_mask, other=0) for r in range(cfg.copies)
+        ]
+        return destinations, [row_mask & (dest < num_valid) for dest in destinations]
+    keep = row_mask & (rows < num_valid)
+    if cfg.layout == "grouped_mask":
+        count = plgpu.load(ins.counts_ref.at[rows // cfg.max_tokens], mask=row_mask, other=0)
+        keep = keep & (rows % cfg.max_tokens < count)
+    return [rows], [keep]
+
+
+def rotates_blocks(cfg: ProcessConfig, x_dtype) -> bool:
+    """Whether the rows are processed as ``[rows · size/b, b]`` Hadamard blocks
+    loaded straight as the product's operand (:func:`_process_rotated_rows`):
+    a one-pass rotation of a bf16 input without activation (one product),
+    every column block a whole number of Hadamard blocks, a per-token, static
+    or no quantization to 8-bit or 16-bit values."""
+    return bool(
+        cfg.hadamard
+        and cfg.operand_blocks
+        and not cfg.two_pass
+        and cfg.activation is None
+        and jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16)
+        and not cfg.padded
+        and all(size % cfg.hadamard == 0 for _, size in cfg.segments)
+        and cfg.mode in ("none", "dynamic_token", "static_tensor")
+        and cfg.act_dtype != "float4_e2m1"
+    )
+
+
+def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_in: int):
+    """The rows of ``block`` (see :func:`rotates_blocks`), each column block a
+    ``[rows · n, b]`` tile whose row i is Hadamard block i % n of row i // n:
+    loaded with that addressing, rotated by one product, quantized per token
+    and stored with the same addressing — no reshape between the load and the
+    product, so the compiler can copy the input into shared memory
+    asynchronously, where the product reads it (the reshaped form moved every
+    tile through registers and shared memory behind CTA barriers). The same
+    arithmetic as :func:`_rotate` and :func:`_quantize`."""
+    b, rows_n = cfg.hadamard, cfg.rows
+    rows, row_mask = _block_rows(block, cfg, m_in)
+    destinations, keeps = _destinations(rows, row_mask, ins, cfg)
+    along = jnp.arange(b, dtype=jnp.int32)
+    tiles = []  # per column block: (its columns [rows * n, b], rotated values)
+    for start, size in cfg.segments:
+        n = size // b
+        i = jnp.arange(rows_n * n, dtype=jnp.int32)
+        row = block * rows_n + jax.lax.div(i, jnp.int32(n))
+        cols = start + (jax.lax.rem(i, jnp.int32(n)) * b)[:, None] + along[None, :]
+        x = plgpu.load(ins.x_ref.at[row[:, None], cols], mask=(row < m_in)[:, None], other=0)
+        rotated = jnp.dot(x, ins.h, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(b))
+        tiles.append((cols, n, rotated))
+
+    def per_block(values, n):  # a [rows] vector for the [rows * n] block rows
+        return jnp.broadcast_to(values[:, None], (rows_n, n)).reshape(rows_n * n)
+
+    scale = None
+    if cfg.mode == "none":
+        outputs = [y.astype(jnp.dtype(cfg.out_dtype)) for _, _, y in tiles]
+    else:
+        recip = functools.partial(codecs.safe_reciprocal, exact_on_gpu=cfg.gpu)
+        if cfg.mode == "static_tensor":
+            inverse = recip(jnp.full((rows_n,), ins.static_ref[0], jnp.float32))
+        else:  # dynamic_token: the row's amax over all its blocks
+            amaxes = [jnp.max(jnp.max(jnp.abs(y), axis=1).reshape(rows_n, n), axis=1) for _, n, y in tiles]
+            scale = codecs.divide(functools.reduce(jnp.maximum, amaxes), cfg.qmax, exact_on_gpu=cfg.gpu)
+            inverse = recip(scale)
+        outputs = [_encode(y * per_block(inverse, n)[:, None], cfg) for _, n, y in tiles]
+    values_ref, scale_ref, _ = out_refs
+    for dest, keep in zip(destinations, keeps, strict=True):
+        out_rows = codecs.scatter_index(dest, row_mask, values_ref.shape[0])
+        for (cols, n, _), values in zip(tiles, outputs, strict=True):
+            block_rows = per_block(out_rows, n)
+            plgpu.store(
+                values_ref.at[block_rows[:, None], cols],
+                _zero_rows(values, per_block(keep, n)),
+                mask=per_block(row_mask, n)[:, None],
+            )
+        if scale is not None:
+            plgpu.store(scale_ref.at[out_rows, 0], _zero_rows(scale, keep), mask=row_mask)
 
 
 @dataclasses.dataclass(frozen=True)

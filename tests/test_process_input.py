@@ -490,3 +490,58 @@ def test_hadamard_two_pass_scatter(rng):
     np.testing.assert_array_equal(np.asarray(two.values).view(np.uint8), np.asarray(one.values).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(two.scale), np.asarray(one.scale))
     assert np.all(np_ref.dequantize_input(two)[int(offsets[-1]) :] == 0)
+
+
+@pytest.mark.parametrize("layout", ["normal", "grouped_mask", "scatter"])
+@pytest.mark.parametrize(
+    "spec,k,block",
+    [
+        (Q.FP8_DYNAMIC_TOKEN, 768, 128),  # two column blocks (512 + 256)
+        (Q.INT8_DYNAMIC_TOKEN, 256, 64),
+        (Q.FP8_STATIC_TENSOR, 384, 128),
+        (Q.NONE, 256, 32),
+    ],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+def test_hadamard_blocks_loaded_as_operands(spec, k, block, layout, rng):
+    """A bf16 input rotated without activation runs as ``[rows · n, b]``
+    Hadamard blocks loaded straight as the product's operand
+    (``rotates_blocks``): the same values and scales as the reference in every
+    layout, rows past the counts / valid tokens zero (NaN poison in rows the
+    grouped layout must not read), ragged last row blocks included."""
+    from pallas_kernels import process_input as kernel
+
+    cfg = kernel.ProcessConfig(k_in=k, k_out=k, hadamard=block, mode=spec.mode.value)
+    assert kernel.rotates_blocks(cfg, jnp.bfloat16)
+    assert not kernel.rotates_blocks(dataclasses.replace(cfg, activation="silu"), jnp.bfloat16)
+    assert not kernel.rotates_blocks(cfg, jnp.float32)
+    kw = dict(hadamard_block_size=block)
+    if spec.mode.is_static:
+        kw["static_scale"] = jnp.asarray([0.02], jnp.float32)
+    if layout == "grouped_mask":
+        e, max_tokens = 4, 6
+        x = _inputs(rng, e * max_tokens, k)
+        x[:max_tokens] = np.nan  # expert 0 is empty: never read
+        kw.update(layout="grouped_mask", expert_num_tokens=jnp.asarray([0, 6, 2, 9], jnp.int32))
+    elif layout == "scatter":
+        t, top_k = 9, 3
+        ids = rng.integers(0, 8, size=(t, top_k)).astype(np.int32)
+        ids[0, 1] = -1
+        offsets, scatter_idx = hj.moe_prepare_scatter(jnp.asarray(ids), 8)
+        x = _inputs(rng, t, k)
+        kw.update(layout="scatter", scatter_idx=scatter_idx, num_valid_tokens=offsets[-1:])
+    else:
+        x = _inputs(rng, 37, k)
+        kw["num_valid_tokens"] = jnp.asarray([33], jnp.int32)
+    x = jnp.asarray(x, jnp.bfloat16)
+    got = hj.process_input(x, spec, backend=KERNEL_BACKEND, **kw)
+    ref = hj.process_input(x, spec, backend="reference", **kw)
+    _check_against_reference(got, ref, False)
+    assert not kernel.rotates_blocks(dataclasses.replace(cfg, operand_blocks=False), jnp.bfloat16)
+    looped = hj.ProcessTilesConfig(0, 0, row_blocks=3)
+    reshaped = hj.ProcessTilesConfig(0, 0, operand_blocks=False)  # the rows-then-reshape path: bit for bit
+    for tiles in (looped, reshaped):
+        other = hj.process_input(x, spec, backend=KERNEL_BACKEND, tiles=tiles, **kw)
+        for a, b in ((other.values, got.values), (other.scale, got.scale)):
+            if a is not None:
+                np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
