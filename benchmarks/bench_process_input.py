@@ -87,13 +87,14 @@ def bench(tokens_list=TOKENS, widths=WIDTHS, cases=DEFAULT_CASES, seed=0, tiles_
 def table(rows, header: bool = True) -> str:
     references = {(r["case"], r["T"], r["K"]): r for r in rows if r["backend"] == "reference"}
     lines = [
-        f"{'case':<24}{'T':>6}{'K':>6}{'tiles':>8}{'kernel us':>11}{'jnp us':>10}{'speedup':>9}{'GB/s':>8}{'% copy':>8}"
+        f"{'case':<24}{'T':>6}{'K':>6}{'tiles':>10}{'kernel us':>11}{'jnp us':>10}"
+        f"{'speedup':>9}{'GB/s':>8}{'% copy':>8}"
     ]
     lines = lines if header else []
     for r in rows:
         ref = references.get((r["case"], r["T"], r["K"]))
         if r["backend"] == KERNEL and ref is not None:
-            lines.append(f"{r['case']:<24}{r['T']:>6}{r['K']:>6}{r.get('tiles', '-'):>8}" + comparison_cells(r, ref))
+            lines.append(f"{r['case']:<24}{r['T']:>6}{r['K']:>6}{r.get('tiles', '-'):>10}" + comparison_cells(r, ref))
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -22,6 +22,10 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     # After the fifth session: the pair decode and aligned word loads, the parallel bin prefix, process_input row blocks.
+    # process_input v6: Hadamard blocks loaded as the product's operand (default) against the reshaped rows ("r").
+    hadamard-ab) timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 2048 \
+                   --cases hadamard128+fp8_token --tiles 0x0r 0x0x1x8r 0x0x1x4 0x0x1x16 \
+                   --out "$out/hadamard_ab.json" 2>&1 | tee "$out/hadamard_ab.log" | tail -14 ;;
     # v9: planar 4-bit weights (no split copy of x) against K order, decode and prefill, the tuned tilings.
     planar-inspect) for order in "" "--k-order"; do
                       timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 16 $order \

@@ -262,7 +262,10 @@ class ProcessTilesConfig:
     def parse(cls, text: str) -> ProcessTilesConfig:
         """From ``"ROWSxWARPS"``, ``"ROWSxWARPSxPASSES"`` or
         ``"ROWSxWARPSxPASSESxBLOCKS"`` (e.g. ``"8x8"``, ``"64x8x2"``, ``"4x4x1x8"``;
-        0 rows or warps: chosen)."""
+        0 rows or warps: chosen), with a trailing ``r`` for
+        ``operand_blocks=False`` (``"0x0r"``)."""
+        reshaped = text.endswith("r")
+        text = text.removesuffix("r")
         try:
             parts = [int(part) for part in text.split("x")]
             assert 2 <= len(parts) <= 4 and (len(parts) == 2 or parts[2] in (1, 2))
@@ -272,12 +275,14 @@ class ProcessTilesConfig:
                 f"process tiles: expected ROWSxWARPS[xPASSES[xBLOCKS]] such as 8x8, 64x8x2 or 4x4x1x8, got {text!r}"
             ) from None
         blocks = parts[3] if len(parts) == 4 else 0
-        return cls(parts[0], parts[1], two_pass=len(parts) >= 3 and parts[2] == 2, row_blocks=blocks)
+        two_pass = len(parts) >= 3 and parts[2] == 2
+        return cls(parts[0], parts[1], two_pass=two_pass, row_blocks=blocks, operand_blocks=not reshaped)
 
     def text(self) -> str:
         """The form :meth:`parse` reads (shortest: passes and blocks only when set)."""
         name = f"{self.block_rows}x{self.num_warps}" + ("x2" if self.two_pass else "")
-        return name if self.row_blocks == 0 else f"{name}x1x{self.row_blocks}"
+        name = name if self.row_blocks == 0 else f"{name}x1x{self.row_blocks}"
+        return name if self.operand_blocks else f"{name}r"
 
 
 @dataclasses.dataclass(frozen=True)

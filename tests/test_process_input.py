@@ -405,7 +405,7 @@ def test_row_blocks_loop(tiles, case, rng):
 
 def test_row_blocks_config():
     assert hj.ProcessTilesConfig.parse("4x4x1x8") == hj.ProcessTilesConfig(4, 4, row_blocks=8)
-    for text in ("8x8", "64x8x2", "4x4x1x8"):
+    for text in ("8x8", "64x8x2", "4x4x1x8", "0x0r", "4x8x1x8r"):
         assert hj.ProcessTilesConfig.parse(text).text() == text
     with pytest.raises(ValueError, match="row_blocks"):
         hj.ProcessTilesConfig(16, 4, two_pass=True, row_blocks=2)
