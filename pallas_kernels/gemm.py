@@ -481,7 +481,7 @@ def _floor_div(value, divisor: int):
     then load 4 bytes at a time instead of 16)."""
     if divisor & (divisor - 1) == 0:
         return jax.lax.shift_right_logical(value, jnp.int32(divisor.bit_length() - 1))
-    return jax.lax.div(value, jnp.int32(divisor))
+    return _lax_div(value, divisor)
 
 
 def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan, masks):
@@ -793,11 +793,10 @@ def expert_gemm(
     else:
         out = jnp.zeros((layout.m_out, w.n), out_dtype)
     ways = nibbles_per_unit(w, tiles, compute_dtype)
-    if w.packed:  # pairs read words as their 16-bit halves
-        unit = ways // 2 if decodes_pairs(w, tiles, compute_dtype) else ways
-        weight_arrays = (_as_units(weight_arrays[0], unit), *weight_arrays[1:])
-    x_split = splits_x(w, tiles, compute_dtype)
     span, pairs = scale_span(w, tiles, compute_dtype), decodes_pairs(w, tiles, compute_dtype)
+    if w.packed:  # pairs read words as their 16-bit halves
+        weight_arrays = (_as_units(weight_arrays[0], ways // 2 if pairs else ways), *weight_arrays[1:])
+    x_split = splits_x(w, tiles, compute_dtype)
     if x_split and w.nibble_unit:  # planar words or bytes (never pairs): gather each piece's columns
         order = piece_column_order(w.k, span, ways, w.nibble_unit)
         x = jnp.pad(x, ((0, 0), (0, len(order) - w.k)))[:, order]

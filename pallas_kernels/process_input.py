@@ -450,18 +450,15 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
     def per_block(values, n):  # a [rows] vector for the [rows * n] block rows
         return jnp.broadcast_to(values[:, None], (rows_n, n)).reshape(rows_n * n)
 
-    scale = None
-    if cfg.mode == "none":
-        outputs = [y.astype(jnp.dtype(cfg.out_dtype)) for _, _, y in tiles]
-    else:
-        recip = functools.partial(codecs.safe_reciprocal, exact_on_gpu=cfg.gpu)
-        if cfg.mode == "static_tensor":
-            inverse = recip(jnp.full((rows_n,), ins.static_ref[0], jnp.float32))
-        else:  # dynamic_token: the row's amax over all its blocks
-            amaxes = [jnp.max(jnp.max(jnp.abs(y), axis=1).reshape(rows_n, n), axis=1) for _, n, y in tiles]
-            scale = codecs.divide(functools.reduce(jnp.maximum, amaxes), cfg.qmax, exact_on_gpu=cfg.gpu)
-            inverse = recip(scale)
-        outputs = [_encode(y * per_block(inverse, n)[:, None], cfg) for _, n, y in tiles]
+    scale, row_amax = None, None
+    if cfg.mode == "dynamic_token":  # the row's amax over all its blocks, then _quantize per block row
+        amaxes = [jnp.max(jnp.max(jnp.abs(y), axis=1).reshape(rows_n, n), axis=1) for _, n, y in tiles]
+        row_amax = functools.reduce(jnp.maximum, amaxes)
+        scale = codecs.divide(row_amax, cfg.qmax, exact_on_gpu=cfg.gpu)
+    outputs = [
+        _quantize([y], ins.static_ref, cfg, None if row_amax is None else per_block(row_amax, n))[0][0]
+        for _, n, y in tiles
+    ]
     values_ref, scale_ref, _ = out_refs
     for dest, keep in zip(destinations, keeps, strict=True):
         out_rows = codecs.scatter_index(dest, row_mask, values_ref.shape[0])
