@@ -420,6 +420,11 @@ DECODE_CANDIDATES = _candidates(
         (16, 64, 256, 4, 4, WORD | FOLD | PAIR),
         (16, 64, 512, 4, 3, WORD | FOLD | PAIR),  # fewer loop instructions per byte
         (16, 64, 256, 4, 3, SWAP | WORD | FOLD | PAIR),
+        # v9: 32 rows per program for experts with 17-32 rows (qwen3 T=512): each
+        # decoded weight tile feeds two MMA rows (sm_90: int4 760 loop instructions,
+        # 168 registers, against 665 for 16 rows).
+        (32, 128, 256, 4, 3, WORD | FOLD | PAIR),
+        (32, 64, 256, 4, 3, WORD | FOLD | PAIR),
     )
 )
 PREFILL_CANDIDATES = _candidates(
@@ -462,12 +467,14 @@ PREFILL_CANDIDATES = _candidates(
         (128, 256, 64, 8, 4, DEQ | BANDS),
     )
 )
-M_RANGES = ((0, 16), (16, 128), (128, 1024), (1024, 8192), (8192, 1 << 30))
-DECODE_MAX_M = 1024  # ranges up to here sweep DECODE_CANDIDATES
+M_RANGES = ((0, 16), (16, 128), (128, 1024), (1024, 4096), (4096, 8192), (8192, 1 << 30))
+DECODE_MAX_ROWS = 32  # experts with up to this many rows sweep DECODE_CANDIDATES
 
 
-def candidates_for(high: int) -> tuple[TuningConfig, ...]:
-    return DECODE_CANDIDATES if high <= DECODE_MAX_M else PREFILL_CANDIDATES
+def candidates_for(rows_per_expert: int) -> tuple[TuningConfig, ...]:
+    """The sweep for a range whose representative M gives ``rows_per_expert``
+    (M / E): at M=4096 qwen3's experts hold 32 rows (decode tiles), mixtral's 2048."""
+    return DECODE_CANDIDATES if rows_per_expert <= DECODE_MAX_ROWS else PREFILL_CANDIDATES
 
 
 def merge_entry(entries: list[dict], entry: dict) -> list[dict]:
@@ -503,7 +510,7 @@ def tune_main(args) -> int:
     if KERNEL_BACKEND == "pallas" and jax.default_backend() != "gpu":
         print("tune: needs a GPU", file=sys.stderr)
         return 2
-    top_k = PROBLEMS[args.problem][3]
+    num_experts, top_k = PROBLEMS[args.problem][0], PROBLEMS[args.problem][3]
     timings: dict[tuple[str, int, int], dict[TuningConfig, list[float]]] = {}
     members: dict[tuple[str, int, int], int] = {}
     for fmt in args.formats:
@@ -517,7 +524,7 @@ def tune_main(args) -> int:
                 key = (T.table_key(kind, T.format_class(F.get_format(fmt)), shape), low, high)
                 members[key] = members.get(key, 0) + 1
                 prep = prepare(case)
-                for cand in candidates_for(high):
+                for cand in candidates_for(case.tokens * top_k // num_experts):
                     try:
                         result, out, layout = time_prepared(prep, cand)
                     except Exception as error:  # a candidate that does not lower is skipped

@@ -38,8 +38,7 @@ def _pow2_at_most(value: int, cap: int) -> int:
 def heuristic_tuning(rows_per_expert: int, n: int, k: int, fmt_class: str = "16bit") -> TuningConfig:
     """Small row counts get thin M tiles and long K tiles (weight bandwidth),
     large ones big tiles (tensor-core throughput); the shapes are the ones the
-    H200 sweeps picked (benchmarks/NOTES.md): 4-bit weights prefer 64-row
-    tiles with the decoded weight as the MMA's A operand (``swap_ab``)."""
+    H200 sweeps picked (benchmarks/NOTES.md; 4-bit: :func:`_four_bit_tiles`)."""
     block_m = _pow2_at_most(max(rows_per_expert, 16), 128)
     cap_n = max(16, 1 << (max(n, 16) - 1).bit_length())
     cap_k = max(16, 1 << (max(k, 16) - 1).bit_length())
@@ -47,20 +46,29 @@ def heuristic_tuning(rows_per_expert: int, n: int, k: int, fmt_class: str = "16b
     # is read once per row tile unless the programs run in bands (tile_order).
     weight_bytes = n * k * {"16bit": 2.0, "8bit": 1.0}.get(fmt_class, 0.5)
     group_m = 8 if weight_bytes > LARGE_EXPERT_BYTES and rows_per_expert > 2 * block_m else 1
-    # 4-bit weights are decoded a uint32 word (8 codes) at a time (v5: 1.3-1.6x;
-    # v6: e2m1 too, 950 -> 711 us on qwen3 prefill).
     four_bit = fmt_class in ("4bit", "fp4")
-    if block_m == 128 and four_bit:
-        return TuningConfig(64, min(128, cap_n), min(128, cap_k), 4, 3, swap_ab=True, group_m=group_m, word_decode=True)
+    if four_bit:
+        return _four_bit_tiles(block_m, cap_n, cap_k, group_m)
     if block_m == 128:
         return TuningConfig(128, min(256, cap_n), min(64, cap_k), num_warps=8, num_stages=4, group_m=group_m)
-    if block_m == 16 and four_bit:
-        # Decode: scales folded into the decoded tile, one MMA chain per 256-wide
-        # K tile (v6 on qwen3/mixtral: int4 97 -> 84 us, MXFP4 212 -> 118 us).
-        return TuningConfig(16, min(64, cap_n), min(256, cap_k), 4, 3, word_decode=True, fold_scales=True)
     block_n = min(64 if block_m <= 32 else 128, cap_n)
     block_k = min(128 if block_m <= 32 else 64, cap_k)
-    return TuningConfig(block_m, block_n, block_k, num_warps=4, num_stages=3, word_decode=fmt_class == "4bit")
+    return TuningConfig(block_m, block_n, block_k, num_warps=4, num_stages=3)
+
+
+def _four_bit_tiles(block_m: int, cap_n: int, cap_k: int, group_m: int) -> TuningConfig:
+    """The H200 sweeps' 4-bit winners by rows per program (v8/v9, NOTES.md):
+    words decoded as nibble pairs (one MMA k-pair per 16-bit half) with the
+    scales folded into the decoded tile; 16-row tiles read 256 columns of K
+    per step (qwen3 T=16: int4 54 us, MXFP4 73 us), 64- and 128-row tiles put
+    the decoded weight in the MMA's A operand (``swap_ab``; qwen3 T=2048: int4
+    352 us on 128 rows, MXFP4 415 us on 64). 32 rows: the 16-row tile with two
+    MMA rows per decoded weight (the sweep's candidate, not yet measured)."""
+    pairs = dict(word_decode=True, fold_scales=True, pair_decode=True)
+    if block_m <= 32:
+        return TuningConfig(block_m, min(128, cap_n), min(256, cap_k), 4, 3, **pairs)
+    warps = 8 if block_m == 128 else 4
+    return TuningConfig(block_m, min(128, cap_n), min(128, cap_k), warps, 3, swap_ab=True, group_m=group_m, **pairs)
 
 
 def load_table(name: str = TABLE_FILE) -> dict[str, tuple[TuningEntry, ...]]:

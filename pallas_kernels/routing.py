@@ -407,14 +407,24 @@ def scatter_rows(
     other destinations. ``dest`` must be a permutation of ``[0, T*k)``."""
     num_tokens, num_cols = x.shape
     tiles = tiles.fit(num_cols, num_tokens)
-    return pl.pallas_call(
+    bits = _as_bits(x)
+    moved = pl.pallas_call(
         functools.partial(_scatter_rows_kernel, tiles=tiles, top_k=top_k),
         grid=(pl.cdiv(num_tokens, tiles.block_tokens), pl.cdiv(num_cols, tiles.block_cols)),
-        out_shape=jax.ShapeDtypeStruct((num_tokens * top_k, num_cols), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_tokens * top_k, num_cols), bits.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
         interpret=interpret,
         name="moe_scatter_rows",
-    )(x, dest, end)
+    )(bits, dest, end)
+    return jax.lax.bitcast_convert_type(moved, x.dtype)
+
+
+def _as_bits(x: jax.Array) -> jax.Array:
+    """``x`` viewed as unsigned integers of its width: the scatter moves bits, and
+    Triton's masked load cannot make its fill value in an fp8 type."""
+    if jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
 def _weighted_gather_kernel(
