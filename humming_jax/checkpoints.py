@@ -210,6 +210,8 @@ def load_experts(
         weights = _assemble_plain(per_proj, config, layout)
     result = ExpertWeights(**weights)
     check_weights(result, config)
+    for name in ("w13", "w2"):
+        F.check_folded_scale_range(getattr(result, name), f"{prefix}.{name}")
     return result
 
 

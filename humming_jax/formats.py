@@ -502,7 +502,9 @@ def quantize_weight(
 
     if bias is not None:
         parts["bias"] = jnp.asarray(bias)
-    return QuantizedWeight(**parts, format=fmt, shape=(e, n, k))
+    weight = QuantizedWeight(**parts, format=fmt, shape=(e, n, k))
+    check_folded_scale_range(weight)
+    return weight
 
 
 def decode_values(weight: QuantizedWeight) -> jax.Array:
@@ -556,6 +558,28 @@ def _codes_in_k_order(weight: QuantizedWeight) -> jax.Array:
     return codes.reshape(e, n, k // unit, unit)[..., inverse].reshape(e, n, k)
 
 
+# MXFP4 scales the GEMM folds into bf16 weights exactly: up to 2**63 (byte 190;
+# the folded scale carries 2**64, see pallas_kernels.gemm.E2M1_FOLDED_EXPONENT).
+E8M0_FOLD_MAX = 190
+
+
+def check_folded_scale_range(weight: QuantizedWeight, argument: str = "weight") -> None:
+    """Refuse MXFP4 scales above 2**63 (e8m0 bytes past :data:`E8M0_FOLD_MAX`;
+    weights beyond ~5e19), which the GEMM's folded scales cannot hold. Checked
+    where a weight is concrete (loading, quantizing, :func:`to_planar`);
+    traced weights pass unchecked."""
+    fmt = weight.format
+    if fmt.value_type != ValueType.FLOAT4_E2M1 or fmt.scale_type != ScaleType.E8M0 or weight.scale is None:
+        return
+    if isinstance(weight.scale, jax.core.Tracer) or weight.scale.size == 0:
+        return
+    top = int(np.max(np.asarray(weight.scale)))
+    if top > E8M0_FOLD_MAX:
+        raise ValueError(
+            f"{argument}.scale: MXFP4 e8m0 scales must be at most {E8M0_FOLD_MAX} (2**63), got a byte of {top}"
+        )
+
+
 def to_planar(weight: QuantizedWeight) -> QuantizedWeight:
     """``weight`` with its 4-bit codes in the planar order the GEMM kernel
     reads without splitting x (a load-time repack: same arrays but the packed
@@ -563,6 +587,7 @@ def to_planar(weight: QuantizedWeight) -> QuantizedWeight:
     :func:`planar_unit` columns). Weights that cannot be planar (unpacked
     formats, K not a whole number of units) and planar ones are returned as
     they are."""
+    check_folded_scale_range(weight)
     unit = planar_unit(weight.format, weight.k)
     if weight.nibble_unit or not unit:
         return weight

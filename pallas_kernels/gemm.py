@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +174,14 @@ def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, t
 # included) to the e2m1 value times 2**-6, as the word decoder's do; the 2**6
 # joins the scale.
 E2M1_DECODE_FACTOR = 1.0 / word_decode.E2M1_FACTOR
+# With the scales folded into bf16 e2m1 weights, the folded weight is the true
+# one times 2**-E2M1_FOLDED_EXPONENT and the sum is multiplied back once (the
+# exponent offset split between main loop and epilogue, as Humming does): on
+# the GPU the word decoder then needs no normalizing multiply (its raw values
+# times 2**64 in the scale). Exact for scales up to 2**63 (MXFP4 e8m0 bytes
+# up to 190, checked when a weight is loaded) and products down to bf16's
+# normal range.
+E2M1_FOLDED_EXPONENT = 62
 
 
 def _storage_bits(raw, dtype):
@@ -181,12 +190,15 @@ def _storage_bits(raw, dtype):
     return jax.lax.bitcast_convert_type(raw, dtype)
 
 
-def _decode_scale(raw, scale_type: str):
+def _decode_scale(raw, scale_type: str, exponent: int = 0):
+    """Stored scales as f32, times ``2**exponent`` (e8m0: by the exponent alone)."""
     if scale_type == "e8m0":
-        return codecs.e8m0_decode(raw)
+        return codecs.pow2(raw.astype(jnp.int32) + (exponent - codecs.E8M0_BIAS))
     if scale_type == "float8_e4m3":
-        return _storage_bits(raw, jnp.float8_e4m3fn).astype(jnp.float32)
-    return raw.astype(jnp.float32)
+        scale = _storage_bits(raw, jnp.float8_e4m3fn).astype(jnp.float32)
+    else:
+        scale = raw.astype(jnp.float32)
+    return scale if exponent == 0 else scale * jnp.float32(2.0**exponent)
 
 
 def scales_in_weights(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
@@ -226,8 +238,24 @@ def scale_span(w: WeightSpec, tiles: Tiles, compute_dtype) -> int:
     return tiles.block_k
 
 
-def value_factor(w: WeightSpec) -> float:
-    """The factor between the decoded weight values and the stored ones."""
+def folds_e2m1(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
+    """Whether e2m1 weights are multiplied by their scales in bf16 before the
+    product (the shared scale tile of folded scales), so the sum carries
+    ``2**-E2M1_FOLDED_EXPONENT`` (see there)."""
+    return (
+        w.value_type == "float4_e2m1"
+        and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16)
+        and scales_in_weights(w, tiles, compute_dtype)
+        and _scales_exact_in(w, compute_dtype)
+        and tiles.use_mma
+    )
+
+
+def value_factor(w: WeightSpec, folded_e2m1: bool = False) -> float:
+    """The factor between the decoded (and, when folded, scaled) weight values
+    and the stored ones."""
+    if folded_e2m1:
+        return 2.0**E2M1_FOLDED_EXPONENT
     return E2M1_DECODE_FACTOR if w.value_type == "float4_e2m1" else 1.0
 
 
@@ -284,11 +312,14 @@ def _along_runs(per_group, width: int, run: int):
     return jnp.broadcast_to(per_group[:, :, None], (per_group.shape[0], width // run, run)).reshape(-1, width)
 
 
-def _group_scale_tile(scale_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked):
-    """Group scales (f32 ``[bn, width]``) of a piece: one load per run of columns."""
+def _group_scale_tile(
+    scale_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked, exponent: int = 0
+):
+    """Group scales (f32 ``[bn, width]``, times ``2**exponent``) of a piece: one
+    load per run of columns."""
     groups, run, mask = _group_runs(w, k_start, width, ways, n_mask, k_masked)
     raw = _load(scale_ref.at[expert, n_idx[:, None], groups], mask)
-    return _along_runs(_decode_scale(raw, w.scale_type), width, run)
+    return _along_runs(_decode_scale(raw, w.scale_type, exponent), width, run)
 
 
 def _group_zero_tile(zero_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked):
@@ -373,18 +404,19 @@ def decodes_pairs(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
     return tiles.pair_decode and nibbles_per_unit(w, tiles, compute_dtype) == 8
 
 
-def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, zero, on_gpu: bool):
+def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, zero, on_gpu: bool, raw: bool = False):
     """The pieces (values ``[bn, c]``) of packed units ``[bn, c]``, one at a
     time (a generator: each piece is decoded just before its product, so only
     one decoded piece is live): piece j holds the codes at nibble position j
     of every unit. With ``pairs`` the units are 16-bit halves of words
     (element 2u: nibbles 0-3 of word u, 2u+1: nibbles 4-7) and piece j (0-3)
     holds nibble j of each half: nibbles j and j + 4 of word u. On the GPU,
-    words (or halves) are decoded by inline PTX (``word_decode``)."""
+    words (or halves) are decoded by inline PTX (``word_decode``); ``raw``:
+    e2m1 values without the normalizing multiply (see E2M1_FOLDED_EXPONENT)."""
     if ways == 8 and on_gpu:
         dtype = jnp.dtype(compute_dtype).name
         if w.value_type == "float4_e2m1":  # values times 2**-6, as _nibbles_to_values
-            program = word_decode.e2m1_program(dtype)
+            program = word_decode.e2m1_program(dtype, normalized=not raw)
         else:
             program = word_decode.int4_program(dtype, 8.0 if w.value_type == "int4" else 0.0)
         zero_values = None if zero is None else zero.astype(jnp.float32).astype(compute_dtype)[:, None]
@@ -415,6 +447,21 @@ class _SpanPlan:
     # precision), which the f32 multiply and cast keep.
     scale_in_compute: bool = False
     pairs: bool = False  # word pieces pair nibbles j and j+4 (Tiles.pair_decode)
+    folded_e2m1: bool = False  # see folds_e2m1
+
+    @property
+    def raw_e2m1(self) -> bool:
+        """Folded e2m1 words decoded on the GPU without the normalizing multiply."""
+        return self.folded_e2m1 and self.on_gpu and self.ways == 8
+
+    @property
+    def scale_exponent(self) -> int:
+        """The power of two the folded scales carry: decoded value x scale is
+        the true weight times ``2**-E2M1_FOLDED_EXPONENT``."""
+        if not self.folded_e2m1:
+            return 0
+        decoded = word_decode.E2M1_RAW_FACTOR if self.raw_e2m1 else word_decode.E2M1_FACTOR
+        return -E2M1_FOLDED_EXPONENT - round(math.log2(decoded))
 
     @property
     def pieces(self) -> int:
@@ -514,7 +561,16 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
             if shared_scale is None:
                 width = piece.cols.shape[0]
                 tile = _group_scale_tile(
-                    scale_ref, w, expert, n_idx, k_start, width, plan.pieces, n_mask, k_limit is not None
+                    scale_ref,
+                    w,
+                    expert,
+                    n_idx,
+                    k_start,
+                    width,
+                    plan.pieces,
+                    n_mask,
+                    k_limit is not None,
+                    plan.scale_exponent,
                 )
                 shared_scale = tile.astype(compute_dtype)
             return dataclasses.replace(piece, values=piece.values * shared_scale)
@@ -541,7 +597,9 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
         zero = None
         if w.zero_point == "int" and not plan.in_weights:
             zero = _int_zero(zero_ref, expert, n_idx, _floor_div(k_start, w.group_size), n_mask)
-        for j, values in enumerate(_decode_units(units, w, ways, plan.pairs, compute_dtype, zero, plan.on_gpu)):
+        for j, values in enumerate(
+            _decode_units(units, w, ways, plan.pairs, compute_dtype, zero, plan.on_gpu, plan.raw_e2m1)
+        ):
             cols = _piece_columns(k_start, along, j, per_unit, w.nibble_unit, span)
             x_cols = k_start + j * width + along if plan.x_split else cols
             yield finish(_Piece(cols, x_cols, values))
@@ -621,6 +679,7 @@ def _gemm_kernel(
         on_gpu,
         scale_in_compute=_scales_exact_in(w, compute_dtype) and tiles.use_mma,
         pairs=decodes_pairs(w, tiles, compute_dtype),
+        folded_e2m1=folds_e2m1(w, tiles, compute_dtype),
     )
     row_tile, col_tile = tile_order(pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), pl.cdiv(w.n, bn), tiles)
     rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
@@ -693,8 +752,9 @@ def _gemm_kernel(
 
     # A constant factor left once scales are in the weights (e2m1's 2**6) is
     # applied to the sum, so the K loop stays one accumulation chain.
-    end_factor = value_factor(w) if in_weights and w.global_scale == "none" else 1.0
-    span_factor = value_factor(w) / end_factor
+    factor = value_factor(w, plan.folded_e2m1)
+    end_factor = factor if in_weights and w.global_scale == "none" else 1.0
+    span_factor = factor / end_factor
 
     @pl.when(live)
     def _():

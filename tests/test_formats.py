@@ -315,3 +315,19 @@ def test_planar_only_where_it_applies():
     weight = F.quantize_weight(w, F.get_format("int4_g64"))
     with pytest.raises(ValueError, match="nibble_unit"):
         dataclasses.replace(weight, nibble_unit=128).validate()
+
+
+def test_mxfp4_scales_past_the_folded_range_are_refused(rng):
+    """The GEMM folds MXFP4 scales up to 2**63 exactly (e8m0 byte 190): a
+    weight with a larger scale is refused where it is concrete (quantizing,
+    to_planar, checkpoint loading), naming the part."""
+    w = rng.normal(size=(1, 8, 64)).astype(np.float32)
+    fine = F.quantize_weight(jnp.asarray(w * 2.0**60), F.MXFP4)
+    assert int(np.max(np.asarray(fine.scale))) <= F.E8M0_FOLD_MAX
+    F.to_planar(fine)
+    with pytest.raises(ValueError, match=r"weight\.scale: MXFP4 e8m0 scales must be at most 190"):
+        F.quantize_weight(jnp.asarray(w * 2.0**70), F.MXFP4)
+    big = dataclasses.replace(fine, scale=jnp.full_like(fine.scale, 191))
+    with pytest.raises(ValueError, match="at most 190"):
+        F.to_planar(big)
+    jax.jit(F.check_folded_scale_range)(big)  # traced: unchecked

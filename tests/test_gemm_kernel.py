@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 import humming_jax as hj
 from humming_jax import formats as F
 from humming_jax.gemm import kernel_tuning
+from pallas_kernels import gemm as kernel
+from pallas_kernels import word_decode as wd
 
 import np_ref
 from np_ref import relative_error
@@ -376,16 +378,18 @@ def test_word_decode_f16(rng):
 @pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "indexed"])
 @pytest.mark.parametrize(
     "fmt_name",
-    ["int4_g128+bias", "int4_channel", "uint4_zp_g128", "uint4_fzp_g128", "int8_g64", "mxfp4", "fp8_block128"],
+    ["int4_g128+bias", "int4_channel", "uint4_zp_g128", "uint4_fzp_g128", "int8_g64", "mxfp4", "nvfp4", "fp8_block128"],
 )
 def test_folded_scales(fmt_name, layout_kind, tuning, rng):
     """``fold_scales``: the kernel multiplies the decoded tile by its scales and
     rounds ``(q - z) * s`` once to bf16, so it equals the reference run on the
-    bf16-rounded dequantized weight (f32 output, bound 1e-5)."""
+    bf16-rounded dequantized weight (f32 output, bound 1e-5); e2m1 values times
+    their scales are exact (NVFP4's global scale comes after the product, MXFP4
+    and NVFP4 carry the split exponent, E2M1_FOLDED_EXPONENT)."""
     weight = _weight(rng, F.get_format(fmt_name), E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
     layout = _layouts(rng)[layout_kind]
-    ref = _folded_reference(x, weight, layout)
+    ref = _reference_for(tuning, x, weight, layout)
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
 
 
@@ -519,3 +523,20 @@ def test_planar_weights_need_no_split_copy_of_x(rng):
 
     assert "transpose" in primitives(weight)
     assert "transpose" not in primitives(hj.to_planar(weight))
+
+
+def test_folded_e2m1_split_of_the_exponent():
+    """Folded e2m1 scales carry the decoder's missing factor: the decoded value
+    times the folded scale is the weight times 2**-62 on every path (the GPU's
+    word decoder without its normalizing multiply: 2**-126 x 2**64; bytes or
+    interpret mode: 2**-6 x 2**-56), and the sum is multiplied by 2**62."""
+    plan = dict(span=256, in_weights=True, x_split=False, compute_dtype=jnp.bfloat16, scale_in_compute=True)
+    for on_gpu, ways, decoded in ((True, 8, wd.E2M1_RAW_FACTOR), (False, 8, wd.E2M1_FACTOR), (True, 2, wd.E2M1_FACTOR)):
+        p = kernel._SpanPlan(**plan, ways=ways, on_gpu=on_gpu, folded_e2m1=True)
+        assert p.raw_e2m1 == (on_gpu and ways == 8)
+        assert decoded * 2.0**p.scale_exponent == 2.0**-kernel.E2M1_FOLDED_EXPONENT
+    fold = kernel.Tiles(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)
+    mxfp4 = kernel.WeightSpec(E, N, K, "float4_e2m1", "group", "e8m0", 32)
+    assert kernel.folds_e2m1(mxfp4, fold, jnp.bfloat16) and not kernel.folds_e2m1(mxfp4, fold, jnp.float16)
+    assert not kernel.folds_e2m1(mxfp4, dataclasses.replace(fold, fold_scales=False), jnp.bfloat16)
+    assert kernel.value_factor(mxfp4, True) == 2.0**62 and kernel.value_factor(mxfp4) == 64.0

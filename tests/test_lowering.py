@@ -91,3 +91,15 @@ def test_permute_lowers_for_sm90(dtype):
     texts = ttir_of(lambda x, s, ids: hj.moe_permute(x, ids, 8, a1q_scale=s, backend="pallas"), x, scale, ids)
     scatters = [t for t in texts if "moe_scatter_rows" in t]
     assert len(scatters) == 2 and all("f8E4M3FN" not in t for t in scatters)
+
+
+@pytest.mark.parametrize(
+    "config", ["16,64,256,4,3,word_decode,fold_scales,pair_decode", "64,64,128,4,3,swap_ab,word_decode,pair_decode"]
+)
+def test_folded_mxfp4_decoder_has_no_multiply(config):
+    """MXFP4 in bf16 with its scales in the weights (folded, or the exact
+    e2m1 x e8m0 product on 64-row tiles): the pair decoder leaves out its
+    normalizing multiply (the folded scale carries it: E2M1_FOLDED_EXPONENT)."""
+    (text,) = gemm_ttir("mxfp4", 16, parse_config(config), SHAPE)
+    asm = [part.split("->")[0] for part in text.split("tt.elementwise_inline_asm")[1:]]
+    assert len(asm) == 4 and not any("mul.rn" in a for a in asm)

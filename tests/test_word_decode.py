@@ -81,6 +81,38 @@ def test_e2m1_words(dtype, rng):
     np.testing.assert_array_equal(run(wd.e2m1_program(dtype), words), np_ref.E2M1_TABLE[nibbles] * wd.E2M1_FACTOR)
 
 
+def test_e2m1_raw_words(rng):
+    """Without the normalizing multiply (bf16): the e2m1 value times 2**-126,
+    bf16 subnormals for e = 0, and no multiply in the PTX."""
+    words, nibbles = _words(rng)
+    program = wd.e2m1_program("bfloat16", normalized=False)
+    np.testing.assert_array_equal(run(program, words), np_ref.E2M1_TABLE[nibbles] * wd.E2M1_RAW_FACTOR)
+    assert all(op.op != "mul2" for op in program.ops) and "mul" not in wd.to_ptx_pair(program, 2)
+    with pytest.raises(ValueError, match="bfloat16"):
+        wd.e2m1_program("float16", normalized=False)
+
+
+@pytest.mark.parametrize("scale_byte", [0, 63, 64, 127, 190, 191, 254])
+def test_e2m1_raw_times_folded_scale(scale_byte):
+    """The GEMM multiplies the raw values by the e8m0 scale times 2**64 in
+    bf16 (folded scales) and the sum by 2**62: exact, subnormal products
+    included, for scales up to 2**63 (byte 190); byte 191 overflows (refused
+    when the weight is loaded), and the smallest scales only lose the values
+    below bf16's subnormals."""
+    raw = np_ref.E2M1_TABLE * wd.E2M1_RAW_FACTOR
+    scale = np.float64(2.0 ** (scale_byte - 127 + 64))
+    with np.errstate(invalid="ignore", over="ignore"):  # 0 x inf past the window
+        folded = np.asarray(raw, ml_dtypes.bfloat16).astype(np.float64) * np.asarray(scale, ml_dtypes.bfloat16)
+        product = np.asarray(folded, ml_dtypes.bfloat16).astype(np.float64) * 2.0**62
+    true = np_ref.E2M1_TABLE * 2.0 ** (scale_byte - 127)
+    if scale_byte > 190:
+        assert not np.all(np.isfinite(product))
+    elif scale_byte >= 64:
+        np.testing.assert_array_equal(product, true)
+    else:  # below the window: tiny values may round (never grow)
+        assert np.all(np.abs(product - true) <= 2.0 ** (-133 + 62))
+
+
 def test_ptx_text():
     """One 16-bit result per position ($0), the word is $1, only the needed ops."""
     text = wd.to_ptx(wd.e2m1_program("bfloat16"), 5)
