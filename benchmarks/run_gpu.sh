@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v11-tests fp4-inspect tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
 out=${1:?output directory}
 shift
-steps=${*:-v10-tests process-bench}
+steps=${*:-v11-tests process-bench}
 mkdir -p "$out"
 # deepseek-v3 keeps two 15 GB bf16 weights per case: let JAX grow past its default 75 %
 # (torch returns its cached blocks after timing, see humming_jax.bench).
@@ -21,6 +21,27 @@ table="$out/tuning_h200.json"
 for step in $steps; do
   echo "=== $step"
   case $step in
+    # After the seventh session: GEMM v10 (folded e2m1 without the decoder's multiply), the fp8 row scatter.
+    v11-tests) pytest_gpu 420 tests/test_gemm_kernel.py tests/test_word_decode.py tests/test_lowering.py tests/test_formats.py \
+                 tests/test_routing.py tests/test_nn.py tests/test_pipelines.py 2>&1 | tee "$out/v11_tests.log" | tail -8 ;;
+    # v10 MXFP4 against the sixth/seventh session's figures: decode 73.0 us (T=16), prefill tiles at T=4096.
+    fp4-inspect) timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --fmt mxfp4 --tokens 16 \
+                   --config 16,128,256,4,3,word_decode,fold_scales,pair_decode 2>&1 | tee "$out/fp4_inspect.log" | tail -1
+                 timeout 300 python3 -W ignore -m benchmarks.inspect_gemm --fmt mxfp4 --tokens 4096 \
+                   --config 64,128,128,4,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode \
+                   --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode \
+                   --config 128,256,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode 2>&1 \
+                   | tee -a "$out/fp4_inspect.log" | tail -3 ;;
+    # qwen3's own 4-bit entries where its experts hold 8 and 32 rows (T=128, T=512: the heuristic ran there).
+    tune-mid-4bit) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 mxfp4 \
+                     --layouts grouped --min-m 129 --max-m 4096 --per-shape --out "$table" 2>&1 \
+                     | tee "$out/tune_mid_4bit.log" | tail -8 ;;
+    tune-mid-4bit-w2) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --gemm w2 \
+                        --formats int4_g128 mxfp4 --layouts grouped --min-m 129 --max-m 4096 --per-shape --out "$table" 2>&1 \
+                        | tee "$out/tune_mid_4bit_w2.log" | tail -8 ;;
+    # The indexed 4-bit prefill has no entry of its own (heuristic: 849 / 890 us at T=4096, 0.55x torch).
+    tune-prefill-indexed) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 mxfp4 \
+                            --layouts indexed --min-m 8193 --out "$table" 2>&1 | tee "$out/tune_prefill_indexed.log" | tail -8 ;;
     # After the fifth session: the pair decode and aligned word loads, the parallel bin prefix, process_input row blocks.
     # process_input v6: Hadamard blocks loaded as the product's operand (default) against the reshaped rows ("r").
     hadamard-ab) timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 2048 \

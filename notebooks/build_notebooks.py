@@ -195,7 +195,8 @@ display(Image("performance.png"))""",
 torch_us = {(r["problem"], r["gemm"], r["tokens"], r.get("kernel_version")): r["torch_grouped_mm_us"]
             for r in gemm if r.get("torch_grouped_mm_us")}
 rows = latest([r for r in gemm if r["layout"] == "grouped"],
-              lambda r: (r["problem"], r["gemm"], r["tokens"], r["fmt"]), lambda r: r.get("kernel_version", ""))
+              lambda r: (r["problem"], r["gemm"], r["tokens"], r["fmt"]),
+              lambda r: (int(r.get("kernel_version", "v0")[1:]), r.get("session", 0)))  # v10 after v9
 print(f"{'problem':<15}{'gemm':<5}{'T':>6}{'format':>11}{'version':>8}{'us':>9}{'% roofline':>11}{'x torch bf16':>13}")
 for (problem, g, t, fmt), r in sorted(rows.items()):
     ref = torch_us.get((problem, g, t, r.get("kernel_version")))
