@@ -425,6 +425,11 @@ DECODE_CANDIDATES = _candidates(
         # 168 registers, against 665 for 16 rows).
         (32, 128, 256, 4, 3, WORD | FOLD | PAIR),
         (32, 64, 256, 4, 3, WORD | FOLD | PAIR),
+        # T=1-2 (8-16 rows on 8-16 experts): ~190 programs of 8 dependent K steps
+        # (qwen3 T=1 int4: 21 % of copy bandwidth); K split in 2 or 4 gives the
+        # SMs 2-4x the programs, each a shorter chain (v7: split 2 lost at T=16).
+        (16, 64, 256, 4, 3, SWAP | WORD | FOLD | PAIR | {"split_k": 2}),
+        (16, 64, 128, 4, 3, SWAP | WORD | FOLD | PAIR | {"split_k": 4}),
     )
 )
 PREFILL_CANDIDATES = _candidates(

@@ -450,6 +450,10 @@ _PLANAR_TILINGS = {
     ),
     "multiply_add": hj.TuningConfig(8, 32, 64, use_mma=False),
     "split_k": hj.TuningConfig(16, 32, 64, split_k=2),
+    # The T=1 decode candidates: two splits of K, each with folded pairs.
+    "pairs_fold_split_k": hj.TuningConfig(
+        16, 32, 128, split_k=2, swap_ab=True, word_decode=True, pair_decode=True, fold_scales=True
+    ),
 }
 
 
