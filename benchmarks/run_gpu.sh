@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v11-tests fp4-inspect tune-decode-small tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -39,6 +39,10 @@ for step in $steps; do
     tune-mid-4bit-w2) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --gemm w2 \
                         --formats int4_g128 mxfp4 --layouts grouped --min-m 129 --max-m 4096 --per-shape --out "$table" 2>&1 \
                         | tee "$out/tune_mid_4bit_w2.log" | tail -8 ;;
+    # Hadamard K=768 (28 %): rows per program were never swept with the v4/v6 loop (the default is 4 rows).
+    hadamard-768) timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 \
+                    --cases hadamard128+fp8_token silu+fp8_group128 --tiles 8x4 8x8 16x8 32x8 8x4x1x4 16x8x1x4 \
+                    --out "$out/hadamard_768.json" 2>&1 | tee "$out/hadamard_768.log" | tail -14 ;;
     # T=1-2 (M <= 16) with the split-K decode candidates (T=1: 21 % of copy bandwidth, latency-bound).
     tune-decode-small) timeout 400 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --formats int4_g128 mxfp4 \
                          --max-m 16 --out "$table" 2>&1 | tee "$out/tune_decode_small.log" | tail -8 ;;
