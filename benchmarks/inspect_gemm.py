@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--config", action="append", required=True)
     parser.add_argument("--k-order", action="store_true", help="4-bit weights in K order (default: planar)")
+    parser.add_argument(
+        "--nibble-halves", action="store_true", help="planar e2m1 codes in nibble order (default: the decoder's bits)"
+    )
     args = parser.parse_args(argv)
     configs = [parse_config(text) for text in args.config]  # bad configs fail before the GPU work
     import jax
@@ -48,7 +51,8 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu":
         print("inspect_gemm: needs a GPU", file=sys.stderr)
         return 2
-    prep = bench.prepare(bench.Case(args.problem, args.gemm, args.layout, args.tokens, args.fmt, args.k_order))
+    case = bench.Case(args.problem, args.gemm, args.layout, args.tokens, args.fmt, args.k_order, not args.nibble_halves)
+    prep = bench.prepare(case)
     for text, tuning in zip(args.config, configs, strict=True):
         row, out, layout = bench.time_prepared(prep, tuning)
         error = bench.sampled_error(prep, layout, out)

@@ -66,10 +66,13 @@ def ttir_of(fn, *args) -> list[str]:
     return texts
 
 
-def gemm_ttir(fmt: str, tokens: int, tuning, shape: tuple[int, int, int], planar: bool = False) -> list[str]:
+def gemm_ttir(
+    fmt: str, tokens: int, tuning, shape: tuple[int, int, int], planar: bool = False, half_bits: bool = False
+) -> list[str]:
     """TTIR of the grouped GEMM kernels of ``tokens`` tokens (top-8 of ``E``
     experts, or top-2 below 8) on an ``[E, N, K]`` weight of format ``fmt``
-    (in the planar nibble order with ``planar``)."""
+    (in the planar nibble order with ``planar``; e2m1 codes in the decoder's
+    bit order with ``half_bits``)."""
     import jax.numpy as jnp
 
     from humming_jax import formats as F
@@ -83,7 +86,7 @@ def gemm_ttir(fmt: str, tokens: int, tuning, shape: tuple[int, int, int], planar
     ids = np.stack([rng.choice(e, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
     weight = F.quantize_weight(jnp.asarray(rng.normal(size=shape).astype(np.float32) * 0.02), F.get_format(fmt))
     if planar:
-        weight = F.to_planar(weight)
+        weight = F.to_planar(weight, half_bits=half_bits)
     x = jnp.asarray(rng.normal(size=(tokens * top_k, k)), jnp.bfloat16)
     layout = L.GroupedContiguous(moe_prepare_scatter(jnp.asarray(ids), e, backend="reference")[0])
 
@@ -187,12 +190,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="build/sm90")
     parser.add_argument("--name", default="gemm")
     parser.add_argument("--planar", action="store_true", help="the weight in the planar nibble order (to_planar)")
+    parser.add_argument("--half-bits", action="store_true", help="planar e2m1 codes in the decoder's bit order")
     args = parser.parse_args(argv)
     tuning = parse_config(args.config)
     shape = tuple(int(v) for v in args.shape.split(","))
     os.makedirs(args.out, exist_ok=True)
     paths = []
-    for i, text in enumerate(gemm_ttir(args.fmt, args.tokens, tuning, shape, args.planar)):
+    for i, text in enumerate(gemm_ttir(args.fmt, args.tokens, tuning, shape, args.planar, args.half_bits)):
         paths.append(os.path.join(args.out, f"{args.name}{i}.ttir"))
         with open(paths[-1], "w") as f:
             f.write(text)

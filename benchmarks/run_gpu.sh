@@ -24,9 +24,11 @@ for step in $steps; do
     # After the seventh session: GEMM v10 (folded e2m1 without the decoder's multiply), the fp8 row scatter.
     v11-tests) pytest_gpu 420 tests/test_gemm_kernel.py tests/test_word_decode.py tests/test_lowering.py tests/test_formats.py \
                  tests/test_routing.py tests/test_nn.py tests/test_pipelines.py 2>&1 | tee "$out/v11_tests.log" | tail -8 ;;
-    # v10 MXFP4 against the sixth/seventh session's figures: decode 73.0 us (T=16), prefill tiles at T=4096.
-    fp4-inspect) timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --fmt mxfp4 --tokens 16 \
-                   --config 16,128,256,4,3,word_decode,fold_scales,pair_decode 2>&1 | tee "$out/fp4_inspect.log" | tail -1
+    # v10/v11 MXFP4 against the seventh session's figures: decode 73.0 us (T=16), prefill tiles at T=4096.
+    fp4-inspect) for order in "" "--nibble-halves"; do  # v11 (the decoder's bit order), then v10
+                   timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --fmt mxfp4 --tokens 16 $order \
+                     --config 16,128,256,4,3,word_decode,fold_scales,pair_decode 2>&1 | tail -1
+                 done | tee "$out/fp4_inspect.log"
                  timeout 300 python3 -W ignore -m benchmarks.inspect_gemm --fmt mxfp4 --tokens 4096 \
                    --config 64,128,128,4,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode \
                    --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode \

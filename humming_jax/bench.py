@@ -52,6 +52,8 @@ class Case:
     # 4-bit codes stored in K order instead of the planar order the library
     # repacks them into at load time (to_planar; the kernel then needs no split x).
     k_order: bool = False
+    # Planar e2m1 codes in the pair decoder's bit order (to_planar(half_bits=True)).
+    half_bits: bool = True
 
     def shapes(self):
         e, h, i, k = PROBLEMS[self.problem]
@@ -113,7 +115,7 @@ def _arrays(case: Case, sets: int, seed: int):
     for s in range(sets):
         kw, kx = jax.random.split(jax.random.fold_in(jax.random.key(seed), s))
         weight = _random_weight(kw, fmt, e, n, k)
-        weights.append(weight if case.k_order else F.to_planar(weight))
+        weights.append(weight if case.k_order else F.to_planar(weight, half_bits=case.half_bits))
         xs.append(jax.random.normal(kx, (_input_rows(case), k), jnp.bfloat16))
     return weights, xs
 

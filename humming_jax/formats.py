@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from humming_jax import numerics
+from pallas_kernels import word_decode
 
 
 class ValueType(enum.StrEnum):
@@ -312,6 +313,10 @@ class QuantizedWeight:
     # 0: packed codes in K order (column k at nibble k). U > 0: the kernel's
     # planar order within units of U columns (see to_planar).
     nibble_unit: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # Planar e2m1 codes with each 16-bit half's bits in the pair decoder's order
+    # (E2M1_HALF_BITS: 11 integer ops per 8 codes instead of 15); the GEMM
+    # reads such weights as nibble pairs only (see to_planar).
+    half_bits: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def num_experts(self) -> int:
@@ -330,6 +335,8 @@ class QuantizedWeight:
         fmt = self.format
         e, n, k = self.shape
         fmt.check_shape(n, k, argument)
+        if self.half_bits and not (self.nibble_unit and fmt.value_type == ValueType.FLOAT4_E2M1):
+            raise ValueError(f"{argument}.half_bits: only planar e2m1 weights (to_planar) have it, not {fmt.name!r}")
         if self.nibble_unit and self.nibble_unit != planar_unit(fmt, k):
             raise ValueError(
                 f"{argument}.nibble_unit: expected 0 (K order) or {planar_unit(fmt, k)} (planar) for format "
@@ -547,9 +554,22 @@ def planar_columns(unit: int) -> np.ndarray:
     return i // 4 + (unit // 4) * (i % 4)
 
 
+def _regroup_half_bits(values: jax.Array, to_half_bits: bool) -> jax.Array:
+    """Packed codes ``uint8 [..., K/2]`` with each 16-bit half (bytes 2h, 2h+1)
+    turned from nibble order into the decoder's bit order (or back)."""
+    pairs = values.reshape(*values.shape[:-1], -1, 2).astype(jnp.uint16)
+    half = pairs[..., 0] | (pairs[..., 1] << 8)
+    if to_half_bits:
+        half = word_decode.halves_from_codes([(half >> (4 * j)) & 0xF for j in range(4)])
+    else:
+        half = sum(code << (4 * j) for j, code in enumerate(word_decode.half_codes(half)))
+    return jnp.stack([half & 0xFF, half >> 8], axis=-1).astype(jnp.uint8).reshape(values.shape)
+
+
 def _codes_in_k_order(weight: QuantizedWeight) -> jax.Array:
     """The 4-bit codes ``uint8 [E, N, K]`` in column order, whatever the storage order."""
-    codes = numerics.unpack_nibbles(weight.values)
+    values = _regroup_half_bits(weight.values, False) if weight.half_bits else weight.values
+    codes = numerics.unpack_nibbles(values)
     unit = weight.nibble_unit
     if not unit:
         return codes
@@ -580,11 +600,14 @@ def check_folded_scale_range(weight: QuantizedWeight, argument: str = "weight") 
         )
 
 
-def to_planar(weight: QuantizedWeight) -> QuantizedWeight:
+def to_planar(weight: QuantizedWeight, half_bits: bool = False) -> QuantizedWeight:
     """``weight`` with its 4-bit codes in the planar order the GEMM kernel
     reads without splitting x (a load-time repack: same arrays but the packed
     values, a permutation of nibbles within each unit of
-    :func:`planar_unit` columns). Weights that cannot be planar (unpacked
+    :func:`planar_unit` columns). ``half_bits`` (e2m1 formats; ignored for
+    the others): each 16-bit half's bits also in the pair decoder's order
+    (``half_bits`` on the weight) — for bf16 compute, where the GEMM then
+    always decodes nibble pairs. Weights that cannot be planar (unpacked
     formats, K not a whole number of units) and planar ones are returned as
     they are."""
     check_folded_scale_range(weight)
@@ -593,8 +616,11 @@ def to_planar(weight: QuantizedWeight) -> QuantizedWeight:
         return weight
     e, n, k = weight.shape
     codes = numerics.unpack_nibbles(weight.values).reshape(e, n, k // unit, unit)
-    planar = codes[..., planar_columns(unit)].reshape(e, n, k)
-    return dataclasses.replace(weight, values=numerics.pack_nibbles(planar), nibble_unit=unit)
+    values = numerics.pack_nibbles(codes[..., planar_columns(unit)].reshape(e, n, k))
+    half_bits = half_bits and weight.format.value_type == ValueType.FLOAT4_E2M1
+    if half_bits:
+        values = _regroup_half_bits(values, True)
+    return dataclasses.replace(weight, values=values, nibble_unit=unit, half_bits=half_bits)
 
 
 def to_k_order(weight: QuantizedWeight) -> QuantizedWeight:
@@ -602,7 +628,7 @@ def to_k_order(weight: QuantizedWeight) -> QuantizedWeight:
     if not weight.nibble_unit:
         return weight
     values = numerics.pack_nibbles(_codes_in_k_order(weight))
-    return dataclasses.replace(weight, values=values, nibble_unit=0)
+    return dataclasses.replace(weight, values=values, nibble_unit=0, half_bits=False)
 
 
 def _along_k(per_group: jax.Array, weight: QuantizedWeight) -> jax.Array:

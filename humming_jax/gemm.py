@@ -204,6 +204,9 @@ def kernel_tuning(
             fold_scales=tuning.fold_scales and not small,
             pair_decode=tuning.pair_decode and not small,
         )
+    if weight.half_bits:  # the decoder's bit order is read as nibble pairs (16-bit halves) only
+        block_k = max(128, tuning.block_k // 128 * 128)
+        tuning = dataclasses.replace(tuning, block_k=block_k, word_decode=True, pair_decode=True, fold_scales=True)
     if batch_invariant:
         tuning = dataclasses.replace(tuning, split_k=1)
     return tuning
@@ -236,6 +239,7 @@ def _weight_spec(weight: F.QuantizedWeight) -> kernel.WeightSpec:
         has_bias=fmt.has_bias,
         has_group_index=weight.group_index is not None,
         nibble_unit=weight.nibble_unit,
+        half_bits=weight.half_bits,
     )
 
 

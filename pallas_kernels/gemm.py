@@ -70,6 +70,9 @@ class WeightSpec:
     # Packed codes in K order (0) or in the planar order within units of this
     # many columns: nibble i of a unit holds column i // 4 + (unit / 4) * (i % 4).
     nibble_unit: int = 0
+    # Planar e2m1 codes with each 16-bit half's bits in the pair decoder's
+    # order (word_decode.E2M1_HALF_BITS): read as halves (pairs) only.
+    half_bits: bool = False
 
     @property
     def packed(self) -> bool:
@@ -413,10 +416,13 @@ def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, z
     holds nibble j of each half: nibbles j and j + 4 of word u. On the GPU,
     words (or halves) are decoded by inline PTX (``word_decode``); ``raw``:
     e2m1 values without the normalizing multiply (see E2M1_FOLDED_EXPONENT)."""
+    if w.half_bits and ways != 8:
+        raise ValueError("gemm: e2m1 weights in the decoder's bit order (half_bits) are read as words or halves only")
     if ways == 8 and on_gpu:
         dtype = jnp.dtype(compute_dtype).name
-        if w.value_type == "float4_e2m1":  # values times 2**-6, as _nibbles_to_values
-            program = word_decode.e2m1_program(dtype, normalized=not raw)
+        if w.value_type == "float4_e2m1":  # values times 2**-6, as _nibbles_to_values (raw: 2**-126)
+            bits = word_decode.E2M1_HALF_BITS if w.half_bits else word_decode.NIBBLE_BITS
+            program = word_decode.e2m1_program(dtype, normalized=not raw, bits=bits)
         else:
             program = word_decode.int4_program(dtype, 8.0 if w.value_type == "int4" else 0.0)
         zero_values = None if zero is None else zero.astype(jnp.float32).astype(compute_dtype)[:, None]
@@ -428,7 +434,12 @@ def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, z
             yield values if zero_values is None else values - zero_values
         return
     for j in range(ways // 2 if pairs else ways):
-        yield _nibbles_to_values(((units >> (4 * j)) & 0xF).astype(jnp.uint8), w, compute_dtype, zero)
+        if w.half_bits:  # code j % 4 of half j // 4 (pairs: of each half), in the decoder's bit order
+            half = units if pairs else (units >> (16 * (j // 4))) & 0xFFFF
+            codes = word_decode.half_codes(half)[j % 4]
+        else:
+            codes = (units >> (4 * j)) & 0xF
+        yield _nibbles_to_values(codes.astype(jnp.uint8), w, compute_dtype, zero)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -91,27 +91,66 @@ def int4_program(dtype: str, offset: float) -> Program:
     return Program(tuple(ops), tuple(outputs), dtype)
 
 
-def e2m1_program(dtype: str, normalized: bool = True) -> Program:
-    """e2m1 codes to their values times :data:`E2M1_FACTOR`, exactly; with
-    ``normalized=False`` (bf16 only) times :data:`E2M1_RAW_FACTOR`, one
-    packed multiply fewer per two values."""
+# Where the bits (m, e0, e1, s) of the e2m1 code at position j (0-3) of a
+# 16-bit half sit: nibble j (the packed order), or the decode order of
+# planar e2m1 weights (``to_planar(..., e2m1_bits=True)``), where codes 0, 1,
+# 2 are bf16's magnitude and sign bits shifted by 0, 3 and 6 (one shift and
+# one LOP3 each, code 0 no shift) and code 3 fills the rest (three shifts):
+# 11 integer ops per word against 15.
+NIBBLE_BITS = tuple(tuple(4 * j + b for b in range(4)) for j in range(4))
+E2M1_HALF_BITS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
+
+
+def e2m1_program(dtype: str, normalized: bool = True, bits: tuple = NIBBLE_BITS) -> Program:
+    """e2m1 codes (their bits where ``bits`` says) to their values times
+    :data:`E2M1_FACTOR`, exactly; with ``normalized=False`` (bf16 only) times
+    :data:`E2M1_RAW_FACTOR`, one packed multiply fewer per two values. Each
+    code's bits are grouped by the shift that brings them to the 16-bit
+    float's magnitude (e1 e0 m under the lowest exponent bit) and sign bits:
+    one shift (none for 0) and one mask op per group."""
     if not normalized and dtype != "bfloat16":
         raise ValueError(f"e2m1_program: raw (unnormalized) values need bfloat16, not {dtype}")
     # The exponent field's lowest bit and the value the multiply brings it to.
     exponent_bit, scale = {"bfloat16": (7, 2.0**120), "float16": (10, 2.0**8)}[dtype]
-    magnitude_at = exponent_bit - 1  # where the 3 bits (e1 e0 m) of nibble j must start
-    mask = (0x7 << magnitude_at) | (0x7 << (magnitude_at + 16))
+    targets = (exponent_bit - 1, exponent_bit, exponent_bit + 1, 15)  # m, e0, e1, sign
     ops, outputs = [], []
-    for j in range(4):
-        move = magnitude_at - 4 * j
-        ops.append(Op("shl" if move >= 0 else "shr", f"m{j}", WORD, abs(move)))
-        ops.append(Op("and", f"m{j}", f"m{j}", mask))
-        ops.append(Op("shl", f"s{j}", WORD, 12 - 4 * j))  # sign bit 4j+3 -> 15 (and 4j+19 -> 31)
-        ops.append(Op("or_and", f"t{j}", f"s{j}", 0x80008000, f"m{j}"))
+    for j, sources in enumerate(bits):
+        groups: dict[int, int] = {}  # shift -> mask of the target bits (both halves)
+        for source, target in zip(sources, targets, strict=True):
+            groups[target - source] = groups.get(target - source, 0) | (1 << target) | (1 << (target + 16))
+        result = None
+        for g, (move, mask) in enumerate(sorted(groups.items(), key=lambda item: item[0] != 0)):
+            source = WORD
+            if move:
+                source = f"s{j}_{g}"
+                ops.append(Op("shl" if move > 0 else "shr", source, WORD, abs(move)))
+            if result is None:
+                result = f"t{j}"
+                ops.append(Op("and", result, source, mask))
+            else:
+                ops.append(Op("or_and", result, source, mask, result))
         if normalized:
-            ops.append(Op("mul2", f"t{j}", f"t{j}", _pair(scale, dtype)))
-        outputs.append(f"t{j}")
+            ops.append(Op("mul2", result, result, _pair(scale, dtype)))
+        outputs.append(result)
     return Program(tuple(ops), tuple(outputs), dtype)
+
+
+def half_codes(halves, bits: tuple = E2M1_HALF_BITS):
+    """The 4 codes (nibble values, low nibble of uint8 ``[..., 4]``) of 16-bit
+    halves whose bits are laid out as ``bits`` says (NumPy or jnp arrays)."""
+    codes = []
+    for sources in bits:
+        code = sum(((halves >> source) & 1) << b for b, source in enumerate(sources))
+        codes.append(code)
+    return codes
+
+
+def halves_from_codes(codes, bits: tuple = E2M1_HALF_BITS):
+    """Inverse of :func:`half_codes`: 4 code arrays (0-15) to 16-bit halves."""
+    half = 0
+    for code, sources in zip(codes, bits, strict=True):
+        half = half | sum(((code >> b) & 1) << source for b, source in enumerate(sources))
+    return half
 
 
 def needed_ops(program: Program, register: str) -> list[Op]:

@@ -331,3 +331,21 @@ def test_mxfp4_scales_past_the_folded_range_are_refused(rng):
     with pytest.raises(ValueError, match="at most 190"):
         F.to_planar(big)
     jax.jit(F.check_folded_scale_range)(big)  # traced: unchecked
+
+
+@pytest.mark.parametrize("fmt_name", ["mxfp4", "nvfp4"])
+def test_planar_half_bits_round_trip(fmt_name, rng):
+    """``to_planar(half_bits=True)``: e2m1 codes in the pair decoder's bit order,
+    the same dequantized weight, back to K order exactly; other formats and
+    K-order weights refuse the flag."""
+    fmt = F.get_format(fmt_name)
+    weight = F.quantize_weight(jnp.asarray(rng.normal(size=(2, 8, 256)), jnp.float32), fmt)
+    bits = F.to_planar(weight, half_bits=True)
+    assert bits.half_bits and bits.nibble_unit
+    np.testing.assert_array_equal(np.asarray(F.dequantize_weight(bits)), np.asarray(F.dequantize_weight(weight)))
+    np.testing.assert_array_equal(np.asarray(F.to_k_order(bits).values), np.asarray(weight.values))
+    assert not F.to_k_order(bits).half_bits
+    int4 = F.quantize_weight(jnp.asarray(rng.normal(size=(2, 8, 256)), jnp.float32), F.INT4_G128)
+    assert not F.to_planar(int4, half_bits=True).half_bits  # not an e2m1 format: nibble order
+    with pytest.raises(ValueError, match="half_bits"):
+        dataclasses.replace(weight, half_bits=True).validate()

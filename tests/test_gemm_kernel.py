@@ -457,6 +457,9 @@ _PLANAR_TILINGS = {
 }
 
 
+_HALF_BITS_TILINGS = ("bytes_16rows", "multiply_add", "pairs_fold", "split_k")
+
+
 @pytest.mark.parametrize("tiling", sorted(_PLANAR_TILINGS))
 @pytest.mark.parametrize(
     "fmt_name,layout_kind",
@@ -488,6 +491,12 @@ def test_planar_weights(fmt_name, layout_kind, tiling, rng):
     out = hj.gemm(x, planar, layout, **run)
     _check(out, ref, bound=1e-5)
     np.testing.assert_allclose(np.asarray(out), np.asarray(hj.gemm(x, weight, layout, **run)), rtol=1e-6, atol=1e-6)
+    if fmt.value_type == F.ValueType.FLOAT4_E2M1 and tiling in _HALF_BITS_TILINGS:
+        # the decoder's bit order: every tiling becomes pairs + fold (bytes, multiply-adds, split K)
+        bits = hj.to_planar(weight, half_bits=True)
+        assert bits.half_bits and not np.array_equal(np.asarray(bits.values), np.asarray(planar.values))
+        out_bits = hj.gemm(x, bits, layout, **run)
+        _check(out_bits, _reference(x, weight, layout), bound=1e-5)
 
 
 def test_planar_weights_with_a_partial_last_tile(rng):

@@ -103,3 +103,15 @@ def test_folded_mxfp4_decoder_has_no_multiply(config):
     (text,) = gemm_ttir("mxfp4", 16, parse_config(config), SHAPE)
     asm = [part.split("->")[0] for part in text.split("tt.elementwise_inline_asm")[1:]]
     assert len(asm) == 4 and not any("mul.rn" in a for a in asm)
+
+
+def test_mxfp4_half_bits_decoder_lowers_for_sm90():
+    """Planar e2m1 codes in the decoder's bit order (``to_planar(half_bits=True)``):
+    4 pair decoders per span with 11 integer instructions among them (the
+    nibble order needs 15), no multiply (folded scales)."""
+    (text,) = gemm_ttir(
+        "mxfp4", 16, parse_config("16,64,256,4,3,word_decode,fold_scales,pair_decode"), SHAPE, True, True
+    )
+    asm = [part.split("->")[0] for part in text.split("tt.elementwise_inline_asm")[1:]]
+    ops = sum(a.count(f"{op}.b32 ") for a in asm for op in ("shl", "shr", "and", "lop3"))
+    assert len(asm) == 4 and ops == 11 and not any("mul.rn" in a for a in asm)

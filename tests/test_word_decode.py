@@ -113,11 +113,31 @@ def test_e2m1_raw_times_folded_scale(scale_byte):
         assert np.all(np.abs(product - true) <= 2.0 ** (-133 + 62))
 
 
+@pytest.mark.parametrize("dtype,normalized", [("bfloat16", False), ("bfloat16", True), ("float16", True)])
+def test_e2m1_half_bits_words(dtype, normalized, rng):
+    """The decoder's bit order (E2M1_HALF_BITS): every code at every position
+    and random words decode like nibbles do, in 11 integer ops per word
+    (nibble order: 15); half_codes / halves_from_codes are inverses."""
+    words, nibbles = _words(rng)
+    codes = [np.asarray(nibbles[:, p], np.uint64) for p in range(8)]
+    low = wd.halves_from_codes(codes[:4])
+    high = wd.halves_from_codes(codes[4:])
+    for j, code in enumerate(wd.half_codes(low)):
+        np.testing.assert_array_equal(code, codes[j])
+    program = wd.e2m1_program(dtype, normalized, wd.E2M1_HALF_BITS)
+    factor = wd.E2M1_FACTOR if normalized else wd.E2M1_RAW_FACTOR
+    np.testing.assert_array_equal(run(program, low | (high << np.uint64(16))), np_ref.E2M1_TABLE[nibbles] * factor)
+    integer_ops = [op for op in program.ops if op.op not in ("mul2", "sub2")]
+    if dtype == "bfloat16":
+        assert len(integer_ops) == 11
+    assert len([op for op in wd.e2m1_program(dtype, normalized).ops if op.op != "mul2"]) == 15
+
+
 def test_ptx_text():
     """One 16-bit result per position ($0), the word is $1, only the needed ops."""
     text = wd.to_ptx(wd.e2m1_program("bfloat16"), 5)
     assert text.startswith("{") and text.endswith("}")
-    assert "mov.b32 {other, $0}, t1;" in text and "lop3.b32 t1, s1, 0x80008000, m1, 0xEA;" in text
+    assert "mov.b32 {other, $0}, t1;" in text and "lop3.b32 t1, s1_1, 0x80008000, t1, 0xEA;" in text
     assert "mul.rn.bf16x2 t1, t1, k" in text and "t0" not in text
     text = wd.to_ptx(wd.int4_program("float16", 8.0), 2)
     assert "mov.b32 {$0, other}, t2;" in text and "shr.b32 s2, $1, 8;" in text and "sub.rn.f16x2" in text
@@ -145,7 +165,14 @@ def _halves_of(words):
     return np.stack([words & np.uint64(0xFFFF), words >> np.uint64(16)], axis=1).reshape(-1)
 
 
-@pytest.mark.parametrize("program", [wd.int4_program("bfloat16", 8.0), wd.e2m1_program("float16")])
+@pytest.mark.parametrize(
+    "program",
+    [
+        wd.int4_program("bfloat16", 8.0),
+        wd.e2m1_program("float16"),
+        wd.e2m1_program("bfloat16", False, wd.E2M1_HALF_BITS),
+    ],
+)
 def test_pair_decoder_on_any_two_halves(program, rng):
     """Whichever two halves Triton packs into one call (a word's two halves,
     or two unrelated elements, as in layouts that pair rows), each result is

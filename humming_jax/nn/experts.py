@@ -55,9 +55,11 @@ class _HummingExperts(nnx.Module):
         self.config = config
         self.backend = backend
         # 4-bit codes repacked once, at load, into the order the kernel reads
-        # without a split copy of the activations (to_planar; same values).
-        self.w13 = ExpertWeight(to_planar(weights.w13))
-        self.w2 = ExpertWeight(to_planar(weights.w2))
+        # without a split copy of the activations (to_planar; same values);
+        # e2m1 codes in bf16 also into the pair decoder's bit order.
+        half_bits = config.compute_dtype == "bfloat16"
+        self.w13 = ExpertWeight(to_planar(weights.w13, half_bits=half_bits))
+        self.w2 = ExpertWeight(to_planar(weights.w2, half_bits=half_bits))
         self.w13_input_scale = None if weights.w13_input_scale is None else InputScale(weights.w13_input_scale)
         self.w2_input_scale = None if weights.w2_input_scale is None else InputScale(weights.w2_input_scale)
 
