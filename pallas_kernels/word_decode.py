@@ -29,7 +29,9 @@ Programs:
   ``normalized=False`` (bf16) leaves the multiply out: the bits are the e2m1
   value times ``2**-126`` (a subnormal for e = 0), for a GEMM whose next
   operation multiplies them by a scale carrying the factor (folded scales):
-  the packed bf16 multiply takes subnormal inputs exactly.
+  the packed bf16 multiply takes subnormal inputs exactly. The program is
+  generated from where each code's bits sit in a half (``bits``): nibbles, or
+  planar e2m1 weights' own order (:data:`E2M1_HALF_BITS`, fewer ops).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def int4_program(dtype: str, offset: float) -> Program:
 
 # Where the bits (m, e0, e1, s) of the e2m1 code at position j (0-3) of a
 # 16-bit half sit: nibble j (the packed order), or the decode order of
-# planar e2m1 weights (``to_planar(..., e2m1_bits=True)``), where codes 0, 1,
+# planar e2m1 weights (``to_planar(..., half_bits=True)``), where codes 0, 1,
 # 2 are bf16's magnitude and sign bits shifted by 0, 3 and 6 (one shift and
 # one LOP3 each, code 0 no shift) and code 3 fills the rest (three shifts):
 # 11 integer ops per word against 15.
@@ -135,14 +137,10 @@ def e2m1_program(dtype: str, normalized: bool = True, bits: tuple = NIBBLE_BITS)
     return Program(tuple(ops), tuple(outputs), dtype)
 
 
-def half_codes(halves, bits: tuple = E2M1_HALF_BITS):
-    """The 4 codes (nibble values, low nibble of uint8 ``[..., 4]``) of 16-bit
-    halves whose bits are laid out as ``bits`` says (NumPy or jnp arrays)."""
-    codes = []
-    for sources in bits:
-        code = sum(((halves >> source) & 1) << b for b, source in enumerate(sources))
-        codes.append(code)
-    return codes
+def half_codes(halves, bits: tuple = E2M1_HALF_BITS) -> list:
+    """The 4 codes (arrays of 0-15, one per position j) of 16-bit halves whose
+    bits are laid out as ``bits`` says (NumPy or jnp integer arrays)."""
+    return [sum(((halves >> source) & 1) << b for b, source in enumerate(sources)) for sources in bits]
 
 
 def halves_from_codes(codes, bits: tuple = E2M1_HALF_BITS):
