@@ -112,7 +112,10 @@ def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
     if layout.kind == "dense":
         return pl.cdiv(layout.m_in, block_m)
     if layout.kind == "grouped_contiguous":
-        return pl.cdiv(layout.m_in, block_m) + num_experts
+        # At most min(E, M) experts hold rows; each takes one tile plus one per
+        # further block_m rows (T=1 on 128 experts: 8 row tiles, not 129).
+        busy = min(num_experts, layout.m_in)
+        return max(1, busy + (layout.m_in - busy) // block_m)
     if layout.kind == "grouped_masked":
         return num_experts * pl.cdiv(layout.max_tokens, block_m)
     return layout.num_blocks
