@@ -432,6 +432,9 @@ DECODE_CANDIDATES = _candidates(
         # SMs 2-4x the programs, each a shorter chain (v7: split 2 lost at T=16).
         (16, 64, 256, 4, 3, SWAP | WORD | FOLD | PAIR | {"split_k": 2}),
         (16, 64, 128, 4, 3, SWAP | WORD | FOLD | PAIR | {"split_k": 4}),
+        # Twice the weight bytes per program for short K loops (qwen3 w2, K=768:
+        # 3 steps, 47 %); sm_90: 662 loop instructions per thread, as 16x128 on 4 warps.
+        (16, 256, 256, 8, 3, WORD | FOLD | PAIR),
     )
 )
 PREFILL_CANDIDATES = _candidates(
