@@ -582,3 +582,16 @@ def test_grouped_tiles_at_the_bound(rng):
         layout = hj.GroupedContiguous(jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32))
         out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
         _check(out, _reference(x, weight, layout), bound=1e-5)
+
+
+@pytest.mark.parametrize("fmt_name", ["mxfp4", "nvfp4"])
+def test_half_bits_with_a_partial_last_tile(fmt_name, rng):
+    """e2m1 weights in the decoder's bit order with K=160 (gpt-oss's K=2880 is
+    not a multiple of 128 either): the forced 128-wide pair tiles end in a
+    partial one."""
+    weight = _weight(rng, F.get_format(fmt_name), E, k=160)
+    x = jnp.asarray(rng.normal(size=(M, 160)), jnp.bfloat16)
+    layout = _layouts(rng)["grouped_contiguous"]
+    bits = hj.to_planar(weight, half_bits=True)
+    out = hj.gemm(x, bits, layout, out_dtype=jnp.float32, tuning=hj.TuningConfig(16, 32, 64), backend=KERNEL_BACKEND)
+    _check(out, _reference(x, weight, layout), bound=1e-5)
