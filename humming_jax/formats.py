@@ -559,10 +559,9 @@ def _regroup_half_bits(values: jax.Array, to_half_bits: bool) -> jax.Array:
     turned from nibble order into the decoder's bit order (or back)."""
     pairs = values.reshape(*values.shape[:-1], -1, 2).astype(jnp.uint16)
     half = pairs[..., 0] | (pairs[..., 1] << 8)
-    if to_half_bits:
-        half = word_decode.halves_from_codes([(half >> (4 * j)) & 0xF for j in range(4)])
-    else:
-        half = sum(code << (4 * j) for j, code in enumerate(word_decode.half_codes(half)))
+    tables = (word_decode.NIBBLE_BITS, word_decode.E2M1_HALF_BITS)
+    source, target = tables if to_half_bits else tables[::-1]
+    half = word_decode.halves_from_codes(word_decode.half_codes(half, source), target)
     return jnp.stack([half & 0xFF, half >> 8], axis=-1).astype(jnp.uint8).reshape(values.shape)
 
 

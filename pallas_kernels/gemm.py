@@ -439,7 +439,7 @@ def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, z
     for j in range(ways // 2 if pairs else ways):
         if w.half_bits:  # code j % 4 of half j // 4 (pairs: of each half), in the decoder's bit order
             half = units if pairs else (units >> (16 * (j // 4))) & 0xFFFF
-            codes = word_decode.half_codes(half)[j % 4]
+            codes = word_decode.half_code(half, j % 4)
         else:
             codes = (units >> (4 * j)) & 0xF
         yield _nibbles_to_values(codes.astype(jnp.uint8), w, compute_dtype, zero)

@@ -137,10 +137,15 @@ def e2m1_program(dtype: str, normalized: bool = True, bits: tuple = NIBBLE_BITS)
     return Program(tuple(ops), tuple(outputs), dtype)
 
 
+def half_code(halves, position: int, bits: tuple = E2M1_HALF_BITS):
+    """The code (0-15) at ``position`` (0-3) of 16-bit halves whose bits are
+    laid out as ``bits`` says (NumPy or jnp integer arrays)."""
+    return sum(((halves >> source) & 1) << b for b, source in enumerate(bits[position]))
+
+
 def half_codes(halves, bits: tuple = E2M1_HALF_BITS) -> list:
-    """The 4 codes (arrays of 0-15, one per position j) of 16-bit halves whose
-    bits are laid out as ``bits`` says (NumPy or jnp integer arrays)."""
-    return [sum(((halves >> source) & 1) << b for b, source in enumerate(sources)) for sources in bits]
+    """The 4 codes of 16-bit halves (:func:`half_code` at each position)."""
+    return [half_code(halves, position, bits) for position in range(len(bits))]
 
 
 def halves_from_codes(codes, bits: tuple = E2M1_HALF_BITS):
