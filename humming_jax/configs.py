@@ -231,7 +231,8 @@ class RowTilesConfig:
 class ProcessTilesConfig:
     """Tiling of the ``process_input`` kernel: ``block_rows`` whole rows per
     program on ``num_warps`` warps (powers of two; 0: chosen from the row width
-    — ~4096 elements per program, 8 warps from 8192). ``two_pass`` (Hadamard
+    — ~4096 elements per program, 8 warps from 8192, 4 where a Hadamard
+    product has fewer than 64 rows). ``two_pass`` (Hadamard
     only): the rows are processed as b-wide column blocks of up to 64 rows, the
     per-token max found in a first pass and the blocks rotated again to be
     quantized, instead of whole rows held at once."""

@@ -112,12 +112,22 @@ class ProcessConfig:
         return min(size for _, size in self.segments) // self.hadamard
 
     @property
+    def smallest_product_rows(self) -> int:
+        """Rows of a one-pass program's smallest Hadamard product (its narrowest
+        column block: ``rows * hadamard_blocks_per_row``)."""
+        return self.rows * self.hadamard_blocks_per_row
+
+    @property
     def warps(self) -> int:
         if self.num_warps:
             return self.num_warps
         elements = self.rows * (self.hadamard if self.two_pass else self.width)
         # Plain rows kept 4 warps up to 2 x 4096 elements on the H200 (8 warps: 66 %
-        # vs 71 % at K=2880); the Hadamard products were measured with 8 at 8192.
+        # vs 71 % at K=2880); the Hadamard products were measured with 8 at 8192
+        # (K=2048: 64-row products). Products under 64 rows run on mma.sync, where
+        # 4 warps won (K=768, 8 rows: products of 32 and 16 rows; 65.5 -> 51.1 us).
+        if self.hadamard and not self.two_pass and self.smallest_product_rows < 64:
+            return 4
         return 8 if elements >= (8192 if self.hadamard else 16384) else 4
 
     @property
@@ -536,13 +546,17 @@ def chosen_row_blocks(cfg: ProcessConfig, m_in: int) -> int:
     """Row blocks per program when the tiles leave it open: 8 for a one-pass
     Hadamard rotation (H200, T=4096: K=2048 32 -> 45 % of copy bandwidth, K=768
     22 -> 28 %; the loop reads the rotation matrix once per program and loads
-    the next block during this one's products), fewer while the grid would
+    the next block during this one's products), 4 on 4 warps (K=768: 34 -> 38 %),
+    fewer while the grid would
     fall under MIN_LOOPED_PROGRAMS; 1 otherwise (the activations and
     quantizations ran 5-15 % slower looped)."""
     if not cfg.hadamard or cfg.two_pass:
         return 1
     programs = pl.cdiv(m_in, cfg.rows)
-    return next((b for b in (8, 4, 2) if programs >= b * MIN_LOOPED_PROGRAMS), 1)
+    # Programs of 4 warps (products under 64 rows) ran best with 4 blocks (K=768:
+    # 46.4 us with 4, 51.1 with 8).
+    most = 4 if cfg.warps == 4 else 8
+    return next((b for b in (8, 4, 2) if b <= most and programs >= b * MIN_LOOPED_PROGRAMS), 1)
 
 
 def _scale_dtype(cfg: ProcessConfig):

@@ -415,8 +415,9 @@ def test_row_blocks_config():
 
 
 def test_chosen_row_blocks():
-    """Left open, a one-pass Hadamard rotation loops over 8 row blocks where the
-    grid keeps 2 programs per SM (fewer blocks below), everything else 1."""
+    """Left open, a one-pass Hadamard rotation loops over 8 row blocks (4 on 4
+    warps) where the grid keeps 2 programs per SM (fewer blocks below),
+    everything else 1."""
     from pallas_kernels import process_input as kernel
 
     hadamard = kernel.ProcessConfig(k_in=2048, k_out=2048, hadamard=128, mode="dynamic_token")
@@ -427,6 +428,11 @@ def test_chosen_row_blocks():
     assert kernel.chosen_row_blocks(dataclasses.replace(hadamard, two_pass=True), 32768) == 1
     silu = kernel.ProcessConfig(k_in=4096, k_out=2048, activation="silu", mode="dynamic_group")
     assert kernel.chosen_row_blocks(silu, 32768) == 1
+    # K=768 (512 + 256 columns): products of 32 and 16 rows run on 4 warps and loop over 4 blocks.
+    narrow = kernel.ProcessConfig(k_in=768, k_out=768, hadamard=128, mode="dynamic_token")
+    assert (narrow.rows, narrow.smallest_product_rows, narrow.warps) == (8, 16, 4)
+    assert kernel.chosen_row_blocks(narrow, 32768) == 4
+    assert (hadamard.smallest_product_rows, hadamard.warps) == (64, 8)
 
 
 def test_tiles_too_few_rows_for_the_hadamard_products():
