@@ -173,3 +173,13 @@ def test_shipped_table_ranges_do_not_overlap():
         ranges = sorted((e.min_shape_m, e.max_shape_m) for e in entries)
         for (_, high), (low, _) in zip(ranges, ranges[1:], strict=False):
             assert high <= low, (key, ranges)
+
+
+def test_candidates_by_rows_per_expert():
+    """Split-K only where experts hold a row or two, 64-row tiles beside the
+    decode ones for 17-32 rows, prefill tiles past that."""
+    one, eight, thirty_two = (bench.candidates_for(rows) for rows in (1, 8, 32))
+    assert any(c.split_k > 1 for c in one) and not any(c.split_k > 1 for c in eight + thirty_two)
+    assert not any(c.block_m == 64 for c in eight)
+    assert set(bench.MID_CANDIDATES) <= set(thirty_two)
+    assert bench.candidates_for(64) == bench.PREFILL_CANDIDATES
