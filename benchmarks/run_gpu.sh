@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: column-tiles tune-w2-decode v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -21,6 +21,24 @@ table="$out/tuning_h200.json"
 for step in $steps; do
   echo "=== $step"
   case $step in
+    # Eighth session: column tiles per program (one pipelined loop over column and K tiles), qwen3 w2 at T=16 / 4096.
+    column-tiles) for args in "--tokens 16 --fmt int4_g128" "--tokens 16 --fmt mxfp4"; do
+                    timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --gemm w2 $args \
+                      --config 16,128,256,4,3,word_decode,fold_scales,pair_decode \
+                      --config 16,128,256,4,3,word_decode,fold_scales,pair_decode,column_tiles=2 \
+                      --config 16,128,256,4,3,word_decode,fold_scales,pair_decode,column_tiles=4 \
+                      --config 16,256,256,8,3,word_decode,fold_scales,pair_decode 2>&1 | tail -4
+                  done | tee "$out/column_tiles.log"
+                  for fmt in int4_g128 bf16; do
+                    timeout 200 python3 -W ignore -m benchmarks.inspect_gemm --gemm w2 --tokens 4096 --fmt $fmt \
+                      --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode \
+                      --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode,column_tiles=2 \
+                      --config 128,256,64,8,4 --config 128,256,64,8,4,column_tiles=2 2>&1 | tail -4
+                  done | tee -a "$out/column_tiles.log" ;;
+    # w2's decode entries with the column-tile candidates (T=1..16 and T=16..128).
+    tune-w2-decode) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --gemm w2 \
+                      --formats int4_g128 mxfp4 --layouts grouped --max-m 128 --per-shape --out "$table" 2>&1 \
+                      | tee "$out/tune_w2_decode.log" | tail -8 ;;
     # After the seventh session: GEMM v10 (folded e2m1 without the decoder's multiply), the fp8 row scatter.
     v11-tests) pytest_gpu 420 tests/test_gemm_kernel.py tests/test_word_decode.py tests/test_lowering.py tests/test_formats.py \
                  tests/test_routing.py tests/test_nn.py tests/test_pipelines.py 2>&1 | tee "$out/v11_tests.log" | tail -8 ;;

@@ -435,6 +435,10 @@ DECODE_CANDIDATES = _candidates(
         # Twice the weight bytes per program for short K loops (qwen3 w2, K=768:
         # 3 steps, 47 %); sm_90: 662 loop instructions per thread, as 16x128 on 4 warps.
         (16, 256, 256, 8, 3, WORD | FOLD | PAIR),
+        # Several column tiles per program in one pipelined loop: the next tile's
+        # loads overlap this one's last products and store (w2: 3 K tiles a tile).
+        (16, 128, 256, 4, 3, WORD | FOLD | PAIR | {"column_tiles": 2}),
+        (16, 128, 256, 4, 3, WORD | FOLD | PAIR | {"column_tiles": 4}),
     )
 )
 PREFILL_CANDIDATES = _candidates(
@@ -472,6 +476,10 @@ PREFILL_CANDIDATES = _candidates(
         # TTIR passes applied offline, no spills (218 / 250 registers).
         (256, 128, 128, 8, 3, SWAP | WORD | BANDS | PAIR | FOLD),
         (128, 256, 128, 8, 3, SWAP | WORD | BANDS | PAIR | FOLD),
+        # Two column tiles per program (sm_90: +22 instructions per K step for the
+        # bf16 tile, the store and the restart only after a tile's last K step).
+        (128, 128, 128, 8, 3, SWAP | WORD | BANDS | PAIR | FOLD | {"column_tiles": 2}),
+        (128, 256, 64, 8, 4, {"column_tiles": 2}),
         # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
         (128, 256, 64, 8, 4, DEQ),
         (128, 256, 64, 8, 4, DEQ | BANDS),

@@ -164,10 +164,14 @@ class TuningConfig:
     # With word_decode: pieces pair the nibbles j and j+4 of each word as consecutive K,
     # so each decoded 32-bit register is an MMA operand's k-pair (no repacking).
     pair_decode: bool = False
+    # Column tiles per program, in one loop over (column tile, K tile) that the
+    # compiler pipelines across tiles: the next tile's loads overlap this one's
+    # last products and store (short K loops: qwen3 w2 decode runs 3 K tiles a tile).
+    column_tiles: int = 1
 
     def __post_init__(self):
         owner = "TuningConfig"
-        for name in ("block_m", "block_n", "block_k", "num_warps", "split_k"):
+        for name in ("block_m", "block_n", "block_k", "num_warps", "split_k", "column_tiles"):
             _power_of_two(getattr(self, name), name, owner)
         _positive_int(self.group_m, "group_m", owner)
         for name in ("block_m", "block_n", "block_k") if self.use_mma else ("block_n", "block_k"):
@@ -181,6 +185,10 @@ class TuningConfig:
         if self.num_warps > 32:
             raise ValueError(f"{owner}.num_warps: expected at most 32, got {self.num_warps}")
         _positive_int(self.num_stages, "num_stages", owner)
+        if self.column_tiles > 1 and self.split_k > 1:
+            raise ValueError(
+                f"{owner}.column_tiles: a loop over column tiles is for split_k=1, got split_k={self.split_k}"
+            )
         if self.pair_decode and not self.word_decode:
             raise ValueError(f"{owner}.pair_decode: pairs the nibbles of decoded words, so it needs word_decode=True")
 

@@ -105,6 +105,13 @@ class Tiles:
     # Word-decoded pieces pair nibbles j and j+4 of a word as consecutive K (4
     # pieces of span/4 columns): each decoded register is an MMA k-pair as it is.
     pair_decode: bool = False
+    # Column tiles per program, one loop over (column tile, K tile) pipelined across tiles.
+    column_tiles: int = 1
+
+
+def num_col_groups(n: int, tiles: Tiles) -> int:
+    """Programs along N: groups of ``tiles.column_tiles`` column tiles."""
+    return pl.cdiv(pl.cdiv(n, tiles.block_n), tiles.column_tiles)
 
 
 def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
@@ -695,10 +702,18 @@ def _gemm_kernel(
         pairs=decodes_pairs(w, tiles, compute_dtype),
         folded_e2m1=folds_e2m1(w, tiles, compute_dtype),
     )
-    row_tile, col_tile = tile_order(pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), pl.cdiv(w.n, bn), tiles)
+    row_tile, col_group = tile_order(
+        pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), num_col_groups(w.n, tiles), tiles
+    )
     rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
-    n_idx = col_tile * bn + jnp.arange(bn, dtype=jnp.int32)
-    n_mask = None if w.n % bn == 0 else n_idx < w.n  # static: no mask when the tiles divide N
+    # Static: no column mask when the tiles (and the groups of column_tiles) divide N.
+    columns_masked = w.n % bn != 0 or pl.cdiv(w.n, bn) % tiles.column_tiles != 0
+
+    def columns(c):
+        """(n_idx [bn], n_mask [bn] or None) of the program's column tile ``c``."""
+        n_idx = (col_group * tiles.column_tiles + c) * bn + jnp.arange(bn, dtype=jnp.int32)
+        return n_idx, (n_idx < w.n if columns_masked else None)
+
     k_limit = None if w.k % bk == 0 else w.k
     split = pl.program_id(1)
     k_tiles = pl.cdiv(w.k, bk)
@@ -726,9 +741,9 @@ def _gemm_kernel(
         operands = (piece.values, x) if swap else (x, piece.values)
         return jax.lax.dot_general(*operands, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype), row_sum
 
-    def k_tile_step(k_limit):
-        """One K tile's products added to ``acc``; ``k_limit`` masks the columns
-        at and past K (only the last, partial tile needs it)."""
+    def k_tile_step(k_limit, n_idx, n_mask):
+        """One K tile's products of column tile ``n_idx`` added to ``acc``;
+        ``k_limit`` masks the columns at and past K (only a partial tile needs it)."""
 
         def step(i, acc):
             k_tile = (split * per_split + i) * bk
@@ -770,20 +785,8 @@ def _gemm_kernel(
     end_factor = factor if in_weights and w.global_scale == "none" else 1.0
     span_factor = factor / end_factor
 
-    @pl.when(live)
-    def _():
-        first = split * per_split
-        # Whole K tiles run unmasked; a partial last tile (gpt-oss: K=2880) runs
-        # once after them, in the split that owns it, with the column mask.
-        full_steps = jnp.clip(w.k // bk - first, 0, per_split)
-        acc = jax.lax.fori_loop(0, full_steps, k_tile_step(None), jnp.zeros(acc_shape, accum_dtype))
-        if k_limit is not None:
-            tail = functools.partial(k_tile_step(k_limit), w.k // bk - first)
-            if tiles.split_k == 1:
-                acc = tail(acc)
-            else:
-                owns_tail = (first <= w.k // bk) & (w.k // bk < first + per_split)
-                acc = jax.lax.cond(owns_tail, tail, lambda a: a, acc)
+    def finish(acc, n_idx, n_mask):
+        """The epilogue of one column tile: end factor, bias, store."""
         acc = acc.astype(jnp.float32)
         if end_factor != 1.0:
             acc = acc * end_factor
@@ -797,6 +800,45 @@ def _gemm_kernel(
             plgpu.store(out_ref.at[split, out_rows, cols], acc, mask=mask)
         else:
             plgpu.store(out_ref.at[out_rows, cols], acc.astype(out_ref.dtype), mask=mask)
+
+    zeros = jnp.zeros(acc_shape, accum_dtype)
+
+    def one_column_tile():
+        n_idx, n_mask = columns(0)
+        first = split * per_split
+        # Whole K tiles run unmasked; a partial last tile (gpt-oss: K=2880) runs
+        # once after them, in the split that owns it, with the column mask.
+        full_steps = jnp.clip(w.k // bk - first, 0, per_split)
+        acc = jax.lax.fori_loop(0, full_steps, k_tile_step(None, n_idx, n_mask), zeros)
+        if k_limit is not None:
+            tail = functools.partial(k_tile_step(k_limit, n_idx, n_mask), w.k // bk - first)
+            if tiles.split_k == 1:
+                acc = tail(acc)
+            else:
+                owns_tail = (first <= w.k // bk) & (w.k // bk < first + per_split)
+                acc = jax.lax.cond(owns_tail, tail, lambda a: a, acc)
+        finish(acc, n_idx, n_mask)
+
+    def column_tile_loop():
+        # One loop over (column tile, K tile) (split_k is 1): each tile's
+        # accumulator is stored after its last K tile and restarts from zero.
+        # With a partial last K tile every step masks the columns past K.
+        def step(t, acc):
+            c, i = _lax_div(t, k_tiles), _lax_rem(t, k_tiles)  # t >= 0: no floor fix-ups
+            n_idx, n_mask = columns(c)
+            acc = k_tile_step(k_limit, n_idx, n_mask)(i, acc)
+
+            def store_and_restart(acc):
+                finish(acc, n_idx, n_mask)
+                return zeros
+
+            # Zeros from the branch (not a select before the product): Triton then
+            # restarts the wgmma chain with its use-accumulator flag, no per-step selects.
+            return jax.lax.cond(i == k_tiles - 1, store_and_restart, lambda acc: acc, acc)
+
+        jax.lax.fori_loop(0, tiles.column_tiles * k_tiles, step, zeros)
+
+    pl.when(live)(one_column_tile if tiles.column_tiles == 1 else column_tile_loop)
 
 
 def split_packed_columns(x: jax.Array, span: int, ways: int = 2, pairs: bool = False) -> jax.Array:
@@ -857,7 +899,7 @@ def expert_gemm(
     num_tokens_padded)."""
     compute_dtype = jnp.dtype(x.dtype)
     accum_dtype = jnp.float16 if use_f16_accum else jnp.float32
-    grid = (pl.cdiv(w.n, tiles.block_n) * num_row_tiles(layout, w.num_experts, tiles.block_m), tiles.split_k)
+    grid = (num_col_groups(w.n, tiles) * num_row_tiles(layout, w.num_experts, tiles.block_m), tiles.split_k)
     # 8-bit floats travel as their uint8 bits (see _storage_bits).
     weight_arrays = tuple(
         jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype == jnp.float8_e4m3fn else a for a in weight_arrays

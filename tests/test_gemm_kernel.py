@@ -595,3 +595,52 @@ def test_half_bits_with_a_partial_last_tile(fmt_name, rng):
     bits = hj.to_planar(weight, half_bits=True)
     out = hj.gemm(x, bits, layout, out_dtype=jnp.float32, tuning=hj.TuningConfig(16, 32, 64), backend=KERNEL_BACKEND)
     _check(out, _reference(x, weight, layout), bound=1e-5)
+
+
+_WORD_PAIRS_FOLD = dict(word_decode=True, pair_decode=True, fold_scales=True)
+
+
+@pytest.mark.parametrize(
+    "fmt_name,layout_kind,k,tuning",
+    [
+        ("bf16", "grouped_contiguous", K, hj.TuningConfig(16, 32, 64, column_tiles=2)),
+        ("int4_g128+bias", "indexed", K, hj.TuningConfig(16, 16, 128, column_tiles=4, **_WORD_PAIRS_FOLD)),
+        # 4 tiles of 32 columns a program on N=64: the second half of each group is past N.
+        ("mxfp4", "grouped_masked", K, hj.TuningConfig(16, 32, 128, column_tiles=4, swap_ab=True, **_WORD_PAIRS_FOLD)),
+        ("int4_g32", "dense", K, hj.TuningConfig(64, 32, 64, column_tiles=2)),  # the split copy of x
+        ("mxfp4", "grouped_contiguous", 160, hj.TuningConfig(16, 32, 128, column_tiles=2, word_decode=True)),
+    ],
+)
+def test_column_tiles_per_program(fmt_name, layout_kind, k, tuning, rng):
+    """Several column tiles per program in one loop over (column tile, K
+    tile): the accumulator restarts at each tile and each tile is stored once
+    (bias, partial K tiles, column groups reaching past N, every layout)."""
+    weight = _weight(rng, F.get_format(fmt_name), 1 if layout_kind == "dense" else E, k)
+    x = jnp.asarray(rng.normal(size=(M, k)), jnp.bfloat16)
+    layout = _layouts(rng)[layout_kind]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
+    _check(out, _reference_for(tuning, x, weight, layout), bound=1e-5)
+    one = dataclasses.replace(tuning, column_tiles=1)
+    np.testing.assert_array_equal(
+        np.asarray(out),
+        np.asarray(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=one, backend=KERNEL_BACKEND)),
+    )
+
+
+def test_column_tiles_with_e2m1_halves_in_the_decoders_bit_order(rng):
+    weight = _weight(rng, F.MXFP4, E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = _layouts(rng)["grouped_contiguous"]
+    tuning = hj.TuningConfig(16, 32, 128, column_tiles=2, **_WORD_PAIRS_FOLD)
+    bits = hj.to_planar(weight, half_bits=True)
+    out = hj.gemm(x, bits, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
+    _check(out, _reference(x, weight, layout), bound=1e-5)
+
+
+def test_column_tiles_config_validation():
+    with pytest.raises(ValueError, match="column_tiles"):
+        hj.TuningConfig(16, 32, 64, column_tiles=2, split_k=2)
+    with pytest.raises(ValueError, match="column_tiles"):
+        hj.TuningConfig(16, 32, 64, column_tiles=3)
+    assert kernel.num_col_groups(64, kernel.Tiles(block_n=32, column_tiles=4)) == 1
+    assert kernel.num_col_groups(96, kernel.Tiles(block_n=32, column_tiles=2)) == 2

@@ -53,6 +53,21 @@ def test_planar_weights_lower_for_sm90(fmt, config):
 
 
 @pytest.mark.parametrize(
+    "fmt,config",
+    [
+        ("int4_g128", "16,128,256,4,3,word_decode,fold_scales,pair_decode,column_tiles=2"),
+        ("bf16", "64,128,64,4,3,column_tiles=4"),
+    ],
+)
+def test_column_tiles_lower_for_sm90(fmt, config):
+    """Several column tiles per program: one loop over (column tile, K tile),
+    its store in a branch of the loop (Triton's remainder of the loop index
+    takes no floor fix-ups)."""
+    (text,) = gemm_ttir(fmt, 64, parse_config(config), SHAPE, planar=fmt != "bf16")
+    assert text.count("scf.for") >= 1 and "scf.if" in text and "tt.store" in text
+
+
+@pytest.mark.parametrize(
     "case,tiles",
     [("silu", "4x4x1x8"), ("hadamard", "8x8x1x4"), ("hadamard", "0x0x2"), ("swigluoai", "default")],
 )
