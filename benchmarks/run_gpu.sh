@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: column-tiles tune-w2-decode v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: column-tiles tune-w2-decode fp4-prefill-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -35,6 +35,21 @@ for step in $steps; do
                       --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode,column_tiles=2 \
                       --config 128,256,64,8,4 --config 128,256,64,8,4,column_tiles=2 2>&1 | tail -4
                   done | tee -a "$out/column_tiles.log" ;;
+    # MXFP4 prefill runs 1.3x (qwen3) to 1.7x (mixtral) int4's time on the same tile while the offline sm_90
+    # loops differ by 9 % (281 / 259 instructions): the GPU build's SASS and stall reasons of both.
+    fp4-prefill-profile) for fmt in mxfp4 int4_g128; do
+                           timeout 200 ncu -k regex:gemm -c 1 --section LaunchStats --section Occupancy \
+                             --section WarpStateStats --section SchedulerStats --section SourceCounters -o "$out/prefill_$fmt" \
+                             python3 -W ignore -m benchmarks.inspect_gemm --fmt $fmt --tokens 4096 \
+                             --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode \
+                             > "$out/prefill_${fmt}_run.txt" 2>&1
+                           ncu --import "$out/prefill_$fmt.ncu-rep" --page details > "$out/prefill_${fmt}_profile.txt" 2>&1
+                           ncu --import "$out/prefill_$fmt.ncu-rep" --page source --print-source sass --csv \
+                             > "$out/prefill_${fmt}_sass.csv" 2>&1
+                           rm -f "$out/prefill_$fmt.ncu-rep"
+                           grep -E "Stall|Warp Cycles|Registers|Achieved Occupancy|Issued|Local" \
+                             "$out/prefill_${fmt}_profile.txt" | head -24
+                         done ;;
     # w2's decode entries with the column-tile candidates (T=1..16 and T=16..128).
     tune-w2-decode) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --gemm w2 \
                       --formats int4_g128 mxfp4 --layouts grouped --max-m 128 --per-shape --out "$table" 2>&1 \

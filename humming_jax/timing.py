@@ -64,6 +64,15 @@ def device_seconds(fn: Callable, sets: Sequence[tuple], repeats: int = 5, min_se
     return statistics.median(samples) / (iterations * len(sets))
 
 
+def copy_seconds(nbytes: int) -> float:
+    """Device seconds of an elementwise pass that reads and writes ``nbytes``
+    in all (``nbytes / 2`` each way, uint32 words), timed like a kernel: the
+    bandwidth a problem of that size can reach, launch and ramp included."""
+    words = max(1, nbytes // 8)
+    buffers = [(jnp.full((words,), seed, jnp.uint32),) for seed in range(2)]
+    return device_seconds(lambda a: a + jnp.uint32(1), buffers)
+
+
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200
 MATMUL_RATE = 790e12  # flop/s, bf16 matrix products measured on the H200
 

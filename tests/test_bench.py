@@ -30,6 +30,8 @@ def test_bench_writes_json(tiny, tmp_path, capsys):
         assert r["error"] < 1e-2, r  # checked against ragged_dot on the dequantized weights
         assert r["us"] > 0 and r["gbps"] > 0 and 0 < r["roofline_fraction"]
     assert any(r.get("ragged_dot_us") for r in rows)
+    # T=3 is decode-sized: each row carries the time of a pass over its bytes
+    assert all(r["copy_us"] > 0 and r["vs_copy"] == pytest.approx(r["copy_us"] / r["us"]) for r in rows)
     assert "tiny" in capsys.readouterr().out
     # JAX's Mosaic GPU grouped GEMM is a GPU-only reference point: no row off the GPU.
     assert all(r.get("mgpu_ragged_dot_us") is None for r in rows)
