@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: column-tiles tune-w2-decode fp4-prefill-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: column-tiles tune-w2-decode fp4-prefill-profile one-block-768 v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -50,6 +50,11 @@ for step in $steps; do
                            grep -E "Stall|Warp Cycles|Registers|Achieved Occupancy|Issued|Local" \
                              "$out/prefill_${fmt}_profile.txt" | head -24
                          done ;;
+    # process_input K=768 as one masked 1024-wide block (tiles "...p") against 512 + 256 (62 % / 38 %, target 70 %).
+    one-block-768) timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 \
+                     --cases silu+fp8_group128 silu+mxfp8 hadamard128+fp8_token \
+                     --tiles 0x0p 4x4p 8x4p 8x8p 8x4x1x4p 8x8x1x4p 16x8x1x4p \
+                     --out "$out/one_block_768.json" 2>&1 | tee "$out/one_block_768.log" | tail -26 ;;
     # w2's decode entries with the column-tile candidates (T=1..16 and T=16..128).
     tune-w2-decode) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --gemm w2 \
                       --formats int4_g128 mxfp4 --layouts grouped --max-m 128 --per-shape --out "$table" 2>&1 \

@@ -256,6 +256,9 @@ class ProcessTilesConfig:
     # A bf16 input rotated without activation is loaded as [rows · n, b]
     # Hadamard blocks, the product's operand as it is (False: as rows, reshaped).
     operand_blocks: bool = True
+    # The whole row as one column block of the next power of two, the lanes past
+    # K masked (K=768: one 1024-wide block instead of 512 + 256).
+    one_block: bool = False
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):
@@ -272,7 +275,9 @@ class ProcessTilesConfig:
         """From ``"ROWSxWARPS"``, ``"ROWSxWARPSxPASSES"`` or
         ``"ROWSxWARPSxPASSESxBLOCKS"`` (e.g. ``"8x8"``, ``"64x8x2"``, ``"4x4x1x8"``;
         0 rows or warps: chosen), with a trailing ``r`` for
-        ``operand_blocks=False`` (``"0x0r"``)."""
+        ``operand_blocks=False`` (``"0x0r"``) and ``p`` for ``one_block`` (``"8x4p"``)."""
+        one_block = text.endswith("p")
+        text = text.removesuffix("p")
         reshaped = text.endswith("r")
         text = text.removesuffix("r")
         try:
@@ -281,17 +286,21 @@ class ProcessTilesConfig:
             assert len(parts) < 4 or parts[3] >= 1
         except (ValueError, AssertionError):
             raise ValueError(
-                f"process tiles: expected ROWSxWARPS[xPASSES[xBLOCKS]] such as 8x8, 64x8x2 or 4x4x1x8, got {text!r}"
+                f"process tiles: expected ROWSxWARPS[xPASSES[xBLOCKS]][r][p] such as 8x8, 64x8x2, 4x4x1x8 or 8x4p, "
+                f"got {text!r}"
             ) from None
         blocks = parts[3] if len(parts) == 4 else 0
         two_pass = len(parts) >= 3 and parts[2] == 2
-        return cls(parts[0], parts[1], two_pass=two_pass, row_blocks=blocks, operand_blocks=not reshaped)
+        return cls(
+            parts[0], parts[1], two_pass=two_pass, row_blocks=blocks, operand_blocks=not reshaped, one_block=one_block
+        )
 
     def text(self) -> str:
         """The form :meth:`parse` reads (shortest: passes and blocks only when set)."""
         name = f"{self.block_rows}x{self.num_warps}" + ("x2" if self.two_pass else "")
         name = name if self.row_blocks == 0 else f"{name}x1x{self.row_blocks}"
-        return name if self.operand_blocks else f"{name}r"
+        name = name if self.operand_blocks else f"{name}r"
+        return f"{name}p" if self.one_block else name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -244,6 +244,7 @@ def _process_input_kernel(
         two_pass=tiles.two_pass,
         row_blocks=tiles.row_blocks,
         operand_blocks=tiles.operand_blocks,
+        one_block=tiles.one_block,
         gpu=not interpret,
     )
     _check_tiles(cfg, tiles)

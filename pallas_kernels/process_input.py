@@ -61,6 +61,7 @@ class ProcessConfig:
     # Triton pipelines only loads that feed a dot). 0: chosen_row_blocks.
     row_blocks: int = 0
     operand_blocks: bool = True  # see rotates_blocks
+    one_block: bool = False  # the row as one block of ``width`` columns, masked past k_out
     gpu: bool = False  # compiled for the GPU (not interpreted): use exact division
 
     @property
@@ -73,9 +74,9 @@ class ProcessConfig:
         binary digits of ``k_out`` (768 = 512 + 256, 2880 = 2048 + 512 + 256 +
         64), so no lane is padding. Every block is a whole number of groups and
         Hadamard blocks when ``k_out`` is (they are powers of two). Rows
-        narrower than 16 columns or not a multiple of 16 take one padded block
-        of ``width`` (masked past ``k_out``)."""
-        if self.k_out % 16:
+        narrower than 16 columns or not a multiple of 16 (or with ``one_block``)
+        take one padded block of ``width`` (masked past ``k_out``)."""
+        if self.k_out % 16 or self.one_block:
             return ((0, self.width),)
         sizes = [1 << bit for bit in range(self.k_out.bit_length() - 1, 3, -1) if self.k_out >> bit & 1]
         starts = np.cumsum([0, *sizes[:-1]]).tolist()
@@ -427,7 +428,7 @@ def rotates_blocks(cfg: ProcessConfig, x_dtype) -> bool:
         and not cfg.two_pass
         and cfg.activation is None
         and jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16)
-        and not cfg.padded
+        and cfg.k_out % cfg.hadamard == 0  # a padded block's tail is whole Hadamard blocks of zeros
         and all(size % cfg.hadamard == 0 for _, size in cfg.segments)
         and cfg.mode in ("none", "dynamic_token", "static_tensor")
         and cfg.act_dtype != "float4_e2m1"
@@ -453,7 +454,8 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
         i = jnp.arange(rows_n * n, dtype=jnp.int32)
         row = block * rows_n + jax.lax.div(i, jnp.int32(n))
         cols = start + (jax.lax.rem(i, jnp.int32(n)) * b)[:, None] + along[None, :]
-        x = plgpu.load(ins.x_ref.at[row[:, None], cols], mask=(row < m_in)[:, None], other=0)
+        inside = (row < m_in)[:, None] & (cols < cfg.k_out) if cfg.padded else (row < m_in)[:, None]
+        x = plgpu.load(ins.x_ref.at[row[:, None], cols], mask=inside, other=0)
         rotated = jnp.dot(x, ins.h, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(b))
         tiles.append((cols, n, rotated))
 
@@ -474,10 +476,11 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
         out_rows = codecs.scatter_index(dest, row_mask, values_ref.shape[0])
         for (cols, n, _), values in zip(tiles, outputs, strict=True):
             block_rows = per_block(out_rows, n)
+            mask = per_block(row_mask, n)[:, None]
             plgpu.store(
                 values_ref.at[block_rows[:, None], cols],
                 _zero_rows(values, per_block(keep, n)),
-                mask=per_block(row_mask, n)[:, None],
+                mask=mask & (cols < cfg.k_out) if cfg.padded else mask,
             )
         if scale is not None:
             plgpu.store(scale_ref.at[out_rows, 0], _zero_rows(scale, keep), mask=row_mask)

@@ -69,7 +69,14 @@ def test_column_tiles_lower_for_sm90(fmt, config):
 
 @pytest.mark.parametrize(
     "case,tiles",
-    [("silu", "4x4x1x8"), ("hadamard", "8x8x1x4"), ("hadamard", "0x0x2"), ("swigluoai", "default")],
+    [
+        ("silu", "4x4x1x8"),
+        ("hadamard", "8x8x1x4"),
+        ("hadamard", "0x0x2"),
+        ("swigluoai", "default"),
+        ("silu", "4x4p"),  # K=768 as one masked 1024-wide block
+        ("hadamard", "8x8x1x4p"),
+    ],
 )
 def test_process_input_lowers_for_sm90(case, tiles):
     """One kernel; the row-block loop carries the next block's input tiles."""
@@ -82,7 +89,7 @@ def test_process_input_lowers_for_sm90(case, tiles):
         kw["activation"] = case
     spec = Q.FP8_DYNAMIC_TOKEN if case == "hadamard" else Q.FP8_DYNAMIC_GROUP128
     (text,) = ttir_of(lambda x: hj.process_input(x, spec, **kw), x)
-    assert ("scf.for" in text) == (tiles != "default")
+    assert ("scf.for" in text) == (tiles != "default" and "x1x" in tiles or tiles.endswith("x2"))
 
 
 @pytest.mark.parametrize("tokens,launches", [(64, 3), (2048, 4)])

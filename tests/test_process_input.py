@@ -551,3 +551,38 @@ def test_hadamard_blocks_loaded_as_operands(spec, k, block, layout, rng):
         for a, b in ((other.values, got.values), (other.scale, got.scale)):
             if a is not None:
                 np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize(
+    "case,tiles",
+    [("silu", "0x0p"), ("swigluoai", "4x4p"), ("hadamard", "0x0p"), ("hadamard", "8x4x1x2p"), ("nvfp4", "0x0p")],
+)
+@pytest.mark.parametrize("layout", ["normal", "scatter"])
+def test_one_block_rows(case, tiles, layout, rng):
+    """``one_block`` (tiles text ``…p``): K=384 as one 512-wide block whose
+    last 128 lanes are masked, instead of 256 + 128 — the same output bit for
+    bit (the Hadamard blocks loaded as the product's operand included)."""
+    x = jnp.asarray(_inputs(rng, 19, 768), jnp.bfloat16)
+    kw = dict(num_valid_tokens=jnp.asarray([17], jnp.int32), backend=KERNEL_BACKEND)
+    spec = {"silu": Q.FP8_DYNAMIC_GROUP128, "swigluoai": Q.MXFP8_DYNAMIC, "nvfp4": Q.NVFP4_DYNAMIC_TOKEN}.get(
+        case, Q.FP8_DYNAMIC_TOKEN
+    )
+    if case in ("silu", "swigluoai"):
+        kw["activation"] = case
+    else:
+        x = x[:, :384]
+        kw["hadamard_block_size"] = 128 if case == "hadamard" else None
+    if layout == "scatter":
+        kw.update(layout="scatter", scatter_idx=jnp.asarray(rng.permutation(38).reshape(19, 2), jnp.int32))
+        kw["num_valid_tokens"] = jnp.asarray([30], jnp.int32)
+    parsed = hj.ProcessTilesConfig.parse(tiles)
+    assert parsed.one_block and parsed.text() == tiles
+    from pallas_kernels import process_input as kernel
+
+    padded = kernel.ProcessConfig(k_in=384, k_out=384, hadamard=128, mode="dynamic_token", one_block=True)
+    assert padded.segments == ((0, 512),) and kernel.rotates_blocks(padded, jnp.bfloat16)
+    want = hj.process_input(x, spec, **kw)
+    got = hj.process_input(x, spec, tiles=parsed, **kw)
+    for a, b in ((got.values, want.values), (got.scale, want.scale)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    _check_against_reference(got, hj.process_input(x, spec, **dict(kw, backend="reference")), False)
