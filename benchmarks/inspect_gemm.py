@@ -55,7 +55,11 @@ def main(argv=None) -> int:
     case = bench.Case(args.problem, args.gemm, args.layout, args.tokens, args.fmt, args.k_order, not args.nibble_halves)
     prep = bench.prepare(case)
     for text, tuning in zip(args.config, configs, strict=True):
-        row, out, layout = bench.time_prepared(prep, tuning)
+        try:
+            row, out, layout = bench.time_prepared(prep, tuning)
+        except Exception as error:  # e.g. a tile past the shared memory: report it, time the next one
+            print(f"{text}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+            continue
         error = bench.sampled_error(prep, layout, out)
         print(f"{text}: {row['us']:.1f} us, {row['gbps']:.0f} GB/s, err {error:.1e}", flush=True)
     return 0

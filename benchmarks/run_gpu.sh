@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: column-tiles tune-w2-decode fp4-prefill-profile one-block-768 v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: mosaic-tests mosaic-inspect v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
 out=${1:?output directory}
 shift
-steps=${*:-v11-tests process-bench}
+steps=${*:-v12-tests process-bench}
 mkdir -p "$out"
 # deepseek-v3 keeps two 15 GB bf16 weights per case: let JAX grow past its default 75 %
 # (torch returns its cached blocks after timing, see humming_jax.bench).
@@ -21,6 +21,22 @@ table="$out/tuning_h200.json"
 for step in $steps; do
   echo "=== $step"
   case $step in
+    # Eighth session's code with the real lowering: column tiles, one-block rows, the K=768 Hadamard rule.
+    v12-tests) { pytest_gpu 150 tests/test_gemm_kernel.py -k "column_tiles or planar or half_bits"
+                 pytest_gpu 150 tests/test_process_input.py tests/test_lowering.py; } 2>&1 | tee "$out/v12_tests.log" | tail -8 ;;
+    # GEMM v13: the Mosaic GPU kernel — its tests with the real compiler, then against the Triton entries
+    # at prefill (bf16 mixtral w13 3788 us = 0.77x torch, 508 TFLOP/s; ragged_dot_mgpu 3380.6).
+    mosaic-tests) pytest_gpu 200 tests/test_gemm_mosaic.py 2>&1 | tee "$out/mosaic_tests.log" | tail -8 ;;
+    mosaic-inspect) mosaic="--config 128,256,64,4,4,mosaic,dequantize_first,group_m=8
+                            --config 128,256,64,4,3,mosaic,dequantize_first,group_m=8
+                            --config 128,128,64,4,4,mosaic,dequantize_first,group_m=8"
+                    for problem in mixtral-8x7b qwen3-30b-a3b; do  # against the bf16 entries' Triton tile
+                      timeout 180 python3 -W ignore -m benchmarks.inspect_gemm --problem $problem --fmt bf16 \
+                        --tokens 4096 $mosaic --config 128,256,64,8,4,group_m=8 2>&1 | tail -4
+                    done | tee "$out/mosaic_inspect.log"
+                    timeout 180 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --fmt int4_g128 \
+                      --tokens 4096 $mosaic --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode \
+                      2>&1 | tail -4 | tee -a "$out/mosaic_inspect.log" ;;
     # Eighth session: column tiles per program (one pipelined loop over column and K tiles), qwen3 w2 at T=16 / 4096.
     column-tiles) for args in "--tokens 16 --fmt int4_g128" "--tokens 16 --fmt mxfp4"; do
                     timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --gemm w2 $args \

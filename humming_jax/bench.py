@@ -418,6 +418,7 @@ def _candidates(rows):
 
 SWAP, WORD, BANDS, FOLD = {"swap_ab": True}, {"word_decode": True}, {"group_m": 8}, {"fold_scales": True}
 DEQ = {"dequantize_first": True}
+MOSAIC = {"mosaic": True}
 # Pruned by the v2-v7 sweeps (benchmarks/results/gemm_tune_h200.json): 32-row
 # decode tiles, 8-warp decode tiles and 64x256 prefill tiles never won; v6:
 # folded scales beat every unfolded decode tile (int4 97 -> 84 us, MXFP4 213 ->
@@ -498,6 +499,14 @@ PREFILL_CANDIDATES = _candidates(
         # bf16 tile, the store and the restart only after a tile's last K step).
         (128, 128, 128, 8, 3, SWAP | WORD | BANDS | PAIR | FOLD | {"column_tiles": 2}),
         (128, 256, 64, 8, 4, {"column_tiles": 2}),
+        # v13: the Mosaic GPU kernel (TMA, warp-specialized wgmma, persistent grid);
+        # quantized weights dequantized to bf16 first. block_m x block_n over two
+        # compute warpgroups; 4 stages of 128x256x64 fill 224 of 227 KB of shared memory.
+        (128, 256, 64, 4, 4, MOSAIC | DEQ | BANDS),
+        (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS),
+        (128, 256, 64, 4, 3, MOSAIC | DEQ),
+        (128, 128, 64, 4, 4, MOSAIC | DEQ | BANDS),
+        (64, 256, 64, 4, 4, MOSAIC | DEQ | BANDS),
         # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
         (128, 256, 64, 8, 4, DEQ),
         (128, 256, 64, 8, 4, DEQ | BANDS),

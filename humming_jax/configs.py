@@ -168,6 +168,11 @@ class TuningConfig:
     # compiler pipelines across tiles: the next tile's loads overlap this one's
     # last products and store (short K loops: qwen3 w2 decode runs 3 K tiles a tile).
     column_tiles: int = 1
+    # The Mosaic GPU kernel (Hopper: TMA loads, warp-specialized wgmma, a persistent
+    # grid): 16-bit weights (or dequantize_first) without bias, dense or
+    # grouped-contiguous rows; block_m x block_n per tile on 2 compute warpgroups,
+    # num_stages K steps in flight, group_m row tiles per band (num_warps unused).
+    mosaic: bool = False
 
     def __post_init__(self):
         owner = "TuningConfig"
@@ -188,6 +193,11 @@ class TuningConfig:
         if self.column_tiles > 1 and self.split_k > 1:
             raise ValueError(
                 f"{owner}.column_tiles: a loop over column tiles is for split_k=1, got split_k={self.split_k}"
+            )
+        if self.mosaic and (self.split_k > 1 or self.column_tiles > 1 or self.swap_ab or self.word_decode):
+            raise ValueError(
+                f"{owner}.mosaic: the Mosaic GPU kernel takes none of split_k, column_tiles, swap_ab, word_decode, "
+                f"got {self}"
             )
         if self.pair_decode and not self.word_decode:
             raise ValueError(f"{owner}.pair_decode: pairs the nibbles of decoded words, so it needs word_decode=True")

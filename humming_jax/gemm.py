@@ -20,6 +20,7 @@ from humming_jax import layouts as L
 from humming_jax import tuning as T
 from humming_jax.backend import resolve_backend
 from pallas_kernels import gemm as kernel
+from pallas_kernels import gemm_mosaic as mosaic_kernel
 
 _FLOAT_INPUTS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -204,7 +205,7 @@ def kernel_tuning(
             fold_scales=tuning.fold_scales and not small,
             pair_decode=tuning.pair_decode and not small,
         )
-    if weight.half_bits:  # the decoder's bit order is read as nibble pairs (16-bit halves) only
+    if weight.half_bits and not tuning.dequantize_first:  # the decoder's bit order is read as nibble pairs only
         block_k = max(128, tuning.block_k // 128 * 128)
         tuning = dataclasses.replace(tuning, block_k=block_k, word_decode=True, pair_decode=True, fold_scales=True)
     if batch_invariant:
@@ -261,7 +262,37 @@ def _layout_spec(layout, m_in: int) -> tuple[kernel.LayoutSpec, tuple[jax.Array,
     return spec, arrays
 
 
+def _mosaic_unsupported(x, weight, layout, use_f16_accum) -> str | None:
+    """Why the Mosaic GPU kernel cannot run this call (None if it can)."""
+    if weight.format.is_quantized:
+        return f"{weight.format.name} weights (16-bit weights, or dequantize_first)"
+    if weight.bias is not None:
+        return "a bias"
+    if not isinstance(layout, (L.Dense, L.GroupedContiguous)):
+        return f"the {layout.kind.value} layout (dense or grouped_contiguous)"
+    if use_f16_accum:
+        return "f16 accumulation"
+    if jnp.dtype(weight.values.dtype) != jnp.dtype(x.values.dtype):
+        return f"{weight.values.dtype} weights with {x.values.dtype} inputs (the same 16-bit dtype)"
+    return None
+
+
+def _gemm_mosaic(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret):
+    unsupported = _mosaic_unsupported(x, weight, layout, use_f16_accum)
+    if unsupported:
+        raise ValueError(f"gemm: tuning.mosaic: the Mosaic GPU kernel does not take {unsupported}")
+    tiles = mosaic_kernel.MosaicTiles(
+        tuning.block_m, tuning.block_n, tuning.block_k, stages=tuning.num_stages, group_m=tuning.group_m
+    )
+    offsets = layout.expert_offsets if isinstance(layout, L.GroupedContiguous) else None
+    return mosaic_kernel.expert_gemm_mosaic(
+        x.values, weight.values, offsets, tiles, out_dtype=out_dtype, interpret=interpret
+    )
+
+
 def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret):
+    if tuning.mosaic:
+        return _gemm_mosaic(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
     layout_spec, route = _layout_spec(layout, x.m)
     parts = tuple(
         a
@@ -269,7 +300,7 @@ def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         if a is not None
     )
     fields = dataclasses.asdict(tuning)
-    del fields["dequantize_first"]  # decided here, before the kernel
+    del fields["dequantize_first"], fields["mosaic"]  # decided here, before the kernel
     tiles = kernel.Tiles(**fields)  # the kernel's mirror of TuningConfig, field for field
     return kernel.expert_gemm(
         x.values,

@@ -832,8 +832,8 @@ def _gemm_kernel(
                 finish(acc, n_idx, n_mask)
                 return zeros
 
-            # Zeros from the branch (not a select before the product): Triton then
-            # restarts the wgmma chain with its use-accumulator flag, no per-step selects.
+            # Zeros from the branch, not a select before the product: the accumulator
+            # registers are zeroed only when a tile ends (sm_90: no per-step FSEL).
             return jax.lax.cond(i == k_tiles - 1, store_and_restart, lambda acc: acc, acc)
 
         jax.lax.fori_loop(0, tiles.column_tiles * k_tiles, step, zeros)

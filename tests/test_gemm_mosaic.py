@@ -1,0 +1,136 @@
+"""The Mosaic GPU grouped GEMM (16-bit weights, Hopper: TMA, warp-specialized
+wgmma) in the Mosaic GPU interpreter on the CPU, against a float64 NumPy
+product; its row-tile table exhaustively; its lowering for the GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import humming_jax as hj
+from humming_jax import formats as F
+from pallas_kernels import gemm_mosaic as mosaic
+
+KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
+TILES = hj.TuningConfig(64, 256, 64, num_stages=2, group_m=2, mosaic=True)
+
+
+def _expected(x, w, offsets, m):
+    """float64 NumPy: row r through the expert whose range holds it, else 0."""
+    xs, ws = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out = np.zeros((m, ws.shape[1]))
+    for e in range(ws.shape[0]):
+        out[offsets[e] : offsets[e + 1]] = xs[offsets[e] : offsets[e + 1]] @ ws[e].T
+    return out
+
+
+@pytest.mark.parametrize(
+    "counts,dtype,out_dtype",
+    [
+        ((7, 0, 23, 3), jnp.bfloat16, jnp.float32),  # an empty expert, ragged tiles
+        ((0, 0, 40, 0), jnp.bfloat16, jnp.bfloat16),  # all rows on one expert
+        ((1, 70, 0, 30), jnp.float16, jnp.float32),  # tiles straddling the 8-row grid, two tiles on one expert
+    ],
+)
+def test_grouped_rows_against_numpy(counts, dtype, out_dtype, rng):
+    """Expert ranges cut into row tiles from the 8-row grid; rows past the
+    last range (5 here) are zeros (the interpreter fills fresh memory with NaN,
+    so a row left unwritten would show)."""
+    m, n, k = sum(counts) + 5, 256, 128
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    x = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    w = jnp.asarray(rng.normal(0, 0.1, (len(counts), n, k)), dtype)
+    layout = hj.GroupedContiguous(jnp.asarray(offsets))
+    out = hj.gemm(x, w, layout, out_dtype=out_dtype, tuning=TILES, backend=KERNEL_BACKEND)
+    want = _expected(x, w, offsets, m)
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    bound = 1e-5 if out_dtype == jnp.float32 else 1e-2
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < bound
+    assert np.all(got[offsets[-1] :] == 0), "rows no expert owns must be zero"
+
+
+def test_dense_and_t_equals_one(rng):
+    """One expert (dense), one row: the row is loaded inside a padded tile."""
+    k, n = 64, 256
+    x = jnp.asarray(rng.normal(size=(1, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(1, n, k)), jnp.bfloat16)
+    out = hj.gemm(x, w, hj.Dense(), out_dtype=jnp.float32, tuning=TILES, backend=KERNEL_BACKEND)
+    want = _expected(x, w, [0, 1], 1)
+    assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
+
+
+def test_quantized_weights_through_dequantize_first(rng):
+    """W4A16 prefill on this kernel: the weight dequantized to bf16 once
+    (``dequantize_first``), then the 16-bit product — equal to the folded
+    (rounded-once) reference."""
+    m, n, k, e = 48, 256, 128, 3
+    weight = F.quantize_weight(jnp.asarray(rng.normal(0, 0.05, (e, n, k)), jnp.float32), F.INT4_G128)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    offsets = np.asarray([0, 20, 20, 48], np.int32)
+    layout = hj.GroupedContiguous(jnp.asarray(offsets))
+    tuning = hj.TuningConfig(64, 256, 64, num_stages=2, mosaic=True, dequantize_first=True)
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
+    rounded = F.dequantize_weight(weight).astype(jnp.bfloat16)
+    want = _expected(x, rounded, offsets, m)
+    assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
+
+
+def test_what_the_kernel_refuses(rng):
+    x = jnp.asarray(rng.normal(size=(16, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(2, 256, 64)), jnp.bfloat16)
+    grouped = hj.GroupedContiguous(jnp.asarray([0, 8, 16], jnp.int32))
+    run = dict(tuning=TILES, backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="tuning.mosaic.*int4"):
+        hj.gemm(x, F.quantize_weight(w.astype(jnp.float32), F.INT4_G32), grouped, **run)
+    with pytest.raises(ValueError, match="tuning.mosaic.*bias"):
+        hj.gemm(x, F.quantize_weight(w.astype(jnp.float32), F.BF16.with_bias(), bias=w[:, :, 0]), grouped, **run)
+    with pytest.raises(ValueError, match="tuning.mosaic.*grouped_masked"):
+        hj.gemm(x, w, hj.GroupedMasked(jnp.asarray([3, 5], jnp.int32)), **run)
+    with pytest.raises(ValueError, match="block_n"):
+        hj.gemm(x, w[:, :192], grouped, **run)
+    with pytest.raises(ValueError, match="mosaic"):
+        hj.TuningConfig(64, 256, 64, split_k=2, mosaic=True)
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_row_tile_table_covers_every_row_once(block_m, rng):
+    """Every row of ``[0, m)`` is stored by exactly one tile of its own group
+    (an expert, or group E for rows outside the ranges), every load box is
+    inside the padded x on the 8-row grid and holds the stored rows, and the
+    live tiles fit the static bound — over random routings, empty and full."""
+    for trial in range(60):  # few distinct shapes: each is traced anew
+        e = int(rng.integers(1, 5))
+        m = int(rng.choice([1, 7, 64, 130, 399]))
+        cuts = np.sort(rng.integers(0, m + 1, size=e + 1))
+        if trial % 3 == 0:
+            cuts[0] = 0
+        table = np.asarray(mosaic.row_tile_table(jnp.asarray(cuts, jnp.int32), m, block_m))
+        assert table.shape[0] == mosaic.max_row_tiles(e + 2, m, block_m)
+        owner = np.full(m, -1)
+        for group, load, first, rows in table:
+            if rows == 0:
+                continue
+            assert load % mosaic.ROW_ALIGN == 0 and 0 <= load <= mosaic.padded_rows(m, block_m) - block_m
+            assert load <= first and first + rows <= load + block_m
+            assert np.all(owner[first : first + rows] == -1)
+            owner[first : first + rows] = group
+        want = np.full(m, e)
+        for g in range(e):
+            want[cuts[g] : cuts[g + 1]] = g
+        np.testing.assert_array_equal(owner, want)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_lowers_for_the_gpu():
+    """The kernel lowers to a Mosaic GPU custom call on the CPU (what the
+    interpreter cannot check: layouts, TMA boxes on tiled shared memory)."""
+    x = jax.ShapeDtypeStruct((300, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((3, 512, 256), jnp.bfloat16)
+    offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
+    tiles = mosaic.MosaicTiles(128, 256, 64, stages=4)
+
+    def run(x, w, offsets):
+        return mosaic.expert_gemm_mosaic(x, w, offsets, tiles, out_dtype=jnp.bfloat16)
+
+    text = jax.jit(run).trace(x, w, offsets).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
