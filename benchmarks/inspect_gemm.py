@@ -6,7 +6,8 @@ against a float32 product on sampled experts.
 
 Each ``--config`` is ``block_m,block_n,block_k,num_warps,num_stages[,option...]``
 with options ``swap_ab``, ``word_decode``, ``fold_scales``, ``pair_decode``, ``split_k=S``,
-``group_m=G``, ``column_tiles=C``, ``use_mma=0`` (multiply-add tiles of 1-8 rows).
+``group_m=G``, ``column_tiles=C``, ``dequantize_first``, ``mosaic`` (the Mosaic GPU
+kernel), ``use_mma=0`` (multiply-add tiles of 1-8 rows).
 For the hardware view of one kernel, run it under Nsight
 Compute with a few sections (the ``full`` set does not finish in a 10-minute
 slot): ``ncu -k regex:gemm -c 1 --section SpeedOfLight --section Occupancy
