@@ -10,13 +10,14 @@ columns (``wgmma``: x from shared memory, the weight tile ``[block_n/2, bk]``
 transposed in place as the B operand).
 
 Rows: TMA cannot gather, so a row tile is ``block_m`` consecutive rows of x.
-The launcher turns the layout into a table of row tiles — ``(group, first
-row, rows)`` each, an expert's rows cut into tiles from its first row, plus
-the rows no expert owns as a group of zeros — so no tile mixes experts. A
-tile's load reads ``block_m`` rows from its first row (clamped inside x: the
-rows past its own are read and ignored) and its store writes only its own
-rows, as a sum of power-of-two row slices (TMA boxes are static; their
-start is not).
+The launcher turns the layout into a table of row tiles — ``(group, load
+row, first row, rows)`` each: an expert's rows cut into tiles from the
+multiple of 8 at or below its first row (a TMA box into 8-row tiled shared
+memory starts on that grid), the rows no expert owns as a group of zeros —
+so no tile mixes experts. A tile loads ``block_m`` rows from its load row
+(inside x; the rows that are not its own are read and ignored) and stores
+only its own rows, as a sum of power-of-two row slices (TMA boxes are
+static; their starts are not).
 
 Layouts: ``dense`` (one expert) and ``grouped_contiguous`` (``offsets [E+1]``).
 Weights: bf16/f16 ``[E, N, K]`` (K contiguous), no bias.
@@ -60,8 +61,8 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype) -> None:
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize != 2:
         raise ValueError(f"mosaic GEMM: 16-bit inputs and weights, got {jnp.dtype(dtype)}")
-    if tiles.block_m not in (64, 128, 256):
-        raise ValueError(f"mosaic GEMM: block_m must be 64, 128 or 256, got {tiles.block_m}")
+    if tiles.block_m not in (64, 128):  # a warpgroup's f32 accumulator: block_m * block_n / 256 registers a thread
+        raise ValueError(f"mosaic GEMM: block_m must be 64 or 128, got {tiles.block_m}")
     if tiles.wg_n % EPILOGUE_COLUMNS or tiles.wg_n > 256:
         raise ValueError(
             f"mosaic GEMM: block_n must be a multiple of {COMPUTE_WARPGROUPS * EPILOGUE_COLUMNS} "
