@@ -61,12 +61,16 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype) -> None:
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize != 2:
         raise ValueError(f"mosaic GEMM: 16-bit inputs and weights, got {jnp.dtype(dtype)}")
-    if tiles.block_m not in (64, 128):  # a warpgroup's f32 accumulator: block_m * block_n / 256 registers a thread
+    if tiles.block_m not in (64, 128):
         raise ValueError(f"mosaic GEMM: block_m must be 64 or 128, got {tiles.block_m}")
     if tiles.wg_n % EPILOGUE_COLUMNS or tiles.wg_n > 256:
         raise ValueError(
             f"mosaic GEMM: block_n must be a multiple of {COMPUTE_WARPGROUPS * EPILOGUE_COLUMNS} "
             f"and at most 512, got {tiles.block_n}"
+        )
+    if tiles.block_m * tiles.wg_n > 128 * 128:  # 128 f32 registers a thread for the accumulator
+        raise ValueError(
+            f"mosaic GEMM: block_m * block_n / 2 must be at most 128 * 128, got {tiles.block_m} x {tiles.block_n}"
         )
     if tiles.block_k * itemsize not in (32, 64, 128):
         raise ValueError(f"mosaic GEMM: block_k must be 16, 32 or 64 for 16-bit operands, got {tiles.block_k}")

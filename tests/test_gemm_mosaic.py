@@ -88,6 +88,8 @@ def test_what_the_kernel_refuses(rng):
         hj.gemm(x, w, hj.GroupedMasked(jnp.asarray([3, 5], jnp.int32)), **run)
     with pytest.raises(ValueError, match="block_n"):
         hj.gemm(x, w[:, :192], grouped, **run)
+    with pytest.raises(ValueError, match="block_m"):  # two 128x256 f32 accumulators do not fit the registers
+        hj.gemm(x, w, grouped, tuning=hj.TuningConfig(128, 512, 64, mosaic=True), backend=KERNEL_BACKEND)
     with pytest.raises(ValueError, match="mosaic"):
         hj.TuningConfig(64, 256, 64, split_k=2, mosaic=True)
 
