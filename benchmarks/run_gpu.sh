@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: mosaic-tests mosaic-inspect v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: mosaic-tests mosaic-inspect v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -71,6 +71,16 @@ for step in $steps; do
                      --cases silu+fp8_group128 silu+mxfp8 hadamard128+fp8_token \
                      --tiles 0x0p 4x4p 8x4p 8x8p 8x4x1x4p 8x8x1x4p 16x8x1x4p \
                      --out "$out/one_block_768.json" 2>&1 | tee "$out/one_block_768.log" | tail -26 ;;
+    # SILU + fp8 per group: K=768 at 62 % of copy bandwidth, K=2048 at 80 %, with about the same instructions
+    # per element offline (42.3 / 38.5, sm_90 SASS): issue-bound, or latency? Stall reasons of both.
+    silu-profile) for width in 768 2048; do
+                    timeout 200 ncu -k regex:process_input -c 1 --section SpeedOfLight --section Occupancy \
+                      --section LaunchStats --section WarpStateStats --section SchedulerStats \
+                      python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths $width \
+                      --cases silu+fp8_group128 --out "$out/silu_profile_$width.json" > "$out/silu_ncu_$width.txt" 2>&1
+                    grep -E "Throughput|Issued|Stall|Warp Cycles|Occupancy|Registers|Eligible" "$out/silu_ncu_$width.txt" \
+                      | head -30
+                  done ;;
     # w2's decode entries with the column-tile candidates (T=1..16 and T=16..128).
     tune-w2-decode) timeout 540 python3 -W ignore -m humming_jax tune --problem qwen3-30b-a3b --gemm w2 \
                       --formats int4_g128 mxfp4 --layouts grouped --max-m 128 --per-shape --out "$table" 2>&1 \
