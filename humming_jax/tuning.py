@@ -48,7 +48,7 @@ def heuristic_tuning(rows_per_expert: int, n: int, k: int, fmt_class: str = "16b
     group_m = 8 if weight_bytes > LARGE_EXPERT_BYTES and rows_per_expert > 2 * block_m else 1
     four_bit = fmt_class in ("4bit", "fp4")
     if four_bit:
-        return _four_bit_tiles(block_m, cap_n, cap_k, group_m)
+        return _four_bit_tiles(block_m, cap_n, cap_k, group_m, fmt_class)
     if block_m == 128:
         return TuningConfig(128, min(256, cap_n), min(64, cap_k), num_warps=8, num_stages=4, group_m=group_m)
     block_n = min(64 if block_m <= 32 else 128, cap_n)
@@ -56,19 +56,22 @@ def heuristic_tuning(rows_per_expert: int, n: int, k: int, fmt_class: str = "16b
     return TuningConfig(block_m, block_n, block_k, num_warps=4, num_stages=3)
 
 
-def _four_bit_tiles(block_m: int, cap_n: int, cap_k: int, group_m: int) -> TuningConfig:
+def _four_bit_tiles(block_m: int, cap_n: int, cap_k: int, group_m: int, fmt_class: str = "4bit") -> TuningConfig:
     """The H200 sweeps' 4-bit winners by rows per program (v8/v9, NOTES.md):
     words decoded as nibble pairs (one MMA k-pair per 16-bit half) with the
     scales folded into the decoded tile; 16-row tiles read 256 columns of K
     per step (qwen3 T=16: int4 54 us, MXFP4 73 us), 64- and 128-row tiles put
     the decoded weight in the MMA's A operand (``swap_ab``; qwen3 T=2048: int4
     352 us on 128 rows, MXFP4 415 us on 64). 32 rows: the 16-row tile with two
-    MMA rows per decoded weight (the sweep's candidate, not yet measured)."""
+    MMA rows per decoded weight (qwen3 T=512: int4 162 us). e2m1 weights on
+    128 rows take 256 columns (qwen3 T=4096, MXFP4: 776 us against 936 for
+    128: its costlier decode pays for twice the x reuse)."""
     pairs = dict(word_decode=True, fold_scales=True, pair_decode=True)
     if block_m <= 32:
         return TuningConfig(block_m, min(128, cap_n), min(256, cap_k), 4, 3, **pairs)
     warps = 8 if block_m == 128 else 4
-    return TuningConfig(block_m, min(128, cap_n), min(128, cap_k), warps, 3, swap_ab=True, group_m=group_m, **pairs)
+    block_n = min(256 if block_m == 128 and fmt_class == "fp4" else 128, cap_n)
+    return TuningConfig(block_m, block_n, min(128, cap_k), warps, 3, swap_ab=True, group_m=group_m, **pairs)
 
 
 def load_table(name: str = TABLE_FILE) -> dict[str, tuple[TuningEntry, ...]]:

@@ -185,3 +185,13 @@ def test_candidates_by_rows_per_expert():
     assert not any(c.block_m == 64 for c in eight)
     assert set(bench.MID_CANDIDATES) <= set(thirty_two)
     assert bench.candidates_for(64) == bench.PREFILL_CANDIDATES
+
+
+def test_four_bit_heuristic_by_rows_and_format():
+    """The heuristic's 4-bit tiles are the H200 winners: word + fold + pairs at
+    16/32 rows, swap_ab prefill tiles at 64/128 rows, 256 columns for e2m1 on 128."""
+    decode = tuning.heuristic_tuning(16, 1536, 2048, "4bit")
+    assert (decode.block_m, decode.block_n, decode.block_k, decode.pair_decode) == (16, 128, 256, True)
+    int4, fp4 = (tuning.heuristic_tuning(1024, 28672, 4096, c) for c in ("4bit", "fp4"))
+    assert int4.swap_ab and fp4.swap_ab and (int4.block_m, int4.block_n, fp4.block_n) == (128, 128, 256)
+    assert tuning.heuristic_tuning(64, 1536, 2048, "fp4").block_n == 128
