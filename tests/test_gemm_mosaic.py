@@ -59,17 +59,21 @@ def test_dense_and_t_equals_one(rng):
     assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
 
 
-def test_quantized_weights_through_dequantize_first(rng):
+@pytest.mark.parametrize("stored", ["k_order", "half_bits"])
+def test_quantized_weights_through_dequantize_first(stored, rng):
     """W4A16 prefill on this kernel: the weight dequantized to bf16 once
     (``dequantize_first``), then the 16-bit product — equal to the folded
-    (rounded-once) reference."""
+    (rounded-once) reference; int4 in K order, MXFP4 in the planar decoder's
+    bit order (the Flax modules' layout)."""
     m, n, k, e = 48, 256, 128, 3
-    weight = F.quantize_weight(jnp.asarray(rng.normal(0, 0.05, (e, n, k)), jnp.float32), F.INT4_G128)
+    fmt = F.INT4_G128 if stored == "k_order" else F.MXFP4
+    weight = F.quantize_weight(jnp.asarray(rng.normal(0, 0.05, (e, n, k)), jnp.float32), fmt)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
     offsets = np.asarray([0, 20, 20, 48], np.int32)
     layout = hj.GroupedContiguous(jnp.asarray(offsets))
     tuning = hj.TuningConfig(64, 256, 64, num_stages=2, mosaic=True, dequantize_first=True)
-    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
+    stored_weight = weight if stored == "k_order" else hj.to_planar(weight, half_bits=True)
+    out = hj.gemm(x, stored_weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
     rounded = F.dequantize_weight(weight).astype(jnp.bfloat16)
     want = _expected(x, rounded, offsets, m)
     assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
