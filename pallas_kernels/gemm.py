@@ -128,19 +128,20 @@ def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
     return layout.num_blocks
 
 
-def tile_order(program, row_tiles: int, col_tiles: int, tiles: Tiles):
+def tile_order(program, row_tiles: int, col_tiles: int, group_m: int):
     """(row tile, column tile) of a program. Programs run in bands of
     ``group_m`` row tiles; inside a band the row tile varies fastest, then the
     column tile. ``group_m = 1``: the programs running together share one row
     tile (and its expert), which stays in L2 (small experts). Larger bands keep
     a few row tiles and the weight columns they share in L2 together, so an
     expert's weight is read from memory about once, not once per row tile
-    (experts with many rows and large weights)."""
-    band = tiles.group_m * col_tiles
-    first_row = (program // band) * tiles.group_m
-    rows_in_band = jnp.minimum(row_tiles - first_row, tiles.group_m)
-    within = program % band
-    return first_row + within % rows_in_band, within // rows_in_band
+    (experts with many rows and large weights). Used by the Triton grid and
+    the Mosaic kernel's persistent loop (``program`` >= 0: truncating division)."""
+    band = group_m * col_tiles
+    first_row = jax.lax.div(program, band) * group_m
+    rows_in_band = jnp.minimum(row_tiles - first_row, group_m)
+    within = jax.lax.rem(program, band)
+    return first_row + jax.lax.rem(within, rows_in_band), jax.lax.div(within, rows_in_band)
 
 
 def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, tile):
@@ -703,7 +704,7 @@ def _gemm_kernel(
         folded_e2m1=folds_e2m1(w, tiles, compute_dtype),
     )
     row_tile, col_group = tile_order(
-        pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), num_col_groups(w.n, tiles), tiles
+        pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), num_col_groups(w.n, tiles), tiles.group_m
     )
     rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
     # Static: no column mask when the tiles (and the groups of column_tiles) divide N.

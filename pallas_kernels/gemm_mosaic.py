@@ -34,6 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gemm import tile_order
+
 COMPUTE_WARPGROUPS = 2
 EPILOGUE_COLUMNS = 64  # output columns per shared-memory store slot
 H100_SMS = 132  # H100 / H200: programs of the persistent grid when the device does not say
@@ -126,17 +128,6 @@ def padded_rows(m: int, block_m: int) -> int:
     return -(-max(m, block_m) // ROW_ALIGN) * ROW_ALIGN
 
 
-def _band_order(item, row_tiles: int, col_tiles: int, group_m: int):
-    """(row tile, column tile) of work item ``item``: bands of ``group_m`` row
-    tiles, the row tile varying fastest inside a band (the weight columns of a
-    band are read from memory about once)."""
-    band = group_m * col_tiles
-    first_row = lax.div(item, band) * group_m
-    rows_in_band = jnp.minimum(row_tiles - first_row, group_m)
-    within = lax.rem(item, band)
-    return first_row + lax.rem(within, rows_in_band), lax.div(within, rows_in_band)
-
-
 def _store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
     """Rows ``[offset, offset + rows)`` of the shared tile ``o_smem`` to
     gmem rows ``[first_row, first_row + rows)`` as a sum of power-of-two
@@ -195,7 +186,7 @@ def _kernel(table_ref, x_gmem, w_gmem, o_gmem, *, tiles: MosaicTiles, num_expert
         @plgpu.nd_loop((row_tiles * col_tiles,), collective_axes="sm")
         def _(loop):
             (item,) = loop.index
-            row_tile, col_tile = _band_order(item, row_tiles, col_tiles, tiles.group_m)
+            row_tile, col_tile = tile_order(item, row_tiles, col_tiles, tiles.group_m)
             group, load_row = table_ref[row_tile, 0], pl.multiple_of(table_ref[row_tile, 1], ROW_ALIGN)
             first_row, rows = table_ref[row_tile, 2], table_ref[row_tile, 3]
             offset = first_row - load_row  # the tile's own rows in the loaded box (the others are not stored)
