@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: mosaic-tests mosaic-inspect v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -37,6 +37,16 @@ for step in $steps; do
                     timeout 180 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --fmt int4_g128 \
                       --tokens 4096 $mosaic --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode \
                       2>&1 | tail -4 | tee -a "$out/mosaic_inspect.log" ;;
+    # Ninth session: the Mosaic kernel on the w2 products (K=768 on qwen3, K=14336 on mixtral) against the Triton tiles.
+    mosaic-w2) mosaic="--config 128,256,64,4,4,mosaic,dequantize_first,group_m=8
+                       --config 128,256,64,4,3,mosaic,dequantize_first,group_m=8"
+               for problem in qwen3-30b-a3b mixtral-8x7b; do
+                 timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --problem $problem --gemm w2 --fmt bf16 \
+                   --tokens 4096 $mosaic --config 128,256,64,8,4,group_m=8 2>&1 | tail -3
+               done | tee "$out/mosaic_w2.log"
+               timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm w2 --fmt int4_g128 \
+                 --tokens 4096 $mosaic --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode \
+                 2>&1 | tail -3 | tee -a "$out/mosaic_w2.log" ;;
     # Eighth session: column tiles per program (one pipelined loop over column and K tiles), qwen3 w2 at T=16 / 4096.
     column-tiles) for args in "--tokens 16 --fmt int4_g128" "--tokens 16 --fmt mxfp4"; do
                     timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --gemm w2 $args \
@@ -226,6 +236,8 @@ for step in $steps; do
                    --layouts grouped --max-m 128 --out "$table" 2>&1 | tee "$out/tune_decode.log" | tail -30 ;;
     gemm-tests) pytest_gpu 300 tests/test_gemm_kernel.py tests/test_pipelines.py 2>&1 | tee "$out/gemm_tests.log" | tail -15 ;;
     # qwen3 + mixtral at T=16 and 4096 took more than 420 s (fifth session): one problem per step.
+    gemm-bench-prefill) timeout 300 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b \
+                          --tokens 4096 --out "$out/gemm_prefill.json" 2>&1 | tee "$out/gemm_bench_prefill.log" ;;
     gemm-bench) timeout 420 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b \
                   --tokens 16 4096 --out "$out/gemm.json" 2>&1 | tee "$out/gemm_bench.log" ;;
     gemm-bench-mixtral) timeout 540 python3 -W ignore -m humming_jax bench --problems mixtral-8x7b \

@@ -156,12 +156,18 @@ def gemm(
         chosen = "reference"
     if chosen == "reference":
         return gemm_reference(x, weight, layout, out_dtype)
+    from_table = tuning is None
     tuning = kernel_tuning(layout, weight, x.m, valid_shape_m, tuning, batch_invariant)
     if tuning.dequantize_first and weight.format.is_quantized:
         weight = _dequantized(weight, x.values.dtype)
         tuning = dataclasses.replace(
             tuning, dequantize_first=False, word_decode=False, fold_scales=False, pair_decode=False
         )
+    if from_table and tuning.mosaic and not _mosaic_fits(x, weight, layout, tuning, use_f16_accum):
+        # The table names the Mosaic kernel, but this call has what it cannot take
+        # (a bias, a shape off its tiles): the Triton tile of the same size runs it,
+        # with the warps and stages that tile won with (8 and 4, 128x256x64 bf16).
+        tuning = dataclasses.replace(tuning, mosaic=False, num_warps=8, num_stages=4)
     return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=chosen == "interpret")
 
 
@@ -277,13 +283,28 @@ def _mosaic_unsupported(x, weight, layout, use_f16_accum) -> str | None:
     return None
 
 
+def _mosaic_fits(x, weight, layout, tuning, use_f16_accum) -> bool:
+    """Whether the Mosaic GPU kernel takes this call with ``tuning``'s tiles."""
+    if _mosaic_unsupported(x, weight, layout, use_f16_accum):
+        return False
+    try:
+        mosaic_kernel.check_tiles(_mosaic_tiles(tuning), weight.n, weight.k, x.values.dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def _mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
+    return mosaic_kernel.MosaicTiles(
+        tuning.block_m, tuning.block_n, tuning.block_k, stages=tuning.num_stages, group_m=tuning.group_m
+    )
+
+
 def _gemm_mosaic(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret):
     unsupported = _mosaic_unsupported(x, weight, layout, use_f16_accum)
     if unsupported:
         raise ValueError(f"gemm: tuning.mosaic: the Mosaic GPU kernel does not take {unsupported}")
-    tiles = mosaic_kernel.MosaicTiles(
-        tuning.block_m, tuning.block_n, tuning.block_k, stages=tuning.num_stages, group_m=tuning.group_m
-    )
+    tiles = _mosaic_tiles(tuning)
     offsets = layout.expert_offsets if isinstance(layout, L.GroupedContiguous) else None
     return mosaic_kernel.expert_gemm_mosaic(
         x.values, weight.values, offsets, tiles, out_dtype=out_dtype, interpret=interpret

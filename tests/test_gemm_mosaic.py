@@ -140,3 +140,38 @@ def test_lowers_for_the_gpu():
 
     text = jax.jit(run).trace(x, w, offsets).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_a_table_entry_naming_the_kernel_falls_back(monkeypatch, rng):
+    """The table may name the Mosaic kernel (the H200's 16-bit prefill entries
+    do); a call it cannot take — a bias, N off its tiles — runs the Triton tile
+    of the same size instead of failing. A tuning passed by hand still fails."""
+    from humming_jax import tuning as T
+
+    chosen = []
+
+    def mosaic_entry(*args):
+        chosen.append(args)
+        return TILES
+
+    monkeypatch.setattr(T, "choose_tuning", mosaic_entry)
+    m, n, k = 24, 256, 64
+    offsets = np.asarray([0, 9, 24], np.int32)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(0, 0.1, (2, n, k)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(2, n)), jnp.float32)
+    weight = F.quantize_weight(w, F.BF16.with_bias(), bias=bias)
+    layout = hj.GroupedContiguous(jnp.asarray(offsets))
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
+    assert chosen, "the table was not consulted"
+    rounded = np.asarray(weight.values.astype(jnp.float32), np.float64)
+    want = _expected(x, rounded, offsets, m)
+    for e in range(2):
+        want[offsets[e] : offsets[e + 1]] += np.asarray(weight.bias, np.float64)[e]
+    assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
+    with pytest.raises(ValueError, match="tuning.mosaic.*bias"):
+        hj.gemm(x, weight, layout, tuning=TILES, backend=KERNEL_BACKEND)
+    narrow = w[:, :192].astype(jnp.bfloat16)  # N off the kernel's 256-column tiles
+    out = hj.gemm(x, narrow, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
+    want = _expected(x, narrow, offsets, m)
+    assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
