@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v14-tests mosaic-int4 mosaic-profile mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -37,6 +37,35 @@ for step in $steps; do
                     timeout 180 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --fmt int4_g128 \
                       --tokens 4096 $mosaic --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode \
                       2>&1 | tail -4 | tee -a "$out/mosaic_inspect.log" ;;
+    # GEMM v14: 4-bit weights decoded in the Mosaic kernel (planar int4), its tests and mixtral / qwen3 int4
+    # prefill against v13's dequantize-first entry and the Triton tile.
+    v14-tests) pytest_gpu 200 tests/test_gemm_mosaic.py 2>&1 | tee "$out/v14_tests.log" | tail -8 ;;
+    mosaic-int4) v14="--config 128,256,128,4,3,mosaic,group_m=8 --config 128,128,128,4,4,mosaic,group_m=8
+                      --config 128,128,128,4,4,mosaic,group_m=8,stage_slots=4 --config 128,256,128,4,2,mosaic,group_m=8,stage_slots=4"
+                 for gemm in w13 w2; do  # qwen3 T=4096 (the ninth session: v14 628.4 us, Triton 607.2 on w13)
+                   timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm $gemm \
+                     --fmt int4_g128 --tokens 4096 $v14 \
+                     --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode 2>&1 | tail -5
+                 done | tee "$out/mosaic_int4.log"
+                 timeout 270 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --fmt int4_g128 \
+                   --tokens 4096 $v14 --config 128,256,64,4,3,mosaic,dequantize_first,group_m=8 2>&1 | tail -5 \
+                   | tee -a "$out/mosaic_int4.log" ;;
+    # The Mosaic int4 kernel's SASS and stall reasons (v14 against the bf16 kernel it extends): its launch is the
+    # one with 3 warpgroups (384 threads); a first pass names it, a second profiles it.
+    mosaic-profile) run="python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --tokens 4096"
+                    for case in "int4_g128 128,256,128,4,3,mosaic,group_m=8" "bf16 128,256,64,4,3,mosaic,group_m=8"; do
+                      set -- $case
+                      timeout 120 ncu --section LaunchStats -c 12 $run --fmt $1 --config $2 > "$out/names_$1.txt" 2>&1
+                      name=$(grep "x(384, 1, 1)" "$out/names_$1.txt" | head -1 | awk '{print $1}')  # "name (grid)x(block), ..."
+                      echo "$1: kernel $name"
+                      timeout 200 ncu -k "$name" -c 1 --section LaunchStats --section Occupancy --section WarpStateStats \
+                        --section SchedulerStats --section SourceCounters -o "$out/mosaic_$1" $run --fmt $1 --config $2 \
+                        > "$out/mosaic_$1_run.txt" 2>&1
+                      ncu --import "$out/mosaic_$1.ncu-rep" --page details > "$out/mosaic_$1_profile.txt" 2>&1
+                      ncu --import "$out/mosaic_$1.ncu-rep" --page source --print-source sass --csv \
+                        > "$out/mosaic_$1_sass.csv" 2>&1
+                      grep -E "Duration|Registers|Stall|Issued|Warp Cycles" "$out/mosaic_$1_profile.txt" | head -30
+                    done ;;
     # Ninth session: the Mosaic kernel on the w2 products (K=768 on qwen3, K=14336 on mixtral) against the Triton tiles.
     mosaic-w2) mosaic="--config 128,256,64,4,4,mosaic,dequantize_first,group_m=8
                        --config 128,256,64,4,3,mosaic,dequantize_first,group_m=8"

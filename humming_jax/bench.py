@@ -507,6 +507,13 @@ PREFILL_CANDIDATES = _candidates(
         (128, 256, 64, 4, 3, MOSAIC | DEQ),
         (128, 128, 64, 4, 4, MOSAIC | DEQ | BANDS),
         (64, 256, 64, 4, 4, MOSAIC | DEQ | BANDS),
+        # v14: int4 / uint4 planar weights decoded in the Mosaic kernel's compute
+        # warpgroups (one 128-column unit a K step, staged in shared memory for the
+        # wgmma): 3 stages of 128x256x128 take ~211 KB with the staging and epilogue.
+        (128, 256, 128, 4, 3, MOSAIC | BANDS),
+        (128, 256, 128, 4, 2, MOSAIC | BANDS),
+        (128, 128, 128, 4, 4, MOSAIC | BANDS),
+        (128, 128, 128, 4, 4, MOSAIC | BANDS | {"stage_slots": 4}),  # a whole unit staged (+16 KB)
         # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
         (128, 256, 64, 8, 4, DEQ),
         (128, 256, 64, 8, 4, DEQ | BANDS),

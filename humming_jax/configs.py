@@ -169,10 +169,16 @@ class TuningConfig:
     # last products and store (short K loops: qwen3 w2 decode runs 3 K tiles a tile).
     column_tiles: int = 1
     # The Mosaic GPU kernel (Hopper: TMA loads, warp-specialized wgmma, a persistent
-    # grid): 16-bit weights (or dequantize_first) without bias, dense or
-    # grouped-contiguous rows; block_m x block_n per tile on 2 compute warpgroups,
-    # num_stages K steps in flight, group_m row tiles per band (num_warps unused).
+    # grid): 16-bit weights, planar int4/uint4 with 128-column groups or per-channel
+    # scales (decoded in the kernel: block_k=128), others through dequantize_first;
+    # no bias, dense or grouped-contiguous rows; block_m x block_n per tile on 2
+    # compute warpgroups, num_stages K steps in flight, group_m row tiles per band
+    # (num_warps unused).
     mosaic: bool = False
+    # The Mosaic kernel's 4-bit path: decoded 32-column pieces staged in shared
+    # memory per compute warpgroup — 2 (the next piece waits for the product two
+    # pieces back) or 4 (a whole 128-column unit: no wait inside a K step).
+    stage_slots: int = 2
 
     def __post_init__(self):
         owner = "TuningConfig"
@@ -198,6 +204,10 @@ class TuningConfig:
             raise ValueError(
                 f"{owner}.mosaic: the Mosaic GPU kernel takes none of split_k, column_tiles, swap_ab, word_decode, "
                 f"got {self}"
+            )
+        if self.stage_slots not in (2, 4) or (self.stage_slots != 2 and not self.mosaic):
+            raise ValueError(
+                f"{owner}.stage_slots: 2 or 4, and other than 2 only with mosaic=True, got {self.stage_slots}"
             )
         if self.pair_decode and not self.word_decode:
             raise ValueError(f"{owner}.pair_decode: pairs the nibbles of decoded words, so it needs word_decode=True")

@@ -573,8 +573,10 @@ def _codes_in_k_order(weight: QuantizedWeight) -> jax.Array:
     if not unit:
         return codes
     e, n, k = weight.shape
-    inverse = np.argsort(planar_columns(unit))  # column c sits at nibble inverse[c]
-    return codes.reshape(e, n, k // unit, unit)[..., inverse].reshape(e, n, k)
+    # Nibble 4a + b of a unit holds column a + (unit/4) b: a transpose, not a gather
+    # (XLA fuses it into the dequantize pass of dequantize_first).
+    by_piece = codes.reshape(e, n, k // unit, unit // 4, 4)
+    return jnp.swapaxes(by_piece, -1, -2).reshape(e, n, k)
 
 
 # MXFP4 scales the GEMM folds into bf16 weights exactly: up to 2**63 (byte 190;

@@ -158,6 +158,8 @@ def gemm(
         return gemm_reference(x, weight, layout, out_dtype)
     from_table = tuning is None
     tuning = kernel_tuning(layout, weight, x.m, valid_shape_m, tuning, batch_invariant)
+    if from_table and tuning.mosaic and weight.format.is_quantized and _nibble_decode_unsupported(x, weight):
+        tuning = dataclasses.replace(tuning, dequantize_first=True)  # its 16-bit path, after one dequantize pass
     if tuning.dequantize_first and weight.format.is_quantized:
         weight = _dequantized(weight, x.values.dtype)
         tuning = dataclasses.replace(
@@ -268,27 +270,68 @@ def _layout_spec(layout, m_in: int) -> tuple[kernel.LayoutSpec, tuple[jax.Array,
     return spec, arrays
 
 
+def _nibble_decode_unsupported(x, weight) -> str | None:
+    """Why the Mosaic kernel cannot decode this quantized weight itself (None if it can)."""
+    fmt = weight.format
+    if fmt.value_type not in (F.ValueType.INT4, F.ValueType.UINT4) or fmt.zero_point == F.ZeroPoint.FLOAT:
+        return f"{fmt.name} weights (int4, or uint4 with integer zero points; others through dequantize_first)"
+    granularity = fmt.scale_granularity
+    if not (
+        granularity == F.ScaleGranularity.CHANNEL
+        or (granularity == F.ScaleGranularity.GROUP and fmt.group_size == mosaic_kernel.UNIT)
+    ):
+        return f"{fmt.name} weights ({mosaic_kernel.UNIT}-column groups or per-channel scales)"
+    if weight.nibble_unit != mosaic_kernel.UNIT or weight.half_bits:
+        return f"{fmt.name} weights in K order (the planar order of {mosaic_kernel.UNIT}-column units: to_planar)"
+    if jnp.dtype(fmt.scale_dtype) != jnp.dtype(x.values.dtype):
+        return f"{fmt.scale_dtype.__name__} scales with {x.values.dtype} inputs (scales in the input dtype)"
+    if weight.group_index is not None:
+        return "a group index (act order)"
+    return None
+
+
 def _mosaic_unsupported(x, weight, layout, use_f16_accum) -> str | None:
     """Why the Mosaic GPU kernel cannot run this call (None if it can)."""
     if weight.format.is_quantized:
-        return f"{weight.format.name} weights (16-bit weights, or dequantize_first)"
+        unsupported = _nibble_decode_unsupported(x, weight)
+        if unsupported:
+            return unsupported
+    elif jnp.dtype(weight.values.dtype) != jnp.dtype(x.values.dtype):
+        return f"{weight.values.dtype} weights with {x.values.dtype} inputs (the same 16-bit dtype)"
     if weight.bias is not None:
         return "a bias"
     if not isinstance(layout, (L.Dense, L.GroupedContiguous)):
         return f"the {layout.kind.value} layout (dense or grouped_contiguous)"
     if use_f16_accum:
         return "f16 accumulation"
-    if jnp.dtype(weight.values.dtype) != jnp.dtype(x.values.dtype):
-        return f"{weight.values.dtype} weights with {x.values.dtype} inputs (the same 16-bit dtype)"
     return None
+
+
+def _nibble_operands(weight: F.QuantizedWeight, dtype):
+    """A planar 4-bit weight as the Mosaic kernel reads it: codes ``uint16
+    [E, N, K/4]`` (each 16-bit half of the planar order), scales ``[E, G, N]``
+    in ``dtype`` with G = K/128 (per-channel ones repeated), and for uint4 the
+    code offsets ``magic + zero`` ``[E, G, N]``; and the kernel's decode spec."""
+    e, n, k = weight.shape
+    groups = k // mosaic_kernel.UNIT
+    codes = jax.lax.bitcast_convert_type(weight.values.reshape(e, n, k // 4, 2), jnp.uint16)
+    scales = jnp.broadcast_to(jnp.swapaxes(weight.scale, 1, 2), (e, groups, n)).astype(dtype)
+    zero_points = None
+    if weight.format.zero_point == F.ZeroPoint.INT:
+        magic_value = mosaic_kernel.MAGIC[jnp.dtype(dtype)][1]
+        zero_points = (jnp.swapaxes(F.decode_zero_point(weight), 1, 2) + magic_value).astype(dtype)
+    code_offset = 8 if weight.format.value_type == F.ValueType.INT4 else 0
+    decode = mosaic_kernel.NibbleDecode(groups, code_offset=code_offset, zero_points=zero_points is not None)
+    return codes, scales, zero_points, decode
 
 
 def _mosaic_fits(x, weight, layout, tuning, use_f16_accum) -> bool:
     """Whether the Mosaic GPU kernel takes this call with ``tuning``'s tiles."""
     if _mosaic_unsupported(x, weight, layout, use_f16_accum):
         return False
+    decode = mosaic_kernel.NibbleDecode(weight.k // mosaic_kernel.UNIT) if weight.format.is_quantized else None
     try:
-        mosaic_kernel.check_tiles(_mosaic_tiles(tuning), weight.n, weight.k, x.values.dtype)
+        mosaic_kernel.check_tiles(_mosaic_tiles(tuning), weight.n, weight.k, x.values.dtype, decode)
     except ValueError:
         return False
     return True
@@ -296,7 +339,12 @@ def _mosaic_fits(x, weight, layout, tuning, use_f16_accum) -> bool:
 
 def _mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
     return mosaic_kernel.MosaicTiles(
-        tuning.block_m, tuning.block_n, tuning.block_k, stages=tuning.num_stages, group_m=tuning.group_m
+        tuning.block_m,
+        tuning.block_n,
+        tuning.block_k,
+        stages=tuning.num_stages,
+        group_m=tuning.group_m,
+        stage_slots=tuning.stage_slots,
     )
 
 
@@ -304,11 +352,14 @@ def _gemm_mosaic(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
     unsupported = _mosaic_unsupported(x, weight, layout, use_f16_accum)
     if unsupported:
         raise ValueError(f"gemm: tuning.mosaic: the Mosaic GPU kernel does not take {unsupported}")
-    tiles = _mosaic_tiles(tuning)
     offsets = layout.expert_offsets if isinstance(layout, L.GroupedContiguous) else None
-    return mosaic_kernel.expert_gemm_mosaic(
-        x.values, weight.values, offsets, tiles, out_dtype=out_dtype, interpret=interpret
+    run = functools.partial(
+        mosaic_kernel.expert_gemm_mosaic, tiles=_mosaic_tiles(tuning), out_dtype=out_dtype, interpret=interpret
     )
+    if not weight.format.is_quantized:
+        return run(x.values, weight.values, offsets)
+    codes, scales, zero_points, decode = _nibble_operands(weight, x.values.dtype)
+    return run(x.values, codes, offsets, decode=decode, scales=scales, zero_points=zero_points)
 
 
 def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret):
@@ -321,7 +372,7 @@ def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         if a is not None
     )
     fields = dataclasses.asdict(tuning)
-    del fields["dequantize_first"], fields["mosaic"]  # decided here, before the kernel
+    del fields["dequantize_first"], fields["mosaic"], fields["stage_slots"]  # decided here, or Mosaic only
     tiles = kernel.Tiles(**fields)  # the kernel's mirror of TuningConfig, field for field
     return kernel.expert_gemm(
         x.values,

@@ -20,7 +20,13 @@ only its own rows, as a sum of power-of-two row slices (TMA boxes are
 static; their starts are not).
 
 Layouts: ``dense`` (one expert) and ``grouped_contiguous`` (``offsets [E+1]``).
-Weights: bf16/f16 ``[E, N, K]`` (K contiguous), no bias.
+Weights: bf16/f16 ``[E, N, K]`` (K contiguous), no bias; or 4-bit integer
+codes in the planar order of 128-column units (:class:`NibbleDecode`),
+decoded in the compute warpgroups' registers each K step: a code's 16-bit
+pattern ``magic | q`` is the float ``magic + q`` exactly, minus the offset
+(``magic`` plus the zero point), times the scale — one rounding, as the
+dequantized weight has — then staged in shared memory as the wgmma's B
+operand, one 32-column piece at a time.
 """
 
 from __future__ import annotations
@@ -52,13 +58,36 @@ class MosaicTiles:
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
+    stage_slots: int = 2  # 4-bit path: decoded pieces in shared memory per compute warpgroup (2 or 4)
 
     @property
     def wg_n(self) -> int:
         return self.block_n // COMPUTE_WARPGROUPS
 
 
-def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype) -> None:
+UNIT = 128  # columns of one planar unit: a K step of the 4-bit path
+PIECES = 4  # a unit's 16-bit half h holds columns h + 32 j at bits 4j..4j+3
+PIECE = UNIT // PIECES
+# The 16-bit float whose pattern ``MAGIC | q`` (q < 16) is ``MAGIC_VALUE + q`` exactly.
+MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class NibbleDecode:
+    """4-bit integer weights the kernel decodes: codes ``uint16 [E, N, K/4]``
+    (the planar order of 128-column units: bits ``4j..4j+3`` of half ``h``
+    hold column ``32 j + h``), scales ``[E, G, N]`` in the compute dtype (G =
+    K/128 groups; per-channel scales repeated G times: a pipelined input
+    follows the K step), and either a constant code offset
+    (``code_offset``: int4's 8) or per-group zero points ``[E, G, N]`` in the
+    compute dtype (``zero_points``: uint4)."""
+
+    groups: int
+    code_offset: int = 8
+    zero_points: bool = False
+
+
+def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode | None = None) -> None:
     """The shapes the kernel's static TMA boxes and wgmma tiles need."""
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize != 2:
@@ -74,12 +103,24 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype) -> None:
         raise ValueError(
             f"mosaic GEMM: block_m * block_n / 2 must be at most 128 * 128, got {tiles.block_m} x {tiles.block_n}"
         )
-    if tiles.block_k * itemsize not in (32, 64, 128):
+    if decode is None and tiles.block_k * itemsize not in (32, 64, 128):
         raise ValueError(f"mosaic GEMM: block_k must be 16, 32 or 64 for 16-bit operands, got {tiles.block_k}")
     if n % tiles.block_n:
         raise ValueError(f"mosaic GEMM: N={n} must be a multiple of block_n={tiles.block_n}")
     if k % tiles.block_k:
         raise ValueError(f"mosaic GEMM: K={k} must be a multiple of block_k={tiles.block_k}")
+    if tiles.stage_slots not in (2, PIECES):
+        raise ValueError(f"mosaic GEMM: stage_slots must be 2 or {PIECES}, got {tiles.stage_slots}")
+    if decode is not None:
+        if tiles.block_k != UNIT:
+            raise ValueError(f"mosaic GEMM: 4-bit weights take block_k={UNIT} (one planar unit), got {tiles.block_k}")
+        if jnp.dtype(dtype) not in MAGIC:
+            raise ValueError(f"mosaic GEMM: 4-bit weights take bf16 or f16 inputs, got {jnp.dtype(dtype)}")
+        if decode.groups != k // UNIT:
+            raise ValueError(
+                f"mosaic GEMM: 4-bit weights take a scale per {UNIT} columns (per-channel ones repeated), "
+                f"got {decode.groups} groups over K={k}"
+            )
 
 
 def max_row_tiles(groups: int, m: int, block_m: int) -> int:
@@ -146,42 +187,94 @@ def _store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
         size //= 2
 
 
-def _kernel(table_ref, x_gmem, w_gmem, o_gmem, *, tiles: MosaicTiles, num_experts: int, row_tiles: int):
+def _swizzled(columns: int, dtype) -> tuple:
+    """Tiling + swizzle transforms of a 16-bit ``[rows, columns]`` wgmma operand."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(columns * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _decode_piece(codes, piece: int, offset, scale, dtype):
+    """Columns ``[32 piece, 32 piece + 32)`` of a unit from its codes
+    ``uint16 [rows, 32]``: ``(magic + q - offset) * scale`` in ``dtype`` (the
+    subtraction exact, the product rounded once)."""
+    magic, _ = MAGIC[jnp.dtype(dtype)]
+    bits = ((codes >> (4 * piece)) & 0xF) | magic
+    return (lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype) - offset) * scale
+
+
+def _kernel(
+    table_ref,
+    x_gmem,
+    w_gmem,
+    *rest,
+    tiles: MosaicTiles,
+    num_experts: int,
+    row_tiles: int,
+    decode: NibbleDecode | None,
+    interpret: bool,
+):
+    quant_gmem, o_gmem = rest[:-1], rest[-1]  # scales [E, G, N] (and zero points) when decoding
     m, k = x_gmem.shape
     n = w_gmem.shape[1]
+    dtype = x_gmem.dtype
     bm, bk, wg_n = tiles.block_m, tiles.block_k, tiles.wg_n
     col_tiles = n // tiles.block_n
-    swizzle = plgpu.find_swizzle(bk * jnp.dtype(x_gmem.dtype).itemsize * 8)
-    transforms = (
-        plgpu.TilingTransform((8, swizzle // jnp.dtype(x_gmem.dtype).itemsize)),
-        plgpu.SwizzleTransform(swizzle),
-    )
+    if decode is None:
+        in_specs = [
+            plgpu.BlockSpec((bm, bk), lambda i: (0, i), transforms=_swizzled(bk, dtype)),
+            plgpu.BlockSpec((tiles.block_n, bk), lambda i: (0, i), transforms=_swizzled(bk, dtype)),
+        ]
+    else:  # x as the unit's 4 pieces, the unit's codes, its group's scales (and zero points)
+        in_specs = [
+            *(
+                plgpu.BlockSpec((bm, PIECE), lambda i, j=j: (0, PIECES * i + j), transforms=_swizzled(PIECE, dtype))
+                for j in range(PIECES)
+            ),
+            plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i)),
+            *(plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
+        ]
 
     def pipeline(step, context):
         return plgpu.emit_pipeline_warp_specialized(
             step,
             grid=(k // bk,),
             memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((bm, bk), lambda i: (0, i), transforms=transforms),
-                plgpu.BlockSpec((tiles.block_n, bk), lambda i: (0, i), transforms=transforms),
-            ],
+            in_specs=in_specs,
             wg_axis="wg",
             num_compute_wgs=COMPUTE_WARPGROUPS,
             max_concurrent_steps=tiles.stages,
             compute_context=context,
         )
 
+    def operands(group, col_tile, load_row):
+        """The pipeline's gmem inputs for one output tile."""
+        cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
+        rows = x_gmem.at[pl.ds(load_row, bm)]
+        if decode is None:
+            return rows, w_gmem.at[group, cols]
+        return (*(rows for _ in range(PIECES)), w_gmem.at[group, cols], *(q.at[group, :, cols] for q in quant_gmem))
+
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
+    # The decoded pieces wait in shared memory for the wgmma, two slots a warpgroup
+    # (the interpreter cannot store through a swizzle: there they are plain).
+    stage_transforms = () if interpret else _swizzled(PIECE, dtype)
+    scratch = dict(
+        o_smem=plgpu.SMEM((COMPUTE_WARPGROUPS, bm, EPILOGUE_COLUMNS), o_gmem.dtype),
+        stage=plgpu.SMEM((COMPUTE_WARPGROUPS, tiles.stage_slots, wg_n, PIECE), dtype, transforms=stage_transforms)
+        if decode is not None
+        else None,
+    )
 
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(unused, unused).get_allocations(x_gmem, w_gmem.at[0]),
-        o_smem=plgpu.SMEM((COMPUTE_WARPGROUPS, bm, EPILOGUE_COLUMNS), o_gmem.dtype),
+        allocations=pipeline(unused, unused).get_allocations(*operands(0, 0, 0)),
+        **{name: shape for name, shape in scratch.items() if shape is not None},
         collective_axes="wg",
     )
-    def _(allocations, o_smem):
+    def _(allocations, o_smem, stage=None):
         wg = lax.axis_index("wg")
+        wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
 
         @plgpu.nd_loop((row_tiles * col_tiles,), collective_axes="sm")
         def _(loop):
@@ -208,17 +301,33 @@ def _kernel(table_ref, x_gmem, w_gmem, o_gmem, *, tiles: MosaicTiles, num_expert
                     store(acc_ref[...].astype(o_gmem.dtype))
 
             def step(_, x_smem, w_smem, acc_ref):
-                plgpu.wgmma(acc_ref, x_smem, w_smem.at[pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            def decode_step(_, *refs):
+                x_pieces, codes_smem, quant, acc_ref = refs[:PIECES], refs[PIECES], refs[PIECES + 1 : -1], refs[-1]
+                codes = codes_smem[wg_slice]
+                scale = quant[0][0, wg_slice][:, None]
+                if decode.zero_points:
+                    code_offset = quant[1][0, wg_slice][:, None]
+                else:
+                    code_offset = jnp.asarray(MAGIC[jnp.dtype(dtype)][1] + decode.code_offset, dtype)
+                slots = tiles.stage_slots
+                for piece in range(PIECES):
+                    slot = stage.at[wg, piece % slots]
+                    if piece >= slots:
+                        plgpu.wgmma_wait(1)  # the product that read this slot (piece - slots) is done
+                    slot[...] = _decode_piece(codes, piece, code_offset, scale, dtype)
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, x_pieces[piece], slot.transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
             @pl.when((rows > 0) & (group < num_experts))
             def _():
-                pipeline(step, context)(
-                    x_gmem.at[pl.ds(load_row, bm)],
-                    w_gmem.at[group, pl.ds(col_tile * tiles.block_n, tiles.block_n)],
-                    allocations=allocations,
-                )
+                body = step if decode is None else decode_step
+                pipeline(body, context)(*operands(group, col_tile, load_row), allocations=allocations)
 
             @pl.when((rows > 0) & (group >= num_experts) & (wg < COMPUTE_WARPGROUPS))
             def _():  # rows no expert owns: zeros
@@ -234,15 +343,34 @@ def expert_gemm_mosaic(
     tiles: MosaicTiles,
     *,
     out_dtype,
+    decode: NibbleDecode | None = None,
+    scales: jax.Array | None = None,
+    zero_points: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """``x [M, K]`` (bf16/f16) times the 16-bit ``weight [E, N, K]``: row
-    ``r`` of the ``[M, N]`` result (``out_dtype``) uses the expert whose range
-    ``[offsets[e], offsets[e+1])`` holds it (``offsets`` None: the one expert
-    of a dense layout); rows outside every range are zero."""
+    """``x [M, K]`` (bf16/f16) times ``weight``: row ``r`` of the ``[M, N]``
+    result (``out_dtype``) uses the expert whose range ``[offsets[e],
+    offsets[e+1])`` holds it (``offsets`` None: the one expert of a dense
+    layout); rows outside every range are zero. ``weight`` is ``[E, N, K]`` in
+    x's dtype, or with ``decode`` the 4-bit codes ``uint16 [E, N, K/4]`` with
+    ``scales`` (and ``zero_points``) ``[E, G, N]`` in x's dtype (see
+    :class:`NibbleDecode`)."""
     m, k = x.shape
-    num_experts, n, _ = weight.shape
-    check_tiles(tiles, n, k, x.dtype)
+    num_experts, n = weight.shape[:2]
+    check_tiles(tiles, n, k, x.dtype, decode)
+    quant = ()
+    if decode is not None:
+        want = (num_experts, decode.groups, n)
+        quant = (scales,) + ((zero_points,) if decode.zero_points else ())
+        if weight.shape != (num_experts, n, k // PIECES) or weight.dtype != jnp.uint16:
+            raise ValueError(
+                f"mosaic GEMM: 4-bit codes must be uint16 {(num_experts, n, k // PIECES)}, got "
+                f"{weight.dtype} {weight.shape}"
+            )
+        for name, array in zip(("scales", "zero_points")[: len(quant)], quant, strict=True):
+            if array is None or array.shape != want or array.dtype != x.dtype:
+                got = None if array is None else f"{array.dtype} {array.shape}"
+                raise ValueError(f"mosaic GEMM: {name} must be {x.dtype} {want}, got {got}")
     if offsets is None:
         offsets = jnp.asarray([0, m], jnp.int32)
     padded = padded_rows(m, tiles.block_m)  # a row tile's box fits inside x
@@ -252,8 +380,11 @@ def expert_gemm_mosaic(
     row_tiles = table.shape[0]
     # One persistent program per SM (a few when interpreted: the loop covers every tile either way).
     sms = 4 if interpret else getattr(jax.devices()[0], "core_count", None) or H100_SMS
+    body = functools.partial(
+        _kernel, tiles=tiles, num_experts=num_experts, row_tiles=row_tiles, decode=decode, interpret=interpret
+    )
     kernel = plgpu.kernel(
-        functools.partial(_kernel, tiles=tiles, num_experts=num_experts, row_tiles=row_tiles),
+        body,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(sms,),
         grid_names=("sm",),
@@ -263,4 +394,4 @@ def expert_gemm_mosaic(
         # Interpreted, fresh memory reads as NaN: a row the kernel failed to store shows.
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
-    return kernel(table, x, weight)
+    return kernel(table, x, weight, *quant)

@@ -79,6 +79,65 @@ def test_quantized_weights_through_dequantize_first(stored, rng):
     assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
 
 
+INT4_G128_F16 = F._preset("int4_g128_f16", "int4", "group", "float16", 128)
+
+
+@pytest.mark.parametrize(
+    "fmt,dtype,slots",
+    [
+        (F.INT4_G128, jnp.bfloat16, 2),
+        (F.INT4_G128, jnp.bfloat16, 4),  # a whole unit staged: no wait inside a K step
+        (F.UINT4_ZP_G128, jnp.bfloat16, 2),  # integer zero points per group
+        (F.INT4_CHANNEL, jnp.bfloat16, 2),  # per-channel scales, repeated per 128 columns
+        (INT4_G128_F16, jnp.float16, 2),  # f16: the code as 1024 + q
+    ],
+)
+def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, slots, rng):
+    """Planar 4-bit weights decoded in the compute warpgroups each K step
+    (``(magic + q - offset) * scale``, staged in shared memory for the wgmma)
+    equal the product with the dequantized weight rounded once to the input
+    dtype — against float64 NumPy, with an empty expert, heavy-tailed weights
+    and rows no expert owns (NaN-filled memory: they must be stored as zeros)."""
+    m, n, k, e = 45, 256, 384, 3
+    weights = rng.standard_t(3, size=(e, n, k)) * 0.05
+    weight = hj.to_planar(F.quantize_weight(jnp.asarray(weights, jnp.float32), fmt))
+    assert weight.nibble_unit == mosaic.UNIT
+    x = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    offsets = np.asarray([0, 17, 17, 40], np.int32)
+    tuning = hj.TuningConfig(64, 256, 128, num_stages=2, group_m=2, mosaic=True, stage_slots=slots)
+    out = hj.gemm(
+        x,
+        weight,
+        hj.GroupedContiguous(jnp.asarray(offsets)),
+        out_dtype=jnp.float32,
+        tuning=tuning,
+        backend=KERNEL_BACKEND,
+    )
+    rounded = F.dequantize_weight(weight).astype(dtype)
+    want = _expected(x, rounded, offsets, m)
+    got = np.asarray(out, np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    assert np.all(got[offsets[-1] :] == 0)
+
+
+def test_nibble_weights_refused_with_the_reason(rng):
+    """What the in-kernel decode cannot take names itself: K-order codes,
+    groups other than 128 columns, MXFP4 (dequantize_first runs those)."""
+    x = jnp.asarray(rng.normal(size=(16, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(0, 0.05, (2, 256, 256)), jnp.float32)
+    grouped = hj.GroupedContiguous(jnp.asarray([0, 8, 16], jnp.int32))
+    run = dict(tuning=hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True), backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="tuning.mosaic.*K order.*to_planar"):
+        hj.gemm(x, F.quantize_weight(w, F.INT4_G128), grouped, **run)
+    with pytest.raises(ValueError, match="tuning.mosaic.*128-column groups"):
+        hj.gemm(x, hj.to_planar(F.quantize_weight(w, F.INT4_G64)), grouped, **run)
+    with pytest.raises(ValueError, match="tuning.mosaic.*mxfp4.*dequantize_first"):
+        hj.gemm(x, hj.to_planar(F.quantize_weight(w, F.MXFP4)), grouped, **run)
+    with pytest.raises(ValueError, match="block_k=128"):
+        planar = hj.to_planar(F.quantize_weight(w, F.INT4_G128))
+        hj.gemm(x, planar, grouped, tuning=hj.TuningConfig(64, 256, 64, mosaic=True), backend=KERNEL_BACKEND)
+
+
 def test_what_the_kernel_refuses(rng):
     x = jnp.asarray(rng.normal(size=(16, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(2, 256, 64)), jnp.bfloat16)
@@ -96,6 +155,8 @@ def test_what_the_kernel_refuses(rng):
         hj.gemm(x, w, grouped, tuning=hj.TuningConfig(128, 512, 64, mosaic=True), backend=KERNEL_BACKEND)
     with pytest.raises(ValueError, match="mosaic"):
         hj.TuningConfig(64, 256, 64, split_k=2, mosaic=True)
+    with pytest.raises(ValueError, match="stage_slots"):
+        hj.TuningConfig(64, 256, 64, stage_slots=4)
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
@@ -139,6 +200,29 @@ def test_lowers_for_the_gpu():
         return mosaic.expert_gemm_mosaic(x, w, offsets, tiles, out_dtype=jnp.bfloat16)
 
     text = jax.jit(run).trace(x, w, offsets).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_nibble_decode_lowers_for_the_gpu(zero_points):
+    """The 4-bit path (swizzled staging of the decoded pieces, 4 x pieces and
+    the codes per pipeline step) lowers for the GPU on the CPU."""
+    e, n, k = 3, 512, 512
+    codes = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
+    scales = jax.ShapeDtypeStruct((e, k // 128, n), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
+    offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
+    tiles = mosaic.MosaicTiles(128, 256, 128, stages=3)
+    decode = mosaic.NibbleDecode(k // 128, zero_points=zero_points)
+
+    def run(x, codes, offsets, scales):
+        zeros = scales if zero_points else None
+        return mosaic.expert_gemm_mosaic(
+            x, codes, offsets, tiles, out_dtype=jnp.bfloat16, decode=decode, scales=scales, zero_points=zeros
+        )
+
+    text = jax.jit(run).trace(x, codes, offsets, scales).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
