@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -40,8 +40,8 @@ for step in $steps; do
     # GEMM v14: 4-bit weights decoded in the Mosaic kernel (planar int4), its tests and mixtral / qwen3 int4
     # prefill against v13's dequantize-first entry and the Triton tile.
     v14-tests) pytest_gpu 200 tests/test_gemm_mosaic.py 2>&1 | tee "$out/v14_tests.log" | tail -8 ;;
-    mosaic-int4) v14="--config 128,256,128,4,3,mosaic,group_m=8 --config 128,128,128,4,4,mosaic,group_m=8
-                      --config 128,128,128,4,4,mosaic,group_m=8,stage_slots=4 --config 128,256,128,4,2,mosaic,group_m=8,stage_slots=4"
+    mosaic-int4) v14="--config 128,256,128,4,3,mosaic,group_m=8 --config 128,128,128,4,4,mosaic,group_m=8,stage_slots=4
+                      --config 256,128,128,4,2,mosaic,group_m=8,split_rows --config 128,256,128,4,2,mosaic,group_m=8,stage_slots=4"
                  for gemm in w13 w2; do  # qwen3 T=4096 (the ninth session: v14 628.4 us, Triton 607.2 on w13)
                    timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm $gemm \
                      --fmt int4_g128 --tokens 4096 $v14 \
@@ -50,6 +50,14 @@ for step in $steps; do
                  timeout 270 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --fmt int4_g128 \
                    --tokens 4096 $v14 --config 128,256,64,4,3,mosaic,dequantize_first,group_m=8 2>&1 | tail -5 \
                    | tee -a "$out/mosaic_int4.log" ;;
+    # bf16 prefill with the warpgroups on half the rows each (256x128 tiles) against v13's 128x256 (mixtral 3340.3,
+    # qwen3 w13 469.5 us).
+    mosaic-split-bf16) for problem in mixtral-8x7b qwen3-30b-a3b; do
+                         timeout 200 python3 -W ignore -m benchmarks.inspect_gemm --problem $problem --fmt bf16 \
+                           --tokens 4096 --config 256,128,64,4,4,mosaic,group_m=8,split_rows \
+                           --config 256,128,64,4,3,mosaic,group_m=8,split_rows \
+                           --config 128,256,64,4,3,mosaic,group_m=8 2>&1 | tail -3
+                       done | tee "$out/mosaic_split_bf16.log" ;;
     # MXFP4 prefill through dequantize-first on the Mosaic kernel against the Triton 128x256x128 tile
     # (mixtral 5815.4 us, qwen3 764.1 in the ninth session's bench).
     mosaic-fp4) for problem in mixtral-8x7b qwen3-30b-a3b; do

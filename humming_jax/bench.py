@@ -514,6 +514,10 @@ PREFILL_CANDIDATES = _candidates(
         (128, 256, 128, 4, 2, MOSAIC | BANDS),
         (128, 128, 128, 4, 4, MOSAIC | BANDS),
         (128, 128, 128, 4, 4, MOSAIC | BANDS | {"stage_slots": 4}),  # a whole unit staged (+16 KB)
+        # The warpgroups on 128 rows each, sharing the weight tile (decoded half by
+        # each: half the decoding per product); 2 stages of 256-row x pieces: ~208 KB.
+        (256, 128, 128, 4, 2, MOSAIC | BANDS | {"split_rows": True}),
+        (256, 128, 64, 4, 4, MOSAIC | DEQ | BANDS | {"split_rows": True}),
         # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
         (128, 256, 64, 8, 4, DEQ),
         (128, 256, 64, 8, 4, DEQ | BANDS),

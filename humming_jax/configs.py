@@ -179,6 +179,10 @@ class TuningConfig:
     # memory per compute warpgroup — 2 (the next piece waits for the product two
     # pieces back) or 4 (a whole 128-column unit: no wait inside a K step).
     stage_slots: int = 2
+    # The Mosaic kernel's two compute warpgroups take half the tile's rows each
+    # (block_m 128 or 256) and share its weight tile — a 4-bit one decoded half by
+    # each — instead of half its columns: half the decoding per product.
+    split_rows: bool = False
 
     def __post_init__(self):
         owner = "TuningConfig"
@@ -209,6 +213,8 @@ class TuningConfig:
             raise ValueError(
                 f"{owner}.stage_slots: 2 or 4, and other than 2 only with mosaic=True, got {self.stage_slots}"
             )
+        if self.split_rows and not self.mosaic:
+            raise ValueError(f"{owner}.split_rows: a Mosaic kernel option, needs mosaic=True")
         if self.pair_decode and not self.word_decode:
             raise ValueError(f"{owner}.pair_decode: pairs the nibbles of decoded words, so it needs word_decode=True")
 

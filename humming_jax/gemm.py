@@ -345,6 +345,7 @@ def _mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
         stages=tuning.num_stages,
         group_m=tuning.group_m,
         stage_slots=tuning.stage_slots,
+        split_rows=tuning.split_rows,
     )
 
 
@@ -372,7 +373,8 @@ def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         if a is not None
     )
     fields = dataclasses.asdict(tuning)
-    del fields["dequantize_first"], fields["mosaic"], fields["stage_slots"]  # decided here, or Mosaic only
+    for name in ("dequantize_first", "mosaic", "stage_slots", "split_rows"):  # decided here, or Mosaic only
+        del fields[name]
     tiles = kernel.Tiles(**fields)  # the kernel's mirror of TuningConfig, field for field
     return kernel.expert_gemm(
         x.values,

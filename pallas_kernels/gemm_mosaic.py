@@ -7,7 +7,8 @@ cp.async-pipelined Triton tile stops at ~510 TFLOP/s (mixtral w13). One
 warpgroup issues the TMA copies of each K step, two compute warpgroups run
 the products of one ``[block_m, block_n]`` output tile, each on half its
 columns (``wgmma``: x from shared memory, the weight tile ``[block_n/2, bk]``
-transposed in place as the B operand).
+transposed in place as the B operand) — or, with ``split_rows``, each on half
+its rows with the whole weight tile.
 
 Rows: TMA cannot gather, so a row tile is ``block_m`` consecutive rows of x.
 The launcher turns the layout into a table of row tiles — ``(group, load
@@ -50,7 +51,9 @@ H100_SMS = 132  # H100 / H200: programs of the persistent grid when the device d
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
     """``block_m`` rows by ``block_n`` columns per output tile (each compute
-    warpgroup takes ``block_n / 2``), ``block_k`` per pipeline step, ``stages``
+    warpgroup takes ``block_n / 2`` — or with ``split_rows`` ``block_m / 2``
+    rows and every column, the two sharing each weight tile: 4-bit codes are
+    then decoded half by each), ``block_k`` per pipeline step, ``stages``
     steps in flight, programs ordered in bands of ``group_m`` row tiles."""
 
     block_m: int = 128
@@ -59,10 +62,17 @@ class MosaicTiles:
     stages: int = 4
     group_m: int = 8
     stage_slots: int = 2  # 4-bit path: decoded pieces in shared memory per compute warpgroup (2 or 4)
+    split_rows: bool = False
+
+    @property
+    def wg_m(self) -> int:
+        """Rows of a compute warpgroup's accumulator."""
+        return self.block_m // COMPUTE_WARPGROUPS if self.split_rows else self.block_m
 
     @property
     def wg_n(self) -> int:
-        return self.block_n // COMPUTE_WARPGROUPS
+        """Columns of a compute warpgroup's accumulator."""
+        return self.block_n if self.split_rows else self.block_n // COMPUTE_WARPGROUPS
 
 
 UNIT = 128  # columns of one planar unit: a K step of the 4-bit path
@@ -92,16 +102,19 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode 
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize != 2:
         raise ValueError(f"mosaic GEMM: 16-bit inputs and weights, got {jnp.dtype(dtype)}")
-    if tiles.block_m not in (64, 128):
-        raise ValueError(f"mosaic GEMM: block_m must be 64 or 128, got {tiles.block_m}")
+    if tiles.wg_m not in (64, 128):  # wgmma rows: multiples of 64
+        allowed = "128 or 256 with split_rows" if tiles.split_rows else "64 or 128"
+        raise ValueError(f"mosaic GEMM: block_m must be {allowed}, got {tiles.block_m}")
     if tiles.wg_n % EPILOGUE_COLUMNS or tiles.wg_n > 256:
+        ways = 1 if tiles.split_rows else COMPUTE_WARPGROUPS
         raise ValueError(
-            f"mosaic GEMM: block_n must be a multiple of {COMPUTE_WARPGROUPS * EPILOGUE_COLUMNS} "
-            f"and at most 512, got {tiles.block_n}"
+            f"mosaic GEMM: block_n must be a multiple of {ways * EPILOGUE_COLUMNS} "
+            f"and at most {ways * 256}, got {tiles.block_n}"
         )
-    if tiles.block_m * tiles.wg_n > 128 * 128:  # 128 f32 registers a thread for the accumulator
+    if tiles.wg_m * tiles.wg_n > 128 * 128:  # 128 f32 registers a thread for the accumulator
         raise ValueError(
-            f"mosaic GEMM: block_m * block_n / 2 must be at most 128 * 128, got {tiles.block_m} x {tiles.block_n}"
+            f"mosaic GEMM: a warpgroup's accumulator (block_m x block_n / 2, or block_m / 2 x block_n with "
+            f"split_rows) must be at most 128 x 128, got block_m={tiles.block_m}, block_n={tiles.block_n}"
         )
     if decode is None and tiles.block_k * itemsize not in (32, 64, 128):
         raise ValueError(f"mosaic GEMM: block_k must be 16, 32 or 64 for 16-bit operands, got {tiles.block_k}")
@@ -218,8 +231,9 @@ def _kernel(
     m, k = x_gmem.shape
     n = w_gmem.shape[1]
     dtype = x_gmem.dtype
-    bm, bk, wg_n = tiles.block_m, tiles.block_k, tiles.wg_n
+    bm, bk, wg_m, wg_n = tiles.block_m, tiles.block_k, tiles.wg_m, tiles.wg_n
     col_tiles = n // tiles.block_n
+    shared = tiles.split_rows  # the warpgroups split the rows and share the weight tile
     if decode is None:
         in_specs = [
             plgpu.BlockSpec((bm, bk), lambda i: (0, i), transforms=_swizzled(bk, dtype)),
@@ -256,14 +270,17 @@ def _kernel(
         return (*(rows for _ in range(PIECES)), w_gmem.at[group, cols], *(q.at[group, :, cols] for q in quant_gmem))
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-    # The decoded pieces wait in shared memory for the wgmma, two slots a warpgroup
+    # The decoded pieces wait in shared memory for the wgmma: slots per warpgroup, or
+    # with split_rows the unit's 4 pieces shared by both, behind two barriers a step
     # (the interpreter cannot store through a swizzle: there they are plain).
     stage_transforms = () if interpret else _swizzled(PIECE, dtype)
+    stage_shape = (PIECES, tiles.block_n, PIECE) if shared else (COMPUTE_WARPGROUPS, tiles.stage_slots, wg_n, PIECE)
+    decoding = decode is not None
     scratch = dict(
-        o_smem=plgpu.SMEM((COMPUTE_WARPGROUPS, bm, EPILOGUE_COLUMNS), o_gmem.dtype),
-        stage=plgpu.SMEM((COMPUTE_WARPGROUPS, tiles.stage_slots, wg_n, PIECE), dtype, transforms=stage_transforms)
-        if decode is not None
-        else None,
+        o_smem=plgpu.SMEM((COMPUTE_WARPGROUPS, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
+        stage=plgpu.SMEM(stage_shape, dtype, transforms=stage_transforms) if decoding else None,
+        # [0]: both warpgroups' pieces are in shared memory; [1]: both products have read them.
+        sync=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2) if decoding and shared else None,
     )
 
     @functools.partial(
@@ -272,9 +289,11 @@ def _kernel(
         **{name: shape for name, shape in scratch.items() if shape is not None},
         collective_axes="wg",
     )
-    def _(allocations, o_smem, stage=None):
+    def _(allocations, o_smem, stage=None, sync=None):
         wg = lax.axis_index("wg")
-        wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
+        # The warpgroup's rows of the tile and its columns of the weight tile.
+        wg_rows = pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m) if shared else slice(None)
+        wg_slice = slice(None) if shared else pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
 
         @plgpu.nd_loop((row_tiles * col_tiles,), collective_axes="sm")
         def _(loop):
@@ -283,25 +302,30 @@ def _kernel(
             group, load_row = table_ref[row_tile, 0], pl.multiple_of(table_ref[row_tile, 1], ROW_ALIGN)
             first_row, rows = table_ref[row_tile, 2], table_ref[row_tile, 3]
             offset = first_row - load_row  # the tile's own rows in the loaded box (the others are not stored)
-            wg_cols = col_tile * tiles.block_n + wg * wg_n
+            wg_cols = col_tile * tiles.block_n + (0 if shared else wg * wg_n)
+            # The tile's own rows [offset, offset + rows) within this warpgroup's rows.
+            wg_first = wg * wg_m if shared else 0
+            own_start = jnp.maximum(offset, wg_first)
+            own_rows = jnp.clip(jnp.minimum(offset + rows, wg_first + wg_m) - own_start, 0, wg_m)
 
             def store(acc):
-                """The compute warpgroup's ``[bm, wg_n]`` result, its own rows only."""
+                """The compute warpgroup's ``[wg_m, wg_n]`` result, its own rows only."""
                 for chunk in range(wg_n // EPILOGUE_COLUMNS):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copy has read it
                     o_smem[wg] = acc[:, chunk * EPILOGUE_COLUMNS : (chunk + 1) * EPILOGUE_COLUMNS]
                     plgpu.commit_smem()
                     cols = o_gmem.at[:, pl.ds(wg_cols + chunk * EPILOGUE_COLUMNS, EPILOGUE_COLUMNS)]
-                    _store_rows(o_smem.at[wg], cols, first_row, offset, rows, bm)
+                    gmem_first = first_row + own_start - offset
+                    _store_rows(o_smem.at[wg], cols, gmem_first, own_start - wg_first, own_rows, wg_m)
 
             def context(run):
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, wg_n), jnp.float32))
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
                 def _(acc_ref):
                     run(acc_ref)
                     store(acc_ref[...].astype(o_gmem.dtype))
 
             def step(_, x_smem, w_smem, acc_ref):
-                plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[wg_slice].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
@@ -313,6 +337,8 @@ def _kernel(
                     code_offset = quant[1][0, wg_slice][:, None]
                 else:
                     code_offset = jnp.asarray(MAGIC[jnp.dtype(dtype)][1] + decode.code_offset, dtype)
+                if shared:
+                    return shared_decode_step(x_pieces, codes, code_offset, scale, acc_ref)
                 slots = tiles.stage_slots
                 for piece in range(PIECES):
                     slot = stage.at[wg, piece % slots]
@@ -324,6 +350,26 @@ def _kernel(
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
+            def shared_decode_step(x_pieces, codes, code_offset, scale, acc_ref):
+                """Split rows: each warpgroup decodes half the unit's pieces into the
+                shared stage, then both multiply their rows by all four."""
+                for owner in range(COMPUTE_WARPGROUPS):
+
+                    @pl.when(wg == owner)
+                    def _(owner=owner):
+                        for piece in range(owner * 2, owner * 2 + 2):
+                            stage[piece] = _decode_piece(codes, piece, code_offset, scale, dtype)
+
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(sync.at[0])
+                plgpu.barrier_wait(sync.at[0])
+                for piece in range(PIECES):
+                    plgpu.wgmma(acc_ref, x_pieces[piece].at[wg_rows], stage.at[piece].transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(sync.at[1])  # the next step may overwrite the stage
+                plgpu.barrier_wait(sync.at[1])
+                return acc_ref
+
             @pl.when((rows > 0) & (group < num_experts))
             def _():
                 body = step if decode is None else decode_step
@@ -331,7 +377,7 @@ def _kernel(
 
             @pl.when((rows > 0) & (group >= num_experts) & (wg < COMPUTE_WARPGROUPS))
             def _():  # rows no expert owns: zeros
-                store(jnp.zeros((bm, wg_n), o_gmem.dtype))
+                store(jnp.zeros((wg_m, wg_n), o_gmem.dtype))
 
     plgpu.wait_smem_to_gmem(0)
 

@@ -2,6 +2,8 @@
 wgmma) in the Mosaic GPU interpreter on the CPU, against a float64 NumPy
 product; its row-tile table exhaustively; its lowering for the GPU."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,15 +26,22 @@ def _expected(x, w, offsets, m):
     return out
 
 
+SPLIT_ROWS = hj.TuningConfig(128, 128, 64, num_stages=2, group_m=2, mosaic=True, split_rows=True)
+
+
 @pytest.mark.parametrize(
-    "counts,dtype,out_dtype",
+    "counts,dtype,out_dtype,tuning",
     [
-        ((7, 0, 23, 3), jnp.bfloat16, jnp.float32),  # an empty expert, ragged tiles
-        ((0, 0, 40, 0), jnp.bfloat16, jnp.bfloat16),  # all rows on one expert
-        ((1, 70, 0, 30), jnp.float16, jnp.float32),  # tiles straddling the 8-row grid, two tiles on one expert
+        ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, TILES),  # an empty expert, ragged tiles
+        ((0, 0, 40, 0), jnp.bfloat16, jnp.bfloat16, TILES),  # all rows on one expert
+        ((1, 70, 0, 30), jnp.float16, jnp.float32, TILES),  # tiles straddling the 8-row grid, two tiles on one expert
+        # Split rows: 64 a warpgroup, each storing its own part of a tile's rows
+        # (the 70-row expert's first tile ends in the second warpgroup's half).
+        ((1, 70, 0, 30), jnp.bfloat16, jnp.float32, SPLIT_ROWS),
+        ((7, 0, 23, 3), jnp.bfloat16, jnp.bfloat16, SPLIT_ROWS),
     ],
 )
-def test_grouped_rows_against_numpy(counts, dtype, out_dtype, rng):
+def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
     """Expert ranges cut into row tiles from the 8-row grid; rows past the
     last range (5 here) are zeros (the interpreter fills fresh memory with NaN,
     so a row left unwritten would show)."""
@@ -41,7 +50,7 @@ def test_grouped_rows_against_numpy(counts, dtype, out_dtype, rng):
     x = jnp.asarray(rng.normal(size=(m, k)), dtype)
     w = jnp.asarray(rng.normal(0, 0.1, (len(counts), n, k)), dtype)
     layout = hj.GroupedContiguous(jnp.asarray(offsets))
-    out = hj.gemm(x, w, layout, out_dtype=out_dtype, tuning=TILES, backend=KERNEL_BACKEND)
+    out = hj.gemm(x, w, layout, out_dtype=out_dtype, tuning=tuning, backend=KERNEL_BACKEND)
     want = _expected(x, w, offsets, m)
     got = np.asarray(out.astype(jnp.float32), np.float64)
     bound = 1e-5 if out_dtype == jnp.float32 else 1e-2
@@ -83,16 +92,18 @@ INT4_G128_F16 = F._preset("int4_g128_f16", "int4", "group", "float16", 128)
 
 
 @pytest.mark.parametrize(
-    "fmt,dtype,slots",
+    "fmt,dtype,options",
     [
-        (F.INT4_G128, jnp.bfloat16, 2),
-        (F.INT4_G128, jnp.bfloat16, 4),  # a whole unit staged: no wait inside a K step
-        (F.UINT4_ZP_G128, jnp.bfloat16, 2),  # integer zero points per group
-        (F.INT4_CHANNEL, jnp.bfloat16, 2),  # per-channel scales, repeated per 128 columns
-        (INT4_G128_F16, jnp.float16, 2),  # f16: the code as 1024 + q
+        (F.INT4_G128, jnp.bfloat16, {}),
+        (F.INT4_G128, jnp.bfloat16, {"stage_slots": 4}),  # a whole unit staged: no wait inside a K step
+        (F.INT4_G128, jnp.bfloat16, {"split_rows": True}),  # 128 rows, 64 a warpgroup, one shared stage
+        (F.UINT4_ZP_G128, jnp.bfloat16, {}),  # integer zero points per group
+        (F.UINT4_ZP_G128, jnp.bfloat16, {"split_rows": True}),
+        (F.INT4_CHANNEL, jnp.bfloat16, {}),  # per-channel scales, repeated per 128 columns
+        (INT4_G128_F16, jnp.float16, {}),  # f16: the code as 1024 + q
     ],
 )
-def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, slots, rng):
+def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
     """Planar 4-bit weights decoded in the compute warpgroups each K step
     (``(magic + q - offset) * scale``, staged in shared memory for the wgmma)
     equal the product with the dequantized weight rounded once to the input
@@ -104,7 +115,8 @@ def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, slots, rng):
     assert weight.nibble_unit == mosaic.UNIT
     x = jnp.asarray(rng.normal(size=(m, k)), dtype)
     offsets = np.asarray([0, 17, 17, 40], np.int32)
-    tuning = hj.TuningConfig(64, 256, 128, num_stages=2, group_m=2, mosaic=True, stage_slots=slots)
+    block_m = 128 if options.get("split_rows") else 64
+    tuning = hj.TuningConfig(block_m, 256, 128, num_stages=2, group_m=2, mosaic=True, **options)
     out = hj.gemm(
         x,
         weight,
@@ -157,6 +169,11 @@ def test_what_the_kernel_refuses(rng):
         hj.TuningConfig(64, 256, 64, split_k=2, mosaic=True)
     with pytest.raises(ValueError, match="stage_slots"):
         hj.TuningConfig(64, 256, 64, stage_slots=4)
+    with pytest.raises(ValueError, match="split_rows"):
+        hj.TuningConfig(128, 128, 64, split_rows=True)
+    with pytest.raises(ValueError, match="block_m must be 128 or 256 with split_rows"):
+        split = hj.TuningConfig(64, 256, 64, mosaic=True, split_rows=True)
+        hj.gemm(x, w, grouped, tuning=split, backend=KERNEL_BACKEND)
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
@@ -194,18 +211,16 @@ def test_lowers_for_the_gpu():
     x = jax.ShapeDtypeStruct((300, 256), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((3, 512, 256), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
-    tiles = mosaic.MosaicTiles(128, 256, 64, stages=4)
-
-    def run(x, w, offsets):
-        return mosaic.expert_gemm_mosaic(x, w, offsets, tiles, out_dtype=jnp.bfloat16)
-
-    text = jax.jit(run).trace(x, w, offsets).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    # Half the columns a warpgroup; half the rows, sharing the weight tile.
+    for tiles in (mosaic.MosaicTiles(128, 256, 64, stages=4), mosaic.MosaicTiles(256, 128, 64, split_rows=True)):
+        run = functools.partial(mosaic.expert_gemm_mosaic, tiles=tiles, out_dtype=jnp.bfloat16)
+        text = jax.jit(run).trace(x, w, offsets).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("zero_points", [False, True])
-def test_nibble_decode_lowers_for_the_gpu(zero_points):
+@pytest.mark.parametrize("zero_points,split_rows", [(False, False), (True, False), (False, True)])
+def test_nibble_decode_lowers_for_the_gpu(zero_points, split_rows):
     """The 4-bit path (swizzled staging of the decoded pieces, 4 x pieces and
     the codes per pipeline step) lowers for the GPU on the CPU."""
     e, n, k = 3, 512, 512
@@ -214,6 +229,8 @@ def test_nibble_decode_lowers_for_the_gpu(zero_points):
     x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
     tiles = mosaic.MosaicTiles(128, 256, 128, stages=3)
+    if split_rows:  # 256 rows, 128 a warpgroup, sharing the 128-column weight tile
+        tiles = mosaic.MosaicTiles(256, 128, 128, stages=2, split_rows=True)
     decode = mosaic.NibbleDecode(k // 128, zero_points=zero_points)
 
     def run(x, codes, offsets, scales):
