@@ -102,6 +102,7 @@ INT4_G128_F16 = F._preset("int4_g128_f16", "int4", "group", "float16", 128)
         (F.INT4_CHANNEL, jnp.bfloat16, {}),  # per-channel scales, repeated per 128 columns
         (INT4_G128_F16, jnp.float16, {}),  # f16: the code as 1024 + q
     ],
+    ids=["int4", "int4-4slots", "int4-split", "uint4", "uint4-split", "int4-channel", "int4-f16"],
 )
 def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
     """Planar 4-bit weights decoded in the compute warpgroups each K step
