@@ -177,7 +177,7 @@ def test_what_the_kernel_refuses(rng):
         hj.gemm(x, w, grouped, tuning=split, backend=KERNEL_BACKEND)
 
 
-@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("block_m", [64, 128, 256])  # 256: split_rows tiles
 def test_row_tile_table_covers_every_row_once(block_m, rng):
     """Every row of ``[0, m)`` is stored by exactly one tile of its own group
     (an expert, or group E for rows outside the ranges), every load box is
