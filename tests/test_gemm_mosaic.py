@@ -277,3 +277,19 @@ def test_a_table_entry_naming_the_kernel_falls_back(monkeypatch, rng):
     out = hj.gemm(x, narrow, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
     want = _expected(x, narrow, offsets, m)
     assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_offline_ir_tool_sees_the_decode():
+    """``benchmarks.mosaic_ir`` captures the module the custom call carries:
+    the 4-bit path loads codes with ldmatrix, stages pieces with stmatrix and
+    fences them for the wgmma; the 16-bit path has no codes to load."""
+    from benchmarks import mosaic_ir
+
+    int4 = mosaic_ir.key_counts(
+        mosaic_ir.mosaic_ir("int4_g128", (2, 256, 256), 64, hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True))
+    )
+    bf16 = mosaic_ir.key_counts(mosaic_ir.mosaic_ir("bf16", (2, 256, 256), 64, TILES))
+    assert int4["nvvm.ldmatrix"] > 0 and int4["nvvm.fence.proxy"] > bf16["nvvm.fence.proxy"]
+    assert int4["nvvm.stmatrix"] > bf16["nvvm.stmatrix"] and int4["wgmma.mma_async"] > 0
+    assert bf16["nvvm.ldmatrix"] == 0 and bf16["vector<2xi16>"] == 0
