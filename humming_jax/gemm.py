@@ -213,7 +213,9 @@ def kernel_tuning(
             fold_scales=tuning.fold_scales and not small,
             pair_decode=tuning.pair_decode and not small,
         )
-    if weight.half_bits and not tuning.dequantize_first:  # the decoder's bit order is read as nibble pairs only
+    # The Triton decoder reads the half-bits order as nibble pairs only (the Mosaic
+    # kernel takes such weights through dequantize_first).
+    if weight.half_bits and not (tuning.dequantize_first or tuning.mosaic):
         block_k = max(128, tuning.block_k // 128 * 128)
         tuning = dataclasses.replace(tuning, block_k=block_k, word_decode=True, pair_decode=True, fold_scales=True)
     if batch_invariant:

@@ -273,6 +273,14 @@ def test_a_table_entry_naming_the_kernel_falls_back(monkeypatch, rng):
     assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
     with pytest.raises(ValueError, match="tuning.mosaic.*bias"):
         hj.gemm(x, weight, layout, tuning=TILES, backend=KERNEL_BACKEND)
+    # Quantized weights the kernel does not decode itself (MXFP4 in the pair
+    # decoder's bit order) go through dequantize_first.
+    monkeypatch.setattr(T, "choose_tuning", lambda *args: hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True))
+    mxfp4 = hj.to_planar(F.quantize_weight(w, F.MXFP4), half_bits=True)
+    out = hj.gemm(x, mxfp4, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
+    want = _expected(x, F.dequantize_weight(mxfp4).astype(jnp.bfloat16), offsets, m)
+    assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
+    monkeypatch.setattr(T, "choose_tuning", mosaic_entry)
     narrow = w[:, :192].astype(jnp.bfloat16)  # N off the kernel's 256-column tiles
     out = hj.gemm(x, narrow, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
     want = _expected(x, narrow, offsets, m)
