@@ -88,7 +88,7 @@ def test_quantized_weights_through_dequantize_first(stored, rng):
     assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
 
 
-INT4_G128_F16 = F._preset("int4_g128_f16", "int4", "group", "float16", 128)
+INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
 
 
 @pytest.mark.parametrize(
