@@ -302,8 +302,8 @@ def _mosaic_unsupported(x, weight, layout, use_f16_accum) -> str | None:
         return f"{weight.values.dtype} weights with {x.values.dtype} inputs (the same 16-bit dtype)"
     if weight.bias is not None:
         return "a bias"
-    if not isinstance(layout, (L.Dense, L.GroupedContiguous)):
-        return f"the {layout.kind.value} layout (dense or grouped_contiguous)"
+    if isinstance(layout, L.Indexed):
+        return "the indexed layout (dense, grouped_contiguous or grouped_masked: TMA cannot gather rows)"
     if use_f16_accum:
         return "f16 accumulation"
     return None
@@ -356,8 +356,13 @@ def _gemm_mosaic(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
     if unsupported:
         raise ValueError(f"gemm: tuning.mosaic: the Mosaic GPU kernel does not take {unsupported}")
     offsets = layout.expert_offsets if isinstance(layout, L.GroupedContiguous) else None
+    counts = layout.expert_num_tokens if isinstance(layout, L.GroupedMasked) else None
     run = functools.partial(
-        mosaic_kernel.expert_gemm_mosaic, tiles=_mosaic_tiles(tuning), out_dtype=out_dtype, interpret=interpret
+        mosaic_kernel.expert_gemm_mosaic,
+        tiles=_mosaic_tiles(tuning),
+        out_dtype=out_dtype,
+        counts=counts,
+        interpret=interpret,
     )
     if not weight.format.is_quantized:
         return run(x.values, weight.values, offsets)

@@ -20,7 +20,8 @@ so no tile mixes experts. A tile loads ``block_m`` rows from its load row
 only its own rows, as a sum of power-of-two row slices (TMA boxes are
 static; their starts are not).
 
-Layouts: ``dense`` (one expert) and ``grouped_contiguous`` (``offsets [E+1]``).
+Layouts: ``dense`` (one expert), ``grouped_contiguous`` (``offsets [E+1]``) and
+``grouped_masked`` (``counts [E]`` of each expert's ``M / E`` rows; the rest zeros).
 Weights: bf16/f16 ``[E, N, K]`` (K contiguous), no bias; or 4-bit integer
 codes in the planar order of 128-column units (:class:`NibbleDecode`),
 decoded in the compute warpgroups' registers each K step: a code's 16-bit
@@ -136,40 +137,55 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode 
             )
 
 
-def max_row_tiles(groups: int, m: int, block_m: int) -> int:
-    """Static bound on the row tiles of ``m`` rows cut per group, each group's
-    tiles starting up to 7 rows before its first row: at most min(groups, m)
-    groups hold rows, each one tile plus one per further block_m rows (the
-    7 rows in front add at most one tile per group)."""
-    busy = min(groups, m)
+def max_row_tiles(ranges: int, m: int, block_m: int) -> int:
+    """Static bound on the row tiles of ``m`` rows cut per range, each range's
+    tiles starting up to 7 rows before its first row: at most min(ranges, m)
+    ranges hold rows, each one tile plus one per further block_m rows (the
+    7 rows in front add at most one tile per range)."""
+    busy = min(ranges, m)
     return max(1, 2 * busy + m // block_m)
 
 
 ROW_ALIGN = 8  # a TMA box into 8-row tiled shared memory starts on a multiple of 8 rows
 
 
-def row_tile_table(offsets: jax.Array, m: int, block_m: int) -> jax.Array:
-    """``[tiles, 4]`` int32 ``(group, load row, first row, rows)`` per row
-    tile: the rows ``offsets [E+1]`` give each expert, and the rows outside
-    them (before ``offsets[0]``, from ``offsets[E]`` to ``m``) as group E
-    (stored as zeros), cut into tiles of
-    ``block_m`` from the multiple of 8 at or below the group's first row. A
-    tile loads ``block_m`` rows of x from its load row (a multiple of 8,
-    inside ``padded_rows(m, block_m)``) and stores ``rows`` rows from its first
-    row; tiles past the last have 0 rows."""
-    num_experts = offsets.shape[0] - 1
+def grouped_ranges(offsets: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """Row ranges ``(starts, ends)`` of a grouped-contiguous layout: expert e's
+    rows ``[offsets[e], offsets[e+1])``, then the rows no expert owns (before
+    ``offsets[0]``, from ``offsets[E]`` to ``m``)."""
     offsets = jnp.clip(offsets.astype(jnp.int32), 0, m)
-    # The experts' ranges, then the rows before the first and after the last (zeros).
     starts = jnp.concatenate([offsets[:-1], jnp.zeros((1,), jnp.int32), offsets[-1:]])
     ends = jnp.concatenate([offsets[1:], offsets[:1], jnp.full((1,), m, jnp.int32)])
-    ends = jnp.maximum(ends, starts)
+    return starts, ends
+
+
+def masked_ranges(counts: jax.Array, max_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Row ranges ``(starts, ends)`` of a grouped-masked layout: expert e's
+    first ``counts[e]`` rows of its ``max_tokens``, then the rest of each
+    expert's rows (written as zeros)."""
+    starts = jnp.arange(counts.shape[0], dtype=jnp.int32) * max_tokens
+    ends = starts + jnp.clip(counts.astype(jnp.int32), 0, max_tokens)
+    return jnp.concatenate([starts, ends]), jnp.concatenate([ends, starts + max_tokens])
+
+
+def row_tile_table(starts: jax.Array, ends: jax.Array, num_experts: int, m: int, block_m: int) -> jax.Array:
+    """``[tiles, 4]`` int32 ``(group, load row, first row, rows)`` per row
+    tile: the row ranges ``[starts[i], ends[i])`` (the first ``num_experts``
+    are the experts', the others rows stored as zeros, group E), cut into
+    tiles of ``block_m`` from the multiple of 8 at or below each range's
+    first row. A tile loads ``block_m`` rows of x from its load row (a
+    multiple of 8, inside ``padded_rows(m, block_m)``) and stores ``rows``
+    rows from its first row; tiles past the last have 0 rows."""
+    ranges = starts.shape[0]
+    starts = jnp.clip(starts.astype(jnp.int32), 0, m)
+    ends = jnp.maximum(jnp.clip(ends.astype(jnp.int32), 0, m), starts)
     aligned = starts - starts % ROW_ALIGN
-    per_group = jnp.where(ends > starts, (ends - aligned + block_m - 1) // block_m, 0)
-    tile_ends = jnp.cumsum(per_group)
-    tile = jnp.arange(max_row_tiles(num_experts + 2, m, block_m), dtype=jnp.int32)
-    index = jnp.minimum(jnp.searchsorted(tile_ends, tile, side="right"), num_experts + 1).astype(jnp.int32)
-    group = jnp.minimum(index, num_experts)  # both zero ranges are group E
-    tile_start = aligned[index] + (tile - (tile_ends[index] - per_group[index])) * block_m
+    per_range = jnp.where(ends > starts, (ends - aligned + block_m - 1) // block_m, 0)
+    tile_ends = jnp.cumsum(per_range)
+    tile = jnp.arange(max_row_tiles(ranges, m, block_m), dtype=jnp.int32)
+    index = jnp.minimum(jnp.searchsorted(tile_ends, tile, side="right"), ranges - 1).astype(jnp.int32)
+    group = jnp.minimum(index, num_experts)  # every zero range is group E
+    tile_start = aligned[index] + (tile - (tile_ends[index] - per_range[index])) * block_m
     first = jnp.maximum(tile_start, starts[index])
     rows = jnp.clip(jnp.minimum(tile_start + block_m, ends[index]) - first, 0, block_m)
     rows = jnp.where(tile < tile_ends[-1], rows, 0)
@@ -389,6 +405,7 @@ def expert_gemm_mosaic(
     tiles: MosaicTiles,
     *,
     out_dtype,
+    counts: jax.Array | None = None,
     decode: NibbleDecode | None = None,
     scales: jax.Array | None = None,
     zero_points: jax.Array | None = None,
@@ -397,7 +414,9 @@ def expert_gemm_mosaic(
     """``x [M, K]`` (bf16/f16) times ``weight``: row ``r`` of the ``[M, N]``
     result (``out_dtype``) uses the expert whose range ``[offsets[e],
     offsets[e+1])`` holds it (``offsets`` None: the one expert of a dense
-    layout); rows outside every range are zero. ``weight`` is ``[E, N, K]`` in
+    layout; with ``counts [E]``, the grouped-masked layout: expert e's first
+    ``counts[e]`` of its ``M / E`` rows); rows outside every range are zero.
+    ``weight`` is ``[E, N, K]`` in
     x's dtype, or with ``decode`` the 4-bit codes ``uint16 [E, N, K/4]`` with
     ``scales`` (and ``zero_points``) ``[E, G, N]`` in x's dtype (see
     :class:`NibbleDecode`)."""
@@ -417,12 +436,16 @@ def expert_gemm_mosaic(
             if array is None or array.shape != want or array.dtype != x.dtype:
                 got = None if array is None else f"{array.dtype} {array.shape}"
                 raise ValueError(f"mosaic GEMM: {name} must be {x.dtype} {want}, got {got}")
-    if offsets is None:
-        offsets = jnp.asarray([0, m], jnp.int32)
+    if counts is not None:
+        if m % num_experts:
+            raise ValueError(f"mosaic GEMM: the grouped-masked x needs E*max_tokens rows (E={num_experts}), got {m}")
+        starts, ends = masked_ranges(counts, m // num_experts)
+    else:
+        starts, ends = grouped_ranges(jnp.asarray([0, m], jnp.int32) if offsets is None else offsets, m)
     padded = padded_rows(m, tiles.block_m)  # a row tile's box fits inside x
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
-    table = row_tile_table(offsets.astype(jnp.int32), m, tiles.block_m)
+    table = row_tile_table(starts, ends, num_experts, m, tiles.block_m)
     row_tiles = table.shape[0]
     # One persistent program per SM (a few when interpreted: the loop covers every tile either way).
     sms = 4 if interpret else getattr(jax.devices()[0], "core_count", None) or H100_SMS

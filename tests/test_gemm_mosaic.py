@@ -58,6 +58,26 @@ def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
     assert np.all(got[offsets[-1] :] == 0), "rows no expert owns must be zero"
 
 
+@pytest.mark.parametrize("tuning", [TILES, SPLIT_ROWS], ids=["columns", "split-rows"])
+def test_grouped_masked_rows_against_numpy(tuning, rng):
+    """The grouped-masked layout: expert e's first ``counts[e]`` of its 40 rows
+    through its weight, the rest zeros (NaN-filled memory: a row left unwritten
+    shows) — an empty expert, a full one and a count past max_tokens (clipped)."""
+    counts, max_tokens, n, k = (5, 0, 40, 47), 40, 256, 128
+    e = len(counts)
+    x = jnp.asarray(rng.normal(size=(e * max_tokens, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(0, 0.1, (e, n, k)), jnp.bfloat16)
+    layout = hj.GroupedMasked(jnp.asarray(counts, jnp.int32))
+    out = np.asarray(hj.gemm(x, w, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), np.float64)
+    xs, ws = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    want, owned = np.zeros_like(out), np.zeros(len(out), bool)
+    for g, count in enumerate(counts):
+        rows = slice(g * max_tokens, g * max_tokens + min(count, max_tokens))
+        want[rows], owned[rows] = xs[rows] @ ws[g].T, True
+    assert np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-5
+    assert np.all(out[~owned] == 0), "rows past each expert's count must be zero"
+
+
 def test_dense_and_t_equals_one(rng):
     """One expert (dense), one row: the row is loaded inside a padded tile."""
     k, n = 64, 256
@@ -160,8 +180,10 @@ def test_what_the_kernel_refuses(rng):
         hj.gemm(x, F.quantize_weight(w.astype(jnp.float32), F.INT4_G32), grouped, **run)
     with pytest.raises(ValueError, match="tuning.mosaic.*bias"):
         hj.gemm(x, F.quantize_weight(w.astype(jnp.float32), F.BF16.with_bias(), bias=w[:, :, 0]), grouped, **run)
-    with pytest.raises(ValueError, match="tuning.mosaic.*grouped_masked"):
-        hj.gemm(x, w, hj.GroupedMasked(jnp.asarray([3, 5], jnp.int32)), **run)
+    with pytest.raises(ValueError, match="tuning.mosaic.*indexed"):
+        ids = jnp.arange(16, dtype=jnp.int32)
+        indexed = hj.Indexed(ids, jnp.zeros((1,), jnp.int32), jnp.asarray([16], jnp.int32), top_k=1, block_size=16)
+        hj.gemm(x, w, indexed, **run)
     with pytest.raises(ValueError, match="block_n"):
         hj.gemm(x, w[:, :192], grouped, **run)
     with pytest.raises(ValueError, match="block_m"):  # two 128x256 f32 accumulators do not fit the registers
@@ -177,32 +199,47 @@ def test_what_the_kernel_refuses(rng):
         hj.gemm(x, w, grouped, tuning=split, backend=KERNEL_BACKEND)
 
 
+def _check_table(table, want, m: int, block_m: int, ranges: int):
+    """Every row of ``[0, m)`` stored by exactly one tile of group ``want[row]``,
+    every load box inside the padded x on the 8-row grid holding the stored
+    rows, the tiles within the static bound."""
+    assert table.shape[0] == mosaic.max_row_tiles(ranges, m, block_m)
+    owner = np.full(m, -1)
+    for group, load, first, rows in table:
+        if rows == 0:
+            continue
+        assert load % mosaic.ROW_ALIGN == 0 and 0 <= load <= mosaic.padded_rows(m, block_m) - block_m
+        assert load <= first and first + rows <= load + block_m
+        assert np.all(owner[first : first + rows] == -1)
+        owner[first : first + rows] = group
+    np.testing.assert_array_equal(owner, want)
+
+
 @pytest.mark.parametrize("block_m", [64, 128, 256])  # 256: split_rows tiles
 def test_row_tile_table_covers_every_row_once(block_m, rng):
-    """Every row of ``[0, m)`` is stored by exactly one tile of its own group
-    (an expert, or group E for rows outside the ranges), every load box is
-    inside the padded x on the 8-row grid and holds the stored rows, and the
-    live tiles fit the static bound — over random routings, empty and full."""
+    """Grouped-contiguous ranges (rows outside them: group E) and grouped-masked
+    ones (each expert's rows past its count: group E), over random routings,
+    empty and full."""
     for trial in range(60):  # few distinct shapes: each is traced anew
         e = int(rng.integers(1, 5))
         m = int(rng.choice([1, 7, 64, 130, 399]))
         cuts = np.sort(rng.integers(0, m + 1, size=e + 1))
         if trial % 3 == 0:
             cuts[0] = 0
-        table = np.asarray(mosaic.row_tile_table(jnp.asarray(cuts, jnp.int32), m, block_m))
-        assert table.shape[0] == mosaic.max_row_tiles(e + 2, m, block_m)
-        owner = np.full(m, -1)
-        for group, load, first, rows in table:
-            if rows == 0:
-                continue
-            assert load % mosaic.ROW_ALIGN == 0 and 0 <= load <= mosaic.padded_rows(m, block_m) - block_m
-            assert load <= first and first + rows <= load + block_m
-            assert np.all(owner[first : first + rows] == -1)
-            owner[first : first + rows] = group
+        starts, ends = mosaic.grouped_ranges(jnp.asarray(cuts, jnp.int32), m)
         want = np.full(m, e)
         for g in range(e):
             want[cuts[g] : cuts[g + 1]] = g
-        np.testing.assert_array_equal(owner, want)
+        _check_table(np.asarray(mosaic.row_tile_table(starts, ends, e, m, block_m)), want, m, block_m, e + 2)
+    for _ in range(20):
+        e, max_tokens = int(rng.integers(1, 5)), int(rng.choice([1, 13, 64, 200]))
+        counts = rng.integers(-2, max_tokens + 3, size=e)  # out-of-range counts are clipped
+        starts, ends = mosaic.masked_ranges(jnp.asarray(counts, jnp.int32), max_tokens)
+        want = np.full(e * max_tokens, e)
+        for g in range(e):
+            want[g * max_tokens : g * max_tokens + int(np.clip(counts[g], 0, max_tokens))] = g
+        table = np.asarray(mosaic.row_tile_table(starts, ends, e, e * max_tokens, block_m))
+        _check_table(table, want, e * max_tokens, block_m, 2 * e)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
