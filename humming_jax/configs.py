@@ -171,7 +171,7 @@ class TuningConfig:
     # The Mosaic GPU kernel (Hopper: TMA loads, warp-specialized wgmma, a persistent
     # grid): 16-bit weights, planar int4/uint4 with 128-column groups or per-channel
     # scales (decoded in the kernel: block_k=128), others through dequantize_first;
-    # no bias, dense, grouped-contiguous or grouped-masked rows; block_m x block_n per tile on 2
+    # optional bias, dense, grouped-contiguous or grouped-masked rows; block_m x block_n per tile on 2
     # compute warpgroups, num_stages K steps in flight, group_m row tiles per band
     # (num_warps unused).
     mosaic: bool = False

@@ -167,7 +167,7 @@ def gemm(
         )
     if from_table and tuning.mosaic and not _mosaic_fits(x, weight, layout, tuning, use_f16_accum):
         # The table names the Mosaic kernel, but this call has what it cannot take
-        # (a bias, a shape off its tiles): the Triton tile of the same size runs it,
+        # (a shape off its tiles, f16 accumulation): the Triton tile of the same size runs it,
         # with the warps and stages that tile won with (8 and 4, 128x256x64 bf16).
         tuning = dataclasses.replace(tuning, mosaic=False, num_warps=8, num_stages=4)
     return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=chosen == "interpret")
@@ -300,8 +300,6 @@ def _mosaic_unsupported(x, weight, layout, use_f16_accum) -> str | None:
             return unsupported
     elif jnp.dtype(weight.values.dtype) != jnp.dtype(x.values.dtype):
         return f"{weight.values.dtype} weights with {x.values.dtype} inputs (the same 16-bit dtype)"
-    if weight.bias is not None:
-        return "a bias"
     if isinstance(layout, L.Indexed):
         return "the indexed layout (dense, grouped_contiguous or grouped_masked: TMA cannot gather rows)"
     if use_f16_accum:
@@ -362,6 +360,7 @@ def _gemm_mosaic(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         tiles=_mosaic_tiles(tuning),
         out_dtype=out_dtype,
         counts=counts,
+        bias=weight.bias,
         interpret=interpret,
     )
     if not weight.format.is_quantized:

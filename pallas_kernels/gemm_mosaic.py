@@ -22,7 +22,7 @@ static; their starts are not).
 
 Layouts: ``dense`` (one expert), ``grouped_contiguous`` (``offsets [E+1]``) and
 ``grouped_masked`` (``counts [E]`` of each expert's ``M / E`` rows; the rest zeros).
-Weights: bf16/f16 ``[E, N, K]`` (K contiguous), no bias; or 4-bit integer
+Weights: bf16/f16 ``[E, N, K]`` (K contiguous), an optional bias ``[E, N]``; or 4-bit integer
 codes in the planar order of 128-column units (:class:`NibbleDecode`),
 decoded in the compute warpgroups' registers each K step: a code's 16-bit
 pattern ``magic | q`` is the float ``magic + q`` exactly, minus the offset
@@ -241,9 +241,12 @@ def _kernel(
     num_experts: int,
     row_tiles: int,
     decode: NibbleDecode | None,
+    has_bias: bool,
     interpret: bool,
 ):
-    quant_gmem, o_gmem = rest[:-1], rest[-1]  # scales [E, G, N] (and zero points) when decoding
+    # Scales [E, G, N] (and zero points) when decoding, the bias [E, N], the output.
+    bias_gmem = rest[-2] if has_bias else None
+    quant_gmem, o_gmem = rest[: len(rest) - 1 - has_bias], rest[-1]
     m, k = x_gmem.shape
     n = w_gmem.shape[1]
     dtype = x_gmem.dtype
@@ -338,7 +341,12 @@ def _kernel(
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
                 def _(acc_ref):
                     run(acc_ref)
-                    store(acc_ref[...].astype(o_gmem.dtype))
+                    acc = acc_ref[...]
+                    if has_bias:  # the expert's [wg_n] bias, broadcast over the rows
+                        bias_ref = bias_gmem.at[group, pl.ds(wg_cols, wg_n)]
+                        bias = plgpu.load(bias_ref, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                        acc = acc + bias.astype(jnp.float32)[None, :]
+                    store(acc.astype(o_gmem.dtype))
 
             def step(_, x_smem, w_smem, acc_ref):
                 plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[wg_slice].transpose((1, 0)))
@@ -406,6 +414,7 @@ def expert_gemm_mosaic(
     *,
     out_dtype,
     counts: jax.Array | None = None,
+    bias: jax.Array | None = None,
     decode: NibbleDecode | None = None,
     scales: jax.Array | None = None,
     zero_points: jax.Array | None = None,
@@ -416,6 +425,7 @@ def expert_gemm_mosaic(
     offsets[e+1])`` holds it (``offsets`` None: the one expert of a dense
     layout; with ``counts [E]``, the grouped-masked layout: expert e's first
     ``counts[e]`` of its ``M / E`` rows); rows outside every range are zero.
+    ``bias [E, N]`` (any float dtype) is added in f32 to the expert's rows.
     ``weight`` is ``[E, N, K]`` in
     x's dtype, or with ``decode`` the 4-bit codes ``uint16 [E, N, K/4]`` with
     ``scales`` (and ``zero_points``) ``[E, G, N]`` in x's dtype (see
@@ -449,8 +459,17 @@ def expert_gemm_mosaic(
     row_tiles = table.shape[0]
     # One persistent program per SM (a few when interpreted: the loop covers every tile either way).
     sms = 4 if interpret else getattr(jax.devices()[0], "core_count", None) or H100_SMS
+    if bias is not None and bias.shape != (num_experts, n):
+        raise ValueError(f"mosaic GEMM: bias must be [E, N] = {(num_experts, n)}, got {bias.shape}")
+    extra = (bias,) if bias is not None else ()
     body = functools.partial(
-        _kernel, tiles=tiles, num_experts=num_experts, row_tiles=row_tiles, decode=decode, interpret=interpret
+        _kernel,
+        tiles=tiles,
+        num_experts=num_experts,
+        row_tiles=row_tiles,
+        decode=decode,
+        has_bias=bias is not None,
+        interpret=interpret,
     )
     kernel = plgpu.kernel(
         body,
@@ -463,4 +482,4 @@ def expert_gemm_mosaic(
         # Interpreted, fresh memory reads as NaN: a row the kernel failed to store shows.
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
-    return kernel(table, x, weight, *quant)
+    return kernel(table, x, weight, *quant, *extra)

@@ -178,8 +178,6 @@ def test_what_the_kernel_refuses(rng):
     run = dict(tuning=TILES, backend=KERNEL_BACKEND)
     with pytest.raises(ValueError, match="tuning.mosaic.*int4"):
         hj.gemm(x, F.quantize_weight(w.astype(jnp.float32), F.INT4_G32), grouped, **run)
-    with pytest.raises(ValueError, match="tuning.mosaic.*bias"):
-        hj.gemm(x, F.quantize_weight(w.astype(jnp.float32), F.BF16.with_bias(), bias=w[:, :, 0]), grouped, **run)
     with pytest.raises(ValueError, match="tuning.mosaic.*indexed"):
         ids = jnp.arange(16, dtype=jnp.int32)
         indexed = hj.Indexed(ids, jnp.zeros((1,), jnp.int32), jnp.asarray([16], jnp.int32), top_k=1, block_size=16)
@@ -249,11 +247,14 @@ def test_lowers_for_the_gpu():
     x = jax.ShapeDtypeStruct((300, 256), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((3, 512, 256), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
-    # Half the columns a warpgroup; half the rows, sharing the weight tile.
+    bias = jax.ShapeDtypeStruct((3, 512), jnp.float32)
+    # Half the columns a warpgroup; half the rows, sharing the weight tile (with a bias).
     for tiles in (mosaic.MosaicTiles(128, 256, 64, stages=4), mosaic.MosaicTiles(256, 128, 64, split_rows=True)):
         run = functools.partial(mosaic.expert_gemm_mosaic, tiles=tiles, out_dtype=jnp.bfloat16)
-        text = jax.jit(run).trace(x, w, offsets).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
+        with_bias = tiles.split_rows
+        args = (x, w, offsets) + ((bias,) if with_bias else ())
+        lowered = jax.jit(lambda x, w, o, *b, run=run: run(x, w, o, bias=b[0] if b else None)).trace(*args)
+        assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -283,45 +284,81 @@ def test_nibble_decode_lowers_for_the_gpu(zero_points, split_rows):
 
 def test_a_table_entry_naming_the_kernel_falls_back(monkeypatch, rng):
     """The table may name the Mosaic kernel (the H200's 16-bit prefill entries
-    do); a call it cannot take — a bias, N off its tiles — runs the Triton tile
-    of the same size instead of failing. A tuning passed by hand still fails."""
+    do); a call it cannot take runs another path instead of failing — N off its
+    tiles the Triton tile of the same size, quantized weights it does not
+    decode itself (MXFP4 in the pair decoder's bit order) dequantize_first. A
+    tuning passed by hand still fails with the reason."""
     from humming_jax import tuning as T
 
     chosen = []
 
-    def mosaic_entry(*args):
-        chosen.append(args)
-        return TILES
+    def entry(tuning):
+        def choose(*args):
+            chosen.append(args)
+            return tuning
 
-    monkeypatch.setattr(T, "choose_tuning", mosaic_entry)
-    m, n, k = 24, 256, 64
+        return choose
+
+    m, k = 24, 64
     offsets = np.asarray([0, 9, 24], np.int32)
-    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(0, 0.1, (2, n, k)), jnp.float32)
-    bias = jnp.asarray(rng.normal(size=(2, n)), jnp.float32)
-    weight = F.quantize_weight(w, F.BF16.with_bias(), bias=bias)
     layout = hj.GroupedContiguous(jnp.asarray(offsets))
-    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(0, 0.1, (2, 256, k)), jnp.float32)
+    monkeypatch.setattr(T, "choose_tuning", entry(TILES))
+    narrow = w[:, :192].astype(jnp.bfloat16)  # N off the kernel's 256-column tiles
+    out = hj.gemm(x, narrow, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
     assert chosen, "the table was not consulted"
-    rounded = np.asarray(weight.values.astype(jnp.float32), np.float64)
-    want = _expected(x, rounded, offsets, m)
-    for e in range(2):
-        want[offsets[e] : offsets[e + 1]] += np.asarray(weight.bias, np.float64)[e]
+    want = _expected(x, narrow, offsets, m)
     assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
-    with pytest.raises(ValueError, match="tuning.mosaic.*bias"):
-        hj.gemm(x, weight, layout, tuning=TILES, backend=KERNEL_BACKEND)
-    # Quantized weights the kernel does not decode itself (MXFP4 in the pair
-    # decoder's bit order) go through dequantize_first.
-    monkeypatch.setattr(T, "choose_tuning", lambda *args: hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True))
+    with pytest.raises(ValueError, match="block_n"):
+        hj.gemm(x, narrow, layout, tuning=TILES, backend=KERNEL_BACKEND)
+    monkeypatch.setattr(T, "choose_tuning", entry(hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True)))
     mxfp4 = hj.to_planar(F.quantize_weight(w, F.MXFP4), half_bits=True)
     out = hj.gemm(x, mxfp4, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
     want = _expected(x, F.dequantize_weight(mxfp4).astype(jnp.bfloat16), offsets, m)
     assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
-    monkeypatch.setattr(T, "choose_tuning", mosaic_entry)
-    narrow = w[:, :192].astype(jnp.bfloat16)  # N off the kernel's 256-column tiles
-    out = hj.gemm(x, narrow, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
-    want = _expected(x, narrow, offsets, m)
-    assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "fmt,layout_kind,tuning",
+    [
+        (F.BF16, "grouped", TILES),
+        (F.BF16, "masked", SPLIT_ROWS),
+        (F.INT4_G128, "grouped", hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True)),
+    ],
+    ids=["bf16-grouped", "bf16-masked-split", "int4-grouped"],
+)
+def test_bias_added_to_each_experts_rows(fmt, layout_kind, tuning, rng):
+    """A bias ``[E, N]`` added in f32 to the rows of its expert (gpt-oss); rows
+    no expert owns stay zero, without the bias."""
+    e, n, k = 3, 256, 128
+    if layout_kind == "grouped":
+        m, offsets = 50, np.asarray([0, 20, 20, 44], np.int32)
+        layout = hj.GroupedContiguous(jnp.asarray(offsets))
+    else:
+        counts, max_tokens = (7, 0, 16), 16
+        m, layout = e * max_tokens, hj.GroupedMasked(jnp.asarray(counts, jnp.int32))
+        offsets = None
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    values = jnp.asarray(rng.normal(0, 0.05, (e, n, k)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(e, n)), jnp.float32)
+    weight = F.quantize_weight(values, fmt.with_bias(), bias=bias)
+    weight = hj.to_planar(weight) if fmt.is_quantized else weight
+    out = np.asarray(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND))
+    rounded = np.asarray(F.dequantize_weight(weight).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    xs, want = np.asarray(x, np.float64), np.zeros((m, n))
+    ranges = (
+        [(offsets[g], offsets[g + 1]) for g in range(e)]
+        if offsets is not None
+        else [(g * max_tokens, g * max_tokens + counts[g]) for g in range(e)]
+    )
+    for g, (lo, hi) in enumerate(ranges):
+        want[lo:hi] = xs[lo:hi] @ rounded[g].T + np.asarray(bias, np.float64)[g]
+    assert np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-5
+    owned = np.zeros(m, bool)
+    for lo, hi in ranges:
+        owned[lo:hi] = True
+    assert np.all(out[~owned] == 0)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
