@@ -51,8 +51,8 @@ for step in $steps; do
                    --tokens 4096 $v14 --config 128,256,64,4,3,mosaic,dequantize_first,group_m=8 2>&1 | tail -5 \
                    | tee -a "$out/mosaic_int4.log" ;;
     # bf16 prefill with the warpgroups on half the rows each (256x128 tiles) against v13's 128x256 (mixtral 3340.3,
-    # qwen3 w13 469.5 us).
-    mosaic-split-bf16) for problem in mixtral-8x7b qwen3-30b-a3b; do
+    # qwen3 w13 469.5 us); gpt-oss (bias; N=5760 fits only the 256x128 tile: its 128x256 rows fall back to Triton).
+    mosaic-split-bf16) for problem in mixtral-8x7b qwen3-30b-a3b gpt-oss-120b; do
                          timeout 200 python3 -W ignore -m benchmarks.inspect_gemm --problem $problem --fmt bf16 \
                            --tokens 4096 --config 256,128,64,4,4,mosaic,group_m=8,split_rows \
                            --config 256,128,64,4,3,mosaic,group_m=8,split_rows \
