@@ -64,18 +64,11 @@ def mosaic_ir(fmt: str, shape: tuple[int, int, int], rows: int, tuning) -> str:
     import jax
     import jax.numpy as jnp
 
+    from humming_jax.gemm import mosaic_tiles
     from pallas_kernels import gemm_mosaic as mosaic
 
     e, n, k = shape
-    tiles = mosaic.MosaicTiles(
-        tuning.block_m,
-        tuning.block_n,
-        tuning.block_k,
-        stages=tuning.num_stages,
-        group_m=tuning.group_m,
-        stage_slots=tuning.stage_slots,
-        split_rows=tuning.split_rows,
-    )
+    tiles = mosaic_tiles(tuning)
     x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
     if fmt == "bf16":

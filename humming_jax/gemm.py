@@ -331,13 +331,14 @@ def _mosaic_fits(x, weight, layout, tuning, use_f16_accum) -> bool:
         return False
     decode = mosaic_kernel.NibbleDecode(weight.k // mosaic_kernel.UNIT) if weight.format.is_quantized else None
     try:
-        mosaic_kernel.check_tiles(_mosaic_tiles(tuning), weight.n, weight.k, x.values.dtype, decode)
+        mosaic_kernel.check_tiles(mosaic_tiles(tuning), weight.n, weight.k, x.values.dtype, decode)
     except ValueError:
         return False
     return True
 
 
-def _mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
+def mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
+    """The Mosaic GPU kernel's tiles for a ``TuningConfig`` with ``mosaic=True``."""
     return mosaic_kernel.MosaicTiles(
         tuning.block_m,
         tuning.block_n,
@@ -357,7 +358,7 @@ def _gemm_mosaic(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
     counts = layout.expert_num_tokens if isinstance(layout, L.GroupedMasked) else None
     run = functools.partial(
         mosaic_kernel.expert_gemm_mosaic,
-        tiles=_mosaic_tiles(tuning),
+        tiles=mosaic_tiles(tuning),
         out_dtype=out_dtype,
         counts=counts,
         bias=weight.bias,
