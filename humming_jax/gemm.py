@@ -165,12 +165,13 @@ def gemm(
         tuning = dataclasses.replace(
             tuning, dequantize_first=False, word_decode=False, fold_scales=False, pair_decode=False
         )
-    if from_table and tuning.mosaic and not _mosaic_fits(x, weight, layout, tuning, use_f16_accum):
+    on_gpu = chosen != "interpret"
+    if from_table and tuning.mosaic and not _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu):
         # The table names the Mosaic kernel, but this call has what it cannot take
-        # (a shape off its tiles, f16 accumulation): the Triton tile of the same size runs it,
+        # (a GPU other than Hopper, a shape off its tiles, f16 accumulation): the Triton tile of the same size runs it,
         # with the warps and stages that tile won with (8 and 4, 128x256x64 bf16).
         tuning = dataclasses.replace(tuning, mosaic=False, num_warps=8, num_stages=4)
-    return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=chosen == "interpret")
+    return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=not on_gpu)
 
 
 def _dequantized(weight: F.QuantizedWeight, dtype) -> F.QuantizedWeight:
@@ -292,8 +293,18 @@ def _nibble_decode_unsupported(x, weight) -> str | None:
     return None
 
 
-def _mosaic_unsupported(x, weight, layout, use_f16_accum) -> str | None:
+def _hopper_gpu() -> bool:
+    """Whether the default device is a Hopper GPU (sm_90: TMA and wgmma; the
+    Blackwell generation has no wgmma)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def _mosaic_unsupported(x, weight, layout, use_f16_accum, on_gpu: bool) -> str | None:
     """Why the Mosaic GPU kernel cannot run this call (None if it can)."""
+    if on_gpu and not _hopper_gpu():
+        device = jax.devices()[0]
+        return f"this device ({device.device_kind}: the kernel needs a Hopper GPU, sm_90)"
     if weight.format.is_quantized:
         unsupported = _nibble_decode_unsupported(x, weight)
         if unsupported:
@@ -325,9 +336,9 @@ def _nibble_operands(weight: F.QuantizedWeight, dtype):
     return codes, scales, zero_points, decode
 
 
-def _mosaic_fits(x, weight, layout, tuning, use_f16_accum) -> bool:
+def _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu: bool) -> bool:
     """Whether the Mosaic GPU kernel takes this call with ``tuning``'s tiles."""
-    if _mosaic_unsupported(x, weight, layout, use_f16_accum):
+    if _mosaic_unsupported(x, weight, layout, use_f16_accum, on_gpu):
         return False
     decode = mosaic_kernel.NibbleDecode(weight.k // mosaic_kernel.UNIT) if weight.format.is_quantized else None
     try:
@@ -351,7 +362,7 @@ def mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
 
 
 def _gemm_mosaic(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret):
-    unsupported = _mosaic_unsupported(x, weight, layout, use_f16_accum)
+    unsupported = _mosaic_unsupported(x, weight, layout, use_f16_accum, on_gpu=not interpret)
     if unsupported:
         raise ValueError(f"gemm: tuning.mosaic: the Mosaic GPU kernel does not take {unsupported}")
     offsets = layout.expert_offsets if isinstance(layout, L.GroupedContiguous) else None

@@ -418,3 +418,21 @@ def test_expert_pipelines_on_the_mosaic_kernel(fmt, monkeypatch, rng):
         got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
     assert np.all(np.asarray(batched)[1] == 0) and np.all(np.asarray(batched)[0, 3:] == 0)
+
+
+def test_the_kernel_is_refused_off_hopper(monkeypatch, rng):
+    """The shipped table names the Mosaic kernel, which needs TMA and wgmma
+    (sm_90): on another GPU a table entry falls back and a tuning passed by hand
+    fails naming the device; interpreted, any machine runs it."""
+    import importlib
+
+    ops = importlib.import_module("humming_jax.gemm")
+    x = ops.as_quantized_input(jnp.asarray(rng.normal(size=(16, 64)), jnp.bfloat16))
+    w = ops.as_weight(jnp.asarray(rng.normal(size=(2, 256, 64)), jnp.bfloat16))
+    grouped = hj.GroupedContiguous(jnp.asarray([0, 8, 16], jnp.int32))
+    monkeypatch.setattr(ops, "_hopper_gpu", lambda: False)
+    assert "Hopper" in ops._mosaic_unsupported(x, w, grouped, False, on_gpu=True)
+    assert not ops._mosaic_fits(x, w, grouped, TILES, False, on_gpu=True)
+    assert ops._mosaic_fits(x, w, grouped, TILES, False, on_gpu=False)
+    monkeypatch.setattr(ops, "_hopper_gpu", lambda: True)
+    assert ops._mosaic_unsupported(x, w, grouped, False, on_gpu=True) is None
