@@ -2,8 +2,9 @@
 memory, warp-specialized wgmma, a persistent loop over output tiles.
 
 The Triton-lowered family in :mod:`pallas_kernels.gemm` covers every weight
-format and layout; this kernel is its 16-bit prefill member, where the
-cp.async-pipelined Triton tile stops at ~510 TFLOP/s (mixtral w13). One
+format and layout; this kernel is its prefill member for 16-bit and planar
+4-bit integer weights, where the cp.async-pipelined Triton tile stops at
+~510 TFLOP/s (mixtral w13). One
 warpgroup issues the TMA copies of each K step, two compute warpgroups run
 the products of one ``[block_m, block_n]`` output tile, each on half its
 columns (``wgmma``: x from shared memory, the weight tile ``[block_n/2, bk]``
@@ -20,10 +21,11 @@ so no tile mixes experts. A tile loads ``block_m`` rows from its load row
 only its own rows, as a sum of power-of-two row slices (TMA boxes are
 static; their starts are not).
 
-Layouts: ``dense`` (one expert), ``grouped_contiguous`` (``offsets [E+1]``) and
-``grouped_masked`` (``counts [E]`` of each expert's ``M / E`` rows; the rest zeros).
-Weights: bf16/f16 ``[E, N, K]`` (K contiguous), an optional bias ``[E, N]``; or 4-bit integer
-codes in the planar order of 128-column units (:class:`NibbleDecode`),
+Layouts: ``dense`` (one expert), ``grouped_contiguous`` (``offsets [E+1]``)
+and ``grouped_masked`` (``counts [E]`` of each expert's ``M / E`` rows; the
+rest zeros). Weights: bf16/f16 ``[E, N, K]`` (K contiguous) with an optional
+bias ``[E, N]``; or 4-bit integer codes in the planar order of 128-column
+units (:class:`NibbleDecode`),
 decoded in the compute warpgroups' registers each K step: a code's 16-bit
 pattern ``magic | q`` is the float ``magic + q`` exactly, minus the offset
 (``magic`` plus the zero point), times the scale — one rounding, as the
