@@ -40,7 +40,7 @@ for step in $steps; do
     # GEMM v14: 4-bit weights decoded in the Mosaic kernel (planar int4), its tests and mixtral / qwen3 int4
     # prefill against v13's dequantize-first entry and the Triton tile.
     v14-tests) pytest_gpu 200 tests/test_gemm_mosaic.py 2>&1 | tee "$out/v14_tests.log" | tail -8 ;;
-    mosaic-int4) v14="--config 128,256,128,4,3,mosaic,group_m=8 --config 128,128,128,4,4,mosaic,group_m=8,stage_slots=4
+    mosaic-int4) v14="--config 128,256,128,4,3,mosaic,group_m=8 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab
                       --config 256,128,128,4,2,mosaic,group_m=8,split_rows --config 128,256,128,4,2,mosaic,group_m=8,stage_slots=4"
                  for gemm in w13 w2; do  # qwen3 T=4096 (the ninth session: v14 628.4 us, Triton 607.2 on w13)
                    timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm $gemm \

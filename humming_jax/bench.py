@@ -517,6 +517,8 @@ PREFILL_CANDIDATES = _candidates(
         # The warpgroups on 128 rows each, sharing the weight tile (decoded half by
         # each: half the decoding per product); 2 stages of 256-row x pieces: ~208 KB.
         (256, 128, 128, 4, 2, MOSAIC | BANDS | {"split_rows": True}),
+        # The decoded pieces as the wgmma's register operand (no staging, out.T).
+        (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP),
         (256, 128, 64, 4, 4, MOSAIC | DEQ | BANDS | {"split_rows": True}),
         # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
         (128, 256, 64, 8, 4, DEQ),

@@ -173,7 +173,9 @@ class TuningConfig:
     # scales (decoded in the kernel: block_k=128), others through dequantize_first;
     # optional bias, dense, grouped-contiguous or grouped-masked rows; block_m x block_n per tile on 2
     # compute warpgroups, num_stages K steps in flight, group_m row tiles per band
-    # (num_warps unused).
+    # (num_warps unused). With swap_ab (4-bit weights, compiled only) each decoded
+    # piece is the wgmma's register operand and the accumulator out.T, as in the
+    # Triton swap_ab tiles.
     mosaic: bool = False
     # The Mosaic kernel's 4-bit path: decoded 32-column pieces staged in shared
     # memory per compute warpgroup — 2 (the next piece waits for the product two
@@ -204,10 +206,9 @@ class TuningConfig:
             raise ValueError(
                 f"{owner}.column_tiles: a loop over column tiles is for split_k=1, got split_k={self.split_k}"
             )
-        if self.mosaic and (self.split_k > 1 or self.column_tiles > 1 or self.swap_ab or self.word_decode):
+        if self.mosaic and (self.split_k > 1 or self.column_tiles > 1 or self.word_decode):
             raise ValueError(
-                f"{owner}.mosaic: the Mosaic GPU kernel takes none of split_k, column_tiles, swap_ab, word_decode, "
-                f"got {self}"
+                f"{owner}.mosaic: the Mosaic GPU kernel takes none of split_k, column_tiles, word_decode, got {self}"
             )
         if self.stage_slots not in (2, 4) or (self.stage_slots != 2 and not self.mosaic):
             raise ValueError(

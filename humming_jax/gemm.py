@@ -340,6 +340,8 @@ def _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu: bool) -> bool
     """Whether the Mosaic GPU kernel takes this call with ``tuning``'s tiles."""
     if _mosaic_unsupported(x, weight, layout, use_f16_accum, on_gpu):
         return False
+    if tuning.swap_ab and not on_gpu:  # the register operand runs compiled only
+        return False
     decode = mosaic_kernel.NibbleDecode(weight.k // mosaic_kernel.UNIT) if weight.format.is_quantized else None
     try:
         mosaic_kernel.check_tiles(mosaic_tiles(tuning), weight.n, weight.k, x.values.dtype, decode)
@@ -358,6 +360,7 @@ def mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
         group_m=tuning.group_m,
         stage_slots=tuning.stage_slots,
         split_rows=tuning.split_rows,
+        swap_ab=tuning.swap_ab,
     )
 
 

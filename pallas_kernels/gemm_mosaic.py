@@ -66,6 +66,10 @@ class MosaicTiles:
     group_m: int = 8
     stage_slots: int = 2  # 4-bit path: decoded pieces in shared memory per compute warpgroup (2 or 4)
     split_rows: bool = False
+    # 4-bit path: each decoded piece is the wgmma's A operand straight from
+    # registers (no staging), the accumulator out.T ([wg_n, block_m]), stored
+    # transposed. GPU only: the 0.11 interpreter cannot run a register operand.
+    swap_ab: bool = False
 
     @property
     def wg_m(self) -> int:
@@ -127,6 +131,10 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode 
         raise ValueError(f"mosaic GEMM: K={k} must be a multiple of block_k={tiles.block_k}")
     if tiles.stage_slots not in (2, PIECES):
         raise ValueError(f"mosaic GEMM: stage_slots must be 2 or {PIECES}, got {tiles.stage_slots}")
+    if tiles.swap_ab and (decode is None or tiles.split_rows):
+        raise ValueError(
+            "mosaic GEMM: swap_ab (decoded weights as the register operand) is for 4-bit weights without split_rows"
+        )
     if decode is not None:
         if tiles.block_k != UNIT:
             raise ValueError(f"mosaic GEMM: 4-bit weights take block_k={UNIT} (one planar unit), got {tiles.block_k}")
@@ -329,26 +337,35 @@ def _kernel(
             own_start = jnp.maximum(offset, wg_first)
             own_rows = jnp.clip(jnp.minimum(offset + rows, wg_first + wg_m) - own_start, 0, wg_m)
 
-            def store(acc):
-                """The compute warpgroup's ``[wg_m, wg_n]`` result, its own rows only."""
+            def store(acc, transposed: bool = False):
+                """The compute warpgroup's ``[wg_m, wg_n]`` result (``transposed``:
+                given as ``[wg_n, wg_m]``), its own rows only."""
                 for chunk in range(wg_n // EPILOGUE_COLUMNS):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copy has read it
-                    o_smem[wg] = acc[:, chunk * EPILOGUE_COLUMNS : (chunk + 1) * EPILOGUE_COLUMNS]
+                    columns = slice(chunk * EPILOGUE_COLUMNS, (chunk + 1) * EPILOGUE_COLUMNS)
+                    if transposed:  # stored through a transposed view of the slot
+                        o_smem.at[wg].transpose((1, 0))[...] = acc[columns]
+                    else:
+                        o_smem[wg] = acc[:, columns]
                     plgpu.commit_smem()
                     cols = o_gmem.at[:, pl.ds(wg_cols + chunk * EPILOGUE_COLUMNS, EPILOGUE_COLUMNS)]
                     gmem_first = first_row + own_start - offset
                     _store_rows(o_smem.at[wg], cols, gmem_first, own_start - wg_first, own_rows, wg_m)
 
+            swap = tiles.swap_ab
+            acc_shape = (wg_n, wg_m) if swap else (wg_m, wg_n)
+
             def context(run):
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
                 def _(acc_ref):
                     run(acc_ref)
                     acc = acc_ref[...]
                     if has_bias:  # the expert's [wg_n] bias, broadcast over the rows
                         bias_ref = bias_gmem.at[group, pl.ds(wg_cols, wg_n)]
-                        bias = plgpu.load(bias_ref, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                        acc = acc + bias.astype(jnp.float32)[None, :]
-                    store(acc.astype(o_gmem.dtype))
+                        layout = plgpu.Layout.WGMMA.reduce(1 if swap else 0)
+                        bias = plgpu.load(bias_ref, layout=layout, optimized=False).astype(jnp.float32)
+                        acc = acc + (bias[:, None] if swap else bias[None, :])
+                    store(acc.astype(o_gmem.dtype), transposed=swap)
 
             def step(_, x_smem, w_smem, acc_ref):
                 plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[wg_slice].transpose((1, 0)))
@@ -365,6 +382,12 @@ def _kernel(
                     code_offset = jnp.asarray(MAGIC[jnp.dtype(dtype)][1] + decode.code_offset, dtype)
                 if shared:
                     return shared_decode_step(x_pieces, codes, code_offset, scale, acc_ref)
+                if swap:  # out.T += w_piece @ x_piece.T, the decoded piece as the register operand
+                    for piece in range(PIECES):
+                        w_piece = _decode_piece(codes, piece, code_offset, scale, dtype)
+                        plgpu.wgmma(acc_ref, w_piece, x_pieces[piece].transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
                 slots = tiles.stage_slots
                 for piece in range(PIECES):
                     slot = stage.at[wg, piece % slots]
@@ -435,6 +458,11 @@ def expert_gemm_mosaic(
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     check_tiles(tiles, n, k, x.dtype, decode)
+    if interpret and tiles.swap_ab:
+        raise ValueError(
+            "mosaic GEMM: swap_ab runs compiled only (the Mosaic GPU interpreter of jax 0.11 cannot take a register "
+            "wgmma operand); the staged form (swap_ab=False) computes the same"
+        )
     quant = ()
     if decode is not None:
         want = (num_experts, decode.groups, n)

@@ -14,6 +14,7 @@ from humming_jax import formats as F
 from pallas_kernels import gemm_mosaic as mosaic
 
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
+ON_GPU_ONLY = pytest.mark.skipif(KERNEL_BACKEND != "pallas", reason="a register wgmma operand runs compiled only")
 TILES = hj.TuningConfig(64, 256, 64, num_stages=2, group_m=2, mosaic=True)
 
 
@@ -121,8 +122,11 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         (F.UINT4_ZP_G128, jnp.bfloat16, {"split_rows": True}),
         (F.INT4_CHANNEL, jnp.bfloat16, {}),  # per-channel scales, repeated per 128 columns
         (INT4_G128_F16, jnp.float16, {}),  # f16: the code as 1024 + q
+        # The decoded piece as the register operand (compiled only: the interpreter
+        # cannot take a register wgmma operand; the lowering test covers it on the CPU).
+        pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True}, marks=ON_GPU_ONLY),
     ],
-    ids=["int4", "int4-4slots", "int4-split", "uint4", "uint4-split", "int4-channel", "int4-f16"],
+    ids=["int4", "int4-4slots", "int4-split", "uint4", "uint4-split", "int4-channel", "int4-f16", "uint4-swap"],
 )
 def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
     """Planar 4-bit weights decoded in the compute warpgroups each K step
@@ -166,9 +170,16 @@ def test_nibble_weights_refused_with_the_reason(rng):
         hj.gemm(x, hj.to_planar(F.quantize_weight(w, F.INT4_G64)), grouped, **run)
     with pytest.raises(ValueError, match="tuning.mosaic.*mxfp4.*dequantize_first"):
         hj.gemm(x, hj.to_planar(F.quantize_weight(w, F.MXFP4)), grouped, **run)
+    planar = hj.to_planar(F.quantize_weight(w, F.INT4_G128))
     with pytest.raises(ValueError, match="block_k=128"):
-        planar = hj.to_planar(F.quantize_weight(w, F.INT4_G128))
         hj.gemm(x, planar, grouped, tuning=hj.TuningConfig(64, 256, 64, mosaic=True), backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="swap_ab.*without split_rows"):
+        both = hj.TuningConfig(128, 128, 128, mosaic=True, swap_ab=True, split_rows=True)
+        hj.gemm(x, planar, grouped, tuning=both, backend=KERNEL_BACKEND)
+    if KERNEL_BACKEND == "interpret":
+        with pytest.raises(ValueError, match="swap_ab runs compiled only"):
+            swap = hj.TuningConfig(64, 256, 128, mosaic=True, swap_ab=True)
+            hj.gemm(x, planar, grouped, tuning=swap, backend=KERNEL_BACKEND)
 
 
 def test_what_the_kernel_refuses(rng):
@@ -258,8 +269,11 @@ def test_lowers_for_the_gpu():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("zero_points,split_rows", [(False, False), (True, False), (False, True)])
-def test_nibble_decode_lowers_for_the_gpu(zero_points, split_rows):
+@pytest.mark.parametrize(
+    "zero_points,split_rows,swap_ab",
+    [(False, False, False), (True, False, False), (False, True, False), (True, False, True)],
+)
+def test_nibble_decode_lowers_for_the_gpu(zero_points, split_rows, swap_ab):
     """The 4-bit path (swizzled staging of the decoded pieces, 4 x pieces and
     the codes per pipeline step) lowers for the GPU on the CPU."""
     e, n, k = 3, 512, 512
@@ -270,6 +284,8 @@ def test_nibble_decode_lowers_for_the_gpu(zero_points, split_rows):
     tiles = mosaic.MosaicTiles(128, 256, 128, stages=3)
     if split_rows:  # 256 rows, 128 a warpgroup, sharing the 128-column weight tile
         tiles = mosaic.MosaicTiles(256, 128, 128, stages=2, split_rows=True)
+    if swap_ab:  # the decoded pieces as the register operand, out.T stored transposed
+        tiles = mosaic.MosaicTiles(128, 256, 128, stages=3, swap_ab=True)
     decode = mosaic.NibbleDecode(k // 128, zero_points=zero_points)
 
     def run(x, codes, offsets, scales):
@@ -312,6 +328,15 @@ def test_a_table_entry_naming_the_kernel_falls_back(monkeypatch, rng):
     assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
     with pytest.raises(ValueError, match="block_n"):
         hj.gemm(x, narrow, layout, tuning=TILES, backend=KERNEL_BACKEND)
+    if KERNEL_BACKEND == "interpret":  # a swap_ab entry runs compiled only: interpreted, the Triton tile
+        monkeypatch.setattr(T, "choose_tuning", entry(hj.TuningConfig(64, 256, 128, mosaic=True, swap_ab=True)))
+        x128 = jnp.asarray(rng.normal(size=(m, 128)), jnp.bfloat16)
+        planar = hj.to_planar(
+            F.quantize_weight(jnp.asarray(rng.normal(0, 0.1, (2, 256, 128)), jnp.float32), F.INT4_G128)
+        )
+        out = hj.gemm(x128, planar, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
+        want = _expected(x128, F.dequantize_weight(planar).astype(jnp.bfloat16), offsets, m)
+        assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-2
     monkeypatch.setattr(T, "choose_tuning", entry(hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True)))
     mxfp4 = hj.to_planar(F.quantize_weight(w, F.MXFP4), half_bits=True)
     out = hj.gemm(x, mxfp4, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
