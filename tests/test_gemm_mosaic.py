@@ -275,7 +275,8 @@ def test_lowers_for_the_gpu():
 )
 def test_nibble_decode_lowers_for_the_gpu(zero_points, split_rows, swap_ab):
     """The 4-bit path (swizzled staging of the decoded pieces, 4 x pieces and
-    the codes per pipeline step) lowers for the GPU on the CPU."""
+    the codes per pipeline step) lowers for the GPU on the CPU; the swap_ab form
+    with a bias (broadcast along out.T's rows)."""
     e, n, k = 3, 512, 512
     codes = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
     scales = jax.ShapeDtypeStruct((e, k // 128, n), jnp.bfloat16)
@@ -290,8 +291,9 @@ def test_nibble_decode_lowers_for_the_gpu(zero_points, split_rows, swap_ab):
 
     def run(x, codes, offsets, scales):
         zeros = scales if zero_points else None
+        bias = jnp.ones((e, n), jnp.float32) if swap_ab else None
         return mosaic.expert_gemm_mosaic(
-            x, codes, offsets, tiles, out_dtype=jnp.bfloat16, decode=decode, scales=scales, zero_points=zeros
+            x, codes, offsets, tiles, out_dtype=jnp.bfloat16, decode=decode, scales=scales, zero_points=zeros, bias=bias
         )
 
     text = jax.jit(run).trace(x, codes, offsets, scales).lower(lowering_platforms=("cuda",)).as_text()
@@ -350,8 +352,14 @@ def test_a_table_entry_naming_the_kernel_falls_back(monkeypatch, rng):
         (F.BF16, "grouped", TILES),
         (F.BF16, "masked", SPLIT_ROWS),
         (F.INT4_G128, "grouped", hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True)),
+        pytest.param(
+            F.INT4_G128,
+            "grouped",
+            hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True, swap_ab=True),
+            marks=ON_GPU_ONLY,
+        ),
     ],
-    ids=["bf16-grouped", "bf16-masked-split", "int4-grouped"],
+    ids=["bf16-grouped", "bf16-masked-split", "int4-grouped", "int4-swap"],
 )
 def test_bias_added_to_each_experts_rows(fmt, layout_kind, tuning, rng):
     """A bias ``[E, N]`` added in f32 to the rows of its expert (gpt-oss); rows
