@@ -329,7 +329,7 @@ def _nibble_operands(weight: F.QuantizedWeight, dtype):
     scales = jnp.broadcast_to(jnp.swapaxes(weight.scale, 1, 2), (e, groups, n)).astype(dtype)
     zero_points = None
     if weight.format.zero_point == F.ZeroPoint.INT:
-        magic_value = mosaic_kernel.MAGIC[jnp.dtype(dtype)][1]
+        magic_value = mosaic_kernel.MAGIC[jnp.dtype(dtype).name][1]
         zero_points = (jnp.swapaxes(F.decode_zero_point(weight), 1, 2) + magic_value).astype(dtype)
     code_offset = 8 if weight.format.value_type == F.ValueType.INT4 else 0
     decode = mosaic_kernel.NibbleDecode(groups, code_offset=code_offset, zero_points=zero_points is not None)

@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gemm import tile_order
+from pallas_kernels.word_decode import MAGIC  # (pattern, base): pattern | q is the float base + q
 
 COMPUTE_WARPGROUPS = 2
 EPILOGUE_COLUMNS = 64  # output columns per shared-memory store slot
@@ -85,8 +86,6 @@ class MosaicTiles:
 UNIT = 128  # columns of one planar unit: a K step of the 4-bit path
 PIECES = 4  # a unit's 16-bit half h holds columns h + 32 j at bits 4j..4j+3
 PIECE = UNIT // PIECES
-# The 16-bit float whose pattern ``MAGIC | q`` (q < 16) is ``MAGIC_VALUE + q`` exactly.
-MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +137,7 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode 
     if decode is not None:
         if tiles.block_k != UNIT:
             raise ValueError(f"mosaic GEMM: 4-bit weights take block_k={UNIT} (one planar unit), got {tiles.block_k}")
-        if jnp.dtype(dtype) not in MAGIC:
+        if jnp.dtype(dtype).name not in MAGIC:
             raise ValueError(f"mosaic GEMM: 4-bit weights take bf16 or f16 inputs, got {jnp.dtype(dtype)}")
         if decode.groups != k // UNIT:
             raise ValueError(
@@ -237,7 +236,7 @@ def _decode_piece(codes, piece: int, offset, scale, dtype):
     """Columns ``[32 piece, 32 piece + 32)`` of a unit from its codes
     ``uint16 [rows, 32]``: ``(magic + q - offset) * scale`` in ``dtype`` (the
     subtraction exact, the product rounded once)."""
-    magic, _ = MAGIC[jnp.dtype(dtype)]
+    magic, _ = MAGIC[jnp.dtype(dtype).name]
     bits = ((codes >> (4 * piece)) & 0xF) | magic
     return (lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype) - offset) * scale
 
@@ -379,7 +378,7 @@ def _kernel(
                 if decode.zero_points:
                     code_offset = quant[1][0, wg_slice][:, None]
                 else:
-                    code_offset = jnp.asarray(MAGIC[jnp.dtype(dtype)][1] + decode.code_offset, dtype)
+                    code_offset = jnp.asarray(MAGIC[jnp.dtype(dtype).name][1] + decode.code_offset, dtype)
                 if shared:
                     return shared_decode_step(x_pieces, codes, code_offset, scale, acc_ref)
                 if swap:  # out.T += w_piece @ x_piece.T, the decoded piece as the register operand
