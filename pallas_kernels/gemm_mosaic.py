@@ -304,9 +304,10 @@ def _kernel(
     stage_transforms = () if interpret else _swizzled(PIECE, dtype)
     stage_shape = (PIECES, tiles.block_n, PIECE) if shared else (COMPUTE_WARPGROUPS, tiles.stage_slots, wg_n, PIECE)
     decoding = decode is not None
+    staged = decoding and not tiles.swap_ab  # swap_ab feeds the decoded pieces from registers
     scratch = dict(
         o_smem=plgpu.SMEM((COMPUTE_WARPGROUPS, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
-        stage=plgpu.SMEM(stage_shape, dtype, transforms=stage_transforms) if decoding else None,
+        stage=plgpu.SMEM(stage_shape, dtype, transforms=stage_transforms) if staged else None,
         # [0]: both warpgroups' pieces are in shared memory; [1]: both products have read them.
         sync=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2) if decoding and shared else None,
     )
@@ -339,6 +340,7 @@ def _kernel(
             def store(acc, transposed: bool = False):
                 """The compute warpgroup's ``[wg_m, wg_n]`` result (``transposed``:
                 given as ``[wg_n, wg_m]``), its own rows only."""
+                gmem_first = first_row + own_start - offset
                 for chunk in range(wg_n // EPILOGUE_COLUMNS):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copy has read it
                     columns = slice(chunk * EPILOGUE_COLUMNS, (chunk + 1) * EPILOGUE_COLUMNS)
@@ -348,7 +350,6 @@ def _kernel(
                         o_smem[wg] = acc[:, columns]
                     plgpu.commit_smem()
                     cols = o_gmem.at[:, pl.ds(wg_cols + chunk * EPILOGUE_COLUMNS, EPILOGUE_COLUMNS)]
-                    gmem_first = first_row + own_start - offset
                     _store_rows(o_smem.at[wg], cols, gmem_first, own_start - wg_first, own_rows, wg_m)
 
             swap = tiles.swap_ab
