@@ -26,7 +26,7 @@ from humming_jax import formats as F
 from humming_jax import layouts as L
 from humming_jax import tuning as T
 from humming_jax.configs import GemmLayout, TuningConfig
-from humming_jax.gemm import gemm
+from humming_jax.gemm import as_quantized_input, gemm, plan_tuning
 from humming_jax.routing import moe_align_block_size, moe_prepare_scatter
 from humming_jax.timing import (
     COPY_BANDWIDTH,
@@ -164,20 +164,25 @@ def prepare(case: Case, seed: int = 0) -> Prepared:
     return Prepared(case, ids, weights, xs, moved, flops)
 
 
-def time_prepared(prep: Prepared, tuning: TuningConfig) -> tuple[dict, jax.Array, object]:
-    """(result row, the kernel's output on the first set, its layout)."""
+def time_prepared(prep: Prepared, tuning: TuningConfig | None) -> tuple[dict, jax.Array, object]:
+    """(result row, the kernel's output on the first set, its layout).
+    ``tuning`` None: the table's choice, run as ``gemm`` runs it (with its
+    fallbacks); the row records the tiling that ran."""
     case = prep.case
-    layout = _layout(case, prep.ids, tuning)
-    fn = lambda x, w: gemm(x, w, layout, tuning=tuning, backend=KERNEL_BACKEND)  # noqa: E731
+    layout = _layout(case, prep.ids, tuning or _tuning_for(case))
+    rows = case.tokens * case.shapes()[3]  # the table's key: the real rows
+    fn = lambda x, w: gemm(x, w, layout, valid_shape_m=rows, tuning=tuning, backend=KERNEL_BACKEND)  # noqa: E731
     seconds = device_seconds(fn, list(zip(prep.xs, prep.weights, strict=True)))
     floor = max(prep.moved / COPY_BANDWIDTH, prep.flops / MATMUL_RATE)
+    x, weight = as_quantized_input(prep.xs[0]), prep.weights[0]
+    ran, dequantize = plan_tuning(x, weight, layout, tuning, rows, on_gpu=KERNEL_BACKEND != "interpret")
     row = dict(
         **dataclasses.asdict(case),
         **bandwidth_fields(seconds, prep.moved),
         tflops=prep.flops / seconds / 1e12,
         roofline_fraction=floor / seconds,
         flops=prep.flops,
-        tuning=dataclasses.asdict(tuning),
+        tuning=dataclasses.asdict(dataclasses.replace(ran, dequantize_first=dequantize)),
     )
     return row, fn(prep.xs[0], prep.weights[0]), layout
 
@@ -232,7 +237,7 @@ def time_kernel(case: Case, tuning: TuningConfig | None = None, seed: int = 0) -
     """One case under ``tuning`` (default: the table/heuristic choice), checked against
     :func:`sampled_error` (``error``)."""
     prep = prepare(case, seed)
-    row, out, layout = time_prepared(prep, tuning or _tuning_for(case))
+    row, out, layout = time_prepared(prep, tuning)
     row["error"] = sampled_error(prep, layout, out)
     row["layout_ids"] = prep.ids
     return row

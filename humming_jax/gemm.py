@@ -156,22 +156,69 @@ def gemm(
         chosen = "reference"
     if chosen == "reference":
         return gemm_reference(x, weight, layout, out_dtype)
+    on_gpu = chosen != "interpret"
+    tuning, dequantize = plan_tuning(
+        x, weight, layout, tuning, valid_shape_m, batch_invariant, use_f16_accum, out_dtype, on_gpu
+    )
+    if dequantize:
+        weight = _dequantized(weight, x.values.dtype)
+    return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=not on_gpu)
+
+
+def plan_tuning(
+    x: Q.QuantizedInput,
+    weight: F.QuantizedWeight,
+    layout: L.Layout,
+    tuning: configs.TuningConfig | None = None,
+    valid_shape_m: int | None = None,
+    batch_invariant: bool = False,
+    use_f16_accum: bool = False,
+    out_dtype=jnp.bfloat16,
+    on_gpu: bool = True,
+) -> tuple[configs.TuningConfig, bool]:
+    """(the tiling the kernel runs, whether the weight is dequantized first).
+
+    ``tuning`` None: the table's entry (:func:`kernel_tuning`), which is a
+    preference — an entry naming the Mosaic kernel runs a form of it that the
+    call allows: dequantize_first for quantized weights it does not decode
+    itself, the staged form for a ``swap_ab`` entry it cannot run (interpreted,
+    or 32-bit outputs), and the Triton tile of the same size when the kernel
+    cannot take the call at all. A ``tuning`` passed by hand runs as given."""
     from_table = tuning is None
     tuning = kernel_tuning(layout, weight, x.m, valid_shape_m, tuning, batch_invariant)
     if from_table and tuning.mosaic and weight.format.is_quantized and _nibble_decode_unsupported(x, weight):
         tuning = dataclasses.replace(tuning, dequantize_first=True)  # its 16-bit path, after one dequantize pass
-    if tuning.dequantize_first and weight.format.is_quantized:
-        weight = _dequantized(weight, x.values.dtype)
+    dequantize = tuning.dequantize_first and weight.format.is_quantized
+    if dequantize:
         tuning = dataclasses.replace(
-            tuning, dequantize_first=False, word_decode=False, fold_scales=False, pair_decode=False
+            tuning,
+            dequantize_first=False,
+            word_decode=False,
+            fold_scales=False,
+            pair_decode=False,
+            swap_ab=tuning.swap_ab and not tuning.mosaic,  # the Mosaic swap_ab form is for decoded 4-bit weights
         )
-    on_gpu = chosen != "interpret"
-    if from_table and tuning.mosaic and not _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu):
+        if from_table and tuning.mosaic:  # an entry for 4-bit decode (one 128-column unit a step): the 16-bit K step
+            tuning = dataclasses.replace(tuning, block_k=min(tuning.block_k, 64))
+    if not from_table or not tuning.mosaic:
+        return tuning, dequantize
+    if tuning.swap_ab and _swap_unsupported(out_dtype, on_gpu):
+        tuning = dataclasses.replace(tuning, swap_ab=False)  # the staged form computes the same
+    if not _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu, quantized=not dequantize):
         # The table names the Mosaic kernel, but this call has what it cannot take
         # (a GPU other than Hopper, a shape off its tiles, f16 accumulation): the Triton tile of the same size runs it,
         # with the warps and stages that tile won with (8 and 4, 128x256x64 bf16).
         tuning = dataclasses.replace(tuning, mosaic=False, num_warps=8, num_stages=4)
-    return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=not on_gpu)
+    return tuning, dequantize
+
+
+def _swap_unsupported(out_dtype, on_gpu: bool) -> str | None:
+    """Why the Mosaic kernel's swap_ab form cannot run (None if it can)."""
+    if not on_gpu:
+        return "an interpreted call (the register operand runs compiled only)"
+    if jnp.dtype(out_dtype).itemsize != 2:
+        return f"{jnp.dtype(out_dtype)} outputs (out.T is stored through a transposed view: 16-bit outputs)"
+    return None
 
 
 def _dequantized(weight: F.QuantizedWeight, dtype) -> F.QuantizedWeight:
@@ -302,15 +349,20 @@ def _hopper_gpu() -> bool:
 
 def _mosaic_unsupported(x, weight, layout, use_f16_accum, on_gpu: bool) -> str | None:
     """Why the Mosaic GPU kernel cannot run this call (None if it can)."""
-    if on_gpu and not _hopper_gpu():
-        device = jax.devices()[0]
-        return f"this device ({device.device_kind}: the kernel needs a Hopper GPU, sm_90)"
     if weight.format.is_quantized:
         unsupported = _nibble_decode_unsupported(x, weight)
         if unsupported:
             return unsupported
     elif jnp.dtype(weight.values.dtype) != jnp.dtype(x.values.dtype):
         return f"{weight.values.dtype} weights with {x.values.dtype} inputs (the same 16-bit dtype)"
+    return _mosaic_layout_unsupported(layout, use_f16_accum, on_gpu)
+
+
+def _mosaic_layout_unsupported(layout, use_f16_accum, on_gpu: bool) -> str | None:
+    """Why the Mosaic GPU kernel cannot run on this device, layout or accumulation (None if it can)."""
+    if on_gpu and not _hopper_gpu():
+        device = jax.devices()[0]
+        return f"this device ({device.device_kind}: the kernel needs a Hopper GPU, sm_90)"
     if isinstance(layout, L.Indexed):
         return "the indexed layout (dense, grouped_contiguous or grouped_masked: TMA cannot gather rows)"
     if use_f16_accum:
@@ -336,13 +388,16 @@ def _nibble_operands(weight: F.QuantizedWeight, dtype):
     return codes, scales, zero_points, decode
 
 
-def _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu: bool) -> bool:
-    """Whether the Mosaic GPU kernel takes this call with ``tuning``'s tiles."""
-    if _mosaic_unsupported(x, weight, layout, use_f16_accum, on_gpu):
+def _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu: bool, quantized: bool = True) -> bool:
+    """Whether the Mosaic GPU kernel takes this call with ``tuning``'s tiles
+    (``quantized`` False: ``weight`` after the dequantize pass)."""
+    if quantized and _mosaic_unsupported(x, weight, layout, use_f16_accum, on_gpu):
         return False
-    if tuning.swap_ab and not on_gpu:  # the register operand runs compiled only
+    if not quantized and _mosaic_layout_unsupported(layout, use_f16_accum, on_gpu):
         return False
-    decode = mosaic_kernel.NibbleDecode(weight.k // mosaic_kernel.UNIT) if weight.format.is_quantized else None
+    decode = (
+        mosaic_kernel.NibbleDecode(weight.k // mosaic_kernel.UNIT) if quantized and weight.format.is_quantized else None
+    )
     try:
         mosaic_kernel.check_tiles(mosaic_tiles(tuning), weight.n, weight.k, x.values.dtype, decode)
     except ValueError:

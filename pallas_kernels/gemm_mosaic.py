@@ -463,6 +463,11 @@ def expert_gemm_mosaic(
             "mosaic GEMM: swap_ab runs compiled only (the Mosaic GPU interpreter of jax 0.11 cannot take a register "
             "wgmma operand); the staged form (swap_ab=False) computes the same"
         )
+    if tiles.swap_ab and jnp.dtype(out_dtype).itemsize != 2:
+        raise ValueError(
+            f"mosaic GEMM: swap_ab stores out.T through a transposed shared-memory view, which takes 16-bit "
+            f"outputs, got out_dtype={jnp.dtype(out_dtype)}; the staged form (swap_ab=False) computes the same"
+        )
     quant = ()
     if decode is not None:
         want = (num_experts, decode.groups, n)
