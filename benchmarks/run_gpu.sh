@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v15-tests mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -37,6 +37,31 @@ for step in $steps; do
                     timeout 180 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --fmt int4_g128 \
                       --tokens 4096 $mosaic --config 128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode \
                       2>&1 | tail -4 | tee -a "$out/mosaic_inspect.log" ;;
+    # GEMM v15: delay_release (a K step's product in flight while the next is issued, the last step waiting for
+    # all) on the 16-bit path and the swap_ab form; its tests with the real compiler, then against v13 / v14.
+    v15-tests) pytest_gpu 200 tests/test_gemm_mosaic.py 2>&1 | tee "$out/v15_tests.log" | tail -8 ;;
+    mosaic-delay) for problem in mixtral-8x7b qwen3-30b-a3b; do  # bf16 T=4096 (v13: mixtral 3340.3 / 1660.3, qwen3 469.5 / 281.3)
+                    for gemm in w13 w2; do
+                      timeout 120 python3 -W ignore -m benchmarks.inspect_gemm --problem $problem --gemm $gemm --fmt bf16 \
+                        --tokens 4096 --config 128,256,64,4,4,mosaic,group_m=8 \
+                        --config 128,256,64,4,4,mosaic,group_m=8,delay_release=1 \
+                        --config 128,256,64,4,3,mosaic,group_m=8,delay_release=1 2>&1 | tail -3
+                    done
+                  done | tee "$out/mosaic_delay.log" ;;
+    mosaic-delay-int4) swap="--config 128,256,128,4,3,mosaic,group_m=8,swap_ab
+                             --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,delay_release=1"
+                       for gemm in w2 w13; do  # qwen3 int4 T=4096 (v14 swap_ab: w2 363.5, w13 614.8; Triton w13 604.8)
+                         timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm $gemm \
+                           --fmt int4_g128 --tokens 4096 $swap 2>&1 | tail -2
+                       done | tee "$out/mosaic_delay_int4.log"
+                       timeout 270 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --fmt int4_g128 \
+                         --tokens 4096 $swap 2>&1 | tail -2 | tee -a "$out/mosaic_delay_int4.log" ;;
+    # mixtral w2 int4 (K=14336) on v14's swap_ab form against its dequantize-first entry (2131.0 / 2132.2 us).
+    mosaic-swap-w2) timeout 400 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm w2 \
+                      --fmt int4_g128 --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab \
+                      --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,delay_release=1 \
+                      --config 128,256,64,4,3,mosaic,dequantize_first,group_m=8 2>&1 | tail -3 \
+                      | tee "$out/mosaic_swap_w2.log" ;;
     # GEMM v14: 4-bit weights decoded in the Mosaic kernel (planar int4), its tests and mixtral / qwen3 int4
     # prefill against v13's dequantize-first entry and the Triton tile.
     v14-tests) pytest_gpu 200 tests/test_gemm_mosaic.py 2>&1 | tee "$out/v14_tests.log" | tail -8 ;;

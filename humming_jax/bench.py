@@ -524,6 +524,9 @@ PREFILL_CANDIDATES = _candidates(
         (256, 128, 128, 4, 2, MOSAIC | BANDS | {"split_rows": True}),
         # The decoded pieces as the wgmma's register operand (no staging, out.T).
         (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP),
+        # v15: a K step's product left in flight while the next is issued.
+        (128, 256, 64, 4, 4, MOSAIC | DEQ | BANDS | {"delay_release": 1}),
+        (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | {"delay_release": 1}),
         (256, 128, 64, 4, 4, MOSAIC | DEQ | BANDS | {"split_rows": True}),
         # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
         (128, 256, 64, 8, 4, DEQ),

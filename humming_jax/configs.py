@@ -185,6 +185,10 @@ class TuningConfig:
     # (block_m 128 or 256) and share its weight tile — a 4-bit one decoded half by
     # each — instead of half its columns: half the decoding per product.
     split_rows: bool = False
+    # The Mosaic kernel keeps a K step's wgmma in flight while the next step's is
+    # issued (its shared-memory slot released one step late; num_stages > 1):
+    # 0 or 1, for 16-bit weights and the swap_ab form.
+    delay_release: int = 0
 
     def __post_init__(self):
         owner = "TuningConfig"
@@ -214,6 +218,8 @@ class TuningConfig:
             raise ValueError(
                 f"{owner}.stage_slots: 2 or 4, and other than 2 only with mosaic=True, got {self.stage_slots}"
             )
+        if self.delay_release not in (0, 1) or (self.delay_release and not self.mosaic):
+            raise ValueError(f"{owner}.delay_release: 0 or 1, and 1 only with mosaic=True, got {self.delay_release}")
         if self.split_rows and not self.mosaic:
             raise ValueError(f"{owner}.split_rows: a Mosaic kernel option, needs mosaic=True")
         if self.pair_decode and not self.word_decode:

@@ -416,6 +416,7 @@ def mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
         stage_slots=tuning.stage_slots,
         split_rows=tuning.split_rows,
         swap_ab=tuning.swap_ab,
+        delay_release=tuning.delay_release,
     )
 
 
@@ -449,7 +450,7 @@ def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         if a is not None
     )
     fields = dataclasses.asdict(tuning)
-    for name in ("dequantize_first", "mosaic", "stage_slots", "split_rows"):  # decided here, or Mosaic only
+    for name in ("dequantize_first", "mosaic", "stage_slots", "split_rows", "delay_release"):  # here, or Mosaic only
         del fields[name]
     tiles = kernel.Tiles(**fields)  # the kernel's mirror of TuningConfig, field for field
     return kernel.expert_gemm(

@@ -71,6 +71,10 @@ class MosaicTiles:
     # registers (no staging), the accumulator out.T ([wg_n, block_m]), stored
     # transposed. GPU only: the 0.11 interpreter cannot run a register operand.
     swap_ab: bool = False
+    # 1: a step's wgmma stays in flight while the next step's is issued, its
+    # shared-memory slot released a step late (16-bit weights and swap_ab: the
+    # staged pieces would need a wait of their own).
+    delay_release: int = 0
 
     @property
     def wg_m(self) -> int:
@@ -133,6 +137,21 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode 
     if tiles.swap_ab and (decode is None or tiles.split_rows):
         raise ValueError(
             "mosaic GEMM: swap_ab (decoded weights as the register operand) is for 4-bit weights without split_rows"
+        )
+    if tiles.delay_release not in (0, 1) or tiles.stages <= tiles.delay_release:
+        raise ValueError(
+            f"mosaic GEMM: delay_release must be 0 or 1 and below stages, got {tiles.delay_release} "
+            f"with {tiles.stages} stages"
+        )
+    if tiles.delay_release and k // tiles.block_k < 2:
+        raise ValueError(
+            f"mosaic GEMM: delay_release needs at least 2 K steps (the last step's slot is released by "
+            f"waiting at the last step), got K={k} with block_k={tiles.block_k}"
+        )
+    if tiles.delay_release and decode is not None and not tiles.swap_ab:
+        raise ValueError(
+            "mosaic GEMM: delay_release is for 16-bit weights and the swap_ab form (staged 4-bit pieces are "
+            "rewritten each step)"
         )
     if decode is not None:
         if tiles.block_k != UNIT:
@@ -262,19 +281,27 @@ def _kernel(
     bm, bk, wg_m, wg_n = tiles.block_m, tiles.block_k, tiles.wg_m, tiles.wg_n
     col_tiles = n // tiles.block_n
     shared = tiles.split_rows  # the warpgroups split the rows and share the weight tile
+    delay = tiles.delay_release  # steps a slot is held past its product's issue
     if decode is None:
         in_specs = [
-            plgpu.BlockSpec((bm, bk), lambda i: (0, i), transforms=_swizzled(bk, dtype)),
-            plgpu.BlockSpec((tiles.block_n, bk), lambda i: (0, i), transforms=_swizzled(bk, dtype)),
+            plgpu.BlockSpec((bm, bk), lambda i: (0, i), transforms=_swizzled(bk, dtype), delay_release=delay),
+            plgpu.BlockSpec(
+                (tiles.block_n, bk), lambda i: (0, i), transforms=_swizzled(bk, dtype), delay_release=delay
+            ),
         ]
     else:  # x as the unit's 4 pieces, the unit's codes, its group's scales (and zero points)
         in_specs = [
             *(
-                plgpu.BlockSpec((bm, PIECE), lambda i, j=j: (0, PIECES * i + j), transforms=_swizzled(PIECE, dtype))
+                plgpu.BlockSpec(
+                    (bm, PIECE),
+                    lambda i, j=j: (0, PIECES * i + j),
+                    transforms=_swizzled(PIECE, dtype),
+                    delay_release=delay,
+                )
                 for j in range(PIECES)
             ),
-            plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i)),
-            *(plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
+            plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i), delay_release=delay),
+            *(plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0), delay_release=delay) for _ in quant_gmem),
         ]
 
     def pipeline(step, context):
@@ -367,12 +394,31 @@ def _kernel(
                         acc = acc + (bias[:, None] if swap else bias[None, :])
                     store(acc.astype(o_gmem.dtype), transposed=swap)
 
-            def step(_, x_smem, w_smem, acc_ref):
+            def wait_products(indices, in_flight: int):
+                """Wait for the products issued before this step's (``in_flight`` of
+                them, delay_release) — at the last step for all: the pipeline releases
+                the previous step's slot after this returns, and the memory warpgroup
+                refills the slots for the next tile once it sees that release, so the
+                last product must be done by then."""
+                if not delay:
+                    plgpu.wgmma_wait(0)
+                    return
+                last = indices[0] == k // bk - 1
+
+                @pl.when(last)
+                def _():
+                    plgpu.wgmma_wait(0)
+
+                @pl.when(~last)
+                def _():
+                    plgpu.wgmma_wait(in_flight)
+
+            def step(indices, x_smem, w_smem, acc_ref):
                 plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[wg_slice].transpose((1, 0)))
-                plgpu.wgmma_wait(0)
+                wait_products(indices, 1)
                 return acc_ref
 
-            def decode_step(_, *refs):
+            def decode_step(indices, *refs):
                 x_pieces, codes_smem, quant, acc_ref = refs[:PIECES], refs[PIECES], refs[PIECES + 1 : -1], refs[-1]
                 codes = codes_smem[wg_slice]
                 scale = quant[0][0, wg_slice][:, None]
@@ -386,7 +432,7 @@ def _kernel(
                     for piece in range(PIECES):
                         w_piece = _decode_piece(codes, piece, code_offset, scale, dtype)
                         plgpu.wgmma(acc_ref, w_piece, x_pieces[piece].transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
+                    wait_products(indices, PIECES)  # a product per piece
                     return acc_ref
                 slots = tiles.stage_slots
                 for piece in range(PIECES):

@@ -30,6 +30,8 @@ def _expected(x, w, offsets, m):
 
 
 SPLIT_ROWS = hj.TuningConfig(128, 128, 64, num_stages=2, group_m=2, mosaic=True, split_rows=True)
+# A K step's product left in flight while the next is issued (its slot released a step late).
+DELAYED = hj.TuningConfig(64, 256, 64, num_stages=3, group_m=2, mosaic=True, delay_release=1)
 
 
 @pytest.mark.parametrize(
@@ -42,13 +44,14 @@ SPLIT_ROWS = hj.TuningConfig(128, 128, 64, num_stages=2, group_m=2, mosaic=True,
         # (the 70-row expert's first tile ends in the second warpgroup's half).
         ((1, 70, 0, 30), jnp.bfloat16, jnp.float32, SPLIT_ROWS),
         ((7, 0, 23, 3), jnp.bfloat16, jnp.bfloat16, SPLIT_ROWS),
+        ((1, 70, 0, 30), jnp.bfloat16, jnp.float32, DELAYED),
     ],
 )
 def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
     """Expert ranges cut into row tiles from the 8-row grid; rows past the
     last range (5 here) are zeros (the interpreter fills fresh memory with NaN,
     so a row left unwritten would show)."""
-    m, n, k = sum(counts) + 5, 256, 128
+    m, n, k = sum(counts) + 5, 256, 256  # 4 K steps of 64
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     x = jnp.asarray(rng.normal(size=(m, k)), dtype)
     w = jnp.asarray(rng.normal(0, 0.1, (len(counts), n, k)), dtype)
@@ -127,8 +130,19 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         # The decoded piece as the register operand (compiled only: the interpreter
         # cannot take a register wgmma operand; the lowering test covers it on the CPU).
         pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True}, marks=ON_GPU_ONLY),
+        pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "delay_release": 1}, marks=ON_GPU_ONLY),
     ],
-    ids=["int4", "int4-4slots", "int4-split", "uint4", "uint4-split", "int4-channel", "int4-f16", "uint4-swap"],
+    ids=[
+        "int4",
+        "int4-4slots",
+        "int4-split",
+        "uint4",
+        "uint4-split",
+        "int4-channel",
+        "int4-f16",
+        "uint4-swap",
+        "int4-swap-delayed",
+    ],
 )
 def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
     """Planar 4-bit weights decoded in the compute warpgroups each K step
@@ -302,6 +316,51 @@ def test_nibble_decode_lowers_for_the_gpu(zero_points, split_rows, swap_ab):
 
     text = jax.jit(run).trace(x, codes, offsets, scales).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("decoded", [False, True], ids=["bf16", "int4-swap"])
+def test_delayed_release_lowers_for_the_gpu(decoded):
+    """``delay_release=1`` (a step's product in flight while the next is
+    issued, the last step waiting for all) lowers for the GPU: 16-bit weights
+    and the swap_ab form."""
+    e, n, k = 3, 512, 512
+    x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
+    offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
+    if decoded:
+        tiles = mosaic.MosaicTiles(128, 256, 128, stages=3, swap_ab=True, delay_release=1)
+        weight = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
+        options = dict(decode=mosaic.NibbleDecode(k // 128))
+        scales = jax.ShapeDtypeStruct((e, k // 128, n), jnp.bfloat16)
+    else:
+        tiles = mosaic.MosaicTiles(128, 256, 64, stages=4, delay_release=1)
+        weight = jax.ShapeDtypeStruct((e, n, k), jnp.bfloat16)
+        options, scales = {}, None
+
+    def run(x, weight, offsets, scales):
+        return mosaic.expert_gemm_mosaic(x, weight, offsets, tiles, out_dtype=jnp.bfloat16, scales=scales, **options)
+
+    text = jax.jit(run).trace(x, weight, offsets, scales).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_delayed_release_refusals():
+    """delay_release names what it needs: 0 or 1 and only on the Mosaic
+    kernel, fewer than the stages, two K steps or more, not the staged 4-bit
+    pieces."""
+    with pytest.raises(ValueError, match="delay_release: 0 or 1, and 1 only with mosaic"):
+        hj.TuningConfig(64, 256, 64, delay_release=1)
+    with pytest.raises(ValueError, match="delay_release: 0 or 1"):
+        hj.TuningConfig(64, 256, 64, mosaic=True, delay_release=2)
+    decode = mosaic.NibbleDecode(4)
+    cases = [
+        (mosaic.MosaicTiles(64, 256, 64, stages=1, delay_release=1), 512, None, "below stages"),
+        (mosaic.MosaicTiles(64, 256, 64, stages=2, delay_release=1), 64, None, "at least 2 K steps"),
+        (mosaic.MosaicTiles(64, 256, 128, stages=2, delay_release=1), 512, decode, "staged 4-bit pieces"),
+    ]
+    for tiles, k, nibbles, reason in cases:
+        with pytest.raises(ValueError, match=reason):
+            mosaic.check_tiles(tiles, 256, k, jnp.bfloat16, nibbles)
 
 
 def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
