@@ -95,8 +95,12 @@ for step in $steps; do
     mosaic-profile) run="python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --tokens 4096"
                     for case in "int4_g128 128,256,128,4,3,mosaic,group_m=8" "bf16 128,256,64,4,3,mosaic,group_m=8"; do
                       set -- $case
-                      timeout 120 ncu --section LaunchStats -c 12 $run --fmt $1 --config $2 > "$out/names_$1.txt" 2>&1
-                      name=$(grep "x(384, 1, 1)" "$out/names_$1.txt" | head -1 | awk '{print $1}')  # "name (grid)x(block), ..."
+                      # The tenth session's run named no kernel (the launch was past the first 12) and profiled an
+                      # XLA fusion instead: list more launches, and stop when none has 384 threads.
+                      timeout 150 ncu --section LaunchStats -c 200 $run --fmt $1 --config $2 2>&1 \
+                        | grep "x(384, 1, 1)" > "$out/names_$1.txt"
+                      name=$(head -1 "$out/names_$1.txt" | awk '{print $1}')  # "name (grid)x(block), ..."
+                      [ -n "$name" ] || { echo "$1: no 384-thread launch among the first 200"; continue; }
                       echo "$1: kernel $name"
                       timeout 200 ncu -k "$name" -c 1 --section LaunchStats --section Occupancy --section WarpStateStats \
                         --section SchedulerStats --section SourceCounters -o "$out/mosaic_$1" $run --fmt $1 --config $2 \
