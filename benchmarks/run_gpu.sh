@@ -45,7 +45,8 @@ for step in $steps; do
                       timeout 120 python3 -W ignore -m benchmarks.inspect_gemm --problem $problem --gemm $gemm --fmt bf16 \
                         --tokens 4096 --config 128,256,64,4,4,mosaic,group_m=8 \
                         --config 128,256,64,4,4,mosaic,group_m=8,delay_release=1 \
-                        --config 128,256,64,4,3,mosaic,group_m=8,delay_release=1 2>&1 | tail -3
+                        --config 128,256,64,4,3,mosaic,group_m=8,delay_release=1 \
+                        --config 256,128,64,4,4,mosaic,group_m=8,split_rows,delay_release=1 2>&1 | tail -4
                     done
                   done | tee "$out/mosaic_delay.log" ;;
     mosaic-delay-int4) swap="--config 128,256,128,4,3,mosaic,group_m=8,swap_ab
