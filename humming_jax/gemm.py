@@ -203,12 +203,15 @@ def plan_tuning(
     if not from_table or not tuning.mosaic:
         return tuning, dequantize
     if tuning.swap_ab and _swap_unsupported(out_dtype, on_gpu):
-        tuning = dataclasses.replace(tuning, swap_ab=False)  # the staged form computes the same
+        # The staged form computes the same (its pieces are rewritten each step: no delayed release).
+        tuning = dataclasses.replace(tuning, swap_ab=False, delay_release=0)
     if not _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu, quantized=not dequantize):
         # The table names the Mosaic kernel, but this call has what it cannot take
         # (a GPU other than Hopper, a shape off its tiles, f16 accumulation): the Triton tile of the same size runs it,
-        # with the warps and stages that tile won with (8 and 4, 128x256x64 bf16).
-        tuning = dataclasses.replace(tuning, mosaic=False, num_warps=8, num_stages=4)
+        # with the warps and stages that tile won with (8 and 4, 128x256x64 bf16) and none of the Mosaic-only options.
+        tuning = dataclasses.replace(
+            tuning, mosaic=False, num_warps=8, num_stages=4, stage_slots=2, split_rows=False, delay_release=0
+        )
     return tuning, dequantize
 
 

@@ -389,9 +389,21 @@ def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
     mxfp4 = hj.to_planar(F.quantize_weight(w, F.MXFP4), half_bits=True)
     assert plan(mxfp4, out_dtype=jnp.bfloat16) == (dataclasses.replace(staged, block_k=64), True)
     assert plan(tuning=entry, out_dtype=jnp.float32) == (entry, False)
+    delayed = dataclasses.replace(entry, delay_release=1)
+    monkeypatch.setattr(T, "choose_tuning", lambda *args: delayed)
+    assert plan(out_dtype=jnp.bfloat16) == (delayed, False)
+    assert plan(out_dtype=jnp.float32) == (staged, False)  # staged pieces: no delayed release
+    # Dequantized first: the 16-bit form keeps the delayed release.
+    assert plan(mxfp4, out_dtype=jnp.bfloat16) == (dataclasses.replace(delayed, swap_ab=False, block_k=64), True)
     monkeypatch.setattr(G, "_hopper_gpu", lambda: False)
     ran, dequantize = plan(out_dtype=jnp.bfloat16)
-    assert not ran.mosaic and not dequantize
+    assert not ran.mosaic and not dequantize and not ran.delay_release
+    # A split-rows entry off Hopper: the Triton tile of its size, without the Mosaic-only options.
+    split = hj.TuningConfig(256, 128, 64, num_stages=4, group_m=8, mosaic=True, split_rows=True, delay_release=1)
+    monkeypatch.setattr(T, "choose_tuning", lambda *args: split)
+    dense = jnp.asarray(rng.normal(0, 0.05, (2, 256, 256)), jnp.bfloat16)
+    ran, _ = plan(G.as_weight(dense), out_dtype=jnp.bfloat16)
+    assert (ran.block_m, ran.block_n, ran.mosaic, ran.split_rows, ran.delay_release) == (256, 128, False, False, 0)
 
 
 def test_swap_ab_refuses_32_bit_outputs():
