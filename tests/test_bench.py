@@ -3,6 +3,7 @@ mode), so that GPU time is never spent finding a bug in the harness."""
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -84,6 +85,32 @@ def test_tune_per_shape_entries_take_precedence(tiny, tmp_path, monkeypatch):
     assert cli.main([*args, "--gemm", "w2", "--out", str(out)]) == 0  # w2's shape gets its own key
     e2, n2, k2, _ = bench.Case("tiny", "w2", "grouped", 1, "int4_g32").shapes()
     assert tuning.table_key("grouped_contiguous", "4bit", (e2, n2, k2)) in json.loads(out.read_text())["entries"]
+
+
+@pytest.mark.parametrize(
+    "entry,runs_mosaic",
+    [
+        (tuning.TuningConfig(128, 64, 64, num_stages=2, mosaic=True, split_rows=True), True),
+        (tuning.TuningConfig(64, 128, 64, num_stages=2, mosaic=True), False),  # N=64 is off its tiles
+    ],
+    ids=["mosaic", "off-its-tiles"],
+)
+def test_bench_runs_the_tables_choice_as_gemm_does(tiny, monkeypatch, entry, runs_mosaic):
+    """By default a bench row runs the table's entry through ``gemm`` — with
+    its fallbacks — and records the tiling that ran: a Mosaic entry the call
+    cannot take is timed (and recorded) as the Triton tile of its size."""
+    monkeypatch.setattr(tuning, "choose_tuning", lambda *args: entry)
+
+    def one_call(fn, sets):  # one interpreted call instead of the timing loop (seconds a call here)
+        jax.block_until_ready(fn(*sets[0]))
+        return 1e-3
+
+    monkeypatch.setattr(bench, "device_seconds", one_call)
+    row = bench.time_kernel(bench.Case("tiny", "w13", "grouped", 5, "bf16"))
+    assert row["error"] < 1e-2
+    ran = row["tuning"]
+    assert ran["mosaic"] is runs_mosaic and (ran["block_m"], ran["block_n"]) == (entry.block_m, entry.block_n)
+    assert ran["split_rows"] is runs_mosaic and (runs_mosaic or ran["num_warps"] == 8)
 
 
 @pytest.mark.parametrize("layout_name", ["grouped", "indexed"])
