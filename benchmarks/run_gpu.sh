@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v15-tests mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v15-tests mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -57,6 +57,24 @@ for step in $steps; do
                        done | tee "$out/mosaic_delay_int4.log"
                        timeout 270 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --fmt int4_g128 \
                          --tokens 4096 $swap 2>&1 | tail -2 | tee -a "$out/mosaic_delay_int4.log" ;;
+    # ptxas's report (registers, spills, "wgmma ... serialized" warnings) and the SASS of each Mosaic form, from a
+    # compile each (qwen3 w13 at T=512: no timing needed); summaries in mosaic_ptxas.log, the SASS of each form kept.
+    mosaic-ptxas) for form in "bf16 128,256,64,4,4,mosaic,group_m=8" "bf16 128,256,64,4,4,mosaic,group_m=8,delay_release=1" \
+                              "int4_g128 128,256,128,4,3,mosaic,group_m=8" "int4_g128 128,256,128,4,3,mosaic,group_m=8,swap_ab" \
+                              "int4_g128 128,256,128,4,3,mosaic,group_m=8,swap_ab,delay_release=1"; do
+                    set -- $form
+                    dump=$(mktemp -d)
+                    MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$dump timeout 150 python3 -W ignore \
+                      -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --tokens 512 --fmt $1 --config $2 > /dev/null 2>&1
+                    name=$(echo "$1_$2" | tr ',=' '__')
+                    { echo "== $1 $2"; grep -rhiE "spill|serializ|registers|warning" $dump | sort | uniq -c | head -20
+                      sass=$(grep -rlE "HGMMA" $dump | head -1)
+                      [ -n "$sass" ] && { cp "$sass" "$out/sass_$name.txt"
+                        for op in HGMMA WARPGROUP.DEPBAR WARPGROUP.ARRIVE LDL STL SYNCS BAR.SYNC HFMA2 HMUL2 LOP3 STSM LDSM; do
+                          printf "%s %s\n" $op "$(grep -c "$op" "$sass")"; done; }
+                    } 2>&1 | tee -a "$out/mosaic_ptxas.log"
+                    rm -rf "$dump"
+                  done ;;
     # mixtral w2 int4 (K=14336) on v14's swap_ab form against its dequantize-first entry (2131.0 / 2132.2 us).
     mosaic-swap-w2) timeout 400 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm w2 \
                       --fmt int4_g128 --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab \
@@ -94,7 +112,7 @@ for step in $steps; do
     # The Mosaic int4 kernel's SASS and stall reasons (v14 against the bf16 kernel it extends): its launch is the
     # one with 3 warpgroups (384 threads); a first pass names it, a second profiles it.
     mosaic-profile) run="python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --tokens 4096"
-                    for case in "int4_g128 128,256,128,4,3,mosaic,group_m=8" "bf16 128,256,64,4,3,mosaic,group_m=8"; do
+                    for case in "int4_g128 128,256,128,4,3,mosaic,group_m=8,swap_ab" "bf16 128,256,64,4,3,mosaic,group_m=8"; do
                       set -- $case
                       # The tenth session's run named no kernel (the launch was past the first 12) and profiled an
                       # XLA fusion instead: list more launches, and stop when none has 384 threads.
