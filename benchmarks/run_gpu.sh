@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v15-tests mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -75,6 +75,18 @@ for step in $steps; do
                     } 2>&1 | tee -a "$out/mosaic_ptxas.log"
                     rm -rf "$dump"
                   done ;;
+    # GEMM v16: decode-sized row tiles on the Mosaic swap_ab form (x's 16 rows the wgmma's N; persistent, TMA-fed,
+    # the weights decoded in registers) against the Triton decode entries at T=16 (qwen3 w13 55.9 us = 58 % of copy,
+    # w2 ~34, mixtral w13 168.9 = 67 %). inspect_gemm's GB/s over 4300 is the copy fraction.
+    mosaic-decode) v16="--config 16,256,128,4,4,mosaic,swap_ab --config 16,256,128,4,6,mosaic,swap_ab,delay_release=1
+                        --config 16,128,128,4,6,mosaic,swap_ab,delay_release=1 --config 16,256,128,4,8,mosaic,swap_ab,delay_release=1"
+                   for gemm in w13 w2; do
+                     timeout 120 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm $gemm \
+                       --fmt int4_g128 --tokens 16 $v16 --config 16,128,256,4,3,word_decode,fold_scales,pair_decode 2>&1 | tail -5
+                   done | tee "$out/mosaic_decode.log"
+                   timeout 240 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --fmt int4_g128 --tokens 16 \
+                     $v16 --config 16,128,256,4,3,word_decode,fold_scales,pair_decode 2>&1 | tail -5 \
+                     | tee -a "$out/mosaic_decode.log" ;;
     # mixtral w2 int4 (K=14336) on v14's swap_ab form against its dequantize-first entry (2131.0 / 2132.2 us).
     mosaic-swap-w2) timeout 400 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm w2 \
                       --fmt int4_g128 --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab \

@@ -181,12 +181,19 @@ def plan_tuning(
     ``tuning`` None: the table's entry (:func:`kernel_tuning`), which is a
     preference — an entry naming the Mosaic kernel runs a form of it that the
     call allows: dequantize_first for quantized weights it does not decode
-    itself, the staged form for a ``swap_ab`` entry it cannot run (interpreted,
-    or 32-bit outputs), and the Triton tile of the same size when the kernel
-    cannot take the call at all. A ``tuning`` passed by hand runs as given."""
+    itself (at decode-sized row tiles the heuristic's Triton tile instead: a
+    dequantize pass would read every expert's weight), the staged form for a
+    ``swap_ab`` entry it cannot run (interpreted, or 32-bit outputs), and the
+    Triton tile of the same size when the kernel cannot take the call at all.
+    A ``tuning`` passed by hand runs as given."""
     from_table = tuning is None
     tuning = kernel_tuning(layout, weight, x.m, valid_shape_m, tuning, batch_invariant)
     if from_table and tuning.mosaic and weight.format.is_quantized and _nibble_decode_unsupported(x, weight):
+        if tuning.block_m < 64:  # a decode entry: a dequantize pass would read every expert's weight
+            rows = valid_shape_m or layout.output_rows(x.m)
+            per_expert = rows if layout.kind == configs.GemmLayout.DENSE else rows // max(weight.num_experts, 1)
+            heuristic = T.heuristic_tuning(max(1, per_expert), weight.n, weight.k, T.format_class(weight.format))
+            return kernel_tuning(layout, weight, x.m, valid_shape_m, heuristic, batch_invariant), False
         tuning = dataclasses.replace(tuning, dequantize_first=True)  # its 16-bit path, after one dequantize pass
     dequantize = tuning.dequantize_first and weight.format.is_quantized
     if dequantize:

@@ -112,8 +112,10 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode 
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize != 2:
         raise ValueError(f"mosaic GEMM: 16-bit inputs and weights, got {jnp.dtype(dtype)}")
-    if tiles.wg_m not in (64, 128):  # wgmma rows: multiples of 64
-        allowed = "128 or 256 with split_rows" if tiles.split_rows else "64 or 128"
+    # x's rows are the wgmma's M (multiples of 64), or with swap_ab its N (decode-sized tiles).
+    row_choices = (16, 32, 64, 128) if tiles.swap_ab else (64, 128)
+    if tiles.wg_m not in row_choices:
+        allowed = "128 or 256 with split_rows" if tiles.split_rows else " or ".join(map(str, row_choices))
         raise ValueError(f"mosaic GEMM: block_m must be {allowed}, got {tiles.block_m}")
     if tiles.wg_n % EPILOGUE_COLUMNS or tiles.wg_n > 256:
         ways = 1 if tiles.split_rows else COMPUTE_WARPGROUPS

@@ -131,6 +131,9 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         # cannot take a register wgmma operand; the lowering test covers it on the CPU).
         pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True}, marks=ON_GPU_ONLY),
         pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "delay_release": 1}, marks=ON_GPU_ONLY),
+        # Decode-sized row tiles: x's 16 or 32 rows are the wgmma's N (17- and 23-row experts take 2 and 1 tiles).
+        pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "block_m": 16}, marks=ON_GPU_ONLY),
+        pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True, "block_m": 32}, marks=ON_GPU_ONLY),
     ],
     ids=[
         "int4",
@@ -142,6 +145,8 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         "int4-f16",
         "uint4-swap",
         "int4-swap-delayed",
+        "int4-swap-16-rows",
+        "uint4-swap-32-rows",
     ],
 )
 def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
@@ -156,7 +161,8 @@ def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
     assert weight.nibble_unit == mosaic.UNIT
     x = jnp.asarray(rng.normal(size=(m, k)), dtype)
     offsets = np.asarray([0, 17, 17, 40], np.int32)
-    block_m = 128 if options.get("split_rows") else 64
+    options = dict(options)
+    block_m = options.pop("block_m", 128 if options.get("split_rows") else 64)
     tuning = hj.TuningConfig(block_m, 256, 128, num_stages=2, group_m=2, mosaic=True, **options)
     # swap_ab stores out.T through a transposed shared view: 16-bit outputs only.
     out_dtype, tolerance = (dtype, 5e-3) if options.get("swap_ab") else (jnp.float32, 1e-5)
@@ -319,16 +325,19 @@ def test_nibble_decode_lowers_for_the_gpu(zero_points, split_rows, swap_ab):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("decoded", [False, True], ids=["bf16", "int4-swap"])
-def test_delayed_release_lowers_for_the_gpu(decoded):
+@pytest.mark.parametrize(
+    "decoded,block_m", [(False, 128), (True, 128), (True, 16)], ids=["bf16", "int4-swap", "int4-16-rows"]
+)
+def test_delayed_release_lowers_for_the_gpu(decoded, block_m):
     """``delay_release=1`` (a step's product in flight while the next is
     issued, the last step waiting for all) lowers for the GPU: 16-bit weights
-    and the swap_ab form."""
+    and the swap_ab form, also with decode-sized 16-row tiles (x's rows the
+    wgmma's N)."""
     e, n, k = 3, 512, 512
     x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
     if decoded:
-        tiles = mosaic.MosaicTiles(128, 256, 128, stages=3, swap_ab=True, delay_release=1)
+        tiles = mosaic.MosaicTiles(block_m, 256, 128, stages=6, swap_ab=True, delay_release=1)
         weight = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
         options = dict(decode=mosaic.NibbleDecode(k // 128))
         scales = jax.ShapeDtypeStruct((e, k // 128, n), jnp.bfloat16)
@@ -363,6 +372,17 @@ def test_delayed_release_refusals():
             mosaic.check_tiles(tiles, 256, k, jnp.bfloat16, nibbles)
 
 
+def test_decode_sized_row_tiles_need_swap_ab():
+    """16- and 32-row tiles are the swap_ab form's (x's rows the wgmma's N);
+    the other forms put x's rows on the wgmma's M: 64 or 128."""
+    decode = mosaic.NibbleDecode(2)
+    mosaic.check_tiles(mosaic.MosaicTiles(16, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
+    with pytest.raises(ValueError, match="block_m must be 64 or 128, got 16"):
+        mosaic.check_tiles(mosaic.MosaicTiles(16, 256, 128, stages=4), 256, 256, jnp.bfloat16, decode)
+    with pytest.raises(ValueError, match="block_m must be 16 or 32 or 64 or 128, got 8"):
+        mosaic.check_tiles(mosaic.MosaicTiles(8, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
+
+
 def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
     """A table entry naming the Mosaic swap_ab form (the H200's int4 prefill
     entries) runs as named on a Hopper GPU with 16-bit outputs; its staged form
@@ -395,6 +415,13 @@ def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
     assert plan(out_dtype=jnp.float32) == (staged, False)  # staged pieces: no delayed release
     # Dequantized first: the 16-bit form keeps the delayed release.
     assert plan(mxfp4, out_dtype=jnp.bfloat16) == (dataclasses.replace(delayed, swap_ab=False, block_k=64), True)
+    # A decode-sized entry meeting weights it does not decode (K order): the
+    # heuristic's Triton tile, not a dequantize pass over every expert.
+    monkeypatch.setattr(T, "choose_tuning", lambda *args: dataclasses.replace(delayed, block_m=16, num_stages=6))
+    k_order = F.quantize_weight(w, F.INT4_G128)
+    ran, dequantize = plan(k_order, out_dtype=jnp.bfloat16, valid_shape_m=16)
+    assert not ran.mosaic and not dequantize and ran.block_m <= 32
+    monkeypatch.setattr(T, "choose_tuning", lambda *args: delayed)
     monkeypatch.setattr(G, "_hopper_gpu", lambda: False)
     ran, dequantize = plan(out_dtype=jnp.bfloat16)
     assert not ran.mosaic and not dequantize and not ran.delay_release
