@@ -386,8 +386,11 @@ def test_decode_sized_row_tiles_need_swap_ab():
 def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
     """A table entry naming the Mosaic swap_ab form (the H200's int4 prefill
     entries) runs as named on a Hopper GPU with 16-bit outputs; its staged form
-    with f32 outputs or interpreted; dequantize_first for MXFP4 (the 16-bit
-    form: 64-column K steps); the Triton tile on another GPU. A tuning passed by hand runs as given."""
+    (releasing each step) with f32 outputs or interpreted; dequantize_first for
+    MXFP4 (the 16-bit form: 64-column K steps, the delayed release kept); for a
+    decode-sized entry and K-order weights the heuristic's Triton tile; the
+    Triton tile of its size, without the Mosaic-only options, on another GPU.
+    A tuning passed by hand runs as given."""
     G = importlib.import_module("humming_jax.gemm")  # the module: the package exports the function under its name
     from humming_jax import tuning as T
 
