@@ -86,6 +86,11 @@ for step in $steps; do
                    done | tee "$out/mosaic_decode.log"
                    timeout 240 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --fmt int4_g128 --tokens 16 \
                      $v16 --config 16,128,256,4,3,word_decode,fold_scales,pair_decode 2>&1 | tail -5 \
+                     | tee -a "$out/mosaic_decode.log"
+                   # T=1 (qwen3: 8 experts, 18-25 % of copy on the Triton entry 16x64x256): 128-column tiles for items.
+                   timeout 100 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --fmt int4_g128 --tokens 1 \
+                     --config 16,128,128,4,6,mosaic,swap_ab,delay_release=1 --config 16,128,128,4,8,mosaic,swap_ab,delay_release=1 \
+                     --config 16,64,256,4,3,swap_ab,word_decode,fold_scales,pair_decode 2>&1 | tail -3 \
                      | tee -a "$out/mosaic_decode.log" ;;
     # mixtral w2 int4 (K=14336) on v14's swap_ab form against its dequantize-first entry (2131.0 / 2132.2 us).
     mosaic-swap-w2) timeout 400 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm w2 \
