@@ -62,7 +62,8 @@ def main(argv=None) -> int:
             print(f"{text}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
             continue
         error = bench.sampled_error(prep, layout, out)
-        print(f"{text}: {row['us']:.1f} us, {row['gbps']:.0f} GB/s, err {error:.1e}", flush=True)
+        copy = f"{100 * row['copy_fraction']:.0f} % of copy"  # of the bytes that must move, at the copy bandwidth
+        print(f"{text}: {row['us']:.1f} us, {row['gbps']:.0f} GB/s, err {error:.1e}, {copy}", flush=True)
     return 0
 
 
