@@ -165,6 +165,13 @@ def gemm(
     return _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret=not on_gpu)
 
 
+# Rows an expert needs before a dequantize pass over every expert's weight pays
+# for the 16-bit Mosaic product (H200: mixtral int4 at 1024 rows an expert
+# 4255 us through the pass against the Triton tile's 4396; qwen3 MXFP4 at 256
+# rows 2527 against 769).
+DEQUANTIZE_MIN_ROWS = 512
+
+
 def plan_tuning(
     x: Q.QuantizedInput,
     weight: F.QuantizedWeight,
@@ -181,20 +188,23 @@ def plan_tuning(
     ``tuning`` None: the table's entry (:func:`kernel_tuning`), which is a
     preference — an entry naming the Mosaic kernel runs a form of it that the
     call allows: dequantize_first for quantized weights it does not decode
-    itself (at decode-sized row tiles the heuristic's Triton tile instead: a
-    dequantize pass would read every expert's weight), the staged form for a
-    ``swap_ab`` entry it cannot run (interpreted, or 32-bit outputs), and the
-    Triton tile of the same size when the kernel cannot take the call at all.
+    itself when the experts have rows enough to pay for the pass
+    (:data:`DEQUANTIZE_MIN_ROWS`; else, and at decode-sized row tiles, the
+    heuristic's Triton tile — the pass reads every expert's weight), the
+    staged form for a ``swap_ab`` entry it cannot run (interpreted, or 32-bit
+    outputs), and the Triton tile of the same size when the kernel cannot
+    take the call at all.
     A ``tuning`` passed by hand runs as given."""
     from_table = tuning is None
     tuning = kernel_tuning(layout, weight, x.m, valid_shape_m, tuning, batch_invariant)
     if from_table and tuning.mosaic and weight.format.is_quantized and _nibble_decode_unsupported(x, weight):
-        if tuning.block_m < 64:  # a decode entry: a dequantize pass would read every expert's weight
-            rows = valid_shape_m or layout.output_rows(x.m)
-            per_expert = rows if layout.kind == configs.GemmLayout.DENSE else rows // max(weight.num_experts, 1)
+        rows = valid_shape_m or layout.output_rows(x.m)
+        per_expert = rows if layout.kind == configs.GemmLayout.DENSE else rows // max(weight.num_experts, 1)
+        if tuning.dequantize_first or (tuning.block_m >= 64 and per_expert >= DEQUANTIZE_MIN_ROWS):
+            tuning = dataclasses.replace(tuning, dequantize_first=True)  # its 16-bit path, after one dequantize pass
+        else:  # the pass would cost more than it saves: the heuristic's Triton tile
             heuristic = T.heuristic_tuning(max(1, per_expert), weight.n, weight.k, T.format_class(weight.format))
             return kernel_tuning(layout, weight, x.m, valid_shape_m, heuristic, batch_invariant), False
-        tuning = dataclasses.replace(tuning, dequantize_first=True)  # its 16-bit path, after one dequantize pass
     dequantize = tuning.dequantize_first and weight.format.is_quantized
     if dequantize:
         tuning = dataclasses.replace(

@@ -387,8 +387,9 @@ def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
     """A table entry naming the Mosaic swap_ab form (the H200's int4 prefill
     entries) runs as named on a Hopper GPU with 16-bit outputs; its staged form
     (releasing each step) with f32 outputs or interpreted; dequantize_first for
-    MXFP4 (the 16-bit form: 64-column K steps, the delayed release kept); for a
-    decode-sized entry and K-order weights the heuristic's Triton tile; the
+    MXFP4 with rows enough an expert (the 16-bit form: 64-column K steps, the
+    delayed release kept), else — and for a decode-sized entry and K-order
+    weights — the heuristic's Triton tile; the
     Triton tile of its size, without the Mosaic-only options, on another GPU.
     A tuning passed by hand runs as given."""
     G = importlib.import_module("humming_jax.gemm")  # the module: the package exports the function under its name
@@ -410,14 +411,20 @@ def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
     assert plan(out_dtype=jnp.float32) == (staged, False)
     assert plan(out_dtype=jnp.bfloat16, on_gpu=False) == (staged, False)
     mxfp4 = hj.to_planar(F.quantize_weight(w, F.MXFP4), half_bits=True)
-    assert plan(mxfp4, out_dtype=jnp.bfloat16) == (dataclasses.replace(staged, block_k=64), True)
+    many = dict(valid_shape_m=2 * G.DEQUANTIZE_MIN_ROWS)  # rows enough an expert to pay for a dequantize pass
+    assert plan(mxfp4, out_dtype=jnp.bfloat16, **many) == (dataclasses.replace(staged, block_k=64), True)
+    ran, dequantize = plan(mxfp4, out_dtype=jnp.bfloat16)  # 32 rows an expert: the heuristic's Triton tile
+    assert not ran.mosaic and not dequantize and ran.pair_decode
     assert plan(tuning=entry, out_dtype=jnp.float32) == (entry, False)
     delayed = dataclasses.replace(entry, delay_release=1)
     monkeypatch.setattr(T, "choose_tuning", lambda *args: delayed)
     assert plan(out_dtype=jnp.bfloat16) == (delayed, False)
     assert plan(out_dtype=jnp.float32) == (staged, False)  # staged pieces: no delayed release
     # Dequantized first: the 16-bit form keeps the delayed release.
-    assert plan(mxfp4, out_dtype=jnp.bfloat16) == (dataclasses.replace(delayed, swap_ab=False, block_k=64), True)
+    assert plan(mxfp4, out_dtype=jnp.bfloat16, **many) == (
+        dataclasses.replace(delayed, swap_ab=False, block_k=64),
+        True,
+    )
     # A decode-sized entry meeting weights it does not decode (K order): the
     # heuristic's Triton tile, not a dequantize pass over every expert.
     monkeypatch.setattr(T, "choose_tuning", lambda *args: dataclasses.replace(delayed, block_m=16, num_stages=6))
@@ -459,8 +466,9 @@ def test_a_table_entry_naming_the_kernel_falls_back(monkeypatch, rng):
     """The table may name the Mosaic kernel (the H200's 16-bit prefill entries
     do); a call it cannot take runs another path instead of failing — N off its
     tiles the Triton tile of the same size, quantized weights it does not
-    decode itself (MXFP4 in the pair decoder's bit order) dequantize_first. A
-    tuning passed by hand still fails with the reason."""
+    decode itself (MXFP4 in the pair decoder's bit order) dequantize_first, or
+    with few rows an expert the heuristic's Triton tile. A tuning passed by
+    hand still fails with the reason."""
     from humming_jax import tuning as T
 
     chosen = []
@@ -496,9 +504,12 @@ def test_a_table_entry_naming_the_kernel_falls_back(monkeypatch, rng):
         assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-2
     monkeypatch.setattr(T, "choose_tuning", entry(hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True)))
     mxfp4 = hj.to_planar(F.quantize_weight(w, F.MXFP4), half_bits=True)
-    out = hj.gemm(x, mxfp4, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
     want = _expected(x, F.dequantize_weight(mxfp4).astype(jnp.bfloat16), offsets, m)
-    assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
+    # Rows enough an expert (the estimate says 2048) to pay for the dequantize pass; the
+    # call's own 12 rows an expert do not: the heuristic's Triton tile.
+    for estimate in (4096, None):
+        out = hj.gemm(x, mxfp4, layout, out_dtype=jnp.float32, valid_shape_m=estimate, backend=KERNEL_BACKEND)
+        assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
 
 
 @pytest.mark.parametrize(
