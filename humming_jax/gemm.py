@@ -192,19 +192,23 @@ def plan_tuning(
     (:data:`DEQUANTIZE_MIN_ROWS`; else, and at decode-sized row tiles, the
     heuristic's Triton tile — the pass reads every expert's weight), the
     staged form for a ``swap_ab`` entry it cannot run (interpreted, or 32-bit
-    outputs), and the Triton tile of the same size when the kernel cannot
-    take the call at all.
-    A ``tuning`` passed by hand runs as given."""
+    outputs), and when the kernel cannot take the call at all the Triton tile
+    of the same size (4-bit weights: the heuristic's decode tile). A
+    ``tuning`` passed by hand runs as given."""
     from_table = tuning is None
     tuning = kernel_tuning(layout, weight, x.m, valid_shape_m, tuning, batch_invariant)
+    rows = valid_shape_m or layout.output_rows(x.m)
+    per_expert = max(1, rows if layout.kind == configs.GemmLayout.DENSE else rows // max(weight.num_experts, 1))
+
+    def heuristic() -> tuple[configs.TuningConfig, bool]:
+        """The heuristic's Triton tile (the decode options of the weight's format class)."""
+        fallback = T.heuristic_tuning(per_expert, weight.n, weight.k, T.format_class(weight.format))
+        return kernel_tuning(layout, weight, x.m, valid_shape_m, fallback, batch_invariant), False
+
     if from_table and tuning.mosaic and weight.format.is_quantized and _nibble_decode_unsupported(x, weight):
-        rows = valid_shape_m or layout.output_rows(x.m)
-        per_expert = rows if layout.kind == configs.GemmLayout.DENSE else rows // max(weight.num_experts, 1)
-        if tuning.dequantize_first or (tuning.block_m >= 64 and per_expert >= DEQUANTIZE_MIN_ROWS):
-            tuning = dataclasses.replace(tuning, dequantize_first=True)  # its 16-bit path, after one dequantize pass
-        else:  # the pass would cost more than it saves: the heuristic's Triton tile
-            heuristic = T.heuristic_tuning(max(1, per_expert), weight.n, weight.k, T.format_class(weight.format))
-            return kernel_tuning(layout, weight, x.m, valid_shape_m, heuristic, batch_invariant), False
+        if not (tuning.dequantize_first or (tuning.block_m >= 64 and per_expert >= DEQUANTIZE_MIN_ROWS)):
+            return heuristic()  # a dequantize pass over every expert would cost more than it saves
+        tuning = dataclasses.replace(tuning, dequantize_first=True)  # its 16-bit path, after one dequantize pass
     dequantize = tuning.dequantize_first and weight.format.is_quantized
     if dequantize:
         tuning = dataclasses.replace(
@@ -224,8 +228,12 @@ def plan_tuning(
         tuning = dataclasses.replace(tuning, swap_ab=False, delay_release=0)
     if not _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu, quantized=not dequantize):
         # The table names the Mosaic kernel, but this call has what it cannot take
-        # (a GPU other than Hopper, a shape off its tiles, f16 accumulation): the Triton tile of the same size runs it,
-        # with the warps and stages that tile won with (8 and 4, 128x256x64 bf16) and none of the Mosaic-only options.
+        # (a GPU other than Hopper, a shape off its tiles, f16 accumulation): 4-bit weights
+        # it would have decoded take the heuristic's Triton tile (with the format's decode
+        # options); 16-bit ones the Triton tile of the same size, with the warps and stages
+        # that tile won with (8 and 4, 128x256x64 bf16) and none of the Mosaic-only options.
+        if weight.format.is_quantized and not dequantize:
+            return heuristic()
         tuning = dataclasses.replace(
             tuning, mosaic=False, num_warps=8, num_stages=4, stage_slots=2, split_rows=False, delay_release=0
         )

@@ -433,8 +433,8 @@ def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
     assert not ran.mosaic and not dequantize and ran.block_m <= 32
     monkeypatch.setattr(T, "choose_tuning", lambda *args: delayed)
     monkeypatch.setattr(G, "_hopper_gpu", lambda: False)
-    ran, dequantize = plan(out_dtype=jnp.bfloat16)
-    assert not ran.mosaic and not dequantize and not ran.delay_release
+    ran, dequantize = plan(out_dtype=jnp.bfloat16)  # planar int4 off Hopper: the heuristic's decode tile
+    assert not ran.mosaic and not dequantize and not ran.delay_release and ran.word_decode
     # A split-rows entry off Hopper: the Triton tile of its size, without the Mosaic-only options.
     split = hj.TuningConfig(256, 128, 64, num_stages=4, group_m=8, mosaic=True, split_rows=True, delay_release=1)
     monkeypatch.setattr(T, "choose_tuning", lambda *args: split)
