@@ -223,7 +223,7 @@ def plan_tuning(
             tuning = dataclasses.replace(tuning, block_k=min(tuning.block_k, 64))
     if not from_table or not tuning.mosaic:
         return tuning, dequantize
-    if tuning.swap_ab and _swap_unsupported(out_dtype, on_gpu):
+    if tuning.swap_ab and mosaic_kernel.swap_ab_refusal(out_dtype, interpret=not on_gpu):
         # The staged form computes the same (its pieces are rewritten each step: no delayed release).
         tuning = dataclasses.replace(tuning, swap_ab=False, delay_release=0)
     if not _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu, quantized=not dequantize):
@@ -238,15 +238,6 @@ def plan_tuning(
             tuning, mosaic=False, num_warps=8, num_stages=4, stage_slots=2, split_rows=False, delay_release=0
         )
     return tuning, dequantize
-
-
-def _swap_unsupported(out_dtype, on_gpu: bool) -> str | None:
-    """Why the Mosaic kernel's swap_ab form cannot run (None if it can)."""
-    if not on_gpu:
-        return "an interpreted call (the register operand runs compiled only)"
-    if jnp.dtype(out_dtype).itemsize != 2:
-        return f"{jnp.dtype(out_dtype)} outputs (out.T is stored through a transposed view: 16-bit outputs)"
-    return None
 
 
 def _dequantized(weight: F.QuantizedWeight, dtype) -> F.QuantizedWeight:

@@ -167,6 +167,20 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode 
             )
 
 
+def swap_ab_refusal(out_dtype, interpret: bool) -> str | None:
+    """Why the ``swap_ab`` form cannot run a call (None if it can)."""
+    if interpret:
+        return (
+            "swap_ab runs compiled only (the Mosaic GPU interpreter of jax 0.11 cannot take a register wgmma operand)"
+        )
+    if jnp.dtype(out_dtype).itemsize != 2:
+        return (
+            f"swap_ab stores out.T through a transposed shared-memory view, which takes 16-bit outputs, "
+            f"got out_dtype={jnp.dtype(out_dtype)}"
+        )
+    return None
+
+
 def max_row_tiles(ranges: int, m: int, block_m: int) -> int:
     """Static bound on the row tiles of ``m`` rows cut per range, each range's
     tiles starting up to 7 rows before its first row: at most min(ranges, m)
@@ -506,16 +520,9 @@ def expert_gemm_mosaic(
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     check_tiles(tiles, n, k, x.dtype, decode)
-    if interpret and tiles.swap_ab:
-        raise ValueError(
-            "mosaic GEMM: swap_ab runs compiled only (the Mosaic GPU interpreter of jax 0.11 cannot take a register "
-            "wgmma operand); the staged form (swap_ab=False) computes the same"
-        )
-    if tiles.swap_ab and jnp.dtype(out_dtype).itemsize != 2:
-        raise ValueError(
-            f"mosaic GEMM: swap_ab stores out.T through a transposed shared-memory view, which takes 16-bit "
-            f"outputs, got out_dtype={jnp.dtype(out_dtype)}; the staged form (swap_ab=False) computes the same"
-        )
+    refusal = swap_ab_refusal(out_dtype, interpret) if tiles.swap_ab else None
+    if refusal:
+        raise ValueError(f"mosaic GEMM: {refusal}; the staged form (swap_ab=False) computes the same")
     quant = ()
     if decode is not None:
         want = (num_experts, decode.groups, n)
