@@ -150,7 +150,9 @@ class TuningConfig:
     split_k: int = 1
     swap_ab: bool = False  # compute out.T = w @ x.T (the weight tile is the MMA's A operand)
     group_m: int = 1  # row tiles per band of the program order: >1 keeps an expert's weight columns in L2
-    word_decode: bool = False  # 4-bit weights read as uint32 words of 8 codes (spans of 128+)
+    # 4-bit weights read as uint32 words of 8 codes (spans of 128+); with mosaic, the
+    # nibbles taken from the 32-bit registers that hold two codes (compiled only).
+    word_decode: bool = False
     # Scales multiply the decoded weight tile before the product (one MMA chain per K
     # tile); integer formats then round (q - z) * s once to the compute dtype.
     fold_scales: bool = False
@@ -210,9 +212,9 @@ class TuningConfig:
             raise ValueError(
                 f"{owner}.column_tiles: a loop over column tiles is for split_k=1, got split_k={self.split_k}"
             )
-        if self.mosaic and (self.split_k > 1 or self.column_tiles > 1 or self.word_decode):
+        if self.mosaic and (self.split_k > 1 or self.column_tiles > 1 or self.pair_decode):
             raise ValueError(
-                f"{owner}.mosaic: the Mosaic GPU kernel takes none of split_k, column_tiles, word_decode, got {self}"
+                f"{owner}.mosaic: the Mosaic GPU kernel takes none of split_k, column_tiles, pair_decode, got {self}"
             )
         if self.stage_slots not in (2, 4) or (self.stage_slots != 2 and not self.mosaic):
             raise ValueError(

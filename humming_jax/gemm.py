@@ -235,7 +235,14 @@ def plan_tuning(
         if weight.format.is_quantized and not dequantize:
             return heuristic()
         tuning = dataclasses.replace(
-            tuning, mosaic=False, num_warps=8, num_stages=4, stage_slots=2, split_rows=False, delay_release=0
+            tuning,
+            mosaic=False,
+            num_warps=8,
+            num_stages=4,
+            stage_slots=2,
+            split_rows=False,
+            delay_release=0,
+            word_decode=False,
         )
     return tuning, dequantize
 
@@ -436,6 +443,7 @@ def mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
         split_rows=tuning.split_rows,
         swap_ab=tuning.swap_ab,
         delay_release=tuning.delay_release,
+        word_decode=tuning.word_decode,
     )
 
 

@@ -40,9 +40,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import arith, vector
 
 from pallas_kernels.gemm import tile_order
 from pallas_kernels.word_decode import MAGIC  # (pattern, base): pattern | q is the float base + q
@@ -75,6 +79,11 @@ class MosaicTiles:
     # shared-memory slot released a step late (16-bit weights and swap_ab: the
     # staged pieces would need a wait of their own).
     delay_release: int = 0
+    # 4-bit path: each nibble taken from the 32-bit registers of the WGMMA layout
+    # (two neighbouring codes each: a shift, a mask and an or per pair) rather than
+    # from 16-bit lanes, whose shifts LLVM unpacks per lane. Compiled only: the
+    # interpreter runs the 16-bit form, which computes the same values.
+    word_decode: bool = False
 
     @property
     def wg_m(self) -> int:
@@ -155,6 +164,8 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode 
             "mosaic GEMM: delay_release is for 16-bit weights and the swap_ab form (staged 4-bit pieces are "
             "rewritten each step)"
         )
+    if tiles.word_decode and decode is None:
+        raise ValueError("mosaic GEMM: word_decode is for 4-bit weights (the codes' 32-bit registers)")
     if decode is not None:
         if tiles.block_k != UNIT:
             raise ValueError(f"mosaic GEMM: 4-bit weights take block_k={UNIT} (one planar unit), got {tiles.block_k}")
@@ -267,13 +278,47 @@ def _swizzled(columns: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _decode_piece(codes, piece: int, offset, scale, dtype):
+def _nibble_floats(codes, piece: int, dtype, words: bool):
+    """``magic + q`` in ``dtype`` for nibble ``piece`` of each ``uint16`` code
+    ``[rows, 32]``. ``words``: on the 32-bit registers of the WGMMA layout
+    (two neighbouring codes each) — a shift, a mask and an or per pair, where
+    the same ops on 16-bit lanes leave LLVM a shift per lane to unpack and
+    repack; compiled only (the interpreter cannot run Mosaic GPU code)."""
+    magic, _ = MAGIC[jnp.dtype(dtype).name]
+    if not words:
+        bits = ((codes >> (4 * piece)) & 0xF) | magic
+        return lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype)
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(codes.shape, dtype, layout=layout))
+    def nibble_floats(_, array):
+        word = ir.VectorType.get((1,), ir.IntegerType.get_signless(32))
+
+        def splat(value: int):
+            return arith.constant(
+                word, ir.DenseElementsAttr.get_splat(word, ir.IntegerAttr.get(word.element_type, value))
+            )
+
+        pair = ir.VectorType.get((2,), mgpu.utils.dtype_to_ir_type(jnp.dtype(dtype)))
+        mask, high = splat(0x000F000F), splat(magic | magic << 16)
+
+        def decode(register):
+            bits = vector.bitcast(word, register)
+            if piece:
+                bits = arith.shrui(bits, splat(4 * piece))
+            return vector.bitcast(pair, arith.ori(arith.andi(bits, mask), high))
+
+        registers = np.vectorize(decode, otypes=[object])(array.registers)
+        return mgpu.FragmentedArray(_registers=registers, _layout=array.layout, _is_signed=None)
+
+    return nibble_floats(codes)
+
+
+def _decode_piece(codes, piece: int, offset, scale, dtype, words: bool = False):
     """Columns ``[32 piece, 32 piece + 32)`` of a unit from its codes
     ``uint16 [rows, 32]``: ``(magic + q - offset) * scale`` in ``dtype`` (the
     subtraction exact, the product rounded once)."""
-    magic, _ = MAGIC[jnp.dtype(dtype).name]
-    bits = ((codes >> (4 * piece)) & 0xF) | magic
-    return (lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype) - offset) * scale
+    return (_nibble_floats(codes, piece, dtype, words) - offset) * scale
 
 
 def _kernel(
@@ -298,6 +343,7 @@ def _kernel(
     col_tiles = n // tiles.block_n
     shared = tiles.split_rows  # the warpgroups split the rows and share the weight tile
     delay = tiles.delay_release  # steps a slot is held past its product's issue
+    words = tiles.word_decode and not interpret  # nibbles from 32-bit registers (see MosaicTiles)
     if decode is None:
         in_specs = [
             plgpu.BlockSpec((bm, bk), lambda i: (0, i), transforms=_swizzled(bk, dtype), delay_release=delay),
@@ -446,7 +492,7 @@ def _kernel(
                     return shared_decode_step(x_pieces, codes, code_offset, scale, acc_ref)
                 if swap:  # out.T += w_piece @ x_piece.T, the decoded piece as the register operand
                     for piece in range(PIECES):
-                        w_piece = _decode_piece(codes, piece, code_offset, scale, dtype)
+                        w_piece = _decode_piece(codes, piece, code_offset, scale, dtype, words)
                         plgpu.wgmma(acc_ref, w_piece, x_pieces[piece].transpose((1, 0)))
                     wait_products(indices, PIECES)  # a product per piece
                     return acc_ref
@@ -455,7 +501,7 @@ def _kernel(
                     slot = stage.at[wg, piece % slots]
                     if piece >= slots:
                         plgpu.wgmma_wait(1)  # the product that read this slot (piece - slots) is done
-                    slot[...] = _decode_piece(codes, piece, code_offset, scale, dtype)
+                    slot[...] = _decode_piece(codes, piece, code_offset, scale, dtype, words)
                     plgpu.commit_smem()
                     plgpu.wgmma(acc_ref, x_pieces[piece], slot.transpose((1, 0)))
                 plgpu.wgmma_wait(0)
@@ -469,7 +515,7 @@ def _kernel(
                     @pl.when(wg == owner)
                     def _(owner=owner):
                         for piece in range(owner * 2, owner * 2 + 2):
-                            stage[piece] = _decode_piece(codes, piece, code_offset, scale, dtype)
+                            stage[piece] = _decode_piece(codes, piece, code_offset, scale, dtype, words)
 
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(sync.at[0])

@@ -2,9 +2,11 @@
 wgmma) in the Mosaic GPU interpreter on the CPU, against a float64 NumPy
 product; its row-tile table exhaustively; its lowering for the GPU."""
 
+import collections
 import dataclasses
 import functools
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -134,6 +136,13 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         # Decode-sized row tiles: x's 16 or 32 rows are the wgmma's N (17- and 23-row experts take 2 and 1 tiles).
         pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "block_m": 16}, marks=ON_GPU_ONLY),
         pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True, "block_m": 32}, marks=ON_GPU_ONLY),
+        # Nibbles from the codes' 32-bit registers (compiled; interpreted, the 16-bit form runs).
+        (F.INT4_G128, jnp.bfloat16, {"word_decode": True}),
+        pytest.param(INT4_G128_F16, jnp.float16, {"swap_ab": True, "word_decode": True}, marks=ON_GPU_ONLY),
+        pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True, "word_decode": True}, marks=ON_GPU_ONLY),
+        pytest.param(
+            F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "word_decode": True, "block_m": 16}, marks=ON_GPU_ONLY
+        ),
     ],
     ids=[
         "int4",
@@ -147,6 +156,10 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         "int4-swap-delayed",
         "int4-swap-16-rows",
         "uint4-swap-32-rows",
+        "int4-words",
+        "int4-f16-swap-words",
+        "uint4-swap-words",
+        "int4-swap-words-16-rows",
     ],
 )
 def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
@@ -576,6 +589,42 @@ def test_the_offline_ir_tool_sees_the_decode():
     assert int4["nvvm.ldmatrix"] > 0 and int4["nvvm.fence.proxy"] > bf16["nvvm.fence.proxy"]
     assert int4["nvvm.stmatrix"] > bf16["nvvm.stmatrix"] and int4["wgmma.mma_async"] > 0
     assert bf16["nvvm.ldmatrix"] == 0 and bf16["vector<2xi16>"] == 0
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("fmt", ["int4_g128", "uint4_zp_g128"])
+@pytest.mark.parametrize("options", ["", ",swap_ab", ",swap_ab,delay_release=1"])
+def test_word_decode_shifts_32_bit_registers(fmt, options):
+    """With ``word_decode`` the compiled module takes each nibble from the
+    32-bit registers that hold two codes (a shift, mask and or on ``i32`` per
+    pair); without it the same ops run on 16-bit lanes (``vector<2xi16>``,
+    whose shifts LLVM unpacks per lane). Both feed the same bf16 arithmetic."""
+    from benchmarks import mosaic_ir
+    from benchmarks.inspect_gemm import parse_config
+
+    def shifts(config: str) -> dict[str, int]:
+        text = mosaic_ir.mosaic_ir(fmt, (2, 512, 512), 256, parse_config(config))
+        ops = re.findall(r"arith\.(shrui|andi|ori) %\S+, %\S+ : (vector<1xi32>|vector<2xi16>)", text)
+        return collections.Counter(f"{op} {ty}" for op, ty in ops)
+
+    lanes = shifts("128,256,128,4,3,mosaic" + options)
+    words = shifts("128,256,128,4,3,mosaic,word_decode" + options)
+    # Pieces 1-3 of a unit shift, all four mask and or (16 registers of a 128 x 32 piece a thread).
+    assert lanes["shrui vector<2xi16>"] > 0 and lanes["shrui vector<1xi32>"] == 0
+    assert words["shrui vector<2xi16>"] == 0 and words["andi vector<2xi16>"] == 0
+    assert words["shrui vector<1xi32>"] == lanes["shrui vector<2xi16>"]
+    assert words["andi vector<1xi32>"] == words["ori vector<1xi32>"] == lanes["ori vector<2xi16>"] > 0
+
+
+def test_word_decode_is_for_4_bit_weights():
+    x = jnp.zeros((64, 128), jnp.bfloat16)
+    w = jnp.zeros((1, 256, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="word_decode is for 4-bit weights"):
+        mosaic.expert_gemm_mosaic(
+            x, w, None, mosaic.MosaicTiles(64, 256, 64, word_decode=True), out_dtype=jnp.bfloat16, interpret=True
+        )
+    with pytest.raises(ValueError, match="takes none of split_k, column_tiles, pair_decode"):
+        hj.TuningConfig(128, 256, 128, mosaic=True, word_decode=True, pair_decode=True)
 
 
 @pytest.mark.parametrize("fmt", ["bf16+bias", "int4_g128"])
