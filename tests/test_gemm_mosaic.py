@@ -401,8 +401,8 @@ def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
     entries) runs as named on a Hopper GPU with 16-bit outputs; its staged form
     (releasing each step) with f32 outputs or interpreted; dequantize_first for
     MXFP4 with rows enough an expert (the 16-bit form: 64-column K steps, the
-    delayed release kept), else — and for a decode-sized entry and K-order
-    weights — the heuristic's Triton tile; the
+    delayed release kept, word_decode dropped), else — and for a decode-sized
+    entry and K-order weights — the heuristic's Triton tile; the
     Triton tile of its size, without the Mosaic-only options, on another GPU.
     A tuning passed by hand runs as given."""
     G = importlib.import_module("humming_jax.gemm")  # the module: the package exports the function under its name
@@ -438,6 +438,12 @@ def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
         dataclasses.replace(delayed, swap_ab=False, block_k=64),
         True,
     )
+    # The shipped entries decode on 32-bit words: kept in the staged form, dropped
+    # with the decode when the weights are dequantized first.
+    words = dataclasses.replace(entry, word_decode=True)
+    monkeypatch.setattr(T, "choose_tuning", lambda *args: words)
+    assert plan(out_dtype=jnp.float32) == (dataclasses.replace(words, swap_ab=False), False)
+    assert plan(mxfp4, out_dtype=jnp.bfloat16, **many) == (dataclasses.replace(staged, block_k=64), True)
     # A decode-sized entry meeting weights it does not decode (K order): the
     # heuristic's Triton tile, not a dequantize pass over every expert.
     monkeypatch.setattr(T, "choose_tuning", lambda *args: dataclasses.replace(delayed, block_m=16, num_stages=6))
