@@ -32,6 +32,7 @@ def _expected(x, w, offsets, m):
 
 
 SPLIT_ROWS = hj.TuningConfig(128, 128, 64, num_stages=2, group_m=2, mosaic=True, split_rows=True)
+WIDE_SPLIT_ROWS = hj.TuningConfig(128, 256, 64, num_stages=2, group_m=2, mosaic=True, split_rows=True)
 # A K step's product left in flight while the next is issued (its slot released a step late).
 DELAYED = hj.TuningConfig(64, 256, 64, num_stages=3, group_m=2, mosaic=True, delay_release=1)
 
@@ -47,6 +48,9 @@ DELAYED = hj.TuningConfig(64, 256, 64, num_stages=3, group_m=2, mosaic=True, del
         ((1, 70, 0, 30), jnp.bfloat16, jnp.float32, SPLIT_ROWS),
         ((7, 0, 23, 3), jnp.bfloat16, jnp.bfloat16, SPLIT_ROWS),
         ((1, 70, 0, 30), jnp.bfloat16, jnp.float32, DELAYED),
+        # 64 rows by 256 columns a warpgroup: one m64n256 product a k16 step instead of
+        # two m64n128 (10 KB of shared-memory operands read instead of 12).
+        ((1, 70, 0, 30), jnp.bfloat16, jnp.float32, WIDE_SPLIT_ROWS),
     ],
 )
 def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
