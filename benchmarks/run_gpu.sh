@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -21,6 +21,33 @@ table="$out/tuning_h200.json"
 for step in $steps; do
   echo "=== $step"
   case $step in
+    # GEMM v17 (word_decode: nibbles from the codes' 32-bit registers) with the real compiler: its GPU-only tests
+    # (f16, uint4 zero points, 16-row tiles), then the mixtral entries it was set on without a timing.
+    v17-tests) pytest_gpu 200 tests/test_gemm_mosaic.py 2>&1 | tee "$out/v17_tests.log" | tail -8 ;;
+    mosaic-words-mixtral) for gemm in w13 w2; do  # int4 T=4096 (swap_ab: w13 3969.1 / 4032.1 bench, w2 2073.3)
+                            timeout 270 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm $gemm \
+                              --fmt int4_g128 --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab \
+                              --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode 2>&1 | tail -2
+                          done | tee "$out/mosaic_words_mixtral.log" ;;
+    # The 128x256 tile with split rows: each compute warpgroup 64 rows x 256 columns, one m64n256 wgmma a k16 step
+    # instead of two m64n128 (the weight tile read once from shared memory: 10 KB of operands instead of 12, with the
+    # TMA writes ~127 B/clk against ~143 at the tensor rate — if shared memory is the limit, ~10 % faster).
+    mosaic-wide) for problem in mixtral-8x7b qwen3-30b-a3b; do  # bf16 T=4096 (mixtral w13 3434.2 in the bench)
+                   for gemm in w13 w2; do
+                     timeout 140 python3 -W ignore -m benchmarks.inspect_gemm --problem $problem --gemm $gemm --fmt bf16 \
+                       --tokens 4096 --config 128,256,64,4,3,mosaic,group_m=8 \
+                       --config 128,256,64,4,3,mosaic,group_m=8,split_rows \
+                       --config 128,256,64,4,4,mosaic,group_m=8,split_rows 2>&1 | tail -3
+                   done
+                 done | tee "$out/mosaic_wide.log" ;;
+    # v16's decode tiles with v17's word decode (T=16; v16 without it: qwen3 w13 106.1 us against the Triton
+    # entry's 56.1).
+    mosaic-decode-words) for gemm in w13 w2; do
+                           timeout 100 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm $gemm \
+                             --fmt int4_g128 --tokens 16 --config 16,256,128,4,4,mosaic,swap_ab \
+                             --config 16,256,128,4,4,mosaic,swap_ab,word_decode \
+                             --config 32,256,128,4,4,mosaic,swap_ab,word_decode 2>&1 | tail -3
+                         done | tee "$out/mosaic_decode_words.log" ;;
     # Eighth session's code with the real lowering: column tiles, one-block rows, the K=768 Hadamard rule.
     v12-tests) { pytest_gpu 150 tests/test_gemm_kernel.py -k "column_tiles or planar or half_bits"
                  pytest_gpu 150 tests/test_process_input.py tests/test_lowering.py; } 2>&1 | tee "$out/v12_tests.log" | tail -8 ;;
@@ -59,16 +86,17 @@ for step in $steps; do
                          --tokens 4096 $swap 2>&1 | tail -2 | tee -a "$out/mosaic_delay_int4.log" ;;
     # ptxas's report (registers, spills, "wgmma ... serialized" warnings) and the SASS of each Mosaic form, from a
     # compile each (qwen3 w13 at T=512: no timing needed); summaries in mosaic_ptxas.log, the SASS of each form kept.
-    mosaic-ptxas) for form in "bf16 128,256,64,4,4,mosaic,group_m=8" "bf16 128,256,64,4,4,mosaic,group_m=8,delay_release=1" \
-                              "int4_g128 128,256,128,4,3,mosaic,group_m=8" "int4_g128 128,256,128,4,3,mosaic,group_m=8,swap_ab" \
-                              "int4_g128 128,256,128,4,3,mosaic,group_m=8,swap_ab,delay_release=1"; do
+    mosaic-ptxas) for form in "bf16 128,256,64,4,3,mosaic,group_m=8" "bf16 128,256,64,4,3,mosaic,group_m=8,split_rows" \
+                              "int4_g128 128,256,128,4,3,mosaic,group_m=8,swap_ab" \
+                              "int4_g128 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode"; do
                     set -- $form
                     dump=$(mktemp -d)
                     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=$dump timeout 150 python3 -W ignore \
                       -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --tokens 512 --fmt $1 --config $2 > /dev/null 2>&1
                     name=$(echo "$1_$2" | tr ',=' '__')
                     { echo "== $1 $2"; grep -rhiE "spill|serializ|registers|warning" $dump | sort | uniq -c | head -20
-                      sass=$(grep -rlE "HGMMA" $dump | head -1)
+                      # SASS lines read "/*0a40*/  HGMMA.64x128x16..." (the MLIR dumps carry the binary, not these).
+                      sass=$(grep -rlaE "^[[:space:]]*/\*[0-9a-f]{4,}\*/[[:space:]]+HGMMA" $dump | head -1)
                       [ -n "$sass" ] && { cp "$sass" "$out/sass_$name.txt"
                         for op in HGMMA WARPGROUP.DEPBAR WARPGROUP.ARRIVE LDL STL SYNCS BAR.SYNC HFMA2 HMUL2 LOP3 STSM LDSM; do
                           printf "%s %s\n" $op "$(grep -c "$op" "$sass")"; done; }
@@ -126,25 +154,23 @@ for step in $steps; do
                     --config 128,256,64,4,3,mosaic,dequantize_first,group_m=8 \
                     --config 128,256,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode 2>&1 | tail -2
                 done | tee "$out/mosaic_fp4.log" ;;
-    # The Mosaic int4 kernel's SASS and stall reasons (v14 against the bf16 kernel it extends): its launch is the
-    # one with 3 warpgroups (384 threads); a first pass names it, a second profiles it.
-    mosaic-profile) run="python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --tokens 4096"
-                    for case in "int4_g128 128,256,128,4,3,mosaic,group_m=8,swap_ab" "bf16 128,256,64,4,3,mosaic,group_m=8"; do
+    # The Mosaic kernel's SASS and stall reasons: v17 int4 (swap_ab + word_decode) and bf16 at T=4096, and v16's
+    # decode tile at T=16 (2x the Triton entry's time: where do its ~3200 cycles a K step go?). The kernel is named
+    # by Mosaic (anonymous_mosaic_gpu_kernel): ncu's name filter finds it. (The tenth and eleventh sessions' runs
+    # matched the launch by its 384 threads among the first launches, missed it and profiled an XLA fusion.)
+    mosaic-profile) for case in "4096 int4_g128 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode" \
+                                "4096 bf16 128,256,64,4,3,mosaic,group_m=8" "16 int4_g128 16,256,128,4,4,mosaic,swap_ab,word_decode"; do
                       set -- $case
-                      # The tenth session's run named no kernel (the launch was past the first 12) and profiled an
-                      # XLA fusion instead: list more launches, and stop when none has 384 threads.
-                      timeout 150 ncu --section LaunchStats -c 200 $run --fmt $1 --config $2 2>&1 \
-                        | grep "x(384, 1, 1)" > "$out/names_$1.txt"
-                      name=$(head -1 "$out/names_$1.txt" | awk '{print $1}')  # "name (grid)x(block), ..."
-                      [ -n "$name" ] || { echo "$1: no 384-thread launch among the first 200"; continue; }
-                      echo "$1: kernel $name"
-                      timeout 200 ncu -k "$name" -c 1 --section LaunchStats --section Occupancy --section WarpStateStats \
-                        --section SchedulerStats --section SourceCounters -o "$out/mosaic_$1" $run --fmt $1 --config $2 \
-                        > "$out/mosaic_$1_run.txt" 2>&1
-                      ncu --import "$out/mosaic_$1.ncu-rep" --page details > "$out/mosaic_$1_profile.txt" 2>&1
-                      ncu --import "$out/mosaic_$1.ncu-rep" --page source --print-source sass --csv \
-                        > "$out/mosaic_$1_sass.csv" 2>&1
-                      grep -E "Duration|Registers|Stall|Issued|Warp Cycles" "$out/mosaic_$1_profile.txt" | head -30
+                      tag="$2_t$1"
+                      timeout 200 ncu -k regex:mosaic_gpu -c 1 --section LaunchStats --section Occupancy \
+                        --section WarpStateStats --section SchedulerStats --section SourceCounters -o "$out/mosaic_$tag" \
+                        python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --tokens $1 --fmt $2 --config $3 \
+                        > "$out/mosaic_${tag}_run.txt" 2>&1
+                      grep "==PROF== Profiling" "$out/mosaic_${tag}_run.txt" | head -2
+                      ncu --import "$out/mosaic_$tag.ncu-rep" --page details > "$out/mosaic_${tag}_profile.txt" 2>&1
+                      ncu --import "$out/mosaic_$tag.ncu-rep" --page source --print-source sass --csv \
+                        > "$out/mosaic_${tag}_sass.csv" 2>&1
+                      grep -E "Duration|Registers|Stall|Issued|Warp Cycles" "$out/mosaic_${tag}_profile.txt" | head -30
                     done ;;
     # Ninth session: the Mosaic kernel on the w2 products (K=768 on qwen3, K=14336 on mixtral) against the Triton tiles.
     mosaic-w2) mosaic="--config 128,256,64,4,4,mosaic,dequantize_first,group_m=8
