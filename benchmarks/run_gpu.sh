@@ -42,12 +42,20 @@ for step in $steps; do
                  done | tee "$out/mosaic_wide.log" ;;
     # v16's decode tiles with v17's word decode (T=16; v16 without it: qwen3 w13 106.1 us against the Triton
     # entry's 56.1).
+    # v18: four compute warpgroups (64 weight rows each: twice the warps on each scheduler of the one program
+    # an SM), with and without the delayed release; and the 4-warpgroup int4 prefill form.
     mosaic-decode-words) for gemm in w13 w2; do
-                           timeout 100 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm $gemm \
+                           timeout 120 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm $gemm \
                              --fmt int4_g128 --tokens 16 --config 16,256,128,4,4,mosaic,swap_ab \
                              --config 16,256,128,4,4,mosaic,swap_ab,word_decode \
-                             --config 32,256,128,4,4,mosaic,swap_ab,word_decode 2>&1 | tail -3
-                         done | tee "$out/mosaic_decode_words.log" ;;
+                             --config 16,256,128,4,4,mosaic,swap_ab,word_decode,compute_warpgroups=4 \
+                             --config 16,256,128,4,6,mosaic,swap_ab,word_decode,compute_warpgroups=4,delay_release=1 \
+                             --config 32,256,128,4,4,mosaic,swap_ab,word_decode,compute_warpgroups=4 2>&1 | tail -5
+                         done | tee "$out/mosaic_decode_words.log"
+                         timeout 100 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --fmt int4_g128 \
+                           --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode \
+                           --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,compute_warpgroups=4 2>&1 \
+                           | tail -2 | tee -a "$out/mosaic_decode_words.log" ;;
     # Eighth session's code with the real lowering: column tiles, one-block rows, the K=768 Hadamard rule.
     v12-tests) { pytest_gpu 150 tests/test_gemm_kernel.py -k "column_tiles or planar or half_bits"
                  pytest_gpu 150 tests/test_process_input.py tests/test_lowering.py; } 2>&1 | tee "$out/v12_tests.log" | tail -8 ;;

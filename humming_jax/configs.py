@@ -191,6 +191,9 @@ class TuningConfig:
     # issued (its shared-memory slot released one step late; num_stages > 1):
     # 0 or 1, for 16-bit weights and the swap_ab form.
     delay_release: int = 0
+    # The Mosaic kernel's compute warpgroups (2 or 4) splitting each tile: 4 puts
+    # twice the warps on each scheduler (decode-sized tiles run one program an SM).
+    compute_warpgroups: int = 2
 
     def __post_init__(self):
         owner = "TuningConfig"
@@ -222,6 +225,10 @@ class TuningConfig:
             )
         if self.delay_release not in (0, 1) or (self.delay_release and not self.mosaic):
             raise ValueError(f"{owner}.delay_release: 0 or 1, and 1 only with mosaic=True, got {self.delay_release}")
+        if self.compute_warpgroups not in (2, 4) or (self.compute_warpgroups != 2 and not self.mosaic):
+            raise ValueError(
+                f"{owner}.compute_warpgroups: 2 or 4, and 4 only with mosaic=True, got {self.compute_warpgroups}"
+            )
         if self.split_rows and not self.mosaic:
             raise ValueError(f"{owner}.split_rows: a Mosaic kernel option, needs mosaic=True")
         if self.pair_decode and not self.word_decode:

@@ -243,6 +243,7 @@ def plan_tuning(
             split_rows=False,
             delay_release=0,
             word_decode=False,
+            compute_warpgroups=2,
         )
     return tuning, dequantize
 
@@ -444,6 +445,7 @@ def mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
         swap_ab=tuning.swap_ab,
         delay_release=tuning.delay_release,
         word_decode=tuning.word_decode,
+        compute_wgs=tuning.compute_warpgroups,
     )
 
 
@@ -477,7 +479,8 @@ def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         if a is not None
     )
     fields = dataclasses.asdict(tuning)
-    for name in ("dequantize_first", "mosaic", "stage_slots", "split_rows", "delay_release"):  # here, or Mosaic only
+    mosaic_only = ("mosaic", "stage_slots", "split_rows", "delay_release", "compute_warpgroups")
+    for name in ("dequantize_first", *mosaic_only):  # handled here, or Mosaic-only options
         del fields[name]
     tiles = kernel.Tiles(**fields)  # the kernel's mirror of TuningConfig, field for field
     return kernel.expert_gemm(

@@ -5,11 +5,11 @@ The Triton-lowered family in :mod:`pallas_kernels.gemm` covers every weight
 format and layout; this kernel is its prefill member for 16-bit and planar
 4-bit integer weights, where the cp.async-pipelined Triton tile stops at
 ~510 TFLOP/s (mixtral w13). One
-warpgroup issues the TMA copies of each K step, two compute warpgroups run
-the products of one ``[block_m, block_n]`` output tile, each on half its
-columns (``wgmma``: x from shared memory, the weight tile ``[block_n/2, bk]``
-transposed in place as the B operand) — or, with ``split_rows``, each on half
-its rows with the whole weight tile.
+warpgroup issues the TMA copies of each K step, two (or four) compute
+warpgroups run the products of one ``[block_m, block_n]`` output tile, each
+on its share of the columns (``wgmma``: x from shared memory, the weight
+tile ``[block_n/2, bk]`` transposed in place as the B operand) — or, with
+``split_rows``, each on its share of the rows with the whole weight tile.
 
 Rows: TMA cannot gather, so a row tile is ``block_m`` consecutive rows of x.
 The launcher turns the layout into a table of row tiles — ``(group, load
@@ -51,18 +51,19 @@ from jax.extend.mlir.dialects import arith, vector
 from pallas_kernels.gemm import tile_order
 from pallas_kernels.word_decode import MAGIC  # (pattern, base): pattern | q is the float base + q
 
-COMPUTE_WARPGROUPS = 2
+COMPUTE_WARPGROUPS = (2, 4)  # compute warpgroups a program may run (2: the default)
 EPILOGUE_COLUMNS = 64  # output columns per shared-memory store slot
 H100_SMS = 132  # H100 / H200: programs of the persistent grid when the device does not say
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
-    """``block_m`` rows by ``block_n`` columns per output tile (each compute
-    warpgroup takes ``block_n / 2`` — or with ``split_rows`` ``block_m / 2``
-    rows and every column, the two sharing each weight tile: 4-bit codes are
-    then decoded half by each), ``block_k`` per pipeline step, ``stages``
-    steps in flight, programs ordered in bands of ``group_m`` row tiles."""
+    """``block_m`` rows by ``block_n`` columns per output tile (each of the
+    ``compute_wgs`` compute warpgroups takes ``block_n / compute_wgs`` — or
+    with ``split_rows`` ``block_m / compute_wgs`` rows and every column, all
+    sharing each weight tile: 4-bit codes are then decoded a share by each),
+    ``block_k`` per pipeline step, ``stages`` steps in flight, programs
+    ordered in bands of ``group_m`` row tiles."""
 
     block_m: int = 128
     block_n: int = 256
@@ -84,16 +85,20 @@ class MosaicTiles:
     # from 16-bit lanes, whose shifts LLVM unpacks per lane. Compiled only: the
     # interpreter runs the 16-bit form, which computes the same values.
     word_decode: bool = False
+    # Compute warpgroups splitting the tile (2 or 4): 4 puts twice the warps on each
+    # scheduler to hide a step's latencies (decode-sized tiles: one program an SM),
+    # with (512 - 40) / 4 -> 112 registers a thread instead of 232.
+    compute_wgs: int = 2
 
     @property
     def wg_m(self) -> int:
         """Rows of a compute warpgroup's accumulator."""
-        return self.block_m // COMPUTE_WARPGROUPS if self.split_rows else self.block_m
+        return self.block_m // self.compute_wgs if self.split_rows else self.block_m
 
     @property
     def wg_n(self) -> int:
         """Columns of a compute warpgroup's accumulator."""
-        return self.block_n if self.split_rows else self.block_n // COMPUTE_WARPGROUPS
+        return self.block_n if self.split_rows else self.block_n // self.compute_wgs
 
 
 UNIT = 128  # columns of one planar unit: a K step of the 4-bit path
@@ -119,23 +124,30 @@ class NibbleDecode:
 def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode | None = None) -> None:
     """The shapes the kernel's static TMA boxes and wgmma tiles need."""
     itemsize = jnp.dtype(dtype).itemsize
+    if tiles.compute_wgs not in COMPUTE_WARPGROUPS:
+        raise ValueError(f"mosaic GEMM: compute_wgs must be 2 or 4, got {tiles.compute_wgs}")
     if itemsize != 2:
         raise ValueError(f"mosaic GEMM: 16-bit inputs and weights, got {jnp.dtype(dtype)}")
     # x's rows are the wgmma's M (multiples of 64), or with swap_ab its N (decode-sized tiles).
     row_choices = (16, 32, 64, 128) if tiles.swap_ab else (64, 128)
     if tiles.wg_m not in row_choices:
-        allowed = "128 or 256 with split_rows" if tiles.split_rows else " or ".join(map(str, row_choices))
+        allowed = (
+            f"{64 * tiles.compute_wgs} or {128 * tiles.compute_wgs} with split_rows"
+            if tiles.split_rows
+            else " or ".join(map(str, row_choices))
+        )
         raise ValueError(f"mosaic GEMM: block_m must be {allowed}, got {tiles.block_m}")
     if tiles.wg_n % EPILOGUE_COLUMNS or tiles.wg_n > 256:
-        ways = 1 if tiles.split_rows else COMPUTE_WARPGROUPS
+        ways = 1 if tiles.split_rows else tiles.compute_wgs
         raise ValueError(
             f"mosaic GEMM: block_n must be a multiple of {ways * EPILOGUE_COLUMNS} "
             f"and at most {ways * 256}, got {tiles.block_n}"
         )
     if tiles.wg_m * tiles.wg_n > 128 * 128:  # 128 f32 registers a thread for the accumulator
         raise ValueError(
-            f"mosaic GEMM: a warpgroup's accumulator (block_m x block_n / 2, or block_m / 2 x block_n with "
-            f"split_rows) must be at most 128 x 128, got block_m={tiles.block_m}, block_n={tiles.block_n}"
+            f"mosaic GEMM: a warpgroup's accumulator (block_m x block_n / compute_wgs, or block_m / compute_wgs "
+            f"x block_n with split_rows) must be at most 128 x 128, got block_m={tiles.block_m}, "
+            f"block_n={tiles.block_n}, compute_wgs={tiles.compute_wgs}"
         )
     if decode is None and tiles.block_k * itemsize not in (32, 64, 128):
         raise ValueError(f"mosaic GEMM: block_k must be 16, 32 or 64 for 16-bit operands, got {tiles.block_k}")
@@ -340,6 +352,7 @@ def _kernel(
     n = w_gmem.shape[1]
     dtype = x_gmem.dtype
     bm, bk, wg_m, wg_n = tiles.block_m, tiles.block_k, tiles.wg_m, tiles.wg_n
+    wgs = tiles.compute_wgs
     col_tiles = n // tiles.block_n
     shared = tiles.split_rows  # the warpgroups split the rows and share the weight tile
     delay = tiles.delay_release  # steps a slot is held past its product's issue
@@ -373,7 +386,7 @@ def _kernel(
             memory_registers=40,
             in_specs=in_specs,
             wg_axis="wg",
-            num_compute_wgs=COMPUTE_WARPGROUPS,
+            num_compute_wgs=wgs,
             max_concurrent_steps=tiles.stages,
             compute_context=context,
         )
@@ -388,17 +401,17 @@ def _kernel(
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
     # The decoded pieces wait in shared memory for the wgmma: slots per warpgroup, or
-    # with split_rows the unit's 4 pieces shared by both, behind two barriers a step
+    # with split_rows the unit's 4 pieces shared by all, behind two barriers a step
     # (the interpreter cannot store through a swizzle: there they are plain).
     stage_transforms = () if interpret else _swizzled(PIECE, dtype)
-    stage_shape = (PIECES, tiles.block_n, PIECE) if shared else (COMPUTE_WARPGROUPS, tiles.stage_slots, wg_n, PIECE)
+    stage_shape = (PIECES, tiles.block_n, PIECE) if shared else (wgs, tiles.stage_slots, wg_n, PIECE)
     decoding = decode is not None
     staged = decoding and not tiles.swap_ab  # swap_ab feeds the decoded pieces from registers
     scratch = dict(
-        o_smem=plgpu.SMEM((COMPUTE_WARPGROUPS, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
+        o_smem=plgpu.SMEM((wgs, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
         stage=plgpu.SMEM(stage_shape, dtype, transforms=stage_transforms) if staged else None,
-        # [0]: both warpgroups' pieces are in shared memory; [1]: both products have read them.
-        sync=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2) if decoding and shared else None,
+        # [0]: every warpgroup's pieces are in shared memory; [1]: every product has read them.
+        sync=plgpu.Barrier(num_arrivals=wgs, num_barriers=2) if decoding and shared else None,
     )
 
     @functools.partial(
@@ -508,13 +521,14 @@ def _kernel(
                 return acc_ref
 
             def shared_decode_step(x_pieces, codes, code_offset, scale, acc_ref):
-                """Split rows: each warpgroup decodes half the unit's pieces into the
-                shared stage, then both multiply their rows by all four."""
-                for owner in range(COMPUTE_WARPGROUPS):
+                """Split rows: each warpgroup decodes its share of the unit's pieces into
+                the shared stage, then all multiply their rows by all four."""
+                share = PIECES // wgs
+                for owner in range(wgs):
 
                     @pl.when(wg == owner)
                     def _(owner=owner):
-                        for piece in range(owner * 2, owner * 2 + 2):
+                        for piece in range(owner * share, owner * share + share):
                             stage[piece] = _decode_piece(codes, piece, code_offset, scale, dtype, words)
 
                 plgpu.commit_smem()
@@ -532,7 +546,7 @@ def _kernel(
                 body = step if decode is None else decode_step
                 pipeline(body, context)(*operands(group, col_tile, load_row), allocations=allocations)
 
-            @pl.when((rows > 0) & (group >= num_experts) & (wg < COMPUTE_WARPGROUPS))
+            @pl.when((rows > 0) & (group >= num_experts) & (wg < wgs))
             def _():  # rows no expert owns: zeros
                 store(jnp.zeros((wg_m, wg_n), o_gmem.dtype))
 
@@ -612,7 +626,7 @@ def expert_gemm_mosaic(
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(sms,),
         grid_names=("sm",),
-        num_threads=COMPUTE_WARPGROUPS + 1,
+        num_threads=tiles.compute_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         # Interpreted, fresh memory reads as NaN: a row the kernel failed to store shows.

@@ -19,6 +19,11 @@ from pallas_kernels import gemm_mosaic as mosaic
 
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
 ON_GPU_ONLY = pytest.mark.skipif(KERNEL_BACKEND != "pallas", reason="a register wgmma operand runs compiled only")
+# Two of the interpreter's five warpgroup threads wait at the split-rows stage barrier
+# while the other three sit in XLA calls, and it hangs (2 compute warpgroups run).
+INTERPRETER_HANGS = pytest.mark.skipif(
+    KERNEL_BACKEND != "pallas", reason="4 compute warpgroups sharing a stage hang the interpreter"
+)
 TILES = hj.TuningConfig(64, 256, 64, num_stages=2, group_m=2, mosaic=True)
 
 
@@ -51,6 +56,14 @@ DELAYED = hj.TuningConfig(64, 256, 64, num_stages=3, group_m=2, mosaic=True, del
         # 64 rows by 256 columns a warpgroup: one m64n256 product a k16 step instead of
         # two m64n128 (10 KB of shared-memory operands read instead of 12).
         ((1, 70, 0, 30), jnp.bfloat16, jnp.float32, WIDE_SPLIT_ROWS),
+        # Four compute warpgroups: 64 columns each, or (split rows) 64 rows each.
+        ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, compute_warpgroups=4)),
+        (
+            (1, 70, 0, 30),
+            jnp.bfloat16,
+            jnp.bfloat16,
+            dataclasses.replace(WIDE_SPLIT_ROWS, block_m=256, block_n=128, compute_warpgroups=4),
+        ),
     ],
 )
 def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
@@ -140,6 +153,21 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         # Decode-sized row tiles: x's 16 or 32 rows are the wgmma's N (17- and 23-row experts take 2 and 1 tiles).
         pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "block_m": 16}, marks=ON_GPU_ONLY),
         pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True, "block_m": 32}, marks=ON_GPU_ONLY),
+        # Four compute warpgroups: 64 weight rows each; split rows, one piece decoded by each.
+        (F.INT4_G128, jnp.bfloat16, {"compute_warpgroups": 4}),
+        pytest.param(  # compiled only (lowered on the CPU below)
+            F.UINT4_ZP_G128,
+            jnp.bfloat16,
+            {"split_rows": True, "compute_warpgroups": 4, "block_m": 256},
+            marks=INTERPRETER_HANGS,
+        ),
+        pytest.param(
+            F.INT4_G128,
+            jnp.bfloat16,
+            {"swap_ab": True, "word_decode": True, "compute_warpgroups": 4, "block_m": 16},
+            marks=ON_GPU_ONLY,
+        ),
+        pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "compute_warpgroups": 4}, marks=ON_GPU_ONLY),
         # Nibbles from the codes' 32-bit registers (compiled; interpreted, the 16-bit form runs).
         (F.INT4_G128, jnp.bfloat16, {"word_decode": True}),
         pytest.param(INT4_G128_F16, jnp.float16, {"swap_ab": True, "word_decode": True}, marks=ON_GPU_ONLY),
@@ -160,6 +188,10 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         "int4-swap-delayed",
         "int4-swap-16-rows",
         "uint4-swap-32-rows",
+        "int4-4wgs",
+        "uint4-split-4wgs",
+        "int4-swap-words-16-rows-4wgs",
+        "int4-swap-4wgs",
         "int4-words",
         "int4-f16-swap-words",
         "uint4-swap-words",
@@ -624,6 +656,41 @@ def test_word_decode_shifts_32_bit_registers(fmt, options):
     assert words["shrui vector<2xi16>"] == 0 and words["andi vector<2xi16>"] == 0
     assert words["shrui vector<1xi32>"] == lanes["shrui vector<2xi16>"]
     assert words["andi vector<1xi32>"] == words["ori vector<1xi32>"] == lanes["ori vector<2xi16>"] > 0
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(
+    "config",
+    [
+        "16,256,128,4,4,mosaic,swap_ab,word_decode",
+        "128,256,128,4,3,mosaic,swap_ab",
+        "256,128,128,4,2,mosaic,split_rows",
+    ],
+)
+def test_four_compute_warpgroups_lower_for_the_gpu(config):
+    """Four compute warpgroups (and a memory one: 640 threads) lower for the
+    GPU, each issuing products on 64 weight rows (the swap_ab form's wgmma M)."""
+    from benchmarks import mosaic_ir
+    from benchmarks.inspect_gemm import parse_config
+
+    two = mosaic_ir.mosaic_ir("int4_g128", (2, 512, 512), 256, parse_config(config))
+    four = mosaic_ir.mosaic_ir("int4_g128", (2, 512, 512), 256, parse_config(config + ",compute_warpgroups=4"))
+    # Each warpgroup's products: half the weight rows (or x rows), so half the wgmmas written a step.
+    assert mosaic_ir.key_counts(four)["wgmma.mma_async"] * 2 == mosaic_ir.key_counts(two)["wgmma.mma_async"]
+    assert "setmaxnreg.inc.sync.aligned.u32 112" in four and "setmaxnreg.inc.sync.aligned.u32 232" in two
+
+
+def test_compute_warpgroups_refusals():
+    x = jnp.zeros((64, 128), jnp.bfloat16)
+    w = jnp.zeros((1, 256, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="compute_wgs must be 2 or 4, got 3"):
+        mosaic.expert_gemm_mosaic(
+            x, w, None, mosaic.MosaicTiles(64, 256, 64, compute_wgs=3), out_dtype=jnp.bfloat16, interpret=True
+        )
+    with pytest.raises(ValueError, match="block_n must be a multiple of 256"):  # 4 x 64 columns
+        mosaic.check_tiles(mosaic.MosaicTiles(64, 128, 64, compute_wgs=4), 256, 128, jnp.bfloat16)
+    with pytest.raises(ValueError, match="compute_warpgroups: 2 or 4, and 4 only with mosaic=True"):
+        hj.TuningConfig(64, 256, 64, compute_warpgroups=4)
 
 
 def test_word_decode_is_for_4_bit_weights():
