@@ -463,6 +463,11 @@ DECODE_CANDIDATES = _candidates(
         # loads overlap this one's last products and store (w2: 3 K tiles a tile).
         (16, 128, 256, 4, 3, WORD | FOLD | PAIR | {"column_tiles": 2}),
         (16, 128, 256, 4, 3, WORD | FOLD | PAIR | {"column_tiles": 4}),
+        # v16-v18: the Mosaic kernel's persistent, TMA-fed decode (x's rows the wgmma's
+        # N), words, 4 compute warpgroups (Hopper, planar int4 / uint4: others skip it).
+        (16, 256, 128, 4, 4, MOSAIC | SWAP | WORD),
+        (16, 256, 128, 4, 4, MOSAIC | SWAP | WORD | {"compute_warpgroups": 4}),
+        (16, 256, 128, 4, 6, MOSAIC | SWAP | WORD | {"compute_warpgroups": 4, "delay_release": 1}),
     )
 )
 PREFILL_CANDIDATES = _candidates(
@@ -528,6 +533,13 @@ PREFILL_CANDIDATES = _candidates(
         (128, 256, 64, 4, 4, MOSAIC | DEQ | BANDS | {"delay_release": 1}),
         (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | {"delay_release": 1}),
         (256, 128, 64, 4, 4, MOSAIC | DEQ | BANDS | {"split_rows": True}),
+        # v17: the nibbles from the codes' 32-bit registers (qwen3 int4 w13 567.7 -> 522.8 us);
+        # v18: four compute warpgroups of 64 weight rows. The 128x256 tile with split
+        # rows: one m64n256 wgmma a k16 step (the weight tile read once from shared memory).
+        (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | WORD),
+        (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | WORD | {"compute_warpgroups": 4}),
+        (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS | {"split_rows": True}),
+        (128, 256, 64, 4, 4, MOSAIC | DEQ | BANDS | {"split_rows": True}),
         # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
         (128, 256, 64, 8, 4, DEQ),
         (128, 256, 64, 8, 4, DEQ | BANDS),
