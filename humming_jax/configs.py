@@ -173,8 +173,8 @@ class TuningConfig:
     # The Mosaic GPU kernel (Hopper: TMA loads, warp-specialized wgmma, a persistent
     # grid): 16-bit weights, planar int4/uint4 with 128-column groups or per-channel
     # scales (decoded in the kernel: block_k=128), others through dequantize_first;
-    # optional bias, dense, grouped-contiguous or grouped-masked rows; block_m x block_n per tile on 2
-    # compute warpgroups, num_stages K steps in flight, group_m row tiles per band
+    # optional bias, dense, grouped-contiguous or grouped-masked rows; block_m x block_n per tile on
+    # compute_warpgroups compute warpgroups, num_stages K steps in flight, group_m row tiles per band
     # (num_warps unused). With swap_ab (4-bit weights, compiled only) each decoded
     # piece is the wgmma's register operand and the accumulator out.T, as in the
     # Triton swap_ab tiles.
@@ -183,9 +183,9 @@ class TuningConfig:
     # memory per compute warpgroup — 2 (the next piece waits for the product two
     # pieces back) or 4 (a whole 128-column unit: no wait inside a K step).
     stage_slots: int = 2
-    # The Mosaic kernel's two compute warpgroups take half the tile's rows each
-    # (block_m 128 or 256) and share its weight tile — a 4-bit one decoded half by
-    # each — instead of half its columns: half the decoding per product.
+    # The Mosaic kernel's compute warpgroups take a share of the tile's rows each
+    # (64 or 128 rows) and share its weight tile — a 4-bit one decoded a share by
+    # each — instead of a share of its columns: less decoding per product.
     split_rows: bool = False
     # The Mosaic kernel keeps a K step's wgmma in flight while the next step's is
     # issued (its shared-memory slot released one step late; num_stages > 1):

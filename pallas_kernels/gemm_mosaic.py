@@ -8,7 +8,7 @@ format and layout; this kernel is its prefill member for 16-bit and planar
 warpgroup issues the TMA copies of each K step, two (or four) compute
 warpgroups run the products of one ``[block_m, block_n]`` output tile, each
 on its share of the columns (``wgmma``: x from shared memory, the weight
-tile ``[block_n/2, bk]`` transposed in place as the B operand) — or, with
+tile's ``[block_n / compute_wgs, bk]`` slice transposed in place as the B operand) — or, with
 ``split_rows``, each on its share of the rows with the whole weight tile.
 
 Rows: TMA cannot gather, so a row tile is ``block_m`` consecutive rows of x.
