@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -56,6 +56,16 @@ for step in $steps; do
                            --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode \
                            --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,compute_warpgroups=4 2>&1 \
                            | tail -2 | tee -a "$out/mosaic_decode_words.log" ;;
+    # qwen3 w2 decode (K=768: 3 K steps a program, 46 % of copy): 2 stages won 35.4 -> 33.7 us at 16x128x256 in the
+    # eleventh session (less shared memory a program, more programs an SM); smaller and 2-warp tiles the same way.
+    w2-decode-stages) for fmt in int4_g128 mxfp4; do
+                        timeout 120 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm w2 --fmt $fmt \
+                          --tokens 16 --config 16,128,256,4,2,word_decode,fold_scales,pair_decode \
+                          --config 16,64,256,4,2,word_decode,fold_scales,pair_decode \
+                          --config 16,64,256,2,2,word_decode,fold_scales,pair_decode \
+                          --config 16,128,128,4,2,word_decode,fold_scales,pair_decode \
+                          --config 16,32,256,2,2,word_decode,fold_scales,pair_decode 2>&1 | tail -5
+                      done | tee "$out/w2_decode_stages.log" ;;
     # Eighth session's code with the real lowering: column tiles, one-block rows, the K=768 Hadamard rule.
     v12-tests) { pytest_gpu 150 tests/test_gemm_kernel.py -k "column_tiles or planar or half_bits"
                  pytest_gpu 150 tests/test_process_input.py tests/test_lowering.py; } 2>&1 | tee "$out/v12_tests.log" | tail -8 ;;
