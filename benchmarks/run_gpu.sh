@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -66,6 +66,15 @@ for step in $steps; do
                           --config 16,128,128,4,2,word_decode,fold_scales,pair_decode \
                           --config 16,32,256,2,2,word_decode,fold_scales,pair_decode 2>&1 | tail -5
                       done | tee "$out/w2_decode_stages.log" ;;
+    # mixtral w2 decode (K=14336, 8 experts x 32 column tiles = 256 programs, 2 an SM: 54-59 % of the measured copy):
+    # more programs an SM to hide each one's decode latency — K split in 2 / 4, or 64-column tiles.
+    mixtral-w2-decode) for fmt in int4_g128 mxfp4; do
+                         timeout 250 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm w2 --fmt $fmt \
+                           --tokens 16 --config 16,128,256,4,3,word_decode,fold_scales,pair_decode \
+                           --config 16,128,256,4,3,word_decode,fold_scales,pair_decode,split_k=2 \
+                           --config 16,128,256,4,3,word_decode,fold_scales,pair_decode,split_k=4 \
+                           --config 16,64,256,4,3,word_decode,fold_scales,pair_decode 2>&1 | tail -4
+                       done | tee "$out/mixtral_w2_decode.log" ;;
     # Eighth session's code with the real lowering: column tiles, one-block rows, the K=768 Hadamard rule.
     v12-tests) { pytest_gpu 150 tests/test_gemm_kernel.py -k "column_tiles or planar or half_bits"
                  pytest_gpu 150 tests/test_process_input.py tests/test_lowering.py; } 2>&1 | tee "$out/v12_tests.log" | tail -8 ;;
