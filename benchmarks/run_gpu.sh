@@ -32,12 +32,15 @@ for step in $steps; do
     # The 128x256 tile with split rows: each compute warpgroup 64 rows x 256 columns, one m64n256 wgmma a k16 step
     # instead of two m64n128 (the weight tile read once from shared memory: 10 KB of operands instead of 12, with the
     # TMA writes ~127 B/clk against ~143 at the tensor rate — if shared memory is the limit, ~10 % faster).
+    # v19: two epilogue slots a warpgroup (the next 64-column chunk written while the last one's store reads).
     mosaic-wide) for problem in mixtral-8x7b qwen3-30b-a3b; do  # bf16 T=4096 (mixtral w13 3434.2 in the bench)
                    for gemm in w13 w2; do
-                     timeout 140 python3 -W ignore -m benchmarks.inspect_gemm --problem $problem --gemm $gemm --fmt bf16 \
+                     timeout 170 python3 -W ignore -m benchmarks.inspect_gemm --problem $problem --gemm $gemm --fmt bf16 \
                        --tokens 4096 --config 128,256,64,4,3,mosaic,group_m=8 \
                        --config 128,256,64,4,3,mosaic,group_m=8,split_rows \
-                       --config 128,256,64,4,4,mosaic,group_m=8,split_rows 2>&1 | tail -3
+                       --config 128,256,64,4,4,mosaic,group_m=8,split_rows \
+                       --config 128,256,64,4,3,mosaic,group_m=8,split_rows,epilogue_slots=2 \
+                       --config 128,256,64,4,3,mosaic,group_m=8,epilogue_slots=2 2>&1 | tail -5
                    done
                  done | tee "$out/mosaic_wide.log" ;;
     # v16's decode tiles with v17's word decode (T=16; v16 without it: qwen3 w13 106.1 us against the Triton
@@ -54,8 +57,9 @@ for step in $steps; do
                          done | tee "$out/mosaic_decode_words.log"
                          timeout 100 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --fmt int4_g128 \
                            --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode \
-                           --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,compute_warpgroups=4 2>&1 \
-                           | tail -2 | tee -a "$out/mosaic_decode_words.log" ;;
+                           --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,compute_warpgroups=4 \
+                           --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,epilogue_slots=2 2>&1 \
+                           | tail -3 | tee -a "$out/mosaic_decode_words.log" ;;
     # qwen3 w2 decode (K=768: 3 K steps a program, 46 % of copy): 2 stages won 35.4 -> 33.7 us at 16x128x256 in the
     # eleventh session (less shared memory a program, more programs an SM); smaller and 2-warp tiles the same way.
     w2-decode-stages) for fmt in int4_g128 mxfp4; do

@@ -540,6 +540,9 @@ PREFILL_CANDIDATES = _candidates(
         (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | WORD | {"compute_warpgroups": 4}),
         (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS | {"split_rows": True}),
         (128, 256, 64, 4, 4, MOSAIC | DEQ | BANDS | {"split_rows": True}),
+        # v19: two epilogue slots a warpgroup (a chunk written while the last one is stored).
+        (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS | {"split_rows": True, "epilogue_slots": 2}),
+        (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | WORD | {"epilogue_slots": 2}),
         # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
         (128, 256, 64, 8, 4, DEQ),
         (128, 256, 64, 8, 4, DEQ | BANDS),

@@ -194,6 +194,9 @@ class TuningConfig:
     # The Mosaic kernel's compute warpgroups (2 or 4) splitting each tile: 4 puts
     # twice the warps on each scheduler (decode-sized tiles run one program an SM).
     compute_warpgroups: int = 2
+    # The Mosaic kernel's epilogue slots a warpgroup (1 or 2): with 2 the next output
+    # chunk is written while the last one's store still reads its slot.
+    epilogue_slots: int = 1
 
     def __post_init__(self):
         owner = "TuningConfig"
@@ -229,6 +232,8 @@ class TuningConfig:
             raise ValueError(
                 f"{owner}.compute_warpgroups: 2 or 4, and 4 only with mosaic=True, got {self.compute_warpgroups}"
             )
+        if self.epilogue_slots not in (1, 2) or (self.epilogue_slots != 1 and not self.mosaic):
+            raise ValueError(f"{owner}.epilogue_slots: 1 or 2, and 2 only with mosaic=True, got {self.epilogue_slots}")
         if self.split_rows and not self.mosaic:
             raise ValueError(f"{owner}.split_rows: a Mosaic kernel option, needs mosaic=True")
         if self.pair_decode and not self.word_decode:

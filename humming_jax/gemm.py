@@ -244,6 +244,7 @@ def plan_tuning(
             delay_release=0,
             word_decode=False,
             compute_warpgroups=2,
+            epilogue_slots=1,
         )
     return tuning, dequantize
 
@@ -446,6 +447,7 @@ def mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
         delay_release=tuning.delay_release,
         word_decode=tuning.word_decode,
         compute_wgs=tuning.compute_warpgroups,
+        epilogue_slots=tuning.epilogue_slots,
     )
 
 
@@ -479,7 +481,7 @@ def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         if a is not None
     )
     fields = dataclasses.asdict(tuning)
-    mosaic_only = ("mosaic", "stage_slots", "split_rows", "delay_release", "compute_warpgroups")
+    mosaic_only = ("mosaic", "stage_slots", "split_rows", "delay_release", "compute_warpgroups", "epilogue_slots")
     for name in ("dequantize_first", *mosaic_only):  # handled here, or Mosaic-only options
         del fields[name]
     tiles = kernel.Tiles(**fields)  # the kernel's mirror of TuningConfig, field for field

@@ -89,6 +89,9 @@ class MosaicTiles:
     # scheduler to hide a step's latencies (decode-sized tiles: one program an SM),
     # with (512 - 40) / 4 -> 112 registers a thread instead of 232.
     compute_wgs: int = 2
+    # Shared-memory slots a warpgroup's epilogue stores through (1 or 2): with 2, the
+    # next 64-column chunk is written while the last one's TMA store still reads its slot.
+    epilogue_slots: int = 1
 
     @property
     def wg_m(self) -> int:
@@ -176,6 +179,8 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode 
             "mosaic GEMM: delay_release is for 16-bit weights and the swap_ab form (staged 4-bit pieces are "
             "rewritten each step)"
         )
+    if tiles.epilogue_slots not in (1, 2):
+        raise ValueError(f"mosaic GEMM: epilogue_slots must be 1 or 2, got {tiles.epilogue_slots}")
     if tiles.word_decode and decode is None:
         raise ValueError("mosaic GEMM: word_decode is for 4-bit weights (the codes' 32-bit registers)")
     if decode is not None:
@@ -263,6 +268,26 @@ def row_tile_table(starts: jax.Array, ends: jax.Array, num_experts: int, m: int,
 def padded_rows(m: int, block_m: int) -> int:
     """Rows of x the kernel reads: at least one tile, a multiple of 8."""
     return -(-max(m, block_m) // ROW_ALIGN) * ROW_ALIGN
+
+
+def _store_copies(rows, block_m: int):
+    """How many TMA copies :func:`_store_rows` issues for ``rows`` rows (one a set bit)."""
+    count = jnp.int32(0)
+    size = block_m
+    while size:
+        count = count + ((rows & size) != 0).astype(jnp.int32)
+        size //= 2
+    return count
+
+
+def _wait_stores_but(pending, block_m: int) -> None:
+    """Wait until at most ``pending`` (dynamic, up to one copy a power of two
+    up to ``block_m``) of the issued shared-to-global copies still read."""
+    for allowed in range(block_m.bit_length() + 1):
+
+        @pl.when(pending == allowed)
+        def _(allowed=allowed):
+            plgpu.wait_smem_to_gmem(allowed, wait_read_only=True)
 
 
 def _store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
@@ -408,7 +433,7 @@ def _kernel(
     decoding = decode is not None
     staged = decoding and not tiles.swap_ab  # swap_ab feeds the decoded pieces from registers
     scratch = dict(
-        o_smem=plgpu.SMEM((wgs, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
+        o_smem=plgpu.SMEM((wgs, tiles.epilogue_slots, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
         stage=plgpu.SMEM(stage_shape, dtype, transforms=stage_transforms) if staged else None,
         # [0]: every warpgroup's pieces are in shared memory; [1]: every product has read them.
         sync=plgpu.Barrier(num_arrivals=wgs, num_barriers=2) if decoding and shared else None,
@@ -443,16 +468,21 @@ def _kernel(
                 """The compute warpgroup's ``[wg_m, wg_n]`` result (``transposed``:
                 given as ``[wg_n, wg_m]``), its own rows only."""
                 gmem_first = first_row + own_start - offset
+                slots = tiles.epilogue_slots
                 for chunk in range(wg_n // EPILOGUE_COLUMNS):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copy has read it
+                    if slots == 1 or chunk == 0:  # (a tile's first: the last tile's stores are long done)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copies have read it
+                    else:  # the previous chunk's copies may still read the other slot
+                        _wait_stores_but(_store_copies(own_rows, wg_m), wg_m)
+                    slot = o_smem.at[wg, chunk % slots]
                     columns = slice(chunk * EPILOGUE_COLUMNS, (chunk + 1) * EPILOGUE_COLUMNS)
                     if transposed:  # stored through a transposed view of the slot
-                        o_smem.at[wg].transpose((1, 0))[...] = acc[columns]
+                        slot.transpose((1, 0))[...] = acc[columns]
                     else:
-                        o_smem[wg] = acc[:, columns]
+                        slot[...] = acc[:, columns]
                     plgpu.commit_smem()
                     cols = o_gmem.at[:, pl.ds(wg_cols + chunk * EPILOGUE_COLUMNS, EPILOGUE_COLUMNS)]
-                    _store_rows(o_smem.at[wg], cols, gmem_first, own_start - wg_first, own_rows, wg_m)
+                    _store_rows(slot, cols, gmem_first, own_start - wg_first, own_rows, wg_m)
 
             swap = tiles.swap_ab
             acc_shape = (wg_n, wg_m) if swap else (wg_m, wg_n)

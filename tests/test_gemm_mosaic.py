@@ -56,6 +56,10 @@ DELAYED = hj.TuningConfig(64, 256, 64, num_stages=3, group_m=2, mosaic=True, del
         # 64 rows by 256 columns a warpgroup: one m64n256 product a k16 step instead of
         # two m64n128 (10 KB of shared-memory operands read instead of 12).
         ((1, 70, 0, 30), jnp.bfloat16, jnp.float32, WIDE_SPLIT_ROWS),
+        # Two epilogue slots: a chunk written while the last one's copies (one per set
+        # bit of a ragged tile's row count) may still read the other slot.
+        ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, epilogue_slots=2)),
+        ((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, dataclasses.replace(WIDE_SPLIT_ROWS, epilogue_slots=2)),
         # Four compute warpgroups: 64 columns each, or (split rows) 64 rows each.
         ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, compute_warpgroups=4)),
         (
@@ -153,6 +157,8 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         # Decode-sized row tiles: x's 16 or 32 rows are the wgmma's N (17- and 23-row experts take 2 and 1 tiles).
         pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "block_m": 16}, marks=ON_GPU_ONLY),
         pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True, "block_m": 32}, marks=ON_GPU_ONLY),
+        (F.INT4_G128, jnp.bfloat16, {"epilogue_slots": 2}),
+        pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "epilogue_slots": 2}, marks=ON_GPU_ONLY),
         # Four compute warpgroups: 64 weight rows each; split rows, one piece decoded by each.
         (F.INT4_G128, jnp.bfloat16, {"compute_warpgroups": 4}),
         pytest.param(  # compiled only (lowered on the CPU below)
@@ -188,6 +194,8 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         "int4-swap-delayed",
         "int4-swap-16-rows",
         "uint4-swap-32-rows",
+        "int4-2-epilogue-slots",
+        "int4-swap-2-epilogue-slots",
         "int4-4wgs",
         "uint4-split-4wgs",
         "int4-swap-words-16-rows-4wgs",
@@ -491,11 +499,23 @@ def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
     ran, dequantize = plan(out_dtype=jnp.bfloat16)  # planar int4 off Hopper: the heuristic's decode tile
     assert not ran.mosaic and not dequantize and not ran.delay_release and ran.word_decode
     # A split-rows entry off Hopper: the Triton tile of its size, without the Mosaic-only options.
-    split = hj.TuningConfig(256, 128, 64, num_stages=4, group_m=8, mosaic=True, split_rows=True, delay_release=1)
+    split = hj.TuningConfig(
+        256,
+        128,
+        64,
+        num_stages=4,
+        group_m=8,
+        mosaic=True,
+        split_rows=True,
+        delay_release=1,
+        compute_warpgroups=4,
+        epilogue_slots=2,
+    )
     monkeypatch.setattr(T, "choose_tuning", lambda *args: split)
     dense = jnp.asarray(rng.normal(0, 0.05, (2, 256, 256)), jnp.bfloat16)
     ran, _ = plan(G.as_weight(dense), out_dtype=jnp.bfloat16)
     assert (ran.block_m, ran.block_n, ran.mosaic, ran.split_rows, ran.delay_release) == (256, 128, False, False, 0)
+    assert (ran.compute_warpgroups, ran.epilogue_slots) == (2, 1)
 
 
 def test_swap_ab_refuses_32_bit_outputs():
@@ -699,6 +719,20 @@ def test_compute_warpgroups_refusals():
         mosaic.check_tiles(mosaic.MosaicTiles(64, 128, 64, compute_wgs=4), 256, 128, jnp.bfloat16)
     with pytest.raises(ValueError, match="compute_warpgroups: 2 or 4, and 4 only with mosaic=True"):
         hj.TuningConfig(64, 256, 64, compute_warpgroups=4)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 37, 64, 128])
+def test_store_copies_count_the_row_slices(rows):
+    """The epilogue's count of its copies (one per power-of-two slice of a
+    warpgroup's rows) is what the double-buffered wait allows in flight."""
+    assert int(mosaic._store_copies(jnp.int32(rows), 128)) == bin(rows).count("1")
+
+
+def test_epilogue_slots_refusals():
+    with pytest.raises(ValueError, match="epilogue_slots must be 1 or 2, got 3"):
+        mosaic.check_tiles(mosaic.MosaicTiles(64, 256, 64, epilogue_slots=3), 256, 128, jnp.bfloat16)
+    with pytest.raises(ValueError, match="epilogue_slots: 1 or 2, and 2 only with mosaic=True"):
+        hj.TuningConfig(64, 256, 64, epilogue_slots=2)
 
 
 def test_word_decode_is_for_4_bit_weights():
