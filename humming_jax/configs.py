@@ -136,6 +136,11 @@ class ComputeConfig:
                 raise ValueError(f"ComputeConfig.{name}: expected a bool, got {getattr(self, name)!r}")
 
 
+# TuningConfig fields only the Mosaic GPU kernel reads (the Triton kernel's tiles
+# mirror the others); a tiling that leaves that kernel takes their defaults.
+MOSAIC_OPTIONS = ("stage_slots", "split_rows", "delay_release", "compute_warpgroups", "epilogue_slots")
+
+
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
     """Kernel launch parameters. Tiles are powers of two (Triton's rule);
@@ -238,6 +243,12 @@ class TuningConfig:
             raise ValueError(f"{owner}.split_rows: a Mosaic kernel option, needs mosaic=True")
         if self.pair_decode and not self.word_decode:
             raise ValueError(f"{owner}.pair_decode: pairs the nibbles of decoded words, so it needs word_decode=True")
+
+    def without_mosaic(self) -> TuningConfig:
+        """The same tiling for the Triton kernel: ``mosaic`` off, the Mosaic-only
+        options (:data:`MOSAIC_OPTIONS`) at their defaults."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in MOSAIC_OPTIONS}
+        return dataclasses.replace(self, mosaic=False, **defaults)
 
     def check_compute(self, compute: ComputeConfig) -> None:
         if compute.batch_invariant and self.split_k > 1:

@@ -234,18 +234,7 @@ def plan_tuning(
         # that tile won with (8 and 4, 128x256x64 bf16) and none of the Mosaic-only options.
         if weight.format.is_quantized and not dequantize:
             return heuristic()
-        tuning = dataclasses.replace(
-            tuning,
-            mosaic=False,
-            num_warps=8,
-            num_stages=4,
-            stage_slots=2,
-            split_rows=False,
-            delay_release=0,
-            word_decode=False,
-            compute_warpgroups=2,
-            epilogue_slots=1,
-        )
+        tuning = dataclasses.replace(tuning.without_mosaic(), num_warps=8, num_stages=4, word_decode=False)
     return tuning, dequantize
 
 
@@ -481,8 +470,7 @@ def _gemm_kernel(x, weight, layout, tuning, out_dtype, use_f16_accum, interpret)
         if a is not None
     )
     fields = dataclasses.asdict(tuning)
-    mosaic_only = ("mosaic", "stage_slots", "split_rows", "delay_release", "compute_warpgroups", "epilogue_slots")
-    for name in ("dequantize_first", *mosaic_only):  # handled here, or Mosaic-only options
+    for name in ("dequantize_first", "mosaic", *configs.MOSAIC_OPTIONS):  # handled here, or Mosaic-only options
         del fields[name]
     tiles = kernel.Tiles(**fields)  # the kernel's mirror of TuningConfig, field for field
     return kernel.expert_gemm(
