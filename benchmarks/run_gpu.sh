@@ -45,21 +45,13 @@ for step in $steps; do
                  done | tee "$out/mosaic_wide.log" ;;
     # v16's decode tiles with v17's word decode (T=16; v16 without it: qwen3 w13 106.1 us against the Triton
     # entry's 56.1).
-    # v18: four compute warpgroups (64 weight rows each: twice the warps on each scheduler of the one program
-    # an SM), with and without the delayed release; and the 4-warpgroup int4 prefill form.
     mosaic-decode-words) for gemm in w13 w2; do
                            timeout 120 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm $gemm \
                              --fmt int4_g128 --tokens 16 --config 16,256,128,4,4,mosaic,swap_ab \
                              --config 16,256,128,4,4,mosaic,swap_ab,word_decode \
-                             --config 16,256,128,4,4,mosaic,swap_ab,word_decode,compute_warpgroups=4 \
-                             --config 16,256,128,4,6,mosaic,swap_ab,word_decode,compute_warpgroups=4,delay_release=1 \
-                             --config 32,256,128,4,4,mosaic,swap_ab,word_decode,compute_warpgroups=4 2>&1 | tail -5
-                         done | tee "$out/mosaic_decode_words.log"
-                         timeout 100 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --fmt int4_g128 \
-                           --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode \
-                           --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,compute_warpgroups=4 \
-                           --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,epilogue_slots=2 2>&1 \
-                           | tail -3 | tee -a "$out/mosaic_decode_words.log" ;;
+                             --config 16,256,128,4,6,mosaic,swap_ab,word_decode,delay_release=1 \
+                             --config 32,256,128,4,4,mosaic,swap_ab,word_decode 2>&1 | tail -4
+                         done | tee "$out/mosaic_decode_words.log" ;;
     # qwen3 w2 decode (K=768: 3 K steps a program, 46 % of copy): 2 stages won 35.4 -> 33.7 us at 16x128x256 in the
     # eleventh session (less shared memory a program, more programs an SM); smaller and 2-warp tiles the same way.
     w2-decode-stages) for fmt in int4_g128 mxfp4; do

@@ -463,11 +463,10 @@ DECODE_CANDIDATES = _candidates(
         # loads overlap this one's last products and store (w2: 3 K tiles a tile).
         (16, 128, 256, 4, 3, WORD | FOLD | PAIR | {"column_tiles": 2}),
         (16, 128, 256, 4, 3, WORD | FOLD | PAIR | {"column_tiles": 4}),
-        # v16-v18: the Mosaic kernel's persistent, TMA-fed decode (x's rows the wgmma's
-        # N), words, 4 compute warpgroups (Hopper, planar int4 / uint4: others skip it).
+        # v16-v17: the Mosaic kernel's persistent, TMA-fed decode (x's rows the wgmma's
+        # N) with words (Hopper, planar int4 / uint4: others skip it).
         (16, 256, 128, 4, 4, MOSAIC | SWAP | WORD),
-        (16, 256, 128, 4, 4, MOSAIC | SWAP | WORD | {"compute_warpgroups": 4}),
-        (16, 256, 128, 4, 6, MOSAIC | SWAP | WORD | {"compute_warpgroups": 4, "delay_release": 1}),
+        (16, 256, 128, 4, 6, MOSAIC | SWAP | WORD | {"delay_release": 1}),
     )
 )
 PREFILL_CANDIDATES = _candidates(
@@ -533,11 +532,10 @@ PREFILL_CANDIDATES = _candidates(
         (128, 256, 64, 4, 4, MOSAIC | DEQ | BANDS | {"delay_release": 1}),
         (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | {"delay_release": 1}),
         (256, 128, 64, 4, 4, MOSAIC | DEQ | BANDS | {"split_rows": True}),
-        # v17: the nibbles from the codes' 32-bit registers (qwen3 int4 w13 567.7 -> 522.8 us);
-        # v18: four compute warpgroups of 64 weight rows. The 128x256 tile with split
-        # rows: one m64n256 wgmma a k16 step (the weight tile read once from shared memory).
+        # v17: the nibbles from the codes' 32-bit registers (qwen3 int4 w13 567.7 -> 522.8 us).
+        # The 128x256 tile with split rows: one m64n256 wgmma a k16 step (the weight tile
+        # read once from shared memory; mixtral bf16 w13 3426.6 vs 3407.2 us for the columns split).
         (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | WORD),
-        (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | WORD | {"compute_warpgroups": 4}),
         (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS | {"split_rows": True}),
         (128, 256, 64, 4, 4, MOSAIC | DEQ | BANDS | {"split_rows": True}),
         # v19: two epilogue slots a warpgroup (a chunk written while the last one is stored).

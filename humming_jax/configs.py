@@ -138,7 +138,7 @@ class ComputeConfig:
 
 # TuningConfig fields only the Mosaic GPU kernel reads (the Triton kernel's tiles
 # mirror the others); a tiling that leaves that kernel takes their defaults.
-MOSAIC_OPTIONS = ("stage_slots", "split_rows", "delay_release", "compute_warpgroups", "epilogue_slots")
+MOSAIC_OPTIONS = ("stage_slots", "split_rows", "delay_release", "epilogue_slots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +179,7 @@ class TuningConfig:
     # grid): 16-bit weights, planar int4/uint4 with 128-column groups or per-channel
     # scales (decoded in the kernel: block_k=128), others through dequantize_first;
     # optional bias, dense, grouped-contiguous or grouped-masked rows; block_m x block_n per tile on
-    # compute_warpgroups compute warpgroups, num_stages K steps in flight, group_m row tiles per band
+    # two compute warpgroups, num_stages K steps in flight, group_m row tiles per band
     # (num_warps unused). With swap_ab (4-bit weights, compiled only) each decoded
     # piece is the wgmma's register operand and the accumulator out.T, as in the
     # Triton swap_ab tiles.
@@ -196,9 +196,6 @@ class TuningConfig:
     # issued (its shared-memory slot released one step late; num_stages > 1):
     # 0 or 1, for 16-bit weights and the swap_ab form.
     delay_release: int = 0
-    # The Mosaic kernel's compute warpgroups (2 or 4) splitting each tile: 4 puts
-    # twice the warps on each scheduler (decode-sized tiles run one program an SM).
-    compute_warpgroups: int = 2
     # The Mosaic kernel's epilogue slots a warpgroup (1 or 2): with 2 the next output
     # chunk is written while the last one's store still reads its slot.
     epilogue_slots: int = 1
@@ -233,10 +230,6 @@ class TuningConfig:
             )
         if self.delay_release not in (0, 1) or (self.delay_release and not self.mosaic):
             raise ValueError(f"{owner}.delay_release: 0 or 1, and 1 only with mosaic=True, got {self.delay_release}")
-        if self.compute_warpgroups not in (2, 4) or (self.compute_warpgroups != 2 and not self.mosaic):
-            raise ValueError(
-                f"{owner}.compute_warpgroups: 2 or 4, and 4 only with mosaic=True, got {self.compute_warpgroups}"
-            )
         if self.epilogue_slots not in (1, 2) or (self.epilogue_slots != 1 and not self.mosaic):
             raise ValueError(f"{owner}.epilogue_slots: 1 or 2, and 2 only with mosaic=True, got {self.epilogue_slots}")
         if self.split_rows and not self.mosaic:

@@ -435,7 +435,6 @@ def mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
         swap_ab=tuning.swap_ab,
         delay_release=tuning.delay_release,
         word_decode=tuning.word_decode,
-        compute_wgs=tuning.compute_warpgroups,
         epilogue_slots=tuning.epilogue_slots,
     )
 

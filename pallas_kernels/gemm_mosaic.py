@@ -5,10 +5,10 @@ The Triton-lowered family in :mod:`pallas_kernels.gemm` covers every weight
 format and layout; this kernel is its prefill member for 16-bit and planar
 4-bit integer weights, where the cp.async-pipelined Triton tile stops at
 ~510 TFLOP/s (mixtral w13). One
-warpgroup issues the TMA copies of each K step, two (or four) compute
+warpgroup issues the TMA copies of each K step, two compute
 warpgroups run the products of one ``[block_m, block_n]`` output tile, each
 on its share of the columns (``wgmma``: x from shared memory, the weight
-tile's ``[block_n / compute_wgs, bk]`` slice transposed in place as the B operand) — or, with
+tile's ``[block_n / 2, bk]`` slice transposed in place as the B operand) — or, with
 ``split_rows``, each on its share of the rows with the whole weight tile.
 
 Rows: TMA cannot gather, so a row tile is ``block_m`` consecutive rows of x.
@@ -51,7 +51,11 @@ from jax.extend.mlir.dialects import arith, vector
 from pallas_kernels.gemm import tile_order
 from pallas_kernels.word_decode import MAGIC  # (pattern, base): pattern | q is the float base + q
 
-COMPUTE_WARPGROUPS = (2, 4)  # compute warpgroups a program may run (2: the default)
+# Compute warpgroups of a program. Not 4: JAX 0.11.2's warp-specialized pipeline then
+# raises each to (512 - 40) / 4 -> 112 registers a thread, but a 640-thread program
+# launches with 96 (65536 / 640, in steps of 8), and the 40 the memory warpgroup gives
+# back do not cover 4 x 16: setmaxnreg.inc waits for ever (it hung on the H200).
+COMPUTE_WGS = 2
 EPILOGUE_COLUMNS = 64  # output columns per shared-memory store slot
 H100_SMS = 132  # H100 / H200: programs of the persistent grid when the device does not say
 
@@ -59,8 +63,8 @@ H100_SMS = 132  # H100 / H200: programs of the persistent grid when the device d
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
     """``block_m`` rows by ``block_n`` columns per output tile (each of the
-    ``compute_wgs`` compute warpgroups takes ``block_n / compute_wgs`` — or
-    with ``split_rows`` ``block_m / compute_wgs`` rows and every column, all
+    two compute warpgroups takes ``block_n / 2`` — or
+    with ``split_rows`` ``block_m / 2`` rows and every column, both
     sharing each weight tile: 4-bit codes are then decoded a share by each),
     ``block_k`` per pipeline step, ``stages`` steps in flight, programs
     ordered in bands of ``group_m`` row tiles."""
@@ -85,10 +89,6 @@ class MosaicTiles:
     # from 16-bit lanes, whose shifts LLVM unpacks per lane. Compiled only: the
     # interpreter runs the 16-bit form, which computes the same values.
     word_decode: bool = False
-    # Compute warpgroups splitting the tile (2 or 4): 4 puts twice the warps on each
-    # scheduler to hide a step's latencies (decode-sized tiles: one program an SM),
-    # with (512 - 40) / 4 -> 112 registers a thread instead of 232.
-    compute_wgs: int = 2
     # Shared-memory slots a warpgroup's epilogue stores through (1 or 2): with 2, the
     # next 64-column chunk is written while the last one's TMA store still reads its slot.
     epilogue_slots: int = 1
@@ -96,12 +96,12 @@ class MosaicTiles:
     @property
     def wg_m(self) -> int:
         """Rows of a compute warpgroup's accumulator."""
-        return self.block_m // self.compute_wgs if self.split_rows else self.block_m
+        return self.block_m // COMPUTE_WGS if self.split_rows else self.block_m
 
     @property
     def wg_n(self) -> int:
         """Columns of a compute warpgroup's accumulator."""
-        return self.block_n if self.split_rows else self.block_n // self.compute_wgs
+        return self.block_n if self.split_rows else self.block_n // COMPUTE_WGS
 
 
 UNIT = 128  # columns of one planar unit: a K step of the 4-bit path
@@ -127,30 +127,28 @@ class NibbleDecode:
 def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode | None = None) -> None:
     """The shapes the kernel's static TMA boxes and wgmma tiles need."""
     itemsize = jnp.dtype(dtype).itemsize
-    if tiles.compute_wgs not in COMPUTE_WARPGROUPS:
-        raise ValueError(f"mosaic GEMM: compute_wgs must be 2 or 4, got {tiles.compute_wgs}")
     if itemsize != 2:
         raise ValueError(f"mosaic GEMM: 16-bit inputs and weights, got {jnp.dtype(dtype)}")
     # x's rows are the wgmma's M (multiples of 64), or with swap_ab its N (decode-sized tiles).
     row_choices = (16, 32, 64, 128) if tiles.swap_ab else (64, 128)
     if tiles.wg_m not in row_choices:
         allowed = (
-            f"{64 * tiles.compute_wgs} or {128 * tiles.compute_wgs} with split_rows"
+            f"{64 * COMPUTE_WGS} or {128 * COMPUTE_WGS} with split_rows"
             if tiles.split_rows
             else " or ".join(map(str, row_choices))
         )
         raise ValueError(f"mosaic GEMM: block_m must be {allowed}, got {tiles.block_m}")
     if tiles.wg_n % EPILOGUE_COLUMNS or tiles.wg_n > 256:
-        ways = 1 if tiles.split_rows else tiles.compute_wgs
+        ways = 1 if tiles.split_rows else COMPUTE_WGS
         raise ValueError(
             f"mosaic GEMM: block_n must be a multiple of {ways * EPILOGUE_COLUMNS} "
             f"and at most {ways * 256}, got {tiles.block_n}"
         )
     if tiles.wg_m * tiles.wg_n > 128 * 128:  # 128 f32 registers a thread for the accumulator
         raise ValueError(
-            f"mosaic GEMM: a warpgroup's accumulator (block_m x block_n / compute_wgs, or block_m / compute_wgs "
+            f"mosaic GEMM: a warpgroup's accumulator (block_m x block_n / 2, or block_m / 2 "
             f"x block_n with split_rows) must be at most 128 x 128, got block_m={tiles.block_m}, "
-            f"block_n={tiles.block_n}, compute_wgs={tiles.compute_wgs}"
+            f"block_n={tiles.block_n}"
         )
     if decode is None and tiles.block_k * itemsize not in (32, 64, 128):
         raise ValueError(f"mosaic GEMM: block_k must be 16, 32 or 64 for 16-bit operands, got {tiles.block_k}")
@@ -377,7 +375,7 @@ def _kernel(
     n = w_gmem.shape[1]
     dtype = x_gmem.dtype
     bm, bk, wg_m, wg_n = tiles.block_m, tiles.block_k, tiles.wg_m, tiles.wg_n
-    wgs = tiles.compute_wgs
+    wgs = COMPUTE_WGS
     col_tiles = n // tiles.block_n
     shared = tiles.split_rows  # the warpgroups split the rows and share the weight tile
     delay = tiles.delay_release  # steps a slot is held past its product's issue
@@ -656,7 +654,7 @@ def expert_gemm_mosaic(
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(sms,),
         grid_names=("sm",),
-        num_threads=tiles.compute_wgs + 1,
+        num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         # Interpreted, fresh memory reads as NaN: a row the kernel failed to store shows.

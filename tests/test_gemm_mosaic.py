@@ -19,11 +19,6 @@ from pallas_kernels import gemm_mosaic as mosaic
 
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
 ON_GPU_ONLY = pytest.mark.skipif(KERNEL_BACKEND != "pallas", reason="a register wgmma operand runs compiled only")
-# Two of the interpreter's five warpgroup threads wait at the split-rows stage barrier
-# while the other three sit in XLA calls, and it hangs (2 compute warpgroups run).
-INTERPRETER_HANGS = pytest.mark.skipif(
-    KERNEL_BACKEND != "pallas", reason="4 compute warpgroups sharing a stage hang the interpreter"
-)
 TILES = hj.TuningConfig(64, 256, 64, num_stages=2, group_m=2, mosaic=True)
 
 
@@ -60,14 +55,6 @@ DELAYED = hj.TuningConfig(64, 256, 64, num_stages=3, group_m=2, mosaic=True, del
         # bit of a ragged tile's row count) may still read the other slot.
         ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, epilogue_slots=2)),
         ((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, dataclasses.replace(WIDE_SPLIT_ROWS, epilogue_slots=2)),
-        # Four compute warpgroups: 64 columns each, or (split rows) 64 rows each.
-        ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, compute_warpgroups=4)),
-        (
-            (1, 70, 0, 30),
-            jnp.bfloat16,
-            jnp.bfloat16,
-            dataclasses.replace(WIDE_SPLIT_ROWS, block_m=256, block_n=128, compute_warpgroups=4),
-        ),
     ],
 )
 def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
@@ -159,21 +146,6 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True, "block_m": 32}, marks=ON_GPU_ONLY),
         (F.INT4_G128, jnp.bfloat16, {"epilogue_slots": 2}),
         pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "epilogue_slots": 2}, marks=ON_GPU_ONLY),
-        # Four compute warpgroups: 64 weight rows each; split rows, one piece decoded by each.
-        (F.INT4_G128, jnp.bfloat16, {"compute_warpgroups": 4}),
-        pytest.param(  # compiled only (lowered on the CPU below)
-            F.UINT4_ZP_G128,
-            jnp.bfloat16,
-            {"split_rows": True, "compute_warpgroups": 4, "block_m": 256},
-            marks=INTERPRETER_HANGS,
-        ),
-        pytest.param(
-            F.INT4_G128,
-            jnp.bfloat16,
-            {"swap_ab": True, "word_decode": True, "compute_warpgroups": 4, "block_m": 16},
-            marks=ON_GPU_ONLY,
-        ),
-        pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "compute_warpgroups": 4}, marks=ON_GPU_ONLY),
         # Nibbles from the codes' 32-bit registers (compiled; interpreted, the 16-bit form runs).
         (F.INT4_G128, jnp.bfloat16, {"word_decode": True}),
         pytest.param(INT4_G128_F16, jnp.float16, {"swap_ab": True, "word_decode": True}, marks=ON_GPU_ONLY),
@@ -196,10 +168,6 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         "uint4-swap-32-rows",
         "int4-2-epilogue-slots",
         "int4-swap-2-epilogue-slots",
-        "int4-4wgs",
-        "uint4-split-4wgs",
-        "int4-swap-words-16-rows-4wgs",
-        "int4-swap-4wgs",
         "int4-words",
         "int4-f16-swap-words",
         "uint4-swap-words",
@@ -508,14 +476,13 @@ def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
         mosaic=True,
         split_rows=True,
         delay_release=1,
-        compute_warpgroups=4,
         epilogue_slots=2,
     )
     monkeypatch.setattr(T, "choose_tuning", lambda *args: split)
     dense = jnp.asarray(rng.normal(0, 0.05, (2, 256, 256)), jnp.bfloat16)
     ran, _ = plan(G.as_weight(dense), out_dtype=jnp.bfloat16)
     assert (ran.block_m, ran.block_n, ran.mosaic, ran.split_rows, ran.delay_release) == (256, 128, False, False, 0)
-    assert (ran.compute_warpgroups, ran.epilogue_slots) == (2, 1)
+    assert ran.epilogue_slots == 1
 
 
 def test_swap_ab_refuses_32_bit_outputs():
@@ -695,30 +662,22 @@ def test_word_decode_shifts_32_bit_registers(fmt, config):
         "256,128,128,4,2,mosaic,split_rows",
     ],
 )
-def test_four_compute_warpgroups_lower_for_the_gpu(config):
-    """Four compute warpgroups (and a memory one: 640 threads) lower for the
-    GPU, each issuing products on 64 weight rows (the swap_ab form's wgmma M)."""
+def test_register_counts_fit_the_launch(config):
+    """The warp-specialized pipeline's ``setmaxnreg`` counts fit the registers
+    a program launches with: ``setmaxnreg.inc`` waits until the registers it
+    asks for are free, so compute warpgroups asking for more than the memory
+    warpgroup gives back hang (four compute warpgroups did on the H200: 4 x 112
+    + 40 > 5 x 96)."""
     from benchmarks import mosaic_ir
     from benchmarks.inspect_gemm import parse_config
 
-    two = mosaic_ir.mosaic_ir("int4_g128", (2, 512, 512), 256, parse_config(config))
-    four = mosaic_ir.mosaic_ir("int4_g128", (2, 512, 512), 256, parse_config(config + ",compute_warpgroups=4"))
-    # Each warpgroup's products: half the weight rows (or x rows), so half the wgmmas written a step.
-    assert mosaic_ir.key_counts(four)["wgmma.mma_async"] * 2 == mosaic_ir.key_counts(two)["wgmma.mma_async"]
-    assert "setmaxnreg.inc.sync.aligned.u32 112" in four and "setmaxnreg.inc.sync.aligned.u32 232" in two
-
-
-def test_compute_warpgroups_refusals():
-    x = jnp.zeros((64, 128), jnp.bfloat16)
-    w = jnp.zeros((1, 256, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="compute_wgs must be 2 or 4, got 3"):
-        mosaic.expert_gemm_mosaic(
-            x, w, None, mosaic.MosaicTiles(64, 256, 64, compute_wgs=3), out_dtype=jnp.bfloat16, interpret=True
-        )
-    with pytest.raises(ValueError, match="block_n must be a multiple of 256"):  # 4 x 64 columns
-        mosaic.check_tiles(mosaic.MosaicTiles(64, 128, 64, compute_wgs=4), 256, 128, jnp.bfloat16)
-    with pytest.raises(ValueError, match="compute_warpgroups: 2 or 4, and 4 only with mosaic=True"):
-        hj.TuningConfig(64, 256, 64, compute_warpgroups=4)
+    module = mosaic_ir.mosaic_ir("int4_g128", (2, 512, 512), 256, parse_config(config))
+    increase = [int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32 (\d+)", module)]
+    decrease = [int(n) for n in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32 (\d+)", module)]
+    assert len(set(increase)) == 1 and len(set(decrease)) == 1, (increase, decrease)
+    warpgroups = mosaic.COMPUTE_WGS + 1
+    at_launch = 65536 // (128 * warpgroups) // 8 * 8  # a thread's registers, in steps of 8
+    assert mosaic.COMPUTE_WGS * increase[0] + decrease[0] <= warpgroups * at_launch
 
 
 @pytest.mark.parametrize("rows", [0, 1, 37, 64, 128])
