@@ -182,6 +182,10 @@ def test_process_input_bench_sweeps_tiles(monkeypatch):
         ("reference", None),
     ]
     assert bench_process_input.table(rows).count("2x2") == 1
+    # Both tilings against one same-run pass over as many bytes.
+    kernel_rows = [r for r in rows if r["backend"] == "interpret"]
+    assert kernel_rows[0]["copy_us"] == kernel_rows[1]["copy_us"] > 0
+    assert all(r["vs_copy"] == r["copy_us"] / r["us"] for r in kernel_rows)
 
 
 def test_merge_entry_replaces_overlapping_ranges():
