@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile hadamard-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-small gemm-bench-large tune tune-large process-nvfp4
+# Steps: process-copy hadamard-profile mixtral-w2-prefill gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -29,6 +29,18 @@ for step in $steps; do
                               --fmt int4_g128 --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab \
                               --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode 2>&1 | tail -2
                           done | tee "$out/mosaic_words_mixtral.log" ;;
+    # process_input at T=4096 against a same-run pass over as many bytes (the issue's measure: bench `x copy`).
+    process-copy) timeout 200 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 \
+                    --out "$out/process_copy.json" 2>&1 | tee "$out/process_copy.log" | tail -14 ;;
+    # mixtral int4 w2 at T=4096: 0.798x of torch in the twelfth session's bench (1863.6 us against 1486.9):
+    # 4 stages, wider bands, two epilogue slots, a 128-column tile.
+    mixtral-w2-prefill) timeout 330 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm w2 \
+                          --fmt int4_g128 --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode \
+                          --config 128,256,128,4,4,mosaic,group_m=8,swap_ab,word_decode \
+                          --config 128,256,128,4,3,mosaic,group_m=16,swap_ab,word_decode \
+                          --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,epilogue_slots=2 \
+                          --config 128,128,128,4,4,mosaic,group_m=8,swap_ab,word_decode 2>&1 \
+                          | tail -5 | tee "$out/mixtral_w2_prefill.log" ;;
     # The 128x256 tile with split rows: each compute warpgroup 64 rows x 256 columns, one m64n256 wgmma a k16 step
     # instead of two m64n128 (the weight tile read once from shared memory: 10 KB of operands instead of 12, with the
     # TMA writes ~127 B/clk against ~143 at the tensor rate — if shared memory is the limit, ~10 % faster).
@@ -375,11 +387,16 @@ for step in $steps; do
                           ncu --import "$out/gemm_prefill.ncu-rep" --page source --print-source sass --csv \
                             > "$out/gemm_prefill_sass.csv" 2>&1
                           grep -E "Stall|Warp Cycles|Registers|Achieved Occupancy|Issued|Local" "$out/gemm_prefill_profile.txt" | head -40 ;;
-    hadamard-profile) timeout 200 ncu -k regex:process_input -c 1 --section SpeedOfLight --section Occupancy \
-                        --section LaunchStats --section WarpStateStats --section SchedulerStats \
-                        python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 2048 \
-                        --cases hadamard128+fp8_token --out "$out/hadamard_profile.json" > "$out/hadamard_ncu.txt" 2>&1
-                      tail -60 "$out/hadamard_ncu.txt" ;;
+    hadamard-profile) for width in 768 2048; do  # never run before the twelfth session's plan
+                        timeout 200 ncu -k regex:process_input -c 1 --section SpeedOfLight --section Occupancy \
+                          --section LaunchStats --section WarpStateStats --section SchedulerStats \
+                          --section MemoryWorkloadAnalysis \
+                          python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths $width \
+                          --cases hadamard128+fp8_token --out "$out/hadamard_profile_$width.json" \
+                          > "$out/hadamard_ncu_$width.txt" 2>&1
+                        grep -E "Throughput|Issued|Stall|Warp Cycles|Occupancy|Registers|Eligible|Hit Rate|Shared" \
+                          "$out/hadamard_ncu_$width.txt" | head -40
+                      done ;;
     # What changed after v5: routing v2 tiles, process_input column blocks, folded GEMM scales.
     v6-tests) pytest_gpu 360 tests/test_routing.py tests/test_process_input.py tests/test_gemm_kernel.py \
                 -k "not test_gemm_kernel or folded or word" 2>&1 | tee "$out/v6_tests.log" | tail -25 ;;
