@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: process-copy hadamard-profile mixtral-w2-prefill gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
+# Steps: process-copy hadamard-profile mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -32,6 +32,17 @@ for step in $steps; do
     # process_input at T=4096 against a same-run pass over as many bytes (the issue's measure: bench `x copy`).
     process-copy) timeout 200 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 \
                     --out "$out/process_copy.json" 2>&1 | tee "$out/process_copy.log" | tail -14 ;;
+    # T=1 decode against the measured copy (the decode target's unmeasured point; ~0.56-0.65 estimated from the
+    # copies of other sizes), then split K at T=1: 192 programs of 8 K steps (qwen3 w13) are a latency chain each.
+    gemm-bench-t1) timeout 200 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b --tokens 1 \
+                     --formats int4_g128 mxfp4 --out "$out/gemm_t1.json" 2>&1 | tee "$out/gemm_bench_t1.log" | tail -10 ;;
+    t1-split) for fmt in int4_g128 mxfp4; do
+                timeout 120 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm w13 --fmt $fmt \
+                  --tokens 1 --config 16,64,256,4,3,swap_ab,word_decode,fold_scales,pair_decode \
+                  --config 16,64,256,4,3,swap_ab,word_decode,fold_scales,pair_decode,split_k=2 \
+                  --config 16,64,128,4,3,swap_ab,word_decode,fold_scales,pair_decode,split_k=4 \
+                  --config 16,32,256,4,3,swap_ab,word_decode,fold_scales,pair_decode 2>&1 | tail -4
+              done | tee "$out/t1_split.log" ;;
     # mixtral int4 w2 at T=4096: 0.798x of torch in the twelfth session's bench (1863.6 us against 1486.9):
     # 4 stages, wider bands, two epilogue slots, a 128-column tile.
     mixtral-w2-prefill) timeout 330 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm w2 \
