@@ -13,7 +13,9 @@ mkdir -p "$out"
 # (torch returns its cached blocks after timing, see humming_jax.bench).
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-pytest_gpu() { timeout "$1" python3 -m pytest -q -n 6 -p no:cacheprovider -W ignore::DeprecationWarning "${@:2}"; }
+# A hung kernel fails its test after 120 s (pytest-timeout, on the GPU image) instead of holding a worker.
+pytest_gpu() { timeout "$1" python3 -m pytest -q -n 6 -p no:cacheprovider -W ignore::DeprecationWarning \
+                 --timeout 120 --timeout-method thread "${@:2}"; }
 # The tune steps merge into a copy of the shipped table: what comes back in OUT
 # is the whole new table (copy it over humming_jax/tuning_h200.json after review).
 table="$out/tuning_h200.json"
