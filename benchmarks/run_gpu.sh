@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: process-copy hadamard-profile mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
+# Steps: process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -48,6 +48,14 @@ for step in $steps; do
                   --config 16,64,128,4,3,swap_ab,word_decode,fold_scales,pair_decode,split_k=4 \
                   --config 16,32,256,4,3,swap_ab,word_decode,fold_scales,pair_decode 2>&1 | tail -4
               done | tee "$out/t1_split.log" ;;
+    # process_input v7: each Hadamard block of 128 as 128/S products with the S x S matrix and f32 butterflies
+    # (H_128 = H_{128/S} (x) H_S): offline sm_90 SASS, K=768 8x4x1x4: HMMA 96 -> 48 (h64) / 24 (h32) a block,
+    # registers 168 -> 136 / 128, shared memory 61 -> 35 / 28 KB (3 -> 4 programs an SM with h32); K=2048
+    # 4x8x1x8: 90 -> 61 KB with h64 (2 -> 3 programs an SM), 438 -> 459 instructions a block. Tests first.
+    hadamard-sub) pytest_gpu 150 tests/test_process_input.py -k "sub or butterfl or operands" 2>&1 | tail -3
+                  timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 2048 \
+                    --cases hadamard128+fp8_token --tiles 0x0h64 0x0h32 8x4x1x4h64 8x4x1x4h32 16x4x1x4h32 8x4x1x8h32 \
+                    4x8x1x8h64 4x8x1x8h32 --out "$out/hadamard_sub.json" 2>&1 | tee "$out/hadamard_sub.log" | tail -20 ;;
     # mixtral int4 w2 at T=4096: 0.798x of torch in the twelfth session's bench (1863.6 us against 1486.9):
     # 4 stages, wider bands, two epilogue slots, a 128-column tile.
     mixtral-w2-prefill) timeout 330 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm w2 \

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
@@ -310,11 +311,22 @@ class ProcessTilesConfig:
     # The whole row as one column block of the next power of two, the lanes past
     # K masked (K=768: one 1024-wide block instead of 512 + 256).
     one_block: bool = False
+    # The operand-blocks rotation's products on sub-blocks of this many columns (a
+    # power of two from 16, under the Hadamard block b), the rest of the rotation
+    # as butterflies in f32 (H_b = H_{b/s} ⊗ H_s): b/s times fewer tensor-core
+    # flops and an s x s matrix. 0: one product per Hadamard block.
+    hadamard_sub: int = 0
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):
             if getattr(self, name):
                 _power_of_two(getattr(self, name), name, "ProcessTilesConfig")
+        if self.hadamard_sub:
+            _power_of_two(self.hadamard_sub, "hadamard_sub", "ProcessTilesConfig")
+            if self.hadamard_sub < 16:
+                raise ValueError(
+                    f"ProcessTilesConfig.hadamard_sub: the products need 16 columns or more, got {self.hadamard_sub}"
+                )
         _positive_int(self.row_blocks, "row_blocks", "ProcessTilesConfig", allow_zero=True)
         if self.row_blocks > 1 and self.two_pass:
             raise ValueError("ProcessTilesConfig.row_blocks: a loop over row blocks is for one pass, not two_pass")
@@ -326,7 +338,10 @@ class ProcessTilesConfig:
         """From ``"ROWSxWARPS"``, ``"ROWSxWARPSxPASSES"`` or
         ``"ROWSxWARPSxPASSESxBLOCKS"`` (e.g. ``"8x8"``, ``"64x8x2"``, ``"4x4x1x8"``;
         0 rows or warps: chosen), with a trailing ``r`` for
-        ``operand_blocks=False`` (``"0x0r"``) and ``p`` for ``one_block`` (``"8x4p"``)."""
+        ``operand_blocks=False`` (``"0x0r"``), ``p`` for ``one_block`` (``"8x4p"``)
+        and ``hS`` for ``hadamard_sub=S`` (``"8x4x1x4h32"``)."""
+        sub = re.search(r"h(\d+)$", text)
+        text = text[: sub.start()] if sub else text
         one_block = text.endswith("p")
         text = text.removesuffix("p")
         reshaped = text.endswith("r")
@@ -337,13 +352,20 @@ class ProcessTilesConfig:
             assert len(parts) < 4 or parts[3] >= 1
         except (ValueError, AssertionError):
             raise ValueError(
-                f"process tiles: expected ROWSxWARPS[xPASSES[xBLOCKS]][r][p] such as 8x8, 64x8x2, 4x4x1x8 or 8x4p, "
+                f"process tiles: expected ROWSxWARPS[xPASSES[xBLOCKS]][r][p][hS] such as 8x8, 64x8x2, 4x4x1x8, 8x4p "
+                f"or 8x4x1x4h32, "
                 f"got {text!r}"
             ) from None
         blocks = parts[3] if len(parts) == 4 else 0
         two_pass = len(parts) >= 3 and parts[2] == 2
         return cls(
-            parts[0], parts[1], two_pass=two_pass, row_blocks=blocks, operand_blocks=not reshaped, one_block=one_block
+            parts[0],
+            parts[1],
+            two_pass=two_pass,
+            row_blocks=blocks,
+            operand_blocks=not reshaped,
+            one_block=one_block,
+            hadamard_sub=int(sub.group(1)) if sub else 0,
         )
 
     def text(self) -> str:
@@ -351,7 +373,8 @@ class ProcessTilesConfig:
         name = f"{self.block_rows}x{self.num_warps}" + ("x2" if self.two_pass else "")
         name = name if self.row_blocks == 0 else f"{name}x1x{self.row_blocks}"
         name = name if self.operand_blocks else f"{name}r"
-        return f"{name}p" if self.one_block else name
+        name = f"{name}p" if self.one_block else name
+        return f"{name}h{self.hadamard_sub}" if self.hadamard_sub else name
 
 
 @dataclasses.dataclass(frozen=True)

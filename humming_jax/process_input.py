@@ -191,10 +191,20 @@ def process_input(
     return _process_input_kernel(x, steps, arrays, tiles or ProcessTilesConfig(), interpret=chosen == "interpret")
 
 
-def _check_tiles(cfg, tiles: ProcessTilesConfig) -> None:
+def _check_tiles(cfg, tiles: ProcessTilesConfig, x_dtype) -> None:
     """The Hadamard products need 16 rows (the MMA minimum). Two passes rotate
     b-wide column blocks of the program's rows: they need a Hadamard block size
-    and groups that fit in one block."""
+    and groups that fit in one block. Sub-block products are for the
+    operand-blocks rotation, under the Hadamard block."""
+    if tiles.hadamard_sub and not (
+        cfg.hadamard and tiles.hadamard_sub < cfg.hadamard and kernel.rotates_blocks(cfg, x_dtype)
+    ):
+        raise ValueError(
+            f"process_input: tiles.hadamard_sub={tiles.hadamard_sub}: sub-block products are for a Hadamard rotation "
+            f"of a bf16 input without activation, quantized per token, statically or not at all, with sub-blocks "
+            f"under the Hadamard block (got hadamard_block_size={cfg.hadamard}, activation={cfg.activation}, "
+            f"input {jnp.dtype(x_dtype).name}, mode {cfg.mode})"
+        )
     if not tiles.two_pass:
         per_row = cfg.hadamard_blocks_per_row if cfg.hadamard else 0
         if per_row and tiles.block_rows and tiles.block_rows * per_row < 16:
@@ -245,9 +255,10 @@ def _process_input_kernel(
         row_blocks=tiles.row_blocks,
         operand_blocks=tiles.operand_blocks,
         one_block=tiles.one_block,
+        hadamard_sub=tiles.hadamard_sub,
         gpu=not interpret,
     )
-    _check_tiles(cfg, tiles)
+    _check_tiles(cfg, tiles, x.dtype)
     if num_valid_tokens is None:
         num_valid_tokens = jnp.full((1,), m_in * copies, jnp.int32)
     values, scale, scale_2 = kernel.process_input(

@@ -62,6 +62,8 @@ class ProcessConfig:
     row_blocks: int = 0
     operand_blocks: bool = True  # see rotates_blocks
     one_block: bool = False  # the row as one block of ``width`` columns, masked past k_out
+    # Operand-blocks rotation: products on s-column sub-blocks, then butterflies (0: whole blocks).
+    hadamard_sub: int = 0
     gpu: bool = False  # compiled for the GPU (not interpreted): use exact division
 
     @property
@@ -445,45 +447,72 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
     tile through registers and shared memory behind CTA barriers). The same
     arithmetic as :func:`_rotate` and :func:`_quantize`."""
     b, rows_n = cfg.hadamard, cfg.rows
+    width = _product_width(cfg)  # columns of one product's operand
     rows, row_mask = _block_rows(block, cfg, m_in)
     destinations, keeps = _destinations(rows, row_mask, ins, cfg)
-    along = jnp.arange(b, dtype=jnp.int32)
-    tiles = []  # per column block: (its columns [rows * n, b], rotated values)
+    along = jnp.arange(width, dtype=jnp.int32)
+    segments = []  # per column block: (n, [(columns [rows * n, width], rotated values)] per sub-block)
     for start, size in cfg.segments:
         n = size // b
         i = jnp.arange(rows_n * n, dtype=jnp.int32)
         row = block * rows_n + jax.lax.div(i, jnp.int32(n))
-        cols = start + (jax.lax.rem(i, jnp.int32(n)) * b)[:, None] + along[None, :]
-        inside = (row < m_in)[:, None] & (cols < cfg.k_out) if cfg.padded else (row < m_in)[:, None]
-        x = plgpu.load(ins.x_ref.at[row[:, None], cols], mask=inside, other=0)
-        rotated = jnp.dot(x, ins.h, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(b))
-        tiles.append((cols, n, rotated))
+        parts = []
+        for part in range(b // width):
+            cols = start + part * width + (jax.lax.rem(i, jnp.int32(n)) * b)[:, None] + along[None, :]
+            inside = (row < m_in)[:, None] & (cols < cfg.k_out) if cfg.padded else (row < m_in)[:, None]
+            x = plgpu.load(ins.x_ref.at[row[:, None], cols], mask=inside, other=0)
+            parts.append((cols, jnp.dot(x, ins.h, preferred_element_type=jnp.float32)))
+        rotated = _butterflies([p for _, p in parts])  # H_b = H_{b/width} ⊗ H_width (one part: as is)
+        segments.append((n, [(cols, y * (1.0 / math.sqrt(b))) for (cols, _), y in zip(parts, rotated, strict=True)]))
 
     def per_block(values, n):  # a [rows] vector for the [rows * n] block rows
         return jnp.broadcast_to(values[:, None], (rows_n, n)).reshape(rows_n * n)
 
     scale, row_amax = None, None
     if cfg.mode == "dynamic_token":  # the row's amax over all its blocks, then _quantize per block row
-        amaxes = [jnp.max(jnp.max(jnp.abs(y), axis=1).reshape(rows_n, n), axis=1) for _, n, y in tiles]
+        amaxes = []
+        for n, tiles in segments:  # sub-blocks share a layout: their max is elementwise, one reduction
+            largest = functools.reduce(jnp.maximum, [jnp.abs(y) for _, y in tiles])
+            amaxes.append(jnp.max(jnp.max(largest, axis=1).reshape(rows_n, n), axis=1))
         row_amax = functools.reduce(jnp.maximum, amaxes)
         scale = codecs.divide(row_amax, cfg.qmax, exact_on_gpu=cfg.gpu)
     outputs = [
-        _quantize([y], ins.static_ref, cfg, None if row_amax is None else per_block(row_amax, n))[0][0]
-        for _, n, y in tiles
+        _quantize([y for _, y in tiles], ins.static_ref, cfg, None if row_amax is None else per_block(row_amax, n))[0]
+        for n, tiles in segments
     ]
     values_ref, scale_ref, _ = out_refs
     for dest, keep in zip(destinations, keeps, strict=True):
         out_rows = codecs.scatter_index(dest, row_mask, values_ref.shape[0])
-        for (cols, n, _), values in zip(tiles, outputs, strict=True):
-            block_rows = per_block(out_rows, n)
-            mask = per_block(row_mask, n)[:, None]
-            plgpu.store(
-                values_ref.at[block_rows[:, None], cols],
-                _zero_rows(values, per_block(keep, n)),
-                mask=mask & (cols < cfg.k_out) if cfg.padded else mask,
-            )
+        for (n, tiles), values in zip(segments, outputs, strict=True):
+            block_rows, mask, block_keep = per_block(out_rows, n), per_block(row_mask, n)[:, None], per_block(keep, n)
+            for (cols, _), tile_values in zip(tiles, values, strict=True):
+                plgpu.store(
+                    values_ref.at[block_rows[:, None], cols],
+                    _zero_rows(tile_values, block_keep),
+                    mask=mask & (cols < cfg.k_out) if cfg.padded else mask,
+                )
         if scale is not None:
             plgpu.store(scale_ref.at[out_rows, 0], _zero_rows(scale, keep), mask=row_mask)
+
+
+def _product_width(cfg: ProcessConfig) -> int:
+    """Columns of the rotation's matrix: the Hadamard block, or its sub-block."""
+    return cfg.hadamard_sub or cfg.hadamard
+
+
+def _butterflies(parts: list) -> list:
+    """``y_a = Σ_d H[a, d] p_d`` for the Sylvester ``H`` of order ``len(parts)``
+    (a power of two): the sub-block products ``p_d = x_d · H_s`` combined into
+    the rotation by ``H_b = H_{b/s} ⊗ H_s``, as log2 stages of f32 sums and
+    differences of whole tiles (one layout: no data moves between threads)."""
+    parts = list(parts)
+    step = 1
+    while step < len(parts):
+        for first in range(0, len(parts), 2 * step):
+            for j in range(first, first + step):
+                parts[j], parts[j + step] = parts[j] + parts[j + step], parts[j] - parts[j + step]
+        step *= 2
+    return parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -585,7 +614,8 @@ def process_input(
         cfg = dataclasses.replace(cfg, row_blocks=chosen_row_blocks(cfg, m_in))
     inputs = [x]
     if cfg.hadamard:
-        inputs.append(jnp.asarray(hadamard_signs(cfg.hadamard), jnp.bfloat16))
+        sub = cfg.hadamard_sub if rotates_blocks(cfg, x.dtype) else 0
+        inputs.append(jnp.asarray(hadamard_signs(sub or cfg.hadamard), jnp.bfloat16))
     if static_scale is not None:
         inputs.append(static_scale.reshape(1).astype(jnp.float32))
     if expert_num_tokens is not None:

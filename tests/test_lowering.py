@@ -76,6 +76,7 @@ def test_column_tiles_lower_for_sm90(fmt, config):
         ("swigluoai", "default"),
         ("silu", "4x4p"),  # K=768 as one masked 1024-wide block
         ("hadamard", "8x8x1x4p"),
+        ("hadamard", "8x4x1x4h32"),  # four 32-column products a Hadamard block, f32 butterflies
     ],
 )
 def test_process_input_lowers_for_sm90(case, tiles):

@@ -586,3 +586,79 @@ def test_one_block_rows(case, tiles, layout, rng):
     for a, b in ((got.values, want.values), (got.scale, want.scale)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     _check_against_reference(got, hj.process_input(x, spec, **dict(kw, backend="reference")), False)
+
+
+@pytest.mark.parametrize(
+    "spec,k,sub,tiles",
+    [
+        (Q.FP8_DYNAMIC_TOKEN, 768, 32, "0x0"),  # 512 + 256: two column blocks of 4 sub-products a Hadamard block
+        (Q.FP8_DYNAMIC_TOKEN, 384, 64, "8x4x1x2p"),  # one masked 512-wide block, looped row blocks
+        (Q.INT8_DYNAMIC_TOKEN, 256, 16, "0x0"),
+        (Q.FP8_STATIC_TENSOR, 384, 64, "0x0"),
+        (Q.NONE, 256, 32, "0x0"),
+    ],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+@pytest.mark.parametrize("layout", ["normal", "scatter"])
+def test_hadamard_sub_block_products(spec, k, sub, tiles, layout, rng):
+    """``hadamard_sub`` (tiles text ``…hS``): each Hadamard block of 128 rotated
+    as 128/S products with the S x S matrix and f32 butterflies across them
+    (H_128 = H_{128/S} ⊗ H_S): the reference's values and scales up to f32
+    summation order (heavy-tailed rows, a zero row, an all-equal row), and
+    ~all codes equal to the whole-block product's."""
+    x = jnp.asarray(_inputs(rng, 19, k), jnp.bfloat16)
+    kw = dict(num_valid_tokens=jnp.asarray([17], jnp.int32), hadamard_block_size=128)
+    if spec.mode.is_static:
+        kw["static_scale"] = jnp.asarray([0.02], jnp.float32)
+    if layout == "scatter":
+        kw.update(layout="scatter", scatter_idx=jnp.asarray(rng.permutation(38).reshape(19, 2), jnp.int32))
+        kw["num_valid_tokens"] = jnp.asarray([30], jnp.int32)
+    parsed = hj.ProcessTilesConfig.parse(f"{tiles}h{sub}")
+    assert parsed.hadamard_sub == sub and parsed.text() == f"{tiles}h{sub}"
+    whole = hj.process_input(x, spec, backend=KERNEL_BACKEND, tiles=hj.ProcessTilesConfig.parse(tiles), **kw)
+    got = hj.process_input(x, spec, backend=KERNEL_BACKEND, tiles=parsed, **kw)
+    _check_against_reference(got, hj.process_input(x, spec, backend="reference", **kw), False)
+    if spec.is_quantized:
+        same = np.asarray(got.values).view(np.uint8) == np.asarray(whole.values).view(np.uint8)
+        assert same.mean() > 0.995
+    if got.scale is not None and spec.mode.value == "dynamic_token":
+        np.testing.assert_allclose(np.asarray(got.scale), np.asarray(whole.scale), rtol=1e-6)
+    rows_out = np.asarray(got.values).shape[0]
+    if layout == "normal":  # rows past the valid tokens are zero
+        assert not np.asarray(got.values.astype(jnp.float32))[17:rows_out].any()
+
+
+def test_butterflies_are_the_sylvester_product():
+    """The f32 butterflies combine sub-block products p_d into y_a = Σ_d H[a, d] p_d."""
+    from pallas_kernels import process_input as kernel
+
+    rng = np.random.default_rng(3)
+    for parts in (1, 2, 4, 8):
+        p = rng.normal(size=(parts, 5, 3))
+        got = np.stack(kernel._butterflies([jnp.asarray(v) for v in p]))
+        want = np.einsum("ad,drc->arc", kernel.hadamard_signs(parts).astype(np.float64), p)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # f32 sums
+    # ... which with H_S on each S-column part is the rotation by H_b (Sylvester: H_b = H_{b/S} ⊗ H_S).
+    np.testing.assert_array_equal(
+        kernel.hadamard_signs(128), np.kron(kernel.hadamard_signs(4), kernel.hadamard_signs(32))
+    )
+
+
+def test_hadamard_sub_refusals(rng):
+    x = jnp.asarray(_inputs(rng, 8, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="hadamard_sub: the products need 16 columns"):
+        hj.ProcessTilesConfig(hadamard_sub=8)
+    with pytest.raises(ValueError, match="hadamard_sub"):
+        hj.ProcessTilesConfig(hadamard_sub=48)
+    sub = hj.ProcessTilesConfig(hadamard_sub=32)
+    for kw in (
+        dict(hadamard_block_size=128, activation="silu"),  # activations take the rows path
+        dict(hadamard_block_size=32),  # not under the block
+        dict(),  # no rotation
+        dict(hadamard_block_size=128, tiles=hj.ProcessTilesConfig(16, 4, True, hadamard_sub=32)),  # two passes
+    ):
+        kw = {"tiles": sub, **kw}
+        with pytest.raises(ValueError, match="tiles.hadamard_sub=32"):
+            hj.process_input(x, Q.FP8_DYNAMIC_TOKEN, backend=KERNEL_BACKEND, **kw)
+    with pytest.raises(ValueError, match="tiles.hadamard_sub=32"):  # f32 input: two products a block
+        hj.process_input(x.astype(jnp.float32), hadamard_block_size=128, tiles=sub, backend=KERNEL_BACKEND)
