@@ -440,8 +440,9 @@ def rotates_blocks(cfg: ProcessConfig, x_dtype) -> bool:
 def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_in: int):
     """The rows of ``block`` (see :func:`rotates_blocks`), each column block a
     ``[rows · n, b]`` tile whose row i is Hadamard block i % n of row i // n:
-    loaded with that addressing, rotated by one product, quantized per token
-    and stored with the same addressing — no reshape between the load and the
+    loaded with that addressing, rotated by one product (or, with
+    ``hadamard_sub``, by one product per sub-block and f32 butterflies), quantized
+    per token and stored with the same addressing — no reshape between the load and the
     product, so the compiler can copy the input into shared memory
     asynchronously, where the product reads it (the reshaped form moved every
     tile through registers and shared memory behind CTA barriers). The same
