@@ -35,7 +35,8 @@ for step in $steps; do
     process-copy) timeout 200 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 \
                     --out "$out/process_copy.json" 2>&1 | tee "$out/process_copy.log" | tail -14 ;;
     # T=1 decode against the measured copy (the decode target's unmeasured point; ~0.56-0.65 estimated from the
-    # copies of other sizes), then split K at T=1: 192 programs of 8 K steps (qwen3 w13) are a latency chain each.
+    # copies of other sizes), then split K at T=1: 192 programs of 8 K steps (qwen3 w13) are a latency chain each
+    # (or more of each chain in flight: 5 stages).
     gemm-bench-t1) timeout 200 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b --tokens 1 \
                      --formats int4_g128 mxfp4 --out "$out/gemm_t1.json" 2>&1 | tee "$out/gemm_bench_t1.log" | tail -10 ;;
     # T=16 int4 / MXFP4 with the table as it stands (qwen3 w2's 2-stage (16,128] entry not benched yet).
@@ -46,7 +47,8 @@ for step in $steps; do
                   --tokens 1 --config 16,64,256,4,3,swap_ab,word_decode,fold_scales,pair_decode \
                   --config 16,64,256,4,3,swap_ab,word_decode,fold_scales,pair_decode,split_k=2 \
                   --config 16,64,128,4,3,swap_ab,word_decode,fold_scales,pair_decode,split_k=4 \
-                  --config 16,32,256,4,3,swap_ab,word_decode,fold_scales,pair_decode 2>&1 | tail -4
+                  --config 16,32,256,4,3,swap_ab,word_decode,fold_scales,pair_decode \
+                  --config 16,64,256,4,5,swap_ab,word_decode,fold_scales,pair_decode 2>&1 | tail -5
               done | tee "$out/t1_split.log" ;;
     # process_input v7: each Hadamard block of 128 as 128/S products with the S x S matrix and f32 butterflies
     # (H_128 = H_{128/S} (x) H_S): offline sm_90 SASS, K=768 8x4x1x4: HMMA 96 -> 48 (h64) / 24 (h32) a block,
