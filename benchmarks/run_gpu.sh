@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
+# Steps: mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -50,6 +50,22 @@ for step in $steps; do
                   --config 16,32,256,4,3,swap_ab,word_decode,fold_scales,pair_decode \
                   --config 16,64,256,4,5,swap_ab,word_decode,fold_scales,pair_decode 2>&1 | tail -5
               done | tee "$out/t1_split.log" ;;
+    # GEMM v20: clusters of two programs on adjacent column tiles of one row tile, x's TMA loads multicast to both
+    # (bf16 128x256x64: 48 KB a K step from L2 -> 40; at mixtral w13's 577 TFLOP/s the tiles pull ~6.8 TB/s from
+    # L2, near what an H100-class L2 serves). Tests first (the register-operand form runs compiled only).
+    mosaic-cluster) pytest_gpu 150 tests/test_gemm_mosaic.py -k "cluster" 2>&1 | tail -3
+                    for problem in mixtral-8x7b qwen3-30b-a3b; do
+                      for gemm in w13 w2; do
+                        timeout 170 python3 -W ignore -m benchmarks.inspect_gemm --problem $problem --gemm $gemm \
+                          --fmt bf16 --tokens 4096 --config 128,256,64,4,3,mosaic,group_m=8 \
+                          --config 128,256,64,4,3,mosaic,group_m=8,cluster_n=2 \
+                          --config 128,256,64,4,4,mosaic,group_m=8,cluster_n=2 2>&1 | tail -3
+                      done
+                    done | tee "$out/mosaic_cluster.log"
+                    timeout 120 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm w13 \
+                      --fmt int4_g128 --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode \
+                      --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,cluster_n=2 2>&1 \
+                      | tail -2 | tee -a "$out/mosaic_cluster.log" ;;
     # process_input v7: each Hadamard block of 128 as 128/S products with the S x S matrix and f32 butterflies
     # (H_128 = H_{128/S} (x) H_S): offline sm_90 SASS, K=768 8x4x1x4: HMMA 96 -> 48 (h64) / 24 (h32) a block,
     # registers 168 -> 136 / 128, shared memory 61 -> 35 / 28 KB (3 -> 4 programs an SM with h32); K=2048

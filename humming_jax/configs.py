@@ -139,7 +139,7 @@ class ComputeConfig:
 
 # TuningConfig fields only the Mosaic GPU kernel reads (the Triton kernel's tiles
 # mirror the others); a tiling that leaves that kernel takes their defaults.
-MOSAIC_OPTIONS = ("stage_slots", "split_rows", "delay_release", "epilogue_slots")
+MOSAIC_OPTIONS = ("stage_slots", "split_rows", "delay_release", "epilogue_slots", "cluster_n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +200,10 @@ class TuningConfig:
     # The Mosaic kernel's epilogue slots a warpgroup (1 or 2): with 2 the next output
     # chunk is written while the last one's store still reads its slot.
     epilogue_slots: int = 1
+    # The Mosaic kernel's programs in clusters of 1 or 2 on adjacent column tiles of one
+    # row tile, x's tiles multicast by TMA to both: a third less shared-memory fill
+    # from L2 for 16-bit weights (x's 16 of 48 KB a step shared), half for 4-bit.
+    cluster_n: int = 1
 
     def __post_init__(self):
         owner = "TuningConfig"
@@ -233,6 +237,8 @@ class TuningConfig:
             raise ValueError(f"{owner}.delay_release: 0 or 1, and 1 only with mosaic=True, got {self.delay_release}")
         if self.epilogue_slots not in (1, 2) or (self.epilogue_slots != 1 and not self.mosaic):
             raise ValueError(f"{owner}.epilogue_slots: 1 or 2, and 2 only with mosaic=True, got {self.epilogue_slots}")
+        if self.cluster_n not in (1, 2) or (self.cluster_n != 1 and not self.mosaic):
+            raise ValueError(f"{owner}.cluster_n: 1 or 2, and 2 only with mosaic=True, got {self.cluster_n}")
         if self.split_rows and not self.mosaic:
             raise ValueError(f"{owner}.split_rows: a Mosaic kernel option, needs mosaic=True")
         if self.pair_decode and not self.word_decode:

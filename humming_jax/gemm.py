@@ -226,6 +226,10 @@ def plan_tuning(
     if tuning.swap_ab and mosaic_kernel.swap_ab_refusal(out_dtype, interpret=not on_gpu):
         # The staged form computes the same (its pieces are rewritten each step: no delayed release).
         tuning = dataclasses.replace(tuning, swap_ab=False, delay_release=0)
+    if tuning.cluster_n > 1 and not _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu, not dequantize):
+        single = dataclasses.replace(tuning, cluster_n=1)  # e.g. an odd number of column tiles: no pairs
+        if _mosaic_fits(x, weight, layout, single, use_f16_accum, on_gpu, quantized=not dequantize):
+            tuning = single
     if not _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu, quantized=not dequantize):
         # The table names the Mosaic kernel, but this call has what it cannot take
         # (a GPU other than Hopper, a shape off its tiles, f16 accumulation): 4-bit weights
@@ -436,6 +440,7 @@ def mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
         delay_release=tuning.delay_release,
         word_decode=tuning.word_decode,
         epilogue_slots=tuning.epilogue_slots,
+        cluster_n=tuning.cluster_n,
     )
 
 

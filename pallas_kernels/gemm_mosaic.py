@@ -92,6 +92,9 @@ class MosaicTiles:
     # Shared-memory slots a warpgroup's epilogue stores through (1 or 2): with 2, the
     # next 64-column chunk is written while the last one's TMA store still reads its slot.
     epilogue_slots: int = 1
+    # Programs in clusters of ``cluster_n`` (1 or 2) on adjacent column tiles of one row
+    # tile: x's tiles are multicast to both by TMA (each fetches half from L2).
+    cluster_n: int = 1
 
     @property
     def wg_m(self) -> int:
@@ -179,6 +182,13 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode 
         )
     if tiles.epilogue_slots not in (1, 2):
         raise ValueError(f"mosaic GEMM: epilogue_slots must be 1 or 2, got {tiles.epilogue_slots}")
+    if tiles.cluster_n not in (1, 2):
+        raise ValueError(f"mosaic GEMM: cluster_n must be 1 or 2, got {tiles.cluster_n}")
+    if (n // tiles.block_n) % tiles.cluster_n:
+        raise ValueError(
+            f"mosaic GEMM: cluster_n={tiles.cluster_n} pairs column tiles: N={n} must be a multiple of "
+            f"{tiles.cluster_n * tiles.block_n}"
+        )
     if tiles.word_decode and decode is None:
         raise ValueError("mosaic GEMM: word_decode is for 4-bit weights (the codes' 32-bit registers)")
     if decode is not None:
@@ -380,9 +390,17 @@ def _kernel(
     shared = tiles.split_rows  # the warpgroups split the rows and share the weight tile
     delay = tiles.delay_release  # steps a slot is held past its product's issue
     words = tiles.word_decode and not interpret  # nibbles from 32-bit registers (see MosaicTiles)
+    # A cluster's programs share the row tile: x's tiles multicast to both.
+    shared_x = ("cluster",) if tiles.cluster_n > 1 else ()
     if decode is None:
         in_specs = [
-            plgpu.BlockSpec((bm, bk), lambda i: (0, i), transforms=_swizzled(bk, dtype), delay_release=delay),
+            plgpu.BlockSpec(
+                (bm, bk),
+                lambda i: (0, i),
+                transforms=_swizzled(bk, dtype),
+                delay_release=delay,
+                collective_axes=shared_x,
+            ),
             plgpu.BlockSpec(
                 (tiles.block_n, bk), lambda i: (0, i), transforms=_swizzled(bk, dtype), delay_release=delay
             ),
@@ -395,6 +413,7 @@ def _kernel(
                     lambda i, j=j: (0, PIECES * i + j),
                     transforms=_swizzled(PIECE, dtype),
                     delay_release=delay,
+                    collective_axes=shared_x,
                 )
                 for j in range(PIECES)
             ),
@@ -449,10 +468,12 @@ def _kernel(
         wg_rows = pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m) if shared else slice(None)
         wg_slice = slice(None) if shared else pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
 
-        @plgpu.nd_loop((row_tiles * col_tiles,), collective_axes="sm")
+        @plgpu.nd_loop((row_tiles * col_tiles // tiles.cluster_n,), collective_axes="sm")
         def _(loop):
             (item,) = loop.index
-            row_tile, col_tile = tile_order(item, row_tiles, col_tiles, tiles.group_m)
+            row_tile, col_tile = tile_order(item, row_tiles, col_tiles // tiles.cluster_n, tiles.group_m)
+            if tiles.cluster_n > 1:  # the cluster's programs: adjacent column tiles of one row tile
+                col_tile = col_tile * tiles.cluster_n + lax.axis_index("cluster")
             group, load_row = table_ref[row_tile, 0], pl.multiple_of(table_ref[row_tile, 1], ROW_ALIGN)
             first_row, rows = table_ref[row_tile, 2], table_ref[row_tile, 3]
             offset = first_row - load_row  # the tile's own rows in the loaded box (the others are not stored)
@@ -652,8 +673,9 @@ def expert_gemm_mosaic(
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(sms,),
+        grid=(sms // tiles.cluster_n,),
         grid_names=("sm",),
+        **(dict(cluster=(tiles.cluster_n,), cluster_names=("cluster",)) if tiles.cluster_n > 1 else {}),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

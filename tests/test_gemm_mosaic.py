@@ -55,6 +55,9 @@ DELAYED = hj.TuningConfig(64, 256, 64, num_stages=3, group_m=2, mosaic=True, del
         # bit of a ragged tile's row count) may still read the other slot.
         ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, epilogue_slots=2)),
         ((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, dataclasses.replace(WIDE_SPLIT_ROWS, epilogue_slots=2)),
+        # Clusters of two programs on adjacent column tiles of one row tile, x multicast to both.
+        ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, block_n=128, cluster_n=2)),
+        ((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, dataclasses.replace(SPLIT_ROWS, cluster_n=2)),
     ],
 )
 def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
@@ -146,6 +149,14 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True, "block_m": 32}, marks=ON_GPU_ONLY),
         (F.INT4_G128, jnp.bfloat16, {"epilogue_slots": 2}),
         pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "epilogue_slots": 2}, marks=ON_GPU_ONLY),
+        # Clusters of two column tiles, x's pieces multicast (staged, and the register operand).
+        (F.UINT4_ZP_G128, jnp.bfloat16, {"cluster_n": 2, "block_n": 128}),
+        pytest.param(
+            F.INT4_G128,
+            jnp.bfloat16,
+            {"swap_ab": True, "word_decode": True, "cluster_n": 2, "block_n": 128},
+            marks=ON_GPU_ONLY,
+        ),
         # Nibbles from the codes' 32-bit registers (compiled; interpreted, the 16-bit form runs).
         (F.INT4_G128, jnp.bfloat16, {"word_decode": True}),
         pytest.param(INT4_G128_F16, jnp.float16, {"swap_ab": True, "word_decode": True}, marks=ON_GPU_ONLY),
@@ -168,6 +179,8 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         "uint4-swap-32-rows",
         "int4-2-epilogue-slots",
         "int4-swap-2-epilogue-slots",
+        "uint4-cluster-pair",
+        "int4-swap-words-cluster-pair",
         "int4-words",
         "int4-f16-swap-words",
         "uint4-swap-words",
@@ -188,7 +201,8 @@ def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
     offsets = np.asarray([0, 17, 17, 40], np.int32)
     options = dict(options)
     block_m = options.pop("block_m", 128 if options.get("split_rows") else 64)
-    tuning = hj.TuningConfig(block_m, 256, 128, num_stages=2, group_m=2, mosaic=True, **options)
+    block_n = options.pop("block_n", 256)
+    tuning = hj.TuningConfig(block_m, block_n, 128, num_stages=2, group_m=2, mosaic=True, **options)
     # swap_ab stores out.T through a transposed shared view: 16-bit outputs only.
     out_dtype, tolerance = (dtype, 5e-3) if options.get("swap_ab") else (jnp.float32, 1e-5)
     out = hj.gemm(
@@ -764,3 +778,47 @@ def test_the_kernel_is_refused_off_hopper(monkeypatch, rng):
     assert ops._mosaic_fits(x, w, grouped, TILES, False, on_gpu=False)
     monkeypatch.setattr(ops, "_hopper_gpu", lambda: True)
     assert ops._mosaic_unsupported(x, w, grouped, False, on_gpu=True) is None
+
+
+@pytest.mark.parametrize(
+    "fmt,config",
+    [
+        ("bf16", "128,256,64,4,3,mosaic,group_m=8"),
+        ("int4_g128", "128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode"),
+    ],
+)
+def test_cluster_pairs_multicast_x(fmt, config):
+    """``cluster_n=2``: x's TMA loads carry a multicast mask (each program of the
+    pair fetches half of x's tile from L2 and both receive all of it), the
+    weight's do not; without clusters no load multicasts."""
+    from benchmarks import mosaic_ir
+    from benchmarks.inspect_gemm import parse_config
+
+    alone = mosaic_ir.mosaic_ir(fmt, (2, 1024, 512), 256, parse_config(config))
+    paired = mosaic_ir.mosaic_ir(fmt, (2, 1024, 512), 256, parse_config(config + ",cluster_n=2"))
+    loads = "nvvm.cp.async.bulk.tensor.shared.cluster.global"
+    multicast = [line for line in paired.splitlines() if loads in line and "multicast_mask" in line]
+    assert multicast and len(multicast) < sum(loads in line for line in paired.splitlines())
+    assert "multicast_mask" not in alone
+
+
+def test_cluster_pairs_refusals_and_fallback(monkeypatch, rng):
+    with pytest.raises(ValueError, match="cluster_n: 1 or 2, and 2 only with mosaic=True"):
+        hj.TuningConfig(64, 256, 64, cluster_n=2)
+    with pytest.raises(ValueError, match="cluster_n: 1 or 2"):
+        hj.TuningConfig(64, 256, 64, mosaic=True, cluster_n=4)
+    with pytest.raises(ValueError, match="cluster_n=2 pairs column tiles: N=768 must be a multiple of 512"):
+        mosaic.check_tiles(mosaic.MosaicTiles(64, 256, 64, cluster_n=2), 768, 128, jnp.bfloat16)
+    # A table entry with pairs on an odd number of column tiles runs unpaired on the same kernel.
+    G = importlib.import_module("humming_jax.gemm")
+    from humming_jax import tuning as T
+
+    monkeypatch.setattr(G, "_hopper_gpu", lambda: True)
+    paired = hj.TuningConfig(64, 256, 64, num_stages=2, group_m=2, mosaic=True, cluster_n=2)
+    monkeypatch.setattr(T, "choose_tuning", lambda *args: paired)
+    x = G.as_quantized_input(jnp.asarray(rng.normal(size=(40, 128)), jnp.bfloat16))
+    for n, want in ((768, 1), (512, 2)):
+        weight = G.as_weight(jnp.asarray(rng.normal(0, 0.05, (2, n, 128)), jnp.bfloat16))
+        layout = hj.GroupedContiguous(jnp.asarray([0, 20, 40], jnp.int32))
+        ran, _ = G.plan_tuning(x, weight, layout, out_dtype=jnp.bfloat16)
+        assert ran.mosaic and ran.cluster_n == want
