@@ -201,8 +201,8 @@ class TuningConfig:
     # chunk is written while the last one's store still reads its slot.
     epilogue_slots: int = 1
     # The Mosaic kernel's programs in clusters of 1 or 2 on adjacent column tiles of one
-    # row tile, x's tiles multicast by TMA to both: a third less shared-memory fill
-    # from L2 for 16-bit weights (x's 16 of 48 KB a step shared), half for 4-bit.
+    # row tile, x's tiles multicast by TMA to both: a sixth less shared-memory fill
+    # from L2 for 16-bit weights (half of x's 16 of 48 KB a step), a third for 4-bit.
     cluster_n: int = 1
 
     def __post_init__(self):
