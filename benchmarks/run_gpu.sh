@@ -51,15 +51,17 @@ for step in $steps; do
                   --config 16,64,256,4,5,swap_ab,word_decode,fold_scales,pair_decode 2>&1 | tail -5
               done | tee "$out/t1_split.log" ;;
     # GEMM v20: clusters of two programs on adjacent column tiles of one row tile, x's TMA loads multicast to both
-    # (bf16 128x256x64: 48 KB a K step from L2 -> 40; at mixtral w13's 577 TFLOP/s the tiles pull ~6.8 TB/s from
-    # L2, near what an H100-class L2 serves). Tests first (the register-operand form runs compiled only).
+    # (bf16 128x256x64: 48 KB a K step from L2 -> 40), or on a pair of row tiles of one expert, the weight's
+    # multicast (-> 32 KB); at mixtral w13's 577 TFLOP/s the tiles pull ~6.8 TB/s from L2, near what an
+    # H100-class L2 serves. Tests first (the register-operand forms run compiled only).
     mosaic-cluster) pytest_gpu 150 tests/test_gemm_mosaic.py -k "cluster" 2>&1 | tail -3
                     for problem in mixtral-8x7b qwen3-30b-a3b; do
                       for gemm in w13 w2; do
                         timeout 170 python3 -W ignore -m benchmarks.inspect_gemm --problem $problem --gemm $gemm \
                           --fmt bf16 --tokens 4096 --config 128,256,64,4,3,mosaic,group_m=8 \
                           --config 128,256,64,4,3,mosaic,group_m=8,cluster_n=2 \
-                          --config 128,256,64,4,4,mosaic,group_m=8,cluster_n=2 2>&1 | tail -3
+                          --config 128,256,64,4,3,mosaic,group_m=8,cluster_m=2 \
+                          --config 128,256,64,4,4,mosaic,group_m=8,cluster_m=2 2>&1 | tail -4
                       done
                     done | tee "$out/mosaic_cluster.log"
                     timeout 120 python3 -W ignore -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --gemm w13 \

@@ -542,8 +542,10 @@ PREFILL_CANDIDATES = _candidates(
         (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS | {"split_rows": True, "epilogue_slots": 2}),
         (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | WORD | {"epilogue_slots": 2}),
         # v20: clusters of two programs on adjacent column tiles, x multicast to both (a
-        # sixth less L2 -> shared memory traffic for 16-bit weights, a third for 4-bit).
+        # sixth less L2 -> shared memory traffic for 16-bit weights, a third for 4-bit),
+        # or on a pair of row tiles of one expert, the weight multicast (a third for 16-bit).
         (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS | {"cluster_n": 2}),
+        (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS | {"cluster_m": 2}),  # the weight multicast (row-tile pairs)
         (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | WORD | {"cluster_n": 2}),
         # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
         (128, 256, 64, 8, 4, DEQ),

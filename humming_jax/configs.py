@@ -139,7 +139,7 @@ class ComputeConfig:
 
 # TuningConfig fields only the Mosaic GPU kernel reads (the Triton kernel's tiles
 # mirror the others); a tiling that leaves that kernel takes their defaults.
-MOSAIC_OPTIONS = ("stage_slots", "split_rows", "delay_release", "epilogue_slots", "cluster_n")
+MOSAIC_OPTIONS = ("stage_slots", "split_rows", "delay_release", "epilogue_slots", "cluster_n", "cluster_m")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +204,10 @@ class TuningConfig:
     # row tile, x's tiles multicast by TMA to both: a sixth less shared-memory fill
     # from L2 for 16-bit weights (half of x's 16 of 48 KB a step), a third for 4-bit.
     cluster_n: int = 1
+    # Or clusters of 2 on a pair of row tiles of one expert, the weight's tiles multicast
+    # (a third less for 16-bit weights: 32 of 48 KB a step; each expert's row tiles
+    # padded to an even count). Not both.
+    cluster_m: int = 1
 
     def __post_init__(self):
         owner = "TuningConfig"
@@ -239,6 +243,10 @@ class TuningConfig:
             raise ValueError(f"{owner}.epilogue_slots: 1 or 2, and 2 only with mosaic=True, got {self.epilogue_slots}")
         if self.cluster_n not in (1, 2) or (self.cluster_n != 1 and not self.mosaic):
             raise ValueError(f"{owner}.cluster_n: 1 or 2, and 2 only with mosaic=True, got {self.cluster_n}")
+        if self.cluster_m not in (1, 2) or (self.cluster_m != 1 and not self.mosaic):
+            raise ValueError(f"{owner}.cluster_m: 1 or 2, and 2 only with mosaic=True, got {self.cluster_m}")
+        if self.cluster_m * self.cluster_n > 2:
+            raise ValueError(f"{owner}.cluster_m, cluster_n: clusters of two programs, so not both 2, got {self}")
         if self.split_rows and not self.mosaic:
             raise ValueError(f"{owner}.split_rows: a Mosaic kernel option, needs mosaic=True")
         if self.pair_decode and not self.word_decode:

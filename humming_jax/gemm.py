@@ -441,6 +441,7 @@ def mosaic_tiles(tuning: configs.TuningConfig) -> mosaic_kernel.MosaicTiles:
         word_decode=tuning.word_decode,
         epilogue_slots=tuning.epilogue_slots,
         cluster_n=tuning.cluster_n,
+        cluster_m=tuning.cluster_m,
     )
 
 

@@ -95,6 +95,10 @@ class MosaicTiles:
     # Programs in clusters of ``cluster_n`` (1 or 2) on adjacent column tiles of one row
     # tile: x's tiles are multicast to both by TMA (each fetches half from L2).
     cluster_n: int = 1
+    # Programs in clusters of ``cluster_m`` (1 or 2) on a pair of row tiles of one expert
+    # (each expert's tiles padded to an even count) and one column tile: the weight's
+    # tiles are multicast to both (a pad tile runs the pipeline and stores nothing).
+    cluster_m: int = 1
 
     @property
     def wg_m(self) -> int:
@@ -182,8 +186,11 @@ def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode 
         )
     if tiles.epilogue_slots not in (1, 2):
         raise ValueError(f"mosaic GEMM: epilogue_slots must be 1 or 2, got {tiles.epilogue_slots}")
-    if tiles.cluster_n not in (1, 2):
-        raise ValueError(f"mosaic GEMM: cluster_n must be 1 or 2, got {tiles.cluster_n}")
+    if tiles.cluster_n not in (1, 2) or tiles.cluster_m not in (1, 2) or tiles.cluster_n * tiles.cluster_m > 2:
+        raise ValueError(
+            f"mosaic GEMM: clusters of two programs at most: cluster_n and cluster_m 1 or 2, not both 2, "
+            f"got cluster_n={tiles.cluster_n}, cluster_m={tiles.cluster_m}"
+        )
     if (n // tiles.block_n) % tiles.cluster_n:
         raise ValueError(
             f"mosaic GEMM: cluster_n={tiles.cluster_n} pairs column tiles: N={n} must be a multiple of "
@@ -217,13 +224,15 @@ def swap_ab_refusal(out_dtype, interpret: bool) -> str | None:
     return None
 
 
-def max_row_tiles(ranges: int, m: int, block_m: int) -> int:
+def max_row_tiles(ranges: int, m: int, block_m: int, pairs: int = 1) -> int:
     """Static bound on the row tiles of ``m`` rows cut per range, each range's
     tiles starting up to 7 rows before its first row: at most min(ranges, m)
     ranges hold rows, each one tile plus one per further block_m rows (the
-    7 rows in front add at most one tile per range)."""
+    7 rows in front add at most one tile per range); with ``pairs`` = 2 each
+    range may add a tile to make its count even, and the total is even."""
     busy = min(ranges, m)
-    return max(1, 2 * busy + m // block_m)
+    bound = max(1, 2 * busy + m // block_m + (busy if pairs > 1 else 0))
+    return -(-bound // pairs) * pairs
 
 
 ROW_ALIGN = 8  # a TMA box into 8-row tiled shared memory starts on a multiple of 8 rows
@@ -248,21 +257,26 @@ def masked_ranges(counts: jax.Array, max_tokens: int) -> tuple[jax.Array, jax.Ar
     return jnp.concatenate([starts, ends]), jnp.concatenate([ends, starts + max_tokens])
 
 
-def row_tile_table(starts: jax.Array, ends: jax.Array, num_experts: int, m: int, block_m: int) -> jax.Array:
+def row_tile_table(
+    starts: jax.Array, ends: jax.Array, num_experts: int, m: int, block_m: int, pairs: int = 1
+) -> jax.Array:
     """``[tiles, 4]`` int32 ``(group, load row, first row, rows)`` per row
     tile: the row ranges ``[starts[i], ends[i])`` (the first ``num_experts``
     are the experts', the others rows stored as zeros, group E), cut into
     tiles of ``block_m`` from the multiple of 8 at or below each range's
     first row. A tile loads ``block_m`` rows of x from its load row (a
     multiple of 8, inside ``padded_rows(m, block_m)``) and stores ``rows``
-    rows from its first row; tiles past the last have 0 rows."""
+    rows from its first row; tiles past the last have 0 rows. ``pairs`` = 2:
+    each range's tile count is made even (a 0-row tile after its last), so
+    tiles 2p and 2p+1 always share a group (a cluster's row-tile pair)."""
     ranges = starts.shape[0]
     starts = jnp.clip(starts.astype(jnp.int32), 0, m)
     ends = jnp.maximum(jnp.clip(ends.astype(jnp.int32), 0, m), starts)
     aligned = starts - starts % ROW_ALIGN
     per_range = jnp.where(ends > starts, (ends - aligned + block_m - 1) // block_m, 0)
+    per_range = per_range + (-per_range) % pairs
     tile_ends = jnp.cumsum(per_range)
-    tile = jnp.arange(max_row_tiles(ranges, m, block_m), dtype=jnp.int32)
+    tile = jnp.arange(max_row_tiles(ranges, m, block_m, pairs), dtype=jnp.int32)
     index = jnp.minimum(jnp.searchsorted(tile_ends, tile, side="right"), ranges - 1).astype(jnp.int32)
     group = jnp.minimum(index, num_experts)  # every zero range is group E
     tile_start = aligned[index] + (tile - (tile_ends[index] - per_range[index])) * block_m
@@ -390,8 +404,10 @@ def _kernel(
     shared = tiles.split_rows  # the warpgroups split the rows and share the weight tile
     delay = tiles.delay_release  # steps a slot is held past its product's issue
     words = tiles.word_decode and not interpret  # nibbles from 32-bit registers (see MosaicTiles)
-    # A cluster's programs share the row tile: x's tiles multicast to both.
+    # A cluster's programs share the row tile (x's tiles multicast to both) or the
+    # column tile of one expert (the weight's tiles multicast).
     shared_x = ("cluster",) if tiles.cluster_n > 1 else ()
+    shared_w = ("cluster",) if tiles.cluster_m > 1 else ()
     if decode is None:
         in_specs = [
             plgpu.BlockSpec(
@@ -402,7 +418,11 @@ def _kernel(
                 collective_axes=shared_x,
             ),
             plgpu.BlockSpec(
-                (tiles.block_n, bk), lambda i: (0, i), transforms=_swizzled(bk, dtype), delay_release=delay
+                (tiles.block_n, bk),
+                lambda i: (0, i),
+                transforms=_swizzled(bk, dtype),
+                delay_release=delay,
+                collective_axes=shared_w,
             ),
         ]
     else:  # x as the unit's 4 pieces, the unit's codes, its group's scales (and zero points)
@@ -417,8 +437,11 @@ def _kernel(
                 )
                 for j in range(PIECES)
             ),
-            plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i), delay_release=delay),
-            *(plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0), delay_release=delay) for _ in quant_gmem),
+            plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i), delay_release=delay, collective_axes=shared_w),
+            *(
+                plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0), delay_release=delay, collective_axes=shared_w)
+                for _ in quant_gmem
+            ),
         ]
 
     def pipeline(step, context):
@@ -468,12 +491,16 @@ def _kernel(
         wg_rows = pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m) if shared else slice(None)
         wg_slice = slice(None) if shared else pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
 
-        @plgpu.nd_loop((row_tiles * col_tiles // tiles.cluster_n,), collective_axes="sm")
+        cm, cn = tiles.cluster_m, tiles.cluster_n
+
+        @plgpu.nd_loop((row_tiles // cm * col_tiles // cn,), collective_axes="sm")
         def _(loop):
             (item,) = loop.index
-            row_tile, col_tile = tile_order(item, row_tiles, col_tiles // tiles.cluster_n, tiles.group_m)
-            if tiles.cluster_n > 1:  # the cluster's programs: adjacent column tiles of one row tile
-                col_tile = col_tile * tiles.cluster_n + lax.axis_index("cluster")
+            row_tile, col_tile = tile_order(item, row_tiles // cm, col_tiles // cn, tiles.group_m)
+            if cn > 1:  # the cluster's programs: adjacent column tiles of one row tile
+                col_tile = col_tile * cn + lax.axis_index("cluster")
+            if cm > 1:  # the cluster's programs: a pair of row tiles of one expert (row_tile_table's pairs)
+                row_tile = row_tile * cm + lax.axis_index("cluster")
             group, load_row = table_ref[row_tile, 0], pl.multiple_of(table_ref[row_tile, 1], ROW_ALIGN)
             first_row, rows = table_ref[row_tile, 2], table_ref[row_tile, 3]
             offset = first_row - load_row  # the tile's own rows in the loaded box (the others are not stored)
@@ -590,7 +617,11 @@ def _kernel(
                 plgpu.barrier_wait(sync.at[1])
                 return acc_ref
 
-            @pl.when((rows > 0) & (group < num_experts))
+            # A row-tile pair runs the pipeline together (the multicast needs both), a 0-row
+            # pad tile included: it stores nothing.
+            busy = rows > 0 if cm == 1 else (rows > 0) | (table_ref[row_tile + 1 - 2 * (row_tile % 2), 3] > 0)
+
+            @pl.when(busy & (group < num_experts))
             def _():
                 body = step if decode is None else decode_step
                 pipeline(body, context)(*operands(group, col_tile, load_row), allocations=allocations)
@@ -654,7 +685,7 @@ def expert_gemm_mosaic(
     padded = padded_rows(m, tiles.block_m)  # a row tile's box fits inside x
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
-    table = row_tile_table(starts, ends, num_experts, m, tiles.block_m)
+    table = row_tile_table(starts, ends, num_experts, m, tiles.block_m, pairs=tiles.cluster_m)
     row_tiles = table.shape[0]
     # One persistent program per SM (a few when interpreted: the loop covers every tile either way).
     sms = 4 if interpret else getattr(jax.devices()[0], "core_count", None) or H100_SMS
@@ -670,12 +701,13 @@ def expert_gemm_mosaic(
         has_bias=bias is not None,
         interpret=interpret,
     )
+    cluster = tiles.cluster_n * tiles.cluster_m  # programs a cluster (1 or 2)
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(sms // tiles.cluster_n,),
+        grid=(sms // cluster,),
         grid_names=("sm",),
-        **(dict(cluster=(tiles.cluster_n,), cluster_names=("cluster",)) if tiles.cluster_n > 1 else {}),
+        **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

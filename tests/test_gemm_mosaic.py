@@ -58,6 +58,9 @@ DELAYED = hj.TuningConfig(64, 256, 64, num_stages=3, group_m=2, mosaic=True, del
         # Clusters of two programs on adjacent column tiles of one row tile, x multicast to both.
         ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, block_n=128, cluster_n=2)),
         ((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, dataclasses.replace(SPLIT_ROWS, cluster_n=2)),
+        # ... or on a pair of row tiles of one expert (padded to an even count), the weight multicast.
+        ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, cluster_m=2)),
+        ((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, dataclasses.replace(SPLIT_ROWS, cluster_m=2)),
     ],
 )
 def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
@@ -157,6 +160,10 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
             {"swap_ab": True, "word_decode": True, "cluster_n": 2, "block_n": 128},
             marks=ON_GPU_ONLY,
         ),
+        (F.INT4_G128, jnp.bfloat16, {"cluster_m": 2}),  # the codes and scales multicast, pad tiles
+        pytest.param(
+            F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "word_decode": True, "cluster_m": 2}, marks=ON_GPU_ONLY
+        ),
         # Nibbles from the codes' 32-bit registers (compiled; interpreted, the 16-bit form runs).
         (F.INT4_G128, jnp.bfloat16, {"word_decode": True}),
         pytest.param(INT4_G128_F16, jnp.float16, {"swap_ab": True, "word_decode": True}, marks=ON_GPU_ONLY),
@@ -181,6 +188,8 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         "int4-swap-2-epilogue-slots",
         "uint4-cluster-pair",
         "int4-swap-words-cluster-pair",
+        "int4-row-pair",
+        "int4-swap-words-row-pair",
         "int4-words",
         "int4-f16-swap-words",
         "uint4-swap-words",
@@ -271,11 +280,15 @@ def test_what_the_kernel_refuses(rng):
         hj.gemm(x, w, grouped, tuning=split, backend=KERNEL_BACKEND)
 
 
-def _check_table(table, want, m: int, block_m: int, ranges: int):
+def _check_table(table, want, m: int, block_m: int, ranges: int, pairs: int = 1):
     """Every row of ``[0, m)`` stored by exactly one tile of group ``want[row]``,
     every load box inside the padded x on the 8-row grid holding the stored
-    rows, the tiles within the static bound."""
-    assert table.shape[0] == mosaic.max_row_tiles(ranges, m, block_m)
+    rows, the tiles within the static bound; with ``pairs`` tiles 2p and 2p+1
+    of one group, every load box inside x (a pad tile runs the pipeline too)."""
+    assert table.shape[0] == mosaic.max_row_tiles(ranges, m, block_m, pairs)
+    if pairs == 2:
+        assert table.shape[0] % 2 == 0 and np.all(table[0::2, 0] == table[1::2, 0])
+        assert np.all((table[:, 1] >= 0) & (table[:, 1] <= mosaic.padded_rows(m, block_m) - block_m))
     owner = np.full(m, -1)
     for group, load, first, rows in table:
         if rows == 0:
@@ -287,8 +300,9 @@ def _check_table(table, want, m: int, block_m: int, ranges: int):
     np.testing.assert_array_equal(owner, want)
 
 
+@pytest.mark.parametrize("pairs", [1, 2])  # 2: row-tile pairs of one group (cluster_m)
 @pytest.mark.parametrize("block_m", [64, 128, 256])  # 256: split_rows tiles
-def test_row_tile_table_covers_every_row_once(block_m, rng):
+def test_row_tile_table_covers_every_row_once(block_m, pairs, rng):
     """Grouped-contiguous ranges (rows outside them: group E) and grouped-masked
     ones (each expert's rows past its count: group E), over random routings,
     empty and full."""
@@ -302,7 +316,8 @@ def test_row_tile_table_covers_every_row_once(block_m, rng):
         want = np.full(m, e)
         for g in range(e):
             want[cuts[g] : cuts[g + 1]] = g
-        _check_table(np.asarray(mosaic.row_tile_table(starts, ends, e, m, block_m)), want, m, block_m, e + 2)
+        table = np.asarray(mosaic.row_tile_table(starts, ends, e, m, block_m, pairs))
+        _check_table(table, want, m, block_m, e + 2, pairs)
     for _ in range(20):
         e, max_tokens = int(rng.integers(1, 5)), int(rng.choice([1, 13, 64, 200]))
         counts = rng.integers(-2, max_tokens + 3, size=e)  # out-of-range counts are clipped
@@ -310,8 +325,8 @@ def test_row_tile_table_covers_every_row_once(block_m, rng):
         want = np.full(e * max_tokens, e)
         for g in range(e):
             want[g * max_tokens : g * max_tokens + int(np.clip(counts[g], 0, max_tokens))] = g
-        table = np.asarray(mosaic.row_tile_table(starts, ends, e, e * max_tokens, block_m))
-        _check_table(table, want, e * max_tokens, block_m, 2 * e)
+        table = np.asarray(mosaic.row_tile_table(starts, ends, e, e * max_tokens, block_m, pairs))
+        _check_table(table, want, e * max_tokens, block_m, 2 * e, pairs)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -787,18 +802,24 @@ def test_the_kernel_is_refused_off_hopper(monkeypatch, rng):
         ("int4_g128", "128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode"),
     ],
 )
-def test_cluster_pairs_multicast_x(fmt, config):
+def test_cluster_pairs_multicast(fmt, config):
     """``cluster_n=2``: x's TMA loads carry a multicast mask (each program of the
     pair fetches half of x's tile from L2 and both receive all of it), the
-    weight's do not; without clusters no load multicasts."""
+    weight's do not; ``cluster_m=2``: the weight's do; without clusters no
+    load multicasts."""
     from benchmarks import mosaic_ir
     from benchmarks.inspect_gemm import parse_config
 
     alone = mosaic_ir.mosaic_ir(fmt, (2, 1024, 512), 256, parse_config(config))
-    paired = mosaic_ir.mosaic_ir(fmt, (2, 1024, 512), 256, parse_config(config + ",cluster_n=2"))
     loads = "nvvm.cp.async.bulk.tensor.shared.cluster.global"
-    multicast = [line for line in paired.splitlines() if loads in line and "multicast_mask" in line]
-    assert multicast and len(multicast) < sum(loads in line for line in paired.splitlines())
+    ranks = {}
+    for option in ("cluster_n=2", "cluster_m=2"):
+        paired = mosaic_ir.mosaic_ir(fmt, (2, 1024, 512), 256, parse_config(f"{config},{option}"))
+        multicast = [line for line in paired.splitlines() if loads in line and "multicast_mask" in line]
+        assert multicast and len(multicast) < sum(loads in line for line in paired.splitlines())
+        ranks[option] = {line.split("box[")[1].split("]")[0].count(",") for line in multicast}
+    # x's boxes ([rows, K] tiled) for column pairs, the weight's ([E, N, K] tiled) for row pairs.
+    assert ranks["cluster_n=2"].isdisjoint(ranks["cluster_m=2"])
     assert "multicast_mask" not in alone
 
 
@@ -807,6 +828,10 @@ def test_cluster_pairs_refusals_and_fallback(monkeypatch, rng):
         hj.TuningConfig(64, 256, 64, cluster_n=2)
     with pytest.raises(ValueError, match="cluster_n: 1 or 2"):
         hj.TuningConfig(64, 256, 64, mosaic=True, cluster_n=4)
+    with pytest.raises(ValueError, match="not both 2"):
+        hj.TuningConfig(64, 256, 64, mosaic=True, cluster_n=2, cluster_m=2)
+    with pytest.raises(ValueError, match="clusters of two programs at most"):
+        mosaic.check_tiles(mosaic.MosaicTiles(64, 256, 64, cluster_n=2, cluster_m=2), 512, 128, jnp.bfloat16)
     with pytest.raises(ValueError, match="cluster_n=2 pairs column tiles: N=768 must be a multiple of 512"):
         mosaic.check_tiles(mosaic.MosaicTiles(64, 256, 64, cluster_n=2), 768, 128, jnp.bfloat16)
     # A table entry with pairs on an odd number of column tiles runs unpaired on the same kernel.
