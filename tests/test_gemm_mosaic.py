@@ -80,7 +80,11 @@ def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
     assert np.all(got[offsets[-1] :] == 0), "rows no expert owns must be zero"
 
 
-@pytest.mark.parametrize("tuning", [TILES, SPLIT_ROWS], ids=["columns", "split-rows"])
+@pytest.mark.parametrize(
+    "tuning",
+    [TILES, SPLIT_ROWS, dataclasses.replace(TILES, cluster_m=2), dataclasses.replace(TILES, block_n=128, cluster_n=2)],
+    ids=["columns", "split-rows", "row-pairs", "column-pairs"],
+)
 def test_grouped_masked_rows_against_numpy(tuning, rng):
     """The grouped-masked layout: expert e's first ``counts[e]`` of its 40 rows
     through its weight, the rest zeros (NaN-filled memory: a row left unwritten
