@@ -226,11 +226,12 @@ def plan_tuning(
     if tuning.swap_ab and mosaic_kernel.swap_ab_refusal(out_dtype, interpret=not on_gpu):
         # The staged form computes the same (its pieces are rewritten each step: no delayed release).
         tuning = dataclasses.replace(tuning, swap_ab=False, delay_release=0)
-    if tuning.cluster_n > 1 and not _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu, not dequantize):
+    fits = _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu, quantized=not dequantize)
+    if not fits and tuning.cluster_n > 1:
         single = dataclasses.replace(tuning, cluster_n=1)  # e.g. an odd number of column tiles: no pairs
         if _mosaic_fits(x, weight, layout, single, use_f16_accum, on_gpu, quantized=not dequantize):
-            tuning = single
-    if not _mosaic_fits(x, weight, layout, tuning, use_f16_accum, on_gpu, quantized=not dequantize):
+            tuning, fits = single, True
+    if not fits:
         # The table names the Mosaic kernel, but this call has what it cannot take
         # (a GPU other than Hopper, a shape off its tiles, f16 accumulation): 4-bit weights
         # it would have decoded take the heuristic's Triton tile (with the format's decode

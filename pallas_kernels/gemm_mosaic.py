@@ -399,7 +399,6 @@ def _kernel(
     n = w_gmem.shape[1]
     dtype = x_gmem.dtype
     bm, bk, wg_m, wg_n = tiles.block_m, tiles.block_k, tiles.wg_m, tiles.wg_n
-    wgs = COMPUTE_WGS
     col_tiles = n // tiles.block_n
     shared = tiles.split_rows  # the warpgroups split the rows and share the weight tile
     delay = tiles.delay_release  # steps a slot is held past its product's issue
@@ -451,7 +450,7 @@ def _kernel(
             memory_registers=40,
             in_specs=in_specs,
             wg_axis="wg",
-            num_compute_wgs=wgs,
+            num_compute_wgs=COMPUTE_WGS,
             max_concurrent_steps=tiles.stages,
             compute_context=context,
         )
@@ -469,14 +468,14 @@ def _kernel(
     # with split_rows the unit's 4 pieces shared by all, behind two barriers a step
     # (the interpreter cannot store through a swizzle: there they are plain).
     stage_transforms = () if interpret else _swizzled(PIECE, dtype)
-    stage_shape = (PIECES, tiles.block_n, PIECE) if shared else (wgs, tiles.stage_slots, wg_n, PIECE)
+    stage_shape = (PIECES, tiles.block_n, PIECE) if shared else (COMPUTE_WGS, tiles.stage_slots, wg_n, PIECE)
     decoding = decode is not None
     staged = decoding and not tiles.swap_ab  # swap_ab feeds the decoded pieces from registers
     scratch = dict(
-        o_smem=plgpu.SMEM((wgs, tiles.epilogue_slots, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
+        o_smem=plgpu.SMEM((COMPUTE_WGS, tiles.epilogue_slots, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
         stage=plgpu.SMEM(stage_shape, dtype, transforms=stage_transforms) if staged else None,
         # [0]: every warpgroup's pieces are in shared memory; [1]: every product has read them.
-        sync=plgpu.Barrier(num_arrivals=wgs, num_barriers=2) if decoding and shared else None,
+        sync=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2) if decoding and shared else None,
     )
 
     @functools.partial(
@@ -599,8 +598,8 @@ def _kernel(
             def shared_decode_step(x_pieces, codes, code_offset, scale, acc_ref):
                 """Split rows: each warpgroup decodes its share of the unit's pieces into
                 the shared stage, then all multiply their rows by all four."""
-                share = PIECES // wgs
-                for owner in range(wgs):
+                share = PIECES // COMPUTE_WGS
+                for owner in range(COMPUTE_WGS):
 
                     @pl.when(wg == owner)
                     def _(owner=owner):
@@ -619,14 +618,14 @@ def _kernel(
 
             # A row-tile pair runs the pipeline together (the multicast needs both), a 0-row
             # pad tile included: it stores nothing.
-            busy = rows > 0 if cm == 1 else (rows > 0) | (table_ref[row_tile + 1 - 2 * (row_tile % 2), 3] > 0)
+            busy = rows > 0 if cm == 1 else (rows > 0) | (table_ref[row_tile ^ 1, 3] > 0)  # ^ 1: its partner
 
             @pl.when(busy & (group < num_experts))
             def _():
                 body = step if decode is None else decode_step
                 pipeline(body, context)(*operands(group, col_tile, load_row), allocations=allocations)
 
-            @pl.when((rows > 0) & (group >= num_experts) & (wg < wgs))
+            @pl.when((rows > 0) & (group >= num_experts) & (wg < COMPUTE_WGS))
             def _():  # rows no expert owns: zeros
                 store(jnp.zeros((wg_m, wg_n), o_gmem.dtype))
 

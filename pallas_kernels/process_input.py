@@ -448,7 +448,7 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
     tile through registers and shared memory behind CTA barriers). The same
     arithmetic as :func:`_rotate` and :func:`_quantize`."""
     b, rows_n = cfg.hadamard, cfg.rows
-    width = _product_width(cfg)  # columns of one product's operand
+    width = ins.h.shape[0]  # columns of one product: the Hadamard block, or the launcher's sub-block
     rows, row_mask = _block_rows(block, cfg, m_in)
     destinations, keeps = _destinations(rows, row_mask, ins, cfg)
     along = jnp.arange(width, dtype=jnp.int32)
@@ -494,11 +494,6 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
                 )
         if scale is not None:
             plgpu.store(scale_ref.at[out_rows, 0], _zero_rows(scale, keep), mask=row_mask)
-
-
-def _product_width(cfg: ProcessConfig) -> int:
-    """Columns of the rotation's matrix: the Hadamard block, or its sub-block."""
-    return cfg.hadamard_sub or cfg.hadamard
 
 
 def _butterflies(parts: list) -> list:
