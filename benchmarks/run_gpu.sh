@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
+# Steps: int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -76,15 +76,34 @@ for step in $steps; do
                   timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 2048 \
                     --cases hadamard128+fp8_token --tiles 0x0h64 0x0h32 8x4x1x4h64 8x4x1x4h32 16x4x1x4h32 8x4x1x8h32 \
                     4x8x1x8h64 4x8x1x8h32 --out "$out/hadamard_sub.json" 2>&1 | tee "$out/hadamard_sub.log" | tail -20 ;;
+    # int4 T=4096 with the cluster_n=2 entries (thirteenth session), torch's bf16 grouped GEMM in the same run.
+    int4-prefill-bench) timeout 330 python3 -W ignore -m humming_jax bench --problems mixtral-8x7b qwen3-30b-a3b \
+                          --tokens 4096 --formats int4_g128 --out "$out/gemm_int4_prefill.json" 2>&1 \
+                          | tee "$out/gemm_int4_prefill.log" | tail -10 ;;
+    # The thirteenth session's mixtral-w2-prefill: two epilogue slots -7.9 %, cluster_n=2 -6 %, 4 stages -4.3 % on
+    # mixtral int4 w2; cluster_n=2 -6.6 % on w13 and -5.6 % on qwen3 w13. Do they stack?
+    int4-prefill-combos) for problem in mixtral-8x7b qwen3-30b-a3b; do
+                           for gemm in w2 w13; do
+                             timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --problem $problem --gemm $gemm \
+                               --fmt int4_g128 --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,cluster_n=2 \
+                               --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,epilogue_slots=2 \
+                               --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,epilogue_slots=2,cluster_n=2 2>&1 | tail -3
+                           done
+                         done | tee "$out/int4_prefill_combos.log" ;;
     # mixtral int4 w2 at T=4096: 0.798x of torch in the twelfth session's bench (1863.6 us against 1486.9):
     # 4 stages, wider bands, two epilogue slots, a 128-column tile.
-    mixtral-w2-prefill) timeout 330 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm w2 \
+    mixtral-w2-prefill) timeout 400 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm w2 \
                           --fmt int4_g128 --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode \
                           --config 128,256,128,4,4,mosaic,group_m=8,swap_ab,word_decode \
                           --config 128,256,128,4,3,mosaic,group_m=16,swap_ab,word_decode \
                           --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,epilogue_slots=2 \
-                          --config 128,128,128,4,4,mosaic,group_m=8,swap_ab,word_decode 2>&1 \
-                          | tail -5 | tee "$out/mixtral_w2_prefill.log" ;;
+                          --config 128,128,128,4,4,mosaic,group_m=8,swap_ab,word_decode \
+                          --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,cluster_n=2 2>&1 \
+                          | tail -6 | tee "$out/mixtral_w2_prefill.log"
+                        timeout 150 python3 -W ignore -m benchmarks.inspect_gemm --problem mixtral-8x7b --gemm w13 \
+                          --fmt int4_g128 --tokens 4096 --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode \
+                          --config 128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode,cluster_n=2 2>&1 \
+                          | tail -2 | tee -a "$out/mixtral_w2_prefill.log" ;;
     # The 128x256 tile with split rows: each compute warpgroup 64 rows x 256 columns, one m64n256 wgmma a k16 step
     # instead of two m64n128 (the weight tile read once from shared memory: 10 KB of operands instead of 12, with the
     # TMA writes ~127 B/clk against ~143 at the tensor rate — if shared memory is the limit, ~10 % faster).
