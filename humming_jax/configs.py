@@ -328,7 +328,8 @@ class ProcessTilesConfig:
     # The operand-blocks rotation's products on sub-blocks of this many columns (a
     # power of two from 16, under the Hadamard block b), the rest of the rotation
     # as butterflies in f32 (H_b = H_{b/s} ⊗ H_s): b/s times fewer tensor-core
-    # flops and an s x s matrix. 0: one product per Hadamard block.
+    # flops and an s x s matrix. b: one product per Hadamard block; 0: chosen
+    # (64 under blocks of 128 and more, else whole blocks).
     hadamard_sub: int = 0
 
     def __post_init__(self):

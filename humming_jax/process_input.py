@@ -195,15 +195,16 @@ def _check_tiles(cfg, tiles: ProcessTilesConfig, x_dtype) -> None:
     """The Hadamard products need 16 rows (the MMA minimum). Two passes rotate
     b-wide column blocks of the program's rows: they need a Hadamard block size
     and groups that fit in one block. Sub-block products are for the
-    operand-blocks rotation, under the Hadamard block."""
-    if tiles.hadamard_sub and not (
-        cfg.hadamard and tiles.hadamard_sub < cfg.hadamard and kernel.rotates_blocks(cfg, x_dtype)
-    ):
+    operand-blocks rotation, under the Hadamard block (the block size itself:
+    one product a block, in any rotation)."""
+    sub = tiles.hadamard_sub
+    if sub and not (cfg.hadamard and (sub == cfg.hadamard or sub < cfg.hadamard and kernel.rotates_blocks(cfg, x_dtype))):
         raise ValueError(
-            f"process_input: tiles.hadamard_sub={tiles.hadamard_sub}: sub-block products are for a Hadamard rotation "
+            f"process_input: tiles.hadamard_sub={sub}: sub-block products are for a Hadamard rotation "
             f"of a bf16 input without activation, quantized per token, statically or not at all, with sub-blocks "
-            f"under the Hadamard block (got hadamard_block_size={cfg.hadamard}, activation={cfg.activation}, "
-            f"input {jnp.dtype(x_dtype).name}, mode {cfg.mode})"
+            f"under the Hadamard block, or the block size for whole-block products (got "
+            f"hadamard_block_size={cfg.hadamard}, activation={cfg.activation}, input {jnp.dtype(x_dtype).name}, "
+            f"mode {cfg.mode})"
         )
     if not tiles.two_pass:
         per_row = cfg.hadamard_blocks_per_row if cfg.hadamard else 0

@@ -615,7 +615,7 @@ def test_hadamard_sub_block_products(spec, k, sub, tiles, layout, rng):
         kw["num_valid_tokens"] = jnp.asarray([30], jnp.int32)
     parsed = hj.ProcessTilesConfig.parse(f"{tiles}h{sub}")
     assert parsed.hadamard_sub == sub and parsed.text() == f"{tiles}h{sub}"
-    whole = hj.process_input(x, spec, backend=KERNEL_BACKEND, tiles=hj.ProcessTilesConfig.parse(tiles), **kw)
+    whole = hj.process_input(x, spec, backend=KERNEL_BACKEND, tiles=hj.ProcessTilesConfig.parse(f"{tiles}h128"), **kw)
     got = hj.process_input(x, spec, backend=KERNEL_BACKEND, tiles=parsed, **kw)
     _check_against_reference(got, hj.process_input(x, spec, backend="reference", **kw), False)
     if spec.is_quantized:
@@ -644,6 +644,25 @@ def test_butterflies_are_the_sylvester_product():
     )
 
 
+def test_chosen_product_columns():
+    """Tiles that leave ``hadamard_sub`` open get 64-column products under
+    blocks of 128 and more in the operand-blocks rotation (the H200's winner),
+    whole blocks under that and in the other rotations; a given width stands."""
+    from pallas_kernels import process_input as kernel
+
+    def columns(hadamard, **kw):
+        cfg = kernel.ProcessConfig(k_in=2048, k_out=2048, hadamard=hadamard, mode="dynamic_token", **kw)
+        return kernel.product_columns(cfg, jnp.bfloat16)
+
+    assert [columns(b) for b in (16, 32, 64, 128, 256, 512)] == [16, 32, 64, 64, 64, 64]
+    assert columns(128, hadamard_sub=32) == 32 and columns(128, hadamard_sub=128) == 128
+    assert columns(128, two_pass=True) == 128 and columns(128, operand_blocks=False) == 128
+    silu = kernel.ProcessConfig(k_in=4096, k_out=2048, hadamard=128, activation="silu", mode="dynamic_token")
+    assert kernel.product_columns(silu, jnp.bfloat16) == 128
+    cfg = kernel.ProcessConfig(k_in=2048, k_out=2048, hadamard=128, mode="dynamic_token")
+    assert kernel.product_columns(cfg, jnp.float32) == 128
+
+
 def test_hadamard_sub_refusals(rng):
     x = jnp.asarray(_inputs(rng, 8, 256), jnp.bfloat16)
     with pytest.raises(ValueError, match="hadamard_sub: the products need 16 columns"):
@@ -653,7 +672,7 @@ def test_hadamard_sub_refusals(rng):
     sub = hj.ProcessTilesConfig(hadamard_sub=32)
     for kw in (
         dict(hadamard_block_size=128, activation="silu"),  # activations take the rows path
-        dict(hadamard_block_size=32),  # not under the block
+        dict(hadamard_block_size=16),  # not under the block
         dict(),  # no rotation
         dict(hadamard_block_size=128, tiles=hj.ProcessTilesConfig(16, 4, True, hadamard_sub=32)),  # two passes
     ):
