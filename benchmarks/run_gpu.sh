@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
+# Steps: zero-fill gemm-bench-decode-mixtral hadamard-rows t1-profile int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -77,9 +77,38 @@ for step in $steps; do
                     --cases hadamard128+fp8_token --tiles 0x0h64 0x0h32 8x4x1x4h64 8x4x1x4h32 16x4x1x4h32 8x4x1x8h32 \
                     4x8x1x8h64 4x8x1x8h32 --out "$out/hadamard_sub.json" 2>&1 | tee "$out/hadamard_sub.log" | tail -20 ;;
     # int4 T=4096 with the cluster_n=2 entries (thirteenth session), torch's bf16 grouped GEMM in the same run.
-    int4-prefill-bench) timeout 330 python3 -W ignore -m humming_jax bench --problems mixtral-8x7b qwen3-30b-a3b \
+    int4-prefill-bench) timeout 450 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
                           --tokens 4096 --formats int4_g128 --out "$out/gemm_int4_prefill.json" 2>&1 \
                           | tee "$out/gemm_int4_prefill.log" | tail -10 ;;
+    # GEMM v21: grouped_contiguous writes its own zeros (no zero-fill before the kernel): the kernel's tests
+    # with the real compiler, then T=1 and T=16 against the same-run copy (thirteenth session: T=1 w13 12.4 us,
+    # 0.43; w2 8.3, 0.58; T=16 w13 55.3, w2 34.0).
+    zero-fill) pytest_gpu 200 tests/test_gemm_kernel.py -k "outside_every or grouped_contiguous or at_the_bound or split" \
+                 2>&1 | tail -3
+               timeout 150 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b --tokens 1 16 \
+                 --formats int4_g128 mxfp4 --out "$out/gemm_zero_fill.json" 2>&1 | tee "$out/gemm_zero_fill.log" | tail -17 ;;
+    # mixtral decode (T=16, int4 / MXFP4) against the same-run copy: w2 0.54-0.59 in the ninth session (before v17).
+    gemm-bench-decode-mixtral) timeout 300 python3 -W ignore -m humming_jax bench --problems mixtral-8x7b --tokens 16 \
+                                 --formats int4_g128 mxfp4 --out "$out/gemm_decode_mixtral.json" 2>&1 \
+                                 | tee "$out/gemm_bench_decode_mixtral.log" | tail -10 ;;
+    # process_input: the rows of the sub-block Hadamard products (thirteenth session: K=768 0x0h64 39.1 us = 0.54
+    # of the copy, K=2048 8x4x1x4h64 74.2 = 0.70 and 0x0h64 77.6 = 0.67; the run-to-run spread is ~5 %).
+    hadamard-rows) timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 2048 \
+                     --cases hadamard128+fp8_token --tiles 8x4x1x4h64 16x4x1x4h64 16x4x1x2h64 8x4x1x8h64 \
+                     16x8x1x4h64 0x0 --out "$out/hadamard_rows.json" 2>&1 | tee "$out/hadamard_rows.log" | tail -16 ;;
+    # T=1 (qwen3 w13 int4: 12.4 us = 0.43 of the same-run copy; two fits give ~4 us fixed + 0.63 us/MB, i.e. a
+    # marginal 1.6 TB/s): which kernels run per call (the output's zero fill is one) and what the GEMM waits on.
+    t1-profile) cfg=16,64,256,4,3,swap_ab,word_decode,fold_scales,pair_decode
+                timeout 200 ncu -c 40 --section SpeedOfLight --print-summary per-kernel \
+                  python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 1 --config $cfg \
+                  > "$out/t1_kernels.txt" 2>&1
+                grep -E "^  [a-z_A-Z].*\(|Duration|Invocations" "$out/t1_kernels.txt" | head -40
+                timeout 200 ncu -k regex:gemm -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+                  --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+                  python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 1 --config $cfg \
+                  > "$out/t1_ncu.txt" 2>&1
+                grep -E "Duration|Throughput|Issued|Stall|Warp Cycles|Occupancy|Registers|Eligible|Hit Rate|Shared" \
+                  "$out/t1_ncu.txt" | head -40 ;;
     # The thirteenth session's mixtral-w2-prefill: two epilogue slots -7.9 %, cluster_n=2 -6 %, 4 stages -4.3 % on
     # mixtral int4 w2; cluster_n=2 -6.6 % on w13 and -5.6 % on qwen3 w13. Do they stack?
     int4-prefill-combos) for problem in mixtral-8x7b qwen3-30b-a3b; do

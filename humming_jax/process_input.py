@@ -198,7 +198,9 @@ def _check_tiles(cfg, tiles: ProcessTilesConfig, x_dtype) -> None:
     operand-blocks rotation, under the Hadamard block (the block size itself:
     one product a block, in any rotation)."""
     sub = tiles.hadamard_sub
-    if sub and not (cfg.hadamard and (sub == cfg.hadamard or sub < cfg.hadamard and kernel.rotates_blocks(cfg, x_dtype))):
+    if sub and not (
+        cfg.hadamard and (sub == cfg.hadamard or sub < cfg.hadamard and kernel.rotates_blocks(cfg, x_dtype))
+    ):
         raise ValueError(
             f"process_input: tiles.hadamard_sub={sub}: sub-block products are for a Hadamard rotation "
             f"of a bf16 input without activation, quantized per token, statically or not at all, with sub-blocks "

@@ -23,15 +23,24 @@ Layouts:
 * ``dense`` — tile t covers rows ``[t*bm, (t+1)*bm)``, expert 0.
 * ``grouped_contiguous`` — tiles are laid out group by group
   (``ceil(count_e / bm)`` tiles for expert e), so a tile never straddles two
-  experts; the grid has ``ceil(M / bm) + E`` tiles.
+  experts; the grid has ``min(E, M) + (M - min(E, M)) // bm + 1`` row tiles.
 * ``grouped_masked`` — ``ceil(max_tokens / bm)`` tiles per expert.
 * ``indexed`` — tile b is block b of ``sorted_ids`` (``bm == block_size``);
   entry ``idx`` reads row ``idx // top_k`` and writes row ``idx``.
 
-Rows no tile writes must read as zero: the caller passes a zeroed output that
-the kernel updates in place (``input_output_aliases``). With ``split_k > 1``
-each split writes its own f32 partial ``[split_k, M, N]``; the caller sums
-the partials in a fixed order (deterministic).
+Rows that no expert owns read as zero. ``grouped_contiguous`` writes those
+zeros itself (no zero-fill pass before the kernel: one launch fewer a call,
+and decode calls are launch-bound): the rows outside every group,
+``[0, offsets[0])`` and ``[offsets[E], M)``, are cut in chunks of ``bm`` and
+row tile t stores zeros in chunk t, one masked store outside any branch (a
+branch around it made ptxas give up the uniform registers of the K loop:
+sm_90 SASS 390 -> 444 instructions a step). The grid keeps one row tile more
+than the work can take, so there are as many row tiles as chunks. The other
+layouts take a zeroed output that the kernel updates in place
+(``input_output_aliases``): ``indexed`` cannot know which rows its blocks
+leave out. With ``split_k > 1`` each split writes its own f32 partial
+``[split_k, M, N]`` (zeros included); the caller sums the partials in a fixed
+order (deterministic).
 
 Kernels only: validation, tuning and the backend choice live in ``humming_jax``.
 """
@@ -121,8 +130,11 @@ def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
     if layout.kind == "grouped_contiguous":
         # At most min(E, M) experts hold rows; each takes one tile plus one per
         # further block_m rows (T=1 on 128 experts: 8 row tiles, not 129).
+        # One more than the work can take: as many row tiles as chunks of
+        # the rows outside every group (at most cdiv(M, bm) + 1), each zeroed
+        # by its row tile (_zero_gap_chunk).
         busy = min(num_experts, layout.m_in)
-        return max(1, busy + (layout.m_in - busy) // block_m)
+        return busy + (layout.m_in - busy) // block_m + 1
     if layout.kind == "grouped_masked":
         return num_experts * pl.cdiv(layout.max_tokens, block_m)
     return layout.num_blocks
@@ -142,6 +154,18 @@ def tile_order(program, row_tiles: int, col_tiles: int, group_m: int):
     rows_in_band = jnp.minimum(row_tiles - first_row, group_m)
     within = jax.lax.rem(program, band)
     return first_row + jax.lax.rem(within, rows_in_band), jax.lax.div(within, rows_in_band)
+
+
+def gap_chunk_rows(first: jax.Array, last: jax.Array, m_out: int, block_m: int, chunk):
+    """(rows [bm], keep [bm]) of chunk ``chunk`` of the rows outside every group,
+    ``[0, first)`` then ``[last, m_out)``, in chunks of ``block_m`` (a chunk
+    never spans both ranges)."""
+    lane = jnp.arange(block_m, dtype=jnp.int32)
+    head_chunks = (first + block_m - 1) // block_m
+    in_head = chunk < head_chunks
+    start = jnp.where(in_head, chunk * block_m, last + (chunk - head_chunks) * block_m)
+    rows = start + lane
+    return rows, rows < jnp.where(in_head, first, m_out)
 
 
 def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, tile):
@@ -688,7 +712,7 @@ def _gemm_kernel(
     )
     rest = refs[1 + num_route + num_weight :]
     bias_ref = rest[0] if w.has_bias else None
-    out_ref = rest[-1]  # aliased to the zeroed output input
+    out_ref = rest[-1]  # the output (aliased to a zeroed input but for grouped_contiguous)
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     in_weights = scales_in_weights(w, tiles, compute_dtype)
     span = scale_span(w, tiles, compute_dtype)
@@ -804,6 +828,18 @@ def _gemm_kernel(
 
     zeros = jnp.zeros(acc_shape, accum_dtype)
 
+    def store_zeros(rows, keep):
+        """Zeros into the program's columns of output rows ``rows [bm]`` where ``keep``."""
+        index = codecs.scatter_index(rows, keep, layout.m_out)[:, None]
+        for c in range(tiles.column_tiles):
+            n_idx, n_mask = columns(c)
+            mask = _all(keep[:, None], None if n_mask is None else n_mask[None, :])
+            at = (split, index, n_idx[None, :]) if tiles.split_k > 1 else (index, n_idx[None, :])
+            plgpu.store(out_ref.at[at], jnp.zeros((bm, bn), out_ref.dtype), mask=mask)
+
+    if layout.kind == "grouped_contiguous":
+        _zero_gap_chunk(route_refs[0], w.num_experts, layout, bm, row_tile, store_zeros)
+
     def one_column_tile():
         n_idx, n_mask = columns(0)
         first = split * per_split
@@ -840,6 +876,16 @@ def _gemm_kernel(
         jax.lax.fori_loop(0, tiles.column_tiles * k_tiles, step, zeros)
 
     pl.when(live)(one_column_tile if tiles.column_tiles == 1 else column_tile_loop)
+
+
+def _zero_gap_chunk(offsets_ref, num_experts: int, layout: LayoutSpec, block_m: int, row_tile, store_zeros):
+    """Row tile t stores zeros in chunk t of the rows outside every group
+    (:func:`gap_chunk_rows`), if there is one: a masked store, not a branch."""
+    first, last = offsets_ref[0], offsets_ref[num_experts]
+    head_chunks = (first + block_m - 1) // block_m
+    chunks = head_chunks + (jnp.maximum(layout.m_out - last, 0) + block_m - 1) // block_m
+    rows, keep = gap_chunk_rows(first, last, layout.m_out, block_m, row_tile)
+    store_zeros(rows, keep & (row_tile < chunks))
 
 
 def split_packed_columns(x: jax.Array, span: int, ways: int = 2, pairs: bool = False) -> jax.Array:
@@ -905,10 +951,10 @@ def expert_gemm(
     weight_arrays = tuple(
         jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype == jnp.float8_e4m3fn else a for a in weight_arrays
     )
-    if tiles.split_k > 1:
-        out = jnp.zeros((tiles.split_k, layout.m_out, w.n), jnp.float32)
-    else:
-        out = jnp.zeros((layout.m_out, w.n), out_dtype)
+    out_shape = (tiles.split_k, layout.m_out, w.n) if tiles.split_k > 1 else (layout.m_out, w.n)
+    out_type = jnp.float32 if tiles.split_k > 1 else out_dtype
+    # grouped_contiguous zeroes the rows outside every group itself (see the module docstring).
+    zero_filled = layout.kind != "grouped_contiguous"
     ways = nibbles_per_unit(w, tiles, compute_dtype)
     span, pairs = scale_span(w, tiles, compute_dtype), decodes_pairs(w, tiles, compute_dtype)
     if w.packed:  # pairs read words as their 16-bit halves
@@ -919,7 +965,9 @@ def expert_gemm(
         x = jnp.pad(x, ((0, 0), (0, len(order) - w.k)))[:, order]
     elif x_split:
         x = split_packed_columns(x, span, ways, pairs)
-    inputs = [x, *route_arrays, *weight_arrays] + ([bias] if bias is not None else []) + [out]
+    inputs = [x, *route_arrays, *weight_arrays] + ([bias] if bias is not None else [])
+    if zero_filled:
+        inputs.append(jnp.zeros(out_shape, out_type))
     result = pl.pallas_call(
         functools.partial(
             _gemm_kernel,
@@ -934,8 +982,8 @@ def expert_gemm(
             on_gpu=not interpret,
         ),
         grid=grid,
-        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
-        input_output_aliases={len(inputs) - 1: 0},
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_type),
+        input_output_aliases={len(inputs) - 1: 0} if zero_filled else {},
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name=f"moe_gemm_{layout.kind}_{w.value_type}",

@@ -555,21 +555,60 @@ def test_folded_e2m1_split_of_the_exponent():
     assert kernel.value_factor(mxfp4, True) == 2.0**62 and kernel.value_factor(mxfp4) == 64.0
 
 
-def test_grouped_row_tile_bound_is_tight():
-    """The grouped grid's static bound on row tiles, min(E, M) + (M - min(E, M)) // bm,
-    holds every split of M rows over E experts (exhaustive for small cases) and is
-    reached; T=1 on 128 experts launches 8 row tiles, not 129."""
+def test_grouped_row_tiles_cover_work_and_gaps():
+    """The grouped grid's static bound on row tiles, min(E, M) + (M - min(E, M)) // bm + 1,
+    is one more than the most tiles any split of M rows over E experts needs
+    (exhaustive for small cases), and at least the chunks of bm rows outside
+    every group (before the first, after the last), which row tile t zeroes
+    chunk by chunk; T=1 on 128 experts launches 9 row tiles, not 129."""
     import itertools
 
-    for m, e, bm in ((8, 4, 4), (9, 3, 4), (12, 5, 4), (40, 4, 16), (6, 8, 2)):
+    for m, e, bm in ((8, 4, 4), (9, 3, 4), (12, 5, 4), (40, 4, 16), (6, 8, 2), (5, 2, 16)):
         layout = kernel.LayoutSpec("grouped_contiguous", m, m)
         bound = kernel.num_row_tiles(layout, e, bm)
         most = 0
         for cuts in itertools.combinations_with_replacement(range(m + 1), e - 1):
-            counts = np.diff([0, *cuts, m])
-            most = max(most, int(np.sum(-(-counts // bm))))
-        assert most == bound, (m, e, bm)
-    assert kernel.num_row_tiles(kernel.LayoutSpec("grouped_contiguous", 8, 8), 128, 16) == 8
+            most = max(most, int(np.sum(-(-np.diff([0, *cuts, m]) // bm))))
+        assert most == bound - 1, (m, e, bm)
+        gaps = max(-(-first // bm) + -(-(m - last) // bm) for first in range(m + 1) for last in range(first, m + 1))
+        assert gaps <= bound, (m, e, bm)
+    assert kernel.num_row_tiles(kernel.LayoutSpec("grouped_contiguous", 8, 8), 128, 16) == 9
+
+
+def test_gap_chunks_cover_the_rows_outside_every_group():
+    """The spare tiles' chunks of bm rows cover [0, first) and [last, M) once each."""
+    for first, last, m, bm in ((0, 33, 40, 16), (5, 5, 40, 4), (17, 20, 64, 16), (0, 0, 7, 16), (3, 40, 40, 2)):
+        head, tail = -(-first // bm), -(-(m - last) // bm)
+        seen = []
+        for chunk in range(head + tail):
+            rows, keep = kernel.gap_chunk_rows(jnp.int32(first), jnp.int32(last), m, bm, jnp.int32(chunk))
+            seen += np.asarray(rows)[np.asarray(keep)].tolist()
+        assert sorted(seen) == [*range(first), *range(last, m)], (first, last, m, bm)
+
+
+@pytest.mark.parametrize(
+    "offsets,tuning",
+    [
+        ((17, 34, 36, 38, 39), hj.TuningConfig(16, 32, 128)),  # 17 rows before the first group, 1 after the last
+        ((9, 12, 12, 20, 23), hj.TuningConfig(16, 32, 128)),
+        ((9, 12, 12, 20, 23), hj.TuningConfig(16, 32, 128, split_k=2)),  # zeros in both partials
+        ((0, 1, 2, 3, 4), hj.TuningConfig(16, 16, 128, column_tiles=2, swap_ab=True)),  # E rows + 36 outside
+        ((0, 0, 0, 0, 0), hj.TuningConfig(16, 32, 64)),  # no group: every row outside
+        ((40, 40, 40, 40, 40), hj.TuningConfig(16, 32, 64, split_k=2)),
+    ],
+)
+def test_grouped_rows_outside_every_group_are_zero(offsets, tuning, rng):
+    """No zero-filled buffer: the row tiles zero the rows outside every group
+    (head and tail, split K, column tiles, swap_ab, no group at all);
+    interpreted outputs start as NaN, so a row left unwritten fails."""
+    weight = _weight(rng, F.INT4_G128, E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = hj.GroupedContiguous(jnp.asarray(offsets, jnp.int32))
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
+    ref = _reference(x, weight, layout)
+    _check(out, ref, bound=1e-5)
+    outside = np.r_[0 : offsets[0], offsets[-1] : M]
+    assert np.all(np.asarray(out)[outside] == 0) and np.all(np.asarray(ref)[outside] == 0)
 
 
 def test_grouped_tiles_at_the_bound(rng):
