@@ -95,7 +95,7 @@ for step in $steps; do
     # of the copy, K=2048 8x4x1x4h64 74.2 = 0.70 and 0x0h64 77.6 = 0.67; the run-to-run spread is ~5 %).
     hadamard-rows) timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 2048 \
                      --cases hadamard128+fp8_token --tiles 8x4x1x4h64 16x4x1x4h64 16x4x1x2h64 8x4x1x8h64 \
-                     16x8x1x4h64 0x0 --out "$out/hadamard_rows.json" 2>&1 | tee "$out/hadamard_rows.log" | tail -16 ;;
+                     16x8x1x4h64 8x8x1x4h64 8x8x1x2h64 0x0 --out "$out/hadamard_rows.json" 2>&1 | tee "$out/hadamard_rows.log" | tail -16 ;;
     # T=1 (qwen3 w13 int4: 12.4 us = 0.43 of the same-run copy; two fits give ~4 us fixed + 0.63 us/MB, i.e. a
     # marginal 1.6 TB/s): which kernels run per call (the output's zero fill is one) and what the GEMM waits on.
     t1-profile) cfg=16,64,256,4,3,swap_ab,word_decode,fold_scales,pair_decode
