@@ -28,19 +28,21 @@ Layouts:
 * ``indexed`` — tile b is block b of ``sorted_ids`` (``bm == block_size``);
   entry ``idx`` reads row ``idx // top_k`` and writes row ``idx``.
 
-Rows that no expert owns read as zero. ``grouped_contiguous`` writes those
-zeros itself (no zero-fill pass before the kernel: one launch fewer a call,
-and decode calls are launch-bound): the rows outside every group,
-``[0, offsets[0])`` and ``[offsets[E], M)``, are cut in chunks of ``bm`` and
-row tile t stores zeros in chunk t, one masked store outside any branch (a
+Rows that no expert owns read as zero, written by the kernel where it can
+find them (no zero-fill pass before it: one launch fewer a call, and decode
+calls are launch-bound), each as one masked store outside any branch (a
 branch around it made ptxas give up the uniform registers of the K loop:
-sm_90 SASS 390 -> 444 instructions a step). The grid keeps one row tile more
-than the work can take, so there are as many row tiles as chunks. The other
-layouts take a zeroed output that the kernel updates in place
-(``input_output_aliases``): ``indexed`` cannot know which rows its blocks
-leave out. With ``split_k > 1`` each split writes its own f32 partial
-``[split_k, M, N]`` (zeros included); the caller sums the partials in a fixed
-order (deterministic).
+sm_90 SASS 390 -> 444 instructions a step). ``grouped_contiguous``: the rows
+outside every group, ``[0, offsets[0])`` and ``[offsets[E], M)``, are cut in
+chunks of ``bm`` and row tile t zeroes chunk t (the grid keeps one row tile
+more than the work can take, so there are as many row tiles as chunks).
+``grouped_masked``: each tile zeroes its expert's rows past the count.
+``dense`` covers every row. ``indexed`` cannot know which rows its blocks
+leave out (dropped ids are in no block): the caller passes a zeroed output
+that the kernel updates in place (``input_output_aliases``). With
+``split_k > 1`` each split writes its own f32 partial ``[split_k, M, N]``
+(zeros included); the caller sums the partials in a fixed order
+(deterministic).
 
 Kernels only: validation, tuning and the backend choice live in ``humming_jax``.
 """
@@ -712,7 +714,7 @@ def _gemm_kernel(
     )
     rest = refs[1 + num_route + num_weight :]
     bias_ref = rest[0] if w.has_bias else None
-    out_ref = rest[-1]  # the output (aliased to a zeroed input but for grouped_contiguous)
+    out_ref = rest[-1]  # the output (indexed: aliased to a zeroed input)
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     in_weights = scales_in_weights(w, tiles, compute_dtype)
     span = scale_span(w, tiles, compute_dtype)
@@ -839,6 +841,8 @@ def _gemm_kernel(
 
     if layout.kind == "grouped_contiguous":
         _zero_gap_chunk(route_refs[0], w.num_experts, layout, bm, row_tile, store_zeros)
+    elif layout.kind == "grouped_masked":  # the expert's rows of the tile past its count (all when it has none)
+        store_zeros(rows_out, (rows_out < (expert + 1) * layout.max_tokens) & ~row_mask)
 
     def one_column_tile():
         n_idx, n_mask = columns(0)
@@ -953,8 +957,8 @@ def expert_gemm(
     )
     out_shape = (tiles.split_k, layout.m_out, w.n) if tiles.split_k > 1 else (layout.m_out, w.n)
     out_type = jnp.float32 if tiles.split_k > 1 else out_dtype
-    # grouped_contiguous zeroes the rows outside every group itself (see the module docstring).
-    zero_filled = layout.kind != "grouped_contiguous"
+    # Only indexed needs a zeroed output (see the module docstring).
+    zero_filled = layout.kind == "indexed"
     ways = nibbles_per_unit(w, tiles, compute_dtype)
     span, pairs = scale_span(w, tiles, compute_dtype), decodes_pairs(w, tiles, compute_dtype)
     if w.packed:  # pairs read words as their 16-bit halves
