@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--nibble-halves", action="store_true", help="planar e2m1 codes in nibble order (default: the decoder's bits)"
     )
+    parser.add_argument("--hlo", action="store_true", help="also list what one call launches (the optimized module)")
     args = parser.parse_args(argv)
     configs = [parse_config(text) for text in args.config]  # bad configs fail before the GPU work
     import jax
@@ -61,6 +62,10 @@ def main(argv=None) -> int:
         except Exception as error:  # e.g. a tile past the shared memory: report it, time the next one
             print(f"{text}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
             continue
+        if args.hlo:
+            fn, _ = bench.gemm_call(prep, tuning)
+            compiled = jax.jit(fn).lower(prep.xs[0], prep.weights[0]).compile()
+            print(f"{text}: launches " + "; ".join(bench.launched_ops(compiled.as_text())), flush=True)
         error = bench.sampled_error(prep, layout, out)
         copy = f"{100 * row['copy_fraction']:.0f} % of copy"  # of the bytes that must move, at the copy bandwidth
         print(f"{text}: {row['us']:.1f} us, {row['gbps']:.0f} GB/s, err {error:.1e}, {copy}", flush=True)

@@ -97,12 +97,13 @@ for step in $steps; do
                      --cases hadamard128+fp8_token --tiles 8x4x1x4h64 16x4x1x4h64 16x4x1x2h64 8x4x1x8h64 \
                      16x8x1x4h64 8x8x1x4h64 8x8x1x2h64 0x0 --out "$out/hadamard_rows.json" 2>&1 | tee "$out/hadamard_rows.log" | tail -16 ;;
     # T=1 (qwen3 w13 int4: 12.4 us = 0.43 of the same-run copy; two fits give ~4 us fixed + 0.63 us/MB, i.e. a
-    # marginal 1.6 TB/s): which kernels run per call (the output's zero fill is one) and what the GEMM waits on.
+    # marginal 1.6 TB/s): what one call launches (the optimized module; indexed keeps the zero fill v21 removed
+    # from the grouped layouts) and what the GEMM waits on (Nsight sections).
     t1-profile) cfg=16,64,256,4,3,swap_ab,word_decode,fold_scales,pair_decode
-                timeout 200 ncu -c 40 --section SpeedOfLight --print-summary per-kernel \
-                  python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 1 --config $cfg \
-                  > "$out/t1_kernels.txt" 2>&1
-                grep -E "^  [a-z_A-Z].*\(|Duration|Invocations" "$out/t1_kernels.txt" | head -40
+                for layout in grouped indexed; do
+                  timeout 120 python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 1 --layout $layout \
+                    --config $cfg --hlo 2>&1 | tail -2
+                done | tee "$out/t1_launches.log"
                 timeout 200 ncu -k regex:gemm -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
                   --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
                   python3 -W ignore -m benchmarks.inspect_gemm --fmt int4_g128 --tokens 1 --config $cfg \

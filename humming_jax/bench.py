@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import sys
 import time
 
@@ -164,17 +165,51 @@ def prepare(case: Case, seed: int = 0) -> Prepared:
     return Prepared(case, ids, weights, xs, moved, flops)
 
 
+def gemm_call(prep: Prepared, tuning: TuningConfig | None):
+    """``(fn(x, weight), layout)``: the call the bench times for ``prep`` under
+    ``tuning`` (None: the table's choice), its routing fixed."""
+    case = prep.case
+    layout = _layout(case, prep.ids, tuning or _tuning_for(case))
+    rows = case.tokens * case.shapes()[3]  # the table's key: the real rows
+
+    def fn(x, weight):
+        return gemm(x, weight, layout, valid_shape_m=rows, tuning=tuning, backend=KERNEL_BACKEND)
+
+    return fn, layout
+
+
+# Entry-computation instructions that launch no device work.
+_NO_LAUNCH = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
+
+
+def launched_ops(hlo_text: str) -> list[str]:
+    """``"opcode name"`` of each instruction of an optimized HLO module's entry
+    computation that runs on the device (fusions, custom calls such as the
+    Pallas kernels, copies, memsets): what one call launches."""
+    ops, in_entry = [], False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY "):
+            in_entry = True
+        elif in_entry and line.startswith("}"):
+            break
+        elif in_entry and " = " in line:
+            name, rest = line.strip().removeprefix("ROOT ").split(" = ", 1)
+            match = re.search(r"(?:^|\s)([a-z][a-z0-9-]*)\(", rest)
+            if match and match.group(1) not in _NO_LAUNCH:
+                ops.append(f"{match.group(1)} {name}")
+    return ops
+
+
 def time_prepared(prep: Prepared, tuning: TuningConfig | None) -> tuple[dict, jax.Array, object]:
     """(result row, the kernel's output on the first set, its layout).
     ``tuning`` None: the table's choice, run as ``gemm`` runs it (with its
     fallbacks); the row records the tiling that ran."""
     case = prep.case
-    layout = _layout(case, prep.ids, tuning or _tuning_for(case))
-    rows = case.tokens * case.shapes()[3]  # the table's key: the real rows
-    fn = lambda x, w: gemm(x, w, layout, valid_shape_m=rows, tuning=tuning, backend=KERNEL_BACKEND)  # noqa: E731
+    fn, layout = gemm_call(prep, tuning)
     seconds = device_seconds(fn, list(zip(prep.xs, prep.weights, strict=True)))
     floor = max(prep.moved / COPY_BANDWIDTH, prep.flops / MATMUL_RATE)
     x, weight = as_quantized_input(prep.xs[0]), prep.weights[0]
+    rows = case.tokens * case.shapes()[3]
     ran, dequantize = plan_tuning(x, weight, layout, tuning, rows, on_gpu=KERNEL_BACKEND != "interpret")
     row = dict(
         **dataclasses.asdict(case),

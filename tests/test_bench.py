@@ -132,6 +132,32 @@ def test_inspect_gemm_parses_configs():
         parse_config("16,48,256,4,3")  # not a power of two
 
 
+def test_launched_ops_lists_the_entry_computation(tiny):
+    """What one call launches, read from the optimized module: a synthetic
+    module's entry (a memset-like broadcast, a custom call, a tuple root), and
+    a compiled bench call on this backend."""
+    text = """HloModule m
+
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(f32[4]{0} %p)
+}
+
+ENTRY %main (x: bf16[8,64]) -> (bf16[8,32], f32[]) {
+  %x = bf16[8,64]{1,0} parameter(0)
+  %zeros = bf16[8,32]{1,0} fusion(), kind=kLoop, calls=%fused
+  %kernel = (bf16[8,32]{1,0}, f32[]) custom-call(bf16[8,64]{1,0} %x, bf16[8,32]{1,0} %zeros), custom_call_target="k"
+  %out = bf16[8,32]{1,0} get-tuple-element((bf16[8,32]{1,0}, f32[]) %kernel), index=0
+  ROOT %t = (bf16[8,32]{1,0}, f32[]) tuple(bf16[8,32]{1,0} %out, f32[] %kernel)
+}
+"""
+    assert bench.launched_ops(text) == ["fusion %zeros", "custom-call %kernel"]
+    prep = bench.prepare(bench.Case("tiny", "w2", "grouped", 3, "bf16"))
+    fn, _ = bench.gemm_call(prep, None)
+    ops = bench.launched_ops(jax.jit(fn).lower(prep.xs[0], prep.weights[0]).compile().as_text())
+    assert ops and all(" " in op for op in ops)
+
+
 def test_random_weight_in_expert_chunks(monkeypatch):
     """Large problems draw and quantize a few experts at a time: the joined
     weight is valid and each chunk is the quantized draw of its experts."""

@@ -576,7 +576,7 @@ def test_grouped_row_tiles_cover_work_and_gaps():
 
 
 def test_gap_chunks_cover_the_rows_outside_every_group():
-    """The spare tiles' chunks of bm rows cover [0, first) and [last, M) once each."""
+    """The chunks of bm rows the row tiles zero cover [0, first) and [last, M) once each."""
     for first, last, m, bm in ((0, 33, 40, 16), (5, 5, 40, 4), (17, 20, 64, 16), (0, 0, 7, 16), (3, 40, 40, 2)):
         head, tail = -(-first // bm), -(-(m - last) // bm)
         seen = []
