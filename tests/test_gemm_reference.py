@@ -6,7 +6,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import humming_jax as hj
@@ -88,6 +88,7 @@ def test_quantized_inputs(fmt_name, spec, rng):
     assert hj.gemm(q, weight, layout).dtype == jnp.bfloat16  # default for quantized inputs
 
 
+@settings(max_examples=20)  # two gemm calls an example
 @given(
     st.integers(1, 40),
     st.sampled_from([1, 2, 8]),

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import humming_jax as hj
@@ -95,6 +95,7 @@ def test_align_caps_length_when_few_slots(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=20)  # five routing ops an example, interpreted
 @given(routings())
 def test_prepare_scatter_and_permute_round_trip(backend, routing):
     ids, num_experts, expert_map, num_local = routing
