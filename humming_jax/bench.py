@@ -138,9 +138,9 @@ def _layout(case: Case, ids: np.ndarray, tuning: TuningConfig):
 
 
 def _tuning_for(case: Case) -> TuningConfig:
-    e, n, k, top_k = case.shapes()
+    e, n, k, _ = case.shapes()
     kind = GemmLayout.GROUPED_CONTIGUOUS if case.layout == "grouped" else GemmLayout.INDEXED
-    return T.choose_tuning(kind, F.get_format(case.fmt), case.tokens * top_k, e, n, k)
+    return T.choose_tuning(kind, F.get_format(case.fmt), _real_rows(case), e, n, k)
 
 
 @dataclasses.dataclass
@@ -165,15 +165,19 @@ def prepare(case: Case, seed: int = 0) -> Prepared:
     return Prepared(case, ids, weights, xs, moved, flops)
 
 
+def _real_rows(case: Case) -> int:
+    """The table's key: the rows that carry a token (T · top_k)."""
+    return case.tokens * case.shapes()[3]
+
+
 def gemm_call(prep: Prepared, tuning: TuningConfig | None):
     """``(fn(x, weight), layout)``: the call the bench times for ``prep`` under
     ``tuning`` (None: the table's choice), its routing fixed."""
     case = prep.case
     layout = _layout(case, prep.ids, tuning or _tuning_for(case))
-    rows = case.tokens * case.shapes()[3]  # the table's key: the real rows
 
     def fn(x, weight):
-        return gemm(x, weight, layout, valid_shape_m=rows, tuning=tuning, backend=KERNEL_BACKEND)
+        return gemm(x, weight, layout, valid_shape_m=_real_rows(case), tuning=tuning, backend=KERNEL_BACKEND)
 
     return fn, layout
 
@@ -209,8 +213,7 @@ def time_prepared(prep: Prepared, tuning: TuningConfig | None) -> tuple[dict, ja
     seconds = device_seconds(fn, list(zip(prep.xs, prep.weights, strict=True)))
     floor = max(prep.moved / COPY_BANDWIDTH, prep.flops / MATMUL_RATE)
     x, weight = as_quantized_input(prep.xs[0]), prep.weights[0]
-    rows = case.tokens * case.shapes()[3]
-    ran, dequantize = plan_tuning(x, weight, layout, tuning, rows, on_gpu=KERNEL_BACKEND != "interpret")
+    ran, dequantize = plan_tuning(x, weight, layout, tuning, _real_rows(case), on_gpu=KERNEL_BACKEND != "interpret")
     row = dict(
         **dataclasses.asdict(case),
         **bandwidth_fields(seconds, prep.moved),

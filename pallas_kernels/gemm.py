@@ -821,12 +821,12 @@ def _gemm_kernel(
             bias = _load(bias_ref.at[expert, n_idx], n_mask).astype(jnp.float32)
             acc = acc + along_n(jnp.where(split == 0, bias, 0.0))
         mask = _all(along_m(row_mask), None if n_mask is None else along_n(n_mask))
-        out_rows = along_m(codecs.scatter_index(rows_out, row_mask, layout.m_out))
-        cols = along_n(n_idx)
-        if tiles.split_k > 1:
-            plgpu.store(out_ref.at[split, out_rows, cols], acc, mask=mask)
-        else:
-            plgpu.store(out_ref.at[out_rows, cols], acc.astype(out_ref.dtype), mask=mask)
+        store_out(along_m(codecs.scatter_index(rows_out, row_mask, layout.m_out)), along_n(n_idx), acc, mask)
+
+    def store_out(out_rows, cols, values, mask):
+        """``values`` into output rows and columns (broadcast index arrays): this split's partial with split K."""
+        at = (split, out_rows, cols) if tiles.split_k > 1 else (out_rows, cols)
+        plgpu.store(out_ref.at[at], values.astype(out_ref.dtype), mask=mask)
 
     zeros = jnp.zeros(acc_shape, accum_dtype)
 
@@ -836,8 +836,7 @@ def _gemm_kernel(
         for c in range(tiles.column_tiles):
             n_idx, n_mask = columns(c)
             mask = _all(keep[:, None], None if n_mask is None else n_mask[None, :])
-            at = (split, index, n_idx[None, :]) if tiles.split_k > 1 else (index, n_idx[None, :])
-            plgpu.store(out_ref.at[at], jnp.zeros((bm, bn), out_ref.dtype), mask=mask)
+            store_out(index, n_idx[None, :], jnp.zeros((bm, bn), out_ref.dtype), mask)
 
     if layout.kind == "grouped_contiguous":
         _zero_gap_chunk(route_refs[0], w.num_experts, layout, bm, row_tile, store_zeros)
