@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: zero-fill gemm-bench-decode-mixtral hadamard-rows t1-profile int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
+# Steps: indexed-zeros zero-fill gemm-bench-decode-mixtral hadamard-rows t1-profile int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -80,6 +80,17 @@ for step in $steps; do
     int4-prefill-bench) timeout 450 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
                           --tokens 4096 --formats int4_g128 --out "$out/gemm_int4_prefill.json" 2>&1 \
                           | tee "$out/gemm_int4_prefill.log" | tail -10 ;;
+    # GEMM v22: moe_align_block_size lists the dropped slots past num_tokens_padded, so the indexed GEMM zeroes
+    # their rows itself (no zero fill before it). Its tests and align's with the real compiler, then qwen3 and
+    # mixtral T=1 / T=16 against the same-run copy (fourteenth session, v21: qwen3 T=1 w13 indexed int4 12.1 us 0.58,
+    # MXFP4 12.8 0.56; grouped 11.0 / 11.1), then the routing ops' times (align counts one more bin: 256 at E=128).
+    indexed-zeros) pytest_gpu 200 tests/test_gemm_kernel.py tests/test_routing.py \
+                     -k "indexed or random_routings or dead_blocks or align or grouping" 2>&1 | tail -3
+                   timeout 300 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b --tokens 1 16 \
+                     --formats int4_g128 mxfp4 --out "$out/gemm_indexed_zeros.json" 2>&1 \
+                     | tee "$out/gemm_indexed_zeros.log" | tail -33
+                   timeout 150 python3 -W ignore -m benchmarks.bench_routing --tokens 16 512 4096 --experts 8,2 128,8 \
+                     --out "$out/routing.json" 2>&1 | grep -v '^done' | tee "$out/routing_bench.log" | tail -30 ;;
     # GEMM v21: the kernel writes its zeros (no zero-fill before it but for indexed): the kernel's tests
     # with the real compiler, then T=1 and T=16 against the same-run copy (thirteenth session: T=1 w13 12.4 us,
     # 0.43; w2 8.3, 0.58; T=16 w13 55.3, w2 34.0).

@@ -134,7 +134,8 @@ def _layout(case: Case, ids: np.ndarray, tuning: TuningConfig):
         offsets, _ = moe_prepare_scatter(jnp.asarray(ids), e)
         return L.GroupedContiguous(offsets)
     aligned = moe_align_block_size(jnp.asarray(ids), tuning.block_m, e, ignore_invalid_experts=True)
-    return L.Indexed(*aligned, top_k=top_k if case.gemm == "w13" else 1, block_size=tuning.block_m)
+    top_k = top_k if case.gemm == "w13" else 1
+    return L.Indexed(*aligned, top_k=top_k, block_size=tuning.block_m, lists_dropped=True)
 
 
 def _tuning_for(case: Case) -> TuningConfig:

@@ -215,9 +215,19 @@ def humming_indexed_experts(
         compute_dtype=jnp.dtype(config.compute_dtype),
         backend=backend,
     )
-    gate_up = gemm(gate_up_input, weights.w13, L.Indexed(*aligned, top_k=top_k, block_size=block_size), **gemm_kwargs)
+    gate_up = gemm(
+        gate_up_input,
+        weights.w13,
+        L.Indexed(*aligned, top_k=top_k, block_size=block_size, lists_dropped=True),
+        **gemm_kwargs,
+    )
     down_input = _down_input(gate_up, config, weights, backend)
-    down = gemm(down_input, weights.w2, L.Indexed(*aligned_w2, top_k=1, block_size=w2_block_size), **gemm_kwargs)
+    down = gemm(
+        down_input,
+        weights.w2,
+        L.Indexed(*aligned_w2, top_k=1, block_size=w2_block_size, lists_dropped=True),
+        **gemm_kwargs,
+    )
     return routing.moe_fused_mul_sum(
         down.reshape(num_tokens, top_k, -1),
         topk_weights,

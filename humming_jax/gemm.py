@@ -333,7 +333,14 @@ def _layout_spec(layout, m_in: int) -> tuple[kernel.LayoutSpec, tuple[jax.Array,
     if isinstance(layout, L.GroupedMasked):
         counts = layout.expert_num_tokens.astype(jnp.int32)
         return kernel.LayoutSpec(kind, m_in, m_in, max_tokens=m_in // counts.shape[0]), (counts,)
-    spec = kernel.LayoutSpec(kind, m_in, m_in * layout.top_k, top_k=layout.top_k, num_blocks=layout.expert_ids.shape[0])
+    spec = kernel.LayoutSpec(
+        kind,
+        m_in,
+        m_in * layout.top_k,
+        top_k=layout.top_k,
+        num_blocks=layout.expert_ids.shape[0],
+        lists_dropped=layout.lists_dropped,
+    )
     arrays = (
         layout.sorted_ids.astype(jnp.int32),
         layout.expert_ids.astype(jnp.int32),

@@ -9,7 +9,9 @@ arrays and whose static part is what shapes depend on.
   ``expert_ids[b]``; entry ``idx`` reads input row ``idx // top_k`` and
   writes output row ``idx``. Sentinels and blocks past ``num_tokens_padded``
   are skipped; output rows nobody writes are zero. Output has
-  ``M_in * top_k`` rows.
+  ``M_in * top_k`` rows. ``lists_dropped=True`` says the rows no live block
+  writes are all listed (past ``num_tokens_padded`` or in blocks of expert
+  -1), as :func:`humming_jax.moe_align_block_size` lists them.
 * :class:`Dense` — ``x [M, K] @ w[0].T`` (a weight with one expert).
 """
 
@@ -23,8 +25,8 @@ import jax.numpy as jnp
 from humming_jax.configs import GemmLayout
 
 
-def _static():
-    return dataclasses.field(metadata=dict(static=True))
+def _static(**default):
+    return dataclasses.field(metadata=dict(static=True), **default)
 
 
 @jax.tree_util.register_dataclass
@@ -72,6 +74,10 @@ class Indexed:
     num_tokens_padded: jax.Array  # int32 [1]
     top_k: int = _static()
     block_size: int = _static()
+    # True when every slot that no live block holds is listed past
+    # num_tokens_padded or in a block of expert -1 (moe_align_block_size's
+    # layout): the GEMM then finds every row to zero and skips the zero fill.
+    lists_dropped: bool = _static(default=False)
     kind = GemmLayout.INDEXED
 
     def output_rows(self, m_in: int) -> int:
@@ -89,6 +95,8 @@ class Indexed:
             raise ValueError(
                 f"layout.expert_ids: expected shape [ceil(L/block_size)]=[{blocks}], got {self.expert_ids.shape}"
             )
+        if not isinstance(self.lists_dropped, bool):
+            raise ValueError(f"layout.lists_dropped: expected a bool, got {self.lists_dropped!r}")
         if self.num_tokens_padded.size != 1:
             raise ValueError(
                 f"layout.num_tokens_padded: expected one element, got shape {self.num_tokens_padded.shape}"

@@ -81,7 +81,9 @@ def _align_reference(topk_ids, block_size, num_experts, expert_map, ignore_inval
     counts, rank = _group_positions(group, valid, num_groups)
     padded = (counts + block_size - 1) // block_size * block_size
     padded_starts = jnp.cumsum(padded) - padded
-    destination = jnp.where(valid, padded_starts[group] + rank, length)
+    # Dropped slots follow the padded groups, in slot order.
+    dropped_rank = jnp.cumsum(~valid) - 1
+    destination = jnp.where(valid, padded_starts[group] + rank, jnp.sum(padded) + dropped_rank)
     slots = jnp.arange(num_slots, dtype=jnp.int32)
     sorted_ids = jnp.full(length, num_slots, jnp.int32).at[destination].set(slots, mode="drop")
 
@@ -116,9 +118,14 @@ def moe_align_block_size(
 
     Returns ``sorted_ids [L]`` (slot indices grouped by expert, ascending inside
     an expert, each group padded to a multiple of ``block_size`` with the
-    sentinel ``T*k``; unused tail entries hold the sentinel), ``expert_ids
-    [ceil(L/block_size)]`` (the expert of each block, -1 past the last used
-    block) and ``num_tokens_post_pad [1]``; ``L = align_length(T*k, E, block_size)``.
+    sentinel ``T*k``), ``expert_ids [ceil(L/block_size)]`` (the expert of each
+    block, -1 past the last used block) and ``num_tokens_post_pad [1]``;
+    ``L = align_length(T*k, E, block_size)``. Past ``num_tokens_post_pad`` the
+    dropped slots follow in slot order, then the sentinel (vLLM leaves only
+    sentinels there; its consumers read no further than
+    ``num_tokens_post_pad``): a GEMM over ``Indexed(..., lists_dropped=True)``
+    finds the rows to zero there instead of zero-filling its output first.
+    There is room: the padded groups take at most ``L`` minus the dropped slots.
 
     Without ``expert_map`` groups are global ids. With one and
     ``ignore_invalid_experts=False`` slots are grouped by global id and blocks
@@ -171,7 +178,6 @@ def _scatter_kernel(topk_ids, num_experts, expert_map, num_local_experts, interp
         num_bins=num_local_experts,
         has_map=expert_map is not None,
         map_groups=expert_map is not None,
-        invalid_bin=True,
     )
     dest, inverse, bin_start = kernels.group_slots(topk_ids, expert_map, grouping, outputs="dest", interpret=interpret)
     return bin_start[: num_local_experts + 1], dest, inverse

@@ -37,9 +37,12 @@ outside every group, ``[0, offsets[0])`` and ``[offsets[E], M)``, are cut in
 chunks of ``bm`` and row tile t zeroes chunk t (the grid keeps one row tile
 more than the work can take, so there are as many row tiles as chunks).
 ``grouped_masked``: each tile zeroes its expert's rows past the count.
-``dense`` covers every row. ``indexed`` cannot know which rows its blocks
-leave out (dropped ids are in no block): the caller passes a zeroed output
-that the kernel updates in place (``input_output_aliases``). With
+``dense`` covers every row. ``indexed``: each tile of a dead block (past
+``num_tokens_padded`` or of an expert outside ``[0, E)``) zeroes the rows
+it lists; with ``lists_dropped`` (``moe_align_block_size`` lists the
+dropped slots past ``num_tokens_padded``) those are all the rows to zero,
+else the caller passes a zeroed output that the kernel updates in place
+(``input_output_aliases``). With
 ``split_k > 1`` each split writes its own f32 partial ``[split_k, M, N]``
 (zeros included); the caller sums the partials in a fixed order
 (deterministic).
@@ -98,6 +101,15 @@ class LayoutSpec:
     top_k: int = 1
     num_blocks: int = 0  # indexed: len(expert_ids)
     max_tokens: int = 0  # grouped_masked
+    # indexed: the slots no live block holds are all listed in dead blocks
+    # (past num_tokens_padded or of expert -1), so the kernel zeroes every row
+    # it must and needs no zero-filled output.
+    lists_dropped: bool = False
+
+    @property
+    def zero_filled(self) -> bool:
+        """The caller passes a zeroed output that the kernel updates in place."""
+        return self.kind == "indexed" and not self.lists_dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -714,7 +726,7 @@ def _gemm_kernel(
     )
     rest = refs[1 + num_route + num_weight :]
     bias_ref = rest[0] if w.has_bias else None
-    out_ref = rest[-1]  # the output (indexed: aliased to a zeroed input)
+    out_ref = rest[-1]  # the output (aliased to a zeroed input when layout.zero_filled)
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     in_weights = scales_in_weights(w, tiles, compute_dtype)
     span = scale_span(w, tiles, compute_dtype)
@@ -842,6 +854,8 @@ def _gemm_kernel(
         _zero_gap_chunk(route_refs[0], w.num_experts, layout, bm, row_tile, store_zeros)
     elif layout.kind == "grouped_masked":  # the expert's rows of the tile past its count (all when it has none)
         store_zeros(rows_out, (rows_out < (expert + 1) * layout.max_tokens) & ~row_mask)
+    elif layout.kind == "indexed":  # the slots listed in a dead block (vLLM zeroes expert -1 blocks too)
+        store_zeros(rows_out, row_mask & (rows_out >= 0) & ~live)
 
     def one_column_tile():
         n_idx, n_mask = columns(0)
@@ -956,8 +970,7 @@ def expert_gemm(
     )
     out_shape = (tiles.split_k, layout.m_out, w.n) if tiles.split_k > 1 else (layout.m_out, w.n)
     out_type = jnp.float32 if tiles.split_k > 1 else out_dtype
-    # Only indexed needs a zeroed output (see the module docstring).
-    zero_filled = layout.kind == "indexed"
+    zero_filled = layout.zero_filled  # (see the module docstring)
     ways = nibbles_per_unit(w, tiles, compute_dtype)
     span, pairs = scale_span(w, tiles, compute_dtype), decodes_pairs(w, tiles, compute_dtype)
     if w.packed:  # pairs read words as their 16-bit halves

@@ -40,22 +40,22 @@ SUB_TILE = 128  # slots compared pairwise at a time
 
 @dataclasses.dataclass(frozen=True)
 class Grouping:
-    """How slots map to bins. ``num_bins`` real bins; with ``invalid_bin`` the
-    invalid slots form one more bin after them (``moe_prepare_scatter``), else
-    they are dropped. ``map_groups``: bins are ``expert_map[id]`` (local ids);
-    ``map_labels``: bins are global ids, block labels are ``expert_map[bin]``."""
+    """How slots map to bins. ``num_bins`` real bins; the invalid slots form
+    one more bin after them, never padded (the scatter's rows past the local
+    ones; the aligned layout's tail past ``num_tokens_post_pad``).
+    ``map_groups``: bins are ``expert_map[id]`` (local ids); else with
+    ``has_map`` bins are global ids and block labels are ``expert_map[bin]``."""
 
     num_slots: int
     num_experts: int
     num_bins: int
     has_map: bool = False
     map_groups: bool = False
-    invalid_bin: bool = False
     block_size: int = 1
 
     @property
     def total_bins(self) -> int:
-        return self.num_bins + int(self.invalid_bin)
+        return self.num_bins + 1
 
     @property
     def bins_padded(self) -> int:
@@ -94,10 +94,7 @@ def _slot_groups(ids_ref, map_ref, start, g: Grouping):
         local = plgpu.load(map_ref.at[group], mask=valid, other=-1)
         valid = valid & (local >= 0) & (local < g.num_bins)
         group = jnp.where(valid, local, 0)
-    if g.invalid_bin:
-        group = jnp.where(valid, group, g.num_bins)
-        valid = in_slots
-    return group, valid
+    return jnp.where(valid, group, g.num_bins), in_slots
 
 
 def _counts_by_scatter(g: Grouping, tiles: GroupingTiles) -> bool:
@@ -173,16 +170,20 @@ def _bin_prefix_kernel(
 
 def _write_starts(per_tile: list, start_ref, post_pad_ref, *, g: Grouping):
     """Each bin's start (its count rounded up to the block size, prefix over
-    bins; bins past the last get the total) and the padded total, from the
-    bin counts in equal tiles ``per_tile``."""
-    running = jnp.int32(0)
+    bins; bins past the last get the total), from the bin counts in equal
+    tiles ``per_tile``, and the padded total of the real bins (the invalid
+    bin, last and unpadded, follows it)."""
+    running, invalid = jnp.int32(0), jnp.int32(0)
     for t, totals in enumerate(per_tile):
         width = totals.shape[0]
         padded = (totals + g.block_size - 1) // g.block_size * g.block_size
+        is_invalid = t * width + jnp.arange(width, dtype=jnp.int32) == g.num_bins
+        padded = jnp.where(is_invalid, totals, padded)
+        invalid = invalid + jnp.sum(jnp.where(is_invalid, totals, 0))
         start_ref[pl.ds(t * width, width)] = running + jnp.cumsum(padded) - padded
         running = running + jnp.sum(padded)
     start_ref[g.bins_padded] = running
-    post_pad_ref[0] = running
+    post_pad_ref[0] = running - invalid
 
 
 def _bin_starts_kernel(count_ref, start_ref, post_pad_ref, *, g: Grouping, tiles: GroupingTiles):
@@ -239,7 +240,8 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
         def _fill():
             first = (program - num_chunks) * per_program
             positions = first + jnp.arange(per_program, dtype=jnp.int32)
-            total = start_ref[g.bins_padded]
+            total = start_ref[g.bins_padded]  # the real bins' padded rows, then the dropped slots
+            real_end = start_ref[g.num_bins]
             group = _bin_of_positions(start_ref, positions, g, width)
             offset = positions - plgpu.load(start_ref.at[group])
             padding = (offset >= plgpu.load(count_ref.at[group])) | (positions >= total)
@@ -254,8 +256,8 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
             block_group = _bin_of_positions(start_ref, block_start, g, width)
             label = block_group
             if g.has_map and not g.map_groups:
-                label = plgpu.load(map_ref.at[block_group])
-            label = jnp.where(block_start < total, label, -1)
+                label = plgpu.load(map_ref.at[jnp.minimum(block_group, g.num_experts - 1)])
+            label = jnp.where(block_start < real_end, label, -1)
             plgpu.store(
                 expert_ids_ref.at[pl.ds(first_block, blocks_per_program)],
                 label,
@@ -276,7 +278,9 @@ def group_slots(
     """Group the flattened slots of ``topk_ids`` into bins.
 
     ``outputs="sorted"``: returns ``sorted_ids [length]``, ``expert_ids
-    [ceil(length/block_size)]``, ``num_tokens_post_pad [1]`` (the aligned layout).
+    [ceil(length/block_size)]``, ``num_tokens_post_pad [1]`` (the aligned
+    layout; the dropped slots follow the padded bins, past
+    ``num_tokens_post_pad``, in blocks of expert -1).
     ``outputs="dest"``: returns ``dest [num_slots]`` (each slot's row),
     ``inverse [num_slots]`` (each row's slot) and ``bin_start [total_bins+1]``.
     """

@@ -247,7 +247,8 @@ def align(ids, block_size, num_experts, expert_map=None, ignore_invalid=False, n
         sorted_ids += slots + [num_slots] * (padded - len(slots))
         expert_ids += [block_label(g)] * (padded // block_size)
     total = len(sorted_ids)
-    sorted_ids += [num_slots] * (length - total)
+    sorted_ids += [s for s in range(num_slots) if member[s] < 0]  # the dropped slots, after the groups
+    sorted_ids += [num_slots] * (length - len(sorted_ids))
     expert_ids += [-1] * (-(-length // block_size) - len(expert_ids))
     return np.array(sorted_ids), np.array(expert_ids), total
 

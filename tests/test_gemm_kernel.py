@@ -47,7 +47,8 @@ def _layouts(rng):
         "dense": hj.Dense(),
         "grouped_contiguous": hj.GroupedContiguous(jnp.asarray([0, 7, 7, 30, 33], jnp.int32)),  # empty, tail rows
         "grouped_masked": hj.GroupedMasked(jnp.asarray([0, 10, 3, 40], jnp.int32)),  # empty, over-full
-        "indexed": hj.Indexed(sorted_ids, expert_ids, padded, top_k=2, block_size=16),
+        # The dropped slot is listed past the padded blocks: the kernel zeroes its row (no zero fill).
+        "indexed": hj.Indexed(sorted_ids, expert_ids, padded, top_k=2, block_size=16, lists_dropped=True),
     }
 
 
@@ -152,18 +153,23 @@ def test_batch_invariance(rng):
     st.sampled_from([16, 32, 64]),
     st.integers(0, 2**31 - 1),
     st.sampled_from(np_ref.ROUTING_SHAPES),
+    st.booleans(),
+    st.booleans(),
 )
-def test_kernel_over_random_routings(num_tokens, top_k, block_size, seed, shape):
+def test_kernel_over_random_routings(num_tokens, top_k, block_size, seed, shape, ignore_invalid, lists_dropped):
     """Indexed (reading [T, K]) and grouped (reading the permuted rows) kernels
-    agree with the reference, slot by slot, for any routing."""
+    agree with the reference, slot by slot, for any routing. The indexed
+    layout's dropped slots are in blocks of expert -1 (``ignore_invalid``
+    False, with an expert map) or past the padded blocks; with
+    ``lists_dropped`` the kernel alone zeroes their rows (no zero fill)."""
     rng = np.random.default_rng(seed)
     ids, emap, local = np_ref.small_routing(rng, num_tokens, top_k, shape)
     emap = None if emap is None else jnp.asarray(emap)
     num_experts = np_ref.SMALL_EXPERTS
     weight = F.quantize_weight(jnp.asarray(rng.normal(size=(local, 32, 64)), jnp.float32), F.INT4_G32)
     x = jnp.asarray(rng.normal(size=(num_tokens, 64)), jnp.bfloat16)
-    aligned = hj.moe_align_block_size(jnp.asarray(ids), block_size, num_experts, emap, True, local)
-    indexed = hj.Indexed(*aligned, top_k=top_k, block_size=block_size)
+    aligned = hj.moe_align_block_size(jnp.asarray(ids), block_size, num_experts, emap, ignore_invalid, local)
+    indexed = hj.Indexed(*aligned, top_k=top_k, block_size=block_size, lists_dropped=lists_dropped)
     _check(
         hj.gemm(x, weight, indexed, backend=KERNEL_BACKEND),
         hj.gemm(x, weight, indexed, out_dtype=jnp.float32, backend="reference"),
@@ -350,9 +356,39 @@ def test_indexed_blocks_under_16_rows(block_size, rng):
     weight = _weight(rng, F.INT4_G128, E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
     ids = rng.integers(0, E, size=(M, 2)).astype(np.int32)
-    layout = hj.Indexed(*hj.moe_align_block_size(jnp.asarray(ids), block_size, E), top_k=2, block_size=block_size)
+    aligned = hj.moe_align_block_size(jnp.asarray(ids), block_size, E)
+    layout = hj.Indexed(*aligned, top_k=2, block_size=block_size, lists_dropped=True)
     ref = _kernel_reference(x, weight, layout)
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND), ref, bound=1e-5)
+
+
+@pytest.mark.parametrize("lists_dropped", [False, True])
+def test_indexed_rows_of_dead_blocks_are_zero(lists_dropped, rng):
+    """Hand-made indexed layouts (16 slots, blocks of 16): slot 3 sits in a block
+    of expert -1 and slot 7 past ``num_tokens_padded``; with ``lists_dropped``
+    the kernel zeroes both rows itself (the output starts uninitialized: NaN
+    when interpreted), without it slot 12, listed nowhere, is zero too (the
+    zero-filled output)."""
+    from humming_jax.gemm import _layout_spec
+
+    weight = _weight(rng, F.INT4_G128, E)
+    x = jnp.asarray(rng.normal(size=(16, K)), jnp.bfloat16)
+    sentinel = 16
+    live = [s for s in range(16) if s not in (3, 7, 12)]
+    blocks = [live[:6], [3], live[6:], [7, 12] if lists_dropped else [7]]
+    sorted_ids = np.concatenate([np.pad(b, (0, 16 - len(b)), constant_values=sentinel) for b in blocks])
+    layout = hj.Indexed(
+        jnp.asarray(sorted_ids, jnp.int32),
+        jnp.asarray([1, -1, 2, -1], jnp.int32),
+        jnp.asarray([48], jnp.int32),
+        top_k=1,
+        block_size=16,
+        lists_dropped=lists_dropped,
+    )
+    assert _layout_spec(layout, 16)[0].zero_filled is not lists_dropped
+    out = np.asarray(hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND))
+    assert np.all(out[[3, 7, 12]] == 0)
+    _check(jnp.asarray(out), _kernel_reference(x, weight, layout), bound=1e-5)
 
 
 def test_multiply_add_config_validation():

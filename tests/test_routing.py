@@ -75,7 +75,12 @@ def test_align_matches_loop(backend, routing, block_size, ignore_invalid):
         block = np.asarray(sorted_ids)[b * block_size : (b + 1) * block_size]
         block = block[block < ids.size]
         assert np.all(np.diff(block) > 0)
-    assert np.all(np.asarray(sorted_ids)[exp_total:] == ids.size)
+    # Past the padded groups: each slot no group holds once, ascending, then the sentinel.
+    held = set(np.asarray(sorted_ids)[:exp_total].tolist())
+    dropped = [s for s in range(ids.size) if s not in held]
+    tail = np.asarray(sorted_ids)[exp_total:]
+    np.testing.assert_array_equal(tail[: len(dropped)], dropped)
+    assert np.all(tail[len(dropped) :] == ids.size)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -83,7 +88,8 @@ def test_align_example_by_hand(backend):
     ids = jnp.asarray([[2, 0], [2, 9], [0, 2]], jnp.int32)  # 9 is out of range for E=4
     sorted_ids, expert_ids, post_pad = hj.moe_align_block_size(ids, 4, 4, backend=backend)
     assert align_length(6, 4, 4) == 6 + 4 * 3
-    np.testing.assert_array_equal(np.asarray(sorted_ids), [1, 4, 6, 6, 0, 2, 5, 6] + [6] * 10)
+    # Slot 3 (id 9) is dropped: it follows the padded groups.
+    np.testing.assert_array_equal(np.asarray(sorted_ids), [1, 4, 6, 6, 0, 2, 5, 6, 3] + [6] * 9)
     np.testing.assert_array_equal(np.asarray(expert_ids), [0, 2, -1, -1, -1])
     assert int(post_pad[0]) == 8
 
@@ -183,8 +189,8 @@ def test_align_with_expert_map_marks_nonlocal_blocks(backend):
     _, expert_ids, post_pad = hj.moe_align_block_size(ids, 2, 3, expert_map=emap, backend=backend)
     np.testing.assert_array_equal(np.asarray(expert_ids)[: int(post_pad[0]) // 2], [-1, 0, -1])
     sorted_ids, expert_ids, post_pad = hj.moe_align_block_size(ids, 2, 3, emap, True, 1, backend=backend)
-    np.testing.assert_array_equal(np.asarray(sorted_ids)[:2], [1, 2])
-    assert int(post_pad[0]) == 2 and np.asarray(expert_ids).tolist()[0] == 0
+    np.testing.assert_array_equal(np.asarray(sorted_ids)[:4], [1, 2, 0, 3])  # slots 0 and 3 dropped
+    assert int(post_pad[0]) == 2 and np.asarray(expert_ids).tolist() == [0, -1, -1, -1]
 
 
 def test_routing_bad_input_raises():
@@ -244,10 +250,8 @@ def test_grouping_parallel_bin_prefix(outputs, prefix_bins, rng):
     num_experts, block_size = 64, 16
     ids = rng.integers(-2, num_experts + 2, size=(300, 8)).astype(np.int32)
     ids[:40] = 5
-    invalid = outputs == "dest"  # moe_prepare_scatter's grouping: invalid ids last, no padding
-    grouping = kernels.Grouping(
-        ids.size, num_experts, num_experts, invalid_bin=invalid, block_size=1 if invalid else block_size
-    )
+    # moe_prepare_scatter's grouping has no padding
+    grouping = kernels.Grouping(ids.size, num_experts, num_experts, block_size=1 if outputs == "dest" else block_size)
     tiles = kernels.GroupingTiles(chunk_tile=4, prefix_bins=prefix_bins)
     length = align_length(ids.size, num_experts, block_size)
     got = kernels.group_slots(
