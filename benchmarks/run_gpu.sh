@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: indexed-zeros zero-fill gemm-bench-decode-mixtral hadamard-rows t1-profile int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
+# Steps: align-gate indexed-zeros zero-fill gemm-bench-decode-mixtral hadamard-rows t1-profile int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -80,6 +80,13 @@ for step in $steps; do
     int4-prefill-bench) timeout 450 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
                           --tokens 4096 --formats int4_g128 --out "$out/gemm_int4_prefill.json" 2>&1 \
                           | tee "$out/gemm_int4_prefill.log" | tail -10 ;;
+    # v22 gated (align lists the dropped slots only where their bin is free; fill compares of 32 bins): the
+    # tests with the real compiler, then align / scatter times (fourteenth session, E=128 T=16/512/4096: 14.5 /
+    # 15.5 / 29.0 us before v22, 19.6 / 20.5 / 25.9 with 256 bins and the new fill tiles; prediction <= 14.5 at T=16).
+    align-gate) pytest_gpu 200 tests/test_routing.py tests/test_gemm_kernel.py \
+                  -k "align or grouping or routings or dead_blocks" 2>&1 | tail -3
+                timeout 200 python3 -W ignore -m benchmarks.bench_routing --tokens 16 512 4096 --experts 128,8 8,2 256,8 \
+                  --hidden 2048 --out "$out/routing_gate.json" 2>&1 | grep -E "align|scatter" | tee "$out/routing_gate.log" ;;
     # GEMM v22: moe_align_block_size lists the dropped slots past num_tokens_padded, so the indexed GEMM zeroes
     # their rows itself (no zero fill before it). Its tests and align's with the real compiler, then qwen3 and
     # mixtral T=1 / T=16 against the same-run copy (fourteenth session, v21: qwen3 T=1 w13 indexed int4 12.1 us 0.58,

@@ -40,9 +40,10 @@ SUB_TILE = 128  # slots compared pairwise at a time
 
 @dataclasses.dataclass(frozen=True)
 class Grouping:
-    """How slots map to bins. ``num_bins`` real bins; the invalid slots form
-    one more bin after them, never padded (the scatter's rows past the local
-    ones; the aligned layout's tail past ``num_tokens_post_pad``).
+    """How slots map to bins. ``num_bins`` real bins; with ``invalid_bin`` the
+    invalid slots form one more bin after them, never padded (the scatter's
+    rows past the local ones; the aligned layout's tail past
+    ``num_tokens_post_pad``), else they are dropped.
     ``map_groups``: bins are ``expert_map[id]`` (local ids); else with
     ``has_map`` bins are global ids and block labels are ``expert_map[bin]``."""
 
@@ -51,15 +52,28 @@ class Grouping:
     num_bins: int
     has_map: bool = False
     map_groups: bool = False
+    invalid_bin: bool = False
     block_size: int = 1
 
     @property
     def total_bins(self) -> int:
-        return self.num_bins + 1
+        return self.num_bins + int(self.invalid_bin)
 
     @property
     def bins_padded(self) -> int:
-        return max(16, pl.next_power_of_2(self.total_bins))
+        return padded_bins(self.total_bins)
+
+
+def padded_bins(bins: int) -> int:
+    """Bins as the kernels hold them: a power of two, at least 16."""
+    return max(16, pl.next_power_of_2(bins))
+
+
+def invalid_bin_is_free(num_bins: int) -> bool:
+    """The invalid bin fits the padding of ``num_bins`` real bins (not at 16,
+    32, ... 128 experts: there it doubles the bins, and the H200 took
+    align at E=128, T=16 from 14.5 to 19.6 us)."""
+    return padded_bins(num_bins + 1) == padded_bins(num_bins)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +90,9 @@ class GroupingTiles:
     # experts, 1024 x 512 counts in 64 sequential [64, 128] scans).
     prefix_bins: int = 32
     fill_positions: int = 256  # sorted_ids positions per fill program
+    # Bins compared with the fill's positions at a time: [256, 128] compares
+    # took 255 registers a thread and 25 us at 256 bins on the H200 (ncu).
+    fill_bin_tile: int = 32
     num_warps: int = 4
 
     def for_slots(self, num_slots: int) -> GroupingTiles:
@@ -94,7 +111,9 @@ def _slot_groups(ids_ref, map_ref, start, g: Grouping):
         local = plgpu.load(map_ref.at[group], mask=valid, other=-1)
         valid = valid & (local >= 0) & (local < g.num_bins)
         group = jnp.where(valid, local, 0)
-    return jnp.where(valid, group, g.num_bins), in_slots
+    if g.invalid_bin:
+        return jnp.where(valid, group, g.num_bins), in_slots
+    return group, valid
 
 
 def _counts_by_scatter(g: Grouping, tiles: GroupingTiles) -> bool:
@@ -177,9 +196,10 @@ def _write_starts(per_tile: list, start_ref, post_pad_ref, *, g: Grouping):
     for t, totals in enumerate(per_tile):
         width = totals.shape[0]
         padded = (totals + g.block_size - 1) // g.block_size * g.block_size
-        is_invalid = t * width + jnp.arange(width, dtype=jnp.int32) == g.num_bins
-        padded = jnp.where(is_invalid, totals, padded)
-        invalid = invalid + jnp.sum(jnp.where(is_invalid, totals, 0))
+        if g.invalid_bin:
+            is_invalid = t * width + jnp.arange(width, dtype=jnp.int32) == g.num_bins
+            padded = jnp.where(is_invalid, totals, padded)
+            invalid = invalid + jnp.sum(jnp.where(is_invalid, totals, 0))
         start_ref[pl.ds(t * width, width)] = running + jnp.cumsum(padded) - padded
         running = running + jnp.sum(padded)
     start_ref[g.bins_padded] = running
@@ -232,7 +252,7 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
 
     if outputs == "sorted":
         sorted_ref, expert_ids_ref = outs
-        width = min(tiles.bin_tile, g.bins_padded)
+        width = min(tiles.fill_bin_tile, g.bins_padded)
         per_program = tiles.fill_positions
         blocks_per_program = per_program // g.block_size
 
@@ -241,7 +261,7 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
             first = (program - num_chunks) * per_program
             positions = first + jnp.arange(per_program, dtype=jnp.int32)
             total = start_ref[g.bins_padded]  # the real bins' padded rows, then the dropped slots
-            real_end = start_ref[g.num_bins]
+            real_end = start_ref[g.num_bins] if g.invalid_bin else total
             group = _bin_of_positions(start_ref, positions, g, width)
             offset = positions - plgpu.load(start_ref.at[group])
             padding = (offset >= plgpu.load(count_ref.at[group])) | (positions >= total)
@@ -279,8 +299,8 @@ def group_slots(
 
     ``outputs="sorted"``: returns ``sorted_ids [length]``, ``expert_ids
     [ceil(length/block_size)]``, ``num_tokens_post_pad [1]`` (the aligned
-    layout; the dropped slots follow the padded bins, past
-    ``num_tokens_post_pad``, in blocks of expert -1).
+    layout; with ``invalid_bin`` the dropped slots follow the padded bins,
+    past ``num_tokens_post_pad``, in blocks of expert -1).
     ``outputs="dest"``: returns ``dest [num_slots]`` (each slot's row),
     ``inverse [num_slots]`` (each row's slot) and ``bin_start [total_bins+1]``.
     """
