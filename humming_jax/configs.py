@@ -325,11 +325,12 @@ class ProcessTilesConfig:
     # The whole row as one column block of the next power of two, the lanes past
     # K masked (K=768: one 1024-wide block instead of 512 + 256).
     one_block: bool = False
-    # The operand-blocks rotation's products on sub-blocks of this many columns (a
-    # power of two from 16, under the Hadamard block b), the rest of the rotation
-    # as butterflies in f32 (H_b = H_{b/s} ⊗ H_s): b/s times fewer tensor-core
-    # flops and an s x s matrix. b: one product per Hadamard block; 0: chosen
-    # (64 under blocks of 128 and more, else whole blocks).
+    # The products of the operand-blocks rotation (or of two passes) on sub-blocks
+    # of this many columns (a power of two from 16, under the Hadamard block b),
+    # the rest of the rotation as butterflies in f32 (H_b = H_{b/s} ⊗ H_s): b/s
+    # times fewer tensor-core flops and an s x s matrix. b: one product per
+    # Hadamard block; 0: chosen (operand blocks: 64 under blocks of 128 and
+    # more, else whole blocks; two passes: whole blocks).
     hadamard_sub: int = 0
 
     def __post_init__(self):

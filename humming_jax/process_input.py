@@ -194,19 +194,18 @@ def process_input(
 def _check_tiles(cfg, tiles: ProcessTilesConfig, x_dtype) -> None:
     """The Hadamard products need 16 rows (the MMA minimum). Two passes rotate
     b-wide column blocks of the program's rows: they need a Hadamard block size
-    and groups that fit in one block. Sub-block products are for the
-    operand-blocks rotation, under the Hadamard block (the block size itself:
-    one product a block, in any rotation)."""
+    and groups that fit in one product. Sub-block products are for two passes
+    and for the operand-blocks rotation, under the Hadamard block (the block
+    size itself: one product a block, in any rotation)."""
     sub = tiles.hadamard_sub
-    if sub and not (
-        cfg.hadamard and (sub == cfg.hadamard or sub < cfg.hadamard and kernel.rotates_blocks(cfg, x_dtype))
-    ):
+    sub_rotation = tiles.two_pass or kernel.rotates_blocks(cfg, x_dtype)
+    if sub and not (cfg.hadamard and (sub == cfg.hadamard or sub < cfg.hadamard and sub_rotation)):
         raise ValueError(
-            f"process_input: tiles.hadamard_sub={sub}: sub-block products are for a Hadamard rotation "
-            f"of a bf16 input without activation, quantized per token, statically or not at all, with sub-blocks "
-            f"under the Hadamard block, or the block size for whole-block products (got "
+            f"process_input: tiles.hadamard_sub={sub}: sub-block products are for a Hadamard rotation in two "
+            f"passes or of a bf16 input without activation, quantized per token, statically or not at all, with "
+            f"sub-blocks under the Hadamard block, or the block size for whole-block products (got "
             f"hadamard_block_size={cfg.hadamard}, activation={cfg.activation}, input {jnp.dtype(x_dtype).name}, "
-            f"mode {cfg.mode})"
+            f"mode {cfg.mode}, two_pass={tiles.two_pass})"
         )
     if not tiles.two_pass:
         per_row = cfg.hadamard_blocks_per_row if cfg.hadamard else 0
@@ -222,6 +221,11 @@ def _check_tiles(cfg, tiles: ProcessTilesConfig, x_dtype) -> None:
         raise ValueError(
             f"process_input: tiles.two_pass: groups of {cfg.group_size} columns span several Hadamard blocks of "
             f"{cfg.hadamard}; use one pass"
+        )
+    if sub and cfg.group_size > sub:
+        raise ValueError(
+            f"process_input: tiles.two_pass: groups of {cfg.group_size} columns span several sub-block products of "
+            f"{sub} (tiles.hadamard_sub); use wider products"
         )
     if tiles.block_rows and tiles.block_rows < 16:
         raise ValueError(f"process_input: tiles.block_rows: two passes need at least 16 rows, got {tiles.block_rows}")

@@ -217,19 +217,24 @@ def _activate(tiles: list, size: int, cfg: ProcessConfig):
     raise ValueError(f"unknown activation {kind!r}")
 
 
-def _rotate(y, h, cfg: ProcessConfig, bf16_exact: bool):
-    """Blockwise Hadamard rotation of ``y [rows, width]`` by ``±1 / sqrt(b)``:
-    f32 values as two bf16 tensor-core products (high and low halves), or one
-    when ``bf16_exact`` (a bf16 input without activation: the low half is 0).
-    ``h``: the ``[b, b]`` ±1 matrix (bf16), loaded once per program."""
-    b = cfg.hadamard
-    rows, width = y.shape
-    blocks = y.reshape(rows * width // b, b)
+def _hadamard_product(blocks, h, bf16_exact: bool):
+    """``blocks [r, s] @ h`` (``h``: an ``[s, s]`` ±1 matrix, bf16) in f32: f32
+    values as two bf16 tensor-core products (high and low halves), or one when
+    ``bf16_exact`` (a bf16 input without activation: the low half is 0)."""
     high = blocks.astype(jnp.bfloat16)
-    rotated = jnp.dot(high, h, preferred_element_type=jnp.float32)
+    product = jnp.dot(high, h, preferred_element_type=jnp.float32)
     if not bf16_exact:
         low = (blocks - high.astype(jnp.float32)).astype(jnp.bfloat16)
-        rotated = rotated + jnp.dot(low, h, preferred_element_type=jnp.float32)
+        product = product + jnp.dot(low, h, preferred_element_type=jnp.float32)
+    return product
+
+
+def _rotate(y, h, cfg: ProcessConfig, bf16_exact: bool):
+    """Blockwise Hadamard rotation of ``y [rows, width]`` by ``±1 / sqrt(b)``
+    (``h``: the ``[b, b]`` ±1 matrix, loaded once per program)."""
+    b = cfg.hadamard
+    rows, width = y.shape
+    rotated = _hadamard_product(y.reshape(rows * width // b, b), h, bf16_exact)
     return (rotated * (1.0 / math.sqrt(b))).reshape(rows, width)
 
 
@@ -375,21 +380,31 @@ def _process_rows(block, tiles, ins: _Inputs, out_refs, cfg: ProcessConfig, m_in
 
     if cfg.two_pass:
         b = cfg.hadamard
+        s = h.shape[0]  # columns of one product: the block, or the tiles' sub-block
+        parts = b // s
 
-        def rotated(i):  # columns [i*b, (i+1)*b) after activation and rotation
-            return _rotate(_activated(x_ref, rows, row_mask, i * b, b, False, cfg), h, cfg, bf16_exact)
+        def rotated(i):
+            """Columns ``[i*b, (i+1)*b)`` after activation and rotation, as
+            ``b/s`` tiles ``[rows, s]``: one product per sub-block, each loaded
+            as its own tile, then f32 butterflies (:func:`_butterflies`)."""
+            products = [
+                _hadamard_product(_activated(x_ref, rows, row_mask, i * b + p * s, s, False, cfg), h, bf16_exact)
+                for p in range(parts)
+            ]
+            return [y * (1.0 / math.sqrt(b)) for y in _butterflies(products)]
 
         row_amax = None
         if cfg.mode in ("dynamic_token", "dynamic_group_token"):
             row_amax = jax.lax.fori_loop(
                 0,
                 cfg.k_out // b,
-                lambda i, amax: jnp.maximum(amax, jnp.max(jnp.abs(rotated(i)), axis=1)),
+                lambda i, amax: jnp.maximum(amax, _row_max([jnp.abs(y) for y in rotated(i)])),
                 jnp.zeros((block_rows,), jnp.float32),
             )
 
         def write(i, carry):
-            _store(out, _quantize([rotated(i)], static_ref, cfg, row_amax), ((i * b, b),), False, cfg)
+            segments = tuple((i * b + p * s, s) for p in range(parts))
+            _store(out, _quantize(rotated(i), static_ref, cfg, row_amax), segments, False, cfg)
             return carry
 
         jax.lax.fori_loop(0, cfg.k_out // b, write, 0)
@@ -597,14 +612,28 @@ CHOSEN_HADAMARD_SUB = 64
 
 def product_columns(cfg: ProcessConfig, x_dtype) -> int:
     """Columns of the rotation's matrix products: ``cfg.hadamard_sub`` where
-    given, else :data:`CHOSEN_HADAMARD_SUB` under blocks larger than that, in
-    the operand-blocks rotation (:func:`rotates_blocks`); the whole Hadamard
-    block otherwise."""
+    given (operand-blocks rotation or two passes), else
+    :data:`CHOSEN_HADAMARD_SUB` under blocks larger than that in the
+    operand-blocks rotation (:func:`rotates_blocks`); the whole Hadamard block
+    otherwise."""
+    if cfg.two_pass and cfg.hadamard and cfg.hadamard_sub:
+        return cfg.hadamard_sub
     if not rotates_blocks(cfg, x_dtype):
         return cfg.hadamard
     if cfg.hadamard_sub:
         return cfg.hadamard_sub
     return CHOSEN_HADAMARD_SUB if cfg.hadamard > CHOSEN_HADAMARD_SUB else cfg.hadamard
+
+
+def pipeline_stages(cfg: ProcessConfig) -> int:
+    """Triton pipeline stages (it pipelines only loads that feed a dot): the
+    row-block loop's 3; two passes 2 — each pass's loop over column blocks
+    then copies the next block's input asynchronously (sm_90 SASS at K=768,
+    64 rows, h64: LDG -> LDGSTS, 98 -> 94 registers, 45 KB of shared memory);
+    1 for a program of one block."""
+    if cfg.two_pass:
+        return 2
+    return 1 if cfg.row_blocks == 1 else 3
 
 
 def _scale_dtype(cfg: ProcessConfig):
@@ -659,7 +688,7 @@ def process_input(
         functools.partial(_process_kernel, cfg=cfg, m_in=m_in),
         grid=(pl.cdiv(pl.cdiv(m_in, cfg.rows), cfg.row_blocks),),
         out_shape=tuple(out_shape),
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=1 if cfg.row_blocks == 1 else 3),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=pipeline_stages(cfg)),
         interpret=interpret,
         name="moe_process_input",
     )(*inputs)

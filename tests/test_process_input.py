@@ -468,6 +468,39 @@ def test_hadamard_two_pass(spec, activation, rng):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+@pytest.mark.parametrize(
+    "spec,activation,sub",
+    [
+        (Q.FP8_DYNAMIC_TOKEN, None, 64),
+        (Q.FP8_DYNAMIC_TOKEN, None, 32),
+        (Q.MXFP8_DYNAMIC, "silu", 32),  # f32 values: two products a sub-block; groups of 32 in each
+        (Q.NVFP4_DYNAMIC_TOKEN, None, 64),
+        (Q.NONE, "silu", 64),
+    ],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+def test_hadamard_two_pass_sub_block_products(spec, activation, sub, rng):
+    """Two passes with sub-block products (tiles ``16x4x2h{sub}``): each
+    128-column block loaded as 128/sub tiles, one product each and f32
+    butterflies; the reference's values and scales (up to f32 summation
+    order), and without activation the one-pass kernel's output with the
+    same sub-blocks, bit for bit."""
+    x = jnp.asarray(_inputs(rng, 19, 768 if activation else 384), jnp.bfloat16)
+    kw = dict(activation=activation, hadamard_block_size=128, num_valid_tokens=jnp.asarray([17], jnp.int32))
+    tiles = hj.ProcessTilesConfig.parse(f"16x4x2h{sub}")
+    assert tiles == hj.ProcessTilesConfig(16, 4, True, hadamard_sub=sub)
+    two = hj.process_input(x, spec, tiles=tiles, backend=KERNEL_BACKEND, **kw)
+    _check_against_reference(
+        two, hj.process_input(x, spec, backend="reference", **kw), False, np.asarray(x, np.float64)
+    )
+    assert not np.asarray(two.values).view(np.uint8)[17:].any()  # rows past the valid tokens are zero
+    if activation is not None or spec.mode.value != "dynamic_token":
+        return
+    one = hj.process_input(x, spec, tiles=hj.ProcessTilesConfig(hadamard_sub=sub), backend=KERNEL_BACKEND, **kw)
+    np.testing.assert_array_equal(np.asarray(two.values).view(np.uint8), np.asarray(one.values).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(two.scale), np.asarray(one.scale))
+
+
 def test_two_pass_needs_a_hadamard_and_fitting_groups():
     x = jnp.ones((16, 256), jnp.bfloat16)
     two = hj.ProcessTilesConfig(two_pass=True)
@@ -478,6 +511,14 @@ def test_two_pass_needs_a_hadamard_and_fitting_groups():
     with pytest.raises(ValueError, match="block_rows"):
         hj.process_input(x, hadamard_block_size=64, tiles=hj.ProcessTilesConfig(8, 4, True), backend=KERNEL_BACKEND)
     assert hj.ProcessTilesConfig.parse("64x8x2") == hj.ProcessTilesConfig(64, 8, True)
+    with pytest.raises(ValueError, match="sub-block products of 32"):  # groups of 128 over two 32-column products
+        hj.process_input(
+            x,
+            Q.FP8_DYNAMIC_GROUP128,
+            hadamard_block_size=128,
+            tiles=hj.ProcessTilesConfig(16, 4, True, hadamard_sub=32),
+            backend=KERNEL_BACKEND,
+        )
 
 
 def test_hadamard_two_pass_scatter(rng):
@@ -674,7 +715,6 @@ def test_hadamard_sub_refusals(rng):
         dict(hadamard_block_size=128, activation="silu"),  # activations take the rows path
         dict(hadamard_block_size=16),  # not under the block
         dict(),  # no rotation
-        dict(hadamard_block_size=128, tiles=hj.ProcessTilesConfig(16, 4, True, hadamard_sub=32)),  # two passes
     ):
         kw = {"tiles": sub, **kw}
         with pytest.raises(ValueError, match="tiles.hadamard_sub=32"):
