@@ -90,9 +90,10 @@ for step in $steps; do
                          --cases hadamard128+fp8_token --tiles 128x8x2h64 64x4x2h64 64x8x2h64 32x4x2h64 128x8x2h32 \
                          128x8x2 16x4x1x4h64 0x0 --out "$out/hadamard_two_pass.json" 2>&1 \
                          | tee "$out/hadamard_two_pass.log" | tail -17 ;;
-    # v22 gated (align lists the dropped slots only where their bin is free; fill compares of 32 bins): the
-    # tests with the real compiler, then align / scatter times (fourteenth session, E=128 T=16/512/4096: 14.5 /
-    # 15.5 / 29.0 us before v22, 19.6 / 20.5 / 25.9 with 256 bins and the new fill tiles; prediction <= 14.5 at T=16).
+    # v22 as it stands (align lists the dropped slots with no extra bin: their places come from the chunk bases;
+    # fill compares of 32 bins): the tests with the real compiler, then align / scatter times (fourteenth session,
+    # E=128 T=16/512/4096: 14.5 / 15.5 / 29.0 us before v22, 19.6 / 20.5 / 25.9 with an extra bin (256 bins) and the
+    # new fill tiles; prediction <= 14.5 at T=16).
     align-gate) pytest_gpu 200 tests/test_routing.py tests/test_gemm_kernel.py \
                   -k "align or grouping or routings or dead_blocks" 2>&1 | tail -3
                 timeout 200 python3 -W ignore -m benchmarks.bench_routing --tokens 16 512 4096 --experts 128,8 8,2 256,8 \

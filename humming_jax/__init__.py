@@ -53,7 +53,6 @@ from humming_jax.input_quant import (
 from humming_jax.layouts import Dense, GroupedContiguous, GroupedMasked, Indexed
 from humming_jax.process_input import process_input
 from humming_jax.routing import (
-    align_lists_dropped,
     moe_align_block_size,
     moe_fused_mul_sum,
     moe_permute,
@@ -101,7 +100,6 @@ __all__ = [
     "humming_grouped_experts",
     "humming_indexed_experts",
     "input_quant",
-    "align_lists_dropped",
     "moe_align_block_size",
     "moe_fused_mul_sum",
     "moe_permute",

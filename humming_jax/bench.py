@@ -28,7 +28,7 @@ from humming_jax import layouts as L
 from humming_jax import tuning as T
 from humming_jax.configs import GemmLayout, TuningConfig
 from humming_jax.gemm import as_quantized_input, gemm, plan_tuning
-from humming_jax.routing import align_lists_dropped, moe_align_block_size, moe_prepare_scatter
+from humming_jax.routing import moe_align_block_size, moe_prepare_scatter
 from humming_jax.timing import (
     COPY_BANDWIDTH,
     MATMUL_RATE,
@@ -135,8 +135,7 @@ def _layout(case: Case, ids: np.ndarray, tuning: TuningConfig):
         return L.GroupedContiguous(offsets)
     aligned = moe_align_block_size(jnp.asarray(ids), tuning.block_m, e, ignore_invalid_experts=True)
     top_k = top_k if case.gemm == "w13" else 1
-    lists_dropped = align_lists_dropped(e, ignore_invalid_experts=True)
-    return L.Indexed(*aligned, top_k=top_k, block_size=tuning.block_m, lists_dropped=lists_dropped)
+    return L.Indexed(*aligned, top_k=top_k, block_size=tuning.block_m, lists_dropped=True)
 
 
 def _tuning_for(case: Case) -> TuningConfig:

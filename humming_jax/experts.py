@@ -203,8 +203,6 @@ def humming_indexed_experts(
         return sorted_ids, expert_ids, padded
 
     aligned = align(block_size)
-    # The rows of dropped slots are zeroed by the GEMM when align lists them (else a zero fill).
-    lists_dropped = routing.align_lists_dropped(ignore_invalid_experts=True, **map_kwargs)
     w2_block_size = block_size if w2_block_size is None else w2_block_size
     aligned_w2 = aligned if w2_block_size == block_size else align(w2_block_size)
 
@@ -220,14 +218,14 @@ def humming_indexed_experts(
     gate_up = gemm(
         gate_up_input,
         weights.w13,
-        L.Indexed(*aligned, top_k=top_k, block_size=block_size, lists_dropped=lists_dropped),
+        L.Indexed(*aligned, top_k=top_k, block_size=block_size, lists_dropped=True),
         **gemm_kwargs,
     )
     down_input = _down_input(gate_up, config, weights, backend)
     down = gemm(
         down_input,
         weights.w2,
-        L.Indexed(*aligned_w2, top_k=1, block_size=w2_block_size, lists_dropped=lists_dropped),
+        L.Indexed(*aligned_w2, top_k=1, block_size=w2_block_size, lists_dropped=True),
         **gemm_kwargs,
     )
     return routing.moe_fused_mul_sum(

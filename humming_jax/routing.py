@@ -30,27 +30,6 @@ def align_length(num_slots: int, num_experts: int, block_size: int) -> int:
     return length
 
 
-def _align_groups(num_experts: int, expert_map, ignore_invalid_experts: bool, num_local_experts: int | None) -> int:
-    """The groups ``moe_align_block_size`` sorts slots into."""
-    if expert_map is not None and ignore_invalid_experts:
-        return num_experts if num_local_experts is None else num_local_experts
-    return num_experts
-
-
-def align_lists_dropped(
-    num_experts: int,
-    expert_map: jax.Array | None = None,
-    ignore_invalid_experts: bool = False,
-    num_local_experts: int | None = None,
-) -> bool:
-    """Whether :func:`moe_align_block_size` (same arguments) lists the dropped
-    slots past ``num_tokens_post_pad``: when one more bin for them costs the
-    grouping kernels nothing, i.e. unless the groups are a power of two from
-    16 up. Such a layout is ``Indexed(..., lists_dropped=True)``."""
-    groups = _align_groups(num_experts, expert_map, ignore_invalid_experts, num_local_experts)
-    return kernels.invalid_bin_is_free(groups)
-
-
 def _check_routing(topk_ids: jax.Array, num_experts: int, expert_map: jax.Array | None, op: str) -> None:
     if topk_ids.ndim != 2:
         raise ValueError(f"{op}: topk_ids must be [T, k], got shape {topk_ids.shape}")
@@ -102,10 +81,8 @@ def _align_reference(topk_ids, block_size, num_experts, expert_map, ignore_inval
     counts, rank = _group_positions(group, valid, num_groups)
     padded = (counts + block_size - 1) // block_size * block_size
     padded_starts = jnp.cumsum(padded) - padded
-    # Dropped slots follow the padded groups in slot order (when listed).
+    # Dropped slots follow the padded groups, in slot order.
     dropped = jnp.sum(padded) + jnp.cumsum(~valid) - 1
-    if not kernels.invalid_bin_is_free(num_groups):
-        dropped = jnp.full_like(dropped, length)
     destination = jnp.where(valid, padded_starts[group] + rank, dropped)
     slots = jnp.arange(num_slots, dtype=jnp.int32)
     sorted_ids = jnp.full(length, num_slots, jnp.int32).at[destination].set(slots, mode="drop")
@@ -144,12 +121,12 @@ def moe_align_block_size(
     sentinel ``T*k``), ``expert_ids [ceil(L/block_size)]`` (the expert of each
     block, -1 past the last used block) and ``num_tokens_post_pad [1]``;
     ``L = align_length(T*k, E, block_size)``. Past ``num_tokens_post_pad``
-    come the sentinel, or — where :func:`align_lists_dropped` says so — first
-    the dropped slots in slot order (vLLM leaves only sentinels there; its
-    consumers read no further than ``num_tokens_post_pad``): a GEMM over
-    ``Indexed(..., lists_dropped=True)`` finds the rows to zero there instead
-    of zero-filling its output first. There is room: the padded groups take
-    at most ``L`` minus the dropped slots.
+    come the dropped slots in slot order, then the sentinel (vLLM leaves only
+    sentinels there; its consumers read no further than
+    ``num_tokens_post_pad``): a GEMM over ``Indexed(..., lists_dropped=True)``
+    finds the rows to zero there instead of zero-filling its output first.
+    There is room: the padded groups take at most ``L`` minus the dropped
+    slots.
 
     Without ``expert_map`` groups are global ids. With one and
     ``ignore_invalid_experts=False`` slots are grouped by global id and blocks
@@ -172,7 +149,6 @@ def moe_align_block_size(
         num_bins=num_local if map_groups else num_experts,
         has_map=expert_map is not None,
         map_groups=map_groups,
-        invalid_bin=align_lists_dropped(num_experts, expert_map, ignore_invalid_experts, num_local_experts),
         block_size=block_size,
     )
     return kernels.group_slots(

@@ -40,9 +40,9 @@ more than the work can take, so there are as many row tiles as chunks).
 ``dense`` covers every row. ``indexed``: each tile of a dead block (past
 ``num_tokens_padded`` or of an expert outside ``[0, E)``) zeroes the rows
 it lists; with ``lists_dropped`` (``moe_align_block_size`` lists the
-dropped slots past ``num_tokens_padded`` where one more grouping bin is
-free) those are all the rows to zero, else the caller passes a zeroed
-output that the kernel updates in place (``input_output_aliases``). With
+dropped slots past ``num_tokens_padded``) those are all the rows to zero,
+else the caller passes a zeroed output that the kernel updates in place
+(``input_output_aliases``). With
 ``split_k > 1`` each split writes its own f32 partial ``[split_k, M, N]``
 (zeros included); the caller sums the partials in a fixed order
 (deterministic).

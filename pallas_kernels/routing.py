@@ -13,9 +13,12 @@ prefix sums only, so the result is deterministic and exact in interpret mode):
    program when the counts are few enough for one) the prefix over bins:
    each bin's start, with its count rounded up to the block size.
 3. ``place_slots`` — grid over chunks (write each slot to ``bin_start[g] +
-   chunk_base[c, g] + rank``), plus, for the aligned layout, programs over
-   ``sorted_ids`` positions that write the padding sentinels and the block
-   experts.
+   chunk_base[c, g] + rank``; in the aligned layout a dropped slot goes past
+   the padded bins, to ``total + dropped before its chunk + its rank among
+   the chunk's dropped``, the first count from the chunk's size less its
+   valid slots' bases, so the dropped need no bin), plus, for the aligned
+   layout, programs over ``sorted_ids`` positions that write the padding
+   sentinels and the block experts.
 
 Row movement (permute, unpermute, fused weighted sum) is a grid over
 ``block_tokens x block_cols`` tiles that gathers or scatters whole rows.
@@ -41,11 +44,9 @@ SUB_TILE = 128  # slots compared pairwise at a time
 @dataclasses.dataclass(frozen=True)
 class Grouping:
     """How slots map to bins. ``num_bins`` real bins; with ``invalid_bin`` the
-    invalid slots form one more bin after them, never padded (the scatter's
-    rows past the local ones; the aligned layout's tail past
-    ``num_tokens_post_pad``), else they are dropped.
-    ``map_groups``: bins are ``expert_map[id]`` (local ids); else with
-    ``has_map`` bins are global ids and block labels are ``expert_map[bin]``."""
+    invalid slots form one more bin after them (``moe_prepare_scatter``), else
+    they are dropped. ``map_groups``: bins are ``expert_map[id]`` (local ids);
+    ``map_labels``: bins are global ids, block labels are ``expert_map[bin]``."""
 
     num_slots: int
     num_experts: int
@@ -61,19 +62,7 @@ class Grouping:
 
     @property
     def bins_padded(self) -> int:
-        return padded_bins(self.total_bins)
-
-
-def padded_bins(bins: int) -> int:
-    """Bins as the kernels hold them: a power of two, at least 16."""
-    return max(16, pl.next_power_of_2(bins))
-
-
-def invalid_bin_is_free(num_bins: int) -> bool:
-    """The invalid bin fits the padding of ``num_bins`` real bins (not at 16,
-    32, ... 128 experts: there it doubles the bins, and the H200 took
-    align at E=128, T=16 from 14.5 to 19.6 us)."""
-    return padded_bins(num_bins + 1) == padded_bins(num_bins)
+        return max(16, pl.next_power_of_2(self.total_bins))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +101,8 @@ def _slot_groups(ids_ref, map_ref, start, g: Grouping):
         valid = valid & (local >= 0) & (local < g.num_bins)
         group = jnp.where(valid, local, 0)
     if g.invalid_bin:
-        return jnp.where(valid, group, g.num_bins), in_slots
+        group = jnp.where(valid, group, g.num_bins)
+        valid = in_slots
     return group, valid
 
 
@@ -189,21 +179,16 @@ def _bin_prefix_kernel(
 
 def _write_starts(per_tile: list, start_ref, post_pad_ref, *, g: Grouping):
     """Each bin's start (its count rounded up to the block size, prefix over
-    bins; bins past the last get the total), from the bin counts in equal
-    tiles ``per_tile``, and the padded total of the real bins (the invalid
-    bin, last and unpadded, follows it)."""
-    running, invalid = jnp.int32(0), jnp.int32(0)
+    bins; bins past the last get the total) and the padded total, from the
+    bin counts in equal tiles ``per_tile``."""
+    running = jnp.int32(0)
     for t, totals in enumerate(per_tile):
         width = totals.shape[0]
         padded = (totals + g.block_size - 1) // g.block_size * g.block_size
-        if g.invalid_bin:
-            is_invalid = t * width + jnp.arange(width, dtype=jnp.int32) == g.num_bins
-            padded = jnp.where(is_invalid, totals, padded)
-            invalid = invalid + jnp.sum(jnp.where(is_invalid, totals, 0))
         start_ref[pl.ds(t * width, width)] = running + jnp.cumsum(padded) - padded
         running = running + jnp.sum(padded)
     start_ref[g.bins_padded] = running
-    post_pad_ref[0] = running - invalid
+    post_pad_ref[0] = running
 
 
 def _bin_starts_kernel(count_ref, start_ref, post_pad_ref, *, g: Grouping, tiles: GroupingTiles):
@@ -236,6 +221,10 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
 
     @pl.when(program < num_chunks)
     def _scatter():
+        if outputs == "sorted":  # the dropped slots of the chunks before this one follow the padded bins
+            bins = jnp.arange(g.bins_padded, dtype=jnp.int32)
+            valid_before = jnp.sum(plgpu.load(base_ref.at[program, bins], mask=bins < g.total_bins, other=0))
+            dropped = start_ref[g.bins_padded] + program * tiles.chunk - valid_before
         for i in range(tiles.chunk // SUB_TILE):
             start = program * tiles.chunk + i * SUB_TILE
             group, valid = _slot_groups(ids_ref, map_ref, start, g)
@@ -246,6 +235,10 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
             dest = plgpu.load(start_ref.at[group], mask=valid, other=0) + chunk_base + rank
             if outputs == "sorted":
                 plgpu.store(outs[0].at[codecs.scatter_index(dest, valid, length)], slots, mask=valid)
+                lost = in_slots & ~valid  # dropped: listed in slot order after the padded bins
+                order = dropped + jnp.cumsum(lost.astype(jnp.int32)) - 1
+                plgpu.store(outs[0].at[codecs.scatter_index(order, lost, length)], slots, mask=lost)
+                dropped = dropped + jnp.sum(lost.astype(jnp.int32))
             else:
                 plgpu.store(outs[0].at[pl.ds(start, SUB_TILE)], dest, mask=in_slots)
                 plgpu.store(outs[1].at[codecs.scatter_index(dest, in_slots, g.num_slots)], slots, mask=in_slots)
@@ -260,11 +253,13 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
         def _fill():
             first = (program - num_chunks) * per_program
             positions = first + jnp.arange(per_program, dtype=jnp.int32)
-            total = start_ref[g.bins_padded]  # the real bins' padded rows, then the dropped slots
-            real_end = start_ref[g.num_bins] if g.invalid_bin else total
+            total = start_ref[g.bins_padded]
             group = _bin_of_positions(start_ref, positions, g, width)
             offset = positions - plgpu.load(start_ref.at[group])
-            padding = (offset >= plgpu.load(count_ref.at[group])) | (positions >= total)
+            bins = jnp.arange(g.bins_padded, dtype=jnp.int32)
+            valid = jnp.sum(plgpu.load(count_ref.at[bins], mask=bins < g.total_bins, other=0))
+            listed = (positions >= total) & (positions < total + g.num_slots - valid)  # the dropped slots
+            padding = ((offset >= plgpu.load(count_ref.at[group])) | (positions >= total)) & ~listed
             plgpu.store(
                 sorted_ref.at[pl.ds(first, per_program)],
                 jnp.full(per_program, g.num_slots, jnp.int32),
@@ -276,8 +271,8 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
             block_group = _bin_of_positions(start_ref, block_start, g, width)
             label = block_group
             if g.has_map and not g.map_groups:
-                label = plgpu.load(map_ref.at[jnp.minimum(block_group, g.num_experts - 1)])
-            label = jnp.where(block_start < real_end, label, -1)
+                label = plgpu.load(map_ref.at[block_group])
+            label = jnp.where(block_start < total, label, -1)
             plgpu.store(
                 expert_ids_ref.at[pl.ds(first_block, blocks_per_program)],
                 label,
@@ -299,8 +294,7 @@ def group_slots(
 
     ``outputs="sorted"``: returns ``sorted_ids [length]``, ``expert_ids
     [ceil(length/block_size)]``, ``num_tokens_post_pad [1]`` (the aligned
-    layout; with ``invalid_bin`` the dropped slots follow the padded bins,
-    past ``num_tokens_post_pad``, in blocks of expert -1).
+    layout; the dropped slots follow the padded bins in slot order).
     ``outputs="dest"``: returns ``dest [num_slots]`` (each slot's row),
     ``inverse [num_slots]`` (each row's slot) and ``bin_start [total_bins+1]``.
     """

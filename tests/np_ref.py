@@ -247,14 +247,7 @@ def align(ids, block_size, num_experts, expert_map=None, ignore_invalid=False, n
         sorted_ids += slots + [num_slots] * (padded - len(slots))
         expert_ids += [block_label(g)] * (padded // block_size)
     total = len(sorted_ids)
-
-    # The dropped slots follow the groups when one more bin keeps the kernels'
-    # bin count (a power of two, at least 16).
-    def bins(n):
-        return max(16, 1 << (n - 1).bit_length())
-
-    if bins(len(groups) + 1) == bins(len(groups)):
-        sorted_ids += [s for s in range(num_slots) if member[s] < 0]
+    sorted_ids += [s for s in range(num_slots) if member[s] < 0]  # the dropped slots, after the groups
     sorted_ids += [num_slots] * (length - len(sorted_ids))
     expert_ids += [-1] * (-(-length // block_size) - len(expert_ids))
     return np.array(sorted_ids), np.array(expert_ids), total

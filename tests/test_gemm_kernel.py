@@ -169,7 +169,6 @@ def test_kernel_over_random_routings(num_tokens, top_k, block_size, seed, shape,
     weight = F.quantize_weight(jnp.asarray(rng.normal(size=(local, 32, 64)), jnp.float32), F.INT4_G32)
     x = jnp.asarray(rng.normal(size=(num_tokens, 64)), jnp.bfloat16)
     aligned = hj.moe_align_block_size(jnp.asarray(ids), block_size, num_experts, emap, ignore_invalid, local)
-    lists_dropped = lists_dropped and hj.align_lists_dropped(num_experts, emap, ignore_invalid, local)
     indexed = hj.Indexed(*aligned, top_k=top_k, block_size=block_size, lists_dropped=lists_dropped)
     _check(
         hj.gemm(x, weight, indexed, backend=KERNEL_BACKEND),

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import humming_jax as hj
-from humming_jax.routing import align_length, align_lists_dropped
+from humming_jax.routing import align_length
 
 import np_ref
 
@@ -75,12 +75,9 @@ def test_align_matches_loop(backend, routing, block_size, ignore_invalid):
         block = np.asarray(sorted_ids)[b * block_size : (b + 1) * block_size]
         block = block[block < ids.size]
         assert np.all(np.diff(block) > 0)
-    # Past the padded groups: each slot no group holds once, ascending (where listed), then the sentinel.
+    # Past the padded groups: each slot no group holds once, ascending, then the sentinel.
     held = set(np.asarray(sorted_ids)[:exp_total].tolist())
     dropped = [s for s in range(ids.size) if s not in held]
-    emap = None if expert_map is None else jnp.asarray(expert_map)
-    if not align_lists_dropped(num_experts, emap, ignore_invalid, num_local):
-        dropped = []
     tail = np.asarray(sorted_ids)[exp_total:]
     np.testing.assert_array_equal(tail[: len(dropped)], dropped)
     assert np.all(tail[len(dropped) :] == ids.size)
@@ -95,17 +92,6 @@ def test_align_example_by_hand(backend):
     np.testing.assert_array_equal(np.asarray(sorted_ids), [1, 4, 6, 6, 0, 2, 5, 6, 3] + [6] * 9)
     np.testing.assert_array_equal(np.asarray(expert_ids), [0, 2, -1, -1, -1])
     assert int(post_pad[0]) == 8
-
-
-def test_align_lists_dropped_where_a_bin_is_free():
-    """The dropped slots are listed unless their bin would double the grouping
-    kernels' bins (groups a power of two from 16 up)."""
-    assert [align_lists_dropped(e) for e in (1, 4, 8, 15, 16, 100, 128, 256)] == [
-        True, True, True, True, False, True, False, False
-    ]  # fmt: skip
-    emap = jnp.asarray([0, -1] * 64, jnp.int32)  # 128 global ids, 64 local: the local ones are the groups
-    assert not align_lists_dropped(128, emap, True, 64) and align_lists_dropped(128, emap, True, 60)
-    assert not align_lists_dropped(128, emap, False, 60)  # grouped by global id
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -237,9 +223,7 @@ def test_grouping_chunk_sizes_agree(chunk, num_experts, rng):
     block_size = 16
     ids = rng.integers(-2, num_experts + 2, size=(300, 8)).astype(np.int32)
     ids[:40] = 5  # a hot expert spanning sub-tiles and chunks
-    grouping = kernels.Grouping(
-        ids.size, num_experts, num_experts, invalid_bin=align_lists_dropped(num_experts), block_size=block_size
-    )
+    grouping = kernels.Grouping(ids.size, num_experts, num_experts, block_size=block_size)
     got = kernels.group_slots(
         jnp.asarray(ids),
         None,
@@ -254,7 +238,7 @@ def test_grouping_chunk_sizes_agree(chunk, num_experts, rng):
         np.testing.assert_array_equal(np.asarray(g).reshape(-1), np.asarray(e).reshape(-1))
 
 
-@pytest.mark.parametrize("num_experts", [64, 60])  # 60: the aligned layout lists its dropped slots
+@pytest.mark.parametrize("num_experts", [64, 60])
 @pytest.mark.parametrize("outputs", ["sorted", "dest"])
 @pytest.mark.parametrize("prefix_bins", [16, 32])
 def test_grouping_parallel_bin_prefix(outputs, prefix_bins, num_experts, rng):
@@ -267,11 +251,9 @@ def test_grouping_parallel_bin_prefix(outputs, prefix_bins, num_experts, rng):
     block_size = 16
     ids = rng.integers(-2, num_experts + 2, size=(300, 8)).astype(np.int32)
     ids[:40] = 5
-    # moe_prepare_scatter's grouping: invalid ids last, no padding; the aligned layout's as align_lists_dropped says
-    dest = outputs == "dest"
-    invalid_bin = dest or align_lists_dropped(num_experts)
+    dest = outputs == "dest"  # moe_prepare_scatter's grouping: invalid ids in a bin after the last, no padding
     grouping = kernels.Grouping(
-        ids.size, num_experts, num_experts, invalid_bin=invalid_bin, block_size=1 if dest else block_size
+        ids.size, num_experts, num_experts, invalid_bin=dest, block_size=1 if dest else block_size
     )
     tiles = kernels.GroupingTiles(chunk_tile=4, prefix_bins=prefix_bins)
     length = align_length(ids.size, num_experts, block_size)
