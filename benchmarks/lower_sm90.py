@@ -5,6 +5,11 @@ lowering checked) before any GPU run.
 
     python -m benchmarks.lower_sm90 --fmt int4_g128 --tokens 16 \\
         --config 16,64,256,4,3,word_decode,fold_scales,pair_decode --out build/sm90
+    python -m benchmarks.lower_sm90 --process hadamard128+fp8_token --width 768 \\
+        --tiles 128x8x2h64 --tokens 4096 --out build/sm90
+
+(the second: a ``process_input`` case of ``benchmarks.bench_process_input``,
+compiled with the launch's own warps and stages).
 
 Writes ``<out>/<name>.ttir`` (the Triton IR that Pallas emits) and, with
 Triton, ``.ttgir``, ``.llir``, ``.ptx``, ``.sass``. Triton here is the
@@ -64,6 +69,38 @@ def ttir_of(fn, *args) -> list[str]:
     with capture_triton_modules() as texts:
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     return texts
+
+
+def ttir_with_launch(fn, *args) -> list[tuple[str, int, int]]:
+    """``(TTIR, num_warps, num_stages)`` of every Pallas Triton kernel
+    ``jax.jit(fn)(*args)`` launches, lowered for sm_90 without a GPU (the
+    warps and stages read from the custom calls of the lowered module)."""
+    import jax
+
+    with capture_triton_modules() as texts:
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    launches = re.findall(r"num_stages = (\d+) : i32, num_warps = (\d+) : i32", lowered)
+    if len(launches) != len(texts):
+        raise RuntimeError(f"lower_sm90: {len(texts)} kernels but {len(launches)} launch configurations")
+    return [(text, int(warps), int(stages)) for text, (stages, warps) in zip(texts, launches, strict=True)]
+
+
+def process_ttir(case: str, width: int, tokens: int, tiles: str | None) -> list[tuple[str, int, int]]:
+    """``(TTIR, num_warps, num_stages)`` of the ``process_input`` kernel for a
+    case of ``benchmarks.bench_process_input`` (``tokens`` x top-8 rows,
+    ``width`` columns after the activation) under ``tiles`` (text form; None:
+    the default)."""
+    import jax
+    import jax.numpy as jnp
+
+    import humming_jax as hj
+    from benchmarks.bench_process_input import CASES, TOP_K
+
+    activation, block, spec = CASES[case]
+    x = jax.ShapeDtypeStruct((tokens * TOP_K, 2 * width if activation else width), jnp.bfloat16)
+    kw = dict(activation=activation, hadamard_block_size=block, backend="pallas")
+    kw["tiles"] = None if tiles is None else hj.ProcessTilesConfig.parse(tiles)
+    return ttir_with_launch(lambda x: hj.process_input(x, spec, **kw), x)
 
 
 def gemm_ttir(
@@ -181,20 +218,48 @@ def compile_sm90(ttir_path: str, num_warps: int, num_stages: int) -> str:
     return sass
 
 
+def _process_main(args) -> int:
+    """The ``--process`` mode: TTIR, then (with Triton) SASS and its loops."""
+    launches = process_ttir(args.process, args.width, args.tokens, args.tiles)
+    paths = []
+    for i, (text, _, _) in enumerate(launches):
+        paths.append(os.path.join(args.out, f"{args.name}{i}.ttir"))
+        with open(paths[-1], "w") as f:
+            f.write(text)
+    print("wrote", ", ".join(paths))
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("lower_sm90: no triton package here; TTIR only", file=sys.stderr)
+        return 0
+    for path, (_, warps, stages) in zip(paths, launches, strict=True):
+        total, ops = loop_histogram(compile_sm90(path, warps, stages))
+        print(f"{path}: {warps} warps, {stages} stages, loops {total} instructions")
+        print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common(16)))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fmt", default="int4_g128")
     parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--config", required=True, help="as benchmarks.inspect_gemm")
+    parser.add_argument("--config", help="as benchmarks.inspect_gemm (the GEMM mode)")
+    parser.add_argument("--process", help="a benchmarks.bench_process_input case (the process_input mode)")
+    parser.add_argument("--width", type=int, default=768, help="process_input: columns after the activation")
+    parser.add_argument("--tiles", help="process_input: tiles as ProcessTilesConfig.parse reads (default: chosen)")
     parser.add_argument("--shape", default="8,1536,2048", help="E,N,K of the weight (qwen3 w13 with 8 experts)")
     parser.add_argument("--out", default="build/sm90")
     parser.add_argument("--name", default="gemm")
     parser.add_argument("--planar", action="store_true", help="the weight in the planar nibble order (to_planar)")
     parser.add_argument("--half-bits", action="store_true", help="planar e2m1 codes in the decoder's bit order")
     args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.process:
+        return _process_main(args)
+    if not args.config:
+        parser.error("--config is required (or --process)")
     tuning = parse_config(args.config)
     shape = tuple(int(v) for v in args.shape.split(","))
-    os.makedirs(args.out, exist_ok=True)
     paths = []
     for i, text in enumerate(gemm_ttir(args.fmt, args.tokens, tuning, shape, args.planar, args.half_bits)):
         paths.append(os.path.join(args.out, f"{args.name}{i}.ttir"))

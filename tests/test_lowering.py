@@ -9,7 +9,7 @@ import pytest
 
 import humming_jax as hj
 from benchmarks.inspect_gemm import parse_config
-from benchmarks.lower_sm90 import gemm_ttir, ttir_of
+from benchmarks.lower_sm90 import gemm_ttir, process_ttir, ttir_of
 from humming_jax import input_quant as Q
 
 SHAPE = (4, 256, 512)
@@ -91,6 +91,18 @@ def test_process_input_lowers_for_sm90(case, tiles):
     spec = Q.FP8_DYNAMIC_TOKEN if case == "hadamard" else Q.FP8_DYNAMIC_GROUP128
     (text,) = ttir_of(lambda x: hj.process_input(x, spec, **kw), x)
     assert ("scf.for" in text) == (tiles != "default" and "x1x" in tiles or tiles.endswith("x2"))
+
+
+@pytest.mark.parametrize(
+    "tiles,warps,stages",
+    [("64x8x2h64", 8, 2), ("128x4x2", 4, 2), (None, 4, 3), ("8x4x1x1", 4, 1)],
+)
+def test_process_input_launch_configuration(tiles, warps, stages):
+    """The offline compile takes each launch's warps and stages from the lowered
+    module: two passes pipeline their loads in 2 stages, the row-block loop in
+    3 (K=768 at T=4096 by default: 4 blocks of 8 rows on 4 warps), one block 1."""
+    ((text, got_warps, got_stages),) = process_ttir("hadamard128+fp8_token", 768, 4096, tiles)
+    assert (got_warps, got_stages) == (warps, stages) and "moe_process_input" in text
 
 
 @pytest.mark.parametrize("tokens,launches", [(64, 3), (2048, 4)])
