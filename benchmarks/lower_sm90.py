@@ -218,12 +218,12 @@ def compile_sm90(ttir_path: str, num_warps: int, num_stages: int) -> str:
     return sass
 
 
-def _process_main(args) -> int:
-    """The ``--process`` mode: TTIR, then (with Triton) SASS and its loops."""
-    launches = process_ttir(args.process, args.width, args.tokens, args.tiles)
+def _write_and_compile(launches: list[tuple[str, int, int]], out: str, name: str, loops: str) -> int:
+    """Write each ``(TTIR, num_warps, num_stages)`` launch's TTIR, then (with
+    Triton) compile it to SASS and print the instructions of its ``loops``."""
     paths = []
     for i, (text, _, _) in enumerate(launches):
-        paths.append(os.path.join(args.out, f"{args.name}{i}.ttir"))
+        paths.append(os.path.join(out, f"{name}{i}.ttir"))
         with open(paths[-1], "w") as f:
             f.write(text)
     print("wrote", ", ".join(paths))
@@ -234,7 +234,7 @@ def _process_main(args) -> int:
         return 0
     for path, (_, warps, stages) in zip(paths, launches, strict=True):
         total, ops = loop_histogram(compile_sm90(path, warps, stages))
-        print(f"{path}: {warps} warps, {stages} stages, loops {total} instructions")
+        print(f"{path}: {warps} warps, {stages} stages, {loops} {total} instructions")
         print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common(16)))
     return 0
 
@@ -255,27 +255,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.process:
-        return _process_main(args)
+        launches = process_ttir(args.process, args.width, args.tokens, args.tiles)
+        return _write_and_compile(launches, args.out, args.name, "loops")
     if not args.config:
         parser.error("--config is required (or --process)")
     tuning = parse_config(args.config)
     shape = tuple(int(v) for v in args.shape.split(","))
-    paths = []
-    for i, text in enumerate(gemm_ttir(args.fmt, args.tokens, tuning, shape, args.planar, args.half_bits)):
-        paths.append(os.path.join(args.out, f"{args.name}{i}.ttir"))
-        with open(paths[-1], "w") as f:
-            f.write(text)
-    print("wrote", ", ".join(paths))
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        print("lower_sm90: no triton package here; TTIR only", file=sys.stderr)
-        return 0
-    for path in paths:
-        total, ops = loop_histogram(compile_sm90(path, tuning.num_warps, tuning.num_stages))
-        print(f"{path}: K loop {total} instructions")
-        print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common(16)))
-    return 0
+    texts = gemm_ttir(args.fmt, args.tokens, tuning, shape, args.planar, args.half_bits)
+    launches = [(text, tuning.num_warps, tuning.num_stages) for text in texts]
+    return _write_and_compile(launches, args.out, args.name, "K loop")
 
 
 if __name__ == "__main__":
