@@ -42,10 +42,9 @@ more than the work can take, so there are as many row tiles as chunks).
 it lists; with ``lists_dropped`` (``moe_align_block_size`` lists the
 dropped slots past ``num_tokens_padded``) those are all the rows to zero,
 else the caller passes a zeroed output that the kernel updates in place
-(``input_output_aliases``). With
-``split_k > 1`` each split writes its own f32 partial ``[split_k, M, N]``
-(zeros included); the caller sums the partials in a fixed order
-(deterministic).
+(``input_output_aliases``). With ``split_k > 1`` each split writes its own
+f32 partial ``[split_k, M, N]`` (zeros included); the caller sums the
+partials in a fixed order (deterministic).
 
 Kernels only: validation, tuning and the backend choice live in ``humming_jax``.
 """
@@ -217,7 +216,7 @@ def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, t
     positions = tile * block_m + lane
     entries = plgpu.load(sorted_ref.at[positions], mask=positions < sorted_ref.shape[0], other=layout.m_out)
     expert = experts_ref[tile]
-    mask = entries < layout.m_out
+    mask = (entries >= 0) & (entries < layout.m_out)
     live = (tile * block_m < padded_ref[0]) & (expert >= 0) & (expert < num_experts)
     return entries // layout.top_k, entries, mask, jnp.clip(expert, 0, num_experts - 1), live
 
@@ -855,7 +854,7 @@ def _gemm_kernel(
     elif layout.kind == "grouped_masked":  # the expert's rows of the tile past its count (all when it has none)
         store_zeros(rows_out, (rows_out < (expert + 1) * layout.max_tokens) & ~row_mask)
     elif layout.kind == "indexed":  # the slots listed in a dead block (vLLM zeroes expert -1 blocks too)
-        store_zeros(rows_out, row_mask & (rows_out >= 0) & ~live)
+        store_zeros(rows_out, row_mask & ~live)
 
     def one_column_tile():
         n_idx, n_mask = columns(0)
