@@ -62,3 +62,10 @@ def resolve_backend(backend: str | None, op: str) -> str:
         return backend
     chosen = default_backend()
     return chosen if chosen in kernel_backends else "reference"
+
+
+def hopper_gpu() -> bool:
+    """Whether the default device is a Hopper GPU (sm_90: TMA and wgmma; the
+    Blackwell generation has no wgmma), which the Mosaic GPU kernels need."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")

@@ -18,6 +18,7 @@ from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import tuning as T
+from humming_jax.backend import hopper_gpu as _hopper_gpu
 from humming_jax.backend import resolve_backend
 from pallas_kernels import gemm as kernel
 from pallas_kernels import gemm_mosaic as mosaic_kernel
@@ -367,13 +368,6 @@ def _nibble_decode_unsupported(x, weight) -> str | None:
     if weight.group_index is not None:
         return "a group index (act order)"
     return None
-
-
-def _hopper_gpu() -> bool:
-    """Whether the default device is a Hopper GPU (sm_90: TMA and wgmma; the
-    Blackwell generation has no wgmma)."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
 def _mosaic_unsupported(x, weight, layout, use_f16_accum, on_gpu: bool) -> str | None:

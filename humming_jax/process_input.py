@@ -27,9 +27,10 @@ import jax.numpy as jnp
 
 from humming_jax import input_quant as Q
 from humming_jax.activations import ActivationSpec, apply_activation, get_activation
-from humming_jax.backend import resolve_backend
+from humming_jax.backend import hopper_gpu, resolve_backend
 from humming_jax.configs import ProcessTilesConfig
 from pallas_kernels import process_input as kernel
+from pallas_kernels import process_input_mosaic as mosaic_kernel
 
 LAYOUTS = ("normal", "grouped_mask", "scatter")
 
@@ -154,7 +155,9 @@ def process_input(
     flattened to 2-D. If ``input_scale`` is given, ``x`` is already quantized
     per ``spec``: it is returned unchanged (an activation is then an error).
     ``tiles`` sets the kernel's rows per program, warps, two passes (Hadamard)
-    and row blocks per program (default: chosen from the width).
+    and row blocks per program (default: chosen from the width), or
+    (``tiles.mosaic``) takes the Mosaic GPU kernel for a Hadamard rotation of
+    bf16 rows quantized to fp8 per token.
     """
     spec = Q.get_input_spec(spec)
     activation = get_activation(activation)
@@ -231,9 +234,41 @@ def _check_tiles(cfg, tiles: ProcessTilesConfig, x_dtype) -> None:
         raise ValueError(f"process_input: tiles.block_rows: two passes need at least 16 rows, got {tiles.block_rows}")
 
 
+def _mosaic_rotation(x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays, interpret: bool) -> Q.QuantizedInput:
+    """``tiles.mosaic``: the Mosaic kernel's case (a bf16 input rotated without
+    activation, fp8 e4m3 per token, the normal layout), or a ValueError."""
+    spec = steps.spec
+    cfg = mosaic_kernel.MosaicRotation(k=x.shape[1], hadamard=steps.hadamard_block_size or 0)
+    problems = [
+        f"activation {steps.activation.kind.value}" if steps.activation is not None else None,
+        f"input {x.dtype}" if x.dtype != jnp.bfloat16 else None,
+        f"spec {spec.name}"
+        if (spec.mode.value, getattr(spec.dtype, "value", None)) != ("dynamic_token", "float8_e4m3")
+        else None,
+        f"layout {steps.layout}" if steps.layout != "normal" else None,
+        mosaic_kernel.refusal(cfg) if steps.hadamard_block_size else "no Hadamard rotation",
+    ]
+    if not interpret and not hopper_gpu():
+        problems.append(f"a Hopper GPU (TMA and wgmma), the device is {jax.devices()[0].device_kind}")
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError(
+            "process_input: tiles.mosaic: the Mosaic kernel takes a bf16 input without activation, rotated by "
+            "Hadamard blocks and quantized to fp8 e4m3 per token in the normal layout; got " + "; ".join(problems)
+        )
+    m = x.shape[0]
+    num_valid = arrays.num_valid_tokens
+    num_valid = jnp.full((1,), m, jnp.int32) if num_valid is None else num_valid
+    signs = jnp.asarray(kernel.hadamard_signs(mosaic_kernel.SUB), jnp.bfloat16)
+    values, scale = mosaic_kernel.rotate_quantize(x, signs, num_valid, cfg, interpret=interpret)
+    return Q.QuantizedInput(values=values, scale=scale, scale_2=None, spec=spec, k=x.shape[1])
+
+
 def _process_input_kernel(
     x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays, tiles: ProcessTilesConfig, interpret: bool
 ) -> Q.QuantizedInput:
+    if tiles.mosaic:
+        return _mosaic_rotation(x, steps, arrays, interpret)
     spec, activation, layout = steps.spec, steps.activation, steps.layout
     expert_num_tokens, scatter_idx, num_valid_tokens, static_scale = arrays
     m_in, k_in = x.shape

@@ -330,7 +330,7 @@ def _store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
         size //= 2
 
 
-def _swizzled(columns: int, dtype) -> tuple:
+def swizzled(columns: int, dtype) -> tuple:
     """Tiling + swizzle transforms of a 16-bit ``[rows, columns]`` wgmma operand."""
     itemsize = jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(columns * itemsize * 8)
@@ -412,14 +412,14 @@ def _kernel(
             plgpu.BlockSpec(
                 (bm, bk),
                 lambda i: (0, i),
-                transforms=_swizzled(bk, dtype),
+                transforms=swizzled(bk, dtype),
                 delay_release=delay,
                 collective_axes=shared_x,
             ),
             plgpu.BlockSpec(
                 (tiles.block_n, bk),
                 lambda i: (0, i),
-                transforms=_swizzled(bk, dtype),
+                transforms=swizzled(bk, dtype),
                 delay_release=delay,
                 collective_axes=shared_w,
             ),
@@ -430,7 +430,7 @@ def _kernel(
                 plgpu.BlockSpec(
                     (bm, PIECE),
                     lambda i, j=j: (0, PIECES * i + j),
-                    transforms=_swizzled(PIECE, dtype),
+                    transforms=swizzled(PIECE, dtype),
                     delay_release=delay,
                     collective_axes=shared_x,
                 )
@@ -467,7 +467,7 @@ def _kernel(
     # The decoded pieces wait in shared memory for the wgmma: slots per warpgroup, or
     # with split_rows the unit's 4 pieces shared by all, behind two barriers a step
     # (the interpreter cannot store through a swizzle: there they are plain).
-    stage_transforms = () if interpret else _swizzled(PIECE, dtype)
+    stage_transforms = () if interpret else swizzled(PIECE, dtype)
     stage_shape = (PIECES, tiles.block_n, PIECE) if shared else (COMPUTE_WGS, tiles.stage_slots, wg_n, PIECE)
     decoding = decode is not None
     staged = decoding and not tiles.swap_ab  # swap_ab feeds the decoded pieces from registers

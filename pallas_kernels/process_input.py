@@ -386,12 +386,12 @@ def _process_rows(block, tiles, ins: _Inputs, out_refs, cfg: ProcessConfig, m_in
         def rotated(i):
             """Columns ``[i*b, (i+1)*b)`` after activation and rotation, as
             ``b/s`` tiles ``[rows, s]``: one product per sub-block, each loaded
-            as its own tile, then f32 butterflies (:func:`_butterflies`)."""
+            as its own tile, then f32 butterflies (:func:`butterflies`)."""
             products = [
                 _hadamard_product(_activated(x_ref, rows, row_mask, i * b + p * s, s, False, cfg), h, bf16_exact)
                 for p in range(parts)
             ]
-            return [y * (1.0 / math.sqrt(b)) for y in _butterflies(products)]
+            return [y * (1.0 / math.sqrt(b)) for y in butterflies(products)]
 
         row_amax = None
         if cfg.mode in ("dynamic_token", "dynamic_group_token"):
@@ -479,7 +479,7 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
             inside = (row < m_in)[:, None] & (cols < cfg.k_out) if cfg.padded else (row < m_in)[:, None]
             x = plgpu.load(ins.x_ref.at[row[:, None], cols], mask=inside, other=0)
             parts.append((cols, jnp.dot(x, ins.h, preferred_element_type=jnp.float32)))
-        rotated = _butterflies([p for _, p in parts])  # H_b = H_{b/width} ⊗ H_width (one part: as is)
+        rotated = butterflies([p for _, p in parts])  # H_b = H_{b/width} ⊗ H_width (one part: as is)
         segments.append((n, [(cols, y * (1.0 / math.sqrt(b))) for (cols, _), y in zip(parts, rotated, strict=True)]))
 
     def per_block(values, n):  # a [rows] vector for the [rows * n] block rows
@@ -512,7 +512,7 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
             plgpu.store(scale_ref.at[out_rows, 0], _zero_rows(scale, keep), mask=row_mask)
 
 
-def _butterflies(parts: list) -> list:
+def butterflies(parts: list) -> list:
     """``y_a = Σ_d H[a, d] p_d`` for the Sylvester ``H`` of order ``len(parts)``
     (a power of two): the sub-block products ``p_d = x_d · H_s`` combined into
     the rotation by ``H_b = H_{b/s} ⊗ H_s``, as log2 stages of f32 sums and

@@ -682,7 +682,7 @@ def test_butterflies_are_the_sylvester_product():
     rng = np.random.default_rng(3)
     for parts in (1, 2, 4, 8):
         p = rng.normal(size=(parts, 5, 3))
-        got = np.stack(kernel._butterflies([jnp.asarray(v) for v in p]))
+        got = np.stack(kernel.butterflies([jnp.asarray(v) for v in p]))
         want = np.einsum("ad,drc->arc", kernel.hadamard_signs(parts).astype(np.float64), p)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # f32 sums
     # ... which with H_S on each S-column part is the rotation by H_b (Sylvester: H_b = H_{b/S} ⊗ H_S).
@@ -727,3 +727,100 @@ def test_hadamard_sub_refusals(rng):
             hj.process_input(x, Q.FP8_DYNAMIC_TOKEN, backend=KERNEL_BACKEND, **kw)
     with pytest.raises(ValueError, match="tiles.hadamard_sub=32"):  # f32 input: two products a block
         hj.process_input(x.astype(jnp.float32), hadamard_block_size=128, tiles=sub, backend=KERNEL_BACKEND)
+
+
+@pytest.mark.parametrize(
+    "m,k,block,valid",
+    [
+        (70, 256, 128, 61),  # a partial second tile, rows past the valid tokens
+        (19, 128, 64, 19),  # one tile, blocks of 64: no butterflies
+        (1, 768, 128, 1),  # T=1: one row of six blocks
+        (200, 768, 128, 200),  # the measured width, four tiles
+        (128, 384, 64, 5),  # a second tile with no valid row: zeros only
+    ],
+)
+def test_mosaic_rotation(m, k, block, valid, rng):
+    """``tiles.mosaic``: the Mosaic kernel (its interpreter here) against the
+    reference (values up to f32 summation order, scales to 1e-6), and its codes
+    equal to the Triton kernel's with the same 64-column products; rows at or
+    past the valid tokens zero (values +0 and scales). The interpreter fills
+    outputs with NaN: a row the kernel leaves unstored fails."""
+    x = jnp.asarray(_inputs(rng, max(m, 3), k)[:m], jnp.bfloat16)
+    kw = dict(hadamard_block_size=block, num_valid_tokens=jnp.asarray([valid], jnp.int32))
+    tiles = hj.ProcessTilesConfig.parse("0x0m")
+    assert tiles == hj.ProcessTilesConfig(mosaic=True) and tiles.text() == "0x0m"
+    got = hj.process_input(x, Q.FP8_DYNAMIC_TOKEN, tiles=tiles, backend=KERNEL_BACKEND, **kw)
+    ref = hj.process_input(x, Q.FP8_DYNAMIC_TOKEN, backend="reference", **kw)
+    assert got.values.shape == (m, k) and got.scale.shape == (m, 1)
+    _check_against_reference(got, ref, False, np.asarray(x, np.float64))
+    assert not np.asarray(got.values).view(np.uint8)[valid:].any() and not np.asarray(got.scale)[valid:].any()
+    triton = hj.process_input(
+        x, Q.FP8_DYNAMIC_TOKEN, tiles=hj.ProcessTilesConfig(hadamard_sub=block), backend=KERNEL_BACKEND, **kw
+    )
+    np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(triton.values).view(np.uint8))
+    # The max is taken before the 1/sqrt(b) factor (exact on the GPU; interpreted, XLA may
+    # fold the factor into the division by 448: one ulp).
+    np.testing.assert_allclose(np.asarray(got.scale), np.asarray(triton.scale), rtol=1e-6)
+
+
+def test_mosaic_rotation_refusals():
+    x = jnp.ones((64, 256), jnp.bfloat16)
+    mosaic = hj.ProcessTilesConfig(mosaic=True)
+
+    def run(x=x, spec=Q.FP8_DYNAMIC_TOKEN, **kw):
+        kw.setdefault("hadamard_block_size", 128)
+        return hj.process_input(x, spec, tiles=mosaic, backend=KERNEL_BACKEND, **kw)
+
+    for kw, what in [
+        (dict(activation="silu"), "activation silu"),
+        (dict(x=x.astype(jnp.float32)), "input float32"),
+        (dict(spec=Q.MXFP8_DYNAMIC), "spec mxfp8_dynamic"),
+        (dict(spec=Q.INT8_DYNAMIC_TOKEN), "spec int8_dynamic_token"),
+        (dict(hadamard_block_size=256), "blocks of 64 or 128"),
+        (dict(hadamard_block_size=None), "no Hadamard rotation"),
+        (dict(x=jnp.ones((64, 1024), jnp.bfloat16)), "exceed"),  # two 64 x 1024 tiles: 256 KB
+    ]:
+        with pytest.raises(ValueError, match=f"tiles.mosaic.*{what}"):
+            run(**kw)
+    copies = jnp.asarray(np.random.default_rng(0).permutation(128).reshape(64, 2), jnp.int32)
+    with pytest.raises(ValueError, match="layout scatter"):
+        run(layout="scatter", scatter_idx=copies)
+    with pytest.raises(ValueError, match="mosaic"):
+        hj.ProcessTilesConfig(8, 4, mosaic=True)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("block", [64, 128])
+def test_mosaic_rotation_lowers_for_the_gpu(block):
+    """The Mosaic kernel lowers for the GPU on the CPU (what the interpreter
+    cannot check: the swizzled e4m3 output slots, TMA boxes, layouts): two
+    products a 128-column block (one for 64), each taken twice (the max, then
+    the values), four k16 wgmmas a product; a TMA store a 64-column part and
+    one a tile's scales."""
+    from benchmarks import mosaic_ir
+    from pallas_kernels import process_input_mosaic as mosaic
+
+    cfg = mosaic.MosaicRotation(768, block)
+    x = jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16)
+    h = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+    valid = jax.ShapeDtypeStruct((1,), jnp.int32)
+    with mosaic_ir.capture_mosaic_modules() as texts:
+        jax.jit(lambda x, h, v: mosaic.rotate_quantize(x, h, v, cfg)).trace(x, h, valid).lower(
+            lowering_platforms=("cuda",)
+        )
+    counts = mosaic_ir.key_counts(texts[-1])
+    assert counts["wgmma.mma_async"] == 2 * (768 // 64) * 4
+    assert counts["nvvm.cp.async.bulk.tensor"] >= 768 // 64 + 1  # the stores (and loads)
+
+
+def test_mosaic_rotation_needs_hopper(monkeypatch):
+    """Compiled, the Mosaic kernel needs TMA and wgmma: elsewhere the error names the device."""
+    import importlib
+
+    ops = importlib.import_module("humming_jax.process_input")
+    monkeypatch.setattr(ops, "hopper_gpu", lambda: False)
+    x = jnp.ones((64, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="tiles.mosaic.*Hopper GPU"):
+        hj.process_input(
+            x, Q.FP8_DYNAMIC_TOKEN, hadamard_block_size=128, tiles=hj.ProcessTilesConfig(mosaic=True), backend="pallas"
+        )

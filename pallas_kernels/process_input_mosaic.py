@@ -1,0 +1,253 @@
+"""``process_input``'s Hadamard rotation + fp8 per-token quantization on Mosaic
+GPU (Hopper): TMA loads of whole row tiles into shared memory, the rotation
+on the tensor cores, TMA stores.
+
+The Triton kernel (:mod:`pallas_kernels.process_input`) holds a row block's
+rotated values in registers until the row's max is known; at narrow rows
+(K=768) the compiler's schedule leaves it latency-bound at ~0.6 of the copy
+bandwidth whatever the tiling. Here a memory warpgroup streams tiles of
+``ROWS`` tokens × K columns into shared memory (``stages`` tiles in flight,
+each as K/64 swizzled ``[ROWS, 64]`` boxes) while one compute warpgroup
+takes two passes over the tile in shared memory: the first multiplies each
+64-column piece by the ±1 matrix H_64 (``wgmma``, f32 accumulators),
+combines the pieces of a Hadamard block by butterflies (H_b = H_{b/64} ⊗
+H_64) and keeps the elementwise max of ``|y|``; the second takes the same
+products again (the operands are still in shared memory; the tensor cores
+are otherwise idle), scales by ``1/sqrt(b)`` and the row's ``448 / amax``,
+converts to e4m3 and stores each Hadamard block through a shared-memory
+slot. No rotated value is held across the row, so the registers do not grow
+with K, and the compute never waits on a load it could have issued earlier.
+
+The arithmetic is the Triton kernel's with 64-column products (the
+reference's up to f32 summation order): ``y = butterflies(x_p · H_64) ·
+(1/sqrt(b))``, ``scale = max|y| / 448`` (the max taken before the
+``1/sqrt(b)`` factor, which is exact: rounding is monotonic), values
+``e4m3(y · (1/scale))`` saturating, rows at or past ``num_valid_tokens``
+zero (values and scale).
+
+Kernels only: validation and the backend choice live in ``humming_jax``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gemm_mosaic import swizzled  # tiling + swizzle of a [rows, columns] shared tile
+from pallas_kernels.process_input import butterflies  # H_b = H_{b/64} ⊗ H_64 from the 64-column products
+
+ROWS = 64  # tokens a tile: one wgmma's M
+SUB = 64  # columns of one product: H_64, a 128-byte swizzled bf16 row
+FLOAT8_E4M3_MAX = 448.0
+H100_SMS = 132  # programs of the persistent grid when the device does not say
+SMEM_LIMIT = 227 * 1024  # shared memory a Hopper program may take
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicRotation:
+    """Static description of one launch: rows of ``k`` bf16 columns rotated
+    in Hadamard blocks of ``hadamard`` (64 or 128) and quantized to e4m3 per
+    token; ``stages`` row tiles in flight."""
+
+    k: int
+    hadamard: int
+    stages: int = 2
+
+    @property
+    def parts(self) -> int:
+        """64-column products of a Hadamard block."""
+        return self.hadamard // SUB
+
+    @property
+    def smem_bytes(self) -> int:
+        """Input stages, two output slots, H_64, the scale slot."""
+        return self.stages * ROWS * self.k * 2 + 2 * ROWS * self.hadamard + SUB * SUB * 2 + ROWS * 4 + 1024
+
+
+def refusal(cfg: MosaicRotation) -> str | None:
+    """Why the kernel cannot take ``cfg`` (None if it can)."""
+    if cfg.hadamard not in (SUB, 2 * SUB):
+        return f"Hadamard blocks of {SUB} or {2 * SUB} columns, got {cfg.hadamard}"
+    if cfg.k % cfg.hadamard:
+        return f"rows of whole Hadamard blocks, got K={cfg.k} with blocks of {cfg.hadamard}"
+    if cfg.stages < 2:
+        return f"at least 2 stages (a tile loads while the last is processed), got {cfg.stages}"
+    if cfg.smem_bytes > SMEM_LIMIT:
+        return (
+            f"{cfg.stages} tiles of {ROWS} x {cfg.k} bf16 in shared memory ({cfg.smem_bytes} bytes) exceed "
+            f"{SMEM_LIMIT}: K up to {(SMEM_LIMIT - 16 * 1024) // (2 * ROWS * cfg.stages)} with {cfg.stages} stages"
+        )
+    return None
+
+
+def _kernel(
+    valid_gmem,
+    x_gmem,
+    h_gmem,
+    values_gmem,
+    scale_gmem,
+    *,
+    cfg: MosaicRotation,
+    steps: int,
+    programs: int,
+    interpret: bool,
+):
+    m = x_gmem.shape[0]  # a multiple of ROWS (the launcher pads)
+    row_tiles = m // ROWS
+    pieces = cfg.k // SUB
+    blocks = cfg.k // cfg.hadamard
+    factor = 1.0 / math.sqrt(cfg.hadamard)
+    sm = lax.axis_index("sm")
+
+    def tile_of(i):
+        """Step i's row tile (the last tile again past the end: loaded, not processed)."""
+        return jnp.minimum(i * programs + sm, row_tiles - 1)
+
+    in_specs = [
+        plgpu.BlockSpec((ROWS, SUB), lambda i, j=j: (tile_of(i), j), transforms=swizzled(SUB, jnp.bfloat16))
+        for j in range(pieces)
+    ]
+
+    def pipeline(step, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(steps,),
+            memory_registers=40,
+            in_specs=in_specs,
+            wg_axis="wg",
+            num_compute_wgs=1,
+            max_concurrent_steps=cfg.stages,
+            compute_context=context,
+        )
+
+    unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(unused, unused).get_allocations(*(x_gmem for _ in range(pieces))),
+        h_smem=plgpu.SMEM((SUB, SUB), jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16)),
+        # Two slots of a Hadamard block's parts, swizzled: rows of 64 bytes in a plain tile put 8
+        # rows on one bank (the interpreter cannot store through a swizzle).
+        o_smem=plgpu.SMEM(
+            (2, cfg.parts, ROWS, SUB),
+            jnp.float8_e4m3fn,
+            transforms=() if interpret else swizzled(SUB, jnp.float8_e4m3fn),
+        ),
+        s_smem=plgpu.SMEM((ROWS,), jnp.float32),
+        h_barrier=plgpu.Barrier(num_arrivals=1),
+        collective_axes="wg",
+    )
+    def _(allocations, h_smem, o_smem, s_smem, h_barrier):
+        num_valid = valid_gmem[0]
+
+        def rotated(x_pieces, block: int):
+            """Block ``block``'s ``parts`` tiles ``[ROWS, SUB]``, unscaled, f32."""
+
+            def products(*acc_refs):
+                for part, acc_ref in enumerate(acc_refs):
+                    plgpu.wgmma(acc_ref, x_pieces[block * cfg.parts + part], h_smem.transpose((1, 0)))
+                return [acc_ref[...] for acc_ref in acc_refs]
+
+            accs = [plgpu.ACC((ROWS, SUB), jnp.float32) for _ in range(cfg.parts)]
+            return butterflies(pl.run_scoped(products, *accs))
+
+        def process(tile, x_pieces):
+            first_row = tile * ROWS
+            largest = None
+            for block in range(blocks):
+                for y in rotated(x_pieces, block):
+                    largest = jnp.abs(y) if largest is None else jnp.maximum(largest, jnp.abs(y))
+            amax = largest.max(axis=1) * factor  # = max |y · factor| (rounding is monotonic)
+            scale = amax / FLOAT8_E4M3_MAX
+            inverse = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+            row_ids = first_row + lax.broadcasted_iota(jnp.int32, (ROWS,), 0)
+            kept = row_ids < num_valid
+            inverse_rows = jnp.broadcast_to(jnp.where(kept, inverse, 0.0)[:, None], (ROWS, SUB))
+            partial = first_row + ROWS > num_valid
+            kept_rows = jnp.broadcast_to(kept[:, None], (ROWS, SUB))
+
+            # Each copy is its own group: with the last block's `parts` copies allowed in
+            # flight, every copy older than them (the slot's last use, the last scale) has read.
+            for block in range(blocks):
+                slots = o_smem.at[block % 2]
+                plgpu.wait_smem_to_gmem(cfg.parts, wait_read_only=True)
+                for part, y in enumerate(rotated(x_pieces, block)):
+                    values = (y * factor) * inverse_rows
+
+                    @pl.when(partial)
+                    def _(values=values, slot=slots.at[part]):  # rows past the valid tokens: +0, not -0
+                        slot[...] = jnp.where(kept_rows, values, 0.0).astype(jnp.float8_e4m3fn)
+
+                    @pl.when(~partial)
+                    def _(values=values, slot=slots.at[part]):
+                        slot[...] = values.astype(jnp.float8_e4m3fn)
+
+                plgpu.commit_smem()
+                for part in range(cfg.parts):
+                    columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
+                    plgpu.copy_smem_to_gmem(slots.at[part], values_gmem.at[pl.ds(first_row, ROWS), columns])
+            plgpu.wait_smem_to_gmem(cfg.parts, wait_read_only=True)
+            s_smem[...] = jnp.where(kept, scale, 0.0)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(s_smem, scale_gmem.at[pl.ds(first_row, ROWS)])
+
+        def step(indices, *refs):
+            x_pieces, carry = refs[:-1], refs[-1]
+            tile = indices[0] * programs + sm
+
+            @pl.when(tile < row_tiles)
+            def _():
+                process(tile, x_pieces)
+
+            return carry
+
+        def context(run):
+            plgpu.copy_gmem_to_smem(h_gmem, h_smem, h_barrier)
+            plgpu.barrier_wait(h_barrier)
+            run(jnp.int32(0))
+            plgpu.wait_smem_to_gmem(0)
+
+        pipeline(step, context)(*(x_gmem for _ in range(pieces)), allocations=allocations)
+
+
+def rotate_quantize(
+    x: jax.Array, h: jax.Array, num_valid_tokens: jax.Array, cfg: MosaicRotation, *, interpret: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """``x [M, K]`` bf16 rotated by Hadamard blocks (``h``: the ``[64, 64]``
+    ±1 matrix, bf16) and quantized per token: ``(values [M, K]
+    float8_e4m3fn, scale [M, 1] f32)``, rows at or past ``num_valid_tokens``
+    (``int32 [1]``) zero."""
+    why = refusal(cfg)
+    if why:
+        raise ValueError(f"mosaic process_input: {why}")
+    m = x.shape[0]
+    padded = -(-max(m, 1) // ROWS) * ROWS
+    if padded > m:
+        x = jnp.pad(x, ((0, padded - m), (0, 0)))
+    row_tiles = padded // ROWS
+    sms = 4 if interpret else getattr(jax.devices()[0], "core_count", None) or H100_SMS
+    steps = -(-row_tiles // sms)
+    programs = -(-row_tiles // steps)  # every program takes `steps` tiles, the last ones fewer
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, cfg=cfg, steps=steps, programs=programs, interpret=interpret),
+        out_type=(
+            jax.ShapeDtypeStruct((padded, cfg.k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((padded,), jnp.float32),
+        ),
+        grid=(programs,),
+        grid_names=("sm",),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        # Interpreted, fresh memory reads as NaN: a row the kernel failed to store shows.
+        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
+    )
+    values, scale = kernel(num_valid_tokens.reshape(-1)[:1].astype(jnp.int32), x, h)
+    return values[:m], scale[:m, None]
