@@ -80,13 +80,14 @@ for step in $steps; do
     int4-prefill-bench) timeout 450 python3 -W ignore -m humming_jax bench --problems qwen3-30b-a3b mixtral-8x7b \
                           --tokens 4096 --formats int4_g128 --out "$out/gemm_int4_prefill.json" 2>&1 \
                           | tee "$out/gemm_int4_prefill.log" | tail -10 ;;
-    # process_input v9: the Mosaic GPU rotation (tiles 0x0m: 64-token tiles streamed by TMA, products taken twice
-    # on wgmma, e4m3 stores through swizzled slots). Its tests with the real compiler (and the mended operands
-    # comparison), then T=16/512/4096 at K=768 against the Triton default (fifteenth session 39.4 us, 0.57).
-    # Prediction: K=768 T=4096 ~20-26 us (>= 0.85 of the copy); T=16 / 512 slower than Triton (2 / 64 programs).
+    # process_input v9: the Mosaic GPU rotation (tiles 0x0m / 0x0m2: 64-token tiles streamed by TMA, products taken
+    # twice on wgmma by 1 or 2 compute warpgroups, e4m3 stores through swizzled slots). Its tests with the real
+    # compiler (and the mended operands comparison), then T=16/512/4096 at K=768 against the Triton default
+    # (fifteenth session 39.4 us, 0.57). Prediction: K=768 T=4096 ~20-26 us with one warpgroup (>= 0.85 of the
+    # copy), two at the copy's pace if one is compute-bound; T=16 / 512 slower than Triton (2 / 64 programs).
     hadamard-mosaic) pytest_gpu 150 tests/test_process_input.py -k "mosaic or operands" 2>&1 | tail -3
                      timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 16 512 4096 \
-                       --widths 768 --cases hadamard128+fp8_token --tiles 0x0m --out "$out/hadamard_mosaic.json" 2>&1 \
+                       --widths 768 --cases hadamard128+fp8_token --tiles 0x0m 0x0m2 --out "$out/hadamard_mosaic.json" 2>&1 \
                        | tee "$out/hadamard_mosaic.log" | tail -8 ;;
     # process_input v8: two passes with sub-block products (tiles RxWx2hS). Offline sm_90 SASS, K=768, per element
     # and thread (both passes): 128x8x2h64 7.0 instructions (93 registers, 80 KB shared: 2 programs an SM),

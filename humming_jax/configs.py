@@ -309,10 +309,11 @@ class ProcessTilesConfig:
     product has fewer than 64 rows). ``two_pass`` (Hadamard
     only): the rows are processed as b-wide column blocks of up to 64 rows, the
     per-token max found in a first pass and the blocks rotated again to be
-    quantized, instead of whole rows held at once. ``mosaic``: the Mosaic GPU
-    kernel for a Hadamard rotation of bf16 rows quantized to fp8 per token
-    (tiles of 64 tokens streamed through shared memory by TMA, the products
-    on wgmma; the other fields stay at their defaults)."""
+    quantized, instead of whole rows held at once. ``mosaic`` (1 or 2: its
+    compute warpgroups): the Mosaic GPU kernel for a Hadamard rotation of bf16
+    rows quantized to fp8 per token (tiles of 64 tokens streamed through
+    shared memory by TMA, the products on wgmma; the other fields stay at
+    their defaults)."""
 
     block_rows: int = 0
     num_warps: int = 0
@@ -335,10 +336,12 @@ class ProcessTilesConfig:
     # Hadamard block; 0: chosen (operand blocks: 64 under blocks of 128 and
     # more, else whole blocks; two passes: whole blocks).
     hadamard_sub: int = 0
-    mosaic: bool = False
+    mosaic: int = 0
 
     def __post_init__(self):
-        if self.mosaic and dataclasses.replace(self, mosaic=False) != ProcessTilesConfig():
+        if self.mosaic not in (0, 1, 2):
+            raise ValueError(f"ProcessTilesConfig.mosaic: 1 or 2 compute warpgroups (0: off), got {self.mosaic}")
+        if self.mosaic and dataclasses.replace(self, mosaic=0) != ProcessTilesConfig():
             raise ValueError(
                 "ProcessTilesConfig.mosaic: the Mosaic kernel has its own tiling; leave the other fields at their "
                 f"defaults, got {self}"
@@ -364,10 +367,10 @@ class ProcessTilesConfig:
         ``"ROWSxWARPSxPASSESxBLOCKS"`` (e.g. ``"8x8"``, ``"64x8x2"``, ``"4x4x1x8"``;
         0 rows or warps: chosen), with a trailing ``r`` for
         ``operand_blocks=False`` (``"0x0r"``), ``p`` for ``one_block`` (``"8x4p"``)
-        and ``hS`` for ``hadamard_sub=S`` (``"8x4x1x4h32"``); ``"0x0m"`` for the
-        Mosaic kernel."""
-        if text == "0x0m":
-            return cls(mosaic=True)
+        and ``hS`` for ``hadamard_sub=S`` (``"8x4x1x4h32"``); ``"0x0m"`` and
+        ``"0x0m2"`` for the Mosaic kernel on 1 or 2 compute warpgroups."""
+        if text in ("0x0m", "0x0m2"):
+            return cls(mosaic=2 if text.endswith("2") else 1)
         sub = re.search(r"h(\d+)$", text)
         text = text[: sub.start()] if sub else text
         one_block = text.endswith("p")
@@ -381,7 +384,7 @@ class ProcessTilesConfig:
         except (ValueError, AssertionError):
             raise ValueError(
                 f"process tiles: expected ROWSxWARPS[xPASSES[xBLOCKS]][r][p][hS] such as 8x8, 64x8x2, 4x4x1x8, 8x4p "
-                f"or 8x4x1x4h32, or 0x0m (the Mosaic kernel), "
+                f"or 8x4x1x4h32, or 0x0m / 0x0m2 (the Mosaic kernel), "
                 f"got {text!r}"
             ) from None
         blocks = parts[3] if len(parts) == 4 else 0
@@ -399,7 +402,7 @@ class ProcessTilesConfig:
     def text(self) -> str:
         """The form :meth:`parse` reads (shortest: passes and blocks only when set)."""
         if self.mosaic:
-            return "0x0m"
+            return "0x0m" + ("2" if self.mosaic == 2 else "")
         name = f"{self.block_rows}x{self.num_warps}" + ("x2" if self.two_pass else "")
         name = name if self.row_blocks == 0 else f"{name}x1x{self.row_blocks}"
         name = name if self.operand_blocks else f"{name}r"

@@ -54,11 +54,14 @@ SMEM_LIMIT = 227 * 1024  # shared memory a Hopper program may take
 class MosaicRotation:
     """Static description of one launch: rows of ``k`` bf16 columns rotated
     in Hadamard blocks of ``hadamard`` (64 or 128) and quantized to e4m3 per
-    token; ``stages`` row tiles in flight."""
+    token; ``stages`` row tiles in flight; ``warpgroups`` compute warpgroups
+    (1 or 2) sharing each tile's Hadamard blocks (with 2, the row max is
+    combined through shared memory)."""
 
     k: int
     hadamard: int
     stages: int = 2
+    warpgroups: int = 1
 
     @property
     def parts(self) -> int:
@@ -66,9 +69,19 @@ class MosaicRotation:
         return self.hadamard // SUB
 
     @property
+    def blocks(self) -> int:
+        return self.k // self.hadamard
+
+    def block_ranges(self) -> list[tuple[int, int]]:
+        """Each compute warpgroup's Hadamard blocks ``[first, last)`` (the first takes the odd one)."""
+        share = -(-self.blocks // self.warpgroups)
+        return [(w * share, min(self.blocks, (w + 1) * share)) for w in range(self.warpgroups)]
+
+    @property
     def smem_bytes(self) -> int:
-        """Input stages, two output slots, H_64, the scale slot."""
-        return self.stages * ROWS * self.k * 2 + 2 * ROWS * self.hadamard + SUB * SUB * 2 + ROWS * 4 + 1024
+        """Input stages, two output slots a warpgroup, H_64, the scale and row-max slots."""
+        slots = self.warpgroups * 2 * ROWS * SUB
+        return self.stages * ROWS * self.k * 2 + slots + SUB * SUB * 2 + ROWS * 4 * (1 + 2 * self.warpgroups) + 1024
 
 
 def refusal(cfg: MosaicRotation) -> str | None:
@@ -77,6 +90,10 @@ def refusal(cfg: MosaicRotation) -> str | None:
         return f"Hadamard blocks of {SUB} or {2 * SUB} columns, got {cfg.hadamard}"
     if cfg.k % cfg.hadamard:
         return f"rows of whole Hadamard blocks, got K={cfg.k} with blocks of {cfg.hadamard}"
+    if cfg.warpgroups not in (1, 2):
+        return f"1 or 2 compute warpgroups, got {cfg.warpgroups}"
+    if cfg.blocks < cfg.warpgroups:
+        return f"a Hadamard block for each of {cfg.warpgroups} warpgroups, got K={cfg.k} (blocks of {cfg.hadamard})"
     if cfg.stages < 2:
         return f"at least 2 stages (a tile loads while the last is processed), got {cfg.stages}"
     if cfg.smem_bytes > SMEM_LIMIT:
@@ -102,7 +119,6 @@ def _kernel(
     m = x_gmem.shape[0]  # a multiple of ROWS (the launcher pads)
     row_tiles = m // ROWS
     pieces = cfg.k // SUB
-    blocks = cfg.k // cfg.hadamard
     factor = 1.0 / math.sqrt(cfg.hadamard)
     sm = lax.axis_index("sm")
 
@@ -122,7 +138,7 @@ def _kernel(
             memory_registers=40,
             in_specs=in_specs,
             wg_axis="wg",
-            num_compute_wgs=1,
+            num_compute_wgs=cfg.warpgroups,
             max_concurrent_steps=cfg.stages,
             compute_context=context,
         )
@@ -133,19 +149,24 @@ def _kernel(
         pl.run_scoped,
         allocations=pipeline(unused, unused).get_allocations(*(x_gmem for _ in range(pieces))),
         h_smem=plgpu.SMEM((SUB, SUB), jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16)),
-        # Two slots of a Hadamard block's parts, swizzled: rows of 64 bytes in a plain tile put 8
-        # rows on one bank (the interpreter cannot store through a swizzle).
+        # Two output slots a warpgroup, swizzled: rows of 64 bytes in a plain tile put 8 rows on
+        # one bank (the interpreter cannot store through a swizzle).
         o_smem=plgpu.SMEM(
-            (2, cfg.parts, ROWS, SUB),
+            (cfg.warpgroups, 2, ROWS, SUB),
             jnp.float8_e4m3fn,
             transforms=() if interpret else swizzled(SUB, jnp.float8_e4m3fn),
         ),
         s_smem=plgpu.SMEM((ROWS,), jnp.float32),
+        # Two warpgroups: each one's row max of the tile (by step parity: a slot is rewritten two
+        # tiles later, after both passed the next tile's barrier).
+        m_smem=plgpu.SMEM((2, cfg.warpgroups, ROWS), jnp.float32) if cfg.warpgroups > 1 else None,
+        max_barrier=plgpu.Barrier(num_arrivals=cfg.warpgroups) if cfg.warpgroups > 1 else None,
         h_barrier=plgpu.Barrier(num_arrivals=1),
         collective_axes="wg",
     )
-    def _(allocations, h_smem, o_smem, s_smem, h_barrier):
+    def _(allocations, h_smem, o_smem, s_smem, h_barrier, m_smem=None, max_barrier=None):
         num_valid = valid_gmem[0]
+        wg = lax.axis_index("wg")
 
         def rotated(x_pieces, block: int):
             """Block ``block``'s ``parts`` tiles ``[ROWS, SUB]``, unscaled, f32."""
@@ -158,13 +179,25 @@ def _kernel(
             accs = [plgpu.ACC((ROWS, SUB), jnp.float32) for _ in range(cfg.parts)]
             return butterflies(pl.run_scoped(products, *accs))
 
-        def process(tile, x_pieces):
-            first_row = tile * ROWS
+        def row_max(x_pieces, blocks, parity, w: int):
+            """max |y| of each row over the tile (warpgroup ``w``'s blocks, combined with the other's)."""
             largest = None
-            for block in range(blocks):
+            for block in blocks:
                 for y in rotated(x_pieces, block):
                     largest = jnp.abs(y) if largest is None else jnp.maximum(largest, jnp.abs(y))
-            amax = largest.max(axis=1) * factor  # = max |y · factor| (rounding is monotonic)
+            own = largest.max(axis=1)
+            if cfg.warpgroups == 1:
+                return own
+            m_smem.at[parity, w][...] = own
+            plgpu.barrier_arrive(max_barrier)
+            plgpu.barrier_wait(max_barrier)
+            layout = plgpu.Layout.WGMMA.reduce(1)
+            return jnp.maximum(own, plgpu.load(m_smem.at[parity, 1 - w], layout=layout, optimized=False))
+
+        def process(tile, parity, x_pieces, w: int, blocks: range):
+            """Warpgroup ``w``'s Hadamard blocks of the tile (and with ``w`` = 0 the scales)."""
+            first_row = tile * ROWS
+            amax = row_max(x_pieces, blocks, parity, w) * factor  # = max |y · factor| (rounding is monotonic)
             scale = amax / FLOAT8_E4M3_MAX
             inverse = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
             row_ids = first_row + lax.broadcasted_iota(jnp.int32, (ROWS,), 0)
@@ -173,43 +206,53 @@ def _kernel(
             partial = first_row + ROWS > num_valid
             kept_rows = jnp.broadcast_to(kept[:, None], (ROWS, SUB))
 
-            # Each copy is its own group: with the last block's `parts` copies allowed in
-            # flight, every copy older than them (the slot's last use, the last scale) has read.
-            for block in range(blocks):
-                slots = o_smem.at[block % 2]
-                plgpu.wait_smem_to_gmem(cfg.parts, wait_read_only=True)
+            # Each copy is its own group. The last tile's copies have had the first pass to read
+            # their slots; within the tile, one copy in flight leaves the other slot free.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            count = 0
+            for block in blocks:
                 for part, y in enumerate(rotated(x_pieces, block)):
                     values = (y * factor) * inverse_rows
+                    slot = o_smem.at[w, count % 2]
+                    if count:
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    count += 1
 
                     @pl.when(partial)
-                    def _(values=values, slot=slots.at[part]):  # rows past the valid tokens: +0, not -0
+                    def _(values=values, slot=slot):  # rows past the valid tokens: +0, not -0
                         slot[...] = jnp.where(kept_rows, values, 0.0).astype(jnp.float8_e4m3fn)
 
                     @pl.when(~partial)
-                    def _(values=values, slot=slots.at[part]):
+                    def _(values=values, slot=slot):
                         slot[...] = values.astype(jnp.float8_e4m3fn)
 
-                plgpu.commit_smem()
-                for part in range(cfg.parts):
+                    plgpu.commit_smem()
                     columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
-                    plgpu.copy_smem_to_gmem(slots.at[part], values_gmem.at[pl.ds(first_row, ROWS), columns])
-            plgpu.wait_smem_to_gmem(cfg.parts, wait_read_only=True)
-            s_smem[...] = jnp.where(kept, scale, 0.0)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s_smem, scale_gmem.at[pl.ds(first_row, ROWS)])
+                    plgpu.copy_smem_to_gmem(slot, values_gmem.at[pl.ds(first_row, ROWS), columns])
+            if w == 0:
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the last tile's scale copy has read
+                s_smem[...] = jnp.where(kept, scale, 0.0)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(s_smem, scale_gmem.at[pl.ds(first_row, ROWS)])
 
         def step(indices, *refs):
             x_pieces, carry = refs[:-1], refs[-1]
             tile = indices[0] * programs + sm
 
-            @pl.when(tile < row_tiles)
-            def _():
-                process(tile, x_pieces)
+            parity = lax.rem(indices[0], 2)
+            for w, (first, last) in enumerate(cfg.block_ranges()):
+
+                @pl.when((tile < row_tiles) & (wg == w))
+                def _(w=w, blocks=range(first, last)):
+                    process(tile, parity, x_pieces, w, blocks)
 
             return carry
 
         def context(run):
-            plgpu.copy_gmem_to_smem(h_gmem, h_smem, h_barrier)
+            @pl.when(wg == 0)  # one copy of H_64 for every compute warpgroup
+            def _():
+                plgpu.copy_gmem_to_smem(h_gmem, h_smem, h_barrier)
+
             plgpu.barrier_wait(h_barrier)
             run(jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
@@ -243,7 +286,7 @@ def rotate_quantize(
         ),
         grid=(programs,),
         grid_names=("sm",),
-        num_threads=2,
+        num_threads=cfg.warpgroups + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         # Interpreted, fresh memory reads as NaN: a row the kernel failed to store shows.

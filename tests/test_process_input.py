@@ -737,18 +737,23 @@ def test_hadamard_sub_refusals(rng):
         (1, 768, 128, 1),  # T=1: one row of six blocks
         (200, 768, 128, 200),  # the measured width, four tiles
         (128, 384, 64, 5),  # a second tile with no valid row: zeros only
+        (96, 384, 128, 90),  # three blocks: two warpgroups take 2 + 1
     ],
 )
-def test_mosaic_rotation(m, k, block, valid, rng):
+@pytest.mark.parametrize("tiles_text", ["0x0m", "0x0m2"])
+def test_mosaic_rotation(m, k, block, valid, tiles_text, rng):
     """``tiles.mosaic``: the Mosaic kernel (its interpreter here) against the
     reference (values up to f32 summation order, scales to 1e-6), and its codes
     equal to the Triton kernel's with the same 64-column products; rows at or
     past the valid tokens zero (values +0 and scales). The interpreter fills
-    outputs with NaN: a row the kernel leaves unstored fails."""
+    outputs with NaN: a row the kernel leaves unstored fails. Two compute
+    warpgroups split each tile's Hadamard blocks and combine the row max."""
+    if tiles_text == "0x0m2" and k // block < 2:
+        pytest.skip("one Hadamard block: one warpgroup (refused for two below)")
     x = jnp.asarray(_inputs(rng, max(m, 3), k)[:m], jnp.bfloat16)
     kw = dict(hadamard_block_size=block, num_valid_tokens=jnp.asarray([valid], jnp.int32))
-    tiles = hj.ProcessTilesConfig.parse("0x0m")
-    assert tiles == hj.ProcessTilesConfig(mosaic=True) and tiles.text() == "0x0m"
+    tiles = hj.ProcessTilesConfig.parse(tiles_text)
+    assert tiles == hj.ProcessTilesConfig(mosaic=len(tiles_text) - 3) and tiles.text() == tiles_text
     got = hj.process_input(x, Q.FP8_DYNAMIC_TOKEN, tiles=tiles, backend=KERNEL_BACKEND, **kw)
     ref = hj.process_input(x, Q.FP8_DYNAMIC_TOKEN, backend="reference", **kw)
     assert got.values.shape == (m, k) and got.scale.shape == (m, 1)
@@ -787,20 +792,31 @@ def test_mosaic_rotation_refusals():
         run(layout="scatter", scatter_idx=copies)
     with pytest.raises(ValueError, match="mosaic"):
         hj.ProcessTilesConfig(8, 4, mosaic=True)
+    with pytest.raises(ValueError, match="mosaic: 1 or 2"):
+        hj.ProcessTilesConfig(mosaic=3)
+    with pytest.raises(ValueError, match="a Hadamard block for each of 2 warpgroups"):
+        hj.process_input(
+            x[:, :128],
+            Q.FP8_DYNAMIC_TOKEN,
+            hadamard_block_size=128,
+            tiles=hj.ProcessTilesConfig(mosaic=2),
+            backend=KERNEL_BACKEND,
+        )
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("block", [64, 128])
-def test_mosaic_rotation_lowers_for_the_gpu(block):
+@pytest.mark.parametrize("block,warpgroups", [(64, 1), (128, 1), (128, 2)])
+def test_mosaic_rotation_lowers_for_the_gpu(block, warpgroups):
     """The Mosaic kernel lowers for the GPU on the CPU (what the interpreter
     cannot check: the swizzled e4m3 output slots, TMA boxes, layouts): two
     products a 128-column block (one for 64), each taken twice (the max, then
     the values), four k16 wgmmas a product; a TMA store a 64-column part and
-    one a tile's scales."""
+    one a tile's scales (with two warpgroups each takes half the blocks, in
+    its own branch: the same counts)."""
     from benchmarks import mosaic_ir
     from pallas_kernels import process_input_mosaic as mosaic
 
-    cfg = mosaic.MosaicRotation(768, block)
+    cfg = mosaic.MosaicRotation(768, block, warpgroups=warpgroups)
     x = jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16)
     h = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
     valid = jax.ShapeDtypeStruct((1,), jnp.int32)
