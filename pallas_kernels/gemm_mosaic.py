@@ -331,7 +331,8 @@ def _store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
 
 
 def swizzled(columns: int, dtype) -> tuple:
-    """Tiling + swizzle transforms of a 16-bit ``[rows, columns]`` wgmma operand."""
+    """Tiling + swizzle transforms of a ``[rows, columns]`` shared-memory tile
+    (a 16-bit wgmma operand; also 8-bit output slots, see process_input_mosaic)."""
     itemsize = jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(columns * itemsize * 8)
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
