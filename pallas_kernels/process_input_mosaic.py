@@ -189,6 +189,7 @@ def _kernel(
             if cfg.warpgroups == 1:
                 return own
             m_smem.at[parity, w][...] = own
+            plgpu.commit_smem()  # every thread's store done before the warpgroup arrives (as the GEMM's stage)
             plgpu.barrier_arrive(max_barrier)
             plgpu.barrier_wait(max_barrier)
             layout = plgpu.Layout.WGMMA.reduce(1)
