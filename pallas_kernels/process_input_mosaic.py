@@ -8,7 +8,9 @@ rotated values in registers until the row's max is known; at narrow rows
 bandwidth whatever the tiling. Here a memory warpgroup streams tiles of
 ``ROWS`` tokens × K columns into shared memory (``stages`` tiles in flight,
 each as K/64 swizzled ``[ROWS, 64]`` boxes) while one compute warpgroup
-takes two passes over the tile in shared memory: the first multiplies each
+(or two, each on half the tile's Hadamard blocks, the row max combined
+through shared memory) takes two passes over the tile in shared memory: the
+first multiplies each
 64-column piece by the ±1 matrix H_64 (``wgmma``, f32 accumulators),
 combines the pieces of a Hadamard block by butterflies (H_b = H_{b/64} ⊗
 H_64) and keeps the elementwise max of ``|y|``; the second takes the same

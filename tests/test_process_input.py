@@ -738,6 +738,7 @@ def test_hadamard_sub_refusals(rng):
         (200, 768, 128, 200),  # the measured width, four tiles
         (128, 384, 64, 5),  # a second tile with no valid row: zeros only
         (96, 384, 128, 90),  # three blocks: two warpgroups take 2 + 1
+        (300, 256, 128, 290),  # 5 tiles; interpreted (4 SMs): 3 programs of 2 steps, the last step past the end
     ],
 )
 @pytest.mark.parametrize("tiles_text", ["0x0m", "0x0m2"])
