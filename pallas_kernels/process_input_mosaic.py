@@ -99,9 +99,12 @@ def refusal(cfg: MosaicRotation) -> str | None:
     if cfg.stages < 2:
         return f"at least 2 stages (a tile loads while the last is processed), got {cfg.stages}"
     if cfg.smem_bytes > SMEM_LIMIT:
+        widest = cfg.hadamard
+        while dataclasses.replace(cfg, k=widest + cfg.hadamard).smem_bytes <= SMEM_LIMIT:
+            widest += cfg.hadamard
         return (
             f"{cfg.stages} tiles of {ROWS} x {cfg.k} bf16 in shared memory ({cfg.smem_bytes} bytes) exceed "
-            f"{SMEM_LIMIT}: K up to {(SMEM_LIMIT - 16 * 1024) // (2 * ROWS * cfg.stages)} with {cfg.stages} stages"
+            f"{SMEM_LIMIT}: K up to {widest} here"
         )
     return None
 
