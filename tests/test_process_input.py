@@ -763,7 +763,12 @@ def test_mosaic_rotation(m, k, block, valid, tiles_text, rng):
     triton = hj.process_input(
         x, Q.FP8_DYNAMIC_TOKEN, tiles=hj.ProcessTilesConfig(hadamard_sub=block), backend=KERNEL_BACKEND, **kw
     )
-    np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(triton.values).view(np.uint8))
+    # The same products in f32: equal codes (interpreted, all of them; on the GPU wgmma and
+    # mma.sync may sum a product's 64 terms in another order: a rare code one step off).
+    a, b = np_ref.to64(got.values), np_ref.to64(triton.values)
+    off = a != b
+    assert off.mean() <= (0 if KERNEL_BACKEND == "interpret" else 1e-3)
+    assert np.all(np.abs(a - b)[off] <= np.maximum(np.abs(a), np.abs(b))[off] * 2.0**-3 + 2.0**-9)  # e4m3 steps
     # The max is taken before the 1/sqrt(b) factor (exact on the GPU; interpreted, XLA may
     # fold the factor into the division by 448: one ulp).
     np.testing.assert_allclose(np.asarray(got.scale), np.asarray(triton.scale), rtol=1e-6)
