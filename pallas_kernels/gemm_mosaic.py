@@ -330,6 +330,12 @@ def _store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
         size //= 2
 
 
+def persistent_programs(interpret: bool) -> int:
+    """Programs of a persistent grid: one per SM (a few when interpreted: the
+    loop over tiles covers every tile either way)."""
+    return 4 if interpret else getattr(jax.devices()[0], "core_count", None) or H100_SMS
+
+
 def swizzled(columns: int, dtype) -> tuple:
     """Tiling + swizzle transforms of a ``[rows, columns]`` shared-memory tile
     (a 16-bit wgmma operand; also 8-bit output slots, see process_input_mosaic)."""
@@ -687,8 +693,7 @@ def expert_gemm_mosaic(
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
     table = row_tile_table(starts, ends, num_experts, m, tiles.block_m, pairs=tiles.cluster_m)
     row_tiles = table.shape[0]
-    # One persistent program per SM (a few when interpreted: the loop covers every tile either way).
-    sms = 4 if interpret else getattr(jax.devices()[0], "core_count", None) or H100_SMS
+    sms = persistent_programs(interpret)
     if bias is not None and bias.shape != (num_experts, n):
         raise ValueError(f"mosaic GEMM: bias must be [E, N] = {(num_experts, n)}, got {bias.shape}")
     extra = (bias,) if bias is not None else ()

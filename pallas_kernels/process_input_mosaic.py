@@ -42,13 +42,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gemm_mosaic import swizzled  # tiling + swizzle of a [rows, columns] shared tile
-from pallas_kernels.process_input import butterflies  # H_b = H_{b/64} ⊗ H_64 from the 64-column products
+from pallas_kernels.gemm_mosaic import persistent_programs, swizzled
+from pallas_kernels.process_input import FLOAT8_E4M3_MAX, butterflies
 
 ROWS = 64  # tokens a tile: one wgmma's M
 SUB = 64  # columns of one product: H_64, a 128-byte swizzled bf16 row
-FLOAT8_E4M3_MAX = 448.0
-H100_SMS = 132  # programs of the persistent grid when the device does not say
 SMEM_LIMIT = 227 * 1024  # shared memory a Hopper program may take
 
 
@@ -281,7 +279,7 @@ def rotate_quantize(
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
     row_tiles = padded // ROWS
-    sms = 4 if interpret else getattr(jax.devices()[0], "core_count", None) or H100_SMS
+    sms = persistent_programs(interpret)
     steps = -(-row_tiles // sms)
     programs = -(-row_tiles // steps)  # every program takes `steps` tiles, the last ones fewer
     kernel = plgpu.kernel(
