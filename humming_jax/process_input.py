@@ -235,12 +235,14 @@ def _check_tiles(cfg, tiles: ProcessTilesConfig, x_dtype) -> None:
 
 
 def _mosaic_rotation(
-    x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays, warpgroups: int, interpret: bool
+    x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays, tiles: ProcessTilesConfig, interpret: bool
 ) -> Q.QuantizedInput:
     """``tiles.mosaic``: the Mosaic kernel's case (a bf16 input rotated without
     activation, fp8 e4m3 per token, the normal layout), or a ValueError."""
     spec = steps.spec
-    cfg = mosaic_kernel.MosaicRotation(k=x.shape[1], hadamard=steps.hadamard_block_size or 0, warpgroups=warpgroups)
+    cfg = mosaic_kernel.MosaicRotation(
+        k=x.shape[1], hadamard=steps.hadamard_block_size or 0, warpgroups=tiles.mosaic, ahead=tiles.mosaic_ahead
+    )
     problems = [
         f"activation {steps.activation.kind.value}" if steps.activation is not None else None,
         f"input {x.dtype}" if x.dtype != jnp.bfloat16 else None,
@@ -270,7 +272,7 @@ def _process_input_kernel(
     x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays, tiles: ProcessTilesConfig, interpret: bool
 ) -> Q.QuantizedInput:
     if tiles.mosaic:
-        return _mosaic_rotation(x, steps, arrays, tiles.mosaic, interpret)
+        return _mosaic_rotation(x, steps, arrays, tiles, interpret)
     spec, activation, layout = steps.spec, steps.activation, steps.layout
     expert_num_tokens, scatter_idx, num_valid_tokens, static_scale = arrays
     m_in, k_in = x.shape

@@ -55,13 +55,16 @@ class MosaicRotation:
     """Static description of one launch: rows of ``k`` bf16 columns rotated
     in Hadamard blocks of ``hadamard`` (64 or 128) and quantized to e4m3 per
     token; ``stages`` row tiles in flight; ``warpgroups`` compute warpgroups
-    (1 or 2) sharing each tile's Hadamard blocks (with 2, the row max is
-    combined through shared memory)."""
+    (1 to 4) sharing each tile's Hadamard blocks (with more than one, the row
+    max is combined through shared memory); ``ahead``: the next block's
+    products are issued before this block's are read (two accumulator sets),
+    so the tensor cores work while the butterflies and stores run."""
 
     k: int
     hadamard: int
     stages: int = 2
     warpgroups: int = 1
+    ahead: bool = False
 
     @property
     def parts(self) -> int:
@@ -73,9 +76,9 @@ class MosaicRotation:
         return self.k // self.hadamard
 
     def block_ranges(self) -> list[tuple[int, int]]:
-        """Each compute warpgroup's Hadamard blocks ``[first, last)`` (the first takes the odd one)."""
-        share = -(-self.blocks // self.warpgroups)
-        return [(w * share, min(self.blocks, (w + 1) * share)) for w in range(self.warpgroups)]
+        """Each compute warpgroup's Hadamard blocks ``[first, last)``, as even as they divide."""
+        cuts = [w * self.blocks // self.warpgroups for w in range(self.warpgroups + 1)]
+        return list(zip(cuts[:-1], cuts[1:], strict=True))
 
     @property
     def smem_bytes(self) -> int:
@@ -90,8 +93,8 @@ def refusal(cfg: MosaicRotation) -> str | None:
         return f"Hadamard blocks of {SUB} or {2 * SUB} columns, got {cfg.hadamard}"
     if cfg.k % cfg.hadamard:
         return f"rows of whole Hadamard blocks, got K={cfg.k} with blocks of {cfg.hadamard}"
-    if cfg.warpgroups not in (1, 2):
-        return f"1 or 2 compute warpgroups, got {cfg.warpgroups}"
+    if cfg.warpgroups not in (1, 2, 3, 4):
+        return f"1 to 4 compute warpgroups, got {cfg.warpgroups}"
     if cfg.blocks < cfg.warpgroups:
         return f"a Hadamard block for each of {cfg.warpgroups} warpgroups, got K={cfg.k} (blocks of {cfg.hadamard})"
     if cfg.stages < 2:
@@ -171,24 +174,48 @@ def _kernel(
         num_valid = valid_gmem[0]
         wg = lax.axis_index("wg")
 
-        def rotated(x_pieces, block: int):
-            """Block ``block``'s ``parts`` tiles ``[ROWS, SUB]``, unscaled, f32."""
+        def each_block(x_pieces, blocks: range, consume, carry=None):
+            """Folds ``carry = consume(block, ys, carry)`` over ``blocks`` in order (``ys``:
+            the block's ``parts`` rotated tiles ``[ROWS, SUB]`` f32, unscaled) and returns
+            the last carry. With ``cfg.ahead`` the next block's products are in flight (in
+            the next accumulators) while ``consume`` runs; every product is its own wgmma
+            group. Each block's accumulators are fresh (zero) ones in a scope nested in
+            the last block's; values leave a scope only as its result."""
 
-            def products(*acc_refs):
-                for part, acc_ref in enumerate(acc_refs):
-                    plgpu.wgmma(acc_ref, x_pieces[block * cfg.parts + part], h_smem.transpose((1, 0)))
-                return [acc_ref[...] for acc_ref in acc_refs]
+            def with_products(n: int, then):
+                def body(*acc_refs):
+                    for part, acc_ref in enumerate(acc_refs):
+                        plgpu.wgmma(acc_ref, x_pieces[blocks[n] * cfg.parts + part], h_smem.transpose((1, 0)))
+                    return then(acc_refs)
 
-            accs = [plgpu.ACC((ROWS, SUB), jnp.float32) for _ in range(cfg.parts)]
-            return butterflies(pl.run_scoped(products, *accs))
+                return pl.run_scoped(body, *[plgpu.ACC((ROWS, SUB), jnp.float32) for _ in range(cfg.parts)])
+
+            def visit(n: int, acc_refs, carry):
+                """Block n's products issued: read and consume them, and go on."""
+
+                def read_and_consume(in_flight: int):
+                    ys = [plgpu.wgmma_accumulator_load(acc_refs[0], wait_n=in_flight)]
+                    ys += [plgpu.wgmma_accumulator_load(acc_ref, wait_n=None) for acc_ref in acc_refs[1:]]
+                    return consume(blocks[n], butterflies(ys), carry)
+
+                if n + 1 == len(blocks):
+                    return read_and_consume(0)
+                if cfg.ahead:
+                    return with_products(n + 1, lambda next_refs: visit(n + 1, next_refs, read_and_consume(cfg.parts)))
+                carry = read_and_consume(0)
+                return with_products(n + 1, lambda next_refs: visit(n + 1, next_refs, carry))
+
+            return with_products(0, lambda acc_refs: visit(0, acc_refs, carry))
 
         def row_max(x_pieces, blocks, parity, w: int):
-            """max |y| of each row over the tile (warpgroup ``w``'s blocks, combined with the other's)."""
-            largest = None
-            for block in blocks:
-                for y in rotated(x_pieces, block):
+            """max |y| of each row over the tile (warpgroup ``w``'s blocks, combined with the others')."""
+
+            def consume(block, ys, largest):
+                for y in ys:
                     largest = jnp.abs(y) if largest is None else jnp.maximum(largest, jnp.abs(y))
-            own = largest.max(axis=1)
+                return largest
+
+            own = each_block(x_pieces, blocks, consume).max(axis=1)
             if cfg.warpgroups == 1:
                 return own
             m_smem.at[parity, w][...] = own
@@ -196,7 +223,10 @@ def _kernel(
             plgpu.barrier_arrive(max_barrier)
             plgpu.barrier_wait(max_barrier)
             layout = plgpu.Layout.WGMMA.reduce(1)
-            return jnp.maximum(own, plgpu.load(m_smem.at[parity, 1 - w], layout=layout, optimized=False))
+            for other in range(cfg.warpgroups):
+                if other != w:
+                    own = jnp.maximum(own, plgpu.load(m_smem.at[parity, other], layout=layout, optimized=False))
+            return own
 
         def process(tile, parity, x_pieces, w: int, blocks: range):
             """Warpgroup ``w``'s Hadamard blocks of the tile (and with ``w`` = 0 the scales)."""
@@ -213,14 +243,15 @@ def _kernel(
             # Each copy is its own group. The last tile's copies have had the first pass to read
             # their slots; within the tile, one copy in flight leaves the other slot free.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            count = 0
-            for block in blocks:
-                for part, y in enumerate(rotated(x_pieces, block)):
+            count = [0]  # parts stored so far (a Python count: the loop is unrolled)
+
+            def consume(block, ys, _):
+                for part, y in enumerate(ys):
                     values = (y * factor) * inverse_rows
-                    slot = o_smem.at[w, count % 2]
-                    if count:
+                    slot = o_smem.at[w, count[0] % 2]
+                    if count[0]:
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                    count += 1
+                    count[0] += 1
 
                     @pl.when(partial)
                     def _(values=values, slot=slot):  # rows past the valid tokens: +0, not -0
@@ -233,6 +264,8 @@ def _kernel(
                     plgpu.commit_smem()
                     columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
                     plgpu.copy_smem_to_gmem(slot, values_gmem.at[pl.ds(first_row, ROWS), columns])
+
+            each_block(x_pieces, blocks, consume)
             if w == 0:
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the last tile's scale copy has read
                 s_smem[...] = jnp.where(kept, scale, 0.0)

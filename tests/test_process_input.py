@@ -741,20 +741,21 @@ def test_hadamard_sub_refusals(rng):
         (300, 256, 128, 290),  # 5 tiles; interpreted (4 SMs): 3 programs of 2 steps, the last step past the end
     ],
 )
-@pytest.mark.parametrize("tiles_text", ["0x0m", "0x0m2"])
+@pytest.mark.parametrize("tiles_text", ["0x0m", "0x0m2", "0x0ma", "0x0m3a"])
 def test_mosaic_rotation(m, k, block, valid, tiles_text, rng):
     """``tiles.mosaic``: the Mosaic kernel (its interpreter here) against the
     reference (values up to f32 summation order, scales to 1e-6), and its codes
     equal to the Triton kernel's with the same 64-column products; rows at or
     past the valid tokens zero (values +0 and scales). The interpreter fills
-    outputs with NaN: a row the kernel leaves unstored fails. Two compute
-    warpgroups split each tile's Hadamard blocks and combine the row max."""
-    if tiles_text == "0x0m2" and k // block < 2:
-        pytest.skip("one Hadamard block: one warpgroup (refused for two below)")
+    outputs with NaN: a row the kernel leaves unstored fails. Two or three
+    compute warpgroups split each tile's Hadamard blocks and combine the row
+    max; ``a``: the next block's products in flight while one is consumed."""
+    tiles = hj.ProcessTilesConfig.parse(tiles_text)
+    if k // block < tiles.mosaic:
+        pytest.skip("fewer Hadamard blocks than warpgroups (refused below)")
     x = jnp.asarray(_inputs(rng, max(m, 3), k)[:m], jnp.bfloat16)
     kw = dict(hadamard_block_size=block, num_valid_tokens=jnp.asarray([valid], jnp.int32))
-    tiles = hj.ProcessTilesConfig.parse(tiles_text)
-    assert tiles == hj.ProcessTilesConfig(mosaic=len(tiles_text) - 3) and tiles.text() == tiles_text
+    assert tiles.text() == tiles_text
     got = hj.process_input(x, Q.FP8_DYNAMIC_TOKEN, tiles=tiles, backend=KERNEL_BACKEND, **kw)
     ref = hj.process_input(x, Q.FP8_DYNAMIC_TOKEN, backend="reference", **kw)
     assert got.values.shape == (m, k) and got.scale.shape == (m, 1)
@@ -798,8 +799,11 @@ def test_mosaic_rotation_refusals():
         run(layout="scatter", scatter_idx=copies)
     with pytest.raises(ValueError, match="mosaic"):
         hj.ProcessTilesConfig(8, 4, mosaic=True)
-    with pytest.raises(ValueError, match="mosaic: 1 or 2"):
-        hj.ProcessTilesConfig(mosaic=3)
+    with pytest.raises(ValueError, match="mosaic: 1 to 4"):
+        hj.ProcessTilesConfig(mosaic=5)
+    with pytest.raises(ValueError, match="mosaic_ahead: a Mosaic kernel option"):
+        hj.ProcessTilesConfig(mosaic_ahead=True)
+    assert hj.ProcessTilesConfig.parse("0x0m4a") == hj.ProcessTilesConfig(mosaic=4, mosaic_ahead=True)
     with pytest.raises(ValueError, match="a Hadamard block for each of 2 warpgroups"):
         hj.process_input(
             x[:, :128],
@@ -811,18 +815,18 @@ def test_mosaic_rotation_refusals():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("block,warpgroups", [(64, 1), (128, 1), (128, 2)])
-def test_mosaic_rotation_lowers_for_the_gpu(block, warpgroups):
+@pytest.mark.parametrize("block,warpgroups,ahead", [(64, 1, False), (128, 1, False), (128, 2, False), (128, 3, True)])
+def test_mosaic_rotation_lowers_for_the_gpu(block, warpgroups, ahead):
     """The Mosaic kernel lowers for the GPU on the CPU (what the interpreter
     cannot check: the swizzled e4m3 output slots, TMA boxes, layouts): two
     products a 128-column block (one for 64), each taken twice (the max, then
     the values), four k16 wgmmas a product; a TMA store a 64-column part and
     one a tile's scales (with two warpgroups each takes half the blocks, in
-    its own branch: the same counts)."""
+    its own branch: the same counts; ahead, the same products in another order)."""
     from benchmarks import mosaic_ir
     from pallas_kernels import process_input_mosaic as mosaic
 
-    cfg = mosaic.MosaicRotation(768, block, warpgroups=warpgroups)
+    cfg = mosaic.MosaicRotation(768, block, warpgroups=warpgroups, ahead=ahead)
     x = jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16)
     h = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
     valid = jax.ShapeDtypeStruct((1,), jnp.int32)
