@@ -80,11 +80,21 @@ class MosaicRotation:
         cuts = [w * self.blocks // self.warpgroups for w in range(self.warpgroups + 1)]
         return list(zip(cuts[:-1], cuts[1:], strict=True))
 
+    def smem_bytes_with(self, slots: int) -> int:
+        """Input stages, ``slots`` output slots a warpgroup, H_64, the scale and row-max
+        slots, the compiler's reduction scratch (2 KB) and its barriers."""
+        outputs = self.warpgroups * slots * ROWS * SUB
+        return self.stages * ROWS * self.k * 2 + outputs + SUB * SUB * 2 + ROWS * 4 * (1 + 2 * self.warpgroups) + 3072
+
+    @property
+    def slots(self) -> int:
+        """Output slots a warpgroup: 2 (a part converts while the last one's copy reads)
+        where they fit, else 1."""
+        return 2 if self.smem_bytes_with(2) <= SMEM_LIMIT else 1
+
     @property
     def smem_bytes(self) -> int:
-        """Input stages, two output slots a warpgroup, H_64, the scale and row-max slots."""
-        slots = self.warpgroups * 2 * ROWS * SUB
-        return self.stages * ROWS * self.k * 2 + slots + SUB * SUB * 2 + ROWS * 4 * (1 + 2 * self.warpgroups) + 1024
+        return self.smem_bytes_with(self.slots)
 
 
 def refusal(cfg: MosaicRotation) -> str | None:
@@ -155,10 +165,10 @@ def _kernel(
         pl.run_scoped,
         allocations=pipeline(unused, unused).get_allocations(*(x_gmem for _ in range(pieces))),
         h_smem=plgpu.SMEM((SUB, SUB), jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16)),
-        # Two output slots a warpgroup, swizzled: rows of 64 bytes in a plain tile put 8 rows on
+        # Output slots a warpgroup, swizzled: rows of 64 bytes in a plain tile put 8 rows on
         # one bank (the interpreter cannot store through a swizzle).
         o_smem=plgpu.SMEM(
-            (cfg.warpgroups, 2, ROWS, SUB),
+            (cfg.warpgroups, cfg.slots, ROWS, SUB),
             jnp.float8_e4m3fn,
             transforms=() if interpret else swizzled(SUB, jnp.float8_e4m3fn),
         ),
@@ -248,9 +258,9 @@ def _kernel(
             def consume(block, ys, _):
                 for part, y in enumerate(ys):
                     values = (y * factor) * inverse_rows
-                    slot = o_smem.at[w, count[0] % 2]
-                    if count[0]:
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    slot = o_smem.at[w, count[0] % cfg.slots]
+                    if count[0]:  # the slot's last copy has read it
+                        plgpu.wait_smem_to_gmem(cfg.slots - 1, wait_read_only=True)
                     count[0] += 1
 
                     @pl.when(partial)

@@ -741,7 +741,7 @@ def test_hadamard_sub_refusals(rng):
         (300, 256, 128, 290),  # 5 tiles; interpreted (4 SMs): 3 programs of 2 steps, the last step past the end
     ],
 )
-@pytest.mark.parametrize("tiles_text", ["0x0m", "0x0m2", "0x0ma", "0x0m3a"])
+@pytest.mark.parametrize("tiles_text", ["0x0m", "0x0m2", "0x0m3a", "0x0m4"])
 def test_mosaic_rotation(m, k, block, valid, tiles_text, rng):
     """``tiles.mosaic``: the Mosaic kernel (its interpreter here) against the
     reference (values up to f32 summation order, scales to 1e-6), and its codes
@@ -815,7 +815,9 @@ def test_mosaic_rotation_refusals():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("block,warpgroups,ahead", [(64, 1, False), (128, 1, False), (128, 2, False), (128, 3, True)])
+@pytest.mark.parametrize(
+    "block,warpgroups,ahead", [(64, 1, False), (128, 1, False), (128, 2, False), (128, 3, True), (64, 4, False)]
+)
 def test_mosaic_rotation_lowers_for_the_gpu(block, warpgroups, ahead):
     """The Mosaic kernel lowers for the GPU on the CPU (what the interpreter
     cannot check: the swizzled e4m3 output slots, TMA boxes, layouts): two
