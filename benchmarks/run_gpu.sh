@@ -85,15 +85,17 @@ for step in $steps; do
     # compiler (and the mended operands comparison), then T=16/512/4096 at K=768 against the Triton default
     # (fifteenth session 39.4 us, 0.57). Prediction: K=768 T=4096 ~20-26 us with one warpgroup (>= 0.85 of the
     # copy), two at the copy's pace if one is compute-bound; T=16 / 512 slower than Triton (2 / 64 programs).
-    # process_input v10: the Mosaic rotation with the next block's products in flight (a) and 1-4 compute
+    # process_input v10: the Mosaic rotation with the next block's products in flight (a) and 1-3 compute
     # warpgroups. v9 (sixteenth session, T=4096 K=768): 0x0m 60.6 us, 0x0m2 38.9 (0.54 of the copy); T=512 15.1 /
     # 11.9. First run (sixteenth session): ahead changed nothing (0x0ma 61.6, 0x0m2a 39.4); three warpgroups did
     # not fit two output slots each; ncu's replay fails the launch (LaunchFailed). The SASS: one warp a scheduler
     # per compute warpgroup, ~8 dependent instructions an element and pass: latency-bound. Now one output slot a
-    # warpgroup where two do not fit: 3 and 4 warpgroups. Prediction: 0x0m4 <= 26 us (>= 0.8 of the copy).
-    hadamard-ahead) pytest_gpu 150 tests/test_process_input.py -k "mosaic" 2>&1 | tail -3
+    # warpgroup where two do not fit: 3 warpgroups (4 hung: setmaxnreg asks more registers than the launch has).
+    # Prediction: 0x0m3 <= 30 us (>= 0.7 of the copy).
+    hadamard-ahead) pytest_gpu 150 tests/test_process_input.py -k "mosaic" > "$out/mosaic_tests.log" 2>&1
+                    tail -3 "$out/mosaic_tests.log"
                     timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 512 4096 --widths 768 \
-                      --cases hadamard128+fp8_token --tiles 0x0m2 0x0m3 0x0m3a 0x0m4 0x0m4a \
+                      --cases hadamard128+fp8_token --tiles 0x0m2 0x0m3 0x0m3a \
                       --out "$out/hadamard_ahead.json" 2>&1 | tee "$out/hadamard_ahead.log" | tail -16 ;;
     hadamard-mosaic) pytest_gpu 150 tests/test_process_input.py -k "mosaic or operands" 2>&1 | tail -3
                      timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 16 512 4096 \

@@ -309,7 +309,7 @@ class ProcessTilesConfig:
     product has fewer than 64 rows). ``two_pass`` (Hadamard
     only): the rows are processed as b-wide column blocks of up to 64 rows, the
     per-token max found in a first pass and the blocks rotated again to be
-    quantized, instead of whole rows held at once. ``mosaic`` (1 to 4: its
+    quantized, instead of whole rows held at once. ``mosaic`` (1 to 3: its
     compute warpgroups): the Mosaic GPU kernel for a Hadamard rotation of bf16
     rows quantized to fp8 per token (tiles of 64 tokens streamed through
     shared memory by TMA, the products on wgmma; ``mosaic_ahead``: the next
@@ -341,8 +341,8 @@ class ProcessTilesConfig:
     mosaic_ahead: bool = False
 
     def __post_init__(self):
-        if self.mosaic not in (0, 1, 2, 3, 4):
-            raise ValueError(f"ProcessTilesConfig.mosaic: 1 to 4 compute warpgroups (0: off), got {self.mosaic}")
+        if self.mosaic not in (0, 1, 2, 3):
+            raise ValueError(f"ProcessTilesConfig.mosaic: 1 to 3 compute warpgroups (0: off), got {self.mosaic}")
         if self.mosaic_ahead and not self.mosaic:
             raise ValueError("ProcessTilesConfig.mosaic_ahead: a Mosaic kernel option, needs mosaic")
         if self.mosaic and dataclasses.replace(self, mosaic=0, mosaic_ahead=False) != ProcessTilesConfig():
@@ -372,9 +372,9 @@ class ProcessTilesConfig:
         0 rows or warps: chosen), with a trailing ``r`` for
         ``operand_blocks=False`` (``"0x0r"``), ``p`` for ``one_block`` (``"8x4p"``)
         and ``hS`` for ``hadamard_sub=S`` (``"8x4x1x4h32"``); ``"0x0m"``, ``"0x0mW"``
-        for the Mosaic kernel on 1 or W (2 to 4) compute warpgroups, ``a`` after them
+        for the Mosaic kernel on 1 or W (2 or 3) compute warpgroups, ``a`` after them
         for ``mosaic_ahead`` (``"0x0m2a"``)."""
-        mosaic = re.fullmatch(r"0x0m([2-4]?)(a?)", text)
+        mosaic = re.fullmatch(r"0x0m([23]?)(a?)", text)
         if mosaic:
             return cls(mosaic=int(mosaic.group(1) or 1), mosaic_ahead=bool(mosaic.group(2)))
         sub = re.search(r"h(\d+)$", text)

@@ -55,7 +55,7 @@ class MosaicRotation:
     """Static description of one launch: rows of ``k`` bf16 columns rotated
     in Hadamard blocks of ``hadamard`` (64 or 128) and quantized to e4m3 per
     token; ``stages`` row tiles in flight; ``warpgroups`` compute warpgroups
-    (1 to 4) sharing each tile's Hadamard blocks (with more than one, the row
+    (1 to 3) sharing each tile's Hadamard blocks (with more than one, the row
     max is combined through shared memory); ``ahead``: the next block's
     products are issued before this block's are read (two accumulator sets),
     so the tensor cores work while the butterflies and stores run."""
@@ -103,8 +103,10 @@ def refusal(cfg: MosaicRotation) -> str | None:
         return f"Hadamard blocks of {SUB} or {2 * SUB} columns, got {cfg.hadamard}"
     if cfg.k % cfg.hadamard:
         return f"rows of whole Hadamard blocks, got K={cfg.k} with blocks of {cfg.hadamard}"
-    if cfg.warpgroups not in (1, 2, 3, 4):
-        return f"1 to 4 compute warpgroups, got {cfg.warpgroups}"
+    if cfg.warpgroups not in (1, 2, 3):
+        # Four would launch 640 threads with 96 registers each (61440 of the 65536) while the
+        # pipeline raises the compute warpgroups to (512 - 40) / 4 -> 112: setmaxnreg waits forever.
+        return f"1 to 3 compute warpgroups, got {cfg.warpgroups}"
     if cfg.blocks < cfg.warpgroups:
         return f"a Hadamard block for each of {cfg.warpgroups} warpgroups, got K={cfg.k} (blocks of {cfg.hadamard})"
     if cfg.stages < 2:
