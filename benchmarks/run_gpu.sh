@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: hadamard-ahead hadamard-mosaic hadamard-two-pass align-gate indexed-zeros zero-fill gemm-bench-decode-mixtral hadamard-rows t1-profile int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
+# Steps: hadamard-mosaic-profile hadamard-ahead hadamard-mosaic hadamard-two-pass align-gate indexed-zeros zero-fill gemm-bench-decode-mixtral hadamard-rows t1-profile int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -97,6 +97,22 @@ for step in $steps; do
                     timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 512 4096 --widths 768 \
                       --cases hadamard128+fp8_token --tiles 0x0m2 0x0m3 0x0m3a \
                       --out "$out/hadamard_ahead.json" 2>&1 | tee "$out/hadamard_ahead.log" | tail -16 ;;
+    # The Mosaic rotation's stall reasons (SourceCounters left out: with it ncu's replay failed the launch).
+    hadamard-mosaic-profile) for tiles in 0x0m3 0x0m2; do
+                              timeout 150 ncu -k regex:mosaic_gpu -c 1 --section SpeedOfLight --section LaunchStats \
+                                --section Occupancy --section WarpStateStats --section SchedulerStats \
+                                --section MemoryWorkloadAnalysis --metrics \
+smsp__average_warp_latency_issue_stalled_barrier,smsp__average_warp_latency_issue_stalled_membar,\
+smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_latency_issue_stalled_wait,\
+smsp__average_warp_latency_issue_stalled_short_scoreboard,smsp__average_warp_latency_issue_stalled_math_pipe_throttle,\
+smsp__average_warp_latency_issue_stalled_sleeping,smsp__average_warp_latency_issue_stalled_dispatch_stall,\
+smsp__inst_executed.sum,smsp__cycles_active.avg \
+                                python3 -W ignore -m benchmarks.bench_process_input --tokens 4096 --widths 768 \
+                                --cases hadamard128+fp8_token --tiles $tiles --out "$out/rot_prof_$tiles.json" \
+                                > "$out/rot_${tiles}_profile.txt" 2>&1
+                              grep -E "Duration|Registers|Stall|stalled|Issued|Warp Cycles|Throughput|inst_executed|Eligible|LaunchFailed" \
+                                "$out/rot_${tiles}_profile.txt" | head -40
+                            done ;;
     hadamard-mosaic) pytest_gpu 150 tests/test_process_input.py -k "mosaic or operands" 2>&1 | tail -3
                      timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 16 512 4096 \
                        --widths 768 --cases hadamard128+fp8_token --tiles 0x0m 0x0m2 --out "$out/hadamard_mosaic.json" 2>&1 \
