@@ -312,9 +312,9 @@ class ProcessTilesConfig:
     quantized, instead of whole rows held at once. ``mosaic`` (1 to 3: its
     compute warpgroups): the Mosaic GPU kernel for a Hadamard rotation of bf16
     rows quantized to fp8 per token (tiles of 64 tokens streamed through
-    shared memory by TMA, the products on wgmma; ``mosaic_ahead``: the next
-    Hadamard block's products issued before this block's are read; the other
-    fields stay at their defaults)."""
+    shared memory by TMA, the products on wgmma; ``mosaic_max``: the first
+    warpgroup takes each tile's row max a step ahead of the others, which
+    quantize; the other fields stay at their defaults)."""
 
     block_rows: int = 0
     num_warps: int = 0
@@ -338,14 +338,17 @@ class ProcessTilesConfig:
     # more, else whole blocks; two passes: whole blocks).
     hadamard_sub: int = 0
     mosaic: int = 0
-    mosaic_ahead: bool = False
+    mosaic_max: bool = False
 
     def __post_init__(self):
         if self.mosaic not in (0, 1, 2, 3):
             raise ValueError(f"ProcessTilesConfig.mosaic: 1 to 3 compute warpgroups (0: off), got {self.mosaic}")
-        if self.mosaic_ahead and not self.mosaic:
-            raise ValueError("ProcessTilesConfig.mosaic_ahead: a Mosaic kernel option, needs mosaic")
-        if self.mosaic and dataclasses.replace(self, mosaic=0, mosaic_ahead=False) != ProcessTilesConfig():
+        if self.mosaic_max and self.mosaic < 2:
+            raise ValueError(
+                "ProcessTilesConfig.mosaic_max: a warpgroup for the row max beside one or more that quantize: "
+                f"needs mosaic of 2 or 3, got {self.mosaic}"
+            )
+        if self.mosaic and dataclasses.replace(self, mosaic=0, mosaic_max=False) != ProcessTilesConfig():
             raise ValueError(
                 "ProcessTilesConfig.mosaic: the Mosaic kernel has its own tiling; leave the other fields at their "
                 f"defaults, got {self}"
@@ -373,10 +376,10 @@ class ProcessTilesConfig:
         ``operand_blocks=False`` (``"0x0r"``), ``p`` for ``one_block`` (``"8x4p"``)
         and ``hS`` for ``hadamard_sub=S`` (``"8x4x1x4h32"``); ``"0x0m"``, ``"0x0mW"``
         for the Mosaic kernel on 1 or W (2 or 3) compute warpgroups, ``a`` after them
-        for ``mosaic_ahead`` (``"0x0m2a"``)."""
-        mosaic = re.fullmatch(r"0x0m([23]?)(a?)", text)
+        for ``mosaic_max`` (``"0x0m3x"``)."""
+        mosaic = re.fullmatch(r"0x0m([23]?)(x?)", text)
         if mosaic:
-            return cls(mosaic=int(mosaic.group(1) or 1), mosaic_ahead=bool(mosaic.group(2)))
+            return cls(mosaic=int(mosaic.group(1) or 1), mosaic_max=bool(mosaic.group(2)))
         sub = re.search(r"h(\d+)$", text)
         text = text[: sub.start()] if sub else text
         one_block = text.endswith("p")
@@ -390,7 +393,7 @@ class ProcessTilesConfig:
         except (ValueError, AssertionError):
             raise ValueError(
                 f"process tiles: expected ROWSxWARPS[xPASSES[xBLOCKS]][r][p][hS] such as 8x8, 64x8x2, 4x4x1x8, 8x4p "
-                f"or 8x4x1x4h32, or 0x0m[W][a] (the Mosaic kernel), "
+                f"or 8x4x1x4h32, or 0x0m[W][x] (the Mosaic kernel), "
                 f"got {text!r}"
             ) from None
         blocks = parts[3] if len(parts) == 4 else 0
@@ -408,7 +411,7 @@ class ProcessTilesConfig:
     def text(self) -> str:
         """The form :meth:`parse` reads (shortest: passes and blocks only when set)."""
         if self.mosaic:
-            return "0x0m" + (str(self.mosaic) if self.mosaic > 1 else "") + ("a" if self.mosaic_ahead else "")
+            return "0x0m" + (str(self.mosaic) if self.mosaic > 1 else "") + ("x" if self.mosaic_max else "")
         name = f"{self.block_rows}x{self.num_warps}" + ("x2" if self.two_pass else "")
         name = name if self.row_blocks == 0 else f"{name}x1x{self.row_blocks}"
         name = name if self.operand_blocks else f"{name}r"

@@ -55,16 +55,18 @@ class MosaicRotation:
     """Static description of one launch: rows of ``k`` bf16 columns rotated
     in Hadamard blocks of ``hadamard`` (64 or 128) and quantized to e4m3 per
     token; ``stages`` row tiles in flight; ``warpgroups`` compute warpgroups
-    (1 to 3) sharing each tile's Hadamard blocks (with more than one, the row
-    max is combined through shared memory); ``ahead``: the next block's
-    products are issued before this block's are read (two accumulator sets),
-    so the tensor cores work while the butterflies and stores run."""
+    (1 to 3). Without ``max_warpgroup`` they share each tile's Hadamard blocks,
+    each taking the row max of its blocks (combined through shared memory)
+    and then quantizing them. With ``max_warpgroup`` the first takes each
+    tile's row max over all its blocks and the scales, a step ahead of the
+    others, which quantize the blocks of the tile before: the first pass
+    runs while the second's stores stream."""
 
     k: int
     hadamard: int
     stages: int = 2
     warpgroups: int = 1
-    ahead: bool = False
+    max_warpgroup: bool = False
 
     @property
     def parts(self) -> int:
@@ -75,16 +77,22 @@ class MosaicRotation:
     def blocks(self) -> int:
         return self.k // self.hadamard
 
+    @property
+    def quantizers(self) -> int:
+        """Warpgroups that quantize (and store values)."""
+        return self.warpgroups - self.max_warpgroup
+
     def block_ranges(self) -> list[tuple[int, int]]:
-        """Each compute warpgroup's Hadamard blocks ``[first, last)``, as even as they divide."""
-        cuts = [w * self.blocks // self.warpgroups for w in range(self.warpgroups + 1)]
+        """Each quantizing warpgroup's Hadamard blocks ``[first, last)``, as even as they divide."""
+        cuts = [w * self.blocks // self.quantizers for w in range(self.quantizers + 1)]
         return list(zip(cuts[:-1], cuts[1:], strict=True))
 
     def smem_bytes_with(self, slots: int) -> int:
-        """Input stages, ``slots`` output slots a warpgroup, H_64, the scale and row-max
-        slots, the compiler's reduction scratch (2 KB) and its barriers."""
-        outputs = self.warpgroups * slots * ROWS * SUB
-        return self.stages * ROWS * self.k * 2 + outputs + SUB * SUB * 2 + ROWS * 4 * (1 + 2 * self.warpgroups) + 3072
+        """Input stages, ``slots`` output slots a quantizing warpgroup, H_64, the scale and
+        row-max slots, the compiler's reduction scratch (2 KB) and its barriers."""
+        outputs = self.quantizers * slots * ROWS * SUB
+        maxima = 2 * ROWS * 4 * (1 if self.max_warpgroup else self.warpgroups)
+        return self.stages * ROWS * self.k * 2 + outputs + SUB * SUB * 2 + ROWS * 4 + maxima + 3072
 
     @property
     def slots(self) -> int:
@@ -107,8 +115,10 @@ def refusal(cfg: MosaicRotation) -> str | None:
         # Four would launch 640 threads with 96 registers each (61440 of the 65536) while the
         # pipeline raises the compute warpgroups to (512 - 40) / 4 -> 112: setmaxnreg waits forever.
         return f"1 to 3 compute warpgroups, got {cfg.warpgroups}"
-    if cfg.blocks < cfg.warpgroups:
-        return f"a Hadamard block for each of {cfg.warpgroups} warpgroups, got K={cfg.k} (blocks of {cfg.hadamard})"
+    if cfg.max_warpgroup and cfg.warpgroups < 2:
+        return f"a warpgroup for the row max and one or more to quantize, got {cfg.warpgroups} warpgroups"
+    if cfg.blocks < cfg.quantizers:
+        return f"a Hadamard block for each of {cfg.quantizers} warpgroups, got K={cfg.k} (blocks of {cfg.hadamard})"
     if cfg.stages < 2:
         return f"at least 2 stages (a tile loads while the last is processed), got {cfg.stages}"
     if cfg.smem_bytes > SMEM_LIMIT:
@@ -167,103 +177,87 @@ def _kernel(
         pl.run_scoped,
         allocations=pipeline(unused, unused).get_allocations(*(x_gmem for _ in range(pieces))),
         h_smem=plgpu.SMEM((SUB, SUB), jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16)),
-        # Output slots a warpgroup, swizzled: rows of 64 bytes in a plain tile put 8 rows on
-        # one bank (the interpreter cannot store through a swizzle).
+        # Output slots a quantizing warpgroup, swizzled: rows of 64 bytes in a plain tile put 8
+        # rows on one bank (the interpreter cannot store through a swizzle).
         o_smem=plgpu.SMEM(
-            (cfg.warpgroups, cfg.slots, ROWS, SUB),
+            (cfg.quantizers, cfg.slots, ROWS, SUB),
             jnp.float8_e4m3fn,
             transforms=() if interpret else swizzled(SUB, jnp.float8_e4m3fn),
         ),
         s_smem=plgpu.SMEM((ROWS,), jnp.float32),
-        # Two warpgroups: each one's row max of the tile (by step parity: a slot is rewritten two
-        # tiles later, after both passed the next tile's barrier).
-        m_smem=plgpu.SMEM((2, cfg.warpgroups, ROWS), jnp.float32) if cfg.warpgroups > 1 else None,
-        max_barrier=plgpu.Barrier(num_arrivals=cfg.warpgroups) if cfg.warpgroups > 1 else None,
+        # By step parity (a slot is rewritten two tiles later, after its readers passed the next
+        # tile): the row max of each warpgroup's blocks, or the max warpgroup's row max of the tile.
+        m_smem=plgpu.SMEM((2, 1 if cfg.max_warpgroup else cfg.warpgroups, ROWS), jnp.float32),
+        max_barrier=plgpu.Barrier(num_arrivals=1 if cfg.max_warpgroup else cfg.warpgroups, num_barriers=2),
         h_barrier=plgpu.Barrier(num_arrivals=1),
         collective_axes="wg",
     )
-    def _(allocations, h_smem, o_smem, s_smem, h_barrier, m_smem=None, max_barrier=None):
+    def _(allocations, h_smem, o_smem, s_smem, m_smem, max_barrier, h_barrier):
         num_valid = valid_gmem[0]
         wg = lax.axis_index("wg")
+        max_layout = plgpu.Layout.WGMMA.reduce(1)
 
-        def each_block(x_pieces, blocks: range, consume, carry=None):
-            """Folds ``carry = consume(block, ys, carry)`` over ``blocks`` in order (``ys``:
-            the block's ``parts`` rotated tiles ``[ROWS, SUB]`` f32, unscaled) and returns
-            the last carry. With ``cfg.ahead`` the next block's products are in flight (in
-            the next accumulators) while ``consume`` runs; every product is its own wgmma
-            group. Each block's accumulators are fresh (zero) ones in a scope nested in
-            the last block's; values leave a scope only as its result."""
+        def rotated(x_pieces, block: int):
+            """Block ``block``'s ``parts`` tiles ``[ROWS, SUB]``, unscaled, f32."""
 
-            def with_products(n: int, then):
-                def body(*acc_refs):
-                    for part, acc_ref in enumerate(acc_refs):
-                        plgpu.wgmma(acc_ref, x_pieces[blocks[n] * cfg.parts + part], h_smem.transpose((1, 0)))
-                    return then(acc_refs)
+            def products(*acc_refs):
+                for part, acc_ref in enumerate(acc_refs):
+                    plgpu.wgmma(acc_ref, x_pieces[block * cfg.parts + part], h_smem.transpose((1, 0)))
+                return [acc_ref[...] for acc_ref in acc_refs]
 
-                return pl.run_scoped(body, *[plgpu.ACC((ROWS, SUB), jnp.float32) for _ in range(cfg.parts)])
+            accs = [plgpu.ACC((ROWS, SUB), jnp.float32) for _ in range(cfg.parts)]
+            return butterflies(pl.run_scoped(products, *accs))
 
-            def visit(n: int, acc_refs, carry):
-                """Block n's products issued: read and consume them, and go on."""
-
-                def read_and_consume(in_flight: int):
-                    ys = [plgpu.wgmma_accumulator_load(acc_refs[0], wait_n=in_flight)]
-                    ys += [plgpu.wgmma_accumulator_load(acc_ref, wait_n=None) for acc_ref in acc_refs[1:]]
-                    return consume(blocks[n], butterflies(ys), carry)
-
-                if n + 1 == len(blocks):
-                    return read_and_consume(0)
-                if cfg.ahead:
-                    return with_products(n + 1, lambda next_refs: visit(n + 1, next_refs, read_and_consume(cfg.parts)))
-                carry = read_and_consume(0)
-                return with_products(n + 1, lambda next_refs: visit(n + 1, next_refs, carry))
-
-            return with_products(0, lambda acc_refs: visit(0, acc_refs, carry))
-
-        def row_max(x_pieces, blocks, parity, w: int):
-            """max |y| of each row over the tile (warpgroup ``w``'s blocks, combined with the others')."""
-
-            def consume(block, ys, largest):
-                for y in ys:
+        def blocks_max(x_pieces, blocks: range):
+            """max |y| of each row over ``blocks`` (unscaled), ``[ROWS]`` f32."""
+            largest = None
+            for block in blocks:
+                for y in rotated(x_pieces, block):
                     largest = jnp.abs(y) if largest is None else jnp.maximum(largest, jnp.abs(y))
-                return largest
+            return largest.max(axis=1)
 
-            own = each_block(x_pieces, blocks, consume).max(axis=1)
-            if cfg.warpgroups == 1:
-                return own
-            m_smem.at[parity, w][...] = own
+        def publish(value, parity, slot: int):
+            """``value`` to ``m_smem[parity, slot]`` and an arrival on the parity's barrier."""
+            m_smem.at[parity, slot][...] = value
             plgpu.commit_smem()  # every thread's store done before the warpgroup arrives (as the GEMM's stage)
-            plgpu.barrier_arrive(max_barrier)
-            plgpu.barrier_wait(max_barrier)
-            layout = plgpu.Layout.WGMMA.reduce(1)
-            for other in range(cfg.warpgroups):
-                if other != w:
-                    own = jnp.maximum(own, plgpu.load(m_smem.at[parity, other], layout=layout, optimized=False))
-            return own
+            plgpu.barrier_arrive(max_barrier.at[parity])
 
-        def process(tile, parity, x_pieces, w: int, blocks: range):
-            """Warpgroup ``w``'s Hadamard blocks of the tile (and with ``w`` = 0 the scales)."""
-            first_row = tile * ROWS
-            amax = row_max(x_pieces, blocks, parity, w) * factor  # = max |y · factor| (rounding is monotonic)
+        def read_maxima(parity, slots):
+            plgpu.barrier_wait(max_barrier.at[parity])
+            return [plgpu.load(m_smem.at[parity, slot], layout=max_layout, optimized=False) for slot in slots]
+
+        def scaling(tile, amax):
+            """The tile's scales (rows past the valid tokens 0), their reciprocals broadcast
+            over a part ``[ROWS, SUB]`` (0 past the valid tokens), the valid rows as a mask
+            ``[ROWS, SUB]`` and whether the tile has invalid rows."""
             scale = amax / FLOAT8_E4M3_MAX
             inverse = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
-            row_ids = first_row + lax.broadcasted_iota(jnp.int32, (ROWS,), 0)
-            kept = row_ids < num_valid
+            first_row = tile * ROWS
+            kept = first_row + lax.broadcasted_iota(jnp.int32, (ROWS,), 0) < num_valid
             inverse_rows = jnp.broadcast_to(jnp.where(kept, inverse, 0.0)[:, None], (ROWS, SUB))
-            partial = first_row + ROWS > num_valid
             kept_rows = jnp.broadcast_to(kept[:, None], (ROWS, SUB))
+            return jnp.where(kept, scale, 0.0), inverse_rows, kept_rows, first_row + ROWS > num_valid
 
-            # Each copy is its own group. The last tile's copies have had the first pass to read
-            # their slots; within the tile, one copy in flight leaves the other slot free.
+        def store_scales(tile, scales):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's scale copy has read
+            s_smem[...] = scales
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(s_smem, scale_gmem.at[pl.ds(tile * ROWS, ROWS)])
+
+        def quantize(tile, x_pieces, q: int, blocks: range, inverse_rows, kept_rows, partial):
+            """Warpgroup ``q``'s Hadamard blocks of the tile rotated again, scaled and stored
+            as e4m3 through its output slots. Each copy is its own group: the last tile's
+            copies have had the first pass to read their slots; within the tile, a slot is
+            rewritten once its last copy has read it."""
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            count = [0]  # parts stored so far (a Python count: the loop is unrolled)
-
-            def consume(block, ys, _):
-                for part, y in enumerate(ys):
+            count = 0
+            for block in blocks:
+                for part, y in enumerate(rotated(x_pieces, block)):
                     values = (y * factor) * inverse_rows
-                    slot = o_smem.at[w, count[0] % cfg.slots]
-                    if count[0]:  # the slot's last copy has read it
+                    slot = o_smem.at[q, count % cfg.slots]
+                    if count:
                         plgpu.wait_smem_to_gmem(cfg.slots - 1, wait_read_only=True)
-                    count[0] += 1
+                    count += 1
 
                     @pl.when(partial)
                     def _(values=values, slot=slot):  # rows past the valid tokens: +0, not -0
@@ -275,25 +269,52 @@ def _kernel(
 
                     plgpu.commit_smem()
                     columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
-                    plgpu.copy_smem_to_gmem(slot, values_gmem.at[pl.ds(first_row, ROWS), columns])
+                    plgpu.copy_smem_to_gmem(slot, values_gmem.at[pl.ds(tile * ROWS, ROWS), columns])
 
-            each_block(x_pieces, blocks, consume)
+        def shared_step(tile, parity, x_pieces, w: int, blocks: range):
+            """Without a max warpgroup: warpgroup ``w``'s blocks (with ``w`` = 0 the scales)."""
+            amax = blocks_max(x_pieces, blocks)
+            if cfg.warpgroups > 1:
+                publish(amax, parity, w)
+                for other in read_maxima(parity, [o for o in range(cfg.warpgroups) if o != w]):
+                    amax = jnp.maximum(amax, other)
+            scales, inverse_rows, kept_rows, partial = scaling(tile, amax * factor)  # rounding is monotonic
+            quantize(tile, x_pieces, w, blocks, inverse_rows, kept_rows, partial)
             if w == 0:
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the last tile's scale copy has read
-                s_smem[...] = jnp.where(kept, scale, 0.0)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(s_smem, scale_gmem.at[pl.ds(first_row, ROWS)])
+                store_scales(tile, scales)
+
+        def max_step(tile, parity, x_pieces):
+            """The max warpgroup: the tile's row max for the others, and its scales."""
+            amax = blocks_max(x_pieces, range(cfg.blocks)) * factor  # = max |y · factor| (rounding is monotonic)
+            publish(amax, parity, 0)
+            store_scales(tile, scaling(tile, amax)[0])
+
+        def quantize_step(tile, parity, x_pieces, q: int, blocks: range):
+            """A quantizing warpgroup: its blocks of the tile with the max warpgroup's row max."""
+            (amax,) = read_maxima(parity, [0])
+            _, inverse_rows, kept_rows, partial = scaling(tile, amax)
+            quantize(tile, x_pieces, q, blocks, inverse_rows, kept_rows, partial)
 
         def step(indices, *refs):
             x_pieces, carry = refs[:-1], refs[-1]
             tile = indices[0] * programs + sm
-
             parity = lax.rem(indices[0], 2)
-            for w, (first, last) in enumerate(cfg.block_ranges()):
+            live = tile < row_tiles
+            if cfg.max_warpgroup:
 
-                @pl.when((tile < row_tiles) & (wg == w))
-                def _(w=w, blocks=range(first, last)):
-                    process(tile, parity, x_pieces, w, blocks)
+                @pl.when(live & (wg == 0))
+                def _():
+                    max_step(tile, parity, x_pieces)
+
+            for q, (first, last) in enumerate(cfg.block_ranges()):
+                w = q + cfg.max_warpgroup
+
+                @pl.when(live & (wg == w))
+                def _(q=q, w=w, blocks=range(first, last)):
+                    if cfg.max_warpgroup:
+                        quantize_step(tile, parity, x_pieces, q, blocks)
+                    else:
+                        shared_step(tile, parity, x_pieces, w, blocks)
 
             return carry
 

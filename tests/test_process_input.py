@@ -741,7 +741,7 @@ def test_hadamard_sub_refusals(rng):
         (300, 256, 128, 290),  # 5 tiles; interpreted (4 SMs): 3 programs of 2 steps, the last step past the end
     ],
 )
-@pytest.mark.parametrize("tiles_text", ["0x0m", "0x0m2", "0x0m3", "0x0m2a"])
+@pytest.mark.parametrize("tiles_text", ["0x0m", "0x0m2", "0x0m3", "0x0m2x", "0x0m3x"])
 def test_mosaic_rotation(m, k, block, valid, tiles_text, rng):
     """``tiles.mosaic``: the Mosaic kernel (its interpreter here) against the
     reference (values up to f32 summation order, scales to 1e-6), and its codes
@@ -749,9 +749,10 @@ def test_mosaic_rotation(m, k, block, valid, tiles_text, rng):
     past the valid tokens zero (values +0 and scales). The interpreter fills
     outputs with NaN: a row the kernel leaves unstored fails. Two or three
     compute warpgroups split each tile's Hadamard blocks and combine the row
-    max; ``a``: the next block's products in flight while one is consumed."""
+    max; ``x``: the first takes the row max of every tile a step ahead of the
+    others, which quantize (two steps a program: its slots and barriers reused)."""
     tiles = hj.ProcessTilesConfig.parse(tiles_text)
-    if k // block < tiles.mosaic:
+    if k // block < tiles.mosaic - tiles.mosaic_max:
         pytest.skip("fewer Hadamard blocks than warpgroups (refused below)")
     x = jnp.asarray(_inputs(rng, max(m, 3), k)[:m], jnp.bfloat16)
     kw = dict(hadamard_block_size=block, num_valid_tokens=jnp.asarray([valid], jnp.int32))
@@ -801,9 +802,9 @@ def test_mosaic_rotation_refusals():
         hj.ProcessTilesConfig(8, 4, mosaic=True)
     with pytest.raises(ValueError, match="mosaic: 1 to 3"):
         hj.ProcessTilesConfig(mosaic=4)
-    with pytest.raises(ValueError, match="mosaic_ahead: a Mosaic kernel option"):
-        hj.ProcessTilesConfig(mosaic_ahead=True)
-    assert hj.ProcessTilesConfig.parse("0x0m3a") == hj.ProcessTilesConfig(mosaic=3, mosaic_ahead=True)
+    with pytest.raises(ValueError, match="mosaic_max: a warpgroup for the row max"):
+        hj.ProcessTilesConfig(mosaic=1, mosaic_max=True)
+    assert hj.ProcessTilesConfig.parse("0x0m3x") == hj.ProcessTilesConfig(mosaic=3, mosaic_max=True)
     with pytest.raises(ValueError, match="a Hadamard block for each of 2 warpgroups"):
         hj.process_input(
             x[:, :128],
@@ -816,19 +817,20 @@ def test_mosaic_rotation_refusals():
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
-    "block,warpgroups,ahead", [(64, 1, False), (128, 1, False), (128, 2, False), (128, 3, True), (64, 3, False)]
+    "block,warpgroups,max_warpgroup", [(64, 1, False), (128, 1, False), (128, 2, False), (128, 3, True), (64, 3, False)]
 )
-def test_mosaic_rotation_lowers_for_the_gpu(block, warpgroups, ahead):
+def test_mosaic_rotation_lowers_for_the_gpu(block, warpgroups, max_warpgroup):
     """The Mosaic kernel lowers for the GPU on the CPU (what the interpreter
     cannot check: the swizzled e4m3 output slots, TMA boxes, layouts): two
     products a 128-column block (one for 64), each taken twice (the max, then
     the values), four k16 wgmmas a product; a TMA store a 64-column part and
     one a tile's scales (with two warpgroups each takes half the blocks, in
-    its own branch: the same counts; ahead, the same products in another order)."""
+    its own branch: the same counts; with a max warpgroup, it takes every
+    block's first products and the others the second)."""
     from benchmarks import mosaic_ir
     from pallas_kernels import process_input_mosaic as mosaic
 
-    cfg = mosaic.MosaicRotation(768, block, warpgroups=warpgroups, ahead=ahead)
+    cfg = mosaic.MosaicRotation(768, block, warpgroups=warpgroups, max_warpgroup=max_warpgroup)
     x = jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16)
     h = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
     valid = jax.ShapeDtypeStruct((1,), jnp.int32)
