@@ -7,18 +7,24 @@ rotated values in registers until the row's max is known; at narrow rows
 (K=768) the compiler's schedule leaves it latency-bound at ~0.6 of the copy
 bandwidth whatever the tiling. Here a memory warpgroup streams tiles of
 ``ROWS`` tokens × K columns into shared memory (``stages`` tiles in flight,
-each as K/64 swizzled ``[ROWS, 64]`` boxes) while one compute warpgroup
-(or two, each on half the tile's Hadamard blocks, the row max combined
-through shared memory) takes two passes over the tile in shared memory: the
-first multiplies each
-64-column piece by the ±1 matrix H_64 (``wgmma``, f32 accumulators),
-combines the pieces of a Hadamard block by butterflies (H_b = H_{b/64} ⊗
-H_64) and keeps the elementwise max of ``|y|``; the second takes the same
-products again (the operands are still in shared memory; the tensor cores
-are otherwise idle), scales by ``1/sqrt(b)`` and the row's ``448 / amax``,
-converts to e4m3 and stores each Hadamard block through a shared-memory
-slot. No rotated value is held across the row, so the registers do not grow
-with K, and the compute never waits on a load it could have issued earlier.
+each as K/64 swizzled ``[ROWS, 64]`` pieces, each piece with barriers of its
+own: it is processed as soon as it lands and refilled with the next tile's
+as soon as every compute warpgroup is done with it). The tile is taken in
+two passes from shared memory: the first multiplies each 64-column piece by
+the ±1 matrix H_64 (``wgmma``, f32 accumulators), combines the pieces of a
+Hadamard block by butterflies (H_b = H_{b/64} ⊗ H_64) and keeps the
+elementwise max of ``|y|``; the second takes the same products again (the
+operands are still in shared memory; the tensor cores are otherwise idle),
+scales by ``1/sqrt(b)`` and the row's ``448 / amax``, converts to e4m3 and
+stores each part through a shared-memory slot. No rotated value is held
+across the row, so the registers do not grow with K.
+
+Two ways to share a tile between 1 to 3 compute warpgroups: each takes its
+share of the Hadamard blocks through both passes (the row max combined
+through shared memory behind a barrier), or (``max_warpgroup``) the first
+takes the first pass over all blocks, a tile ahead of the others, which
+take the second pass over their share: the row max of a tile is found while
+the last tile's stores stream.
 
 The arithmetic is the Triton kernel's with 64-column products (the
 reference's up to f32 summation order): ``y = butterflies(x_p · H_64) ·
@@ -168,6 +174,10 @@ def _kernel(
             wg_axis="wg",
             num_compute_wgs=cfg.warpgroups,
             max_concurrent_steps=cfg.stages,
+            # A barrier a 64-column piece each way: a piece is processed as soon as it lands,
+            # and refilled with the next tile's as soon as every warpgroup is done with it.
+            manual_produced_barriers=True,
+            manual_consumed_barriers=True,
             compute_context=context,
         )
 
@@ -197,22 +207,43 @@ def _kernel(
         wg = lax.axis_index("wg")
         max_layout = plgpu.Layout.WGMMA.reduce(1)
 
-        def rotated(x_pieces, block: int):
-            """Block ``block``'s ``parts`` tiles ``[ROWS, SUB]``, unscaled, f32."""
+        def block_pieces(block: int) -> range:
+            return range(block * cfg.parts, (block + 1) * cfg.parts)
+
+        def rotated(tile_refs, block: int, *, first_use: bool, last_use: bool):
+            """Block ``block``'s ``parts`` tiles ``[ROWS, SUB]``, unscaled, f32.
+            ``first_use``: the warpgroup's first read of the block's pieces this step
+            (their loads awaited); ``last_use``: its last (released once the products are
+            read: the tensor cores are done with them)."""
+            x_pieces, produced, consumed = tile_refs
+            if first_use:
+                for piece in block_pieces(block):
+                    plgpu.barrier_wait(produced[piece])
 
             def products(*acc_refs):
-                for part, acc_ref in enumerate(acc_refs):
-                    plgpu.wgmma(acc_ref, x_pieces[block * cfg.parts + part], h_smem.transpose((1, 0)))
+                for piece, acc_ref in zip(block_pieces(block), acc_refs, strict=True):
+                    plgpu.wgmma(acc_ref, x_pieces[piece], h_smem.transpose((1, 0)))
                 return [acc_ref[...] for acc_ref in acc_refs]
 
-            accs = [plgpu.ACC((ROWS, SUB), jnp.float32) for _ in range(cfg.parts)]
-            return butterflies(pl.run_scoped(products, *accs))
+            ys = pl.run_scoped(products, *[plgpu.ACC((ROWS, SUB), jnp.float32) for _ in range(cfg.parts)])
+            if last_use:
+                for piece in block_pieces(block):
+                    plgpu.barrier_arrive(consumed[piece])
+            return butterflies(ys)
 
-        def blocks_max(x_pieces, blocks: range):
+        def pass_by(tile_refs, pieces):
+            """Pieces this warpgroup does not read this step: awaited (every warpgroup sees
+            each load, so that its barrier phases stay in step) and released."""
+            _, produced, consumed = tile_refs
+            for piece in pieces:
+                plgpu.barrier_wait(produced[piece])
+                plgpu.barrier_arrive(consumed[piece])
+
+        def blocks_max(tile_refs, blocks: range, *, last_use: bool):
             """max |y| of each row over ``blocks`` (unscaled), ``[ROWS]`` f32."""
             largest = None
             for block in blocks:
-                for y in rotated(x_pieces, block):
+                for y in rotated(tile_refs, block, first_use=True, last_use=last_use):
                     largest = jnp.abs(y) if largest is None else jnp.maximum(largest, jnp.abs(y))
             return largest.max(axis=1)
 
@@ -244,7 +275,7 @@ def _kernel(
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(s_smem, scale_gmem.at[pl.ds(tile * ROWS, ROWS)])
 
-        def quantize(tile, x_pieces, q: int, blocks: range, inverse_rows, kept_rows, partial):
+        def quantize(tile, tile_refs, q: int, blocks: range, inverse_rows, kept_rows, partial):
             """Warpgroup ``q``'s Hadamard blocks of the tile rotated again, scaled and stored
             as e4m3 through its output slots. Each copy is its own group: the last tile's
             copies have had the first pass to read their slots; within the tile, a slot is
@@ -252,7 +283,8 @@ def _kernel(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             count = 0
             for block in blocks:
-                for part, y in enumerate(rotated(x_pieces, block)):
+                ys = rotated(tile_refs, block, first_use=cfg.max_warpgroup, last_use=True)
+                for part, y in enumerate(ys):
                     values = (y * factor) * inverse_rows
                     slot = o_smem.at[q, count % cfg.slots]
                     if count:
@@ -271,50 +303,61 @@ def _kernel(
                     columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
                     plgpu.copy_smem_to_gmem(slot, values_gmem.at[pl.ds(tile * ROWS, ROWS), columns])
 
-        def shared_step(tile, parity, x_pieces, w: int, blocks: range):
-            """Without a max warpgroup: warpgroup ``w``'s blocks (with ``w`` = 0 the scales)."""
-            amax = blocks_max(x_pieces, blocks)
+        def shared_step(tile, parity, tile_refs, w: int, blocks: range, others: list[int]):
+            """Without a max warpgroup: warpgroup ``w``'s blocks (with ``w`` = 0 the scales);
+            ``others``: the pieces of the other warpgroups' blocks."""
+            pass_by(tile_refs, others)
+            amax = blocks_max(tile_refs, blocks, last_use=False)
             if cfg.warpgroups > 1:
                 publish(amax, parity, w)
                 for other in read_maxima(parity, [o for o in range(cfg.warpgroups) if o != w]):
                     amax = jnp.maximum(amax, other)
             scales, inverse_rows, kept_rows, partial = scaling(tile, amax * factor)  # rounding is monotonic
-            quantize(tile, x_pieces, w, blocks, inverse_rows, kept_rows, partial)
+            quantize(tile, tile_refs, w, blocks, inverse_rows, kept_rows, partial)
             if w == 0:
                 store_scales(tile, scales)
 
-        def max_step(tile, parity, x_pieces):
+        def max_step(tile, parity, tile_refs):
             """The max warpgroup: the tile's row max for the others, and its scales."""
-            amax = blocks_max(x_pieces, range(cfg.blocks)) * factor  # = max |y · factor| (rounding is monotonic)
+            amax = blocks_max(tile_refs, range(cfg.blocks), last_use=True) * factor  # rounding is monotonic
             publish(amax, parity, 0)
             store_scales(tile, scaling(tile, amax)[0])
 
-        def quantize_step(tile, parity, x_pieces, q: int, blocks: range):
+        def quantize_step(tile, parity, tile_refs, q: int, blocks: range, others: list[int]):
             """A quantizing warpgroup: its blocks of the tile with the max warpgroup's row max."""
-            (amax,) = read_maxima(parity, [0])
+            (amax,) = read_maxima(parity, [0])  # before any release: the slot is rewritten two tiles on
+            pass_by(tile_refs, others)
             _, inverse_rows, kept_rows, partial = scaling(tile, amax)
-            quantize(tile, x_pieces, q, blocks, inverse_rows, kept_rows, partial)
+            quantize(tile, tile_refs, q, blocks, inverse_rows, kept_rows, partial)
 
         def step(indices, *refs):
-            x_pieces, carry = refs[:-1], refs[-1]
+            x_pieces, produced, consumed = (refs[i * pieces : (i + 1) * pieces] for i in range(3))
+            tile_refs = (x_pieces, produced, consumed)
+            carry = refs[-1]
             tile = indices[0] * programs + sm
             parity = lax.rem(indices[0], 2)
             live = tile < row_tiles
+
+            @pl.when(~live)  # past the last tile: every warpgroup sees the loads and releases them
+            def _():
+                pass_by(tile_refs, range(pieces))
+
             if cfg.max_warpgroup:
 
                 @pl.when(live & (wg == 0))
                 def _():
-                    max_step(tile, parity, x_pieces)
+                    max_step(tile, parity, tile_refs)
 
             for q, (first, last) in enumerate(cfg.block_ranges()):
                 w = q + cfg.max_warpgroup
+                others = [p for p in range(pieces) if not first * cfg.parts <= p < last * cfg.parts]
 
                 @pl.when(live & (wg == w))
-                def _(q=q, w=w, blocks=range(first, last)):
+                def _(q=q, w=w, blocks=range(first, last), others=others):
                     if cfg.max_warpgroup:
-                        quantize_step(tile, parity, x_pieces, q, blocks)
+                        quantize_step(tile, parity, tile_refs, q, blocks, others)
                     else:
-                        shared_step(tile, parity, x_pieces, w, blocks)
+                        shared_step(tile, parity, tile_refs, w, blocks, others)
 
             return carry
 
