@@ -375,7 +375,7 @@ class ProcessTilesConfig:
         0 rows or warps: chosen), with a trailing ``r`` for
         ``operand_blocks=False`` (``"0x0r"``), ``p`` for ``one_block`` (``"8x4p"``)
         and ``hS`` for ``hadamard_sub=S`` (``"8x4x1x4h32"``); ``"0x0m"``, ``"0x0mW"``
-        for the Mosaic kernel on 1 or W (2 or 3) compute warpgroups, ``a`` after them
+        for the Mosaic kernel on 1 or W (2 or 3) compute warpgroups, ``x`` after them
         for ``mosaic_max`` (``"0x0m3x"``)."""
         mosaic = re.fullmatch(r"0x0m([23]?)(x?)", text)
         if mosaic:
