@@ -729,19 +729,28 @@ def test_hadamard_sub_refusals(rng):
         hj.process_input(x.astype(jnp.float32), hadamard_block_size=128, tiles=sub, backend=KERNEL_BACKEND)
 
 
-@pytest.mark.parametrize(
-    "m,k,block,valid",
-    [
-        (70, 256, 128, 61),  # a partial second tile, rows past the valid tokens
-        (19, 128, 64, 19),  # one tile, blocks of 64: no butterflies
-        (1, 768, 128, 1),  # T=1: one row of six blocks
-        (200, 768, 128, 200),  # the measured width, four tiles
-        (128, 384, 64, 5),  # a second tile with no valid row: zeros only
-        (96, 384, 128, 90),  # three blocks: two warpgroups take 2 + 1
-        (300, 256, 128, 290),  # 5 tiles; interpreted (4 SMs): 3 programs of 2 steps, the last step past the end
-    ],
-)
-@pytest.mark.parametrize("tiles_text", ["0x0m", "0x0m2", "0x0m3", "0x0m2x", "0x0m3x"])
+_MOSAIC_SHAPES = [
+    (70, 256, 128, 61),  # a partial second tile, rows past the valid tokens
+    (19, 128, 64, 19),  # one tile, blocks of 64: no butterflies
+    (1, 768, 128, 1),  # T=1: one row of six blocks
+    (200, 768, 128, 200),  # the measured width, four tiles
+    (128, 384, 64, 5),  # a second tile with no valid row: zeros only
+    (96, 384, 128, 90),  # three blocks: two warpgroups take 2 + 1
+    (300, 256, 128, 290),  # 5 tiles; interpreted (4 SMs): 3 programs of 2 steps, the last step past the end
+]
+
+
+def _mosaic_cases():
+    """Each shape with each tiling that has a Hadamard block for every quantizing
+    warpgroup (fewer are refused: test_mosaic_rotation_refusals)."""
+    for tiles_text in ["0x0m", "0x0m2", "0x0m3", "0x0m2x", "0x0m3x"]:
+        tiles = hj.ProcessTilesConfig.parse(tiles_text)
+        for m, k, block, valid in _MOSAIC_SHAPES:
+            if k // block >= tiles.mosaic - tiles.mosaic_max:
+                yield m, k, block, valid, tiles_text
+
+
+@pytest.mark.parametrize("m,k,block,valid,tiles_text", list(_mosaic_cases()))
 def test_mosaic_rotation(m, k, block, valid, tiles_text, rng):
     """``tiles.mosaic``: the Mosaic kernel (its interpreter here) against the
     reference (values up to f32 summation order, scales to 1e-6), and its codes
@@ -752,8 +761,6 @@ def test_mosaic_rotation(m, k, block, valid, tiles_text, rng):
     max; ``x``: the first takes the row max of every tile a step ahead of the
     others, which quantize (two steps a program: its slots and barriers reused)."""
     tiles = hj.ProcessTilesConfig.parse(tiles_text)
-    if k // block < tiles.mosaic - tiles.mosaic_max:
-        pytest.skip("fewer Hadamard blocks than warpgroups (refused below)")
     x = jnp.asarray(_inputs(rng, max(m, 3), k)[:m], jnp.bfloat16)
     kw = dict(hadamard_block_size=block, num_valid_tokens=jnp.asarray([valid], jnp.int32))
     assert tiles.text() == tiles_text
