@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: hadamard-pieces hadamard-mosaic-profile hadamard-mosaic hadamard-two-pass align-gate indexed-zeros zero-fill gemm-bench-decode-mixtral hadamard-rows t1-profile int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
+# Steps: hadamard-reread hadamard-pieces hadamard-mosaic-profile hadamard-mosaic hadamard-two-pass align-gate indexed-zeros zero-fill gemm-bench-decode-mixtral hadamard-rows t1-profile int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -91,6 +91,12 @@ for step in $steps; do
     # v9 cut down: no first pass 27.8, no products 26.8, loads only 16.9, one warpgroup's first pass alone 20.4: with
     # two tiles of 96 KB in flight, a tile's row max waited for the last tile's release (load + max in series).
     # Prediction: 0x0m3x <= 30 us (>= 0.75 of the copy); 0x0m3 ~35.
+    # process_input v11 (the second pass re-read from L2 through rings of Hadamard blocks).
+    hadamard-reread) pytest_gpu 150 tests/test_process_input.py -k "mosaic" > "$out/mosaic_tests.log" 2>&1
+                     tail -3 "$out/mosaic_tests.log"
+                     timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 16 512 4096 --widths 768 \
+                       --cases hadamard128+fp8_token --tiles 0x0m3 0x0m2r 0x0m3r \
+                       --out "$out/hadamard_reread.json" 2>&1 | tee "$out/hadamard_reread.log" | tail -16 ;;
     hadamard-pieces) pytest_gpu 150 tests/test_process_input.py -k "mosaic" > "$out/mosaic_tests.log" 2>&1
                      tail -3 "$out/mosaic_tests.log"
                      timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 16 512 4096 --widths 768 \

@@ -314,7 +314,9 @@ class ProcessTilesConfig:
     rows quantized to fp8 per token (tiles of 64 tokens streamed through
     shared memory by TMA, the products on wgmma; ``mosaic_max``: the first
     warpgroup takes each tile's row max a step ahead of the others, which
-    quantize; the other fields stay at their defaults)."""
+    quantize; ``mosaic_reread``: as ``mosaic_max``, with the quantizing
+    warpgroups re-reading each tile from L2 through rings of Hadamard blocks
+    instead of holding whole tiles; the other fields stay at their defaults)."""
 
     block_rows: int = 0
     num_warps: int = 0
@@ -339,6 +341,7 @@ class ProcessTilesConfig:
     hadamard_sub: int = 0
     mosaic: int = 0
     mosaic_max: bool = False
+    mosaic_reread: bool = False
 
     def __post_init__(self):
         if self.mosaic not in (0, 1, 2, 3):
@@ -348,7 +351,14 @@ class ProcessTilesConfig:
                 "ProcessTilesConfig.mosaic_max: a warpgroup for the row max beside one or more that quantize: "
                 f"needs mosaic of 2 or 3, got {self.mosaic}"
             )
-        if self.mosaic and dataclasses.replace(self, mosaic=0, mosaic_max=False) != ProcessTilesConfig():
+        if self.mosaic_reread and (self.mosaic < 2 or self.mosaic_max):
+            raise ValueError(
+                "ProcessTilesConfig.mosaic_reread: a warpgroup for the row max (implied: leave mosaic_max off) beside "
+                f"one or more that quantize: needs mosaic of 2 or 3, got {self.mosaic}"
+            )
+        if self.mosaic and dataclasses.replace(self, mosaic=0, mosaic_max=False, mosaic_reread=False) != (
+            ProcessTilesConfig()
+        ):
             raise ValueError(
                 "ProcessTilesConfig.mosaic: the Mosaic kernel has its own tiling; leave the other fields at their "
                 f"defaults, got {self}"
@@ -376,10 +386,12 @@ class ProcessTilesConfig:
         ``operand_blocks=False`` (``"0x0r"``), ``p`` for ``one_block`` (``"8x4p"``)
         and ``hS`` for ``hadamard_sub=S`` (``"8x4x1x4h32"``); ``"0x0m"``, ``"0x0mW"``
         for the Mosaic kernel on 1 or W (2 or 3) compute warpgroups, ``x`` after them
-        for ``mosaic_max`` (``"0x0m3x"``)."""
-        mosaic = re.fullmatch(r"0x0m([23]?)(x?)", text)
+        for ``mosaic_max`` (``"0x0m3x"``), ``r`` for ``mosaic_reread`` (``"0x0m3r"``)."""
+        mosaic = re.fullmatch(r"0x0m([23]?)(x?)(r?)", text)
         if mosaic:
-            return cls(mosaic=int(mosaic.group(1) or 1), mosaic_max=bool(mosaic.group(2)))
+            return cls(
+                mosaic=int(mosaic.group(1) or 1), mosaic_max=bool(mosaic.group(2)), mosaic_reread=bool(mosaic.group(3))
+            )
         sub = re.search(r"h(\d+)$", text)
         text = text[: sub.start()] if sub else text
         one_block = text.endswith("p")
@@ -411,7 +423,8 @@ class ProcessTilesConfig:
     def text(self) -> str:
         """The form :meth:`parse` reads (shortest: passes and blocks only when set)."""
         if self.mosaic:
-            return "0x0m" + (str(self.mosaic) if self.mosaic > 1 else "") + ("x" if self.mosaic_max else "")
+            suffix = ("x" if self.mosaic_max else "") + ("r" if self.mosaic_reread else "")
+            return "0x0m" + (str(self.mosaic) if self.mosaic > 1 else "") + suffix
         name = f"{self.block_rows}x{self.num_warps}" + ("x2" if self.two_pass else "")
         name = name if self.row_blocks == 0 else f"{name}x1x{self.row_blocks}"
         name = name if self.operand_blocks else f"{name}r"

@@ -241,7 +241,11 @@ def _mosaic_rotation(
     activation, fp8 e4m3 per token, the normal layout), or a ValueError."""
     spec = steps.spec
     cfg = mosaic_kernel.MosaicRotation(
-        k=x.shape[1], hadamard=steps.hadamard_block_size or 0, warpgroups=tiles.mosaic, max_warpgroup=tiles.mosaic_max
+        k=x.shape[1],
+        hadamard=steps.hadamard_block_size or 0,
+        warpgroups=tiles.mosaic,
+        max_warpgroup=tiles.mosaic_max or tiles.mosaic_reread,
+        reread=tiles.mosaic_reread,
     )
     problems = [
         f"activation {steps.activation.kind.value}" if steps.activation is not None else None,

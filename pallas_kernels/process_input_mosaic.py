@@ -73,6 +73,9 @@ class MosaicRotation:
     stages: int = 2
     warpgroups: int = 1
     max_warpgroup: bool = False
+    # The second pass re-reads its tile from L2 through rings of Hadamard blocks
+    # of its own (see _reread_kernel) instead of holding whole tiles.
+    reread: bool = False
 
     @property
     def parts(self) -> int:
@@ -93,12 +96,41 @@ class MosaicRotation:
         cuts = [w * self.blocks // self.quantizers for w in range(self.quantizers + 1)]
         return list(zip(cuts[:-1], cuts[1:], strict=True))
 
-    def smem_bytes_with(self, slots: int) -> int:
-        """Input stages, ``slots`` output slots a quantizing warpgroup, H_64, the scale and
-        row-max slots, the compiler's reduction scratch (2 KB) and its barriers."""
+    def fixed_bytes(self, slots: int) -> int:
+        """Shared memory besides the inputs: ``slots`` output slots a quantizing
+        warpgroup, H_64, the scale and row-max slots, the compiler's reduction
+        scratch (2 KB) and the barriers."""
         outputs = self.quantizers * slots * ROWS * SUB
         maxima = 2 * ROWS * 4 * (1 if self.max_warpgroup else self.warpgroups)
-        return self.stages * ROWS * self.k * 2 + outputs + SUB * SUB * 2 + ROWS * 4 + maxima + 3072
+        return outputs + SUB * SUB * 2 + ROWS * 4 + maxima + 3072
+
+    @property
+    def block_bytes(self) -> int:
+        """One Hadamard block of a tile, bf16: the re-read form's ring item."""
+        return ROWS * self.hadamard * 2
+
+    def blocks_of(self, q: int) -> range:
+        """The re-read form's quantizing warpgroup ``q``: every ``quantizers``-th
+        block (interleaved, so that the loads of both passes alternate)."""
+        return range(q, self.blocks, self.quantizers)
+
+    def rings(self, slots: int = 2) -> tuple[int, int]:
+        """The re-read form's ring lengths in Hadamard blocks: the max warpgroup's
+        (up to a tile, the first pass's lookahead) and each quantizing warpgroup's
+        (the rest, up to two tiles' share)."""
+        items = (SMEM_LIMIT - self.fixed_bytes(slots)) // self.block_bytes
+        first = min(self.blocks, items // 2)
+        share = len(self.blocks_of(0))
+        return first, min(2 * share, (items - first) // max(self.quantizers, 1))
+
+    def smem_bytes_with(self, slots: int) -> int:
+        """Input stages (or rings) and the rest (:meth:`fixed_bytes`)."""
+        if self.reread:
+            first, second = self.rings(slots)
+            inputs = (first + self.quantizers * second) * self.block_bytes
+        else:
+            inputs = self.stages * ROWS * self.k * 2
+        return inputs + self.fixed_bytes(slots)
 
     @property
     def slots(self) -> int:
@@ -123,6 +155,10 @@ def refusal(cfg: MosaicRotation) -> str | None:
         return f"1 to 3 compute warpgroups, got {cfg.warpgroups}"
     if cfg.max_warpgroup and cfg.warpgroups < 2:
         return f"a warpgroup for the row max and one or more to quantize, got {cfg.warpgroups} warpgroups"
+    if cfg.reread and not cfg.max_warpgroup:
+        return "the re-read form with a max warpgroup (max_warpgroup)"
+    if cfg.reread and min(cfg.rings(cfg.slots)) < 1:
+        return f"a ring of Hadamard blocks for each warpgroup in {SMEM_LIMIT} bytes of shared memory, got K={cfg.k}"
     if cfg.blocks < cfg.quantizers:
         return f"a Hadamard block for each of {cfg.quantizers} warpgroups, got K={cfg.k} (blocks of {cfg.hadamard})"
     if cfg.stages < 2:
@@ -136,6 +172,58 @@ def refusal(cfg: MosaicRotation) -> str | None:
             f"{SMEM_LIMIT}: K up to {widest} here"
         )
     return None
+
+
+def tile_scaling(tile, amax, num_valid):
+    """Row tile ``tile``'s scales from its row max ``amax [ROWS]`` f32 (rows past
+    ``num_valid`` 0), their reciprocals broadcast over a part ``[ROWS, SUB]`` (0
+    past the valid tokens), the valid rows as a mask ``[ROWS, SUB]`` and whether
+    the tile has invalid rows."""
+    scale = amax / FLOAT8_E4M3_MAX
+    inverse = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+    first_row = tile * ROWS
+    kept = first_row + lax.broadcasted_iota(jnp.int32, (ROWS,), 0) < num_valid
+    inverse_rows = jnp.broadcast_to(jnp.where(kept, inverse, 0.0)[:, None], (ROWS, SUB))
+    kept_rows = jnp.broadcast_to(kept[:, None], (ROWS, SUB))
+    return jnp.where(kept, scale, 0.0), inverse_rows, kept_rows, first_row + ROWS > num_valid
+
+
+def store_tile_scales(s_smem, scale_gmem, tile, scales) -> None:
+    """``scales [ROWS]`` to the tile's rows of ``scale_gmem`` through ``s_smem``
+    (after the last tile's copy has read it)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    s_smem[...] = scales
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(s_smem, scale_gmem.at[pl.ds(tile * ROWS, ROWS)])
+
+
+def store_part(values, kept_rows, partial, slot, destination) -> None:
+    """A part's scaled values ``[ROWS, SUB]`` f32 as e4m3 through the output
+    ``slot`` to ``destination`` (rows past the valid tokens +0, not -0)."""
+
+    @pl.when(partial)
+    def _():
+        slot[...] = jnp.where(kept_rows, values, 0.0).astype(jnp.float8_e4m3fn)
+
+    @pl.when(~partial)
+    def _():
+        slot[...] = values.astype(jnp.float8_e4m3fn)
+
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(slot, destination)
+
+
+def block_products(item, h_smem, parts: int) -> list:
+    """The ``parts`` products ``[ROWS, SUB]`` f32 of a block's pieces ``item``
+    (``parts`` swizzled ``[ROWS, SUB]`` bf16 tiles) by H_64, read from the
+    accumulators (the tensor cores are then done with ``item``)."""
+
+    def products(*acc_refs):
+        for part, acc_ref in enumerate(acc_refs):
+            plgpu.wgmma(acc_ref, item(part), h_smem.transpose((1, 0)))
+        return [acc_ref[...] for acc_ref in acc_refs]
+
+    return pl.run_scoped(products, *[plgpu.ACC((ROWS, SUB), jnp.float32) for _ in range(parts)])
 
 
 def _kernel(
@@ -220,12 +308,7 @@ def _kernel(
                 for piece in block_pieces(block):
                     plgpu.barrier_wait(produced[piece])
 
-            def products(*acc_refs):
-                for piece, acc_ref in zip(block_pieces(block), acc_refs, strict=True):
-                    plgpu.wgmma(acc_ref, x_pieces[piece], h_smem.transpose((1, 0)))
-                return [acc_ref[...] for acc_ref in acc_refs]
-
-            ys = pl.run_scoped(products, *[plgpu.ACC((ROWS, SUB), jnp.float32) for _ in range(cfg.parts)])
+            ys = block_products(lambda part: x_pieces[block * cfg.parts + part], h_smem, cfg.parts)
             if last_use:
                 for piece in block_pieces(block):
                     plgpu.barrier_arrive(consumed[piece])
@@ -258,22 +341,10 @@ def _kernel(
             return [plgpu.load(m_smem.at[parity, slot], layout=max_layout, optimized=False) for slot in slots]
 
         def scaling(tile, amax):
-            """The tile's scales (rows past the valid tokens 0), their reciprocals broadcast
-            over a part ``[ROWS, SUB]`` (0 past the valid tokens), the valid rows as a mask
-            ``[ROWS, SUB]`` and whether the tile has invalid rows."""
-            scale = amax / FLOAT8_E4M3_MAX
-            inverse = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
-            first_row = tile * ROWS
-            kept = first_row + lax.broadcasted_iota(jnp.int32, (ROWS,), 0) < num_valid
-            inverse_rows = jnp.broadcast_to(jnp.where(kept, inverse, 0.0)[:, None], (ROWS, SUB))
-            kept_rows = jnp.broadcast_to(kept[:, None], (ROWS, SUB))
-            return jnp.where(kept, scale, 0.0), inverse_rows, kept_rows, first_row + ROWS > num_valid
+            return tile_scaling(tile, amax, num_valid)
 
         def store_scales(tile, scales):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's scale copy has read
-            s_smem[...] = scales
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s_smem, scale_gmem.at[pl.ds(tile * ROWS, ROWS)])
+            store_tile_scales(s_smem, scale_gmem, tile, scales)
 
         def quantize(tile, tile_refs, q: int, blocks: range, inverse_rows, kept_rows, partial):
             """Warpgroup ``q``'s Hadamard blocks of the tile rotated again, scaled and stored
@@ -291,17 +362,8 @@ def _kernel(
                         plgpu.wait_smem_to_gmem(cfg.slots - 1, wait_read_only=True)
                     count += 1
 
-                    @pl.when(partial)
-                    def _(values=values, slot=slot):  # rows past the valid tokens: +0, not -0
-                        slot[...] = jnp.where(kept_rows, values, 0.0).astype(jnp.float8_e4m3fn)
-
-                    @pl.when(~partial)
-                    def _(values=values, slot=slot):
-                        slot[...] = values.astype(jnp.float8_e4m3fn)
-
-                    plgpu.commit_smem()
                     columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
-                    plgpu.copy_smem_to_gmem(slot, values_gmem.at[pl.ds(tile * ROWS, ROWS), columns])
+                    store_part(values, kept_rows, partial, slot, values_gmem.at[pl.ds(tile * ROWS, ROWS), columns])
 
         def shared_step(tile, parity, tile_refs, w: int, blocks: range, others: list[int]):
             """Without a max warpgroup: warpgroup ``w``'s blocks (with ``w`` = 0 the scales);
@@ -373,6 +435,205 @@ def _kernel(
         pipeline(step, context)(*(x_gmem for _ in range(pieces)), allocations=allocations)
 
 
+def _compute_registers(warpgroups: int, memory_registers: int = 40) -> int:
+    """Registers a compute thread may take when the memory warpgroup keeps
+    ``memory_registers``: the 64K register file shared, a multiple of 8, at most 255."""
+    return min(248, (65536 // 128 - memory_registers) // warpgroups // 8 * 8)
+
+
+def _reread_kernel(
+    valid_gmem,
+    x_gmem,
+    h_gmem,
+    values_gmem,
+    scale_gmem,
+    *,
+    cfg: MosaicRotation,
+    steps: int,
+    programs: int,
+    interpret: bool,
+):
+    """The re-read form: each pass streams its own copy of the tile. Warpgroup
+    ``cfg.warpgroups`` (the memory one) loads Hadamard blocks (``[ROWS, b]``
+    as ``b/64`` swizzled pieces) into one ring a consumer: the max warpgroup's
+    ring gets tile s (from DRAM), each quantizing warpgroup's ring its blocks
+    of tile s - 1 again (from L2: the tile was read a step before), the loads
+    of both passes alternating. A ring slot has a barrier each way (loaded,
+    released by its one consumer), so shared memory bounds the blocks in
+    flight, not the tiles, and the row max of tile s runs while tile s - 1
+    is quantized. The max warpgroup hands the row max over through a slot a
+    step parity (``max_ready``; ``max_free`` once every quantizing warpgroup
+    has read it) and stores the scales."""
+    m = x_gmem.shape[0]  # a multiple of ROWS (the launcher pads)
+    row_tiles = m // ROWS
+    factor = 1.0 / math.sqrt(cfg.hadamard)
+    first_ring, second_ring = cfg.rings()
+    shares = [cfg.blocks_of(q) for q in range(cfg.quantizers)]
+    sm = lax.axis_index("sm")
+    tiles_here = jnp.clip((row_tiles - sm + programs - 1) // programs, 0, steps)  # this program's tiles
+
+    def tile_of(s):
+        return s * programs + sm
+
+    pieces = functools.partial(plgpu.SMEM, dtype=jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16))
+
+    @functools.partial(
+        pl.run_scoped,
+        first=pieces((first_ring, cfg.parts, ROWS, SUB)),
+        second=pieces((cfg.quantizers, second_ring, cfg.parts, ROWS, SUB)),
+        first_loaded=plgpu.Barrier(num_arrivals=cfg.parts, num_barriers=first_ring),
+        first_free=plgpu.Barrier(num_arrivals=1, num_barriers=first_ring),
+        second_loaded=plgpu.Barrier(num_arrivals=cfg.parts, num_barriers=cfg.quantizers * second_ring),
+        second_free=plgpu.Barrier(num_arrivals=1, num_barriers=cfg.quantizers * second_ring),
+        h_smem=plgpu.SMEM((SUB, SUB), jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16)),
+        o_smem=plgpu.SMEM(
+            (cfg.quantizers, cfg.slots, ROWS, SUB),
+            jnp.float8_e4m3fn,
+            transforms=() if interpret else swizzled(SUB, jnp.float8_e4m3fn),
+        ),
+        s_smem=plgpu.SMEM((ROWS,), jnp.float32),
+        m_smem=plgpu.SMEM((2, ROWS), jnp.float32),
+        max_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        max_free=plgpu.Barrier(num_arrivals=cfg.quantizers, num_barriers=2),
+        h_barrier=plgpu.Barrier(num_arrivals=1),
+        collective_axes="wg",
+    )
+    def _(first, second, first_loaded, first_free, second_loaded, second_free, h_smem, o_smem, s_smem, m_smem,
+          max_ready, max_free, h_barrier):  # fmt: skip
+        num_valid = valid_gmem[0]
+        wg = lax.axis_index("wg")
+
+        def second_slot(q: int, count):
+            """Quantizing warpgroup ``q``'s ring slot for its ``count``-th block: (ring index, barrier index)."""
+            slot = lax.rem(count, second_ring)
+            return slot, q * second_ring + slot
+
+        def load(ring_item, loaded, free, count, length: int, tile, block: int):
+            """Block ``block`` of row tile ``tile`` into a ring slot, once its last block is released."""
+
+            @pl.when(count >= length)
+            def _():
+                plgpu.barrier_wait(free)
+
+            for part in range(cfg.parts):
+                columns = pl.ds((block * cfg.parts + part) * SUB, SUB)
+                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(tile * ROWS, ROWS), columns], ring_item.at[part], loaded)
+
+        def memory_step(s, carry):
+            """Tile s's blocks for the row max, tile s - 1's for the values, alternating."""
+            for block in range(cfg.blocks):
+
+                @pl.when(s < tiles_here)
+                def _(block=block):
+                    count = s * cfg.blocks + block
+                    slot = lax.rem(count, first_ring)
+                    load(
+                        first.at[slot], first_loaded.at[slot], first_free.at[slot], count, first_ring, tile_of(s), block
+                    )
+
+                q = block % cfg.quantizers
+
+                @pl.when(s >= 1)
+                def _(block=block, q=q):
+                    count = (s - 1) * len(shares[q]) + shares[q].index(block)
+                    slot, barrier = second_slot(q, count)
+                    item = second.at[q, slot]
+                    load(item, second_loaded.at[barrier], second_free.at[barrier], count, second_ring, tile_of(s - 1),
+                         block)  # fmt: skip
+
+            return carry
+
+        def max_step(s, carry):
+            """Tile s's row max: handed over (slot s % 2) and its scales stored."""
+            largest = None
+            for block in range(cfg.blocks):
+                slot = lax.rem(s * cfg.blocks + block, first_ring)
+                plgpu.barrier_wait(first_loaded.at[slot])
+                ys = block_products(lambda part, slot=slot: first.at[slot, part], h_smem, cfg.parts)
+                plgpu.barrier_arrive(first_free.at[slot])
+                for y in butterflies(ys):
+                    largest = jnp.abs(y) if largest is None else jnp.maximum(largest, jnp.abs(y))
+            amax = largest.max(axis=1) * factor  # rounding is monotonic
+            parity = lax.rem(s, 2)
+
+            @pl.when(s >= 2)  # the quantizing warpgroups have read tile s - 2's
+            def _():
+                plgpu.barrier_wait(max_free.at[parity])
+
+            m_smem.at[parity][...] = amax
+            plgpu.commit_smem()  # every thread's store done before the warpgroup arrives
+            plgpu.barrier_arrive(max_ready.at[parity])
+            store_tile_scales(s_smem, scale_gmem, tile_of(s), tile_scaling(tile_of(s), amax, num_valid)[0])
+            return carry
+
+        def quantize_step(q: int, s, carry):
+            """Quantizing warpgroup ``q``'s blocks of tile s, re-read, scaled and stored."""
+            parity = lax.rem(s, 2)
+            plgpu.barrier_wait(max_ready.at[parity])
+            amax = plgpu.load(m_smem.at[parity], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            plgpu.barrier_arrive(max_free.at[parity])
+            tile = tile_of(s)
+            _, inverse_rows, kept_rows, partial = tile_scaling(tile, amax, num_valid)
+            count = 0
+            for index, block in enumerate(shares[q]):
+                slot, barrier = second_slot(q, s * len(shares[q]) + index)
+                plgpu.barrier_wait(second_loaded.at[barrier])
+                ys = block_products(lambda part, slot=slot: second.at[q, slot, part], h_smem, cfg.parts)
+                plgpu.barrier_arrive(second_free.at[barrier])
+                for part, y in enumerate(butterflies(ys)):
+                    out = o_smem.at[q, count % cfg.slots]
+                    count += 1
+                    plgpu.wait_smem_to_gmem(cfg.slots - 1, wait_read_only=True)  # the slot's last copy has read
+                    columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
+                    store_part((y * factor) * inverse_rows, kept_rows, partial, out,
+                               values_gmem.at[pl.ds(tile * ROWS, ROWS), columns])  # fmt: skip
+            return carry
+
+        def quiesce(free, slots: int, loaded_count, offset: int = 0):
+            """The last release of each used slot, which no load waited for (every
+            barrier phase is observed before the barriers go)."""
+            for slot in range(slots):
+
+                @pl.when(slot < loaded_count)
+                def _(slot=slot):
+                    plgpu.barrier_wait(free.at[offset + slot])
+
+        @pl.when(wg == cfg.warpgroups)
+        def _():
+            plgpu.set_max_registers(40, action="decrease")
+            lax.fori_loop(0, tiles_here + 1, memory_step, None)
+            quiesce(first_free, first_ring, tiles_here * cfg.blocks)
+            for q, share in enumerate(shares):
+                quiesce(second_free, second_ring, tiles_here * len(share), q * second_ring)
+
+        @pl.when(wg < cfg.warpgroups)
+        def _():
+            plgpu.set_max_registers(_compute_registers(cfg.warpgroups), action="increase")
+
+            @pl.when(wg == 0)  # one copy of H_64 for every compute warpgroup
+            def _():
+                plgpu.copy_gmem_to_smem(h_gmem, h_smem, h_barrier)
+
+            plgpu.barrier_wait(h_barrier)
+
+            @pl.when(wg == 0)
+            def _():
+                lax.fori_loop(0, tiles_here, max_step, None)
+                for back in (2, 1):  # the last two tiles' hand-overs, read but not awaited
+
+                    @pl.when(tiles_here >= back)
+                    def _(back=back):
+                        plgpu.barrier_wait(max_free.at[lax.rem(tiles_here - back, 2)])
+
+            for q in range(cfg.quantizers):
+
+                @pl.when(wg == q + 1)
+                def _(q=q):
+                    lax.fori_loop(0, tiles_here, functools.partial(quantize_step, q), None)
+
+            plgpu.wait_smem_to_gmem(0)
+
+
 def rotate_quantize(
     x: jax.Array, h: jax.Array, num_valid_tokens: jax.Array, cfg: MosaicRotation, *, interpret: bool = False
 ) -> tuple[jax.Array, jax.Array]:
@@ -392,7 +653,9 @@ def rotate_quantize(
     steps = -(-row_tiles // sms)
     programs = -(-row_tiles // steps)  # every program takes `steps` tiles, the last ones fewer
     kernel = plgpu.kernel(
-        functools.partial(_kernel, cfg=cfg, steps=steps, programs=programs, interpret=interpret),
+        functools.partial(
+            _reread_kernel if cfg.reread else _kernel, cfg=cfg, steps=steps, programs=programs, interpret=interpret
+        ),
         out_type=(
             jax.ShapeDtypeStruct((padded, cfg.k), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((padded,), jnp.float32),

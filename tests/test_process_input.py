@@ -743,10 +743,10 @@ _MOSAIC_SHAPES = [
 def _mosaic_cases():
     """Each shape with each tiling that has a Hadamard block for every quantizing
     warpgroup (fewer are refused: test_mosaic_rotation_refusals)."""
-    for tiles_text in ["0x0m", "0x0m2", "0x0m3", "0x0m2x", "0x0m3x"]:
+    for tiles_text in ["0x0m", "0x0m2", "0x0m3", "0x0m2x", "0x0m3x", "0x0m2r", "0x0m3r"]:
         tiles = hj.ProcessTilesConfig.parse(tiles_text)
         for m, k, block, valid in _MOSAIC_SHAPES:
-            if k // block >= tiles.mosaic - tiles.mosaic_max:
+            if k // block >= tiles.mosaic - (tiles.mosaic_max or tiles.mosaic_reread):
                 yield m, k, block, valid, tiles_text
 
 
@@ -824,20 +824,30 @@ def test_mosaic_rotation_refusals():
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
-    "block,warpgroups,max_warpgroup", [(64, 1, False), (128, 1, False), (128, 2, False), (128, 3, True), (64, 3, False)]
+    "block,warpgroups,max_warpgroup,reread",
+    [
+        (64, 1, False, False),
+        (128, 1, False, False),
+        (128, 2, False, False),
+        (128, 3, True, False),
+        (64, 3, False, False),
+        (128, 3, True, True),
+        (64, 2, True, True),
+    ],
 )
-def test_mosaic_rotation_lowers_for_the_gpu(block, warpgroups, max_warpgroup):
+def test_mosaic_rotation_lowers_for_the_gpu(block, warpgroups, max_warpgroup, reread):
     """The Mosaic kernel lowers for the GPU on the CPU (what the interpreter
     cannot check: the swizzled e4m3 output slots, TMA boxes, layouts): two
     products a 128-column block (one for 64), each taken twice (the max, then
     the values), four k16 wgmmas a product; a TMA store a 64-column part and
     one a tile's scales (with two warpgroups each takes half the blocks, in
     its own branch: the same counts; with a max warpgroup, it takes every
-    block's first products and the others the second)."""
+    block's first products and the others the second; re-read, the same with
+    the loads of both passes in the memory warpgroup)."""
     from benchmarks import mosaic_ir
     from pallas_kernels import process_input_mosaic as mosaic
 
-    cfg = mosaic.MosaicRotation(768, block, warpgroups=warpgroups, max_warpgroup=max_warpgroup)
+    cfg = mosaic.MosaicRotation(768, block, warpgroups=warpgroups, max_warpgroup=max_warpgroup, reread=reread)
     x = jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16)
     h = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
     valid = jax.ShapeDtypeStruct((1,), jnp.int32)
