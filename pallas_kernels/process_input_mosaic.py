@@ -76,6 +76,11 @@ class MosaicRotation:
     # The second pass re-reads its tile from L2 through rings of Hadamard blocks
     # of its own (see _reread_kernel) instead of holding whole tiles.
     reread: bool = False
+    # Output slots a quantizing warpgroup (0: 2 where they fit, else 1).
+    output_slots: int = 0
+    # Ranges a warpgroup the on-device profiler may record (0: off): its buffer
+    # takes shared memory (16 bytes a range and warpgroup), the rings shrink.
+    profile_ranges: int = 0
 
     @property
     def parts(self) -> int:
@@ -100,9 +105,11 @@ class MosaicRotation:
         """Shared memory besides the inputs: ``slots`` output slots a quantizing
         warpgroup, H_64, the scale and row-max slots, the compiler's reduction
         scratch (2 KB) and the barriers."""
-        outputs = self.quantizers * slots * ROWS * SUB
+        # The re-read form's output slots hold a whole Hadamard block (one fence and one copy group a block).
+        outputs = self.quantizers * slots * ROWS * SUB * (self.parts if self.reread else 1)
         maxima = 2 * ROWS * 4 * (1 if self.max_warpgroup else self.warpgroups)
-        return outputs + SUB * SUB * 2 + ROWS * 4 + maxima + 3072
+        profile = self.profile_ranges * 16 * (self.warpgroups + 1)
+        return outputs + SUB * SUB * 2 + ROWS * 4 + maxima + 3072 + profile
 
     @property
     def block_bytes(self) -> int:
@@ -114,11 +121,11 @@ class MosaicRotation:
         block (interleaved, so that the loads of both passes alternate)."""
         return range(q, self.blocks, self.quantizers)
 
-    def rings(self, slots: int = 2) -> tuple[int, int]:
+    def rings(self, slots: int | None = None) -> tuple[int, int]:
         """The re-read form's ring lengths in Hadamard blocks: the max warpgroup's
         (up to a tile, the first pass's lookahead) and each quantizing warpgroup's
         (the rest, up to two tiles' share)."""
-        items = (SMEM_LIMIT - self.fixed_bytes(slots)) // self.block_bytes
+        items = (SMEM_LIMIT - self.fixed_bytes(slots or self.slots)) // self.block_bytes
         first = min(self.blocks, items // 2)
         share = len(self.blocks_of(0))
         return first, min(2 * share, (items - first) // max(self.quantizers, 1))
@@ -136,6 +143,8 @@ class MosaicRotation:
     def slots(self) -> int:
         """Output slots a warpgroup: 2 (a part converts while the last one's copy reads)
         where they fit, else 1."""
+        if self.output_slots:
+            return self.output_slots
         return 2 if self.smem_bytes_with(2) <= SMEM_LIMIT else 1
 
     @property
@@ -197,9 +206,9 @@ def store_tile_scales(s_smem, scale_gmem, tile, scales) -> None:
     plgpu.copy_smem_to_gmem(s_smem, scale_gmem.at[pl.ds(tile * ROWS, ROWS)])
 
 
-def store_part(values, kept_rows, partial, slot, destination) -> None:
-    """A part's scaled values ``[ROWS, SUB]`` f32 as e4m3 through the output
-    ``slot`` to ``destination`` (rows past the valid tokens +0, not -0)."""
+def write_part(values, kept_rows, partial, slot) -> None:
+    """A part's scaled values ``[ROWS, SUB]`` f32 as e4m3 into the output
+    ``slot`` (rows past the valid tokens +0, not -0)."""
 
     @pl.when(partial)
     def _():
@@ -209,6 +218,10 @@ def store_part(values, kept_rows, partial, slot, destination) -> None:
     def _():
         slot[...] = values.astype(jnp.float8_e4m3fn)
 
+
+def store_part(values, kept_rows, partial, slot, destination) -> None:
+    """:func:`write_part` and the slot's copy to ``destination``."""
+    write_part(values, kept_rows, partial, slot)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(slot, destination)
 
@@ -435,6 +448,16 @@ def _kernel(
         pipeline(step, context)(*(x_gmem for _ in range(pieces)), allocations=allocations)
 
 
+def named(name: str, body):
+    """``body`` inside a named region (a profiler range when profiling is on)."""
+
+    def run(*args):
+        with jax.named_scope(name):
+            return body(*args)
+
+    return run
+
+
 def _compute_registers(warpgroups: int, memory_registers: int = 40) -> int:
     """Registers a compute thread may take when the memory warpgroup keeps
     ``memory_registers``: the 64K register file shared, a multiple of 8, at most 255."""
@@ -487,7 +510,7 @@ def _reread_kernel(
         second_free=plgpu.Barrier(num_arrivals=1, num_barriers=cfg.quantizers * second_ring),
         h_smem=plgpu.SMEM((SUB, SUB), jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16)),
         o_smem=plgpu.SMEM(
-            (cfg.quantizers, cfg.slots, ROWS, SUB),
+            (cfg.quantizers, cfg.slots, cfg.parts, ROWS, SUB),
             jnp.float8_e4m3fn,
             transforms=() if interpret else swizzled(SUB, jnp.float8_e4m3fn),
         ),
@@ -513,7 +536,8 @@ def _reread_kernel(
 
             @pl.when(count >= length)
             def _():
-                plgpu.barrier_wait(free)
+                with jax.named_scope("load_waits_free"):
+                    plgpu.barrier_wait(free)
 
             for part in range(cfg.parts):
                 columns = pl.ds((block * cfg.parts + part) * SUB, SUB)
@@ -548,7 +572,8 @@ def _reread_kernel(
             largest = None
             for block in range(cfg.blocks):
                 slot = lax.rem(s * cfg.blocks + block, first_ring)
-                plgpu.barrier_wait(first_loaded.at[slot])
+                with jax.named_scope("max_waits_load"):
+                    plgpu.barrier_wait(first_loaded.at[slot])
                 ys = block_products(lambda part, slot=slot: first.at[slot, part], h_smem, cfg.parts)
                 plgpu.barrier_arrive(first_free.at[slot])
                 for y in butterflies(ys):
@@ -558,7 +583,8 @@ def _reread_kernel(
 
             @pl.when(s >= 2)  # the quantizing warpgroups have read tile s - 2's
             def _():
-                plgpu.barrier_wait(max_free.at[parity])
+                with jax.named_scope("max_waits_handover"):
+                    plgpu.barrier_wait(max_free.at[parity])
 
             m_smem.at[parity][...] = amax
             plgpu.commit_smem()  # every thread's store done before the warpgroup arrives
@@ -569,24 +595,31 @@ def _reread_kernel(
         def quantize_step(q: int, s, carry):
             """Quantizing warpgroup ``q``'s blocks of tile s, re-read, scaled and stored."""
             parity = lax.rem(s, 2)
-            plgpu.barrier_wait(max_ready.at[parity])
+            with jax.named_scope("quantize_waits_max"):
+                plgpu.barrier_wait(max_ready.at[parity])
             amax = plgpu.load(m_smem.at[parity], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
             plgpu.barrier_arrive(max_free.at[parity])
             tile = tile_of(s)
             _, inverse_rows, kept_rows, partial = tile_scaling(tile, amax, num_valid)
-            count = 0
             for index, block in enumerate(shares[q]):
                 slot, barrier = second_slot(q, s * len(shares[q]) + index)
-                plgpu.barrier_wait(second_loaded.at[barrier])
+                with jax.named_scope("quantize_waits_load"):
+                    plgpu.barrier_wait(second_loaded.at[barrier])
                 ys = block_products(lambda part, slot=slot: second.at[q, slot, part], h_smem, cfg.parts)
                 plgpu.barrier_arrive(second_free.at[barrier])
+                out = o_smem.at[q, index % cfg.slots]
+                with jax.named_scope("quantize_waits_slot"):  # the slot's last copies have read it
+                    plgpu.wait_smem_to_gmem(cfg.slots - 1, wait_read_only=True)
                 for part, y in enumerate(butterflies(ys)):
-                    out = o_smem.at[q, count % cfg.slots]
-                    count += 1
-                    plgpu.wait_smem_to_gmem(cfg.slots - 1, wait_read_only=True)  # the slot's last copy has read
+                    write_part((y * factor) * inverse_rows, kept_rows, partial, out.at[part])
+                plgpu.commit_smem()
+                for part in range(cfg.parts):  # one copy group a block
                     columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
-                    store_part((y * factor) * inverse_rows, kept_rows, partial, out,
-                               values_gmem.at[pl.ds(tile * ROWS, ROWS), columns])  # fmt: skip
+                    plgpu.copy_smem_to_gmem(
+                        out.at[part],
+                        values_gmem.at[pl.ds(tile * ROWS, ROWS), columns],
+                        commit_group=part == cfg.parts - 1,
+                    )
             return carry
 
         def quiesce(free, slots: int, loaded_count, offset: int = 0):
@@ -601,7 +634,7 @@ def _reread_kernel(
         @pl.when(wg == cfg.warpgroups)
         def _():
             plgpu.set_max_registers(40, action="decrease")
-            lax.fori_loop(0, tiles_here + 1, memory_step, None)
+            lax.fori_loop(0, tiles_here + 1, named("load_step", memory_step), None)
             quiesce(first_free, first_ring, tiles_here * cfg.blocks)
             for q, share in enumerate(shares):
                 quiesce(second_free, second_ring, tiles_here * len(share), q * second_ring)
@@ -618,7 +651,7 @@ def _reread_kernel(
 
             @pl.when(wg == 0)
             def _():
-                lax.fori_loop(0, tiles_here, max_step, None)
+                lax.fori_loop(0, tiles_here, named("max_step", max_step), None)
                 for back in (2, 1):  # the last two tiles' hand-overs, read but not awaited
 
                     @pl.when(tiles_here >= back)
@@ -629,21 +662,30 @@ def _reread_kernel(
 
                 @pl.when(wg == q + 1)
                 def _(q=q):
-                    lax.fori_loop(0, tiles_here, functools.partial(quantize_step, q), None)
+                    lax.fori_loop(0, tiles_here, named("quantize_step", functools.partial(quantize_step, q)), None)
 
             plgpu.wait_smem_to_gmem(0)
 
 
 def rotate_quantize(
-    x: jax.Array, h: jax.Array, num_valid_tokens: jax.Array, cfg: MosaicRotation, *, interpret: bool = False
+    x: jax.Array,
+    h: jax.Array,
+    num_valid_tokens: jax.Array,
+    cfg: MosaicRotation,
+    *,
+    interpret: bool = False,
+    profile_dir: str = "",
 ) -> tuple[jax.Array, jax.Array]:
     """``x [M, K]`` bf16 rotated by Hadamard blocks (``h``: the ``[64, 64]``
     ±1 matrix, bf16) and quantized per token: ``(values [M, K]
     float8_e4m3fn, scale [M, 1] f32)``, rows at or past ``num_valid_tokens``
-    (``int32 [1]``) zero."""
+    (``int32 [1]``) zero. ``profile_dir`` (with ``cfg.profile_ranges``): where
+    the on-device profiler writes each launch's trace of named regions."""
     why = refusal(cfg)
     if why:
         raise ValueError(f"mosaic process_input: {why}")
+    if bool(cfg.profile_ranges) != bool(profile_dir):
+        raise ValueError("mosaic process_input: profile_dir and cfg.profile_ranges go together (both or neither)")
     m = x.shape[0]
     padded = -(-max(m, 1) // ROWS) * ROWS
     if padded > m:
@@ -664,7 +706,14 @@ def rotate_quantize(
         grid_names=("sm",),
         num_threads=cfg.warpgroups + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            **(
+                dict(profile_space=cfg.profile_ranges, profile_dir=profile_dir, profile_bounds_check=True)
+                if cfg.profile_ranges
+                else {}
+            ),
+        ),
         # Interpreted, fresh memory reads as NaN: a row the kernel failed to store shows.
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )

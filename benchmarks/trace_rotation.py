@@ -1,0 +1,101 @@
+"""Where the Mosaic rotation's time goes, per warpgroup, from the on-device
+profiler (GPU only): ``python -m benchmarks.trace_rotation --tokens 4096
+--width 768 --warpgroups 3 --out DIR``.
+
+Runs ``process_input_mosaic.rotate_quantize`` (the re-read form) with its
+named regions recorded, then prints, for each warpgroup role (the max
+warpgroup, each quantizing one, the memory one), the mean time a program
+spends in each region and its whole span, and the steps of one program
+against the kernel's start (when each tile's row max and values were done).
+The trace itself (Chrome trace JSON) stays in ``DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _intervals(events: list[dict]) -> list[tuple[str, int, int, float, float]]:
+    """``(name, sm, warpgroup_trace, start, end)`` (µs) from begin/end pairs."""
+    open_events: dict[tuple, list] = collections.defaultdict(list)
+    out = []
+    for event in events:
+        key = (event["name"], event["pid"], event["tid"])
+        if event["ph"] == "B":
+            open_events[key].append(event["ts"])
+        else:
+            start = open_events[key].pop()
+            out.append((event["name"], event["pid"], event["tid"], start, event["ts"]))
+    return out
+
+
+def summarize(path: str, warpgroups: int) -> str:
+    """The report of one trace file (``warpgroups`` compute warpgroups + the memory one)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    spans = _intervals(events)
+    start = min(s for *_, s, _ in spans)
+    end = max(e for *_, e in spans)
+    roles = ["max"] + [f"quantize {q}" for q in range(warpgroups - 1)] + ["memory"]
+    per: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    programs: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    for name, _sm, tid, s, e in spans:
+        role = roles[(tid - 1) % (warpgroups + 1)]
+        per[(role, name)].append(e - s)
+        programs[(role, tid)].append(e)
+    lines = [f"kernel span (first to last recorded event): {end - start:.2f} us, {len(events)} events"]
+    count = len({tid for *_, tid, _, _ in spans}) // (warpgroups + 1) or 1
+    for (role, name), times in sorted(per.items()):
+        lines.append(
+            f"{role:>11} {name:<22} {len(times) / count:6.1f} a program, {np.sum(times) / count:7.2f} us a program, "
+            f"{np.mean(times):6.3f} us each"
+        )
+    first_tid = min(tid for *_, tid, _, _ in spans)
+    block = (first_tid - 1) // (warpgroups + 1)
+    lines.append(f"one program's steps (µs from the kernel's first event), program trace {block}:")
+    for name, _sm, tid, s, e in sorted(spans, key=lambda span: span[3]):
+        if (tid - 1) // (warpgroups + 1) == block and name.endswith("_step"):
+            lines.append(f"  {roles[(tid - 1) % (warpgroups + 1)]:>11} {name:<14} {s - start:7.2f} .. {e - start:7.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from pallas_kernels import process_input
+    from pallas_kernels import process_input_mosaic as mosaic
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="T; the rows are T * 8 (k=8)")
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--block", type=int, default=128, help="Hadamard block (64 or 128)")
+    parser.add_argument("--warpgroups", type=int, default=3, help="compute warpgroups (the max one + quantizing)")
+    parser.add_argument("--slots", type=int, default=0, help="output slots a quantizing warpgroup (0: chosen)")
+    parser.add_argument("--ranges", type=int, default=96, help="profiler ranges a warpgroup")
+    parser.add_argument("--out", required=True, help="directory for the traces")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cfg = mosaic.MosaicRotation(
+        args.width, args.block, warpgroups=args.warpgroups, max_warpgroup=True, reread=True,
+        profile_ranges=args.ranges, output_slots=args.slots,
+    )  # fmt: skip
+    print(f"rings (blocks): {cfg.rings()}, output slots {cfg.slots}, shared memory {cfg.smem_bytes} bytes")
+    m = args.tokens * 8
+    x = jax.random.normal(jax.random.key(0), (m, args.width), jnp.float32).astype(jnp.bfloat16)
+    h = jnp.asarray(process_input.hadamard_signs(mosaic.SUB), jnp.bfloat16)
+    valid = jnp.full((1,), m, jnp.int32)
+    run = jax.jit(lambda x: mosaic.rotate_quantize(x, h, valid, cfg, profile_dir=args.out))
+    for _ in range(3):
+        jax.block_until_ready(run(x))
+    newest = max(glob.glob(os.path.join(args.out, "*-trace.json")), key=os.path.getmtime)
+    print(summarize(newest, args.warpgroups))
+
+
+if __name__ == "__main__":
+    main()
