@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -68,6 +69,7 @@ def summarize(path: str, warpgroups: int) -> str:
 
 
 def main() -> None:
+    from humming_jax import timing
     from pallas_kernels import process_input
     from pallas_kernels import process_input_mosaic as mosaic
 
@@ -93,6 +95,11 @@ def main() -> None:
     run = jax.jit(lambda x: mosaic.rotate_quantize(x, h, valid, cfg, profile_dir=args.out))
     for _ in range(3):
         jax.block_until_ready(run(x))
+    plain = dataclasses.replace(cfg, profile_ranges=0)
+    seconds = timing.device_seconds(lambda x: mosaic.rotate_quantize(x, h, valid, plain), [(x,)])
+    nbytes = m * args.width * 3 + m * 4
+    copy = timing.copy_seconds(nbytes)
+    print(f"unprofiled: {seconds * 1e6:.1f} us, same-run copy {copy * 1e6:.1f} us, x copy {copy / seconds:.2f}")
     newest = max(glob.glob(os.path.join(args.out, "*-trace.json")), key=os.path.getmtime)
     print(summarize(newest, args.warpgroups))
 

@@ -344,8 +344,10 @@ class ProcessTilesConfig:
     mosaic_reread: bool = False
 
     def __post_init__(self):
-        if self.mosaic not in (0, 1, 2, 3):
-            raise ValueError(f"ProcessTilesConfig.mosaic: 1 to 3 compute warpgroups (0: off), got {self.mosaic}")
+        if self.mosaic not in ((0, 1, 2, 3, 4) if self.mosaic_reread else (0, 1, 2, 3)):
+            raise ValueError(
+                f"ProcessTilesConfig.mosaic: 1 to 3 compute warpgroups, 4 with mosaic_reread (0: off), got {self.mosaic}"
+            )
         if self.mosaic_max and self.mosaic < 2:
             raise ValueError(
                 "ProcessTilesConfig.mosaic_max: a warpgroup for the row max beside one or more that quantize: "
@@ -354,7 +356,7 @@ class ProcessTilesConfig:
         if self.mosaic_reread and (self.mosaic < 2 or self.mosaic_max):
             raise ValueError(
                 "ProcessTilesConfig.mosaic_reread: a warpgroup for the row max (implied: leave mosaic_max off) beside "
-                f"one or more that quantize: needs mosaic of 2 or 3, got {self.mosaic}"
+                f"one or more that quantize: needs mosaic of 2 to 4, got {self.mosaic}"
             )
         if self.mosaic and dataclasses.replace(self, mosaic=0, mosaic_max=False, mosaic_reread=False) != (
             ProcessTilesConfig()
@@ -387,7 +389,7 @@ class ProcessTilesConfig:
         and ``hS`` for ``hadamard_sub=S`` (``"8x4x1x4h32"``); ``"0x0m"``, ``"0x0mW"``
         for the Mosaic kernel on 1 or W (2 or 3) compute warpgroups, ``x`` after them
         for ``mosaic_max`` (``"0x0m3x"``), ``r`` for ``mosaic_reread`` (``"0x0m3r"``)."""
-        mosaic = re.fullmatch(r"0x0m([23]?)(x?)(r?)", text)
+        mosaic = re.fullmatch(r"0x0m([234]?)(x?)(r?)", text)
         if mosaic:
             return cls(
                 mosaic=int(mosaic.group(1) or 1), mosaic_max=bool(mosaic.group(2)), mosaic_reread=bool(mosaic.group(3))

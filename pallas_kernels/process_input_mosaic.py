@@ -158,10 +158,11 @@ def refusal(cfg: MosaicRotation) -> str | None:
         return f"Hadamard blocks of {SUB} or {2 * SUB} columns, got {cfg.hadamard}"
     if cfg.k % cfg.hadamard:
         return f"rows of whole Hadamard blocks, got K={cfg.k} with blocks of {cfg.hadamard}"
-    if cfg.warpgroups not in (1, 2, 3):
-        # Four would launch 640 threads with 96 registers each (61440 of the 65536) while the
-        # pipeline raises the compute warpgroups to (512 - 40) / 4 -> 112: setmaxnreg waits forever.
-        return f"1 to 3 compute warpgroups, got {cfg.warpgroups}"
+    if cfg.warpgroups not in ((1, 2, 3, 4) if cfg.reread else (1, 2, 3)):
+        # Four in the Pallas pipeline would launch 640 threads with 96 registers each (61440 of the
+        # 65536) while it raises the compute warpgroups to (512 - 40) / 4 -> 112: setmaxnreg waits
+        # forever. The re-read form raises them only by what the memory warpgroup gives back.
+        return f"1 to 3 compute warpgroups (4 in the re-read form), got {cfg.warpgroups}"
     if cfg.max_warpgroup and cfg.warpgroups < 2:
         return f"a warpgroup for the row max and one or more to quantize, got {cfg.warpgroups} warpgroups"
     if cfg.reread and not cfg.max_warpgroup:
@@ -458,10 +459,14 @@ def named(name: str, body):
     return run
 
 
-def _compute_registers(warpgroups: int, memory_registers: int = 40) -> int:
-    """Registers a compute thread may take when the memory warpgroup keeps
-    ``memory_registers``: the 64K register file shared, a multiple of 8, at most 255."""
-    return min(248, (65536 // 128 - memory_registers) // warpgroups // 8 * 8)
+def _registers(warpgroups: int, memory_registers: int = 40) -> tuple[int, int]:
+    """(memory, compute) registers a thread after ``setmaxnreg``: the launch gives
+    every thread of the ``warpgroups`` + 1 warpgroups the same share of the 64K
+    register file (a multiple of 8); the compute warpgroups take what the memory
+    one gives back (at most 248)."""
+    launch = 65536 // (128 * (warpgroups + 1)) // 8 * 8
+    memory = min(memory_registers, launch)
+    return memory, min(248, (launch + (launch - memory) // warpgroups) // 8 * 8)
 
 
 def _reread_kernel(
@@ -633,7 +638,7 @@ def _reread_kernel(
 
         @pl.when(wg == cfg.warpgroups)
         def _():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_registers(cfg.warpgroups)[0], action="decrease")
             lax.fori_loop(0, tiles_here + 1, named("load_step", memory_step), None)
             quiesce(first_free, first_ring, tiles_here * cfg.blocks)
             for q, share in enumerate(shares):
@@ -641,7 +646,7 @@ def _reread_kernel(
 
         @pl.when(wg < cfg.warpgroups)
         def _():
-            plgpu.set_max_registers(_compute_registers(cfg.warpgroups), action="increase")
+            plgpu.set_max_registers(_registers(cfg.warpgroups)[1], action="increase")
 
             @pl.when(wg == 0)  # one copy of H_64 for every compute warpgroup
             def _():

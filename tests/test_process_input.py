@@ -743,7 +743,7 @@ _MOSAIC_SHAPES = [
 def _mosaic_cases():
     """Each shape with each tiling that has a Hadamard block for every quantizing
     warpgroup (fewer are refused: test_mosaic_rotation_refusals)."""
-    for tiles_text in ["0x0m", "0x0m2", "0x0m3", "0x0m2x", "0x0m3x", "0x0m2r", "0x0m3r"]:
+    for tiles_text in ["0x0m", "0x0m2", "0x0m3", "0x0m2x", "0x0m3x", "0x0m2r", "0x0m3r", "0x0m4r"]:
         tiles = hj.ProcessTilesConfig.parse(tiles_text)
         for m, k, block, valid in _MOSAIC_SHAPES:
             if k // block >= tiles.mosaic - (tiles.mosaic_max or tiles.mosaic_reread):
@@ -833,6 +833,7 @@ def test_mosaic_rotation_refusals():
         (64, 3, False, False),
         (128, 3, True, True),
         (64, 2, True, True),
+        (128, 4, True, True),
     ],
 )
 def test_mosaic_rotation_lowers_for_the_gpu(block, warpgroups, max_warpgroup, reread):
