@@ -346,7 +346,8 @@ class ProcessTilesConfig:
     def __post_init__(self):
         if self.mosaic not in ((0, 1, 2, 3, 4) if self.mosaic_reread else (0, 1, 2, 3)):
             raise ValueError(
-                f"ProcessTilesConfig.mosaic: 1 to 3 compute warpgroups, 4 with mosaic_reread (0: off), got {self.mosaic}"
+                "ProcessTilesConfig.mosaic: 1 to 3 compute warpgroups, 4 with mosaic_reread (0: off), "
+                f"got {self.mosaic}"
             )
         if self.mosaic_max and self.mosaic < 2:
             raise ValueError(

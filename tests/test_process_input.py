@@ -872,3 +872,38 @@ def test_mosaic_rotation_needs_hopper(monkeypatch):
         hj.process_input(
             x, Q.FP8_DYNAMIC_TOKEN, hadamard_block_size=128, tiles=hj.ProcessTilesConfig(mosaic=True), backend="pallas"
         )
+
+
+def test_default_tiles_take_the_mosaic_rotation_for_its_case(monkeypatch):
+    """Without ``tiles``, a Hopper GPU takes the Mosaic rotation (re-read form, 4
+    compute warpgroups) for a bf16 Hadamard rotation quantized to fp8 per token
+    from 16384 rows up to 768 columns; smaller or wider inputs, other cases, other devices and the
+    interpreter keep the Triton kernel's chosen tiling."""
+    import importlib
+
+    ops = importlib.import_module("humming_jax.process_input")
+    x = jax.ShapeDtypeStruct((16384, 768), jnp.bfloat16)
+
+    def steps(spec=Q.FP8_DYNAMIC_TOKEN, activation=None, block=128, layout="normal"):
+        activation = ops.get_activation(activation)
+        return ops.ProcessSteps(Q.get_input_spec(spec), activation, block, layout, jnp.dtype(jnp.bfloat16))
+
+    monkeypatch.setattr(ops, "hopper_gpu", lambda: True)
+    mosaic = hj.ProcessTilesConfig(mosaic=4, mosaic_reread=True)
+    assert ops.default_tiles(x, steps(), interpret=False) == mosaic
+    assert ops.default_tiles(x, steps(block=64), interpret=False) == mosaic
+    chosen = hj.ProcessTilesConfig()
+    for case in [
+        dict(x=jax.ShapeDtypeStruct((16383, 768), jnp.bfloat16)),
+        dict(x=jax.ShapeDtypeStruct((16384, 1024), jnp.bfloat16)),  # measured at 768 only
+        dict(x=jax.ShapeDtypeStruct((16384, 768), jnp.float32)),
+        dict(steps=steps(spec=Q.INT8_DYNAMIC_TOKEN)),
+        dict(steps=steps(activation="silu")),
+        dict(steps=steps(block=256)),
+        dict(steps=steps(block=None)),
+        dict(interpret=True),
+    ]:
+        kw = dict(x=x, steps=steps(), interpret=False) | case
+        assert ops.default_tiles(**kw) == chosen, case
+    monkeypatch.setattr(ops, "hopper_gpu", lambda: False)
+    assert ops.default_tiles(x, steps(), interpret=False) == chosen
