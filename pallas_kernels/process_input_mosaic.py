@@ -26,6 +26,14 @@ takes the first pass over all blocks, a tile ahead of the others, which
 take the second pass over their share: the row max of a tile is found while
 the last tile's stores stream.
 
+The re-read form (``reread``, :func:`_reread_kernel`: the default for its
+case from 16384 rows) keeps no tile: the memory warpgroup streams each tile
+twice, Hadamard block by Hadamard block, into one ring a consumer — once
+from DRAM for the max warpgroup, once more (from L2, a step later) for the
+quantizing ones — so shared memory bounds the blocks in flight, not the
+tiles, and up to 4 compute warpgroups fit (their registers raised only by
+what the memory warpgroup gives back).
+
 The arithmetic is the Triton kernel's with 64-column products (the
 reference's up to f32 summation order): ``y = butterflies(x_p · H_64) ·
 (1/sqrt(b))``, ``scale = max|y| / 448`` (the max taken before the
