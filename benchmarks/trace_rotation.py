@@ -6,8 +6,10 @@ Runs ``process_input_mosaic.rotate_quantize`` (the re-read form) with its
 named regions recorded, then prints, for each warpgroup role (the max
 warpgroup, each quantizing one, the memory one), the mean time a program
 spends in each region and its whole span, and the steps of one program
-against the kernel's start (when each tile's row max and values were done).
-The trace itself (Chrome trace JSON) stays in ``DIR``.
+against the kernel's start (when each tile's row max and values were done),
+and the unprofiled kernel's time against a same-run copy. The profiler
+stamps events with the SM's cycle counter, and its trace (Chrome trace JSON,
+left in ``DIR``) labels thousands of cycles as µs: the report says k cycles.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 
 
 def _intervals(events: list[dict]) -> list[tuple[str, int, int, float, float]]:
-    """``(name, sm, warpgroup_trace, start, end)`` (µs) from begin/end pairs."""
+    """``(name, sm, warpgroup_trace, start, end)`` (k cycles) from begin/end pairs."""
     open_events: dict[tuple, list] = collections.defaultdict(list)
     out = []
     for event in events:
@@ -52,16 +54,16 @@ def summarize(path: str, warpgroups: int) -> str:
         role = roles[(tid - 1) % (warpgroups + 1)]
         per[(role, name)].append(e - s)
         programs[(role, tid)].append(e)
-    lines = [f"kernel span (first to last recorded event): {end - start:.2f} us, {len(events)} events"]
+    lines = [f"kernel span (first to last recorded event): {end - start:.2f} k cycles, {len(events)} events"]
     count = len({tid for *_, tid, _, _ in spans}) // (warpgroups + 1) or 1
     for (role, name), times in sorted(per.items()):
         lines.append(
-            f"{role:>11} {name:<22} {len(times) / count:6.1f} a program, {np.sum(times) / count:7.2f} us a program, "
-            f"{np.mean(times):6.3f} us each"
+            f"{role:>11} {name:<22} {len(times) / count:6.1f} a program, {np.sum(times) / count:7.2f} k cycles a "
+            f"program, {np.mean(times):6.3f} each"
         )
     first_tid = min(tid for *_, tid, _, _ in spans)
     block = (first_tid - 1) // (warpgroups + 1)
-    lines.append(f"one program's steps (µs from the kernel's first event), program trace {block}:")
+    lines.append(f"one program's steps (k cycles from the kernel's first event), program trace {block}:")
     for name, _sm, tid, s, e in sorted(spans, key=lambda span: span[3]):
         if (tid - 1) // (warpgroups + 1) == block and name.endswith("_step"):
             lines.append(f"  {roles[(tid - 1) % (warpgroups + 1)]:>11} {name:<14} {s - start:7.2f} .. {e - start:7.2f}")

@@ -255,3 +255,35 @@ def test_four_bit_heuristic_by_rows_and_format():
     int4, fp4 = (tuning.heuristic_tuning(1024, 28672, 4096, c) for c in ("4bit", "fp4"))
     assert int4.swap_ab and fp4.swap_ab and (int4.block_m, int4.block_n, fp4.block_n) == (128, 128, 256)
     assert tuning.heuristic_tuning(64, 1536, 2048, "fp4").block_n == 128
+
+
+def test_trace_rotation_summary(tmp_path):
+    """The Mosaic rotation's trace report: region times a program per warpgroup
+    role (trace ids 1 + warpgroup + 4 * program with 3 compute warpgroups) and
+    one program's steps, from begin/end events."""
+    import json
+
+    from benchmarks import trace_rotation
+
+    def span(name, tid, begin, end):
+        return [
+            {"name": name, "ph": "B", "ts": begin, "pid": 1, "tid": tid},
+            {"name": name, "ph": "E", "ts": end, "pid": 1, "tid": tid},
+        ]
+
+    events = []
+    for program in range(2):
+        base = 1 + 4 * program
+        events += span("max_step", base, 1.0, 4.0) + span("max_waits_load", base, 1.5, 2.0)
+        events += span("quantize_step", base + 1, 4.0, 7.0) + span("quantize_step", base + 2, 4.0, 6.0)
+        events += span("load_step", base + 3, 0.5, 3.0)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    report = trace_rotation.summarize(str(path), 3)
+    assert "kernel span (first to last recorded event): 6.50 k cycles" in report
+    assert "max max_waits_load" in report and "0.50 k cycles a program" in report
+    assert " quantize 0 quantize_step             1.0 a program,    3.00 k cycles" in report
+    assert " quantize 1 quantize_step             1.0 a program,    2.00 k cycles" in report
+    assert "memory load_step                 1.0 a program,    2.50 k cycles" in report
+    assert "   quantize 0 quantize_step     3.50 ..    6.50" in report  # program 0, from the first event
+    assert report.count("_step ") == 4 + 4  # four roles' totals, then program 0's four steps
