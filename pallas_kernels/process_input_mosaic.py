@@ -587,7 +587,8 @@ def _reread_kernel(
                 slot = lax.rem(s * cfg.blocks + block, first_ring)
                 with jax.named_scope("max_waits_load"):
                     plgpu.barrier_wait(first_loaded.at[slot])
-                ys = block_products(lambda part, slot=slot: first.at[slot, part], h_smem, cfg.parts)
+                with jax.named_scope("max_products"):  # the products and their wait
+                    ys = block_products(lambda part, slot=slot: first.at[slot, part], h_smem, cfg.parts)
                 plgpu.barrier_arrive(first_free.at[slot])
                 for y in butterflies(ys):
                     largest = jnp.abs(y) if largest is None else jnp.maximum(largest, jnp.abs(y))
@@ -618,21 +619,23 @@ def _reread_kernel(
                 slot, barrier = second_slot(q, s * len(shares[q]) + index)
                 with jax.named_scope("quantize_waits_load"):
                     plgpu.barrier_wait(second_loaded.at[barrier])
-                ys = block_products(lambda part, slot=slot: second.at[q, slot, part], h_smem, cfg.parts)
+                with jax.named_scope("quantize_products"):  # the products and their wait
+                    ys = block_products(lambda part, slot=slot: second.at[q, slot, part], h_smem, cfg.parts)
                 plgpu.barrier_arrive(second_free.at[barrier])
                 out = o_smem.at[q, index % cfg.slots]
                 with jax.named_scope("quantize_waits_slot"):  # the slot's last copies have read it
                     plgpu.wait_smem_to_gmem(cfg.slots - 1, wait_read_only=True)
-                for part, y in enumerate(butterflies(ys)):
-                    write_part((y * factor) * inverse_rows, kept_rows, partial, out.at[part])
-                plgpu.commit_smem()
-                for part in range(cfg.parts):  # one copy group a block
-                    columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
-                    plgpu.copy_smem_to_gmem(
-                        out.at[part],
-                        values_gmem.at[pl.ds(tile * ROWS, ROWS), columns],
-                        commit_group=part == cfg.parts - 1,
-                    )
+                with jax.named_scope("quantize_writes"):  # scale, e4m3, slot stores, fence, copies
+                    for part, y in enumerate(butterflies(ys)):
+                        write_part((y * factor) * inverse_rows, kept_rows, partial, out.at[part])
+                    plgpu.commit_smem()
+                    for part in range(cfg.parts):  # one copy group a block
+                        columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
+                        plgpu.copy_smem_to_gmem(
+                            out.at[part],
+                            values_gmem.at[pl.ds(tile * ROWS, ROWS), columns],
+                            commit_group=part == cfg.parts - 1,
+                        )
             return carry
 
         def quiesce(free, slots: int, loaded_count, offset: int = 0):
