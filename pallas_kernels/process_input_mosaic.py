@@ -86,6 +86,12 @@ class MosaicRotation:
     reread: bool = False
     # Output slots a quantizing warpgroup (0: 2 where they fit, else 1).
     output_slots: int = 0
+    # The re-read form's Hadamard blocks an output slot holds: one fence (and one
+    # wait for the slot) for this many blocks, their copies one group.
+    blocks_per_slot: int = 1
+    # Write every part with the select for rows past the valid tokens, instead of
+    # a branch for tiles that have such rows and one for tiles that do not.
+    select_store: bool = False
     # Ranges a warpgroup the on-device profiler may record (0: off): its buffer
     # takes shared memory (16 bytes a range and warpgroup), the rings shrink.
     profile_ranges: int = 0
@@ -114,7 +120,8 @@ class MosaicRotation:
         warpgroup, H_64, the scale and row-max slots, the compiler's reduction
         scratch (2 KB) and the barriers."""
         # The re-read form's output slots hold a whole Hadamard block (one fence and one copy group a block).
-        outputs = self.quantizers * slots * ROWS * SUB * (self.parts if self.reread else 1)
+        slot_parts = self.parts * self.blocks_per_slot if self.reread else 1
+        outputs = self.quantizers * slots * ROWS * SUB * slot_parts
         maxima = 2 * ROWS * 4 * (1 if self.max_warpgroup else self.warpgroups)
         profile = self.profile_ranges * 16 * (self.warpgroups + 1)
         return outputs + SUB * SUB * 2 + ROWS * 4 + maxima + 3072 + profile
@@ -173,6 +180,8 @@ def refusal(cfg: MosaicRotation) -> str | None:
         return f"1 to 3 compute warpgroups (4 in the re-read form), got {cfg.warpgroups}"
     if cfg.max_warpgroup and cfg.warpgroups < 2:
         return f"a warpgroup for the row max and one or more to quantize, got {cfg.warpgroups} warpgroups"
+    if cfg.blocks_per_slot < 1 or (cfg.blocks_per_slot > 1 and not cfg.reread):
+        return f"one or more Hadamard blocks an output slot, more only in the re-read form, got {cfg.blocks_per_slot}"
     if cfg.reread and not cfg.max_warpgroup:
         return "the re-read form with a max warpgroup (max_warpgroup)"
     if cfg.reread and min(cfg.rings(cfg.slots)) < 1:
@@ -215,9 +224,14 @@ def store_tile_scales(s_smem, scale_gmem, tile, scales) -> None:
     plgpu.copy_smem_to_gmem(s_smem, scale_gmem.at[pl.ds(tile * ROWS, ROWS)])
 
 
-def write_part(values, kept_rows, partial, slot) -> None:
+def write_part(values, kept_rows, partial, slot, *, always_select: bool = False) -> None:
     """A part's scaled values ``[ROWS, SUB]`` f32 as e4m3 into the output
-    ``slot`` (rows past the valid tokens +0, not -0)."""
+    ``slot`` (rows past the valid tokens +0, not -0): selected in tiles that
+    have such rows (``partial``), or in every tile (``always_select``: one
+    store instead of two branches)."""
+    if always_select:
+        slot[...] = jnp.where(kept_rows, values, 0.0).astype(jnp.float8_e4m3fn)
+        return
 
     @pl.when(partial)
     def _():
@@ -523,7 +537,7 @@ def _reread_kernel(
         second_free=plgpu.Barrier(num_arrivals=1, num_barriers=cfg.quantizers * second_ring),
         h_smem=plgpu.SMEM((SUB, SUB), jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16)),
         o_smem=plgpu.SMEM(
-            (cfg.quantizers, cfg.slots, cfg.parts, ROWS, SUB),
+            (cfg.quantizers, cfg.slots, cfg.parts * cfg.blocks_per_slot, ROWS, SUB),
             jnp.float8_e4m3fn,
             transforms=() if interpret else swizzled(SUB, jnp.float8_e4m3fn),
         ),
@@ -615,27 +629,37 @@ def _reread_kernel(
             plgpu.barrier_arrive(max_free.at[parity])
             tile = tile_of(s)
             _, inverse_rows, kept_rows, partial = tile_scaling(tile, amax, num_valid)
-            for index, block in enumerate(shares[q]):
-                slot, barrier = second_slot(q, s * len(shares[q]) + index)
-                with jax.named_scope("quantize_waits_load"):
-                    plgpu.barrier_wait(second_loaded.at[barrier])
-                with jax.named_scope("quantize_products"):  # the products and their wait
-                    ys = block_products(lambda part, slot=slot: second.at[q, slot, part], h_smem, cfg.parts)
-                plgpu.barrier_arrive(second_free.at[barrier])
-                out = o_smem.at[q, index % cfg.slots]
-                with jax.named_scope("quantize_waits_slot"):  # the slot's last copies have read it
-                    plgpu.wait_smem_to_gmem(cfg.slots - 1, wait_read_only=True)
-                with jax.named_scope("quantize_writes"):  # scale, e4m3, slot stores, fence, copies
-                    for part, y in enumerate(butterflies(ys)):
-                        write_part((y * factor) * inverse_rows, kept_rows, partial, out.at[part])
+            share = list(shares[q])
+            for first_index in range(0, len(share), cfg.blocks_per_slot):
+                group = share[first_index : first_index + cfg.blocks_per_slot]
+                out = o_smem.at[q, first_index // cfg.blocks_per_slot % cfg.slots]
+                rotated = []
+                for index, block in enumerate(group, start=first_index):
+                    slot, barrier = second_slot(q, s * len(share) + index)
+                    with jax.named_scope("quantize_waits_load"):
+                        plgpu.barrier_wait(second_loaded.at[barrier])
+                    with jax.named_scope("quantize_products"):  # the products and their wait
+                        ys = block_products(lambda part, slot=slot: second.at[q, slot, part], h_smem, cfg.parts)
+                    plgpu.barrier_arrive(second_free.at[barrier])
+                    if not rotated:
+                        with jax.named_scope("quantize_waits_slot"):  # the slot's last copies have read it
+                            plgpu.wait_smem_to_gmem(cfg.slots - 1, wait_read_only=True)
+                    with jax.named_scope("quantize_writes"):  # scale, e4m3, slot stores
+                        for part, y in enumerate(butterflies(ys)):
+                            values = (y * factor) * inverse_rows
+                            piece = out.at[len(rotated) * cfg.parts + part]
+                            write_part(values, kept_rows, partial, piece, always_select=cfg.select_store)
+                    rotated.append(block)
+                with jax.named_scope("quantize_copies"):  # fence and copies, one group a slot
                     plgpu.commit_smem()
-                    for part in range(cfg.parts):  # one copy group a block
-                        columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
-                        plgpu.copy_smem_to_gmem(
-                            out.at[part],
-                            values_gmem.at[pl.ds(tile * ROWS, ROWS), columns],
-                            commit_group=part == cfg.parts - 1,
-                        )
+                    for position, block in enumerate(rotated):
+                        for part in range(cfg.parts):
+                            columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
+                            plgpu.copy_smem_to_gmem(
+                                out.at[position * cfg.parts + part],
+                                values_gmem.at[pl.ds(tile * ROWS, ROWS), columns],
+                                commit_group=position == len(rotated) - 1 and part == cfg.parts - 1,
+                            )
             return carry
 
         def quiesce(free, slots: int, loaded_count, offset: int = 0):

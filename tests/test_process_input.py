@@ -907,3 +907,44 @@ def test_default_tiles_take_the_mosaic_rotation_for_its_case(monkeypatch):
         assert ops.default_tiles(**kw) == chosen, case
     monkeypatch.setattr(ops, "hopper_gpu", lambda: False)
     assert ops.default_tiles(x, steps(), interpret=False) == chosen
+
+
+@pytest.mark.parametrize("blocks_per_slot,select_store,output_slots", [(2, False, 0), (1, True, 0), (2, True, 1)])
+def test_mosaic_reread_write_variants(blocks_per_slot, select_store, output_slots, rng):
+    """The re-read form's write-path options (several Hadamard blocks a slot:
+    one fence and copy group for them; one select store instead of branches;
+    one output slot) write the same codes and scales as the plain form, rows
+    past the valid tokens +0 (interpreted: outputs start as NaN); and lower."""
+    import dataclasses
+
+    from benchmarks import mosaic_ir
+    from pallas_kernels import process_input as kernel
+    from pallas_kernels import process_input_mosaic as mosaic
+
+    h = jnp.asarray(kernel.hadamard_signs(mosaic.SUB), jnp.bfloat16)
+    for m, k, block, warpgroups, valid in [(200, 768, 128, 4, 190), (128, 384, 64, 3, 70)]:
+        plain = mosaic.MosaicRotation(k, block, warpgroups=warpgroups, max_warpgroup=True, reread=True)
+        cfg = dataclasses.replace(
+            plain, blocks_per_slot=blocks_per_slot, select_store=select_store, output_slots=output_slots
+        )
+        assert mosaic.refusal(cfg) is None
+        x = jnp.asarray(_inputs(rng, m, k), jnp.bfloat16)
+        v = jnp.asarray([valid], jnp.int32)
+        want = mosaic.rotate_quantize(x, h, v, plain, interpret=True)
+        got = mosaic.rotate_quantize(x, h, v, cfg, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint8), np.asarray(want[0]).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        assert not np.asarray(got[0]).view(np.uint8)[valid:].any()
+    shapes = [
+        jax.ShapeDtypeStruct(s, d)
+        for s, d in [((4096, 768), jnp.bfloat16), ((64, 64), jnp.bfloat16), ((1,), jnp.int32)]
+    ]
+    wide = dataclasses.replace(cfg, k=768, hadamard=128, warpgroups=4)
+    with mosaic_ir.capture_mosaic_modules() as texts:
+        jax.jit(lambda x, h, v: mosaic.rotate_quantize(x, h, v, wide)).trace(*shapes).lower(
+            lowering_platforms=("cuda",)
+        )
+    assert mosaic_ir.key_counts(texts[-1])["wgmma.mma_async"] == 2 * (768 // 64) * 4
+    with pytest.raises(ValueError, match="blocks an output slot"):
+        pipelined = mosaic.MosaicRotation(384, 64, warpgroups=3, max_warpgroup=True, blocks_per_slot=2)
+        mosaic.rotate_quantize(x, h, v, pipelined, interpret=True)
