@@ -237,7 +237,7 @@ def _check_tiles(cfg, tiles: ProcessTilesConfig, x_dtype) -> None:
 
 
 # Rows from which the default takes the Mosaic rotation for its case (measured on the H200 at
-# K=768: 0.66 of the copy against Triton's 0.55 at 16384 rows; at 4096 rows Triton is 2x faster).
+# K=768: 0.64-0.66 of the copy against Triton's 0.55-0.58 at 16384 rows; at 4096 rows Triton is 2x faster).
 MOSAIC_ROTATION_MIN_ROWS = 16384
 # Widths the default sends there: measured at 768 only (at 2048 Triton reaches 0.71 of the copy).
 MOSAIC_ROTATION_MAX_K = 768
@@ -272,10 +272,11 @@ def _mosaic_problems(x: jax.Array, steps: ProcessSteps, tiles: ProcessTilesConfi
 
 
 def default_tiles(x: jax.Array, steps: ProcessSteps, interpret: bool) -> ProcessTilesConfig:
-    """The tiling when none is given: the Mosaic rotation (re-read form, 4 compute
-    warpgroups) for its case on a Hopper GPU from ``MOSAIC_ROTATION_MIN_ROWS``
-    rows up to ``MOSAIC_ROTATION_MAX_K`` columns, else the Triton kernel's chosen tiling. Interpreted, always the
-    latter (the Mosaic interpreter is for its own tests)."""
+    """The tiling when none is given: the Mosaic rotation (re-read form, 4
+    compute warpgroups) for its case on a Hopper GPU from
+    ``MOSAIC_ROTATION_MIN_ROWS`` rows up to ``MOSAIC_ROTATION_MAX_K`` columns,
+    else the Triton kernel's chosen tiling. Interpreted, always the latter
+    (the Mosaic interpreter is for its own tests)."""
     if interpret or x.ndim != 2 or x.shape[0] < MOSAIC_ROTATION_MIN_ROWS or x.shape[1] > MOSAIC_ROTATION_MAX_K:
         return ProcessTilesConfig()
     if _mosaic_problems(x, steps, MOSAIC_ROTATION_DEFAULT, interpret):

@@ -69,12 +69,14 @@ class MosaicRotation:
     """Static description of one launch: rows of ``k`` bf16 columns rotated
     in Hadamard blocks of ``hadamard`` (64 or 128) and quantized to e4m3 per
     token; ``stages`` row tiles in flight; ``warpgroups`` compute warpgroups
-    (1 to 3). Without ``max_warpgroup`` they share each tile's Hadamard blocks,
-    each taking the row max of its blocks (combined through shared memory)
-    and then quantizing them. With ``max_warpgroup`` the first takes each
-    tile's row max over all its blocks and the scales, a step ahead of the
-    others, which quantize the blocks of the tile before: the first pass
-    runs while the second's stores stream."""
+    (1 to 3; up to 4 with ``reread``). Without ``max_warpgroup`` they share
+    each tile's Hadamard blocks, each taking the row max of its blocks
+    (combined through shared memory) and then quantizing them. With
+    ``max_warpgroup`` the first takes each tile's row max over all its blocks
+    and the scales, a step ahead of the others, which quantize the blocks of
+    the tile before: the first pass runs while the second's stores stream.
+    ``reread`` (with ``max_warpgroup``): no tile is held — rings of Hadamard
+    blocks a consumer instead of ``stages`` (see :func:`_reread_kernel`)."""
 
     k: int
     hadamard: int

@@ -877,8 +877,8 @@ def test_mosaic_rotation_needs_hopper(monkeypatch):
 def test_default_tiles_take_the_mosaic_rotation_for_its_case(monkeypatch):
     """Without ``tiles``, a Hopper GPU takes the Mosaic rotation (re-read form, 4
     compute warpgroups) for a bf16 Hadamard rotation quantized to fp8 per token
-    from 16384 rows up to 768 columns; smaller or wider inputs, other cases, other devices and the
-    interpreter keep the Triton kernel's chosen tiling."""
+    from 16384 rows up to 768 columns; smaller or wider inputs, other cases,
+    other devices and the interpreter keep the Triton kernel's chosen tiling."""
     import importlib
 
     ops = importlib.import_module("humming_jax.process_input")
