@@ -1,6 +1,6 @@
 """Where the Mosaic rotation's time goes, per warpgroup, from the on-device
 profiler (GPU only): ``python -m benchmarks.trace_rotation --tokens 4096
---width 768 --warpgroups 3 --out DIR``.
+--width 768 --warpgroups 4 --out DIR``.
 
 Runs ``process_input_mosaic.rotate_quantize`` (the re-read form) with its
 named regions recorded, then prints, for each warpgroup role (the max
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="T; the rows are T * 8 (k=8)")
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--block", type=int, default=128, help="Hadamard block (64 or 128)")
-    parser.add_argument("--warpgroups", type=int, default=3, help="compute warpgroups (the max one + quantizing)")
+    parser.add_argument("--warpgroups", type=int, default=4, help="compute warpgroups (the max one + quantizing)")
     parser.add_argument("--slots", type=int, default=0, help="output slots a quantizing warpgroup (0: chosen)")
     parser.add_argument("--blocks-per-slot", type=int, default=1, help="Hadamard blocks an output slot holds")
     parser.add_argument("--select-store", action="store_true", help="one select store a part, no branches")
