@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=0, help="output slots a quantizing warpgroup (0: chosen)")
     parser.add_argument("--blocks-per-slot", type=int, default=1, help="Hadamard blocks an output slot holds")
     parser.add_argument("--select-store", action="store_true", help="one select store a part, no branches")
+    parser.add_argument("--no-auto-barriers", action="store_true", help="without the compiler's barriers")
     parser.add_argument("--ranges", type=int, default=96, help="profiler ranges a warpgroup")
     parser.add_argument("--out", required=True, help="directory for the traces")
     args = parser.parse_args()
@@ -90,7 +91,7 @@ def main() -> None:
     cfg = mosaic.MosaicRotation(
         args.width, args.block, warpgroups=args.warpgroups, max_warpgroup=True, reread=True,
         profile_ranges=args.ranges, output_slots=args.slots, blocks_per_slot=args.blocks_per_slot,
-        select_store=args.select_store,
+        select_store=args.select_store, auto_barriers=not args.no_auto_barriers,
     )  # fmt: skip
     print(f"rings (blocks): {cfg.rings()}, output slots {cfg.slots}, shared memory {cfg.smem_bytes} bytes")
     m = args.tokens * 8

@@ -94,6 +94,11 @@ class MosaicRotation:
     # Write every part with the select for rows past the valid tokens, instead of
     # a branch for tiles that have such rows and one for tiles that do not.
     select_store: bool = False
+    # The compiler's warpgroup barriers around every shared-memory load and store
+    # (False: the re-read form's own synchronization only — safe there: no thread
+    # reads a region it writes, and every slot is rewritten after a wait that
+    # carries a warpgroup barrier: commit_smem, wait_smem_to_gmem, an mbarrier).
+    auto_barriers: bool = True
     # Ranges a warpgroup the on-device profiler may record (0: off): its buffer
     # takes shared memory (16 bytes a range and warpgroup), the rings shrink.
     profile_ranges: int = 0
@@ -182,6 +187,8 @@ def refusal(cfg: MosaicRotation) -> str | None:
         return f"1 to 3 compute warpgroups (4 in the re-read form), got {cfg.warpgroups}"
     if cfg.max_warpgroup and cfg.warpgroups < 2:
         return f"a warpgroup for the row max and one or more to quantize, got {cfg.warpgroups} warpgroups"
+    if not (cfg.auto_barriers or cfg.reread):
+        return "the compiler's barriers (auto_barriers) in the pipelined form; only the re-read form goes without"
     if cfg.blocks_per_slot < 1 or (cfg.blocks_per_slot > 1 and not cfg.reread):
         return f"one or more Hadamard blocks an output slot, more only in the re-read form, got {cfg.blocks_per_slot}"
     if cfg.reread and not cfg.max_warpgroup:
@@ -750,6 +757,7 @@ def rotate_quantize(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            unsafe_no_auto_barriers=not cfg.auto_barriers,
             **(
                 dict(profile_space=cfg.profile_ranges, profile_dir=profile_dir, profile_bounds_check=True)
                 if cfg.profile_ranges

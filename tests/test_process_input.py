@@ -909,12 +909,17 @@ def test_default_tiles_take_the_mosaic_rotation_for_its_case(monkeypatch):
     assert ops.default_tiles(x, steps(), interpret=False) == chosen
 
 
-@pytest.mark.parametrize("blocks_per_slot,select_store,output_slots", [(2, False, 0), (1, True, 0), (2, True, 1)])
-def test_mosaic_reread_write_variants(blocks_per_slot, select_store, output_slots, rng):
+@pytest.mark.parametrize(
+    "blocks_per_slot,select_store,output_slots,auto_barriers",
+    [(2, False, 0, True), (1, True, 0, True), (2, True, 1, True), (1, False, 0, False), (2, True, 0, False)],
+)
+def test_mosaic_reread_write_variants(blocks_per_slot, select_store, output_slots, auto_barriers, rng):
     """The re-read form's write-path options (several Hadamard blocks a slot:
     one fence and copy group for them; one select store instead of branches;
-    one output slot) write the same codes and scales as the plain form, rows
-    past the valid tokens +0 (interpreted: outputs start as NaN); and lower."""
+    one output slot; without the compiler's barriers around each shared-memory
+    store) write the same codes and scales as the plain form, rows past the
+    valid tokens +0 (interpreted: outputs start as NaN); and lower (without the
+    compiler's barriers, with fewer warpgroup barriers)."""
     import dataclasses
 
     from benchmarks import mosaic_ir
@@ -924,9 +929,8 @@ def test_mosaic_reread_write_variants(blocks_per_slot, select_store, output_slot
     h = jnp.asarray(kernel.hadamard_signs(mosaic.SUB), jnp.bfloat16)
     for m, k, block, warpgroups, valid in [(200, 768, 128, 4, 190), (128, 384, 64, 3, 70)]:
         plain = mosaic.MosaicRotation(k, block, warpgroups=warpgroups, max_warpgroup=True, reread=True)
-        cfg = dataclasses.replace(
-            plain, blocks_per_slot=blocks_per_slot, select_store=select_store, output_slots=output_slots
-        )
+        options = dict(blocks_per_slot=blocks_per_slot, select_store=select_store, output_slots=output_slots)
+        cfg = dataclasses.replace(plain, auto_barriers=auto_barriers, **options)
         assert mosaic.refusal(cfg) is None
         x = jnp.asarray(_inputs(rng, m, k), jnp.bfloat16)
         v = jnp.asarray([valid], jnp.int32)
@@ -940,11 +944,19 @@ def test_mosaic_reread_write_variants(blocks_per_slot, select_store, output_slot
         for s, d in [((4096, 768), jnp.bfloat16), ((64, 64), jnp.bfloat16), ((1,), jnp.int32)]
     ]
     wide = dataclasses.replace(cfg, k=768, hadamard=128, warpgroups=4)
-    with mosaic_ir.capture_mosaic_modules() as texts:
-        jax.jit(lambda x, h, v: mosaic.rotate_quantize(x, h, v, wide)).trace(*shapes).lower(
-            lowering_platforms=("cuda",)
-        )
-    assert mosaic_ir.key_counts(texts[-1])["wgmma.mma_async"] == 2 * (768 // 64) * 4
+    texts = {}
+    for barriers in (True, False):
+        with mosaic_ir.capture_mosaic_modules() as captured:
+            form = dataclasses.replace(wide, auto_barriers=barriers)
+            jax.jit(lambda x, h, v, form=form: mosaic.rotate_quantize(x, h, v, form)).trace(*shapes).lower(
+                lowering_platforms=("cuda",)
+            )
+        texts[barriers] = captured[-1]
+    assert mosaic_ir.key_counts(texts[auto_barriers])["wgmma.mma_async"] == 2 * (768 // 64) * 4
+    assert texts[False].count("bar.sync") < texts[True].count("bar.sync") / 3
     with pytest.raises(ValueError, match="blocks an output slot"):
         pipelined = mosaic.MosaicRotation(384, 64, warpgroups=3, max_warpgroup=True, blocks_per_slot=2)
+        mosaic.rotate_quantize(x, h, v, pipelined, interpret=True)
+    with pytest.raises(ValueError, match="auto_barriers"):
+        pipelined = mosaic.MosaicRotation(384, 64, warpgroups=3, max_warpgroup=True, auto_barriers=False)
         mosaic.rotate_quantize(x, h, v, pipelined, interpret=True)
