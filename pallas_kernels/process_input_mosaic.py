@@ -729,7 +729,10 @@ def rotate_quantize(
     ±1 matrix, bf16) and quantized per token: ``(values [M, K]
     float8_e4m3fn, scale [M, 1] f32)``, rows at or past ``num_valid_tokens``
     (``int32 [1]``) zero. ``profile_dir`` (with ``cfg.profile_ranges``): where
-    the on-device profiler writes each launch's trace of named regions."""
+    the on-device profiler writes each launch's trace of named regions.
+    Interpreted, each warpgroup's blocking waits take a worker thread of the
+    CPU client: on a machine with fewer cores than warpgroups + 1 set
+    ``PJRT_NPROC`` (e.g. 16) before JAX starts, or the warpgroups may starve."""
     why = refusal(cfg)
     if why:
         raise ValueError(f"mosaic process_input: {why}")

@@ -2,6 +2,11 @@ import os
 import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The Mosaic GPU interpreter runs each warpgroup as a CPU computation whose blocking
+# callbacks (barrier waits) take a worker thread of the CPU client, which has as many
+# as the machine has cores: on 2 cores, warpgroups blocked on both could starve the one
+# that would release them (the re-read rotation's 4-5 warpgroups hung 2 runs in 8).
+os.environ.setdefault("PJRT_NPROC", "16")
 os.environ.pop("HUMMING_JAX_BACKEND", None)
 
 import numpy as np  # noqa: E402
