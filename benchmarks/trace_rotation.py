@@ -48,25 +48,28 @@ def summarize(path: str, warpgroups: int) -> str:
     start = min(s for *_, s, _ in spans)
     end = max(e for *_, e in spans)
     roles = ["max"] + [f"quantize {q}" for q in range(warpgroups - 1)] + ["memory"]
+
+    def role(tid: int) -> str:
+        return roles[(tid - 1) % (warpgroups + 1)]
+
+    def program(tid: int) -> int:
+        return (tid - 1) // (warpgroups + 1)
+
     per: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-    programs: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
     for name, _sm, tid, s, e in spans:
-        role = roles[(tid - 1) % (warpgroups + 1)]
-        per[(role, name)].append(e - s)
-        programs[(role, tid)].append(e)
+        per[(role(tid), name)].append(e - s)
     lines = [f"kernel span (first to last recorded event): {end - start:.2f} k cycles, {len(events)} events"]
-    count = len({tid for *_, tid, _, _ in spans}) // (warpgroups + 1) or 1
-    for (role, name), times in sorted(per.items()):
+    count = len({program(tid) for *_, tid, _, _ in spans}) or 1
+    for (who, name), times in sorted(per.items()):
         lines.append(
-            f"{role:>11} {name:<22} {len(times) / count:6.1f} a program, {np.sum(times) / count:7.2f} k cycles a "
+            f"{who:>11} {name:<22} {len(times) / count:6.1f} a program, {np.sum(times) / count:7.2f} k cycles a "
             f"program, {np.mean(times):6.3f} each"
         )
-    first_tid = min(tid for *_, tid, _, _ in spans)
-    block = (first_tid - 1) // (warpgroups + 1)
-    lines.append(f"one program's steps (k cycles from the kernel's first event), program trace {block}:")
+    first = program(min(tid for *_, tid, _, _ in spans))
+    lines.append(f"one program's steps (k cycles from the kernel's first event), program trace {first}:")
     for name, _sm, tid, s, e in sorted(spans, key=lambda span: span[3]):
-        if (tid - 1) // (warpgroups + 1) == block and name.endswith("_step"):
-            lines.append(f"  {roles[(tid - 1) % (warpgroups + 1)]:>11} {name:<14} {s - start:7.2f} .. {e - start:7.2f}")
+        if program(tid) == first and name.endswith("_step"):
+            lines.append(f"  {role(tid):>11} {name:<14} {s - start:7.2f} .. {e - start:7.2f}")
     return "\n".join(lines)
 
 

@@ -254,8 +254,10 @@ def _mosaic_config(x: jax.Array, steps: ProcessSteps, tiles: ProcessTilesConfig)
     )
 
 
-def _mosaic_problems(x: jax.Array, steps: ProcessSteps, tiles: ProcessTilesConfig, interpret: bool) -> list[str]:
-    """Why the Mosaic kernel cannot take this call with ``tiles`` (empty if it can)."""
+def _mosaic_problems(
+    x: jax.Array, steps: ProcessSteps, cfg: mosaic_kernel.MosaicRotation, interpret: bool
+) -> list[str]:
+    """Why the Mosaic kernel cannot take this call as ``cfg`` (empty if it can)."""
     spec = steps.spec
     problems = [
         f"activation {steps.activation.kind.value}" if steps.activation is not None else None,
@@ -264,7 +266,7 @@ def _mosaic_problems(x: jax.Array, steps: ProcessSteps, tiles: ProcessTilesConfi
         if (spec.mode.value, getattr(spec.dtype, "value", None)) != ("dynamic_token", "float8_e4m3")
         else None,
         f"layout {steps.layout}" if steps.layout != "normal" else None,
-        mosaic_kernel.refusal(_mosaic_config(x, steps, tiles)) if steps.hadamard_block_size else "no Hadamard rotation",
+        mosaic_kernel.refusal(cfg) if steps.hadamard_block_size else "no Hadamard rotation",
     ]
     if not interpret and not hopper_gpu():
         problems.append(f"a Hopper GPU (TMA and wgmma), the device is {jax.devices()[0].device_kind}")
@@ -279,7 +281,7 @@ def default_tiles(x: jax.Array, steps: ProcessSteps, interpret: bool) -> Process
     (the Mosaic interpreter is for its own tests)."""
     if interpret or x.ndim != 2 or x.shape[0] < MOSAIC_ROTATION_MIN_ROWS or x.shape[1] > MOSAIC_ROTATION_MAX_K:
         return ProcessTilesConfig()
-    if _mosaic_problems(x, steps, MOSAIC_ROTATION_DEFAULT, interpret):
+    if _mosaic_problems(x, steps, _mosaic_config(x, steps, MOSAIC_ROTATION_DEFAULT), interpret):
         return ProcessTilesConfig()
     return MOSAIC_ROTATION_DEFAULT
 
@@ -291,7 +293,7 @@ def _mosaic_rotation(
     activation, fp8 e4m3 per token, the normal layout), or a ValueError."""
     spec = steps.spec
     cfg = _mosaic_config(x, steps, tiles)
-    problems = _mosaic_problems(x, steps, tiles, interpret)
+    problems = _mosaic_problems(x, steps, cfg, interpret)
     if problems:
         raise ValueError(
             "process_input: tiles.mosaic: the Mosaic kernel takes a bf16 input without activation, rotated by "
