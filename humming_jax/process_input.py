@@ -251,6 +251,10 @@ def _mosaic_config(x: jax.Array, steps: ProcessSteps, tiles: ProcessTilesConfig)
         warpgroups=tiles.mosaic,
         max_warpgroup=tiles.mosaic_max or tiles.mosaic_reread,
         reread=tiles.mosaic_reread,
+        # The re-read form without the compiler's barriers, one select store a part
+        # (with the default rings: 31.9 against 35.8 µs at K=768, T=4096, same run).
+        auto_barriers=not tiles.mosaic_reread,
+        select_store=tiles.mosaic_reread,
     )
 
 

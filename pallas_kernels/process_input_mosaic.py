@@ -32,7 +32,10 @@ twice, Hadamard block by Hadamard block, into one ring a consumer — once
 from DRAM for the max warpgroup, once more (from L2, a step later) for the
 quantizing ones — so shared memory bounds the blocks in flight, not the
 tiles, and up to 4 compute warpgroups fit (their registers raised only by
-what the memory warpgroup gives back).
+what the memory warpgroup gives back). Its max pass takes ``|a| + |b|`` for a
+128-block's pair ``(a + b, a - b)`` (the same f32 max, one add) and its
+quantizing pass multiplies by ``(1/sqrt(b)) · (1/scale)`` once (one rounding
+less than the Triton kernel: a rare code one e4m3 step apart).
 
 The arithmetic is the Triton kernel's with 64-column products (the
 reference's up to f32 summation order): ``y = butterflies(x_p · H_64) ·
@@ -62,6 +65,7 @@ from pallas_kernels.process_input import FLOAT8_E4M3_MAX, butterflies
 ROWS = 64  # tokens a tile: one wgmma's M
 SUB = 64  # columns of one product: H_64, a 128-byte swizzled bf16 row
 SMEM_LIMIT = 227 * 1024  # shared memory a Hopper program may take
+MAX_RING_BYTES = 48 * 1024  # the re-read form's max-warpgroup ring: 3 blocks of 128 (measured best at K=768)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +103,14 @@ class MosaicRotation:
     # reads a region it writes, and every slot is rewritten after a wait that
     # carries a warpgroup barrier: commit_smem, wait_smem_to_gmem, an mbarrier).
     auto_barriers: bool = True
+    # The re-read form without a memory warpgroup: each compute warpgroup issues
+    # its own ring's loads, a slot refilled as soon as its products are taken
+    # (no free barriers; a wait for one consumer's slot cannot hold back the
+    # others' loads; 4 warpgroups launch with 128 registers a thread).
+    self_loads: bool = False
+    # The re-read form's max-warpgroup ring in Hadamard blocks (0: MAX_RING_BYTES,
+    # up to a tile); the quantizing warpgroups' rings share the rest.
+    first_ring: int = 0
     # Ranges a warpgroup the on-device profiler may record (0: off): its buffer
     # takes shared memory (16 bytes a range and warpgroup), the rings shrink.
     profile_ranges: int = 0
@@ -145,10 +157,13 @@ class MosaicRotation:
 
     def rings(self, slots: int | None = None) -> tuple[int, int]:
         """The re-read form's ring lengths in Hadamard blocks: the max warpgroup's
-        (up to a tile, the first pass's lookahead) and each quantizing warpgroup's
-        (the rest, up to two tiles' share)."""
+        (``first_ring``, else ``MAX_RING_BYTES`` up to a tile: the first pass's
+        lookahead) and each quantizing warpgroup's (the rest, up to two tiles'
+        share: a larger ring lets the memory warpgroup issue a tile's re-reads
+        without waiting on the quantizing warpgroups, which would hold back the
+        max warpgroup's loads queued behind them)."""
         items = (SMEM_LIMIT - self.fixed_bytes(slots or self.slots)) // self.block_bytes
-        first = min(self.blocks, items // 2)
+        first = self.first_ring or min(self.blocks, -(-MAX_RING_BYTES // self.block_bytes), items // 2)
         share = len(self.blocks_of(0))
         return first, min(2 * share, (items - first) // max(self.quantizers, 1))
 
@@ -191,6 +206,8 @@ def refusal(cfg: MosaicRotation) -> str | None:
         return "the compiler's barriers (auto_barriers) in the pipelined form; only the re-read form goes without"
     if cfg.blocks_per_slot < 1 or (cfg.blocks_per_slot > 1 and not cfg.reread):
         return f"one or more Hadamard blocks an output slot, more only in the re-read form, got {cfg.blocks_per_slot}"
+    if cfg.self_loads and not cfg.reread:
+        return "its own loads (self_loads) in the re-read form only"
     if cfg.reread and not cfg.max_warpgroup:
         return "the re-read form with a max warpgroup (max_warpgroup)"
     if cfg.reread and min(cfg.rings(cfg.slots)) < 1:
@@ -256,6 +273,17 @@ def store_part(values, kept_rows, partial, slot, destination) -> None:
     write_part(values, kept_rows, partial, slot)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(slot, destination)
+
+
+def block_magnitudes(products: list) -> list:
+    """Elementwise ``max |y|`` over the rotation pairs of ``products`` (1 or 2
+    ``[ROWS, SUB]`` f32): for two, ``max(|a + b|, |a - b|) = |a| + |b|``, also
+    rounded (round to nearest is symmetric and monotonic) — one add, no butterfly."""
+    if len(products) == 1:
+        return [jnp.abs(products[0])]
+    if len(products) == 2:
+        return [jnp.abs(products[0]) + jnp.abs(products[1])]
+    return [jnp.abs(y) for y in butterflies(products)]
 
 
 def block_products(item, h_smem, parts: int) -> list:
@@ -567,17 +595,44 @@ def _reread_kernel(
             slot = lax.rem(count, second_ring)
             return slot, q * second_ring + slot
 
+        def fetch(ring_item, loaded, tile, block: int):
+            """Block ``block`` of row tile ``tile`` into a ring slot (``cfg.parts`` copies, one barrier)."""
+            for part in range(cfg.parts):
+                columns = pl.ds((block * cfg.parts + part) * SUB, SUB)
+                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(tile * ROWS, ROWS), columns], ring_item.at[part], loaded)
+
         def load(ring_item, loaded, free, count, length: int, tile, block: int):
-            """Block ``block`` of row tile ``tile`` into a ring slot, once its last block is released."""
+            """:func:`fetch`, once the slot's last block is released."""
 
             @pl.when(count >= length)
             def _():
                 with jax.named_scope("load_waits_free"):
                     plgpu.barrier_wait(free)
 
-            for part in range(cfg.parts):
-                columns = pl.ds((block * cfg.parts + part) * SUB, SUB)
-                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(tile * ROWS, ROWS), columns], ring_item.at[part], loaded)
+            fetch(ring_item, loaded, tile, block)
+
+        def refill(ring_item, loaded, order: list[int], s, index: int, length: int):
+            """Self-fed rings: after a consumer has taken the products of its
+            ``index``-th block of tile ``s`` (its blocks a tile: ``order``), the
+            block ``length`` further on into the same slot, if the program has it.
+            The warpgroup barrier first: every warp's share of the wgmmas has read
+            the slot."""
+            ahead = index + length
+            tile, block = s + ahead // len(order), order[ahead % len(order)]
+
+            @pl.when(tile < tiles_here)
+            def _():
+                plgpu.commit_smem()
+                fetch(ring_item, loaded, tile_of(tile), block)
+
+        def first_fill(ring, loaded, order: list[int], length: int, barrier_of=lambda slot: slot):
+            """Self-fed rings: a consumer's first ``length`` blocks (tiles 0, 1, …; its blocks a tile: ``order``)."""
+            for count in range(length):
+                tile, block = count // len(order), order[count % len(order)]
+
+                @pl.when(tile < tiles_here)
+                def _(count=count, tile=tile, block=block):
+                    fetch(ring.at[count], loaded.at[barrier_of(count)], tile_of(tile), block)
 
         def memory_step(s, carry):
             """Tile s's blocks for the row max, tile s - 1's for the values, alternating."""
@@ -612,9 +667,12 @@ def _reread_kernel(
                     plgpu.barrier_wait(first_loaded.at[slot])
                 with jax.named_scope("max_products"):  # the products and their wait
                     ys = block_products(lambda part, slot=slot: first.at[slot, part], h_smem, cfg.parts)
-                plgpu.barrier_arrive(first_free.at[slot])
-                for y in butterflies(ys):
-                    largest = jnp.abs(y) if largest is None else jnp.maximum(largest, jnp.abs(y))
+                if cfg.self_loads:
+                    refill(first.at[slot], first_loaded.at[slot], list(range(cfg.blocks)), s, block, first_ring)
+                else:
+                    plgpu.barrier_arrive(first_free.at[slot])
+                for y in block_magnitudes(ys):
+                    largest = y if largest is None else jnp.maximum(largest, y)
             amax = largest.max(axis=1) * factor  # rounding is monotonic
             parity = lax.rem(s, 2)
 
@@ -638,6 +696,9 @@ def _reread_kernel(
             plgpu.barrier_arrive(max_free.at[parity])
             tile = tile_of(s)
             _, inverse_rows, kept_rows, partial = tile_scaling(tile, amax, num_valid)
+            # 1/sqrt(b) folded into the row's reciprocal scale: one multiply an element
+            # (a rounding less than the Triton kernel's: a rare code one step apart).
+            row_factors = inverse_rows * factor
             share = list(shares[q])
             for first_index in range(0, len(share), cfg.blocks_per_slot):
                 group = share[first_index : first_index + cfg.blocks_per_slot]
@@ -649,13 +710,16 @@ def _reread_kernel(
                         plgpu.barrier_wait(second_loaded.at[barrier])
                     with jax.named_scope("quantize_products"):  # the products and their wait
                         ys = block_products(lambda part, slot=slot: second.at[q, slot, part], h_smem, cfg.parts)
-                    plgpu.barrier_arrive(second_free.at[barrier])
+                    if cfg.self_loads:
+                        refill(second.at[q, slot], second_loaded.at[barrier], share, s, index, second_ring)
+                    else:
+                        plgpu.barrier_arrive(second_free.at[barrier])
                     if not rotated:
                         with jax.named_scope("quantize_waits_slot"):  # the slot's last copies have read it
                             plgpu.wait_smem_to_gmem(cfg.slots - 1, wait_read_only=True)
                     with jax.named_scope("quantize_writes"):  # scale, e4m3, slot stores
                         for part, y in enumerate(butterflies(ys)):
-                            values = (y * factor) * inverse_rows
+                            values = y * row_factors
                             piece = out.at[len(rotated) * cfg.parts + part]
                             write_part(values, kept_rows, partial, piece, always_select=cfg.select_store)
                     rotated.append(block)
@@ -680,17 +744,20 @@ def _reread_kernel(
                 def _(slot=slot):
                     plgpu.barrier_wait(free.at[offset + slot])
 
-        @pl.when(wg == cfg.warpgroups)
-        def _():
-            plgpu.set_max_registers(_registers(cfg.warpgroups)[0], action="decrease")
-            lax.fori_loop(0, tiles_here + 1, named("load_step", memory_step), None)
-            quiesce(first_free, first_ring, tiles_here * cfg.blocks)
-            for q, share in enumerate(shares):
-                quiesce(second_free, second_ring, tiles_here * len(share), q * second_ring)
+        if not cfg.self_loads:
+
+            @pl.when(wg == cfg.warpgroups)
+            def _():
+                plgpu.set_max_registers(_registers(cfg.warpgroups)[0], action="decrease")
+                lax.fori_loop(0, tiles_here + 1, named("load_step", memory_step), None)
+                quiesce(first_free, first_ring, tiles_here * cfg.blocks)
+                for q, share in enumerate(shares):
+                    quiesce(second_free, second_ring, tiles_here * len(share), q * second_ring)
 
         @pl.when(wg < cfg.warpgroups)
         def _():
-            plgpu.set_max_registers(_registers(cfg.warpgroups)[1], action="increase")
+            if not cfg.self_loads:
+                plgpu.set_max_registers(_registers(cfg.warpgroups)[1], action="increase")
 
             @pl.when(wg == 0)  # one copy of H_64 for every compute warpgroup
             def _():
@@ -700,6 +767,8 @@ def _reread_kernel(
 
             @pl.when(wg == 0)
             def _():
+                if cfg.self_loads:
+                    first_fill(first, first_loaded, list(range(cfg.blocks)), first_ring)
                 lax.fori_loop(0, tiles_here, named("max_step", max_step), None)
                 for back in (2, 1):  # the last two tiles' hand-overs, read but not awaited
 
@@ -711,6 +780,14 @@ def _reread_kernel(
 
                 @pl.when(wg == q + 1)
                 def _(q=q):
+                    if cfg.self_loads:
+                        first_fill(
+                            second.at[q],
+                            second_loaded,
+                            list(shares[q]),
+                            second_ring,
+                            lambda slot, q=q: q * second_ring + slot,
+                        )
                     lax.fori_loop(0, tiles_here, named("quantize_step", functools.partial(quantize_step, q)), None)
 
             plgpu.wait_smem_to_gmem(0)
@@ -756,7 +833,7 @@ def rotate_quantize(
         ),
         grid=(programs,),
         grid_names=("sm",),
-        num_threads=cfg.warpgroups + 1,
+        num_threads=cfg.warpgroups + (not (cfg.reread and cfg.self_loads)),
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup,

@@ -287,3 +287,27 @@ def test_trace_rotation_summary(tmp_path):
     assert "memory load_step                 1.0 a program,    2.50 k cycles" in report
     assert "   quantize 0 quantize_step     3.50 ..    6.50" in report  # program 0, from the first event
     assert report.count("_step ") == 4 + 4  # four roles' totals, then program 0's four steps
+    # Without the memory warpgroup (self-fed rings): 3 trace ids a program.
+    events = []
+    for program in range(2):
+        base = 1 + 3 * program
+        events += span("max_step", base, 1.0, 4.0) + span("quantize_step", base + 1, 4.0, 7.0)
+        events += span("quantize_step", base + 2, 4.0, 6.0)
+    path.write_text(json.dumps({"traceEvents": events}))
+    report = trace_rotation.summarize(str(path), 3, memory=False)
+    assert " quantize 1 quantize_step             1.0 a program,    2.00 k cycles" in report
+    assert "memory" not in report
+
+
+def test_ab_rotation_variants():
+    """The interleaved A/B's variant text: a name, then MosaicRotation fields as literals."""
+    from benchmarks import ab_rotation
+
+    assert ab_rotation.parse_variant("base:") == ("base", {})
+    assert ab_rotation.parse_variant("base") == ("base", {})
+    name, options = ab_rotation.parse_variant("quiet:auto_barriers=False, select_store=True,first_ring=3")
+    assert name == "quiet" and options == {"auto_barriers": False, "select_store": True, "first_ring": 3}
+    with pytest.raises(ValueError, match="field=value"):
+        ab_rotation.parse_variant("bad:first_ring")
+    with pytest.raises(ValueError, match="name"):
+        ab_rotation.parse_variant(":first_ring=3")
