@@ -625,14 +625,15 @@ def _reread_kernel(
                 plgpu.commit_smem()
                 fetch(ring_item, loaded, tile_of(tile), block)
 
-        def first_fill(ring, loaded, order: list[int], length: int, barrier_of=lambda slot: slot):
-            """Self-fed rings: a consumer's first ``length`` blocks (tiles 0, 1, …; its blocks a tile: ``order``)."""
+        def first_fill(ring, loaded, order: list[int], length: int, offset: int = 0):
+            """Self-fed rings: a consumer's first ``length`` blocks (tiles 0, 1, …; its
+            blocks a tile: ``order``), slot i's barrier ``loaded[offset + i]``."""
             for count in range(length):
                 tile, block = count // len(order), order[count % len(order)]
 
                 @pl.when(tile < tiles_here)
                 def _(count=count, tile=tile, block=block):
-                    fetch(ring.at[count], loaded.at[barrier_of(count)], tile_of(tile), block)
+                    fetch(ring.at[count], loaded.at[offset + count], tile_of(tile), block)
 
         def memory_step(s, carry):
             """Tile s's blocks for the row max, tile s - 1's for the values, alternating."""
@@ -762,13 +763,20 @@ def _reread_kernel(
             @pl.when(wg == 0)  # one copy of H_64 for every compute warpgroup
             def _():
                 plgpu.copy_gmem_to_smem(h_gmem, h_smem, h_barrier)
+                if cfg.self_loads:
+                    first_fill(first, first_loaded, list(range(cfg.blocks)), first_ring)
+
+            if cfg.self_loads:  # the rings fill while H_64 lands
+                for q in range(cfg.quantizers):
+
+                    @pl.when(wg == q + 1)
+                    def _(q=q):
+                        first_fill(second.at[q], second_loaded, list(shares[q]), second_ring, q * second_ring)
 
             plgpu.barrier_wait(h_barrier)
 
             @pl.when(wg == 0)
             def _():
-                if cfg.self_loads:
-                    first_fill(first, first_loaded, list(range(cfg.blocks)), first_ring)
                 lax.fori_loop(0, tiles_here, named("max_step", max_step), None)
                 for back in (2, 1):  # the last two tiles' hand-overs, read but not awaited
 
@@ -780,14 +788,6 @@ def _reread_kernel(
 
                 @pl.when(wg == q + 1)
                 def _(q=q):
-                    if cfg.self_loads:
-                        first_fill(
-                            second.at[q],
-                            second_loaded,
-                            list(shares[q]),
-                            second_ring,
-                            lambda slot, q=q: q * second_ring + slot,
-                        )
                     lax.fori_loop(0, tiles_here, named("quantize_step", functools.partial(quantize_step, q)), None)
 
             plgpu.wait_smem_to_gmem(0)
