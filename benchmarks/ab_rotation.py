@@ -79,7 +79,8 @@ def main() -> None:
         off = float(jnp.mean((codes != first[0]).astype(jnp.float32)))
         rel = float(jnp.max(jnp.abs(scale - first[1]) / jnp.maximum(first[1], 1e-30)))
         cfg = variants[name]
-        print(f"{name}: rings {cfg.rings()}, slots {cfg.slots}, shared memory {cfg.smem_bytes} B, codes off the "
+        rings = cfg.own_ring() if cfg.own_rings else cfg.rings()
+        print(f"{name}: rings {rings}, slots {cfg.slots}, shared memory {cfg.smem_bytes} B, codes off the "
               f"first variant's {off:.1e}, scales {rel:.1e} relative")  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in runs}
     copies = []

@@ -40,15 +40,19 @@ def _intervals(events: list[dict]) -> list[tuple[str, int, int, float, float]]:
     return out
 
 
-def summarize(path: str, warpgroups: int, memory: bool = True) -> str:
+def summarize(path: str, warpgroups: int, memory: bool = True, own_rings: bool = False) -> str:
     """The report of one trace file (``warpgroups`` compute warpgroups + the memory one,
-    unless the compute warpgroups issue their own loads: ``memory=False``)."""
+    unless the compute warpgroups issue their own loads: ``memory=False``; with
+    ``own_rings`` each takes both passes: no max or memory role)."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     spans = _intervals(events)
     start = min(s for *_, s, _ in spans)
     end = max(e for *_, e in spans)
-    roles = ["max"] + [f"quantize {q}" for q in range(warpgroups - 1)] + (["memory"] if memory else [])
+    if own_rings:
+        roles = [f"own {w}" for w in range(warpgroups)]
+    else:
+        roles = ["max"] + [f"quantize {q}" for q in range(warpgroups - 1)] + (["memory"] if memory else [])
 
     def role(tid: int) -> str:
         return roles[(tid - 1) % len(roles)]
@@ -88,19 +92,22 @@ def main() -> None:
     parser.add_argument("--blocks-per-slot", type=int, default=1, help="Hadamard blocks an output slot holds")
     parser.add_argument("--select-store", action="store_true", help="one select store a part, no branches")
     parser.add_argument("--no-auto-barriers", action="store_true", help="without the compiler's barriers")
+    parser.add_argument("--own-rings", action="store_true", help="the own-rings form (every warpgroup both passes)")
     parser.add_argument("--self-loads", action="store_true", help="no memory warpgroup: each issues its own loads")
     parser.add_argument("--first-ring", type=int, default=0, help="the max warpgroup's ring in blocks (0: chosen)")
     parser.add_argument("--ranges", type=int, default=96, help="profiler ranges a warpgroup")
     parser.add_argument("--out", required=True, help="directory for the traces")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    form = dict(own_rings=True) if args.own_rings else dict(max_warpgroup=True, reread=True)
     cfg = mosaic.MosaicRotation(
-        args.width, args.block, warpgroups=args.warpgroups, max_warpgroup=True, reread=True,
+        args.width, args.block, warpgroups=args.warpgroups, **form,
         profile_ranges=args.ranges, output_slots=args.slots, blocks_per_slot=args.blocks_per_slot,
         select_store=args.select_store, auto_barriers=not args.no_auto_barriers, first_ring=args.first_ring,
         self_loads=args.self_loads,
     )  # fmt: skip
-    print(f"rings (blocks): {cfg.rings()}, output slots {cfg.slots}, shared memory {cfg.smem_bytes} bytes")
+    rings = cfg.own_ring() if args.own_rings else cfg.rings()
+    print(f"rings (blocks): {rings}, output slots {cfg.slots}, shared memory {cfg.smem_bytes} bytes")
     m = args.tokens * 8
     x = jax.random.normal(jax.random.key(0), (m, args.width), jnp.float32).astype(jnp.bfloat16)
     h = jnp.asarray(process_input.hadamard_signs(mosaic.SUB), jnp.bfloat16)
@@ -114,7 +121,7 @@ def main() -> None:
     copy = timing.copy_seconds(nbytes)
     print(f"unprofiled: {seconds * 1e6:.1f} us, same-run copy {copy * 1e6:.1f} us, x copy {copy / seconds:.2f}")
     newest = max(glob.glob(os.path.join(args.out, "*-trace.json")), key=os.path.getmtime)
-    print(summarize(newest, args.warpgroups, memory=not args.self_loads))
+    print(summarize(newest, args.warpgroups, memory=not (args.self_loads or args.own_rings), own_rings=args.own_rings))
 
 
 if __name__ == "__main__":

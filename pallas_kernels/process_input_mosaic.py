@@ -35,7 +35,17 @@ tiles, and up to 4 compute warpgroups fit (their registers raised only by
 what the memory warpgroup gives back). Its max pass takes ``|a| + |b|`` for a
 128-block's pair ``(a + b, a - b)`` (the same f32 max, one add) and its
 quantizing pass multiplies by ``(1/sqrt(b)) · (1/scale)`` once (one rounding
-less than the Triton kernel: a rare code one e4m3 step apart).
+less than the Triton kernel: a rare code one e4m3 step apart). With
+``self_loads`` the compute warpgroups fill their own rings (no memory
+warpgroup).
+
+The own-rings form (``own_rings``, :func:`_own_rings_kernel`) has neither a
+max nor a memory warpgroup: each compute warpgroup streams its share of each
+tile's Hadamard blocks through a ring it fills itself and takes both passes
+from it, the row max combined through shared memory a tile at a time — no
+pass waits for another warpgroup's earlier tile, so a program has no
+pipeline fill or drain (a fifth of the re-read form's time at 4 tiles a
+program).
 
 The arithmetic is the Triton kernel's with 64-column products (the
 reference's up to f32 summation order): ``y = butterflies(x_p · H_64) ·
@@ -108,6 +118,11 @@ class MosaicRotation:
     # (no free barriers; a wait for one consumer's slot cannot hold back the
     # others' loads; 4 warpgroups launch with 128 registers a thread).
     self_loads: bool = False
+    # Neither a max nor a memory warpgroup: each compute warpgroup streams its
+    # share of each tile's Hadamard blocks through a ring of its own and takes
+    # both passes from it (the row max combined through shared memory), no
+    # pipeline fill or drain (see _own_rings_kernel).
+    own_rings: bool = False
     # The re-read form's max-warpgroup ring in Hadamard blocks (0: MAX_RING_BYTES,
     # up to a tile); the quantizing warpgroups' rings share the rest.
     first_ring: int = 0
@@ -139,7 +154,7 @@ class MosaicRotation:
         warpgroup, H_64, the scale and row-max slots, the compiler's reduction
         scratch (2 KB) and the barriers."""
         # The re-read form's output slots hold a whole Hadamard block (one fence and one copy group a block).
-        slot_parts = self.parts * self.blocks_per_slot if self.reread else 1
+        slot_parts = self.parts * self.blocks_per_slot if self.reread or self.own_rings else 1
         outputs = self.quantizers * slots * ROWS * SUB * slot_parts
         maxima = 2 * ROWS * 4 * (1 if self.max_warpgroup else self.warpgroups)
         profile = self.profile_ranges * 16 * (self.warpgroups + 1)
@@ -167,8 +182,17 @@ class MosaicRotation:
         share = len(self.blocks_of(0))
         return first, min(2 * share, (items - first) // max(self.quantizers, 1))
 
+    def own_ring(self, slots: int | None = None) -> int:
+        """The own-rings form's ring a warpgroup, in Hadamard blocks: up to two
+        tiles' share of its blocks (one held for both passes, one loading)."""
+        items = (SMEM_LIMIT - self.fixed_bytes(slots or self.slots)) // self.block_bytes
+        longest = max(last - first for first, last in self.block_ranges())
+        return min(2 * longest, items // self.warpgroups)
+
     def smem_bytes_with(self, slots: int) -> int:
         """Input stages (or rings) and the rest (:meth:`fixed_bytes`)."""
+        if self.own_rings:
+            return self.warpgroups * self.own_ring(slots) * self.block_bytes + self.fixed_bytes(slots)
         if self.reread:
             first, second = self.rings(slots)
             inputs = (first + self.quantizers * second) * self.block_bytes
@@ -182,6 +206,8 @@ class MosaicRotation:
         where they fit, else 1."""
         if self.output_slots:
             return self.output_slots
+        if self.own_rings:  # two slots where the rings still hold a tile's share
+            return 2 if self.own_ring(2) >= max(last - first for first, last in self.block_ranges()) else 1
         return 2 if self.smem_bytes_with(2) <= SMEM_LIMIT else 1
 
     @property
@@ -195,17 +221,23 @@ def refusal(cfg: MosaicRotation) -> str | None:
         return f"Hadamard blocks of {SUB} or {2 * SUB} columns, got {cfg.hadamard}"
     if cfg.k % cfg.hadamard:
         return f"rows of whole Hadamard blocks, got K={cfg.k} with blocks of {cfg.hadamard}"
-    if cfg.warpgroups not in ((1, 2, 3, 4) if cfg.reread else (1, 2, 3)):
+    if cfg.warpgroups not in ((1, 2, 3, 4) if cfg.reread or cfg.own_rings else (1, 2, 3)):
         # Four in the Pallas pipeline would launch 640 threads with 96 registers each (61440 of the
         # 65536) while it raises the compute warpgroups to (512 - 40) / 4 -> 112: setmaxnreg waits
-        # forever. The re-read form raises them only by what the memory warpgroup gives back.
-        return f"1 to 3 compute warpgroups (4 in the re-read form), got {cfg.warpgroups}"
+        # forever. The re-read form raises them only by what the memory warpgroup gives back;
+        # the own-rings form has no memory warpgroup.
+        return f"1 to 3 compute warpgroups (4 in the re-read and own-rings forms), got {cfg.warpgroups}"
     if cfg.max_warpgroup and cfg.warpgroups < 2:
         return f"a warpgroup for the row max and one or more to quantize, got {cfg.warpgroups} warpgroups"
-    if not (cfg.auto_barriers or cfg.reread):
-        return "the compiler's barriers (auto_barriers) in the pipelined form; only the re-read form goes without"
-    if cfg.blocks_per_slot < 1 or (cfg.blocks_per_slot > 1 and not cfg.reread):
+    if not (cfg.auto_barriers or cfg.reread or cfg.own_rings):
+        return (
+            "the compiler's barriers (auto_barriers) in the pipelined form; only the re-read and own-rings forms go "
+            "without"
+        )
+    if cfg.blocks_per_slot < 1 or (cfg.blocks_per_slot > 1 and not (cfg.reread or cfg.own_rings)):
         return f"one or more Hadamard blocks an output slot, more only in the re-read form, got {cfg.blocks_per_slot}"
+    if cfg.own_rings and (cfg.reread or cfg.max_warpgroup or cfg.self_loads):
+        return "own rings (own_rings) without a max warpgroup, the re-read form or self_loads: a form of its own"
     if cfg.self_loads and not cfg.reread:
         return "its own loads (self_loads) in the re-read form only"
     if cfg.reread and not cfg.max_warpgroup:
@@ -214,6 +246,8 @@ def refusal(cfg: MosaicRotation) -> str | None:
         return f"a ring of Hadamard blocks for each warpgroup in {SMEM_LIMIT} bytes of shared memory, got K={cfg.k}"
     if cfg.blocks < cfg.quantizers:
         return f"a Hadamard block for each of {cfg.quantizers} warpgroups, got K={cfg.k} (blocks of {cfg.hadamard})"
+    if cfg.own_rings and cfg.own_ring() < max(last - first for first, last in cfg.block_ranges()):
+        return f"a ring of a tile's share of Hadamard blocks for each warpgroup in {SMEM_LIMIT} bytes, got K={cfg.k}"
     if cfg.stages < 2:
         return f"at least 2 stages (a tile loads while the last is processed), got {cfg.stages}"
     if cfg.smem_bytes > SMEM_LIMIT:
@@ -284,6 +318,38 @@ def block_magnitudes(products: list) -> list:
     if len(products) == 2:
         return [jnp.abs(products[0]) + jnp.abs(products[1])]
     return [jnp.abs(y) for y in butterflies(products)]
+
+
+def write_blocks(cfg: MosaicRotation, blocks: list[int], take, out_slots, rows_gmem, row_factors, kept_rows,
+                 partial) -> None:  # fmt: skip
+    """The quantizing pass over a warpgroup's Hadamard ``blocks`` of a row tile:
+    ``take(i)`` waits for the i-th block's operands and returns its products
+    (releasing or refilling its ring slot); each part scaled by ``row_factors``
+    (``[ROWS, SUB]``: ``1/sqrt(b)`` times the row's reciprocal scale) into the
+    output slots ``out_slots`` (``[slots, parts * blocks_per_slot, ROWS, SUB]``
+    e4m3) as e4m3, then copied to the tile's rows ``rows_gmem`` (``[ROWS, K]``),
+    one fence and copy group a slot."""
+    for first_index in range(0, len(blocks), cfg.blocks_per_slot):
+        group = blocks[first_index : first_index + cfg.blocks_per_slot]
+        out = out_slots.at[first_index // cfg.blocks_per_slot % cfg.slots]
+        for position, index in enumerate(range(first_index, first_index + len(group))):
+            ys = take(index)
+            if not position:
+                with jax.named_scope("quantize_waits_slot"):  # the slot's last copies have read it
+                    plgpu.wait_smem_to_gmem(cfg.slots - 1, wait_read_only=True)
+            with jax.named_scope("quantize_writes"):  # scale, e4m3, slot stores
+                for part, y in enumerate(butterflies(ys)):
+                    piece = out.at[position * cfg.parts + part]
+                    write_part(y * row_factors, kept_rows, partial, piece, always_select=cfg.select_store)
+        with jax.named_scope("quantize_copies"):  # fence and copies, one group a slot
+            plgpu.commit_smem()
+            for position, block in enumerate(group):
+                for part in range(cfg.parts):
+                    plgpu.copy_smem_to_gmem(
+                        out.at[position * cfg.parts + part],
+                        rows_gmem.at[:, pl.ds(block * cfg.hadamard + part * SUB, SUB)],
+                        commit_group=position == len(group) - 1 and part == cfg.parts - 1,
+                    )
 
 
 def block_products(item, h_smem, parts: int) -> list:
@@ -701,39 +767,21 @@ def _reread_kernel(
             # (a rounding less than the Triton kernel's: a rare code one step apart).
             row_factors = inverse_rows * factor
             share = list(shares[q])
-            for first_index in range(0, len(share), cfg.blocks_per_slot):
-                group = share[first_index : first_index + cfg.blocks_per_slot]
-                out = o_smem.at[q, first_index // cfg.blocks_per_slot % cfg.slots]
-                rotated = []
-                for index, block in enumerate(group, start=first_index):
-                    slot, barrier = second_slot(q, s * len(share) + index)
-                    with jax.named_scope("quantize_waits_load"):
-                        plgpu.barrier_wait(second_loaded.at[barrier])
-                    with jax.named_scope("quantize_products"):  # the products and their wait
-                        ys = block_products(lambda part, slot=slot: second.at[q, slot, part], h_smem, cfg.parts)
-                    if cfg.self_loads:
-                        refill(second.at[q, slot], second_loaded.at[barrier], share, s, index, second_ring)
-                    else:
-                        plgpu.barrier_arrive(second_free.at[barrier])
-                    if not rotated:
-                        with jax.named_scope("quantize_waits_slot"):  # the slot's last copies have read it
-                            plgpu.wait_smem_to_gmem(cfg.slots - 1, wait_read_only=True)
-                    with jax.named_scope("quantize_writes"):  # scale, e4m3, slot stores
-                        for part, y in enumerate(butterflies(ys)):
-                            values = y * row_factors
-                            piece = out.at[len(rotated) * cfg.parts + part]
-                            write_part(values, kept_rows, partial, piece, always_select=cfg.select_store)
-                    rotated.append(block)
-                with jax.named_scope("quantize_copies"):  # fence and copies, one group a slot
-                    plgpu.commit_smem()
-                    for position, block in enumerate(rotated):
-                        for part in range(cfg.parts):
-                            columns = pl.ds(block * cfg.hadamard + part * SUB, SUB)
-                            plgpu.copy_smem_to_gmem(
-                                out.at[position * cfg.parts + part],
-                                values_gmem.at[pl.ds(tile * ROWS, ROWS), columns],
-                                commit_group=position == len(rotated) - 1 and part == cfg.parts - 1,
-                            )
+
+            def take(index: int):
+                slot, barrier = second_slot(q, s * len(share) + index)
+                with jax.named_scope("quantize_waits_load"):
+                    plgpu.barrier_wait(second_loaded.at[barrier])
+                with jax.named_scope("quantize_products"):  # the products and their wait
+                    ys = block_products(lambda part: second.at[q, slot, part], h_smem, cfg.parts)
+                if cfg.self_loads:
+                    refill(second.at[q, slot], second_loaded.at[barrier], share, s, index, second_ring)
+                else:
+                    plgpu.barrier_arrive(second_free.at[barrier])
+                return ys
+
+            write_blocks(cfg, share, take, o_smem.at[q], values_gmem.at[pl.ds(tile * ROWS, ROWS)], row_factors,
+                         kept_rows, partial)  # fmt: skip
             return carry
 
         def quiesce(free, slots: int, loaded_count, offset: int = 0):
@@ -793,6 +841,160 @@ def _reread_kernel(
             plgpu.wait_smem_to_gmem(0)
 
 
+def _own_rings_kernel(
+    valid_gmem,
+    x_gmem,
+    h_gmem,
+    values_gmem,
+    scale_gmem,
+    *,
+    cfg: MosaicRotation,
+    steps: int,
+    programs: int,
+    interpret: bool,
+):
+    """The own-rings form: compute warpgroup w takes its Hadamard blocks
+    ``cfg.block_ranges()[w]`` of every tile through both passes, from a ring
+    of its own that it fills itself (its blocks of tile after tile; a slot
+    refilled as soon as the second pass has taken its products). Per tile:
+    the row max of its blocks, published in a slot of ``m_smem`` for the
+    step's parity (``max_ready``: every warpgroup's is in; ``max_free``: every
+    warpgroup has read them all), the combined max, then its blocks again,
+    scaled and stored; warpgroup 0 stores the scales. Every warpgroup works on
+    every tile: no pass waits for another warpgroup's earlier tile, so the
+    program has no pipeline fill or drain."""
+    m = x_gmem.shape[0]  # a multiple of ROWS (the launcher pads)
+    row_tiles = m // ROWS
+    factor = 1.0 / math.sqrt(cfg.hadamard)
+    ring = cfg.own_ring()
+    shares = [list(range(first, last)) for first, last in cfg.block_ranges()]
+    sm = lax.axis_index("sm")
+    tiles_here = jnp.clip((row_tiles - sm + programs - 1) // programs, 0, steps)  # this program's tiles
+
+    def tile_of(s):
+        return s * programs + sm
+
+    pieces = functools.partial(plgpu.SMEM, dtype=jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16))
+
+    @functools.partial(
+        pl.run_scoped,
+        rings=pieces((cfg.warpgroups, ring, cfg.parts, ROWS, SUB)),
+        loaded=plgpu.Barrier(num_arrivals=cfg.parts, num_barriers=cfg.warpgroups * ring),
+        h_smem=plgpu.SMEM((SUB, SUB), jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16)),
+        o_smem=plgpu.SMEM(
+            (cfg.warpgroups, cfg.slots, cfg.parts * cfg.blocks_per_slot, ROWS, SUB),
+            jnp.float8_e4m3fn,
+            transforms=() if interpret else swizzled(SUB, jnp.float8_e4m3fn),
+        ),
+        s_smem=plgpu.SMEM((ROWS,), jnp.float32),
+        m_smem=plgpu.SMEM((2, cfg.warpgroups, ROWS), jnp.float32),
+        max_ready=plgpu.Barrier(num_arrivals=cfg.warpgroups, num_barriers=2),
+        max_free=plgpu.Barrier(num_arrivals=cfg.warpgroups, num_barriers=2),
+        h_barrier=plgpu.Barrier(num_arrivals=1),
+        collective_axes="wg",
+    )
+    def _(rings, loaded, h_smem, o_smem, s_smem, m_smem, max_ready, max_free, h_barrier):
+        num_valid = valid_gmem[0]
+        wg = lax.axis_index("wg")
+
+        def fetch(w: int, slot, tile, block: int):
+            """Block ``block`` of row tile ``tile`` into warpgroup ``w``'s ring slot."""
+            for part in range(cfg.parts):
+                columns = pl.ds((block * cfg.parts + part) * SUB, SUB)
+                plgpu.copy_gmem_to_smem(
+                    x_gmem.at[pl.ds(tile * ROWS, ROWS), columns], rings.at[w, slot, part], loaded.at[w * ring + slot]
+                )
+
+        def first_fill(w: int):
+            """Warpgroup ``w``'s first ``ring`` blocks (its share of tiles 0, 1, …)."""
+            share = shares[w]
+            for count in range(ring):
+                tile, index = divmod(count, len(share))
+
+                @pl.when(tile < tiles_here)
+                def _(count=count, tile=tile, index=index):
+                    fetch(w, count, tile_of(tile), share[index])
+
+        def step(w: int, s, carry):
+            """Warpgroup ``w``'s blocks of tile s: the row max (combined), then the values."""
+            share = shares[w]
+            parity = lax.rem(s, 2)
+
+            def slot_of(index: int):
+                return lax.rem(s * len(share) + index, ring)
+
+            def products(index: int) -> list:
+                slot = slot_of(index)
+                return block_products(lambda part: rings.at[w, slot, part], h_smem, cfg.parts)
+
+            largest = None
+            for index in range(len(share)):
+                with jax.named_scope("max_waits_load"):
+                    plgpu.barrier_wait(loaded.at[w * ring + slot_of(index)])
+                with jax.named_scope("max_products"):  # the products and their wait
+                    ys = products(index)
+                for y in block_magnitudes(ys):
+                    largest = y if largest is None else jnp.maximum(largest, y)
+
+            @pl.when(s >= 2)  # every warpgroup has read tile s - 2's maxima
+            def _():
+                with jax.named_scope("max_waits_handover"):
+                    plgpu.barrier_wait(max_free.at[parity])
+
+            # Published with the factor (rounding is monotonic: the max of the rounded
+            # is the rounded max), so that the scale follows from a loaded max as in the re-read form.
+            m_smem.at[parity, w][...] = largest.max(axis=1) * factor
+            plgpu.commit_smem()  # every thread's store done before the warpgroup arrives
+            plgpu.barrier_arrive(max_ready.at[parity])
+            with jax.named_scope("max_waits_others"):
+                plgpu.barrier_wait(max_ready.at[parity])
+            layout = plgpu.Layout.WGMMA.reduce(1)
+            maxima = [plgpu.load(m_smem.at[parity, j], layout=layout, optimized=False) for j in range(cfg.warpgroups)]
+            plgpu.barrier_arrive(max_free.at[parity])
+            amax = functools.reduce(jnp.maximum, maxima)
+            tile = tile_of(s)
+            scales, inverse_rows, kept_rows, partial = tile_scaling(tile, amax, num_valid)
+            if w == 0:
+                store_tile_scales(s_smem, scale_gmem, tile, scales)
+
+            def take(index: int):
+                with jax.named_scope("quantize_products"):
+                    ys = products(index)
+                ahead = index + ring  # the slot's next block, if the program has it
+                ahead_tile = s + ahead // len(share)
+
+                @pl.when(ahead_tile < tiles_here)
+                def _():
+                    plgpu.commit_smem()  # every warp's share of the wgmmas has read the slot
+                    fetch(w, slot_of(index), tile_of(ahead_tile), share[ahead % len(share)])
+
+                return ys
+
+            # 1/sqrt(b) folded into the row's reciprocal scale, as in the re-read form.
+            write_blocks(cfg, share, take, o_smem.at[w], values_gmem.at[pl.ds(tile * ROWS, ROWS)],
+                         inverse_rows * factor, kept_rows, partial)  # fmt: skip
+            return carry
+
+        @pl.when(wg == 0)  # one copy of H_64 for every warpgroup
+        def _():
+            plgpu.copy_gmem_to_smem(h_gmem, h_smem, h_barrier)
+
+        for w in range(cfg.warpgroups):
+
+            @pl.when(wg == w)
+            def _(w=w):
+                first_fill(w)  # the ring fills while H_64 lands
+                plgpu.barrier_wait(h_barrier)
+                lax.fori_loop(0, tiles_here, named("own_step", functools.partial(step, w)), None)
+                for back in (2, 1):  # the last two tiles' hand-overs, read but not awaited
+
+                    @pl.when(tiles_here >= back)
+                    def _(back=back):
+                        plgpu.barrier_wait(max_free.at[lax.rem(tiles_here - back, 2)])
+
+                plgpu.wait_smem_to_gmem(0)
+
+
 def rotate_quantize(
     x: jax.Array,
     h: jax.Array,
@@ -825,7 +1027,11 @@ def rotate_quantize(
     programs = -(-row_tiles // steps)  # every program takes `steps` tiles, the last ones fewer
     kernel = plgpu.kernel(
         functools.partial(
-            _reread_kernel if cfg.reread else _kernel, cfg=cfg, steps=steps, programs=programs, interpret=interpret
+            _own_rings_kernel if cfg.own_rings else _reread_kernel if cfg.reread else _kernel,
+            cfg=cfg,
+            steps=steps,
+            programs=programs,
+            interpret=interpret,
         ),
         out_type=(
             jax.ShapeDtypeStruct((padded, cfg.k), jnp.float8_e4m3fn),
@@ -833,7 +1039,7 @@ def rotate_quantize(
         ),
         grid=(programs,),
         grid_names=("sm",),
-        num_threads=cfg.warpgroups + (not (cfg.reread and cfg.self_loads)),
+        num_threads=cfg.warpgroups + (not (cfg.own_rings or (cfg.reread and cfg.self_loads))),
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup,

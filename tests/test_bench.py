@@ -297,6 +297,14 @@ def test_trace_rotation_summary(tmp_path):
     report = trace_rotation.summarize(str(path), 3, memory=False)
     assert " quantize 1 quantize_step             1.0 a program,    2.00 k cycles" in report
     assert "memory" not in report
+    # The own-rings form: every warpgroup's own_step (both passes), 2 trace ids a program.
+    events = []
+    for program in range(2):
+        events += span("own_step", 1 + 2 * program, 1.0, 5.0) + span("own_step", 2 + 2 * program, 1.0, 4.0)
+    path.write_text(json.dumps({"traceEvents": events}))
+    report = trace_rotation.summarize(str(path), 2, memory=False, own_rings=True)
+    assert "      own 1 own_step                  1.0 a program,    3.00 k cycles" in report
+    assert report.count("own_step") == 2 + 2
 
 
 def test_ab_rotation_variants():
