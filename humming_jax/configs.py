@@ -316,7 +316,11 @@ class ProcessTilesConfig:
     warpgroup takes each tile's row max a step ahead of the others, which
     quantize; ``mosaic_reread``: as ``mosaic_max``, with the quantizing
     warpgroups re-reading each tile from L2 through rings of Hadamard blocks
-    instead of holding whole tiles; the other fields stay at their defaults)."""
+    instead of holding whole tiles; ``mosaic_self_loads`` with it: no memory
+    warpgroup, each compute warpgroup feeds its own ring; ``mosaic_own``: no
+    max or memory warpgroup — every compute warpgroup takes both passes over
+    its share of each tile's blocks from a ring of its own, the row max
+    combined a tile at a time; the other fields stay at their defaults)."""
 
     block_rows: int = 0
     num_warps: int = 0
@@ -342,12 +346,21 @@ class ProcessTilesConfig:
     mosaic: int = 0
     mosaic_max: bool = False
     mosaic_reread: bool = False
+    mosaic_self_loads: bool = False
+    mosaic_own: bool = False
 
     def __post_init__(self):
-        if self.mosaic not in ((0, 1, 2, 3, 4) if self.mosaic_reread else (0, 1, 2, 3)):
+        if self.mosaic not in ((0, 1, 2, 3, 4) if self.mosaic_reread or self.mosaic_own else (0, 1, 2, 3)):
             raise ValueError(
-                "ProcessTilesConfig.mosaic: 1 to 3 compute warpgroups, 4 with mosaic_reread (0: off), "
+                "ProcessTilesConfig.mosaic: 1 to 3 compute warpgroups, 4 with mosaic_reread or mosaic_own (0: off), "
                 f"got {self.mosaic}"
+            )
+        if self.mosaic_self_loads and not self.mosaic_reread:
+            raise ValueError("ProcessTilesConfig.mosaic_self_loads: the re-read form's own loads: needs mosaic_reread")
+        if self.mosaic_own and (self.mosaic < 1 or self.mosaic_max or self.mosaic_reread):
+            raise ValueError(
+                "ProcessTilesConfig.mosaic_own: a form of its own (no max warpgroup, no re-read): needs mosaic of 1 "
+                f"to 4 without mosaic_max or mosaic_reread, got {self}"
             )
         if self.mosaic_max and self.mosaic < 2:
             raise ValueError(
@@ -359,9 +372,8 @@ class ProcessTilesConfig:
                 "ProcessTilesConfig.mosaic_reread: a warpgroup for the row max (implied: leave mosaic_max off) beside "
                 f"one or more that quantize: needs mosaic of 2 to 4, got {self.mosaic}"
             )
-        if self.mosaic and dataclasses.replace(self, mosaic=0, mosaic_max=False, mosaic_reread=False) != (
-            ProcessTilesConfig()
-        ):
+        mosaic_fields = dict(mosaic=0, mosaic_max=False, mosaic_reread=False, mosaic_self_loads=False, mosaic_own=False)
+        if self.mosaic and dataclasses.replace(self, **mosaic_fields) != ProcessTilesConfig():
             raise ValueError(
                 "ProcessTilesConfig.mosaic: the Mosaic kernel has its own tiling; leave the other fields at their "
                 f"defaults, got {self}"
@@ -388,12 +400,17 @@ class ProcessTilesConfig:
         0 rows or warps: chosen), with a trailing ``r`` for
         ``operand_blocks=False`` (``"0x0r"``), ``p`` for ``one_block`` (``"8x4p"``)
         and ``hS`` for ``hadamard_sub=S`` (``"8x4x1x4h32"``); ``"0x0m"``, ``"0x0mW"``
-        for the Mosaic kernel on 1 or W (2 or 3) compute warpgroups, ``x`` after them
-        for ``mosaic_max`` (``"0x0m3x"``), ``r`` for ``mosaic_reread`` (``"0x0m3r"``)."""
-        mosaic = re.fullmatch(r"0x0m([234]?)(x?)(r?)", text)
+        for the Mosaic kernel on 1 or W (2 to 4) compute warpgroups, ``x`` after them
+        for ``mosaic_max`` (``"0x0m3x"``), ``r`` for ``mosaic_reread`` (``"0x0m3r"``),
+        ``rs`` with ``mosaic_self_loads`` (``"0x0m4rs"``), ``o`` for ``mosaic_own`` (``"0x0m3o"``)."""
+        mosaic = re.fullmatch(r"0x0m([234]?)(x?)(r?)(s?)(o?)", text)
         if mosaic:
             return cls(
-                mosaic=int(mosaic.group(1) or 1), mosaic_max=bool(mosaic.group(2)), mosaic_reread=bool(mosaic.group(3))
+                mosaic=int(mosaic.group(1) or 1),
+                mosaic_max=bool(mosaic.group(2)),
+                mosaic_reread=bool(mosaic.group(3)),
+                mosaic_self_loads=bool(mosaic.group(4)),
+                mosaic_own=bool(mosaic.group(5)),
             )
         sub = re.search(r"h(\d+)$", text)
         text = text[: sub.start()] if sub else text
@@ -408,7 +425,7 @@ class ProcessTilesConfig:
         except (ValueError, AssertionError):
             raise ValueError(
                 f"process tiles: expected ROWSxWARPS[xPASSES[xBLOCKS]][r][p][hS] such as 8x8, 64x8x2, 4x4x1x8, 8x4p "
-                f"or 8x4x1x4h32, or 0x0m[W][x] (the Mosaic kernel), "
+                f"or 8x4x1x4h32, or 0x0m[W][x|r|rs|o] (the Mosaic kernel), "
                 f"got {text!r}"
             ) from None
         blocks = parts[3] if len(parts) == 4 else 0
@@ -426,7 +443,16 @@ class ProcessTilesConfig:
     def text(self) -> str:
         """The form :meth:`parse` reads (shortest: passes and blocks only when set)."""
         if self.mosaic:
-            suffix = ("x" if self.mosaic_max else "") + ("r" if self.mosaic_reread else "")
+            suffix = "".join(
+                letter
+                for letter, on in [
+                    ("x", self.mosaic_max),
+                    ("r", self.mosaic_reread),
+                    ("s", self.mosaic_self_loads),
+                    ("o", self.mosaic_own),
+                ]
+                if on
+            )
             return "0x0m" + (str(self.mosaic) if self.mosaic > 1 else "") + suffix
         name = f"{self.block_rows}x{self.num_warps}" + ("x2" if self.two_pass else "")
         name = name if self.row_blocks == 0 else f"{name}x1x{self.row_blocks}"

@@ -251,10 +251,12 @@ def _mosaic_config(x: jax.Array, steps: ProcessSteps, tiles: ProcessTilesConfig)
         warpgroups=tiles.mosaic,
         max_warpgroup=tiles.mosaic_max or tiles.mosaic_reread,
         reread=tiles.mosaic_reread,
-        # The re-read form without the compiler's barriers, one select store a part
-        # (with the default rings: 31.9 against 35.8 µs at K=768, T=4096, same run).
-        auto_barriers=not tiles.mosaic_reread,
-        select_store=tiles.mosaic_reread,
+        self_loads=tiles.mosaic_self_loads,
+        own_rings=tiles.mosaic_own,
+        # The ring forms without the compiler's barriers, one select store a part
+        # (the re-read form with the default rings: 31.9 against 35.8 µs at K=768, T=4096, same run).
+        auto_barriers=not (tiles.mosaic_reread or tiles.mosaic_own),
+        select_store=tiles.mosaic_reread or tiles.mosaic_own,
     )
 
 

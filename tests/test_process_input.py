@@ -744,7 +744,8 @@ _MOSAIC_SHAPES = [
 def _mosaic_cases():
     """Each shape with each tiling that has a Hadamard block for every quantizing
     warpgroup (fewer are refused: test_mosaic_rotation_refusals)."""
-    for tiles_text in ["0x0m", "0x0m2", "0x0m3", "0x0m2x", "0x0m3x", "0x0m2r", "0x0m3r", "0x0m4r"]:
+    texts = ["0x0m", "0x0m2", "0x0m3", "0x0m2x", "0x0m3x", "0x0m2r", "0x0m3r", "0x0m4r", "0x0m4rs", "0x0m3o"]
+    for tiles_text in texts:
         tiles = hj.ProcessTilesConfig.parse(tiles_text)
         for m, k, block, valid in _MOSAIC_SHAPES:
             if k // block >= tiles.mosaic - (tiles.mosaic_max or tiles.mosaic_reread):
@@ -775,11 +776,12 @@ def test_mosaic_rotation(m, k, block, valid, tiles_text, rng):
     )
     # The same products in f32: equal codes (interpreted, all of them; on the GPU wgmma and
     # mma.sync may sum a product's 64 terms in another order: a rare code one step off). The
-    # re-read form folds 1/sqrt(b) into the row's reciprocal scale: one rounding less, a code
+    # ring forms fold 1/sqrt(b) into the row's reciprocal scale: one rounding less, a code
     # one step off where a value sits within an f32 ulp of an e4m3 midpoint (~3e-7 measured).
     a, b = np_ref.to64(got.values), np_ref.to64(triton.values)
     off = a != b
-    assert off.mean() <= (1e-3 if KERNEL_BACKEND != "interpret" else 1e-4 if tiles.mosaic_reread else 0)
+    folded = tiles.mosaic_reread or tiles.mosaic_own
+    assert off.mean() <= (1e-3 if KERNEL_BACKEND != "interpret" else 1e-4 if folded else 0)
     assert np.all(np.abs(a - b)[off] <= np.maximum(np.abs(a), np.abs(b))[off] * 2.0**-3 + 2.0**-9)  # e4m3 steps
     # The max is taken before the 1/sqrt(b) factor (exact on the GPU; interpreted, XLA may
     # fold the factor into the division by 448: one ulp).
@@ -855,6 +857,16 @@ def test_mosaic_rotation_refusals():
     with pytest.raises(ValueError, match="mosaic_max: a warpgroup for the row max"):
         hj.ProcessTilesConfig(mosaic=1, mosaic_max=True)
     assert hj.ProcessTilesConfig.parse("0x0m3x") == hj.ProcessTilesConfig(mosaic=3, mosaic_max=True)
+    for text, tiles in [
+        ("0x0m4rs", hj.ProcessTilesConfig(mosaic=4, mosaic_reread=True, mosaic_self_loads=True)),
+        ("0x0m3o", hj.ProcessTilesConfig(mosaic=3, mosaic_own=True)),
+        ("0x0m4o", hj.ProcessTilesConfig(mosaic=4, mosaic_own=True)),
+    ]:
+        assert hj.ProcessTilesConfig.parse(text) == tiles and tiles.text() == text
+    with pytest.raises(ValueError, match="mosaic_self_loads"):
+        hj.ProcessTilesConfig(mosaic=3, mosaic_self_loads=True)
+    with pytest.raises(ValueError, match="mosaic_own: a form of its own"):
+        hj.ProcessTilesConfig(mosaic=3, mosaic_own=True, mosaic_max=True)
     with pytest.raises(ValueError, match="a Hadamard block for each of 2 warpgroups"):
         hj.process_input(
             x[:, :128],
