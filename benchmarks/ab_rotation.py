@@ -1,7 +1,7 @@
 """Interleaved A/B of Mosaic rotation variants in one process (GPU only):
 
     python -m benchmarks.ab_rotation --rounds 7 \\
-        base: fold:first_ring=3 quiet:auto_barriers=False,select_store=True
+        v12: ring2:first_ring=2 own:own_rings=True,max_warpgroup=False,reread=False
 
 Each variant is ``name:field=value,...`` over the library's re-read form
 (:class:`MosaicRotation` with K, block and compute warpgroups from the

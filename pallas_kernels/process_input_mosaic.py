@@ -235,7 +235,10 @@ def refusal(cfg: MosaicRotation) -> str | None:
             "without"
         )
     if cfg.blocks_per_slot < 1 or (cfg.blocks_per_slot > 1 and not (cfg.reread or cfg.own_rings)):
-        return f"one or more Hadamard blocks an output slot, more only in the re-read form, got {cfg.blocks_per_slot}"
+        return (
+            f"one or more Hadamard blocks an output slot, more only in the re-read and own-rings forms, got "
+            f"{cfg.blocks_per_slot}"
+        )
     if cfg.own_rings and (cfg.reread or cfg.max_warpgroup or cfg.self_loads):
         return "own rings (own_rings) without a max warpgroup, the re-read form or self_loads: a form of its own"
     if cfg.self_loads and not cfg.reread:
