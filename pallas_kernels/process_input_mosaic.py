@@ -587,6 +587,20 @@ def named(name: str, body):
     return run
 
 
+def program_tiles(m: int, steps: int, programs: int):
+    """This program's row tiles of ``m`` rows (a multiple of ROWS: the launcher
+    pads) in a persistent grid of ``programs`` taking ``steps`` tiles each at
+    most: (how many it has, ``tile_of(step)`` — its step's tile)."""
+    sm = lax.axis_index("sm")
+    tiles_here = jnp.clip((m // ROWS - sm + programs - 1) // programs, 0, steps)
+    return tiles_here, lambda s: s * programs + sm
+
+
+def swizzled_pieces(shape: tuple[int, ...]):
+    """Shared memory for ``shape`` bf16 pieces of ``[ROWS, SUB]``, swizzled as wgmma operands."""
+    return plgpu.SMEM(shape, jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16))
+
+
 def _registers(warpgroups: int, memory_registers: int = 40) -> tuple[int, int]:
     """(memory, compute) registers a thread after ``setmaxnreg``: the launch gives
     every thread of the ``warpgroups`` + 1 warpgroups the same share of the 64K
@@ -620,18 +634,11 @@ def _reread_kernel(
     is quantized. The max warpgroup hands the row max over through a slot a
     step parity (``max_ready``; ``max_free`` once every quantizing warpgroup
     has read it) and stores the scales."""
-    m = x_gmem.shape[0]  # a multiple of ROWS (the launcher pads)
-    row_tiles = m // ROWS
     factor = 1.0 / math.sqrt(cfg.hadamard)
     first_ring, second_ring = cfg.rings()
     shares = [cfg.blocks_of(q) for q in range(cfg.quantizers)]
-    sm = lax.axis_index("sm")
-    tiles_here = jnp.clip((row_tiles - sm + programs - 1) // programs, 0, steps)  # this program's tiles
-
-    def tile_of(s):
-        return s * programs + sm
-
-    pieces = functools.partial(plgpu.SMEM, dtype=jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16))
+    tiles_here, tile_of = program_tiles(x_gmem.shape[0], steps, programs)
+    pieces = swizzled_pieces
 
     @functools.partial(
         pl.run_scoped,
@@ -866,18 +873,11 @@ def _own_rings_kernel(
     scaled and stored; warpgroup 0 stores the scales. Every warpgroup works on
     every tile: no pass waits for another warpgroup's earlier tile, so the
     program has no pipeline fill or drain."""
-    m = x_gmem.shape[0]  # a multiple of ROWS (the launcher pads)
-    row_tiles = m // ROWS
     factor = 1.0 / math.sqrt(cfg.hadamard)
     ring = cfg.own_ring()
     shares = [list(range(first, last)) for first, last in cfg.block_ranges()]
-    sm = lax.axis_index("sm")
-    tiles_here = jnp.clip((row_tiles - sm + programs - 1) // programs, 0, steps)  # this program's tiles
-
-    def tile_of(s):
-        return s * programs + sm
-
-    pieces = functools.partial(plgpu.SMEM, dtype=jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16))
+    tiles_here, tile_of = program_tiles(x_gmem.shape[0], steps, programs)
+    pieces = swizzled_pieces
 
     @functools.partial(
         pl.run_scoped,
