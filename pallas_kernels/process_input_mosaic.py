@@ -136,6 +136,11 @@ class MosaicRotation:
         return self.hadamard // SUB
 
     @property
+    def longest_share(self) -> int:
+        """The most Hadamard blocks of a tile one quantizing warpgroup takes (:meth:`block_ranges`)."""
+        return max(last - first for first, last in self.block_ranges())
+
+    @property
     def blocks(self) -> int:
         return self.k // self.hadamard
 
@@ -186,8 +191,7 @@ class MosaicRotation:
         """The own-rings form's ring a warpgroup, in Hadamard blocks: up to two
         tiles' share of its blocks (one held for both passes, one loading)."""
         items = (SMEM_LIMIT - self.fixed_bytes(slots or self.slots)) // self.block_bytes
-        longest = max(last - first for first, last in self.block_ranges())
-        return min(2 * longest, items // self.warpgroups)
+        return min(2 * self.longest_share, items // self.warpgroups)
 
     def smem_bytes_with(self, slots: int) -> int:
         """Input stages (or rings) and the rest (:meth:`fixed_bytes`)."""
@@ -207,7 +211,7 @@ class MosaicRotation:
         if self.output_slots:
             return self.output_slots
         if self.own_rings:  # two slots where the rings still hold a tile's share
-            return 2 if self.own_ring(2) >= max(last - first for first, last in self.block_ranges()) else 1
+            return 2 if self.own_ring(2) >= self.longest_share else 1
         return 2 if self.smem_bytes_with(2) <= SMEM_LIMIT else 1
 
     @property
@@ -249,7 +253,7 @@ def refusal(cfg: MosaicRotation) -> str | None:
         return f"a ring of Hadamard blocks for each warpgroup in {SMEM_LIMIT} bytes of shared memory, got K={cfg.k}"
     if cfg.blocks < cfg.quantizers:
         return f"a Hadamard block for each of {cfg.quantizers} warpgroups, got K={cfg.k} (blocks of {cfg.hadamard})"
-    if cfg.own_rings and cfg.own_ring() < max(last - first for first, last in cfg.block_ranges()):
+    if cfg.own_rings and cfg.own_ring() < cfg.longest_share:
         return f"a ring of a tile's share of Hadamard blocks for each warpgroup in {SMEM_LIMIT} bytes, got K={cfg.k}"
     if cfg.stages < 2:
         return f"at least 2 stages (a tile loads while the last is processed), got {cfg.stages}"
@@ -416,7 +420,7 @@ def _kernel(
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(unused, unused).get_allocations(*(x_gmem for _ in range(pieces))),
-        h_smem=plgpu.SMEM((SUB, SUB), jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16)),
+        h_smem=swizzled_pieces((SUB, SUB)),
         # Output slots a quantizing warpgroup, swizzled: rows of 64 bytes in a plain tile put 8
         # rows on one bank (the interpreter cannot store through a swizzle).
         o_smem=plgpu.SMEM(
@@ -597,8 +601,51 @@ def program_tiles(m: int, steps: int, programs: int):
 
 
 def swizzled_pieces(shape: tuple[int, ...]):
-    """Shared memory for ``shape`` bf16 pieces of ``[ROWS, SUB]``, swizzled as wgmma operands."""
+    """Shared memory for ``shape`` bf16 of 64-column rows (``[ROWS, SUB]`` pieces, H_64), swizzled as wgmma operands."""
     return plgpu.SMEM(shape, jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16))
+
+
+def fetch_block(x_gmem, item, loaded, tile, block: int, parts: int) -> None:
+    """Hadamard block ``block`` of row tile ``tile`` of ``x_gmem`` into the ring
+    slot ``item`` (``parts`` swizzled ``[ROWS, SUB]`` pieces), one barrier."""
+    for part in range(parts):
+        columns = pl.ds((block * parts + part) * SUB, SUB)
+        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(tile * ROWS, ROWS), columns], item.at[part], loaded)
+
+
+def fill_ring(fetch, order: list[int], length: int, tiles_here, tile_of) -> None:
+    """A self-fed ring's first ``length`` blocks: its consumer's blocks a tile
+    ``order``, tile 0 on; ``fetch(slot, tile, block)`` loads one."""
+    for count in range(length):
+        tile, index = divmod(count, len(order))
+
+        @pl.when(tile < tiles_here)
+        def _(count=count, tile=tile, index=index):
+            fetch(count, tile_of(tile), order[index])
+
+
+def refill_slot(fetch, slot, order: list[int], s, index: int, length: int, tiles_here, tile_of) -> None:
+    """A self-fed ring after its consumer has taken the products of its
+    ``index``-th block of step ``s`` (in ``slot``): the block ``length`` further
+    on into the same slot, if the program has it. The warpgroup barrier first:
+    every warp's share of the wgmmas has read the slot."""
+    ahead = index + length
+    tile = s + ahead // len(order)
+
+    @pl.when(tile < tiles_here)
+    def _():
+        plgpu.commit_smem()
+        fetch(slot, tile_of(tile), order[ahead % len(order)])
+
+
+def await_last_handovers(max_free, tiles_here) -> None:
+    """The row-max slots' last two releases, read but never awaited by a later
+    write (every barrier phase is observed before the barriers go)."""
+    for back in (2, 1):
+
+        @pl.when(tiles_here >= back)
+        def _(back=back):
+            plgpu.barrier_wait(max_free.at[lax.rem(tiles_here - back, 2)])
 
 
 def _registers(warpgroups: int, memory_registers: int = 40) -> tuple[int, int]:
@@ -638,17 +685,16 @@ def _reread_kernel(
     first_ring, second_ring = cfg.rings()
     shares = [cfg.blocks_of(q) for q in range(cfg.quantizers)]
     tiles_here, tile_of = program_tiles(x_gmem.shape[0], steps, programs)
-    pieces = swizzled_pieces
 
     @functools.partial(
         pl.run_scoped,
-        first=pieces((first_ring, cfg.parts, ROWS, SUB)),
-        second=pieces((cfg.quantizers, second_ring, cfg.parts, ROWS, SUB)),
+        first=swizzled_pieces((first_ring, cfg.parts, ROWS, SUB)),
+        second=swizzled_pieces((cfg.quantizers, second_ring, cfg.parts, ROWS, SUB)),
         first_loaded=plgpu.Barrier(num_arrivals=cfg.parts, num_barriers=first_ring),
         first_free=plgpu.Barrier(num_arrivals=1, num_barriers=first_ring),
         second_loaded=plgpu.Barrier(num_arrivals=cfg.parts, num_barriers=cfg.quantizers * second_ring),
         second_free=plgpu.Barrier(num_arrivals=1, num_barriers=cfg.quantizers * second_ring),
-        h_smem=plgpu.SMEM((SUB, SUB), jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16)),
+        h_smem=swizzled_pieces((SUB, SUB)),
         o_smem=plgpu.SMEM(
             (cfg.quantizers, cfg.slots, cfg.parts * cfg.blocks_per_slot, ROWS, SUB),
             jnp.float8_e4m3fn,
@@ -671,45 +717,25 @@ def _reread_kernel(
             slot = lax.rem(count, second_ring)
             return slot, q * second_ring + slot
 
-        def fetch(ring_item, loaded, tile, block: int):
-            """Block ``block`` of row tile ``tile`` into a ring slot (``cfg.parts`` copies, one barrier)."""
-            for part in range(cfg.parts):
-                columns = pl.ds((block * cfg.parts + part) * SUB, SUB)
-                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(tile * ROWS, ROWS), columns], ring_item.at[part], loaded)
+        def first_fetch(slot, tile, block: int):
+            """Block ``block`` of row tile ``tile`` into the max warpgroup's ring slot."""
+            fetch_block(x_gmem, first.at[slot], first_loaded.at[slot], tile, block, cfg.parts)
+
+        def second_fetch(q: int):
+            """Quantizing warpgroup ``q``'s :func:`first_fetch`."""
+            return lambda slot, tile, block: fetch_block(
+                x_gmem, second.at[q, slot], second_loaded.at[q * second_ring + slot], tile, block, cfg.parts
+            )
 
         def load(ring_item, loaded, free, count, length: int, tile, block: int):
-            """:func:`fetch`, once the slot's last block is released."""
+            """:func:`fetch_block`, once the slot's last block is released."""
 
             @pl.when(count >= length)
             def _():
                 with jax.named_scope("load_waits_free"):
                     plgpu.barrier_wait(free)
 
-            fetch(ring_item, loaded, tile, block)
-
-        def refill(ring_item, loaded, order: list[int], s, index: int, length: int):
-            """Self-fed rings: after a consumer has taken the products of its
-            ``index``-th block of tile ``s`` (its blocks a tile: ``order``), the
-            block ``length`` further on into the same slot, if the program has it.
-            The warpgroup barrier first: every warp's share of the wgmmas has read
-            the slot."""
-            ahead = index + length
-            tile, block = s + ahead // len(order), order[ahead % len(order)]
-
-            @pl.when(tile < tiles_here)
-            def _():
-                plgpu.commit_smem()
-                fetch(ring_item, loaded, tile_of(tile), block)
-
-        def first_fill(ring, loaded, order: list[int], length: int, offset: int = 0):
-            """Self-fed rings: a consumer's first ``length`` blocks (tiles 0, 1, …; its
-            blocks a tile: ``order``), slot i's barrier ``loaded[offset + i]``."""
-            for count in range(length):
-                tile, block = count // len(order), order[count % len(order)]
-
-                @pl.when(tile < tiles_here)
-                def _(count=count, tile=tile, block=block):
-                    fetch(ring.at[count], loaded.at[offset + count], tile_of(tile), block)
+            fetch_block(x_gmem, ring_item, loaded, tile, block, cfg.parts)
 
         def memory_step(s, carry):
             """Tile s's blocks for the row max, tile s - 1's for the values, alternating."""
@@ -745,7 +771,8 @@ def _reread_kernel(
                 with jax.named_scope("max_products"):  # the products and their wait
                     ys = block_products(lambda part, slot=slot: first.at[slot, part], h_smem, cfg.parts)
                 if cfg.self_loads:
-                    refill(first.at[slot], first_loaded.at[slot], list(range(cfg.blocks)), s, block, first_ring)
+                    order = list(range(cfg.blocks))
+                    refill_slot(first_fetch, slot, order, s, block, first_ring, tiles_here, tile_of)
                 else:
                     plgpu.barrier_arrive(first_free.at[slot])
                 for y in block_magnitudes(ys):
@@ -785,7 +812,7 @@ def _reread_kernel(
                 with jax.named_scope("quantize_products"):  # the products and their wait
                     ys = block_products(lambda part: second.at[q, slot, part], h_smem, cfg.parts)
                 if cfg.self_loads:
-                    refill(second.at[q, slot], second_loaded.at[barrier], share, s, index, second_ring)
+                    refill_slot(second_fetch(q), slot, share, s, index, second_ring, tiles_here, tile_of)
                 else:
                     plgpu.barrier_arrive(second_free.at[barrier])
                 return ys
@@ -822,25 +849,21 @@ def _reread_kernel(
             def _():
                 plgpu.copy_gmem_to_smem(h_gmem, h_smem, h_barrier)
                 if cfg.self_loads:
-                    first_fill(first, first_loaded, list(range(cfg.blocks)), first_ring)
+                    fill_ring(first_fetch, list(range(cfg.blocks)), first_ring, tiles_here, tile_of)
 
             if cfg.self_loads:  # the rings fill while H_64 lands
                 for q in range(cfg.quantizers):
 
                     @pl.when(wg == q + 1)
                     def _(q=q):
-                        first_fill(second.at[q], second_loaded, list(shares[q]), second_ring, q * second_ring)
+                        fill_ring(second_fetch(q), list(shares[q]), second_ring, tiles_here, tile_of)
 
             plgpu.barrier_wait(h_barrier)
 
             @pl.when(wg == 0)
             def _():
                 lax.fori_loop(0, tiles_here, named("max_step", max_step), None)
-                for back in (2, 1):  # the last two tiles' hand-overs, read but not awaited
-
-                    @pl.when(tiles_here >= back)
-                    def _(back=back):
-                        plgpu.barrier_wait(max_free.at[lax.rem(tiles_here - back, 2)])
+                await_last_handovers(max_free, tiles_here)
 
             for q in range(cfg.quantizers):
 
@@ -877,13 +900,12 @@ def _own_rings_kernel(
     ring = cfg.own_ring()
     shares = [list(range(first, last)) for first, last in cfg.block_ranges()]
     tiles_here, tile_of = program_tiles(x_gmem.shape[0], steps, programs)
-    pieces = swizzled_pieces
 
     @functools.partial(
         pl.run_scoped,
-        rings=pieces((cfg.warpgroups, ring, cfg.parts, ROWS, SUB)),
+        rings=swizzled_pieces((cfg.warpgroups, ring, cfg.parts, ROWS, SUB)),
         loaded=plgpu.Barrier(num_arrivals=cfg.parts, num_barriers=cfg.warpgroups * ring),
-        h_smem=plgpu.SMEM((SUB, SUB), jnp.bfloat16, transforms=swizzled(SUB, jnp.bfloat16)),
+        h_smem=swizzled_pieces((SUB, SUB)),
         o_smem=plgpu.SMEM(
             (cfg.warpgroups, cfg.slots, cfg.parts * cfg.blocks_per_slot, ROWS, SUB),
             jnp.float8_e4m3fn,
@@ -900,23 +922,11 @@ def _own_rings_kernel(
         num_valid = valid_gmem[0]
         wg = lax.axis_index("wg")
 
-        def fetch(w: int, slot, tile, block: int):
-            """Block ``block`` of row tile ``tile`` into warpgroup ``w``'s ring slot."""
-            for part in range(cfg.parts):
-                columns = pl.ds((block * cfg.parts + part) * SUB, SUB)
-                plgpu.copy_gmem_to_smem(
-                    x_gmem.at[pl.ds(tile * ROWS, ROWS), columns], rings.at[w, slot, part], loaded.at[w * ring + slot]
-                )
-
-        def first_fill(w: int):
-            """Warpgroup ``w``'s first ``ring`` blocks (its share of tiles 0, 1, …)."""
-            share = shares[w]
-            for count in range(ring):
-                tile, index = divmod(count, len(share))
-
-                @pl.when(tile < tiles_here)
-                def _(count=count, tile=tile, index=index):
-                    fetch(w, count, tile_of(tile), share[index])
+        def fetch(w: int):
+            """Warpgroup ``w``'s ``fetch(slot, tile, block)``: a block into its ring slot."""
+            return lambda slot, tile, block: fetch_block(
+                x_gmem, rings.at[w, slot], loaded.at[w * ring + slot], tile, block, cfg.parts
+            )
 
         def step(w: int, s, carry):
             """Warpgroup ``w``'s blocks of tile s: the row max (combined), then the values."""
@@ -963,14 +973,7 @@ def _own_rings_kernel(
             def take(index: int):
                 with jax.named_scope("quantize_products"):
                     ys = products(index)
-                ahead = index + ring  # the slot's next block, if the program has it
-                ahead_tile = s + ahead // len(share)
-
-                @pl.when(ahead_tile < tiles_here)
-                def _():
-                    plgpu.commit_smem()  # every warp's share of the wgmmas has read the slot
-                    fetch(w, slot_of(index), tile_of(ahead_tile), share[ahead % len(share)])
-
+                refill_slot(fetch(w), slot_of(index), share, s, index, ring, tiles_here, tile_of)
                 return ys
 
             # 1/sqrt(b) folded into the row's reciprocal scale, as in the re-read form.
@@ -986,14 +989,10 @@ def _own_rings_kernel(
 
             @pl.when(wg == w)
             def _(w=w):
-                first_fill(w)  # the ring fills while H_64 lands
+                fill_ring(fetch(w), shares[w], ring, tiles_here, tile_of)  # while H_64 lands
                 plgpu.barrier_wait(h_barrier)
                 lax.fori_loop(0, tiles_here, named("own_step", functools.partial(step, w)), None)
-                for back in (2, 1):  # the last two tiles' hand-overs, read but not awaited
-
-                    @pl.when(tiles_here >= back)
-                    def _(back=back):
-                        plgpu.barrier_wait(max_free.at[lax.rem(tiles_here - back, 2)])
+                await_last_handovers(max_free, tiles_here)
 
                 plgpu.wait_smem_to_gmem(0)
 
