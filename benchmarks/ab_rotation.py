@@ -81,14 +81,20 @@ def main() -> None:
         cfg = variants[name]
         rings = cfg.own_ring() if cfg.own_rings else cfg.rings()
         print(f"{name}: rings {rings}, slots {cfg.slots}, shared memory {cfg.smem_bytes} B, codes off the "
-              f"first variant's {off:.1e}, scales {rel:.1e} relative")  # fmt: skip
+              f"first variant's {off:.1e}, scales {rel:.1e} relative", flush=True)  # fmt: skip
+    # Each timing loop compiles once; the rounds only run them (a compile a round made 4 variants x 5 rounds
+    # overrun five minutes).
+    samplers = {name: timing.sampler(run, sets) for name, run in runs.items()}
+    nbytes = m * args.width * 3 + m * 4
+    copy_sample = timing.copy_sampler(nbytes)
     times: dict[str, list[float]] = {name: [] for name in runs}
     copies = []
-    nbytes = m * args.width * 3 + m * 4
-    for _ in range(args.rounds):
-        copies.append(timing.copy_seconds(nbytes))
-        for name, run in runs.items():
-            times[name].append(timing.device_seconds(run, sets, repeats=3))
+    for index in range(args.rounds):
+        copies.append(copy_sample(3))
+        for name, sample in samplers.items():
+            times[name].append(sample(3))
+        line = "  ".join(f"{name} {samples[-1] * 1e6:.2f}" for name, samples in times.items())
+        print(f"round {index}: copy {copies[-1] * 1e6:.2f}  {line} us", flush=True)
     copy = statistics.median(copies)
     print(f"copy: median {copy * 1e6:.2f} us, min {min(copies) * 1e6:.2f}, max {max(copies) * 1e6:.2f}")
     for name, samples in times.items():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in priority order. Usage (from the
 # repository root, on the GPU machine): bash benchmarks/run_gpu.sh OUT_DIR [STEP...]
-# Steps: rotation-ab hadamard-reread hadamard-pieces hadamard-mosaic-profile hadamard-mosaic hadamard-two-pass align-gate indexed-zeros zero-fill gemm-bench-decode-mixtral hadamard-rows t1-profile int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
+# Steps: ring-tests rotation-ab hadamard-reread hadamard-pieces hadamard-mosaic-profile hadamard-mosaic hadamard-two-pass align-gate indexed-zeros zero-fill gemm-bench-decode-mixtral hadamard-rows t1-profile int4-prefill-bench int4-prefill-combos mosaic-cluster process-copy hadamard-profile hadamard-sub mixtral-w2-prefill gemm-bench-t1 t1-split gemm-bench-decode gemm-bench-small v17-tests mosaic-words-mixtral mosaic-wide mosaic-decode-words w2-decode-stages mixtral-w2-decode v15-tests mosaic-decode mosaic-ptxas mosaic-delay mosaic-delay-int4 mosaic-swap-w2 v14-tests mosaic-int4 mosaic-profile mosaic-fp4 mosaic-split-bf16 mosaic-tests mosaic-inspect mosaic-w2 v12-tests column-tiles tune-w2-decode fp4-prefill-profile one-block-768 silu-profile v11-tests fp4-inspect tune-decode-small hadamard-768 tune-mid-4bit tune-mid-4bit-w2 tune-prefill-indexed hadamard-ab planar-inspect v10-tests tune-w2-4bit tune-large-4bit v9-tests pair-inspect-2 tune-prefill-fp4 tune-decode-indexed v8-tests pair-inspect process-loop tune-prefill-int4 gemm-bench-mixtral gemm-profile-prefill gemm-bench-small-mixtral gemm-bench-gptoss v7-tests routing-tiles process-tiles hadamard-split gemm-profile tune-w2 gemm-bench-awq v6-tests v5-tests tune-decode tune-prefill routing-bench-large gemm-tests gemm-bench gemm-bench-prefill gemm-bench-large tune tune-large process-nvfp4
 #        routing-tests process-tests routing-bench process-bench
 # Each step fits in 10 minutes; the bench JSON is rewritten after every row.
 set -u
@@ -94,13 +94,15 @@ for step in $steps; do
     # process_input v13 (self_loads) and v14 (own_rings), eighteenth session, not yet run on a GPU: their tests
     # (compiled there; a barrier bug hangs: pytest-timeout fails it), then the in-process A/B against v12 at 4 and 3
     # compute warpgroups. Predictions at T=4096, K=768: v13 <= 29 us (>= 0.73 of the copy), v14 <= 26 us (>= 0.8).
-    rotation-ab) pytest_gpu 150 tests/test_process_input.py -k "self_loads or own_rings or write_variants or 4rs or 3o" \
-                   > "$out/ring_tests.log" 2>&1
-                 tail -3 "$out/ring_tests.log"
-                 own="own_rings=True,max_warpgroup=False,reread=False"
-                 timeout 280 python3 -W ignore -m benchmarks.ab_rotation --rounds 5 --warpgroups 4 v12: \
-                   self:self_loads=True "own4:$own" "own3:$own,warpgroups=3" 2>&1 | tee "$out/ab4.log" | tail -6
-                 timeout 200 python3 -W ignore -m benchmarks.ab_rotation --rounds 5 --warpgroups 3 v12: \
+    ring-tests) pytest_gpu 150 tests/test_process_input.py -k "self_loads or own_rings or write_variants or 4rs or 3o" \
+                  > "$out/ring_tests.log" 2>&1
+                tail -3 "$out/ring_tests.log" ;;
+    # In-process interleaved A/B of the rotation's forms against v12 (each variant compiles once, ~20 s).
+    rotation-ab) own="own_rings=True,max_warpgroup=False,reread=False"
+                 timeout 280 python3 -W ignore -m benchmarks.ab_rotation --rounds 7 --warpgroups 4 v12: \
+                   self:self_loads=True "own4:$own" "own3:$own,warpgroups=3" "own2:$own,warpgroups=2" 2>&1 \
+                   | tee "$out/ab4.log" | tail -7
+                 timeout 200 python3 -W ignore -m benchmarks.ab_rotation --rounds 7 --warpgroups 3 v12: \
                    self:self_loads=True ring2:first_ring=2 2>&1 | tee "$out/ab3.log" | tail -5 ;;
     # process_input v11 (the second pass re-read from L2 through rings of Hadamard blocks).
     hadamard-reread) pytest_gpu 150 tests/test_process_input.py -k "mosaic" > "$out/mosaic_tests.log" 2>&1

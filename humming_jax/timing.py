@@ -43,8 +43,11 @@ def _looped(fn: Callable, sets: Sequence[tuple]):
     return run
 
 
-def device_seconds(fn: Callable, sets: Sequence[tuple], repeats: int = 5, min_seconds: float = 0.01) -> float:
-    """Median device seconds of one ``fn(*sets[i])`` call."""
+def sampler(fn: Callable, sets: Sequence[tuple], min_seconds: float = 0.01) -> Callable[[int], float]:
+    """Compile ``fn``'s timing loop once (calibrated so one timing lasts ``min_seconds``)
+    and return ``sample(repeats)``: the median device seconds of one ``fn(*sets[i])`` call
+    over ``repeats`` timings. Interleaved comparisons call it again and again without
+    compiling anew."""
     sets = list(sets)
     run = _looped(fn, sets)
 
@@ -60,17 +63,30 @@ def device_seconds(fn: Callable, sets: Sequence[tuple], repeats: int = 5, min_se
     if needed > iterations:
         iterations = 1 << (needed - 1).bit_length()  # a static trip count: one more compile
         timed(iterations)
-    samples = [timed(iterations) for _ in range(repeats)]
-    return statistics.median(samples) / (iterations * len(sets))
+
+    def sample(repeats: int) -> float:
+        return statistics.median(timed(iterations) for _ in range(repeats)) / (iterations * len(sets))
+
+    return sample
 
 
-def copy_seconds(nbytes: int) -> float:
-    """Device seconds of an elementwise pass that reads and writes ``nbytes``
+def device_seconds(fn: Callable, sets: Sequence[tuple], repeats: int = 5, min_seconds: float = 0.01) -> float:
+    """Median device seconds of one ``fn(*sets[i])`` call."""
+    return sampler(fn, sets, min_seconds)(repeats)
+
+
+def copy_sampler(nbytes: int) -> Callable[[int], float]:
+    """:func:`sampler` of an elementwise pass that reads and writes ``nbytes``
     in all (``nbytes / 2`` each way, uint32 words), timed like a kernel: the
     bandwidth a problem of that size can reach, launch and ramp included."""
     words = max(1, nbytes // 8)
     buffers = [(jnp.full((words,), seed, jnp.uint32),) for seed in range(2)]
-    return device_seconds(lambda a: a + jnp.uint32(1), buffers)
+    return sampler(lambda a: a + jnp.uint32(1), buffers)
+
+
+def copy_seconds(nbytes: int, repeats: int = 5) -> float:
+    """Device seconds of the copy of :func:`copy_sampler`."""
+    return copy_sampler(nbytes)(repeats)
 
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200
