@@ -108,7 +108,7 @@ for step in $steps; do
     hadamard-reread) pytest_gpu 150 tests/test_process_input.py -k "mosaic" > "$out/mosaic_tests.log" 2>&1
                      tail -3 "$out/mosaic_tests.log"
                      timeout 300 python3 -W ignore -m benchmarks.bench_process_input --tokens 16 512 4096 --widths 768 \
-                       --cases hadamard128+fp8_token --tiles 0x0m3r 0x0m4r 0x0m4rs 0x0m3o 0x0m4o \
+                       --cases hadamard128+fp8_token --tiles 0x0m4r 0x0m3o 0x0m2o \
                        --out "$out/hadamard_reread.json" 2>&1 | tee "$out/hadamard_reread.log" | tail -16 ;;
     hadamard-pieces) pytest_gpu 150 tests/test_process_input.py -k "mosaic" > "$out/mosaic_tests.log" 2>&1
                      tail -3 "$out/mosaic_tests.log"

@@ -744,7 +744,7 @@ _MOSAIC_SHAPES = [
 def _mosaic_cases():
     """Each shape with each tiling that has a Hadamard block for every quantizing
     warpgroup (fewer are refused: test_mosaic_rotation_refusals)."""
-    texts = ["0x0m", "0x0m2", "0x0m3", "0x0m2x", "0x0m3x", "0x0m2r", "0x0m3r", "0x0m4r", "0x0m4rs", "0x0m3o"]
+    texts = ["0x0m", "0x0m2", "0x0m3", "0x0m2x", "0x0m3x", "0x0m2r", "0x0m3r", "0x0m4r", "0x0m4rs", "0x0m3o", "0x0m2o"]
     for tiles_text in texts:
         tiles = hj.ProcessTilesConfig.parse(tiles_text)
         # The ring-only forms have tests of their own over several tiles a program: here T=1 and partial tiles.
@@ -934,7 +934,7 @@ def test_mosaic_rotation_needs_hopper(monkeypatch):
 
 
 def test_default_tiles_take_the_mosaic_rotation_for_its_case(monkeypatch):
-    """Without ``tiles``, a Hopper GPU takes the Mosaic rotation (re-read form, 4
+    """Without ``tiles``, a Hopper GPU takes the Mosaic rotation (own-rings form, 2
     compute warpgroups) for a bf16 Hadamard rotation quantized to fp8 per token
     from 16384 rows up to 768 columns; smaller or wider inputs, other cases,
     other devices and the interpreter keep the Triton kernel's chosen tiling."""
@@ -948,7 +948,7 @@ def test_default_tiles_take_the_mosaic_rotation_for_its_case(monkeypatch):
         return ops.ProcessSteps(Q.get_input_spec(spec), activation, block, layout, jnp.dtype(jnp.bfloat16))
 
     monkeypatch.setattr(ops, "hopper_gpu", lambda: True)
-    mosaic = hj.ProcessTilesConfig(mosaic=4, mosaic_reread=True)
+    mosaic = hj.ProcessTilesConfig(mosaic=2, mosaic_own=True)
     assert ops.default_tiles(x, steps(), interpret=False) == mosaic
     assert ops.default_tiles(x, steps(block=64), interpret=False) == mosaic
     chosen = hj.ProcessTilesConfig()
