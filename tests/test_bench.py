@@ -217,6 +217,21 @@ def test_process_input_bench_sweeps_tiles(monkeypatch):
     assert all(r["vs_copy"] == r["copy_us"] / r["us"] for r in kernel_rows)
 
 
+def test_process_input_bench_interleaves_rounds(monkeypatch):
+    """``rounds`` > 1: kernel and copy timed in turn; the row keeps the median time
+    and the per-round ratios to the copy (median within min and max), the table
+    shows the median ratio and its range."""
+    from benchmarks import bench_process_input
+
+    monkeypatch.setattr(bench_process_input, "KERNEL", "interpret")
+    monkeypatch.setattr(bench_process_input, "TOP_K", 1)
+    rows = bench_process_input.bench((2,), (256,), ("silu+mxfp8",), rounds=2)
+    kernel, reference = rows
+    assert kernel["rounds"] == 2 and reference["backend"] == "reference"
+    assert 0 < kernel["vs_copy_min"] <= kernel["vs_copy_median"] <= kernel["vs_copy_max"]
+    assert "in 2 rounds" in bench_process_input.table(rows)
+
+
 def test_merge_entry_replaces_overlapping_ranges():
     """A new (0, 16] entry replaces an older (0, 128] one: lookups take the
     first range holding M, so the wider old range would shadow it."""
