@@ -282,7 +282,7 @@ def _mosaic_problems(
 
 
 def default_tiles(x: jax.Array, steps: ProcessSteps, interpret: bool) -> ProcessTilesConfig:
-    """The tiling when none is given: the Mosaic rotation (re-read form, 4
+    """The tiling when none is given: the Mosaic rotation (own-rings form, 2
     compute warpgroups) for its case on a Hopper GPU from
     ``MOSAIC_ROTATION_MIN_ROWS`` rows up to ``MOSAIC_ROTATION_MAX_K`` columns,
     else the Triton kernel's chosen tiling. Interpreted, always the latter
