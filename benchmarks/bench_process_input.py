@@ -62,8 +62,9 @@ def _tiles_name(tiles) -> str:
     return "default" if tiles is None else tiles.text()
 
 
-def _timed_rows(runs, sets, moved: int, rounds: int, copy_us: dict) -> list[tuple[float, dict]]:
-    """Seconds and extra row fields of each ``(backend, options)`` in ``runs`` (None where a tiling is refused).
+def _timed_rows(runs, sets, moved: int, rounds: int, copy_us: dict) -> list[tuple[float, dict] | None]:
+    """Seconds and extra row fields of each ``(backend, spec, options)`` in ``runs`` (None where a tiling is
+    refused).
     With ``rounds`` > 1 the kernels and a copy over ``moved`` bytes are timed in turn ``rounds`` times (each
     compiled once): the row takes the medians and the per-round ratio to the copy, so the copy's drift
     between processes and minutes (3.6-4.0 TB/s at 200 MB) does not decide a ratio near a target."""

@@ -91,9 +91,8 @@ for step in $steps; do
     # v9 cut down: no first pass 27.8, no products 26.8, loads only 16.9, one warpgroup's first pass alone 20.4: with
     # two tiles of 96 KB in flight, a tile's row max waited for the last tile's release (load + max in series).
     # Prediction: 0x0m3x <= 30 us (>= 0.75 of the copy); 0x0m3 ~35.
-    # process_input v13 (self_loads) and v14 (own_rings), eighteenth session, not yet run on a GPU: their tests
-    # (compiled there; a barrier bug hangs: pytest-timeout fails it), then the in-process A/B against v12 at 4 and 3
-    # compute warpgroups. Predictions at T=4096, K=768: v13 <= 29 us (>= 0.73 of the copy), v14 <= 26 us (>= 0.8).
+    # process_input v13 (self_loads) and v14 (own_rings): their GPU-only tests (compiled there; a barrier bug hangs:
+    # pytest-timeout fails it). 13 passed in the nineteenth session.
     ring-tests) pytest_gpu 150 tests/test_process_input.py -k "self_loads or own_rings or write_variants or 4rs or 3o" \
                   > "$out/ring_tests.log" 2>&1
                 tail -3 "$out/ring_tests.log" ;;

@@ -241,8 +241,9 @@ def _check_tiles(cfg, tiles: ProcessTilesConfig, x_dtype) -> None:
 MOSAIC_ROTATION_MIN_ROWS = 16384
 # Widths the default sends there: measured at 768 only (at 2048 Triton reaches 0.71 of the copy).
 MOSAIC_ROTATION_MAX_K = 768
-# The own-rings form at 2 warpgroups (rings of two tiles' share): 30.4 against the re-read form's 31.9 µs at
-# K=768, T=4096 in one process, 7 interleaved rounds (3 or 4 warpgroups hold rings of 1-1.5 tiles: slower).
+# The own-rings form at 2 warpgroups (rings of 5 blocks of 128 for a share of 3): 30.4 against the re-read form's
+# 31.9 µs at K=768, T=4096 in one process, 7 interleaved rounds (3 or 4 warpgroups: rings of 1-1.5 shares, slower);
+# Hadamard(64): 33.6 against 36.1 µs.
 MOSAIC_ROTATION_DEFAULT = ProcessTilesConfig(mosaic=2, mosaic_own=True)
 
 

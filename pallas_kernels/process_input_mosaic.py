@@ -26,8 +26,9 @@ takes the first pass over all blocks, a tile ahead of the others, which
 take the second pass over their share: the row max of a tile is found while
 the last tile's stores stream.
 
-The re-read form (``reread``, :func:`_reread_kernel`) keeps no tile: the memory warpgroup streams each tile
-twice, Hadamard block by Hadamard block, into one ring a consumer — once
+The re-read form (``reread``, :func:`_reread_kernel`) keeps no tile: the
+memory warpgroup streams each tile twice, Hadamard block by Hadamard block,
+into one ring a consumer — once
 from DRAM for the max warpgroup, once more (from L2, a step later) for the
 quantizing ones — so shared memory bounds the blocks in flight, not the
 tiles, and up to 4 compute warpgroups fit (their registers raised only by
