@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 import humming_jax as hj
 from humming_jax import input_quant as Q
+from humming_jax import tiles_text
 from humming_jax.timing import (
     COPY_BANDWIDTH,
     bandwidth_fields,
@@ -30,6 +31,7 @@ from humming_jax.timing import (
     sampler,
     write_results,
 )
+from pallas_kernels.process_input import Tiles as ProcessTiles
 
 TOKENS = (16, 512, 4096)
 TOP_K = 8
@@ -59,7 +61,7 @@ def _out_bytes(rows: int, width: int, spec: Q.InputQuantSpec) -> int:
 
 
 def _tiles_name(tiles) -> str:
-    return "default" if tiles is None else tiles.text()
+    return "default" if tiles is None else tiles_text.to_text(tiles) or "chosen"
 
 
 def _timed_rows(runs, sets, moved: int, rounds: int, copy_us: dict) -> list[tuple[float, dict] | None]:
@@ -96,7 +98,7 @@ def _timed_rows(runs, sets, moved: int, rounds: int, copy_us: dict) -> list[tupl
 
 def bench(tokens_list=TOKENS, widths=WIDTHS, cases=DEFAULT_CASES, seed=0, tiles_list=(None,), rounds=1):
     """Rows of the kernel (once per entry of ``tiles_list``:
-    :class:`ProcessTilesConfig`, None: the default) and of the reference;
+    :class:`pallas_kernels.process_input.Tiles`, None: the default) and of the reference;
     ``rounds`` > 1: kernels and copy interleaved (:func:`_timed_rows`)."""
     rows_out = []
     copy_us = {}  # bytes moved -> a same-run pass over as many bytes
@@ -159,12 +161,14 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="*", choices=sorted(CASES), default=list(DEFAULT_CASES))
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     parser.add_argument("--widths", type=int, nargs="*", default=list(WIDTHS), help="K after the activation")
-    parser.add_argument("--tiles", nargs="*", default=[], help="ROWSxWARPS kernel tilings to sweep (then the default)")
+    parser.add_argument(
+        "--tiles", nargs="*", default=[], help="tilings to sweep, e.g. block_rows=8,num_warps=4 (then the default)"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="time kernels and copy in turn this many times")
     args = parser.parse_args(argv)
     try:
         # The default last: the first row measured in a case ran 1.2-1.6 µs slower than the same kernel later.
-        tiles_list = (*(hj.ProcessTilesConfig.parse(text) for text in args.tiles), None)
+        tiles_list = (*(tiles_text.from_text(ProcessTiles, text) for text in args.tiles), None)
     except ValueError as error:
         parser.error(f"--tiles: {error}")
     if jax.default_backend() != "gpu":

@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import humming_jax as hj
+from humming_jax import tiles_text
 from humming_jax.routing import align_length
 from humming_jax.timing import COPY_BANDWIDTH, bandwidth_fields, comparison_cells, device_seconds, write_results
+from pallas_kernels.routing import RowTiles
 
 TOKENS = (1, 16, 128, 512, 4096, 16384)
 EXPERTS = ((8, 2), (128, 8), (256, 8))
@@ -47,7 +49,7 @@ def bench(tokens_list, experts_list, hidden_list, seed=0, on_rows=None, row_tile
     """All rows; ``on_rows(rows)`` after each group of measurements (the JSON is
     rewritten as it goes, so a run cut by a time limit keeps what it measured).
     The row ops' kernels are timed once per entry of ``row_tiles``
-    (:class:`RowTilesConfig`, None: the default tiling), the references once."""
+    (:class:`pallas_kernels.routing.RowTiles`, None: the default tiling), the references once."""
     rng = np.random.default_rng(seed)
     rows = []
     on_rows = on_rows or (lambda rows: None)
@@ -90,7 +92,7 @@ def bench(tokens_list, experts_list, hidden_list, seed=0, on_rows=None, row_tile
 
 
 def _tiles_name(tiles) -> str:
-    return "default" if tiles is None else tiles.text()
+    return "default" if tiles is None else tiles_text.to_text(tiles) or "default"
 
 
 def _row_ops(backend: str, experts: int, tiles):
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        row_tiles = (None, *(hj.RowTilesConfig.parse(text) for text in args.row_tiles))
+        row_tiles = (None, *(tiles_text.from_text(RowTiles, text) for text in args.row_tiles))
     except ValueError as error:
         parser.error(f"--row-tiles: {error}")
     try:

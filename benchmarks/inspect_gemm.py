@@ -2,12 +2,12 @@
 against a float32 product on sampled experts.
 
     python -m benchmarks.inspect_gemm --problem qwen3-30b-a3b --fmt int4_g128 --tokens 16 \
-        --config 16,64,128,4,3 --config 16,64,256,4,3,word_decode
+        --config triton:block_m=16,block_n=64,block_k=128 \
+        --config triton:block_m=16,block_n=64,block_k=256,word_decode=1
 
-Each ``--config`` is ``block_m,block_n,block_k,num_warps,num_stages[,option...]``
-with options ``swap_ab``, ``word_decode``, ``fold_scales``, ``pair_decode``, ``split_k=S``,
-``group_m=G``, ``column_tiles=C``, ``dequantize_first``, ``mosaic`` (the Mosaic GPU
-kernel), ``use_mma=0`` (multiply-add tiles of 1-8 rows).
+Each ``--config`` is a GEMM tiling in the one text form (``humming_jax.tiles_text``):
+``triton:`` or ``mosaic:`` and the fields of that kernel's ``Tiles`` that differ
+from their defaults.
 For the hardware view of one kernel, run it under Nsight
 Compute with a few sections (the ``full`` set does not finish in a 10-minute
 slot): ``ncu -k regex:gemm -c 1 --section SpeedOfLight --section Occupancy
@@ -22,14 +22,9 @@ import sys
 
 
 def parse_config(text: str):
-    from humming_jax.configs import TuningConfig
+    from humming_jax.tiles_text import gemm_from_text
 
-    fields = text.split(",")
-    options = {}
-    for option in fields[5:]:
-        key, _, value = option.partition("=")
-        options[key] = (bool(int(value)) if key == "use_mma" else int(value)) if value else True
-    return TuningConfig(*(int(v) for v in fields[:5]), **options)
+    return gemm_from_text(text)
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,7 @@ instructions of its K loop — how a decode change can be judged (and its
 lowering checked) before any GPU run.
 
     python -m benchmarks.lower_sm90 --fmt int4_g128 --tokens 16 \\
-        --config 16,64,256,4,3,word_decode,fold_scales,pair_decode --out build/sm90
+        --config triton:block_m=16,block_n=64,block_k=256,word_decode=1,fold_scales=1,pair_decode=1 --out build/sm90
     python -m benchmarks.lower_sm90 --process hadamard128+fp8_token --width 768 \\
         --tiles 128x8x2h64 --tokens 4096 --out build/sm90
 
@@ -95,7 +95,10 @@ def process_ttir(case: str, width: int, tokens: int, tiles: str | None) -> list[
     activation, block, spec = CASES[case]
     x = jax.ShapeDtypeStruct((tokens * TOP_K, 2 * width if activation else width), jnp.bfloat16)
     kw = dict(activation=activation, hadamard_block_size=block, backend="pallas")
-    kw["tiles"] = None if tiles is None else hj.ProcessTilesConfig.parse(tiles)
+    from humming_jax.tiles_text import from_text
+    from pallas_kernels.process_input import Tiles
+
+    kw["tiles"] = None if tiles is None else from_text(Tiles, tiles)
     return ttir_with_launch(lambda x: hj.process_input(x, spec, **kw), x)
 
 
@@ -242,7 +245,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", help="as benchmarks.inspect_gemm (the GEMM mode)")
     parser.add_argument("--process", help="a benchmarks.bench_process_input case (the process_input mode)")
     parser.add_argument("--width", type=int, default=768, help="process_input: columns after the activation")
-    parser.add_argument("--tiles", help="process_input: tiles as ProcessTilesConfig.parse reads (default: chosen)")
+    parser.add_argument("--tiles", help="process_input: tiles in the text form, e.g. block_rows=8 (default: chosen)")
     parser.add_argument("--shape", default="8,1536,2048", help="E,N,K of the weight (qwen3 w13 with 8 experts)")
     parser.add_argument("--out", default="build/sm90")
     parser.add_argument("--name", default="gemm")

@@ -64,11 +64,10 @@ def mosaic_ir(fmt: str, shape: tuple[int, int, int], rows: int, tuning) -> str:
     import jax
     import jax.numpy as jnp
 
-    from humming_jax.gemm import mosaic_tiles
-    from pallas_kernels import gemm_mosaic as mosaic
+    from pallas_kernels.gemm import mosaic
 
     e, n, k = shape
-    tiles = mosaic_tiles(tuning)
+    tiles = tuning
     x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
     if fmt == "bf16":

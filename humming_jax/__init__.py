@@ -14,12 +14,7 @@ from humming_jax.configs import (
     ExpertsConfig,
     GemmLayout,
     LayerConfig,
-    ProcessTilesConfig,
-    RowTilesConfig,
-    TuningConfig,
-    TuningEntry,
     check_supported,
-    select_tuning,
     supported_input_specs,
 )
 from humming_jax.experts import (
@@ -40,7 +35,7 @@ from humming_jax.formats import (
     to_k_order,
     to_planar,
 )
-from humming_jax.gemm import gemm
+from humming_jax.gemm import gemm, kernel_input_specs
 from humming_jax.input_quant import (
     InputQuantMode,
     InputQuantSpec,
@@ -80,10 +75,6 @@ __all__ = [
     "LayerConfig",
     "QuantizedInput",
     "QuantizedWeight",
-    "ProcessTilesConfig",
-    "RowTilesConfig",
-    "TuningConfig",
-    "TuningEntry",
     "WeightFormat",
     "WorkspacePlan",
     "apply_activation",
@@ -100,6 +91,7 @@ __all__ = [
     "humming_grouped_experts",
     "humming_indexed_experts",
     "input_quant",
+    "kernel_input_specs",
     "moe_align_block_size",
     "moe_fused_mul_sum",
     "moe_permute",
@@ -116,6 +108,5 @@ __all__ = [
     "quantize_input",
     "quantize_weight",
     "resolve_backend",
-    "select_tuning",
     "supported_input_specs",
 ]

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     tune = commands.add_parser("tune", help="GPU: sweep tiles per layout/format/M range and write the table")
     from humming_jax import bench as bench_module
 
-    for sub, default_out in ((bench, "benchmarks/results/gemm.json"), (tune, "humming_jax/tuning_h200.json")):
+    for sub, default_out in ((bench, "benchmarks/results/gemm.json"), (tune, "benchmarks/results/tuning.json")):
         sub.add_argument("--formats", nargs="+", default=list(bench_module.FORMATS))
         sub.add_argument("--out", default=default_out)
         sub.add_argument(

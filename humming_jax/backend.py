@@ -1,17 +1,22 @@
-"""Backend choice (DESIGN §2).
+"""Backend choice.
 
 ``"pallas"`` runs the Pallas kernels compiled for the GPU, ``"interpret"`` runs
 the same kernels in Pallas interpret mode (CPU), ``"reference"`` runs the pure
 ``jnp`` reference. With no explicit choice the environment variable
 ``HUMMING_JAX_BACKEND`` decides, else the platform: GPU -> ``pallas``,
-anything else -> ``interpret``. An op that has no kernel yet runs its
-reference when the backend was not asked for explicitly; asking for a kernel
-backend explicitly on such an op is an error.
+anything else -> ``interpret``.
+
+A call that no kernel takes (:func:`no_kernel`) raises on a GPU, naming the op
+and the reason, unless the user opted in to the reference
+(``HUMMING_JAX_REFERENCE_FALLBACK=1``: it then runs with a one-time warning).
+Off a GPU, with the backend left to the default, the reference runs with the
+same one-time warning: the CPU has no fast path to miss.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Literal
 
 import jax
@@ -19,6 +24,11 @@ import jax
 Backend = Literal["pallas", "interpret", "reference"]
 BACKENDS: tuple[str, ...] = ("pallas", "interpret", "reference")
 ENV_VAR = "HUMMING_JAX_BACKEND"
+FALLBACK_ENV_VAR = "HUMMING_JAX_REFERENCE_FALLBACK"
+
+
+class NoKernelError(ValueError):
+    """No kernel takes a call that must run on one."""
 
 
 def _check(name: str, source: str) -> str:
@@ -35,37 +45,26 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "interpret"
 
 
-# The kernel backends each op implements: ("pallas", "interpret") once it
-# has a Pallas kernel, () while only its reference exists.
-KERNELS = ("pallas", "interpret")
-KERNEL_BACKENDS: dict[str, tuple[str, ...]] = {
-    "moe_align_block_size": KERNELS,
-    "moe_prepare_scatter": KERNELS,
-    "moe_permute": KERNELS,
-    "moe_unpermute": KERNELS,
-    "moe_fused_mul_sum": KERNELS,
-    "process_input": KERNELS,
-    "gemm": KERNELS,
-}
-
-
 def resolve_backend(backend: str | None, op: str) -> str:
-    """Pick the backend ``op`` runs on (see the module docstring)."""
-    kernel_backends = KERNEL_BACKENDS[op]
+    """The backend ``op`` runs on: ``backend`` if given (checked), else the default."""
     if backend is not None:
-        _check(backend, f"{op}: backend")
-        if backend != "reference" and backend not in kernel_backends:
-            raise ValueError(
-                f"{op}: backend {backend!r} is not available for this op; "
-                f"available: {', '.join(map(repr, (*kernel_backends, 'reference')))}"
-            )
-        return backend
-    chosen = default_backend()
-    return chosen if chosen in kernel_backends else "reference"
+        return _check(backend, f"{op}: backend")
+    return default_backend()
 
 
-def hopper_gpu() -> bool:
-    """Whether the default device is a Hopper GPU (sm_90: TMA and wgmma; the
-    Blackwell generation has no wgmma), which the Mosaic GPU kernels need."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+_WARNED: set[tuple[str, str]] = set()
+
+
+def no_kernel(op: str, reason: str, backend: str | None) -> None:
+    """Called when no kernel takes a call of ``op``: returns if its reference
+    may run instead (with a one-time warning), else raises :class:`NoKernelError`."""
+    opted_in = os.environ.get(FALLBACK_ENV_VAR, "").strip() not in ("", "0")
+    if backend is not None or (jax.default_backend() == "gpu" and not opted_in):
+        where = f"backend {backend!r}" if backend is not None else "on the GPU"
+        raise NoKernelError(
+            f"{op}: no kernel takes this call ({reason}); {where} it does not run the reference — pass "
+            f"backend='reference' or set {FALLBACK_ENV_VAR}=1 to run it"
+        )
+    if (op, reason) not in _WARNED:
+        _WARNED.add((op, reason))
+        warnings.warn(f"{op}: no kernel takes this call ({reason}); running the jnp reference", stacklevel=3)

@@ -17,7 +17,6 @@ import json
 import math
 import re
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +24,9 @@ import numpy as np
 
 from humming_jax import formats as F
 from humming_jax import layouts as L
+from humming_jax import tiles_text
 from humming_jax import tuning as T
-from humming_jax.configs import GemmLayout, TuningConfig
-from humming_jax.gemm import as_quantized_input, gemm, plan_tuning
+from humming_jax.gemm import GemmTiles, as_quantized_input, gemm, plan
 from humming_jax.routing import moe_align_block_size, moe_prepare_scatter
 from humming_jax.timing import (
     COPY_BANDWIDTH,
@@ -37,6 +36,7 @@ from humming_jax.timing import (
     device_seconds,
     write_results,
 )
+from humming_jax.tuning import search
 
 L2_BYTES = 60 * 2**20
 PROBLEMS = {
@@ -128,20 +128,23 @@ def _arrays(case: Case, sets: int, seed: int):
     return weights, xs
 
 
-def _layout(case: Case, ids: np.ndarray, tuning: TuningConfig):
+def _layout(case: Case, ids: np.ndarray, block_size: int):
     e, _, _, top_k = case.shapes()
     if case.layout == "grouped":
         offsets, _ = moe_prepare_scatter(jnp.asarray(ids), e)
         return L.GroupedContiguous(offsets)
-    aligned = moe_align_block_size(jnp.asarray(ids), tuning.block_m, e, ignore_invalid_experts=True)
+    aligned = moe_align_block_size(jnp.asarray(ids), block_size, e, ignore_invalid_experts=True)
     top_k = top_k if case.gemm == "w13" else 1
-    return L.Indexed(*aligned, top_k=top_k, block_size=tuning.block_m, lists_dropped=True)
+    return L.Indexed(*aligned, top_k=top_k, block_size=block_size, lists_dropped=True)
 
 
-def _tuning_for(case: Case) -> TuningConfig:
-    e, n, k, _ = case.shapes()
-    kind = GemmLayout.GROUPED_CONTIGUOUS if case.layout == "grouped" else GemmLayout.INDEXED
-    return T.choose_tuning(kind, F.get_format(case.fmt), _real_rows(case), e, n, k)
+def _block_size(case: Case, tiles: GemmTiles | None) -> int:
+    """The indexed layout's alignment block: the tiling's rows (``tiles`` None:
+    those of the first tiling the table or the heuristic lists for the case)."""
+    if tiles is None:
+        e, n, k, _ = case.shapes()
+        tiles = T.candidates("indexed", F.get_format(case.fmt), _real_rows(case), e, n, k)[0]
+    return tiles.block_m
 
 
 @dataclasses.dataclass
@@ -171,11 +174,11 @@ def _real_rows(case: Case) -> int:
     return case.tokens * case.shapes()[3]
 
 
-def gemm_call(prep: Prepared, tuning: TuningConfig | None):
+def gemm_call(prep: Prepared, tuning: GemmTiles | None):
     """``(fn(x, weight), layout)``: the call the bench times for ``prep`` under
     ``tuning`` (None: the table's choice), its routing fixed."""
     case = prep.case
-    layout = _layout(case, prep.ids, tuning or _tuning_for(case))
+    layout = _layout(case, prep.ids, _block_size(case, tuning))
 
     def fn(x, weight):
         return gemm(x, weight, layout, valid_shape_m=_real_rows(case), tuning=tuning, backend=KERNEL_BACKEND)
@@ -205,7 +208,7 @@ def launched_ops(hlo_text: str) -> list[str]:
     return ops
 
 
-def time_prepared(prep: Prepared, tuning: TuningConfig | None) -> tuple[dict, jax.Array, object]:
+def time_prepared(prep: Prepared, tuning: GemmTiles | None) -> tuple[dict, jax.Array, object]:
     """(result row, the kernel's output on the first set, its layout).
     ``tuning`` None: the table's choice, run as ``gemm`` runs it (with its
     fallbacks); the row records the tiling that ran."""
@@ -214,14 +217,15 @@ def time_prepared(prep: Prepared, tuning: TuningConfig | None) -> tuple[dict, ja
     seconds = device_seconds(fn, list(zip(prep.xs, prep.weights, strict=True)))
     floor = max(prep.moved / COPY_BANDWIDTH, prep.flops / MATMUL_RATE)
     x, weight = as_quantized_input(prep.xs[0]), prep.weights[0]
-    ran, dequantize = plan_tuning(x, weight, layout, tuning, _real_rows(case), on_gpu=KERNEL_BACKEND != "interpret")
+    interpret = KERNEL_BACKEND != "pallas"
+    ran, _ = plan(x, weight, layout, valid_shape_m=_real_rows(case), tuning=tuning, interpret=interpret)
     row = dict(
         **dataclasses.asdict(case),
         **bandwidth_fields(seconds, prep.moved),
         tflops=prep.flops / seconds / 1e12,
         roofline_fraction=floor / seconds,
         flops=prep.flops,
-        tuning=dataclasses.asdict(dataclasses.replace(ran, dequantize_first=dequantize)),
+        tiles=None if ran is None else tiles_text.gemm_to_text(ran),
     )
     return row, fn(prep.xs[0], prep.weights[0]), layout
 
@@ -272,7 +276,7 @@ def sampled_error(prep: Prepared, layout, out: jax.Array) -> float:
     return math.sqrt(diff / norm) if norm else 0.0
 
 
-def time_kernel(case: Case, tuning: TuningConfig | None = None, seed: int = 0) -> dict:
+def time_kernel(case: Case, tuning: GemmTiles | None = None, seed: int = 0) -> dict:
     """One case under ``tuning`` (default: the table/heuristic choice), checked against
     :func:`sampled_error` (``error``)."""
     prep = prepare(case, seed)
@@ -455,172 +459,6 @@ def bench_main(args) -> int:
 # ---- tuning ------------------------------------------------------------------------------
 
 
-def _candidates(rows):
-    """``(block_m, block_n, block_k, num_warps, num_stages, **options)`` rows."""
-    return tuple(TuningConfig(*row[:5], **(row[5] if len(row) > 5 else {})) for row in rows)
-
-
-SWAP, WORD, BANDS, FOLD = {"swap_ab": True}, {"word_decode": True}, {"group_m": 8}, {"fold_scales": True}
-DEQ = {"dequantize_first": True}
-MOSAIC = {"mosaic": True}
-# Pruned by the v2-v7 sweeps (benchmarks/results/gemm_tune_h200.json): 32-row
-# decode tiles, 8-warp decode tiles and 64x256 prefill tiles never won; v6:
-# folded scales beat every unfolded decode tile (int4 97 -> 84 us, MXFP4 213 ->
-# 118 us at T=16) and multiply-add tiles of 1-4 rows lost 4-10x (365-904 us);
-# v7 (qwen3 w13, T=16): 512-K, split-K 2, 4 stages and swap + fold all lost to
-# 16x32x256 / 16x64x256 word + fold (int4 83.7-83.9 us, MXFP4 94.4-96.1 us).
-PAIR = {"pair_decode": True}
-DECODE_CANDIDATES = _candidates(
-    (
-        (16, 64, 128, 4, 3),
-        (16, 64, 256, 4, 3, WORD | FOLD),
-        (16, 32, 256, 2, 3, WORD | FOLD),  # v7 winner, int4 and MXFP4
-        (16, 128, 256, 4, 3, WORD | FOLD),
-        (16, 64, 256, 4, 3, SWAP | WORD | FOLD),
-        # v8: nibbles j and j+4 of a word as one MMA k-pair (no repacking; the sm_90
-        # SASS of the 16x64x256 int4 loop: 562 -> 435 instructions, NOTES.md).
-        (16, 64, 256, 4, 3, WORD | FOLD | PAIR),
-        (16, 32, 256, 2, 3, WORD | FOLD | PAIR),
-        (16, 128, 256, 4, 3, WORD | FOLD | PAIR),
-        (16, 64, 256, 4, 4, WORD | FOLD | PAIR),
-        (16, 64, 512, 4, 3, WORD | FOLD | PAIR),  # fewer loop instructions per byte
-        (16, 64, 256, 4, 3, SWAP | WORD | FOLD | PAIR),
-        # v9: 32 rows per program for experts with 17-32 rows (qwen3 T=512): each
-        # decoded weight tile feeds two MMA rows (sm_90: int4 760 loop instructions,
-        # 168 registers, against 665 for 16 rows).
-        (32, 128, 256, 4, 3, WORD | FOLD | PAIR),
-        (32, 64, 256, 4, 3, WORD | FOLD | PAIR),
-        # T=1-2 (8-16 rows on 8-16 experts): ~190 programs of 8 dependent K steps
-        # (qwen3 T=1 int4: 21 % of copy bandwidth); K split in 2 or 4 gives the
-        # SMs 2-4x the programs, each a shorter chain (v7: split 2 lost at T=16).
-        (16, 64, 256, 4, 3, SWAP | WORD | FOLD | PAIR | {"split_k": 2}),
-        (16, 64, 128, 4, 3, SWAP | WORD | FOLD | PAIR | {"split_k": 4}),
-        # Twice the weight bytes per program for short K loops (qwen3 w2, K=768:
-        # 3 steps, 47 %); sm_90: 662 loop instructions per thread, as 16x128 on 4 warps.
-        (16, 256, 256, 8, 3, WORD | FOLD | PAIR),
-        # Several column tiles per program in one pipelined loop: the next tile's
-        # loads overlap this one's last products and store (w2: 3 K tiles a tile).
-        (16, 128, 256, 4, 3, WORD | FOLD | PAIR | {"column_tiles": 2}),
-        (16, 128, 256, 4, 3, WORD | FOLD | PAIR | {"column_tiles": 4}),
-        # v16-v17: the Mosaic kernel's persistent, TMA-fed decode (x's rows the wgmma's
-        # N) with words (Hopper, planar int4 / uint4: others skip it).
-        (16, 256, 128, 4, 4, MOSAIC | SWAP | WORD),
-        (16, 256, 128, 4, 6, MOSAIC | SWAP | WORD | {"delay_release": 1}),
-    )
-)
-PREFILL_CANDIDATES = _candidates(
-    (
-        (128, 256, 64, 8, 4),
-        (128, 128, 64, 8, 3),
-        (128, 128, 128, 8, 3),
-        (64, 128, 64, 4, 3),
-        (64, 128, 128, 4, 3, SWAP),
-        (64, 128, 128, 4, 3, SWAP | WORD),
-        (128, 128, 128, 8, 3, WORD),
-        (128, 256, 64, 8, 4, BANDS),
-        (64, 128, 128, 4, 3, SWAP | BANDS),
-        (128, 128, 64, 8, 4, BANDS),
-        (256, 128, 64, 8, 3, BANDS),  # experts with 1000+ rows (mixtral prefill): twice the reuse of each weight tile
-        (64, 128, 128, 4, 3, SWAP | WORD | BANDS),  # v6 4-bit winner: int4 552.6, MXFP4 711.0 us (qwen3 T=2048)
-        # v6: folded scales lost at prefill (int4 850 us) and were dropped; next, more
-        # rows per decoded weight tile (the decode is paid once per bm rows: at
-        # 64 rows it costs ~4x the tile's MMAs, NOTES.md v7).
-        (128, 128, 64, 8, 3, SWAP | WORD | BANDS),
-        (128, 128, 128, 8, 3, SWAP | WORD | BANDS),
-        (128, 64, 128, 4, 3, SWAP | WORD | BANDS),
-        (256, 64, 128, 8, 3, SWAP | WORD | BANDS),
-        (256, 128, 64, 8, 3, SWAP | WORD | BANDS),
-        # v8 pairs on the 4-bit prefill tiles (sm_90 SASS of the 64x128x128 loop: 1116 -> 678).
-        (64, 128, 128, 4, 3, SWAP | WORD | BANDS | PAIR),
-        (128, 128, 128, 8, 3, SWAP | WORD | BANDS | PAIR),
-        (128, 64, 128, 4, 3, SWAP | WORD | BANDS | PAIR),
-        # Folded scales again (v6 lost with an f32 fold; it is one bf16x2 multiply per
-        # two weights now): one accumulation chain, so the products need not be
-        # waited on piece by piece (the unfolded SASS waits on every wgmma).
-        (64, 128, 128, 4, 3, SWAP | WORD | BANDS | PAIR | FOLD),
-        (128, 128, 128, 8, 3, SWAP | WORD | BANDS | PAIR | FOLD),  # v8 winner: int4 395.0, MXFP4 431.4 us
-        # v9: twice the x rows (or weight rows) per decoded weight tile; with the
-        # TTIR passes applied offline, no spills (218 / 250 registers).
-        (256, 128, 128, 8, 3, SWAP | WORD | BANDS | PAIR | FOLD),
-        (128, 256, 128, 8, 3, SWAP | WORD | BANDS | PAIR | FOLD),
-        # Two column tiles per program (sm_90: +22 instructions per K step for the
-        # bf16 tile, the store and the restart only after a tile's last K step).
-        (128, 128, 128, 8, 3, SWAP | WORD | BANDS | PAIR | FOLD | {"column_tiles": 2}),
-        (128, 256, 64, 8, 4, {"column_tiles": 2}),
-        # v13: the Mosaic GPU kernel (TMA, warp-specialized wgmma, persistent grid);
-        # quantized weights dequantized to bf16 first. block_m x block_n over two
-        # compute warpgroups; 4 stages of 128x256x64 fill 224 of 227 KB of shared memory.
-        (128, 256, 64, 4, 4, MOSAIC | DEQ | BANDS),
-        (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS),
-        (128, 256, 64, 4, 3, MOSAIC | DEQ),
-        (128, 128, 64, 4, 4, MOSAIC | DEQ | BANDS),
-        (64, 256, 64, 4, 4, MOSAIC | DEQ | BANDS),
-        # v14: int4 / uint4 planar weights decoded in the Mosaic kernel's compute
-        # warpgroups (one 128-column unit a K step, staged in shared memory for the
-        # wgmma): 3 stages of 128x256x128 take ~211 KB with the staging and epilogue.
-        (128, 256, 128, 4, 3, MOSAIC | BANDS),
-        (128, 256, 128, 4, 2, MOSAIC | BANDS),
-        (128, 128, 128, 4, 4, MOSAIC | BANDS),
-        (128, 128, 128, 4, 4, MOSAIC | BANDS | {"stage_slots": 4}),  # a whole unit staged (+16 KB)
-        # The warpgroups on 128 rows each, sharing the weight tile (decoded half by
-        # each: half the decoding per product); 2 stages of 256-row x pieces: ~208 KB.
-        (256, 128, 128, 4, 2, MOSAIC | BANDS | {"split_rows": True}),
-        # The decoded pieces as the wgmma's register operand (no staging, out.T).
-        (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP),
-        # v15: a K step's product left in flight while the next is issued.
-        (128, 256, 64, 4, 4, MOSAIC | DEQ | BANDS | {"delay_release": 1}),
-        (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | {"delay_release": 1}),
-        (256, 128, 64, 4, 4, MOSAIC | DEQ | BANDS | {"split_rows": True}),
-        # v17: the nibbles from the codes' 32-bit registers (qwen3 int4 w13 567.7 -> 522.8 us).
-        # The 128x256 tile with split rows: one m64n256 wgmma a k16 step (the weight tile
-        # read once from shared memory; mixtral bf16 w13 3426.6 vs 3407.2 us for the columns split).
-        (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | WORD),
-        (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS | {"split_rows": True}),
-        (128, 256, 64, 4, 4, MOSAIC | DEQ | BANDS | {"split_rows": True}),
-        # v19: two epilogue slots a warpgroup (a chunk written while the last one is stored).
-        (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS | {"split_rows": True, "epilogue_slots": 2}),
-        (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | WORD | {"epilogue_slots": 2}),
-        # v20: clusters of two programs on adjacent column tiles, x multicast to both (a
-        # sixth less L2 -> shared memory traffic for 16-bit weights, a third for 4-bit),
-        # or on a pair of row tiles of one expert, the weight multicast (a third for 16-bit).
-        (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS | {"cluster_n": 2}),
-        (128, 256, 64, 4, 3, MOSAIC | DEQ | BANDS | {"cluster_m": 2}),  # the weight multicast (row-tile pairs)
-        (128, 256, 128, 4, 3, MOSAIC | BANDS | SWAP | WORD | {"cluster_n": 2}),
-        # Dequantize once, then the bf16 winners' tiles (qwen3; mixtral with bands).
-        (128, 256, 64, 8, 4, DEQ),
-        (128, 256, 64, 8, 4, DEQ | BANDS),
-    )
-)
-# Experts of 17-32 rows on average (qwen3 T=512): with 32-row tiles about half of
-# them (a Poisson count over 32) take two row tiles, each decoding the expert's
-# whole weight (T=512 int4: 162 us, 34 %); one 64-row tile decodes it once and
-# wastes MMA rows, which are cheap there.
-MID_CANDIDATES = _candidates(
-    (
-        # sm_90: 771 loop instructions (32 rows: 760), 148 KB of shared memory in 3
-        # stages (one program per SM), 99 KB in 2.
-        (64, 128, 256, 4, 3, WORD | FOLD | PAIR),
-        (64, 128, 256, 4, 2, WORD | FOLD | PAIR),
-        (64, 128, 256, 4, 3, SWAP | WORD | FOLD | PAIR),
-        (64, 128, 128, 4, 3, SWAP | WORD | FOLD | PAIR),
-        (64, 256, 128, 8, 3, SWAP | WORD | FOLD | PAIR),
-    )
-)
-M_RANGES = ((0, 16), (16, 128), (128, 1024), (1024, 4096), (4096, 8192), (8192, 1 << 30))
-DECODE_MAX_ROWS = 32  # experts with up to this many rows sweep DECODE_CANDIDATES
-SPLIT_MAX_ROWS = 2  # split-K decode candidates only where experts hold a row or two (T=1-2)
-
-
-def candidates_for(rows_per_expert: int) -> tuple[TuningConfig, ...]:
-    """The sweep for a range whose representative M gives ``rows_per_expert``
-    (M / E): at M=4096 qwen3's experts hold 32 rows (decode tiles and 64-row
-    ones), mixtral's 2048 (prefill tiles)."""
-    if rows_per_expert > DECODE_MAX_ROWS:
-        return PREFILL_CANDIDATES
-    decode = tuple(c for c in DECODE_CANDIDATES if c.split_k == 1 or rows_per_expert <= SPLIT_MAX_ROWS)
-    return decode + MID_CANDIDATES if rows_per_expert > 16 else decode
-
-
 def merge_entry(entries: list[dict], entry: dict) -> list[dict]:
     """``entries`` (a table key's JSON entries) with ``entry`` in place of every
     entry whose M range overlaps its own: lookups take the first range that
@@ -630,37 +468,33 @@ def merge_entry(entries: list[dict], entry: dict) -> list[dict]:
     return sorted([*kept, entry], key=lambda e: e["min_shape_m"])
 
 
-def _existing_table(path: str) -> tuple[dict, dict[str, list[dict]]]:
-    """(meta, entries) of the table at ``path``, empty if there is none."""
+def _existing_entries(path: str) -> dict[str, list[dict]]:
+    """The entries of the table at ``path`` (empty if there is none)."""
     try:
         with open(path) as f:
-            table = json.load(f)
+            return json.load(f).get("entries", {})
     except FileNotFoundError:
-        return {}, {}
-    return table.get("meta", {}), table.get("entries", {})
-
-
-def timings_keys(timings) -> set[str]:
-    """``name(low,high]`` of every swept table key."""
-    return {f"{name}({low},{high}]" for name, low, high in timings}
+        return {}
 
 
 def tune_main(args) -> int:
-    """Sweep the candidates per (layout, format class, M range) on one problem,
-    check each with :func:`sampled_error`, print every candidate, and
-    keep for each table key the candidate with the least total time over the
-    formats of its class that all passed; write the table JSON (merged into
-    ``args.out`` if it exists: a key's entry for the same M range is replaced)."""
+    """Sweep :mod:`humming_jax.tuning.search`'s candidates per (layout, format
+    class, M range) on one problem, check each with :func:`sampled_error`,
+    print every candidate, and keep for each table key the candidate with the
+    least total time over the formats of its class that all passed; write the
+    table to ``args.out`` (merged into it if it exists: a key's entry for an
+    overlapping M range is replaced). Copy it over ``humming_jax/tuning/<device>.json``
+    to ship it."""
     if KERNEL_BACKEND == "pallas" and jax.default_backend() != "gpu":
         print("tune: needs a GPU", file=sys.stderr)
         return 2
     num_experts, top_k = PROBLEMS[args.problem][0], PROBLEMS[args.problem][3]
-    timings: dict[tuple[str, int, int], dict[TuningConfig, list[float]]] = {}
+    timings: dict[tuple[str, int, int], dict[object, list[float]]] = {}
     members: dict[tuple[str, int, int], int] = {}
     for fmt in args.formats:
         for layout_name in args.layouts:
             kind = "grouped_contiguous" if layout_name == "grouped" else "indexed"
-            for low, high in M_RANGES:
+            for low, high in search.M_RANGES:
                 if (args.max_m and low >= args.max_m) or high < args.min_m:
                     continue
                 case = Case(args.problem, args.gemm, layout_name, max(1, min(high, 16384) // top_k), fmt, args.k_order)
@@ -668,33 +502,28 @@ def tune_main(args) -> int:
                 key = (T.table_key(kind, T.format_class(F.get_format(fmt)), shape), low, high)
                 members[key] = members.get(key, 0) + 1
                 prep = prepare(case)
-                for cand in candidates_for(case.tokens * top_k // num_experts):
+                for cand in search.candidates_for(case.tokens * top_k // num_experts):
+                    text = tiles_text.gemm_to_text(cand)
                     try:
                         result, out, layout = time_prepared(prep, cand)
-                    except Exception as error:  # a candidate that does not lower is skipped
-                        print(f"  skip {cand}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                    except Exception as error:  # a candidate its kernel refuses or that does not lower
+                        print(f"  skip {text}: {type(error).__name__}: {str(error)[:200]}", flush=True)
                         continue
                     err = sampled_error(prep, layout, out)
-                    print(
-                        f"  {fmt} {layout_name} T={case.tokens} {cand}: {result['us']:.1f} us err {err:.1e}", flush=True
-                    )
+                    us = result["us"]
+                    print(f"  {fmt} {layout_name} T={case.tokens} {text}: {us:.1f} us err {err:.1e}", flush=True)
                     if err < 1e-2:
                         timings.setdefault(key, {}).setdefault(cand, []).append(result["us"])
-    old_meta, table = _existing_table(args.out)  # other problems' and ranges' entries are kept
+    table = _existing_entries(args.out)  # other problems' and ranges' entries are kept
     for (name, low, high), by_config in timings.items():
         complete = {c: sum(t) for c, t in by_config.items() if len(t) == members[(name, low, high)]}
         if not complete:
             continue
         best = min(complete, key=complete.get)
-        entry = dict(min_shape_m=low, max_shape_m=high, config=dataclasses.asdict(best), us=by_config[best])
+        entry = T.Entry(low, high, best, round(max(by_config[best]), 1), args.out).to_json()
         table[name] = merge_entry(table.get(name, []), entry)
-        print(f"{name} M in ({low}, {high}]: {best} {by_config[best]} us", flush=True)
-    meta = dict(old_meta, device=str(jax.devices()[0].device_kind), date=time.strftime("%Y-%m-%d"))
-    meta["tuned"] = [
-        *old_meta.get("tuned", []),
-        f"{meta['date']} {args.problem} {args.gemm}: {' '.join(sorted(timings_keys(timings)))}",
-    ]
+        print(f"{name} M in ({low}, {high}]: {tiles_text.gemm_to_text(best)} {by_config[best]} us", flush=True)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, entries=table), f, indent=1)
+        json.dump(dict(device=str(jax.devices()[0].device_kind), entries=table), f, indent=1)
     print(f"wrote {args.out}")
     return 0

@@ -1,5 +1,6 @@
-"""``process_input`` (DESIGN §3.4): optional activation -> optional Hadamard
-rotation -> optional quantization -> layout, as one op.
+"""``process_input``: optional activation -> optional Hadamard rotation ->
+optional quantization -> layout, as one op (kernel:
+``pallas_kernels/process_input.py``; notes: ``benchmarks/notes/process_input.md``).
 
 Layouts:
 
@@ -27,10 +28,8 @@ import jax.numpy as jnp
 
 from humming_jax import input_quant as Q
 from humming_jax.activations import ActivationSpec, apply_activation, get_activation
-from humming_jax.backend import hopper_gpu, resolve_backend
-from humming_jax.configs import ProcessTilesConfig
+from humming_jax.backend import resolve_backend
 from pallas_kernels import process_input as kernel
-from pallas_kernels import process_input_mosaic as mosaic_kernel
 
 LAYOUTS = ("normal", "grouped_mask", "scatter")
 
@@ -144,7 +143,7 @@ def process_input(
     input_scale: jax.Array | None = None,
     input_scale_2: jax.Array | None = None,
     compute_dtype=jnp.bfloat16,
-    tiles: ProcessTilesConfig | None = None,
+    tiles: kernel.Tiles | None = None,
     backend: str | None = None,
 ) -> Q.QuantizedInput:
     """Prepare a GEMM input: ``x [M, N]`` -> activation -> Hadamard -> quantize
@@ -154,11 +153,9 @@ def process_input(
     ``x`` may be ``[E, max_tokens, K]`` for ``grouped_mask``; the output is
     flattened to 2-D. If ``input_scale`` is given, ``x`` is already quantized
     per ``spec``: it is returned unchanged (an activation is then an error).
-    ``tiles`` sets the kernel's rows per program, warps, two passes (Hadamard)
-    and row blocks per program (default: chosen from the width), or
-    (``tiles.mosaic``) takes the Mosaic GPU kernel for a Hadamard rotation of
-    bf16 rows quantized to fp8 per token (the default for that case on a
-    Hopper GPU from 16384 rows: :func:`default_tiles`).
+    ``tiles`` (``pallas_kernels.process_input.Tiles``) sets the kernel's rows
+    and row blocks per program, warps and Hadamard sub-blocks (default: each
+    chosen from the width); it runs as given or raises with the kernel's reason.
     """
     spec = Q.get_input_spec(spec)
     activation = get_activation(activation)
@@ -193,134 +190,12 @@ def process_input(
     if chosen == "reference":
         return process_input_reference(x, steps, arrays)
     interpret = chosen == "interpret"
-    return _process_input_kernel(x, steps, arrays, tiles or default_tiles(x, steps, interpret), interpret=interpret)
-
-
-def _check_tiles(cfg, tiles: ProcessTilesConfig, x_dtype) -> None:
-    """The Hadamard products need 16 rows (the MMA minimum). Two passes rotate
-    b-wide column blocks of the program's rows: they need a Hadamard block size
-    and groups that fit in one product. Sub-block products are for two passes
-    and for the operand-blocks rotation, under the Hadamard block (the block
-    size itself: one product a block, in any rotation)."""
-    sub = tiles.hadamard_sub
-    sub_rotation = tiles.two_pass or kernel.rotates_blocks(cfg, x_dtype)
-    if sub and not (cfg.hadamard and (sub == cfg.hadamard or sub < cfg.hadamard and sub_rotation)):
-        raise ValueError(
-            f"process_input: tiles.hadamard_sub={sub}: sub-block products are for a Hadamard rotation in two "
-            f"passes or of a bf16 input without activation, quantized per token, statically or not at all, with "
-            f"sub-blocks under the Hadamard block, or the block size for whole-block products (got "
-            f"hadamard_block_size={cfg.hadamard}, activation={cfg.activation}, input {jnp.dtype(x_dtype).name}, "
-            f"mode {cfg.mode}, two_pass={tiles.two_pass})"
-        )
-    if not tiles.two_pass:
-        per_row = cfg.hadamard_blocks_per_row if cfg.hadamard else 0
-        if per_row and tiles.block_rows and tiles.block_rows * per_row < 16:
-            raise ValueError(
-                f"process_input: tiles.block_rows: the Hadamard products need 16 rows of {cfg.hadamard} columns, "
-                f"so at least {-(-16 // per_row)} rows per program here; got {tiles.block_rows}"
-            )
-        return
-    if not cfg.hadamard:
-        raise ValueError("process_input: tiles.two_pass: only for a Hadamard rotation (hadamard_block_size)")
-    if cfg.group_size > cfg.hadamard:
-        raise ValueError(
-            f"process_input: tiles.two_pass: groups of {cfg.group_size} columns span several Hadamard blocks of "
-            f"{cfg.hadamard}; use one pass"
-        )
-    if sub and cfg.group_size > sub:
-        raise ValueError(
-            f"process_input: tiles.two_pass: groups of {cfg.group_size} columns span several sub-block products of "
-            f"{sub} (tiles.hadamard_sub); use wider products"
-        )
-    if tiles.block_rows and tiles.block_rows < 16:
-        raise ValueError(f"process_input: tiles.block_rows: two passes need at least 16 rows, got {tiles.block_rows}")
-
-
-# Rows from which the default takes the Mosaic rotation for its case (measured on the H200 at
-# K=768: 0.64-0.66 of the copy against Triton's 0.55-0.58 at 16384 rows; at 4096 rows Triton is 2x faster).
-MOSAIC_ROTATION_MIN_ROWS = 16384
-# Widths the default sends there: measured at 768 only (at 2048 Triton reaches 0.71 of the copy).
-MOSAIC_ROTATION_MAX_K = 768
-# The own-rings form at 2 warpgroups (rings of 5 blocks of 128 for a share of 3): 30.4 against the re-read form's
-# 31.9 µs at K=768, T=4096 in one process, 7 interleaved rounds (3 or 4 warpgroups: rings of 1-1.5 shares, slower);
-# Hadamard(64): 33.6 against 36.1 µs.
-MOSAIC_ROTATION_DEFAULT = ProcessTilesConfig(mosaic=2, mosaic_own=True)
-
-
-def _mosaic_config(x: jax.Array, steps: ProcessSteps, tiles: ProcessTilesConfig) -> mosaic_kernel.MosaicRotation:
-    return mosaic_kernel.MosaicRotation(
-        k=x.shape[1],
-        hadamard=steps.hadamard_block_size or 0,
-        warpgroups=tiles.mosaic,
-        max_warpgroup=tiles.mosaic_max or tiles.mosaic_reread,
-        reread=tiles.mosaic_reread,
-        self_loads=tiles.mosaic_self_loads,
-        own_rings=tiles.mosaic_own,
-        # The ring forms without the compiler's barriers, one select store a part
-        # (the re-read form with the default rings: 31.9 against 35.8 µs at K=768, T=4096, same run).
-        auto_barriers=not (tiles.mosaic_reread or tiles.mosaic_own),
-        select_store=tiles.mosaic_reread or tiles.mosaic_own,
-    )
-
-
-def _mosaic_problems(
-    x: jax.Array, steps: ProcessSteps, cfg: mosaic_kernel.MosaicRotation, interpret: bool
-) -> list[str]:
-    """Why the Mosaic kernel cannot take this call as ``cfg`` (empty if it can)."""
-    spec = steps.spec
-    problems = [
-        f"activation {steps.activation.kind.value}" if steps.activation is not None else None,
-        f"input {x.dtype}" if x.dtype != jnp.bfloat16 else None,
-        f"spec {spec.name}"
-        if (spec.mode.value, getattr(spec.dtype, "value", None)) != ("dynamic_token", "float8_e4m3")
-        else None,
-        f"layout {steps.layout}" if steps.layout != "normal" else None,
-        mosaic_kernel.refusal(cfg) if steps.hadamard_block_size else "no Hadamard rotation",
-    ]
-    if not interpret and not hopper_gpu():
-        problems.append(f"a Hopper GPU (TMA and wgmma), the device is {jax.devices()[0].device_kind}")
-    return [p for p in problems if p]
-
-
-def default_tiles(x: jax.Array, steps: ProcessSteps, interpret: bool) -> ProcessTilesConfig:
-    """The tiling when none is given: the Mosaic rotation (own-rings form, 2
-    compute warpgroups) for its case on a Hopper GPU from
-    ``MOSAIC_ROTATION_MIN_ROWS`` rows up to ``MOSAIC_ROTATION_MAX_K`` columns,
-    else the Triton kernel's chosen tiling. Interpreted, always the latter
-    (the Mosaic interpreter is for its own tests)."""
-    if interpret or x.ndim != 2 or x.shape[0] < MOSAIC_ROTATION_MIN_ROWS or x.shape[1] > MOSAIC_ROTATION_MAX_K:
-        return ProcessTilesConfig()
-    if _mosaic_problems(x, steps, _mosaic_config(x, steps, MOSAIC_ROTATION_DEFAULT), interpret):
-        return ProcessTilesConfig()
-    return MOSAIC_ROTATION_DEFAULT
-
-
-def _mosaic_rotation(
-    x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays, tiles: ProcessTilesConfig, interpret: bool
-) -> Q.QuantizedInput:
-    """``tiles.mosaic``: the Mosaic kernel's case (a bf16 input rotated without
-    activation, fp8 e4m3 per token, the normal layout), or a ValueError."""
-    spec = steps.spec
-    cfg = _mosaic_config(x, steps, tiles)
-    problems = _mosaic_problems(x, steps, cfg, interpret)
-    if problems:
-        raise ValueError(
-            "process_input: tiles.mosaic: the Mosaic kernel takes a bf16 input without activation, rotated by "
-            "Hadamard blocks and quantized to fp8 e4m3 per token in the normal layout; got " + "; ".join(problems)
-        )
-    m = x.shape[0]
-    num_valid = arrays.num_valid_tokens
-    num_valid = jnp.full((1,), m, jnp.int32) if num_valid is None else num_valid
-    signs = jnp.asarray(kernel.hadamard_signs(mosaic_kernel.SUB), jnp.bfloat16)
-    values, scale = mosaic_kernel.rotate_quantize(x, signs, num_valid, cfg, interpret=interpret)
-    return Q.QuantizedInput(values=values, scale=scale, scale_2=None, spec=spec, k=x.shape[1])
+    return _process_input_kernel(x, steps, arrays, tiles or kernel.Tiles(), interpret=interpret)
 
 
 def _process_input_kernel(
-    x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays, tiles: ProcessTilesConfig, interpret: bool
+    x: jax.Array, steps: ProcessSteps, arrays: ProcessArrays, tiles: kernel.Tiles, interpret: bool
 ) -> Q.QuantizedInput:
-    if tiles.mosaic:
-        return _mosaic_rotation(x, steps, arrays, tiles, interpret)
     spec, activation, layout = steps.spec, steps.activation, steps.layout
     expert_num_tokens, scatter_idx, num_valid_tokens, static_scale = arrays
     m_in, k_in = x.shape
@@ -343,16 +218,12 @@ def _process_input_kernel(
         layout=layout,
         copies=copies,
         max_tokens=m_in // expert_num_tokens.shape[0] if expert_num_tokens is not None else 0,
-        block_rows=tiles.block_rows,
-        num_warps=tiles.num_warps,
-        two_pass=tiles.two_pass,
-        row_blocks=tiles.row_blocks,
-        operand_blocks=tiles.operand_blocks,
-        one_block=tiles.one_block,
-        hadamard_sub=tiles.hadamard_sub,
+        tiles=tiles,
         gpu=not interpret,
     )
-    _check_tiles(cfg, tiles, x.dtype)
+    reason = kernel.supports(tiles, cfg, x.dtype)
+    if reason:
+        raise ValueError(f"process_input: tiles: the kernel does not take {reason}")
     if num_valid_tokens is None:
         num_valid_tokens = jnp.full((1,), m_in * copies, jnp.int32)
     values, scale, scale_2 = kernel.process_input(

@@ -1,5 +1,6 @@
-"""Routing and data movement of the expert path (DESIGN §3.5): block alignment,
-scatter/permute, unpermute and the fused weighted top-k sum.
+"""Routing and data movement of the expert path: block alignment,
+scatter/permute, unpermute and the fused weighted top-k sum (kernels:
+``pallas_kernels/routing.py``; notes: ``benchmarks/notes/routing.md``).
 
 Conventions. ``topk_ids [T, k]`` holds global expert ids; the flattened slot
 index is ``s = t*k + j``. A slot is *valid* when its id is in ``[0, E)`` and,
@@ -17,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from humming_jax.backend import resolve_backend
-from humming_jax.configs import RowTilesConfig
 from pallas_kernels import routing as kernels
 
 
@@ -222,13 +222,6 @@ class PermuteResult:
     permuted_idx: jax.Array  # [T*k]: slot of row r
 
 
-def _row_tiles(config: RowTilesConfig | None) -> kernels.RowTiles:
-    """The kernels' row tiling (``row_tiles`` of the row ops; None: the default)."""
-    if config is None:
-        return kernels.RowTiles()
-    return kernels.RowTiles(config.block_tokens, config.block_cols, config.num_warps)
-
-
 @functools.partial(jax.jit, static_argnames=("num_experts", "num_local_experts", "row_tiles", "backend"))
 def moe_permute(
     hidden_states: jax.Array,
@@ -237,14 +230,14 @@ def moe_permute(
     expert_map: jax.Array | None = None,
     num_local_experts: int | None = None,
     a1q_scale: jax.Array | None = None,
-    row_tiles: RowTilesConfig | None = None,
+    row_tiles: kernels.RowTiles | None = None,
     backend: str | None = None,
 ) -> PermuteResult:
     """Gather ``hidden_states [T, H]`` into the grouped-contiguous layout
     ``[T*k, H]`` (row ``scatter_idx[t, j]`` holds token t), carrying an optional
     per-token input scale ``a1q_scale [T, S]`` (e.g. block-FP8 ``[T, H/128]``)
     along. Rows of invalid slots (``>= offsets[-1]``) are zero. ``row_tiles``
-    sets the kernel's tiling (:class:`RowTilesConfig`; default 16 x 512 x 4)."""
+    sets the kernel's tiling (``pallas_kernels.routing.RowTiles``)."""
     _check_routing(topk_ids, num_experts, expert_map, "moe_permute")
     if hidden_states.ndim != 2 or hidden_states.shape[0] != topk_ids.shape[0]:
         raise ValueError(
@@ -263,7 +256,12 @@ def moe_permute(
         offsets, dest, inverse = _scatter_kernel(topk_ids, num_experts, expert_map, num_local, interpret)
         end = offsets[-1:]
         move = functools.partial(
-            kernels.scatter_rows, dest=dest, end=end, top_k=top_k, tiles=_row_tiles(row_tiles), interpret=interpret
+            kernels.scatter_rows,
+            dest=dest,
+            end=end,
+            top_k=top_k,
+            tiles=row_tiles or kernels.RowTiles(),
+            interpret=interpret,
         )
         scale = None if a1q_scale is None else move(a1q_scale)
         return PermuteResult(move(hidden_states), scale, offsets, dest, inverse)
@@ -286,14 +284,14 @@ def moe_unpermute(
     topk_weights: jax.Array,
     inv_permuted_idx: jax.Array,
     expert_first_token_offset: jax.Array,
-    row_tiles: RowTilesConfig | None = None,
+    row_tiles: kernels.RowTiles | None = None,
     backend: str | None = None,
 ) -> jax.Array:
     """Weighted gather-reduce back to token order:
     ``out[t] = sum_j w[t, j] * permuted[inv[t*k + j]]`` over slots whose row is
     below ``expert_first_token_offset[-1]`` (others contribute zero). fp32
     accumulation; returns ``[T, H]`` in the dtype of ``permuted_hidden_states``.
-    ``row_tiles`` sets the kernel's tiling (:class:`RowTilesConfig`)."""
+    ``row_tiles`` sets the kernel's tiling (``pallas_kernels.routing.RowTiles``)."""
     if permuted_hidden_states.ndim != 2:
         raise ValueError(f"moe_unpermute: permuted_hidden_states must be [M, H], got {permuted_hidden_states.shape}")
     if topk_weights.ndim != 2:
@@ -315,7 +313,7 @@ def moe_unpermute(
             t,
             k,
             mode="unpermute",
-            tiles=_row_tiles(row_tiles),
+            tiles=row_tiles or kernels.RowTiles(),
             interpret=chosen == "interpret",
         )
     m = permuted_hidden_states.shape[0]
@@ -335,14 +333,14 @@ def moe_fused_mul_sum(
     num_experts: int,
     expert_map: jax.Array | None = None,
     num_valid_tokens: jax.Array | None = None,
-    row_tiles: RowTilesConfig | None = None,
+    row_tiles: kernels.RowTiles | None = None,
     backend: str | None = None,
 ) -> jax.Array:
     """``out[t] = sum_j w[t, j] * inputs[t, j]`` over valid slots, for
     ``inputs [T, k, N]``; slots whose id is outside ``[0, E)`` or maps to -1
     contribute zero; rows ``t >= num_valid_tokens[0]`` are zero. fp32
     accumulation; returns ``[T, N]`` in the dtype of ``inputs``. ``row_tiles``
-    sets the kernel's tiling (:class:`RowTilesConfig`)."""
+    sets the kernel's tiling (``pallas_kernels.routing.RowTiles``)."""
     _check_routing(topk_ids, num_experts, expert_map, "moe_fused_mul_sum")
     if inputs.ndim != 3 or inputs.shape[:2] != topk_ids.shape:
         raise ValueError(
@@ -364,7 +362,7 @@ def moe_fused_mul_sum(
             mode="fused_mul_sum",
             num_experts=num_experts,
             expert_map=expert_map,
-            tiles=_row_tiles(row_tiles),
+            tiles=row_tiles or kernels.RowTiles(),
             interpret=chosen == "interpret",
         )
     _, valid = _local_ids(topk_ids, num_experts, expert_map, num_experts)

@@ -1,16 +1,14 @@
-"""Pallas kernel for ``process_input``: activation -> Hadamard rotation ->
-quantization -> layout, one pass over the rows.
+"""The Triton-lowered ``process_input`` kernel: activation -> Hadamard
+rotation -> quantization -> layout, one pass over the rows.
 
-Each program takes ``block_rows`` whole rows (quantization scales need whole
-groups or whole rows), computes the activation in f32 from the input columns,
-rotates blocks of ``b`` columns with a ``[b, b]`` ±1 Hadamard matrix on the
-tensor cores (two bf16 products, the value split into high and low halves, so
-the product keeps ~16 mantissa bits), quantizes, and writes each row to its
-place: the same row (``normal``, ``grouped_mask``) or the rows
+Each program takes ``block_rows`` whole rows (scales need whole groups or
+rows), computes the activation in f32, rotates blocks of ``b`` columns with a
+``[b, b]`` ±1 Hadamard matrix on the tensor cores (two bf16 products, the value
+split into high and low halves: ~16 mantissa bits kept), quantizes, and writes
+each row to its place: the same row (``normal``, ``grouped_mask``) or the rows
 ``scatter_idx[i, :]`` (``scatter``). Rows outside the valid set are written as
-zeros, so every output element is written exactly once.
-
-Kernels only: validation and the backend choice live in ``humming_jax``.
+zeros, so every output element is written exactly once. Tiling: :class:`Tiles`;
+what it cannot take: :func:`supports`. Notes: benchmarks/notes/process_input.md.
 """
 
 from __future__ import annotations
@@ -28,6 +26,38 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import codecs
 
 FLOAT8_E4M3_MAX = 448.0
+
+
+def _power_of_two_or_zero(value, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value & (value - 1):
+        raise ValueError(f"process_input.Tiles.{name}: expected 0 (chosen) or a power of two, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The kernel's tiling; 0 leaves a field to the launch's choice:
+    ``block_rows`` whole rows a program (~4096 elements, at least the 16 rows
+    a Hadamard product needs), ``num_warps`` (8 from 8192 elements, 4 where a
+    Hadamard product has fewer than 64 rows), ``row_blocks`` blocks of rows a
+    program in a loop that loads the next block while this one is processed
+    (:func:`chosen_row_blocks`), ``hadamard_sub`` columns of one Hadamard
+    product in the operand-blocks rotation, the rest as f32 butterflies
+    (:func:`product_columns`)."""
+
+    block_rows: int = 0
+    num_warps: int = 0
+    row_blocks: int = 0
+    hadamard_sub: int = 0
+
+    def __post_init__(self):
+        for name in ("block_rows", "num_warps", "hadamard_sub"):
+            _power_of_two_or_zero(getattr(self, name), name)
+        if not isinstance(self.row_blocks, int) or isinstance(self.row_blocks, bool) or self.row_blocks < 0:
+            raise ValueError(f"process_input.Tiles.row_blocks: expected a non-negative int, got {self.row_blocks!r}")
+        if self.num_warps > 32:
+            raise ValueError(f"process_input.Tiles.num_warps: expected at most 32, got {self.num_warps}")
+        if self.hadamard_sub and self.hadamard_sub < 16:
+            raise ValueError(f"process_input.Tiles.hadamard_sub: 16 columns or more a product, got {self.hadamard_sub}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,21 +80,7 @@ class ProcessConfig:
     layout: str = "normal"  # normal | grouped_mask | scatter
     copies: int = 1  # scatter: destinations per input row
     max_tokens: int = 0  # grouped_mask: rows per expert
-    block_rows: int = 0  # 0: chosen from the width
-    num_warps: int = 0  # 0: 4, or 8 for blocks of 8192+ elements
-    # Hadamard in two passes over b-wide column blocks of many rows (first the
-    # per-token max, then rotate again and quantize): no reshape around the
-    # products, which take [rows, b] tiles straight from the loads.
-    two_pass: bool = False
-    # Row blocks per program: a loop over blocks program, program + grid, ...
-    # that loads the next block's input before processing this one (by hand:
-    # Triton pipelines only loads that feed a dot). 0: chosen_row_blocks.
-    row_blocks: int = 0
-    operand_blocks: bool = True  # see rotates_blocks
-    one_block: bool = False  # the row as one block of ``width`` columns, masked past k_out
-    # Operand-blocks rotation: products on s-column sub-blocks, then butterflies
-    # (the block size: whole blocks; 0: chosen, see product_columns).
-    hadamard_sub: int = 0
+    tiles: Tiles = Tiles()
     gpu: bool = False  # compiled for the GPU (not interpreted): use exact division
 
     @property
@@ -77,9 +93,9 @@ class ProcessConfig:
         binary digits of ``k_out`` (768 = 512 + 256, 2880 = 2048 + 512 + 256 +
         64), so no lane is padding. Every block is a whole number of groups and
         Hadamard blocks when ``k_out`` is (they are powers of two). Rows
-        narrower than 16 columns or not a multiple of 16 (or with ``one_block``)
-        take one padded block of ``width`` (masked past ``k_out``)."""
-        if self.k_out % 16 or self.one_block:
+        narrower than 16 columns or not a multiple of 16 take one padded block
+        of ``width`` (masked past ``k_out``)."""
+        if self.k_out % 16:
             return ((0, self.width),)
         sizes = [1 << bit for bit in range(self.k_out.bit_length() - 1, 3, -1) if self.k_out >> bit & 1]
         starts = np.cumsum([0, *sizes[:-1]]).tolist()
@@ -87,10 +103,8 @@ class ProcessConfig:
 
     @property
     def rows(self) -> int:
-        if self.block_rows:
-            return self.block_rows
-        if self.two_pass:
-            return max(16, min(64, 8192 // self.hadamard))
+        if self.tiles.block_rows:
+            return self.tiles.block_rows
         # At least 2 rows: the H200 sweep had K=2880 (width 4096) at 71 % of copy
         # bandwidth with 2 rows and 4 warps, 63 % with 1.
         rows = max(2, 4096 // self.width)
@@ -123,14 +137,14 @@ class ProcessConfig:
 
     @property
     def warps(self) -> int:
-        if self.num_warps:
-            return self.num_warps
-        elements = self.rows * (self.hadamard if self.two_pass else self.width)
+        if self.tiles.num_warps:
+            return self.tiles.num_warps
+        elements = self.rows * self.width
         # Plain rows kept 4 warps up to 2 x 4096 elements on the H200 (8 warps: 66 %
         # vs 71 % at K=2880); the Hadamard products were measured with 8 at 8192
         # (K=2048: 64-row products). Products under 64 rows run on mma.sync, where
         # 4 warps won (K=768, 8 rows: products of 32 and 16 rows; 65.5 -> 51.1 us).
-        if self.hadamard and not self.two_pass and self.smallest_product_rows < 64:
+        if self.hadamard and self.smallest_product_rows < 64:
             return 4
         return 8 if elements >= (8192 if self.hadamard else 16384) else 4
 
@@ -315,9 +329,6 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
     h = h_ref[...] if cfg.hadamard else None
     ins = _Inputs(x_ref, h, static_ref, counts_ref, scatter_ref, valid_ref)
     out_refs = (values_ref, scale_ref, scale2_ref)
-    if cfg.two_pass:
-        _process_rows(pl.program_id(0), None, ins, out_refs, cfg, m_in)
-        return
     if rotates_blocks(cfg, x_ref.dtype):
         program, programs = pl.program_id(0), pl.num_programs(0)  # outside the loop (interpret mode)
 
@@ -325,9 +336,9 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
             _process_rotated_rows(program + i * programs, ins, out_refs, cfg, m_in)
             return carry
 
-        jax.lax.fori_loop(0, cfg.row_blocks, rotated_block, 0)
+        jax.lax.fori_loop(0, cfg.tiles.row_blocks, rotated_block, 0)
         return
-    if cfg.row_blocks == 1:
+    if cfg.tiles.row_blocks == 1:
         _process_rows(pl.program_id(0), _block_inputs(x_ref, pl.program_id(0), cfg, m_in), ins, out_refs, cfg, m_in)
         return
     # Blocks program, program + grid, ...: the next block's loads are issued
@@ -340,7 +351,7 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
         _process_rows(index, tiles, ins, out_refs, cfg, m_in)
         return ahead
 
-    jax.lax.fori_loop(0, cfg.row_blocks, block, _block_inputs(x_ref, program, cfg, m_in))
+    jax.lax.fori_loop(0, cfg.tiles.row_blocks, block, _block_inputs(x_ref, program, cfg, m_in))
 
 
 def _block_rows(block, cfg: ProcessConfig, m_in: int):
@@ -369,46 +380,14 @@ class _Inputs:
 
 def _process_rows(block, tiles, ins: _Inputs, out_refs, cfg: ProcessConfig, m_in: int):
     """The rows ``[block * rows, (block + 1) * rows)`` (those below ``m_in``),
-    from their input ``tiles`` (:func:`_block_inputs`; two passes load their own)."""
+    from their input ``tiles`` (:func:`_block_inputs`)."""
     x_ref, h, static_ref = ins.x_ref, ins.h, ins.static_ref
     values_ref, scale_ref, scale2_ref = out_refs
-    block_rows = cfg.rows
     rows, row_mask = _block_rows(block, cfg, m_in)
     bf16_exact = cfg.activation is None and x_ref.dtype == jnp.bfloat16
     destinations, keeps = _destinations(rows, row_mask, ins, cfg)
     out = _Outputs(values_ref, scale_ref, scale2_ref, destinations, keeps, row_mask)
 
-    if cfg.two_pass:
-        b = cfg.hadamard
-        s = h.shape[0]  # columns of one product: the block, or the tiles' sub-block
-        parts = b // s
-
-        def rotated(i):
-            """Columns ``[i*b, (i+1)*b)`` after activation and rotation, as
-            ``b/s`` tiles ``[rows, s]``: one product per sub-block, each loaded
-            as its own tile, then f32 butterflies (:func:`butterflies`)."""
-            products = [
-                _hadamard_product(_activated(x_ref, rows, row_mask, i * b + p * s, s, False, cfg), h, bf16_exact)
-                for p in range(parts)
-            ]
-            return [y * (1.0 / math.sqrt(b)) for y in butterflies(products)]
-
-        row_amax = None
-        if cfg.mode in ("dynamic_token", "dynamic_group_token"):
-            row_amax = jax.lax.fori_loop(
-                0,
-                cfg.k_out // b,
-                lambda i, amax: jnp.maximum(amax, _row_max([jnp.abs(y) for y in rotated(i)])),
-                jnp.zeros((block_rows,), jnp.float32),
-            )
-
-        def write(i, carry):
-            segments = tuple((i * b + p * s, s) for p in range(parts))
-            _store(out, _quantize(rotated(i), static_ref, cfg, row_amax), segments, False, cfg)
-            return carry
-
-        jax.lax.fori_loop(0, cfg.k_out // b, write, 0)
-        return
     segments = cfg.segments
     padded = cfg.padded
     ys, loads = [], iter(tiles)
@@ -442,8 +421,6 @@ def rotates_blocks(cfg: ProcessConfig, x_dtype) -> bool:
     or no quantization to 8-bit or 16-bit values."""
     return bool(
         cfg.hadamard
-        and cfg.operand_blocks
-        and not cfg.two_pass
         and cfg.activation is None
         and jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16)
         and cfg.k_out % cfg.hadamard == 0  # a padded block's tail is whole Hadamard blocks of zeros
@@ -460,9 +437,8 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
     ``hadamard_sub``, by one product per sub-block and f32 butterflies), quantized
     per token and stored with the same addressing — no reshape between the load and the
     product, so the compiler can copy the input into shared memory
-    asynchronously, where the product reads it (the reshaped form moved every
-    tile through registers and shared memory behind CTA barriers). The same
-    arithmetic as :func:`_rotate` and :func:`_quantize`."""
+    asynchronously, where the product reads it. The same arithmetic as
+    :func:`_rotate` and :func:`_quantize`."""
     b, rows_n = cfg.hadamard, cfg.rows
     width = ins.h.shape[0]  # columns of one product: the Hadamard block, or the launcher's sub-block
     rows, row_mask = _block_rows(block, cfg, m_in)
@@ -594,7 +570,7 @@ def chosen_row_blocks(cfg: ProcessConfig, m_in: int) -> int:
     fewer while the grid would
     fall under MIN_LOOPED_PROGRAMS; 1 otherwise (the activations and
     quantizations ran 5-15 % slower looped)."""
-    if not cfg.hadamard or cfg.two_pass:
+    if not cfg.hadamard:
         return 1
     programs = pl.cdiv(m_in, cfg.rows)
     # Programs of 4 warps (products under 64 rows) ran best with 4 blocks (K=768:
@@ -611,17 +587,15 @@ CHOSEN_HADAMARD_SUB = 64
 
 
 def product_columns(cfg: ProcessConfig, x_dtype) -> int:
-    """Columns of the rotation's matrix products: ``cfg.hadamard_sub`` where
-    given (operand-blocks rotation or two passes), else
+    """Columns of the rotation's matrix products: ``tiles.hadamard_sub`` where
+    given (operand-blocks rotation), else
     :data:`CHOSEN_HADAMARD_SUB` under blocks larger than that in the
     operand-blocks rotation (:func:`rotates_blocks`); the whole Hadamard block
     otherwise."""
-    if cfg.two_pass and cfg.hadamard and cfg.hadamard_sub:
-        return cfg.hadamard_sub
     if not rotates_blocks(cfg, x_dtype):
         return cfg.hadamard
-    if cfg.hadamard_sub:
-        return cfg.hadamard_sub
+    if cfg.tiles.hadamard_sub:
+        return cfg.tiles.hadamard_sub
     return CHOSEN_HADAMARD_SUB if cfg.hadamard > CHOSEN_HADAMARD_SUB else cfg.hadamard
 
 
@@ -631,9 +605,7 @@ def pipeline_stages(cfg: ProcessConfig) -> int:
     then copies the next block's input asynchronously (sm_90 SASS at K=768,
     64 rows, h64: LDG -> LDGSTS, 98 -> 94 registers, 45 KB of shared memory);
     1 for a program of one block."""
-    if cfg.two_pass:
-        return 2
-    return 1 if cfg.row_blocks == 1 else 3
+    return 1 if cfg.tiles.row_blocks == 1 else 3
 
 
 def _scale_dtype(cfg: ProcessConfig):
@@ -655,8 +627,8 @@ def process_input(
     scatter layout ``scatter_idx`` must be a permutation of ``[0, M*copies)``."""
     m_in = x.shape[0]
     m_out = m_in * cfg.copies
-    if not cfg.row_blocks:
-        cfg = dataclasses.replace(cfg, row_blocks=chosen_row_blocks(cfg, m_in))
+    if not cfg.tiles.row_blocks:
+        cfg = dataclasses.replace(cfg, tiles=dataclasses.replace(cfg.tiles, row_blocks=chosen_row_blocks(cfg, m_in)))
     inputs = [x]
     if cfg.hadamard:
         inputs.append(jnp.asarray(hadamard_signs(product_columns(cfg, x.dtype)), jnp.bfloat16))
@@ -686,7 +658,7 @@ def process_input(
             out_shape.append(jax.ShapeDtypeStruct((m_out, 1), jnp.float32))
     outs = pl.pallas_call(
         functools.partial(_process_kernel, cfg=cfg, m_in=m_in),
-        grid=(pl.cdiv(pl.cdiv(m_in, cfg.rows), cfg.row_blocks),),
+        grid=(pl.cdiv(pl.cdiv(m_in, cfg.rows), cfg.tiles.row_blocks),),
         out_shape=tuple(out_shape),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=pipeline_stages(cfg)),
         interpret=interpret,
@@ -694,3 +666,25 @@ def process_input(
     )(*inputs)
     outs = list(outs) + [None] * (3 - len(outs))
     return tuple(outs)
+
+
+def supports(tiles: Tiles, cfg: ProcessConfig, x_dtype) -> str | None:
+    """Why the kernel cannot run ``cfg`` with ``tiles`` (None if it can): the
+    Hadamard products need 16 rows (the MMA minimum); sub-block products are
+    for the operand-blocks rotation (:func:`rotates_blocks`), under the
+    Hadamard block (or the block itself: one product a block)."""
+    sub = tiles.hadamard_sub
+    cfg = dataclasses.replace(cfg, tiles=tiles)
+    if sub and not (cfg.hadamard and (sub == cfg.hadamard or (sub < cfg.hadamard and rotates_blocks(cfg, x_dtype)))):
+        return (
+            f"hadamard_sub={sub}: sub-block products are for a Hadamard rotation of a bf16 input without activation, "
+            f"quantized per token, statically or not at all, under the Hadamard block (hadamard_block_size="
+            f"{cfg.hadamard}, activation={cfg.activation}, input {jnp.dtype(x_dtype).name}, mode {cfg.mode})"
+        )
+    per_row = cfg.hadamard_blocks_per_row if cfg.hadamard else 0
+    if per_row and tiles.block_rows and tiles.block_rows * per_row < 16:
+        return (
+            f"block_rows={tiles.block_rows}: the Hadamard products need 16 rows of {cfg.hadamard} columns, so at least "
+            f"{-(-16 // per_row)} rows a program here"
+        )
+    return None

@@ -378,10 +378,26 @@ MIN_ROW_PROGRAMS = 1024  # ~8 per SM: enough row gathers in flight to hide their
 
 @dataclasses.dataclass(frozen=True)
 class RowTiles:
+    """Tiling of the row-moving kernels (``scatter_rows``, ``gather_rows``,
+    ``fused_mul_sum``): ``block_tokens`` token rows by ``block_cols`` columns
+    a program on ``num_warps`` warps (powers of two); with few tokens
+    :meth:`fit` halves ``block_tokens`` down to ``min_block_tokens``. These
+    kernels take every call: a bad tiling raises when it is built."""
+
     block_tokens: int = 4
     block_cols: int = 256
     num_warps: int = 4
     min_block_tokens: int = 4
+
+    def __post_init__(self):
+        for name in ("block_tokens", "block_cols", "num_warps", "min_block_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+                raise ValueError(f"RowTiles.{name}: expected a power of two, got {value!r}")
+        if self.block_cols < 16:
+            raise ValueError(f"RowTiles.block_cols: expected at least 16, got {self.block_cols}")
+        if self.num_warps > 32:
+            raise ValueError(f"RowTiles.num_warps: expected at most 32, got {self.num_warps}")
 
     def fit(self, cols: int, tokens: int | None = None) -> RowTiles:
         """Columns capped to the row width; with ``tokens``, fewer token rows

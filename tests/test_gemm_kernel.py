@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 import humming_jax as hj
 from humming_jax import formats as F
-from humming_jax.gemm import kernel_tuning
-from pallas_kernels import gemm as kernel
+from humming_jax.gemm import as_quantized_input, plan
+from pallas_kernels.gemm import triton as kernel
+from pallas_kernels.gemm.spec import LayoutSpec, WeightSpec
 from pallas_kernels import word_decode as wd
 
 import np_ref
@@ -39,16 +40,17 @@ def _weight(rng, fmt, e, k=K):
     return F.quantize_weight(w, fmt, bias=bias)
 
 
-def _layouts(rng):
+def _layouts(rng, block_size=16):
+    """Every layout; the indexed one aligned to ``block_size`` (a tile's rows)."""
     ids = rng.integers(0, E, size=(M, 2)).astype(np.int32)
     ids[0, 0] = E + 5  # an invalid slot: its output row is never written
-    sorted_ids, expert_ids, padded = hj.moe_align_block_size(jnp.asarray(ids), 16, E)
+    sorted_ids, expert_ids, padded = hj.moe_align_block_size(jnp.asarray(ids), block_size, E)
     return {
         "dense": hj.Dense(),
         "grouped_contiguous": hj.GroupedContiguous(jnp.asarray([0, 7, 7, 30, 33], jnp.int32)),  # empty, tail rows
         "grouped_masked": hj.GroupedMasked(jnp.asarray([0, 10, 3, 40], jnp.int32)),  # empty, over-full
         # The dropped slot is listed past the padded blocks: the kernel zeroes its row (no zero fill).
-        "indexed": hj.Indexed(sorted_ids, expert_ids, padded, top_k=2, block_size=16, lists_dropped=True),
+        "indexed": hj.Indexed(sorted_ids, expert_ids, padded, top_k=2, block_size=block_size, lists_dropped=True),
     }
 
 
@@ -60,14 +62,15 @@ def _kernel_reference(x, weight, layout):
     """The reference the kernel's default tiling must match: with folded scales
     (the H200 table's decode entries) integer and fp8-with-float-scale weights
     are rounded to bf16 once; e2m1/e4m3 values times e8m0/e4m3 scales are exact."""
-    return _reference_for(kernel_tuning(layout, weight, x.shape[0]), x, weight, layout)
+    tiles, _ = plan(as_quantized_input(x), weight, layout, out_dtype=jnp.float32, interpret=True)
+    return _reference_for(tiles, x, weight, layout)
 
 
 def _reference_for(tuning, x, weight, layout):
     """The folded reference when ``tuning`` folds scales that round, else the reference."""
     fmt = weight.format
     exact = fmt.value_type.value in ("float4_e2m1", "float8_e4m3") and fmt.scale_type.value in ("e8m0", "float8_e4m3")
-    if tuning.fold_scales and fmt.is_quantized and not exact:
+    if getattr(tuning, "fold_scales", False) and fmt.is_quantized and not exact:
         return _folded_reference(x, weight, layout)
     return _reference(x, weight, layout)
 
@@ -92,7 +95,7 @@ def _check_tiling(rng, fmt_name, layout_kind, tuning, k=K, x_dtype=jnp.bfloat16)
     """The kernel under ``tuning`` equals the reference (f32 output, bound 1e-5)."""
     weight = _weight(rng, F.get_format(fmt_name), 1 if layout_kind == "dense" else E, k)
     x = jnp.asarray(rng.normal(size=(M, k)), x_dtype)
-    layout = _layouts(rng)[layout_kind]
+    layout = _layouts(rng, tuning.block_m)[layout_kind]
     ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
 
@@ -117,7 +120,7 @@ def test_split_k_is_deterministic(split_k, rng):
     weight = _weight(rng, F.INT4_G32, E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
     layout = _layouts(rng)["grouped_contiguous"]
-    tuning = hj.TuningConfig(block_m=16, block_n=32, block_k=32, split_k=split_k)
+    tuning = kernel.Tiles(block_m=16, block_n=32, block_k=32, split_k=split_k)
     first = hj.gemm(x, weight, layout, tuning=tuning, backend=KERNEL_BACKEND)
     again = hj.gemm(x, weight, layout, tuning=tuning, backend=KERNEL_BACKEND)
     np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(again, np.float32))
@@ -192,7 +195,8 @@ def test_kernel_backend_refuses_what_it_cannot_run(rng):
         hj.gemm(q, weight, layout, backend=KERNEL_BACKEND)
     with pytest.raises(ValueError, match="float32 inputs"):
         hj.gemm(x, weight, layout, backend=KERNEL_BACKEND)
-    assert hj.gemm(q, weight, layout).shape == (M, N)  # the default backend falls back to the reference
+    with pytest.warns(UserWarning, match="no kernel takes this call"):  # off a GPU the default runs the reference
+        assert hj.gemm(q, weight, layout).shape == (M, N)
 
 
 @pytest.mark.parametrize("layout_kind", ["dense", "grouped_contiguous", "indexed"])
@@ -219,7 +223,7 @@ def test_act_order_group_index(layout_kind, rng):
 @pytest.mark.parametrize("fmt_name", ["bf16", "int4_g128+bias", "uint4_fzp_g128", "mxfp4", "nvfp4", "fp8_block128"])
 def test_swap_ab_tiles(layout_kind, fmt_name, rng):
     """``swap_ab`` (out.T = w @ x.T, the decode tiling) computes the same values."""
-    _check_tiling(rng, fmt_name, layout_kind, hj.TuningConfig(block_m=16, block_n=64, block_k=128, swap_ab=True))
+    _check_tiling(rng, fmt_name, layout_kind, kernel.Tiles(block_m=16, block_n=64, block_k=128, swap_ab=True))
 
 
 @pytest.mark.parametrize("layout_kind", ["dense", "grouped_contiguous", "grouped_masked"])
@@ -228,7 +232,7 @@ def test_swap_ab_tiles(layout_kind, fmt_name, rng):
 def test_prefill_tiles_split_x(layout_kind, fmt_name, block_k, rng):
     """Row tiles of 64+ read a copy of x with each span's columns split even/odd
     (packed formats): same values as the reference."""
-    _check_tiling(rng, fmt_name, layout_kind, hj.TuningConfig(block_m=64, block_n=32, block_k=block_k))
+    _check_tiling(rng, fmt_name, layout_kind, kernel.Tiles(block_m=64, block_n=32, block_k=block_k))
 
 
 @pytest.mark.parametrize("group_m", [2, 4])
@@ -236,7 +240,7 @@ def test_prefill_tiles_split_x(layout_kind, fmt_name, block_k, rng):
 def test_banded_program_order(group_m, layout_kind, rng):
     """Programs in bands of ``group_m`` row tiles (a partial last band
     included) cover every output tile exactly once."""
-    _check_tiling(rng, "int4_g32", layout_kind, hj.TuningConfig(block_m=16, block_n=16, block_k=64, group_m=group_m))
+    _check_tiling(rng, "int4_g32", layout_kind, kernel.Tiles(block_m=16, block_n=16, block_k=64, group_m=group_m))
 
 
 @pytest.mark.parametrize(
@@ -250,27 +254,27 @@ def test_word_decode(block_m, layout_kind, fmt_name, rng):
     """``word_decode``: packed weights read as uint32 words, 8 pieces per span
     (on a GPU, integer codes are decoded by inline PTX); same values."""
     _check_tiling(
-        rng, fmt_name, layout_kind, hj.TuningConfig(block_m=block_m, block_n=32, block_k=128, word_decode=True)
+        rng, fmt_name, layout_kind, kernel.Tiles(block_m=block_m, block_n=32, block_k=128, word_decode=True)
     )
 
 
 @pytest.mark.parametrize("fmt_name", ["int4_g128", "uint4_zp_g128", "mxfp4"])
 def test_word_decode_swap_ab(fmt_name, rng):
     """Word-decoded weights as the MMA's A operand (decode tiles)."""
-    tuning = hj.TuningConfig(block_m=16, block_n=32, block_k=256, swap_ab=True, word_decode=True)
+    tuning = kernel.Tiles(block_m=16, block_n=32, block_k=256, swap_ab=True, word_decode=True)
     _check_tiling(rng, fmt_name, "grouped_contiguous", tuning)
 
 
 @pytest.mark.parametrize(
     "layout_kind,tuning",
     [
-        ("grouped_contiguous", hj.TuningConfig(16, 32, 128, word_decode=True, pair_decode=True)),
-        ("indexed", hj.TuningConfig(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)),
-        ("grouped_masked", hj.TuningConfig(64, 32, 128, word_decode=True, pair_decode=True)),
-        ("dense", hj.TuningConfig(16, 32, 256, swap_ab=True, word_decode=True, pair_decode=True, fold_scales=True)),
+        ("grouped_contiguous", kernel.Tiles(16, 32, 128, word_decode=True, pair_decode=True)),
+        ("indexed", kernel.Tiles(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)),
+        ("grouped_masked", kernel.Tiles(64, 32, 128, word_decode=True, pair_decode=True)),
+        ("dense", kernel.Tiles(16, 32, 256, swap_ab=True, word_decode=True, pair_decode=True, fold_scales=True)),
         (  # the prefill candidate's shape: 64 rows, swap, bands, folded scales
             "grouped_contiguous",
-            hj.TuningConfig(64, 32, 128, swap_ab=True, group_m=2, word_decode=True, pair_decode=True, fold_scales=True),
+            kernel.Tiles(64, 32, 128, swap_ab=True, group_m=2, word_decode=True, pair_decode=True, fold_scales=True),
         ),
     ],
     ids=["grouped", "indexed_fold", "masked_64rows", "dense_swap_fold", "prefill_swap_fold"],
@@ -285,7 +289,7 @@ def test_pair_decode(fmt_name, layout_kind, tuning, rng):
         return
     weight = _weight(rng, F.get_format(fmt_name), 1 if layout_kind == "dense" else E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-    layout = _layouts(rng)[layout_kind]
+    layout = _layouts(rng, tuning.block_m)[layout_kind]
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
     _check(out, _folded_reference(x, weight, layout), bound=1e-5)
 
@@ -295,19 +299,19 @@ def test_pair_decode_with_a_partial_last_tile(rng):
     weight = _weight(rng, F.INT4_G128, E, k=384)
     x = jnp.asarray(rng.normal(size=(M, 384)), jnp.bfloat16)
     layout = _layouts(rng)["grouped_contiguous"]
-    tuning = hj.TuningConfig(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)
+    tuning = kernel.Tiles(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
     _check(out, _folded_reference(x, weight, layout), bound=1e-5)
 
 
 def test_pair_decode_needs_word_decode():
     with pytest.raises(ValueError, match="pair_decode"):
-        hj.TuningConfig(16, 32, 128, pair_decode=True)
+        kernel.Tiles(16, 32, 128, pair_decode=True)
 
 
 def test_split_packed_columns_for_pairs():
     """Piece j of a pair-decoded span meets x columns 8u + j, 8u + j + 4 (u = 0, 1, ...)."""
-    from pallas_kernels.gemm import split_packed_columns
+    from pallas_kernels.gemm.triton import split_packed_columns
 
     x = jnp.arange(2 * 256, dtype=jnp.float32).reshape(2, 256)
     split = np.asarray(split_packed_columns(x, 128, 8, pairs=True))
@@ -320,7 +324,7 @@ def test_piece_column_order():
     """The kernel's column map in NumPy: in K order it is the split copy of x
     (bytes, words, pairs), and for planar weights every column appears once
     and pair pieces are runs of unit/4 consecutive columns."""
-    from pallas_kernels.gemm import piece_column_order, split_packed_columns
+    from pallas_kernels.gemm.triton import piece_column_order, split_packed_columns
 
     x = np.arange(384)[None, :]
     for span, ways, pairs in ((64, 2, False), (128, 8, False), (256, 8, True)):
@@ -345,7 +349,7 @@ def test_piece_column_order():
 def test_multiply_add_tiles(block_m, fmt_name, word, layout_kind, rng):
     """``use_mma=False``: row tiles of 1-8 rows multiply on the CUDA cores (f32),
     every format's pieces and scales as in the MMA path."""
-    tuning = hj.TuningConfig(block_m=block_m, block_n=32, block_k=128, word_decode=word, use_mma=False)
+    tuning = kernel.Tiles(block_m=block_m, block_n=32, block_k=128, word_decode=word, use_mma=False)
     _check_tiling(rng, fmt_name, layout_kind, tuning)
 
 
@@ -393,21 +397,21 @@ def test_indexed_rows_of_dead_blocks_are_zero(lists_dropped, rng):
 
 def test_multiply_add_config_validation():
     with pytest.raises(ValueError, match="use_mma"):
-        hj.TuningConfig(block_m=16, use_mma=False)
+        kernel.Tiles(block_m=16, use_mma=False)
     with pytest.raises(ValueError, match="block_m"):
-        hj.TuningConfig(block_m=4)
+        kernel.Tiles(block_m=4)
 
 
 def test_word_decode_f16(rng):
-    tuning = hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True)
+    tuning = kernel.Tiles(block_m=16, block_n=32, block_k=128, word_decode=True)
     _check_tiling(rng, "int4_g128", "grouped_contiguous", tuning, x_dtype=jnp.float16)
 
 
 @pytest.mark.parametrize(
     "tuning",
     [
-        hj.TuningConfig(block_m=64, block_n=32, block_k=128, swap_ab=True, fold_scales=True),
-        hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True, fold_scales=True),
+        kernel.Tiles(block_m=64, block_n=32, block_k=128, swap_ab=True, fold_scales=True),
+        kernel.Tiles(block_m=16, block_n=32, block_k=128, word_decode=True, fold_scales=True),
     ],
     ids=["prefill", "decode_word"],
 )
@@ -424,7 +428,7 @@ def test_folded_scales(fmt_name, layout_kind, tuning, rng):
     and NVFP4 carry the split exponent, E2M1_FOLDED_EXPONENT)."""
     weight = _weight(rng, F.get_format(fmt_name), E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-    layout = _layouts(rng)[layout_kind]
+    layout = _layouts(rng, tuning.block_m)[layout_kind]
     ref = _reference_for(tuning, x, weight, layout)
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
 
@@ -438,36 +442,22 @@ def test_folded_zero_points_with_a_partial_last_tile(fmt_name, rng):
     for layout in _layouts(rng).values():
         if isinstance(layout, hj.Dense):
             continue
-        tuning = hj.TuningConfig(16, 32, 256, word_decode=True, fold_scales=True)
+        tuning = kernel.Tiles(16, 32, 256, word_decode=True, fold_scales=True)
         out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
         _check(out, _folded_reference(x, weight, layout), bound=1e-5)
-
-
-@pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "grouped_masked", "indexed"])
-@pytest.mark.parametrize("fmt_name", ["int4_g128+bias", "uint4_fzp_g128", "mxfp4", "nvfp4", "fp8_block128"])
-def test_dequantize_first(fmt_name, layout_kind, rng):
-    """``dequantize_first``: the weight is dequantized to bf16 once and the
-    16-bit kernel runs, so the result is the reference on the bf16-rounded
-    dequantized weight (f32 output, bound 1e-5); rows no tile owns stay zero."""
-    weight = _weight(rng, F.get_format(fmt_name), E)
-    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-    layout = _layouts(rng)[layout_kind]
-    tuning = hj.TuningConfig(block_m=16, block_n=32, block_k=64, word_decode=True, dequantize_first=True)
-    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
-    _check(out, _folded_reference(x, weight, layout), bound=1e-5)
 
 
 @pytest.mark.parametrize(
     "fmt_name,k,tuning",
     [
-        ("mxfp4", 96, hj.TuningConfig(block_m=64, block_n=32, block_k=64)),  # split x, scales in the weights
-        ("mxfp4", 160, hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True)),
-        ("int4_g32", 96, hj.TuningConfig(block_m=64, block_n=32, block_k=64)),
-        ("int4_channel", 160, hj.TuningConfig(block_m=64, block_n=32, block_k=128, word_decode=True)),
-        ("int4_channel", 160, hj.TuningConfig(block_m=16, block_n=32, block_k=128, word_decode=True)),
+        ("mxfp4", 96, kernel.Tiles(block_m=64, block_n=32, block_k=64)),  # split x, scales in the weights
+        ("mxfp4", 160, kernel.Tiles(block_m=16, block_n=32, block_k=128, word_decode=True)),
+        ("int4_g32", 96, kernel.Tiles(block_m=64, block_n=32, block_k=64)),
+        ("int4_channel", 160, kernel.Tiles(block_m=64, block_n=32, block_k=128, word_decode=True)),
+        ("int4_channel", 160, kernel.Tiles(block_m=16, block_n=32, block_k=128, word_decode=True)),
         # The partial tile in the last split, and (split_k=4) a split with no tile at all.
-        ("mxfp4", 160, hj.TuningConfig(block_m=16, block_n=32, block_k=64, split_k=2)),
-        ("int4_channel", 144, hj.TuningConfig(block_m=16, block_n=32, block_k=32, split_k=4)),
+        ("mxfp4", 160, kernel.Tiles(block_m=16, block_n=32, block_k=64, split_k=2)),
+        ("int4_channel", 144, kernel.Tiles(block_m=16, block_n=32, block_k=32, split_k=4)),
     ],
 )
 def test_k_not_a_multiple_of_the_tile(fmt_name, k, tuning, rng):
@@ -476,18 +466,18 @@ def test_k_not_a_multiple_of_the_tile(fmt_name, k, tuning, rng):
 
 
 _PLANAR_TILINGS = {
-    "bytes_16rows": hj.TuningConfig(16, 32, 64),
-    "bytes_64rows": hj.TuningConfig(64, 32, 64),
-    "word": hj.TuningConfig(16, 32, 128, word_decode=True),
-    "pairs_fold": hj.TuningConfig(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True),
-    "pairs_64rows": hj.TuningConfig(64, 32, 128, word_decode=True, pair_decode=True),
-    "prefill_swap_fold_pairs": hj.TuningConfig(
+    "bytes_16rows": kernel.Tiles(16, 32, 64),
+    "bytes_64rows": kernel.Tiles(64, 32, 64),
+    "word": kernel.Tiles(16, 32, 128, word_decode=True),
+    "pairs_fold": kernel.Tiles(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True),
+    "pairs_64rows": kernel.Tiles(64, 32, 128, word_decode=True, pair_decode=True),
+    "prefill_swap_fold_pairs": kernel.Tiles(
         64, 32, 128, swap_ab=True, group_m=2, word_decode=True, pair_decode=True, fold_scales=True
     ),
-    "multiply_add": hj.TuningConfig(8, 32, 64, use_mma=False),
-    "split_k": hj.TuningConfig(16, 32, 64, split_k=2),
+    "multiply_add": kernel.Tiles(8, 32, 64, use_mma=False),
+    "split_k": kernel.Tiles(16, 32, 64, split_k=2),
     # The T=1 decode candidates: two splits of K, each with folded pairs.
-    "pairs_fold_split_k": hj.TuningConfig(
+    "pairs_fold_split_k": kernel.Tiles(
         16, 32, 128, split_k=2, swap_ab=True, word_decode=True, pair_decode=True, fold_scales=True
     ),
 }
@@ -521,17 +511,21 @@ def test_planar_weights(fmt_name, layout_kind, tiling, rng):
     planar = hj.to_planar(weight)
     assert planar.nibble_unit == F.planar_unit(fmt, K) > 0
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-    layout = _layouts(rng)[layout_kind]
+    layout = _layouts(rng, tuning.block_m)[layout_kind]
     run = dict(out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
     ref = _reference_for(tuning, x, weight, layout)
     out = hj.gemm(x, planar, layout, **run)
     _check(out, ref, bound=1e-5)
     np.testing.assert_allclose(np.asarray(out), np.asarray(hj.gemm(x, weight, layout, **run)), rtol=1e-6, atol=1e-6)
     if fmt.value_type == F.ValueType.FLOAT4_E2M1 and tiling in _HALF_BITS_TILINGS:
-        # the decoder's bit order: every tiling becomes pairs + fold (bytes, multiply-adds, split K)
+        # the decoder's bit order is read as pairs + fold only (bytes, multiply-adds, split K refused)
         bits = hj.to_planar(weight, half_bits=True)
         assert bits.half_bits and not np.array_equal(np.asarray(bits.values), np.asarray(planar.values))
-        out_bits = hj.gemm(x, bits, layout, **run)
+        if not (tuning.pair_decode and tuning.fold_scales and tuning.block_k >= 128):
+            with pytest.raises(ValueError, match="half-bits"):
+                hj.gemm(x, bits, layout, **run)
+        pairs = dict(word_decode=True, pair_decode=True, fold_scales=True, block_k=max(128, tuning.block_k))
+        out_bits = hj.gemm(x, bits, layout, **dict(run, tuning=dataclasses.replace(tuning, **pairs)))
         _check(out_bits, _reference(x, weight, layout), bound=1e-5)
 
 
@@ -540,7 +534,7 @@ def test_planar_weights_with_a_partial_last_tile(rng):
     weight = _weight(rng, F.INT4_G128, E, k=384)
     x = jnp.asarray(rng.normal(size=(M, 384)), jnp.bfloat16)
     layout = _layouts(rng)["grouped_contiguous"]
-    tuning = hj.TuningConfig(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)
+    tuning = kernel.Tiles(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)
     out = hj.gemm(x, hj.to_planar(weight), layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
     _check(out, _folded_reference(x, weight, layout), bound=1e-5)
 
@@ -552,7 +546,7 @@ def test_planar_weights_need_no_split_copy_of_x(rng):
     weight = _weight(rng, F.INT4_G128, E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
     layout = _layouts(rng)["grouped_contiguous"]
-    tuning = hj.TuningConfig(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)
+    tuning = kernel.Tiles(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)
 
     def outside_kernels(jaxpr):  # primitive names, through nested jits, not into the Pallas kernels
         for eqn in jaxpr.eqns:
@@ -585,7 +579,7 @@ def test_folded_e2m1_split_of_the_exponent():
         assert p.raw_e2m1 == (on_gpu and ways == 8)
         assert decoded * 2.0**p.scale_exponent == 2.0**-kernel.E2M1_FOLDED_EXPONENT
     fold = kernel.Tiles(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)
-    mxfp4 = kernel.WeightSpec(E, N, K, "float4_e2m1", "group", "e8m0", 32)
+    mxfp4 = WeightSpec(E, N, K, "float4_e2m1", "group", "e8m0", 32)
     assert kernel.folds_e2m1(mxfp4, fold, jnp.bfloat16) and not kernel.folds_e2m1(mxfp4, fold, jnp.float16)
     assert not kernel.folds_e2m1(mxfp4, dataclasses.replace(fold, fold_scales=False), jnp.bfloat16)
     assert kernel.value_factor(mxfp4, True) == 2.0**62 and kernel.value_factor(mxfp4) == 64.0
@@ -600,7 +594,7 @@ def test_grouped_row_tiles_cover_work_and_gaps():
     import itertools
 
     for m, e, bm in ((8, 4, 4), (9, 3, 4), (12, 5, 4), (40, 4, 16), (6, 8, 2), (5, 2, 16)):
-        layout = kernel.LayoutSpec("grouped_contiguous", m, m)
+        layout = LayoutSpec("grouped_contiguous", m, m)
         bound = kernel.num_row_tiles(layout, e, bm)
         most = 0
         for cuts in itertools.combinations_with_replacement(range(m + 1), e - 1):
@@ -608,7 +602,7 @@ def test_grouped_row_tiles_cover_work_and_gaps():
         assert most == bound - 1, (m, e, bm)
         gaps = max(-(-first // bm) + -(-(m - last) // bm) for first in range(m + 1) for last in range(first, m + 1))
         assert gaps <= bound, (m, e, bm)
-    assert kernel.num_row_tiles(kernel.LayoutSpec("grouped_contiguous", 8, 8), 128, 16) == 9
+    assert kernel.num_row_tiles(LayoutSpec("grouped_contiguous", 8, 8), 128, 16) == 9
 
 
 def test_gap_chunks_cover_the_rows_outside_every_group():
@@ -625,12 +619,12 @@ def test_gap_chunks_cover_the_rows_outside_every_group():
 @pytest.mark.parametrize(
     "offsets,tuning",
     [
-        ((17, 34, 36, 38, 39), hj.TuningConfig(16, 32, 128)),  # 17 rows before the first group, 1 after the last
-        ((9, 12, 12, 20, 23), hj.TuningConfig(16, 32, 128)),
-        ((9, 12, 12, 20, 23), hj.TuningConfig(16, 32, 128, split_k=2)),  # zeros in both partials
-        ((0, 1, 2, 3, 4), hj.TuningConfig(16, 16, 128, column_tiles=2, swap_ab=True)),  # E rows + 36 outside
-        ((0, 0, 0, 0, 0), hj.TuningConfig(16, 32, 64)),  # no group: every row outside
-        ((40, 40, 40, 40, 40), hj.TuningConfig(16, 32, 64, split_k=2)),
+        ((17, 34, 36, 38, 39), kernel.Tiles(16, 32, 128)),  # 17 rows before the first group, 1 after the last
+        ((9, 12, 12, 20, 23), kernel.Tiles(16, 32, 128)),
+        ((9, 12, 12, 20, 23), kernel.Tiles(16, 32, 128, split_k=2)),  # zeros in both partials
+        ((0, 1, 2, 3, 4), kernel.Tiles(16, 16, 128, swap_ab=True)),  # E rows + 36 outside
+        ((0, 0, 0, 0, 0), kernel.Tiles(16, 32, 64)),  # no group: every row outside
+        ((40, 40, 40, 40, 40), kernel.Tiles(16, 32, 64, split_k=2)),
     ],
 )
 def test_grouped_rows_outside_every_group_are_zero(offsets, tuning, rng):
@@ -652,7 +646,7 @@ def test_grouped_tiles_at_the_bound(rng):
     experts, the rest on the fourth; and the reverse) against the reference."""
     weight = _weight(rng, F.INT4_G128, E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-    tuning = hj.TuningConfig(16, 32, 128)
+    tuning = kernel.Tiles(16, 32, 128)
     for counts in ((1, 1, 1, M - 3), (M - 7, 5, 1, 1)):
         layout = hj.GroupedContiguous(jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32))
         out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
@@ -662,60 +656,15 @@ def test_grouped_tiles_at_the_bound(rng):
 @pytest.mark.parametrize("fmt_name", ["mxfp4", "nvfp4"])
 def test_half_bits_with_a_partial_last_tile(fmt_name, rng):
     """e2m1 weights in the decoder's bit order with K=160 (gpt-oss's K=2880 is
-    not a multiple of 128 either): the forced 128-wide pair tiles end in a
-    partial one."""
+    not a multiple of 128 either): the 128-wide pair tiles they need end in a
+    partial one, with the tiles given and with the chosen ones."""
     weight = _weight(rng, F.get_format(fmt_name), E, k=160)
     x = jnp.asarray(rng.normal(size=(M, 160)), jnp.bfloat16)
     layout = _layouts(rng)["grouped_contiguous"]
     bits = hj.to_planar(weight, half_bits=True)
-    out = hj.gemm(x, bits, layout, out_dtype=jnp.float32, tuning=hj.TuningConfig(16, 32, 64), backend=KERNEL_BACKEND)
-    _check(out, _reference(x, weight, layout), bound=1e-5)
-
-
-_WORD_PAIRS_FOLD = dict(word_decode=True, pair_decode=True, fold_scales=True)
-
-
-@pytest.mark.parametrize(
-    "fmt_name,layout_kind,k,tuning",
-    [
-        ("bf16", "grouped_contiguous", K, hj.TuningConfig(16, 32, 64, column_tiles=2)),
-        ("int4_g128+bias", "indexed", K, hj.TuningConfig(16, 16, 128, column_tiles=4, **_WORD_PAIRS_FOLD)),
-        # 4 tiles of 32 columns a program on N=64: the second half of each group is past N.
-        ("mxfp4", "grouped_masked", K, hj.TuningConfig(16, 32, 128, column_tiles=4, swap_ab=True, **_WORD_PAIRS_FOLD)),
-        ("int4_g32", "dense", K, hj.TuningConfig(64, 32, 64, column_tiles=2)),  # the split copy of x
-        ("mxfp4", "grouped_contiguous", 160, hj.TuningConfig(16, 32, 128, column_tiles=2, word_decode=True)),
-    ],
-)
-def test_column_tiles_per_program(fmt_name, layout_kind, k, tuning, rng):
-    """Several column tiles per program in one loop over (column tile, K
-    tile): the accumulator restarts at each tile and each tile is stored once
-    (bias, partial K tiles, column groups reaching past N, every layout)."""
-    weight = _weight(rng, F.get_format(fmt_name), 1 if layout_kind == "dense" else E, k)
-    x = jnp.asarray(rng.normal(size=(M, k)), jnp.bfloat16)
-    layout = _layouts(rng)[layout_kind]
-    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
-    _check(out, _reference_for(tuning, x, weight, layout), bound=1e-5)
-    one = dataclasses.replace(tuning, column_tiles=1)
-    np.testing.assert_array_equal(
-        np.asarray(out),
-        np.asarray(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=one, backend=KERNEL_BACKEND)),
-    )
-
-
-def test_column_tiles_with_e2m1_halves_in_the_decoders_bit_order(rng):
-    weight = _weight(rng, F.MXFP4, E)
-    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-    layout = _layouts(rng)["grouped_contiguous"]
-    tuning = hj.TuningConfig(16, 32, 128, column_tiles=2, **_WORD_PAIRS_FOLD)
-    bits = hj.to_planar(weight, half_bits=True)
+    tuning = kernel.Tiles(16, 32, 128, word_decode=True, pair_decode=True, fold_scales=True)
     out = hj.gemm(x, bits, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
     _check(out, _reference(x, weight, layout), bound=1e-5)
-
-
-def test_column_tiles_config_validation():
-    with pytest.raises(ValueError, match="column_tiles"):
-        hj.TuningConfig(16, 32, 64, column_tiles=2, split_k=2)
-    with pytest.raises(ValueError, match="column_tiles"):
-        hj.TuningConfig(16, 32, 64, column_tiles=3)
-    assert kernel.num_col_groups(64, kernel.Tiles(block_n=32, column_tiles=4)) == 1
-    assert kernel.num_col_groups(96, kernel.Tiles(block_n=32, column_tiles=2)) == 2
+    _check(hj.gemm(x, bits, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND), _reference(x, weight, layout))
+    with pytest.raises(ValueError, match="half-bits"):  # a tiling passed by hand runs as given or raises
+        hj.gemm(x, bits, layout, tuning=kernel.Tiles(16, 32, 64), backend=KERNEL_BACKEND)

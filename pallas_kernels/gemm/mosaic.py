@@ -1,36 +1,16 @@
-"""Grouped expert GEMM on Mosaic GPU (Hopper): TMA loads into swizzled shared
+"""The Mosaic GPU expert GEMM (Hopper, sm_90): TMA loads into swizzled shared
 memory, warp-specialized wgmma, a persistent loop over output tiles.
 
-The Triton-lowered family in :mod:`pallas_kernels.gemm` covers every weight
-format and layout; this kernel is its prefill member for 16-bit and planar
-4-bit integer weights, where the cp.async-pipelined Triton tile stops at
-~510 TFLOP/s (mixtral w13). One
-warpgroup issues the TMA copies of each K step, two compute
-warpgroups run the products of one ``[block_m, block_n]`` output tile, each
-on its share of the columns (``wgmma``: x from shared memory, the weight
-tile's ``[block_n / 2, bk]`` slice transposed in place as the B operand) — or, with
-``split_rows``, each on its share of the rows with the whole weight tile.
-
-Rows: TMA cannot gather, so a row tile is ``block_m`` consecutive rows of x.
-The launcher turns the layout into a table of row tiles — ``(group, load
-row, first row, rows)`` each: an expert's rows cut into tiles from the
-multiple of 8 at or below its first row (a TMA box into 8-row tiled shared
-memory starts on that grid), the rows no expert owns as a group of zeros —
-so no tile mixes experts. A tile loads ``block_m`` rows from its load row
-(inside x; the rows that are not its own are read and ignored) and stores
-only its own rows, as a sum of power-of-two row slices (TMA boxes are
-static; their starts are not).
-
-Layouts: ``dense`` (one expert), ``grouped_contiguous`` (``offsets [E+1]``)
-and ``grouped_masked`` (``counts [E]`` of each expert's ``M / E`` rows; the
-rest zeros). Weights: bf16/f16 ``[E, N, K]`` (K contiguous) with an optional
-bias ``[E, N]``; or 4-bit integer codes in the planar order of 128-column
-units (:class:`NibbleDecode`),
-decoded in the compute warpgroups' registers each K step: a code's 16-bit
-pattern ``magic | q`` is the float ``magic + q`` exactly, minus the offset
-(``magic`` plus the zero point), times the scale — one rounding, as the
-dequantized weight has — then staged in shared memory as the wgmma's B
-operand, one 32-column piece at a time.
+The prefill member of the family: 16-bit weights, and planar 4-bit integer
+weights (int4, uint4 with integer zero points; 128-column groups or per-channel
+scales) decoded in the compute warpgroups' registers each K step
+(:class:`NibbleDecode`: ``magic | q`` is the float ``magic + q``, minus the
+offset, times the scale: one rounding). Other quantized weights take it after
+one dequantize pass (``Tiles.dequantize_first``). Layouts ``dense``,
+``grouped_contiguous`` and ``grouped_masked``: TMA cannot gather, so the
+launcher cuts each expert's rows into row tiles (``row_tile_table``) and a
+tile stores only its own rows. Tiling: :class:`Tiles`; what it cannot take:
+:func:`supports`. Design and measurements: docs/DESIGN.md, benchmarks/notes/gemm.md.
 """
 
 from __future__ import annotations
@@ -48,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, vector
 
-from pallas_kernels.gemm import tile_order
+from pallas_kernels.gemm.spec import GemmCall, LayoutSpec, WeightSpec, tile_order
 from pallas_kernels.word_decode import MAGIC  # (pattern, base): pattern | q is the float base + q
 
 # Compute warpgroups of a program. Not 4: JAX 0.11.2's warp-specialized pipeline then
@@ -61,59 +41,57 @@ H100_SMS = 132  # H100 / H200: programs of the persistent grid when the device d
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicTiles:
-    """``block_m`` rows by ``block_n`` columns per output tile (each of the
-    two compute warpgroups takes ``block_n / 2`` — or
-    with ``split_rows`` ``block_m / 2`` rows and every column, both
-    sharing each weight tile: 4-bit codes are then decoded a share by each),
-    ``block_k`` per pipeline step, ``stages`` steps in flight, programs
-    ordered in bands of ``group_m`` row tiles."""
+class Tiles:
+    """``block_m`` rows by ``block_n`` columns per output tile (each of the two
+    compute warpgroups takes ``block_n / 2``), ``block_k`` per pipeline step,
+    ``stages`` steps in flight, programs ordered in bands of ``group_m`` row
+    tiles."""
 
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
-    stage_slots: int = 2  # 4-bit path: decoded pieces in shared memory per compute warpgroup (2 or 4)
-    split_rows: bool = False
     # 4-bit path: each decoded piece is the wgmma's A operand straight from
     # registers (no staging), the accumulator out.T ([wg_n, block_m]), stored
     # transposed. GPU only: the 0.11 interpreter cannot run a register operand.
     swap_ab: bool = False
-    # 1: a step's wgmma stays in flight while the next step's is issued, its
-    # shared-memory slot released a step late (16-bit weights and swap_ab: the
-    # staged pieces would need a wait of their own).
-    delay_release: int = 0
     # 4-bit path: each nibble taken from the 32-bit registers of the WGMMA layout
     # (two neighbouring codes each: a shift, a mask and an or per pair) rather than
     # from 16-bit lanes, whose shifts LLVM unpacks per lane. Compiled only: the
     # interpreter runs the 16-bit form, which computes the same values.
     word_decode: bool = False
-    # Shared-memory slots a warpgroup's epilogue stores through (1 or 2): with 2, the
-    # next 64-column chunk is written while the last one's TMA store still reads its slot.
-    epilogue_slots: int = 1
     # Programs in clusters of ``cluster_n`` (1 or 2) on adjacent column tiles of one row
     # tile: x's tiles are multicast to both by TMA (each fetches half from L2).
     cluster_n: int = 1
-    # Programs in clusters of ``cluster_m`` (1 or 2) on a pair of row tiles of one expert
-    # (each expert's tiles padded to an even count) and one column tile: the weight's
-    # tiles are multicast to both (a pad tile runs the pipeline and stores nothing).
-    cluster_m: int = 1
+    # A quantized weight is dequantized to the compute dtype by one pass before the
+    # kernel runs its 16-bit path (formats it does not decode itself; prefill only:
+    # the pass reads every expert's weight).
+    dequantize_first: bool = False
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "stages", "group_m"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"mosaic.Tiles.{name}: expected a positive int, got {value!r}")
+        if self.cluster_n not in (1, 2):
+            raise ValueError(f"mosaic.Tiles.cluster_n: 1 or 2, got {self.cluster_n!r}")
 
     @property
     def wg_m(self) -> int:
         """Rows of a compute warpgroup's accumulator."""
-        return self.block_m // COMPUTE_WGS if self.split_rows else self.block_m
+        return self.block_m
 
     @property
     def wg_n(self) -> int:
         """Columns of a compute warpgroup's accumulator."""
-        return self.block_n if self.split_rows else self.block_n // COMPUTE_WGS
+        return self.block_n // COMPUTE_WGS
 
 
 UNIT = 128  # columns of one planar unit: a K step of the 4-bit path
 PIECES = 4  # a unit's 16-bit half h holds columns h + 32 j at bits 4j..4j+3
 PIECE = UNIT // PIECES
+STAGE_SLOTS = 2  # staged 4-bit path: decoded pieces in shared memory per compute warpgroup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,108 +109,119 @@ class NibbleDecode:
     zero_points: bool = False
 
 
-def check_tiles(tiles: MosaicTiles, n: int, k: int, dtype, decode: NibbleDecode | None = None) -> None:
-    """The shapes the kernel's static TMA boxes and wgmma tiles need."""
+def tiles_refusal(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | None = None) -> str | None:
+    """Why the kernel's static TMA boxes and wgmma tiles cannot take these
+    shapes with ``tiles`` (None if they can)."""
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize != 2:
-        raise ValueError(f"mosaic GEMM: 16-bit inputs and weights, got {jnp.dtype(dtype)}")
+        return f"{jnp.dtype(dtype)} operands (16-bit inputs and weights)"
     # x's rows are the wgmma's M (multiples of 64), or with swap_ab its N (decode-sized tiles).
     row_choices = (16, 32, 64, 128) if tiles.swap_ab else (64, 128)
     if tiles.wg_m not in row_choices:
-        allowed = (
-            f"{64 * COMPUTE_WGS} or {128 * COMPUTE_WGS} with split_rows"
-            if tiles.split_rows
-            else " or ".join(map(str, row_choices))
-        )
-        raise ValueError(f"mosaic GEMM: block_m must be {allowed}, got {tiles.block_m}")
+        return f"block_m={tiles.block_m} (one of {row_choices})"
     if tiles.wg_n % EPILOGUE_COLUMNS or tiles.wg_n > 256:
-        ways = 1 if tiles.split_rows else COMPUTE_WGS
-        raise ValueError(
-            f"mosaic GEMM: block_n must be a multiple of {ways * EPILOGUE_COLUMNS} "
-            f"and at most {ways * 256}, got {tiles.block_n}"
-        )
+        return f"block_n={tiles.block_n} (a multiple of {COMPUTE_WGS * EPILOGUE_COLUMNS}, at most {COMPUTE_WGS * 256})"
     if tiles.wg_m * tiles.wg_n > 128 * 128:  # 128 f32 registers a thread for the accumulator
-        raise ValueError(
-            f"mosaic GEMM: a warpgroup's accumulator (block_m x block_n / 2, or block_m / 2 "
-            f"x block_n with split_rows) must be at most 128 x 128, got block_m={tiles.block_m}, "
-            f"block_n={tiles.block_n}"
-        )
+        return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most 128 x 128)"
     if decode is None and tiles.block_k * itemsize not in (32, 64, 128):
-        raise ValueError(f"mosaic GEMM: block_k must be 16, 32 or 64 for 16-bit operands, got {tiles.block_k}")
+        return f"block_k={tiles.block_k} with 16-bit weights (16, 32 or 64)"
     if n % tiles.block_n:
-        raise ValueError(f"mosaic GEMM: N={n} must be a multiple of block_n={tiles.block_n}")
+        return f"N={n}, not a multiple of block_n={tiles.block_n}"
     if k % tiles.block_k:
-        raise ValueError(f"mosaic GEMM: K={k} must be a multiple of block_k={tiles.block_k}")
-    if tiles.stage_slots not in (2, PIECES):
-        raise ValueError(f"mosaic GEMM: stage_slots must be 2 or {PIECES}, got {tiles.stage_slots}")
-    if tiles.swap_ab and (decode is None or tiles.split_rows):
-        raise ValueError(
-            "mosaic GEMM: swap_ab (decoded weights as the register operand) is for 4-bit weights without split_rows"
-        )
-    if tiles.delay_release not in (0, 1) or tiles.stages <= tiles.delay_release:
-        raise ValueError(
-            f"mosaic GEMM: delay_release must be 0 or 1 and below stages, got {tiles.delay_release} "
-            f"with {tiles.stages} stages"
-        )
-    if tiles.delay_release and k // tiles.block_k < 2:
-        raise ValueError(
-            f"mosaic GEMM: delay_release needs at least 2 K steps (the last step's slot is released by "
-            f"waiting at the last step), got K={k} with block_k={tiles.block_k}"
-        )
-    if tiles.delay_release and decode is not None and not tiles.swap_ab:
-        raise ValueError(
-            "mosaic GEMM: delay_release is for 16-bit weights and the swap_ab form (staged 4-bit pieces are "
-            "rewritten each step)"
-        )
-    if tiles.epilogue_slots not in (1, 2):
-        raise ValueError(f"mosaic GEMM: epilogue_slots must be 1 or 2, got {tiles.epilogue_slots}")
-    if tiles.cluster_n not in (1, 2) or tiles.cluster_m not in (1, 2) or tiles.cluster_n * tiles.cluster_m > 2:
-        raise ValueError(
-            f"mosaic GEMM: clusters of two programs at most: cluster_n and cluster_m 1 or 2, not both 2, "
-            f"got cluster_n={tiles.cluster_n}, cluster_m={tiles.cluster_m}"
-        )
+        return f"K={k}, not a multiple of block_k={tiles.block_k}"
+    if tiles.swap_ab and decode is None:
+        return "swap_ab with 16-bit weights (the form is for decoded 4-bit weights)"
     if (n // tiles.block_n) % tiles.cluster_n:
-        raise ValueError(
-            f"mosaic GEMM: cluster_n={tiles.cluster_n} pairs column tiles: N={n} must be a multiple of "
-            f"{tiles.cluster_n * tiles.block_n}"
-        )
+        return f"cluster_n={tiles.cluster_n} with N={n} (pairs of column tiles: a multiple of {2 * tiles.block_n})"
     if tiles.word_decode and decode is None:
-        raise ValueError("mosaic GEMM: word_decode is for 4-bit weights (the codes' 32-bit registers)")
+        return "word_decode with 16-bit weights (the codes' 32-bit registers)"
     if decode is not None:
         if tiles.block_k != UNIT:
-            raise ValueError(f"mosaic GEMM: 4-bit weights take block_k={UNIT} (one planar unit), got {tiles.block_k}")
+            return f"block_k={tiles.block_k} with 4-bit weights (one planar unit: {UNIT})"
         if jnp.dtype(dtype).name not in MAGIC:
-            raise ValueError(f"mosaic GEMM: 4-bit weights take bf16 or f16 inputs, got {jnp.dtype(dtype)}")
+            return f"{jnp.dtype(dtype)} inputs with 4-bit weights (bf16 or f16)"
         if decode.groups != k // UNIT:
-            raise ValueError(
-                f"mosaic GEMM: 4-bit weights take a scale per {UNIT} columns (per-channel ones repeated), "
-                f"got {decode.groups} groups over K={k}"
-            )
+            return f"{decode.groups} scale groups over K={k} (a scale per {UNIT} columns, per-channel ones repeated)"
+    return None
+
+
+def check_tiles(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | None = None) -> None:
+    """Raise ``ValueError`` with :func:`tiles_refusal`'s reason."""
+    reason = tiles_refusal(tiles, n, k, dtype, decode)
+    if reason:
+        raise ValueError(f"mosaic GEMM: {reason}")
 
 
 def swap_ab_refusal(out_dtype, interpret: bool) -> str | None:
     """Why the ``swap_ab`` form cannot run a call (None if it can)."""
     if interpret:
-        return (
-            "swap_ab runs compiled only (the Mosaic GPU interpreter of jax 0.11 cannot take a register wgmma operand)"
-        )
+        return "swap_ab runs compiled only (the Mosaic GPU interpreter of jax 0.11 cannot take a register operand)"
     if jnp.dtype(out_dtype).itemsize != 2:
-        return (
-            f"swap_ab stores out.T through a transposed shared-memory view, which takes 16-bit outputs, "
-            f"got out_dtype={jnp.dtype(out_dtype)}"
-        )
+        return f"swap_ab with out_dtype={jnp.dtype(out_dtype)} (out.T is stored through a 16-bit transposed view)"
     return None
 
 
-def max_row_tiles(ranges: int, m: int, block_m: int, pairs: int = 1) -> int:
+def decode_refusal(w: WeightSpec, x_dtype: str) -> str | None:
+    """Why the kernel cannot decode this quantized weight itself (None if it can)."""
+    name = f"{w.value_type} weights"
+    if w.value_type not in ("int4", "uint4") or w.zero_point == "float":
+        return f"{name} (int4, or uint4 with integer zero points; others through dequantize_first)"
+    if not (w.scale == "channel" or (w.scale == "group" and w.group_size == UNIT)) or w.global_scale != "none":
+        return f"{name} with {w.scale} scales ({UNIT}-column groups or per-channel scales)"
+    if w.nibble_unit != UNIT or w.half_bits:
+        return f"{name} in K order (the planar order of {UNIT}-column units: to_planar)"
+    if w.scale_type != x_dtype:
+        return f"{w.scale_type} scales with {x_dtype} inputs (scales in the input dtype)"
+    if w.has_group_index:
+        return "a group index (act order)"
+    return None
+
+
+def hopper_gpu() -> bool:
+    """Whether the default device is a Hopper GPU (sm_90: TMA and wgmma; the
+    Blackwell generation has no wgmma)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def supports(tiles: Tiles, call: GemmCall) -> str | None:
+    """Why this kernel cannot run ``call`` with ``tiles`` (None if it can)."""
+    w, layout = call.weight, call.layout
+    if call.input_quant != "none":
+        return f"quantized inputs ({call.input_quant}): the kernel takes 16-bit float inputs"
+    if not call.interpret and not hopper_gpu():
+        return f"this device ({jax.devices()[0].device_kind}: the kernel needs a Hopper GPU, sm_90)"
+    if layout.kind == "indexed":
+        return "the indexed layout (TMA cannot gather rows)"
+    if call.use_f16_accum:
+        return "f16 accumulation"
+    decode = None
+    if tiles.dequantize_first and w.quantized:
+        w = w.dequantized(call.x_dtype)
+    elif w.quantized:
+        reason = decode_refusal(w, call.x_dtype)
+        if reason:
+            return reason
+        decode = NibbleDecode(w.k // UNIT)
+    elif w.value_type != call.x_dtype:
+        return f"{w.value_type} weights with {call.x_dtype} inputs (the same 16-bit dtype)"
+    if tiles.dequantize_first and not call.weight.quantized:
+        return "dequantize_first with a 16-bit weight (nothing to dequantize)"
+    reason = tiles_refusal(tiles, w.n, w.k, call.x_dtype, decode)
+    if reason:
+        return reason
+    if tiles.swap_ab:
+        return swap_ab_refusal(call.out_dtype, call.interpret)
+    return None
+
+
+def max_row_tiles(ranges: int, m: int, block_m: int) -> int:
     """Static bound on the row tiles of ``m`` rows cut per range, each range's
     tiles starting up to 7 rows before its first row: at most min(ranges, m)
     ranges hold rows, each one tile plus one per further block_m rows (the
-    7 rows in front add at most one tile per range); with ``pairs`` = 2 each
-    range may add a tile to make its count even, and the total is even."""
+    7 rows in front add at most one tile per range)."""
     busy = min(ranges, m)
-    bound = max(1, 2 * busy + m // block_m + (busy if pairs > 1 else 0))
-    return -(-bound // pairs) * pairs
+    return max(1, 2 * busy + m // block_m)
 
 
 ROW_ALIGN = 8  # a TMA box into 8-row tiled shared memory starts on a multiple of 8 rows
@@ -257,26 +246,21 @@ def masked_ranges(counts: jax.Array, max_tokens: int) -> tuple[jax.Array, jax.Ar
     return jnp.concatenate([starts, ends]), jnp.concatenate([ends, starts + max_tokens])
 
 
-def row_tile_table(
-    starts: jax.Array, ends: jax.Array, num_experts: int, m: int, block_m: int, pairs: int = 1
-) -> jax.Array:
+def row_tile_table(starts: jax.Array, ends: jax.Array, num_experts: int, m: int, block_m: int) -> jax.Array:
     """``[tiles, 4]`` int32 ``(group, load row, first row, rows)`` per row
     tile: the row ranges ``[starts[i], ends[i])`` (the first ``num_experts``
     are the experts', the others rows stored as zeros, group E), cut into
     tiles of ``block_m`` from the multiple of 8 at or below each range's
     first row. A tile loads ``block_m`` rows of x from its load row (a
     multiple of 8, inside ``padded_rows(m, block_m)``) and stores ``rows``
-    rows from its first row; tiles past the last have 0 rows. ``pairs`` = 2:
-    each range's tile count is made even (a 0-row tile after its last), so
-    tiles 2p and 2p+1 always share a group (a cluster's row-tile pair)."""
+    rows from its first row; tiles past the last have 0 rows."""
     ranges = starts.shape[0]
     starts = jnp.clip(starts.astype(jnp.int32), 0, m)
     ends = jnp.maximum(jnp.clip(ends.astype(jnp.int32), 0, m), starts)
     aligned = starts - starts % ROW_ALIGN
     per_range = jnp.where(ends > starts, (ends - aligned + block_m - 1) // block_m, 0)
-    per_range = per_range + (-per_range) % pairs
     tile_ends = jnp.cumsum(per_range)
-    tile = jnp.arange(max_row_tiles(ranges, m, block_m, pairs), dtype=jnp.int32)
+    tile = jnp.arange(max_row_tiles(ranges, m, block_m), dtype=jnp.int32)
     index = jnp.minimum(jnp.searchsorted(tile_ends, tile, side="right"), ranges - 1).astype(jnp.int32)
     group = jnp.minimum(index, num_experts)  # every zero range is group E
     tile_start = aligned[index] + (tile - (tile_ends[index] - per_range[index])) * block_m
@@ -290,26 +274,6 @@ def row_tile_table(
 def padded_rows(m: int, block_m: int) -> int:
     """Rows of x the kernel reads: at least one tile, a multiple of 8."""
     return -(-max(m, block_m) // ROW_ALIGN) * ROW_ALIGN
-
-
-def _store_copies(rows, block_m: int):
-    """How many TMA copies :func:`_store_rows` issues for ``rows`` rows (one a set bit)."""
-    count = jnp.int32(0)
-    size = block_m
-    while size:
-        count = count + ((rows & size) != 0).astype(jnp.int32)
-        size //= 2
-    return count
-
-
-def _wait_stores_but(pending, block_m: int) -> None:
-    """Wait until at most ``pending`` (dynamic, up to one copy a power of two
-    up to ``block_m``) of the issued shared-to-global copies still read."""
-    for allowed in range(block_m.bit_length() + 1):
-
-        @pl.when(pending == allowed)
-        def _(allowed=allowed):
-            plgpu.wait_smem_to_gmem(allowed, wait_read_only=True)
 
 
 def _store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
@@ -392,7 +356,7 @@ def _kernel(
     x_gmem,
     w_gmem,
     *rest,
-    tiles: MosaicTiles,
+    tiles: Tiles,
     num_experts: int,
     row_tiles: int,
     decode: NibbleDecode | None,
@@ -407,29 +371,18 @@ def _kernel(
     dtype = x_gmem.dtype
     bm, bk, wg_m, wg_n = tiles.block_m, tiles.block_k, tiles.wg_m, tiles.wg_n
     col_tiles = n // tiles.block_n
-    shared = tiles.split_rows  # the warpgroups split the rows and share the weight tile
-    delay = tiles.delay_release  # steps a slot is held past its product's issue
-    words = tiles.word_decode and not interpret  # nibbles from 32-bit registers (see MosaicTiles)
-    # A cluster's programs share the row tile (x's tiles multicast to both) or the
-    # column tile of one expert (the weight's tiles multicast).
+    words = tiles.word_decode and not interpret  # nibbles from 32-bit registers (see Tiles)
+    # A cluster's programs share the row tile: x's tiles are multicast to both.
     shared_x = ("cluster",) if tiles.cluster_n > 1 else ()
-    shared_w = ("cluster",) if tiles.cluster_m > 1 else ()
     if decode is None:
         in_specs = [
             plgpu.BlockSpec(
                 (bm, bk),
                 lambda i: (0, i),
                 transforms=swizzled(bk, dtype),
-                delay_release=delay,
                 collective_axes=shared_x,
             ),
-            plgpu.BlockSpec(
-                (tiles.block_n, bk),
-                lambda i: (0, i),
-                transforms=swizzled(bk, dtype),
-                delay_release=delay,
-                collective_axes=shared_w,
-            ),
+            plgpu.BlockSpec((tiles.block_n, bk), lambda i: (0, i), transforms=swizzled(bk, dtype)),
         ]
     else:  # x as the unit's 4 pieces, the unit's codes, its group's scales (and zero points)
         in_specs = [
@@ -438,16 +391,12 @@ def _kernel(
                     (bm, PIECE),
                     lambda i, j=j: (0, PIECES * i + j),
                     transforms=swizzled(PIECE, dtype),
-                    delay_release=delay,
                     collective_axes=shared_x,
                 )
                 for j in range(PIECES)
             ),
-            plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i), delay_release=delay, collective_axes=shared_w),
-            *(
-                plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0), delay_release=delay, collective_axes=shared_w)
-                for _ in quant_gmem
-            ),
+            plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i)),
+            *(plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
         ]
 
     def pipeline(step, context):
@@ -471,18 +420,15 @@ def _kernel(
         return (*(rows for _ in range(PIECES)), w_gmem.at[group, cols], *(q.at[group, :, cols] for q in quant_gmem))
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-    # The decoded pieces wait in shared memory for the wgmma: slots per warpgroup, or
-    # with split_rows the unit's 4 pieces shared by all, behind two barriers a step
-    # (the interpreter cannot store through a swizzle: there they are plain).
+    # The decoded pieces wait in shared memory for the wgmma in STAGE_SLOTS slots per
+    # warpgroup (the interpreter cannot store through a swizzle: there they are plain).
     stage_transforms = () if interpret else swizzled(PIECE, dtype)
-    stage_shape = (PIECES, tiles.block_n, PIECE) if shared else (COMPUTE_WGS, tiles.stage_slots, wg_n, PIECE)
+    stage_shape = (COMPUTE_WGS, STAGE_SLOTS, wg_n, PIECE)
     decoding = decode is not None
     staged = decoding and not tiles.swap_ab  # swap_ab feeds the decoded pieces from registers
     scratch = dict(
-        o_smem=plgpu.SMEM((COMPUTE_WGS, tiles.epilogue_slots, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
+        o_smem=plgpu.SMEM((COMPUTE_WGS, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
         stage=plgpu.SMEM(stage_shape, dtype, transforms=stage_transforms) if staged else None,
-        # [0]: every warpgroup's pieces are in shared memory; [1]: every product has read them.
-        sync=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2) if decoding and shared else None,
     )
 
     @functools.partial(
@@ -491,42 +437,28 @@ def _kernel(
         **{name: shape for name, shape in scratch.items() if shape is not None},
         collective_axes="wg",
     )
-    def _(allocations, o_smem, stage=None, sync=None):
+    def _(allocations, o_smem, stage=None):
         wg = lax.axis_index("wg")
-        # The warpgroup's rows of the tile and its columns of the weight tile.
-        wg_rows = pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m) if shared else slice(None)
-        wg_slice = slice(None) if shared else pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
+        wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)  # the warpgroup's columns of the weight tile
+        cn = tiles.cluster_n
 
-        cm, cn = tiles.cluster_m, tiles.cluster_n
-
-        @plgpu.nd_loop((row_tiles // cm * col_tiles // cn,), collective_axes="sm")
+        @plgpu.nd_loop((row_tiles * col_tiles // cn,), collective_axes="sm")
         def _(loop):
             (item,) = loop.index
-            row_tile, col_tile = tile_order(item, row_tiles // cm, col_tiles // cn, tiles.group_m)
+            row_tile, col_tile = tile_order(item, row_tiles, col_tiles // cn, tiles.group_m)
             if cn > 1:  # the cluster's programs: adjacent column tiles of one row tile
                 col_tile = col_tile * cn + lax.axis_index("cluster")
-            if cm > 1:  # the cluster's programs: a pair of row tiles of one expert (row_tile_table's pairs)
-                row_tile = row_tile * cm + lax.axis_index("cluster")
             group, load_row = table_ref[row_tile, 0], pl.multiple_of(table_ref[row_tile, 1], ROW_ALIGN)
             first_row, rows = table_ref[row_tile, 2], table_ref[row_tile, 3]
             offset = first_row - load_row  # the tile's own rows in the loaded box (the others are not stored)
-            wg_cols = col_tile * tiles.block_n + (0 if shared else wg * wg_n)
-            # The tile's own rows [offset, offset + rows) within this warpgroup's rows.
-            wg_first = wg * wg_m if shared else 0
-            own_start = jnp.maximum(offset, wg_first)
-            own_rows = jnp.clip(jnp.minimum(offset + rows, wg_first + wg_m) - own_start, 0, wg_m)
+            wg_cols = col_tile * tiles.block_n + wg * wg_n
 
             def store(acc, transposed: bool = False):
                 """The compute warpgroup's ``[wg_m, wg_n]`` result (``transposed``:
                 given as ``[wg_n, wg_m]``), its own rows only."""
-                gmem_first = first_row + own_start - offset
-                slots = tiles.epilogue_slots
                 for chunk in range(wg_n // EPILOGUE_COLUMNS):
-                    if slots == 1 or chunk == 0:  # (a tile's first: the last tile's stores are long done)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copies have read it
-                    else:  # the previous chunk's copies may still read the other slot
-                        _wait_stores_but(_store_copies(own_rows, wg_m), wg_m)
-                    slot = o_smem.at[wg, chunk % slots]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copies have read it
+                    slot = o_smem.at[wg]
                     columns = slice(chunk * EPILOGUE_COLUMNS, (chunk + 1) * EPILOGUE_COLUMNS)
                     if transposed:  # stored through a transposed view of the slot
                         slot.transpose((1, 0))[...] = acc[columns]
@@ -534,7 +466,7 @@ def _kernel(
                         slot[...] = acc[:, columns]
                     plgpu.commit_smem()
                     cols = o_gmem.at[:, pl.ds(wg_cols + chunk * EPILOGUE_COLUMNS, EPILOGUE_COLUMNS)]
-                    _store_rows(slot, cols, gmem_first, own_start - wg_first, own_rows, wg_m)
+                    _store_rows(slot, cols, first_row, offset, rows, wg_m)
 
             swap = tiles.swap_ab
             acc_shape = (wg_n, wg_m) if swap else (wg_m, wg_n)
@@ -551,28 +483,9 @@ def _kernel(
                         acc = acc + (bias[:, None] if swap else bias[None, :])
                     store(acc.astype(o_gmem.dtype), transposed=swap)
 
-            def wait_products(indices, in_flight: int):
-                """Wait for the products issued before this step's (``in_flight`` of
-                them, delay_release) — at the last step for all: the pipeline releases
-                the previous step's slot after this returns, and the memory warpgroup
-                refills the slots for the next tile once it sees that release, so the
-                last product must be done by then."""
-                if not delay:
-                    plgpu.wgmma_wait(0)
-                    return
-                last = indices[0] == k // bk - 1
-
-                @pl.when(last)
-                def _():
-                    plgpu.wgmma_wait(0)
-
-                @pl.when(~last)
-                def _():
-                    plgpu.wgmma_wait(in_flight)
-
             def step(indices, x_smem, w_smem, acc_ref):
-                plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[wg_slice].transpose((1, 0)))
-                wait_products(indices, 1)
+                plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
+                plgpu.wgmma_wait(0)
                 return acc_ref
 
             def decode_step(indices, *refs):
@@ -583,51 +496,23 @@ def _kernel(
                     code_offset = quant[1][0, wg_slice][:, None]
                 else:
                     code_offset = jnp.asarray(MAGIC[jnp.dtype(dtype).name][1] + decode.code_offset, dtype)
-                if shared:
-                    return shared_decode_step(x_pieces, codes, code_offset, scale, acc_ref)
                 if swap:  # out.T += w_piece @ x_piece.T, the decoded piece as the register operand
                     for piece in range(PIECES):
                         w_piece = _decode_piece(codes, piece, code_offset, scale, dtype, words)
                         plgpu.wgmma(acc_ref, w_piece, x_pieces[piece].transpose((1, 0)))
-                    wait_products(indices, PIECES)  # a product per piece
+                    plgpu.wgmma_wait(0)
                     return acc_ref
-                slots = tiles.stage_slots
                 for piece in range(PIECES):
-                    slot = stage.at[wg, piece % slots]
-                    if piece >= slots:
-                        plgpu.wgmma_wait(1)  # the product that read this slot (piece - slots) is done
+                    slot = stage.at[wg, piece % STAGE_SLOTS]
+                    if piece >= STAGE_SLOTS:
+                        plgpu.wgmma_wait(1)  # the product that read this slot (piece - 2) is done
                     slot[...] = _decode_piece(codes, piece, code_offset, scale, dtype, words)
                     plgpu.commit_smem()
                     plgpu.wgmma(acc_ref, x_pieces[piece], slot.transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            def shared_decode_step(x_pieces, codes, code_offset, scale, acc_ref):
-                """Split rows: each warpgroup decodes its share of the unit's pieces into
-                the shared stage, then all multiply their rows by all four."""
-                share = PIECES // COMPUTE_WGS
-                for owner in range(COMPUTE_WGS):
-
-                    @pl.when(wg == owner)
-                    def _(owner=owner):
-                        for piece in range(owner * share, owner * share + share):
-                            stage[piece] = _decode_piece(codes, piece, code_offset, scale, dtype, words)
-
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(sync.at[0])
-                plgpu.barrier_wait(sync.at[0])
-                for piece in range(PIECES):
-                    plgpu.wgmma(acc_ref, x_pieces[piece].at[wg_rows], stage.at[piece].transpose((1, 0)))
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(sync.at[1])  # the next step may overwrite the stage
-                plgpu.barrier_wait(sync.at[1])
-                return acc_ref
-
-            # A row-tile pair runs the pipeline together (the multicast needs both), a 0-row
-            # pad tile included: it stores nothing.
-            busy = rows > 0 if cm == 1 else (rows > 0) | (table_ref[row_tile ^ 1, 3] > 0)  # ^ 1: its partner
-
-            @pl.when(busy & (group < num_experts))
+            @pl.when((rows > 0) & (group < num_experts))
             def _():
                 body = step if decode is None else decode_step
                 pipeline(body, context)(*operands(group, col_tile, load_row), allocations=allocations)
@@ -643,7 +528,7 @@ def expert_gemm_mosaic(
     x: jax.Array,
     weight: jax.Array,
     offsets: jax.Array | None,
-    tiles: MosaicTiles,
+    tiles: Tiles,
     *,
     out_dtype,
     counts: jax.Array | None = None,
@@ -691,7 +576,7 @@ def expert_gemm_mosaic(
     padded = padded_rows(m, tiles.block_m)  # a row tile's box fits inside x
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
-    table = row_tile_table(starts, ends, num_experts, m, tiles.block_m, pairs=tiles.cluster_m)
+    table = row_tile_table(starts, ends, num_experts, m, tiles.block_m)
     row_tiles = table.shape[0]
     sms = persistent_programs(interpret)
     if bias is not None and bias.shape != (num_experts, n):
@@ -706,7 +591,7 @@ def expert_gemm_mosaic(
         has_bias=bias is not None,
         interpret=interpret,
     )
-    cluster = tiles.cluster_n * tiles.cluster_m  # programs a cluster (1 or 2)
+    cluster = tiles.cluster_n  # programs a cluster (1 or 2)
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -720,3 +605,50 @@ def expert_gemm_mosaic(
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
     return kernel(table, x, weight, *quant, *extra)
+
+
+def _nibble_operands(w: WeightSpec, weight_arrays: tuple[jax.Array, ...], dtype):
+    """A planar 4-bit weight's stored parts (packed codes ``uint8 [E, N, K/2]``,
+    scales ``[E, N, G]`` or ``[E, N, 1]``, packed integer zero points) as the
+    kernel reads them: codes ``uint16 [E, N, K/4]``, scales (and code offsets
+    ``magic + zero``) ``[E, K/128, N]`` in ``dtype``, and the decode spec."""
+    values, scale = weight_arrays[:2]
+    e, n, k = w.num_experts, w.n, w.k
+    groups = k // UNIT
+    codes = lax.bitcast_convert_type(values.reshape(e, n, k // 4, 2), jnp.uint16)
+    scales = jnp.broadcast_to(jnp.swapaxes(scale, 1, 2), (e, groups, n)).astype(dtype)
+    zero_points = None
+    if w.zero_point == "int":  # byte j holds group 2j in its low nibble, 2j + 1 in its high one
+        packed = weight_arrays[2].astype(jnp.uint8)
+        nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(e, n, -1)[..., :groups]
+        magic_value = MAGIC[jnp.dtype(dtype).name][1]
+        zero_points = (jnp.swapaxes(nibbles, 1, 2).astype(jnp.float32) + magic_value).astype(dtype)
+    code_offset = 8 if w.value_type == "int4" else 0
+    decode = NibbleDecode(groups, code_offset=code_offset, zero_points=zero_points is not None)
+    return codes, scales, zero_points, decode
+
+
+def expert_gemm(
+    x: jax.Array,
+    weight_arrays: tuple[jax.Array, ...],
+    bias: jax.Array | None,
+    route_arrays: tuple[jax.Array, ...],
+    w: WeightSpec,
+    layout: LayoutSpec,
+    tiles: Tiles,
+    *,
+    out_dtype,
+    interpret: bool = False,
+) -> jax.Array:
+    """The family's entry point (as ``triton.expert_gemm``): ``[M, N]`` in
+    ``out_dtype`` for a 16-bit weight (``weight_arrays = (values,)``) or a
+    planar 4-bit one (values, scale, and for uint4 the packed zero point);
+    ``route_arrays``: the layout's (offsets | counts | none). A weight
+    ``dequantize_first`` applies to arrives here already dequantized."""
+    run = functools.partial(expert_gemm_mosaic, tiles=tiles, out_dtype=out_dtype, bias=bias, interpret=interpret)
+    offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
+    counts = route_arrays[0] if layout.kind == "grouped_masked" else None
+    if not w.quantized:
+        return run(x, weight_arrays[0], offsets, counts=counts)
+    codes, scales, zero_points, decode = _nibble_operands(w, weight_arrays, x.dtype)
+    return run(x, codes, offsets, counts=counts, decode=decode, scales=scales, zero_points=zero_points)

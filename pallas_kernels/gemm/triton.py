@@ -1,52 +1,16 @@
-"""Pallas expert GEMM: one kernel family for the four layouts and every weight
-format (16-bit activations).
+"""The Triton-lowered expert GEMM: every weight format, the four layouts,
+16-bit float inputs.
 
 ``out[r] = x[r_in] @ dequant(w[e]).T (+ bias[e])`` on ``block_m x block_n``
-output tiles. The layout decides which rows a tile covers and which expert
-it multiplies (``_tile_rows``); ``tile_order`` maps programs to tiles (column
-tiles fastest, optionally in bands of ``group_m`` row tiles). The weight
-format decides how a weight tile enters the product (``_weight_pieces``):
-its raw values (minus an integer zero point) are exact in the compute dtype,
-so they go into the dot as they are, decoded from bit patterns (4-bit codes
-one piece per nibble position of their load unit, so no interleave), and
-the per-column scale (channel, group or block, times the global scale)
-multiplies the ``[block_m, block_n]`` partial product of each span of K
-columns that share it (``scale_span``). MX/NV scales on large row tiles,
-act-order and groups narrower than an MMA multiply the weight elements
-instead (``scales_in_weights``; exact for MX/NV in bf16). ``swap_ab``
-computes ``out.T = w @ x.T``. Accumulation is f32 (or f16). The grid is a
-static upper bound on the tiles (no host sync, no recompilation when the
-routing changes): tiles past the live ones exit at once.
-
-Layouts:
-
-* ``dense`` — tile t covers rows ``[t*bm, (t+1)*bm)``, expert 0.
-* ``grouped_contiguous`` — tiles are laid out group by group
-  (``ceil(count_e / bm)`` tiles for expert e), so a tile never straddles two
-  experts; the grid has ``min(E, M) + (M - min(E, M)) // bm + 1`` row tiles.
-* ``grouped_masked`` — ``ceil(max_tokens / bm)`` tiles per expert.
-* ``indexed`` — tile b is block b of ``sorted_ids`` (``bm == block_size``);
-  entry ``idx`` reads row ``idx // top_k`` and writes row ``idx``.
-
-Rows that no expert owns read as zero, written by the kernel where it can
-find them (no zero-fill pass before it: one launch fewer a call, and decode
-calls are launch-bound), each as one masked store outside any branch (a
-branch around it made ptxas give up the uniform registers of the K loop:
-sm_90 SASS 390 -> 444 instructions a step). ``grouped_contiguous``: the rows
-outside every group, ``[0, offsets[0])`` and ``[offsets[E], M)``, are cut in
-chunks of ``bm`` and row tile t zeroes chunk t (the grid keeps one row tile
-more than the work can take, so there are as many row tiles as chunks).
-``grouped_masked``: each tile zeroes its expert's rows past the count.
-``dense`` covers every row. ``indexed``: each tile of a dead block (past
-``num_tokens_padded`` or of an expert outside ``[0, E)``) zeroes the rows
-it lists; with ``lists_dropped`` (``moe_align_block_size`` lists the
-dropped slots past ``num_tokens_padded``) those are all the rows to zero,
-else the caller passes a zeroed output that the kernel updates in place
-(``input_output_aliases``). With ``split_k > 1`` each split writes its own
-f32 partial ``[split_k, M, N]`` (zeros included); the caller sums the
-partials in a fixed order (deterministic).
-
-Kernels only: validation, tuning and the backend choice live in ``humming_jax``.
+output tiles. The layout decides which rows a tile covers and which expert it
+multiplies (``_tile_rows``); the weight format how a weight tile enters the
+product (``_weight_pieces``: raw values exact in the compute dtype, 4-bit codes
+decoded one nibble position a piece, scales on each span of K that shares one,
+or folded into the weight with ``fold_scales``). The grid is a static bound on
+the tiles (no host sync when the routing changes); rows no expert owns are
+written as zeros by the kernel itself. ``split_k > 1`` writes f32 partials
+that are summed in a fixed order. Tiling: :class:`Tiles`; what it cannot take:
+:func:`supports`. Design and measurements: docs/DESIGN.md, benchmarks/notes/gemm.md.
 """
 
 from __future__ import annotations
@@ -62,78 +26,86 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import codecs, word_decode
+from pallas_kernels.gemm.spec import GemmCall, LayoutSpec, WeightSpec, tile_order
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightSpec:
-    """Static description of a quantized weight ``[E, N, K]`` (see humming_jax.formats)."""
-
-    num_experts: int
-    n: int
-    k: int
-    value_type: str  # bfloat16 float16 int8 int4 uint4 float8_e4m3 float4_e2m1
-    scale: str = "none"  # none tensor channel group block
-    scale_type: str | None = None  # float32 bfloat16 float16 e8m0 float8_e4m3
-    group_size: int = 0
-    block_n: int = 0
-    zero_point: str = "none"  # none int float
-    global_scale: str = "none"  # none tensor expert
-    has_bias: bool = False
-    has_group_index: bool = False  # act-order: column k uses group group_index[e, k]
-    # Packed codes in K order (0) or in the planar order within units of this
-    # many columns: nibble i of a unit holds column i // 4 + (unit / 4) * (i % 4).
-    nibble_unit: int = 0
-    # Planar e2m1 codes with each 16-bit half's bits in the pair decoder's
-    # order (word_decode.E2M1_HALF_BITS): read as halves (pairs) only.
-    half_bits: bool = False
-
-    @property
-    def packed(self) -> bool:
-        return self.value_type in ("int4", "uint4", "float4_e2m1")
-
-
-@dataclasses.dataclass(frozen=True)
-class LayoutSpec:
-    kind: str  # dense grouped_contiguous grouped_masked indexed
-    m_in: int
-    m_out: int
-    top_k: int = 1
-    num_blocks: int = 0  # indexed: len(expert_ids)
-    max_tokens: int = 0  # grouped_masked
-    # indexed: the slots no live block holds are all listed in dead blocks
-    # (past num_tokens_padded or of expert -1), so the kernel zeroes every row
-    # it must and needs no zero-filled output.
-    lists_dropped: bool = False
-
-    @property
-    def zero_filled(self) -> bool:
-        """The caller passes a zeroed output that the kernel updates in place."""
-        return self.kind == "indexed" and not self.lists_dropped
+def _power_of_two(value, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+        raise ValueError(f"triton.Tiles.{name}: expected a power of two, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
+    """The Triton-lowered kernel's tiling: ``block_m x block_n`` output tiles
+    over ``block_k`` steps (powers of two, at least 16 — one MMA — except
+    ``block_m`` without MMAs), ``num_warps``, ``num_stages`` (cp.async
+    pipeline depth), ``split_k`` partial sums over K."""
+
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
-    split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    swap_ab: bool = False
+    split_k: int = 1
+    swap_ab: bool = False  # out.T = w @ x.T: the decoded weight tile is the MMA's A operand
     group_m: int = 1  # row tiles per band of the program order (tile_order)
     word_decode: bool = False  # packed weights read as uint32 words of 8 codes (nibbles_per_unit)
-    fold_scales: bool = False  # scales multiply the weight tile (scales_in_weights)
-    use_mma: bool = True  # False: f32 multiply-adds (tiles of a few rows)
+    # Scales multiply the decoded weight tile before the product (one MMA chain a K tile);
+    # integer formats then round (q - z) * s once to the compute dtype, as Marlin does.
+    fold_scales: bool = False
+    use_mma: bool = True  # False: f32 multiply-adds on the CUDA cores (row tiles of 1-8 rows)
     # Word-decoded pieces pair nibbles j and j+4 of a word as consecutive K (4
     # pieces of span/4 columns): each decoded register is an MMA k-pair as it is.
     pair_decode: bool = False
-    # Column tiles per program, one loop over (column tile, K tile) pipelined across tiles.
-    column_tiles: int = 1
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "num_warps", "split_k"):
+            _power_of_two(getattr(self, name), name)
+        for name in ("num_stages", "group_m"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"triton.Tiles.{name}: expected a positive int, got {value!r}")
+        for name in ("block_m", "block_n", "block_k") if self.use_mma else ("block_n", "block_k"):
+            if getattr(self, name) < 16:
+                raise ValueError(f"triton.Tiles.{name}: expected at least 16, got {getattr(self, name)}")
+        if not self.use_mma and (self.block_m > 8 or self.swap_ab):
+            raise ValueError(
+                "triton.Tiles.use_mma: False is for row tiles of at most 8 rows without swap_ab, "
+                f"got block_m={self.block_m}, swap_ab={self.swap_ab}"
+            )
+        if self.num_warps > 32:
+            raise ValueError(f"triton.Tiles.num_warps: expected at most 32, got {self.num_warps}")
+        if self.pair_decode and not self.word_decode:
+            raise ValueError("triton.Tiles.pair_decode: pairs the nibbles of decoded words, needs word_decode=True")
+
+
+FLOAT_INPUTS = ("bfloat16", "float16")
+
+
+def supports(tiles: Tiles, call: GemmCall) -> str | None:
+    """Why this kernel cannot run ``call`` with ``tiles`` (None if it can)."""
+    w, layout = call.weight, call.layout
+    if call.input_quant != "none":
+        return f"quantized inputs ({call.input_quant}): the kernel takes 16-bit float inputs"
+    if call.x_dtype not in FLOAT_INPUTS:
+        return f"{call.x_dtype} inputs (bfloat16 or float16)"
+    if layout.kind == "indexed":
+        if layout.block_size & (layout.block_size - 1):
+            return f"an indexed block_size of {layout.block_size} (a power of two)"
+        if tiles.block_m != layout.block_size:
+            return f"block_m={tiles.block_m} on an indexed layout of block_size {layout.block_size} (a tile is a block)"
+        if layout.block_size < 16 and (tiles.use_mma or tiles.swap_ab or tiles.fold_scales or tiles.pair_decode):
+            return "blocks under 16 rows: use_mma, swap_ab, fold_scales and pair_decode off (f32 multiply-adds)"
+    if call.batch_invariant and tiles.split_k > 1:
+        return f"split_k={tiles.split_k} with batch_invariant (a fixed K order needs split_k=1)"
+    if w.half_bits and not (tiles.word_decode and tiles.pair_decode and tiles.fold_scales and tiles.block_k >= 128):
+        return "half-bits e2m1 weights (read as nibble pairs: word_decode, pair_decode, fold_scales, block_k >= 128)"
+    return None
 
 
 def num_col_groups(n: int, tiles: Tiles) -> int:
-    """Programs along N: groups of ``tiles.column_tiles`` column tiles."""
-    return pl.cdiv(pl.cdiv(n, tiles.block_n), tiles.column_tiles)
+    """Programs along N."""
+    return pl.cdiv(n, tiles.block_n)
 
 
 def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
@@ -151,22 +123,6 @@ def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
     if layout.kind == "grouped_masked":
         return num_experts * pl.cdiv(layout.max_tokens, block_m)
     return layout.num_blocks
-
-
-def tile_order(program, row_tiles: int, col_tiles: int, group_m: int):
-    """(row tile, column tile) of a program. Programs run in bands of
-    ``group_m`` row tiles; inside a band the row tile varies fastest, then the
-    column tile. ``group_m = 1``: the programs running together share one row
-    tile (and its expert), which stays in L2 (small experts). Larger bands keep
-    a few row tiles and the weight columns they share in L2 together, so an
-    expert's weight is read from memory about once, not once per row tile
-    (experts with many rows and large weights). Used by the Triton grid and
-    the Mosaic kernel's persistent loop (``program`` >= 0: truncating division)."""
-    band = group_m * col_tiles
-    first_row = jax.lax.div(program, band) * group_m
-    rows_in_band = jnp.minimum(row_tiles - first_row, group_m)
-    within = jax.lax.rem(program, band)
-    return first_row + jax.lax.rem(within, rows_in_band), jax.lax.div(within, rows_in_band)
 
 
 def gap_chunk_rows(first: jax.Array, last: jax.Array, m_out: int, block_m: int, chunk):
@@ -744,12 +700,11 @@ def _gemm_kernel(
         pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), num_col_groups(w.n, tiles), tiles.group_m
     )
     rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
-    # Static: no column mask when the tiles (and the groups of column_tiles) divide N.
-    columns_masked = w.n % bn != 0 or pl.cdiv(w.n, bn) % tiles.column_tiles != 0
+    columns_masked = w.n % bn != 0  # static: no column mask when the tiles divide N
 
     def columns(c):
         """(n_idx [bn], n_mask [bn] or None) of the program's column tile ``c``."""
-        n_idx = (col_group * tiles.column_tiles + c) * bn + jnp.arange(bn, dtype=jnp.int32)
+        n_idx = (col_group + c) * bn + jnp.arange(bn, dtype=jnp.int32)
         return n_idx, (n_idx < w.n if columns_masked else None)
 
     k_limit = None if w.k % bk == 0 else w.k
@@ -844,10 +799,9 @@ def _gemm_kernel(
     def store_zeros(rows, keep):
         """Zeros into the program's columns of output rows ``rows [bm]`` where ``keep``."""
         index = codecs.scatter_index(rows, keep, layout.m_out)[:, None]
-        for c in range(tiles.column_tiles):
-            n_idx, n_mask = columns(c)
-            mask = _all(keep[:, None], None if n_mask is None else n_mask[None, :])
-            store_out(index, n_idx[None, :], jnp.zeros((bm, bn), out_ref.dtype), mask)
+        n_idx, n_mask = columns(0)
+        mask = _all(keep[:, None], None if n_mask is None else n_mask[None, :])
+        store_out(index, n_idx[None, :], jnp.zeros((bm, bn), out_ref.dtype), mask)
 
     if layout.kind == "grouped_contiguous":
         _zero_gap_chunk(route_refs[0], w.num_experts, layout, bm, row_tile, store_zeros)
@@ -872,26 +826,7 @@ def _gemm_kernel(
                 acc = jax.lax.cond(owns_tail, tail, lambda a: a, acc)
         finish(acc, n_idx, n_mask)
 
-    def column_tile_loop():
-        # One loop over (column tile, K tile) (split_k is 1): each tile's
-        # accumulator is stored after its last K tile and restarts from zero.
-        # With a partial last K tile every step masks the columns past K.
-        def step(t, acc):
-            c, i = _lax_div(t, k_tiles), _lax_rem(t, k_tiles)  # t >= 0: no floor fix-ups
-            n_idx, n_mask = columns(c)
-            acc = k_tile_step(k_limit, n_idx, n_mask)(i, acc)
-
-            def store_and_restart(acc):
-                finish(acc, n_idx, n_mask)
-                return zeros
-
-            # Zeros from the branch, not a select before the product: the accumulator
-            # registers are zeroed only when a tile ends (sm_90: no per-step FSEL).
-            return jax.lax.cond(i == k_tiles - 1, store_and_restart, lambda acc: acc, acc)
-
-        jax.lax.fori_loop(0, tiles.column_tiles * k_tiles, step, zeros)
-
-    pl.when(live)(one_column_tile if tiles.column_tiles == 1 else column_tile_loop)
+    pl.when(live)(one_column_tile)
 
 
 def _zero_gap_chunk(offsets_ref, num_experts: int, layout: LayoutSpec, block_m: int, row_tile, store_zeros):

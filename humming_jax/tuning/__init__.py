@@ -1,0 +1,39 @@
+"""GEMM tiling: the per-device tuning table (data: ``<device>.json`` beside
+this file), the heuristic, and the search space ``python -m humming_jax tune``
+sweeps. :func:`candidates` lists, in order, the tilings a call may run; the op
+runs the first whose kernel ``supports`` it."""
+
+from humming_jax.tuning.heuristic import DEQUANTIZE_MIN_ROWS, heuristic_candidates, rows_per_expert
+from humming_jax.tuning.table import Entry, format_class, load_table, table_entries, table_key, table_path
+
+__all__ = [
+    "DEQUANTIZE_MIN_ROWS",
+    "Entry",
+    "candidates",
+    "format_class",
+    "heuristic_candidates",
+    "load_table",
+    "rows_per_expert",
+    "table_entries",
+    "table_key",
+    "table_path",
+]
+
+
+def candidates(
+    layout: str,
+    fmt,
+    valid_shape_m: int,
+    num_experts: int,
+    n: int,
+    k: int,
+    block_size: int | None = None,
+    half_bits: bool = False,
+) -> list:
+    """The table's entries for this call (its weight shape's, then its format
+    class's), then the heuristic's tilings. ``block_size``: an indexed
+    layout's alignment block (a tile is one block); ``half_bits``: see
+    :func:`heuristic_candidates`."""
+    entries = [e.tiles for e in table_entries(layout, fmt, valid_shape_m, num_experts, n, k)]
+    rows = rows_per_expert(layout, valid_shape_m, num_experts)
+    return entries + heuristic_candidates(rows, n, k, fmt, block_size, half_bits)

@@ -1,0 +1,96 @@
+"""The tiling a call gets when the table has no entry for it (or its kernel
+refuses the entry): thin row tiles with long K steps where experts hold few
+rows (the weight's bytes bound the time), large tiles where they hold many
+(the tensor cores do). The shapes are the H200 sweeps' winners
+(benchmarks/notes/gemm.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from humming_jax import formats as F
+from humming_jax.tuning.table import format_class
+from pallas_kernels.gemm import mosaic, triton
+
+LARGE_EXPERT_BYTES = 16 * 2**20
+# Rows an expert needs before a dequantize pass over every expert's weight pays
+# for the Mosaic kernel's 16-bit product (weights it cannot decode itself).
+DEQUANTIZE_MIN_ROWS = 512
+
+
+def rows_per_expert(layout: str, valid_shape_m: int, num_experts: int) -> int:
+    return max(1, valid_shape_m if layout == "dense" else valid_shape_m // max(num_experts, 1))
+
+
+def _pow2_at_most(value: int, cap: int) -> int:
+    size = 16
+    while size * 2 <= min(value, cap):
+        size *= 2
+    return size
+
+
+def _four_bit_tiles(block_m: int, cap_n: int, cap_k: int, group_m: int, fmt_class: str) -> triton.Tiles:
+    """Words decoded as nibble pairs with the scales folded into the decoded
+    tile; up to 32 rows: 256 columns of K a step; 64 and 128 rows: the decoded
+    weight as the MMA's A operand (``swap_ab``), e2m1 on 128 rows with 256
+    columns (its costlier decode pays for twice the reuse of x)."""
+    pairs = dict(word_decode=True, fold_scales=True, pair_decode=True)
+    if block_m <= 32:
+        return triton.Tiles(block_m, min(128, cap_n), min(256, cap_k), 4, 3, **pairs)
+    warps = 8 if block_m == 128 else 4
+    block_n = min(256 if block_m == 128 and fmt_class == "fp4" else 128, cap_n)
+    return triton.Tiles(block_m, block_n, min(128, cap_k), warps, 3, swap_ab=True, group_m=group_m, **pairs)
+
+
+def triton_tiles(rows: int, n: int, k: int, fmt_class: str = "16bit") -> triton.Tiles:
+    """The Triton tile for experts of ``rows`` rows."""
+    block_m = _pow2_at_most(max(rows, 16), 128)
+    cap_n = max(16, 1 << (max(n, 16) - 1).bit_length())
+    cap_k = max(16, 1 << (max(k, 16) - 1).bit_length())
+    # An expert whose weight outgrows L2 and whose rows span several row tiles
+    # is read once per row tile unless the programs run in bands.
+    weight_bytes = n * k * {"16bit": 2.0, "8bit": 1.0}.get(fmt_class, 0.5)
+    group_m = 8 if weight_bytes > LARGE_EXPERT_BYTES and rows > 2 * block_m else 1
+    if fmt_class in ("4bit", "fp4"):
+        return _four_bit_tiles(block_m, cap_n, cap_k, group_m, fmt_class)
+    if block_m == 128:
+        return triton.Tiles(128, min(256, cap_n), min(64, cap_k), num_warps=8, num_stages=4, group_m=group_m)
+    block_n = min(64 if block_m <= 32 else 128, cap_n)
+    block_k = min(128 if block_m <= 32 else 64, cap_k)
+    return triton.Tiles(block_m, block_n, block_k, num_warps=4, num_stages=3)
+
+
+def _indexed(tiles: triton.Tiles, block_size: int) -> triton.Tiles:
+    """A tile of an indexed layout is one alignment block; blocks under 16 rows
+    take f32 multiply-adds (an MMA would mostly multiply padding), with the
+    scales applied after the product (exact)."""
+    small = block_size < 16
+    return dataclasses.replace(
+        tiles,
+        block_m=block_size,
+        swap_ab=tiles.swap_ab and not small,
+        fold_scales=tiles.fold_scales and not small,
+        use_mma=not small,
+        pair_decode=tiles.pair_decode and not small,
+    )
+
+
+def heuristic_candidates(
+    rows: int, n: int, k: int, fmt: F.WeightFormat, block_size: int | None = None, half_bits: bool = False
+) -> list:
+    """In order: the Mosaic kernel after a dequantize pass (quantized weights, at
+    least :data:`DEQUANTIZE_MIN_ROWS` rows an expert: its ``supports`` refuses
+    what it cannot take), then the Triton tile (which takes every call with
+    16-bit inputs). ``block_size``: an indexed layout's block. ``half_bits``:
+    weights the Triton decoder reads as nibble pairs only."""
+    fmt_class = format_class(fmt)
+    found = []
+    if fmt.is_quantized and rows >= DEQUANTIZE_MIN_ROWS and block_size is None:
+        found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
+    tiles = triton_tiles(rows, n, k, fmt_class)
+    if half_bits:  # the pair decoder reads whole 128-column units
+        tiles = dataclasses.replace(
+            tiles, block_k=max(128, tiles.block_k), word_decode=True, fold_scales=True, pair_decode=True
+        )
+    found.append(_indexed(tiles, block_size) if block_size is not None else tiles)
+    return found

@@ -1,0 +1,78 @@
+"""The tilings ``python -m humming_jax tune`` sweeps, by rows an expert holds.
+Each row is one kernel's ``Tiles``; what each measured and why it is here is
+in benchmarks/notes/gemm.md (candidates that never won were pruned there)."""
+
+from __future__ import annotations
+
+from pallas_kernels.gemm import mosaic, triton
+
+M_RANGES = ((0, 16), (16, 128), (128, 1024), (1024, 4096), (4096, 8192), (8192, 1 << 30))
+DECODE_MAX_ROWS = 32  # experts with up to this many rows sweep DECODE
+SPLIT_MAX_ROWS = 2  # split-K decode candidates only where experts hold a row or two (T=1-2)
+
+_PAIRS = dict(word_decode=True, fold_scales=True, pair_decode=True)
+_SWAP_PAIRS = dict(swap_ab=True, **_PAIRS)
+
+
+def _t(block_m, block_n, block_k, warps, stages, **options) -> triton.Tiles:
+    return triton.Tiles(block_m, block_n, block_k, warps, stages, **options)
+
+
+DECODE = (
+    _t(16, 64, 128, 4, 3),
+    _t(16, 128, 128, 8, 3, swap_ab=True),
+    _t(16, 128, 256, 4, 3, word_decode=True, fold_scales=True),
+    _t(16, 64, 256, 4, 3, word_decode=True, fold_scales=True),
+    _t(16, 32, 256, 2, 3, word_decode=True, fold_scales=True),
+    _t(16, 64, 256, 4, 3, **_PAIRS),
+    _t(16, 32, 256, 2, 3, **_PAIRS),
+    _t(16, 128, 256, 4, 3, **_PAIRS),
+    _t(16, 128, 256, 4, 2, **_PAIRS),
+    _t(16, 64, 512, 4, 3, **_PAIRS),
+    _t(16, 128, 512, 8, 2, **_PAIRS),
+    _t(16, 64, 256, 4, 3, **_SWAP_PAIRS),
+    _t(32, 128, 256, 4, 3, **_PAIRS),
+    _t(32, 64, 256, 4, 3, **_PAIRS),
+    _t(16, 64, 256, 4, 3, split_k=2, **_SWAP_PAIRS),
+    _t(16, 64, 256, 4, 3, split_k=4, **_SWAP_PAIRS),
+    _t(16, 64, 256, 4, 3, split_k=8, **_SWAP_PAIRS),
+    _t(16, 256, 256, 8, 3, **_PAIRS),
+)
+# Experts of 17-32 rows on average: one 64-row tile decodes the weight once.
+MID = (
+    _t(64, 128, 256, 4, 3, **_PAIRS),
+    _t(64, 128, 256, 4, 2, **_PAIRS),
+    _t(64, 128, 256, 4, 3, **_SWAP_PAIRS),
+    _t(64, 128, 128, 4, 3, **_SWAP_PAIRS),
+    _t(64, 256, 128, 8, 3, **_SWAP_PAIRS),
+)
+PREFILL = (
+    _t(128, 256, 64, 8, 4),
+    _t(128, 256, 64, 8, 4, group_m=8),
+    _t(128, 128, 64, 8, 4, group_m=8),
+    _t(64, 128, 128, 4, 3, swap_ab=True, word_decode=True, group_m=8),
+    _t(128, 128, 128, 8, 3, group_m=8, **_SWAP_PAIRS),
+    _t(256, 128, 128, 8, 3, group_m=8, **_SWAP_PAIRS),
+    _t(128, 256, 128, 8, 3, group_m=8, **_SWAP_PAIRS),
+    mosaic.Tiles(128, 256, 64, stages=4),
+    mosaic.Tiles(128, 256, 64, stages=3),
+    mosaic.Tiles(128, 256, 64, stages=3, group_m=1),
+    mosaic.Tiles(128, 128, 64, stages=4),
+    mosaic.Tiles(64, 256, 64, stages=4),
+    mosaic.Tiles(128, 256, 64, stages=3, cluster_n=2),
+    mosaic.Tiles(128, 256, 64, stages=3, dequantize_first=True),
+    mosaic.Tiles(128, 256, 128, stages=3),
+    mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True),
+    mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True, word_decode=True),
+    mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=2),
+)
+
+
+def candidates_for(rows_per_expert: int) -> tuple:
+    """The sweep for a range whose representative M gives ``rows_per_expert``
+    (M / E): decode tiles (and 64-row ones from 17 rows), else prefill tiles.
+    A kernel refuses the candidates it cannot take (its ``supports``)."""
+    if rows_per_expert > DECODE_MAX_ROWS:
+        return PREFILL
+    decode = tuple(c for c in DECODE if c.split_k == 1 or rows_per_expert <= SPLIT_MAX_ROWS)
+    return decode + MID if rows_per_expert > 16 else decode

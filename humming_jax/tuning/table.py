@@ -1,0 +1,111 @@
+"""The tuning table: per device, entries keyed by layout and format class (or
+by weight shape, which takes precedence), each an M range and exactly the
+tiling that runs there (``impl`` + ``tiles``), with the time it measured and
+the results file it came from."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+import jax
+
+from humming_jax import formats as F
+from humming_jax import tiles_text
+from pallas_kernels import gemm as gemm_kernels
+
+# Device kind -> table file. Devices without a table of their own use the H200's:
+# its Mosaic entries are refused off Hopper and the heuristic takes those calls.
+TABLES = {"NVIDIA H200": "h200.json"}
+DEFAULT_TABLE = "h200.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """``tiles`` runs when ``min_shape_m < valid_shape_m <= max_shape_m``."""
+
+    min_shape_m: int
+    max_shape_m: int
+    tiles: Any  # a kernel's Tiles (triton.Tiles, mosaic.Tiles)
+    us: float | None = None
+    source: str | None = None
+
+    def to_json(self) -> dict:
+        impl = tiles_text.gemm_to_text(self.tiles).split(":")[0]
+        fields = {
+            f.name: getattr(self.tiles, f.name)
+            for f in dataclasses.fields(self.tiles)
+            if getattr(self.tiles, f.name) != f.default
+        }
+        return dict(
+            min_shape_m=self.min_shape_m,
+            max_shape_m=self.max_shape_m,
+            impl=impl,
+            tiles=fields,
+            us=self.us,
+            source=self.source,
+        )
+
+    @classmethod
+    def from_json(cls, data: dict) -> Entry:
+        impl = data["impl"]
+        if impl not in gemm_kernels.IMPLS:
+            raise ValueError(f"tuning table: impl must be one of {', '.join(gemm_kernels.IMPLS)}, got {impl!r}")
+        tiles = gemm_kernels.IMPLS[impl](**data["tiles"])
+        return cls(data["min_shape_m"], data["max_shape_m"], tiles, data.get("us"), data.get("source"))
+
+
+def format_class(fmt: F.WeightFormat) -> str:
+    """Formats that tile alike share entries: 16-bit weights, 8-bit weights,
+    4-bit integers (int4/uint4) and 4-bit floats (e2m1: MX/NV scales every
+    32/16 columns, which tile differently at decode)."""
+    if not fmt.is_quantized:
+        return "16bit"
+    if not fmt.value_type.is_packed:
+        return "8bit"
+    return "fp4" if fmt.value_type.value == "float4_e2m1" else "4bit"
+
+
+def table_key(layout: str, fmt_class: str, shape: tuple[int, int, int] | None = None) -> str:
+    """``"<layout>/<format class>"``, or with ``shape = (E, N, K)`` the key of
+    entries for that weight shape only (``"…@E=8,N=28672,K=4096"``, as vLLM
+    keys its MoE configs by E and N): the same M means 1024 rows per expert on
+    mixtral and 64 on qwen3, which tile differently."""
+    base = f"{layout}/{fmt_class}"
+    return base if shape is None else f"{base}@E={shape[0]},N={shape[1]},K={shape[2]}"
+
+
+def table_path(name: str | None = None):
+    """The packaged table file for the default device (or the file ``name``)."""
+    if name is None:
+        name = TABLES.get(str(jax.devices()[0].device_kind), DEFAULT_TABLE)
+    return resources.files("humming_jax.tuning").joinpath(name)
+
+
+def parse_table(text: str) -> dict[str, tuple[Entry, ...]]:
+    return {key: tuple(Entry.from_json(e) for e in entries) for key, entries in json.loads(text)["entries"].items()}
+
+
+@functools.cache
+def load_table(name: str | None = None) -> dict[str, tuple[Entry, ...]]:
+    """``{key: entries}`` of the packaged table (empty if there is none)."""
+    try:
+        text = table_path(name).read_text()
+    except FileNotFoundError:
+        return {}
+    return parse_table(text)
+
+
+def table_entries(
+    layout: str, fmt: F.WeightFormat, valid_shape_m: int, num_experts: int, n: int, k: int
+) -> list[Entry]:
+    """The entries whose M range holds ``valid_shape_m``: the weight shape's key first, then the class's."""
+    table = load_table()
+    fmt_class = format_class(fmt)
+    found = []
+    for key in (table_key(layout, fmt_class, (num_experts, n, k)), table_key(layout, fmt_class)):
+        found += [e for e in table.get(key, ()) if e.min_shape_m < valid_shape_m <= e.max_shape_m]
+    return found

@@ -1,0 +1,98 @@
+"""What every expert-GEMM kernel is told about a call: the weight, the layout
+and the call itself (:class:`GemmCall`, which each kernel's ``supports``
+answers), and the program order the kernels share."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """Static description of a quantized weight ``[E, N, K]`` (see humming_jax.formats)."""
+
+    num_experts: int
+    n: int
+    k: int
+    value_type: str  # bfloat16 float16 int8 int4 uint4 float8_e4m3 float4_e2m1
+    scale: str = "none"  # none tensor channel group block
+    scale_type: str | None = None  # float32 bfloat16 float16 e8m0 float8_e4m3
+    group_size: int = 0
+    block_n: int = 0
+    zero_point: str = "none"  # none int float
+    global_scale: str = "none"  # none tensor expert
+    has_bias: bool = False
+    has_group_index: bool = False  # act-order: column k uses group group_index[e, k]
+    # Packed codes in K order (0) or in the planar order within units of this
+    # many columns: nibble i of a unit holds column i // 4 + (unit / 4) * (i % 4).
+    nibble_unit: int = 0
+    # Planar e2m1 codes with each 16-bit half's bits in the pair decoder's
+    # order (word_decode.E2M1_HALF_BITS): read as halves (pairs) only.
+    half_bits: bool = False
+
+    @property
+    def packed(self) -> bool:
+        return self.value_type in ("int4", "uint4", "float4_e2m1")
+
+    @property
+    def quantized(self) -> bool:
+        return self.value_type not in ("bfloat16", "float16")
+
+    def dequantized(self, dtype) -> WeightSpec:
+        """The spec of this weight after a dequantize pass to ``dtype`` (its bias kept)."""
+        return WeightSpec(self.num_experts, self.n, self.k, jnp.dtype(dtype).name, has_bias=self.has_bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutSpec:
+    kind: str  # dense grouped_contiguous grouped_masked indexed
+    m_in: int
+    m_out: int
+    top_k: int = 1
+    num_blocks: int = 0  # indexed: len(expert_ids)
+    block_size: int = 0  # indexed: rows of one alignment block
+    max_tokens: int = 0  # grouped_masked
+    # indexed: the slots no live block holds are all listed in dead blocks
+    # (past num_tokens_padded or of expert -1), so the kernel zeroes every row
+    # it must and needs no zero-filled output.
+    lists_dropped: bool = False
+
+    @property
+    def zero_filled(self) -> bool:
+        """The caller passes a zeroed output that the kernel updates in place."""
+        return self.kind == "indexed" and not self.lists_dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCall:
+    """One GEMM call as a kernel's ``supports`` sees it. ``x_dtype`` is the
+    stored input dtype; ``input_quant`` the name of its quantization ("none":
+    a float input)."""
+
+    weight: WeightSpec
+    layout: LayoutSpec
+    x_dtype: str
+    out_dtype: str
+    input_quant: str = "none"
+    use_f16_accum: bool = False
+    batch_invariant: bool = False
+    interpret: bool = False
+
+
+def tile_order(program, row_tiles: int, col_tiles: int, group_m: int):
+    """(row tile, column tile) of a program. Programs run in bands of
+    ``group_m`` row tiles; inside a band the row tile varies fastest, then the
+    column tile. ``group_m = 1``: the programs running together share one row
+    tile (and its expert), which stays in L2 (small experts). Larger bands keep
+    a few row tiles and the weight columns they share in L2 together, so an
+    expert's weight is read from memory about once, not once per row tile
+    (experts with many rows and large weights). ``program`` >= 0 (truncating
+    division)."""
+    band = group_m * col_tiles
+    first_row = jax.lax.div(program, band) * group_m
+    rows_in_band = jnp.minimum(row_tiles - first_row, group_m)
+    within = jax.lax.rem(program, band)
+    return first_row + jax.lax.rem(within, rows_in_band), jax.lax.div(within, rows_in_band)
