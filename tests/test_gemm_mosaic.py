@@ -1,6 +1,7 @@
-"""The Mosaic GPU grouped GEMM (16-bit weights, Hopper: TMA, warp-specialized
-wgmma) in the Mosaic GPU interpreter on the CPU, against a float64 NumPy
-product; its row-tile table exhaustively; its lowering for the GPU."""
+"""The Mosaic GPU grouped GEMM (Hopper: TMA, warp-specialized wgmma) in the
+Mosaic GPU interpreter on the CPU, against a float64 NumPy product; its
+``supports`` answers and the op's choice among candidates; its row-tile table
+exhaustively; its lowering for the GPU."""
 
 import collections
 import dataclasses
@@ -15,11 +16,12 @@ import pytest
 
 import humming_jax as hj
 from humming_jax import formats as F
-from pallas_kernels import gemm_mosaic as mosaic
+from pallas_kernels.gemm import mosaic, triton
 
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
 ON_GPU_ONLY = pytest.mark.skipif(KERNEL_BACKEND != "pallas", reason="a register wgmma operand runs compiled only")
-TILES = hj.TuningConfig(64, 256, 64, num_stages=2, group_m=2, mosaic=True)
+TILES = mosaic.Tiles(64, 256, 64, stages=2, group_m=2)
+G = importlib.import_module("humming_jax.gemm")  # the module: the package exports the function under its name
 
 
 def _expected(x, w, offsets, m):
@@ -31,10 +33,7 @@ def _expected(x, w, offsets, m):
     return out
 
 
-SPLIT_ROWS = hj.TuningConfig(128, 128, 64, num_stages=2, group_m=2, mosaic=True, split_rows=True)
-WIDE_SPLIT_ROWS = hj.TuningConfig(128, 256, 64, num_stages=2, group_m=2, mosaic=True, split_rows=True)
-# A K step's product left in flight while the next is issued (its slot released a step late).
-DELAYED = hj.TuningConfig(64, 256, 64, num_stages=3, group_m=2, mosaic=True, delay_release=1)
+WIDE = mosaic.Tiles(128, 256, 64, stages=3, group_m=8)  # the H200 table's 16-bit prefill tiles
 
 
 @pytest.mark.parametrize(
@@ -43,24 +42,9 @@ DELAYED = hj.TuningConfig(64, 256, 64, num_stages=3, group_m=2, mosaic=True, del
         ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, TILES),  # an empty expert, ragged tiles
         ((0, 0, 40, 0), jnp.bfloat16, jnp.bfloat16, TILES),  # all rows on one expert
         ((1, 70, 0, 30), jnp.float16, jnp.float32, TILES),  # tiles straddling the 8-row grid, two tiles on one expert
-        # Split rows: 64 a warpgroup, each storing its own part of a tile's rows
-        # (the 70-row expert's first tile ends in the second warpgroup's half).
-        ((1, 70, 0, 30), jnp.bfloat16, jnp.float32, SPLIT_ROWS),
-        ((7, 0, 23, 3), jnp.bfloat16, jnp.bfloat16, SPLIT_ROWS),
-        ((1, 70, 0, 30), jnp.bfloat16, jnp.float32, DELAYED),
-        # 64 rows by 256 columns a warpgroup: one m64n256 product a k16 step instead of
-        # two m64n128 (10 KB of shared-memory operands read instead of 12).
-        ((1, 70, 0, 30), jnp.bfloat16, jnp.float32, WIDE_SPLIT_ROWS),
-        # Two epilogue slots: a chunk written while the last one's copies (one per set
-        # bit of a ragged tile's row count) may still read the other slot.
-        ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, epilogue_slots=2)),
-        ((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, dataclasses.replace(WIDE_SPLIT_ROWS, epilogue_slots=2)),
+        ((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, WIDE),  # 128-row tiles, the table's 16-bit entry
         # Clusters of two programs on adjacent column tiles of one row tile, x multicast to both.
         ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, block_n=128, cluster_n=2)),
-        ((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, dataclasses.replace(SPLIT_ROWS, cluster_n=2)),
-        # ... or on a pair of row tiles of one expert (padded to an even count), the weight multicast.
-        ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, cluster_m=2)),
-        ((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, dataclasses.replace(SPLIT_ROWS, cluster_m=2)),
     ],
 )
 def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
@@ -82,8 +66,8 @@ def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
 
 @pytest.mark.parametrize(
     "tuning",
-    [TILES, SPLIT_ROWS, dataclasses.replace(TILES, cluster_m=2), dataclasses.replace(TILES, block_n=128, cluster_n=2)],
-    ids=["columns", "split-rows", "row-pairs", "column-pairs"],
+    [TILES, WIDE, dataclasses.replace(TILES, block_n=128, cluster_n=2)],
+    ids=["64-rows", "128-rows", "column-pairs"],
 )
 def test_grouped_masked_rows_against_numpy(tuning, rng):
     """The grouped-masked layout: expert e's first ``counts[e]`` of its 40 rows
@@ -126,7 +110,7 @@ def test_quantized_weights_through_dequantize_first(stored, rng):
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
     offsets = np.asarray([0, 20, 20, 48], np.int32)
     layout = hj.GroupedContiguous(jnp.asarray(offsets))
-    tuning = hj.TuningConfig(64, 256, 64, num_stages=2, mosaic=True, dequantize_first=True)
+    tuning = mosaic.Tiles(64, 256, 64, stages=2, dequantize_first=True)
     stored_weight = weight if stored == "k_order" else hj.to_planar(weight, half_bits=True)
     out = hj.gemm(x, stored_weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
     rounded = F.dequantize_weight(weight).astype(jnp.bfloat16)
@@ -141,21 +125,16 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
     "fmt,dtype,options",
     [
         (F.INT4_G128, jnp.bfloat16, {}),
-        (F.INT4_G128, jnp.bfloat16, {"stage_slots": 4}),  # a whole unit staged: no wait inside a K step
-        (F.INT4_G128, jnp.bfloat16, {"split_rows": True}),  # 128 rows, 64 a warpgroup, one shared stage
         (F.UINT4_ZP_G128, jnp.bfloat16, {}),  # integer zero points per group
-        (F.UINT4_ZP_G128, jnp.bfloat16, {"split_rows": True}),
         (F.INT4_CHANNEL, jnp.bfloat16, {}),  # per-channel scales, repeated per 128 columns
         (INT4_G128_F16, jnp.float16, {}),  # f16: the code as 1024 + q
         # The decoded piece as the register operand (compiled only: the interpreter
         # cannot take a register wgmma operand; the lowering test covers it on the CPU).
         pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True}, marks=ON_GPU_ONLY),
-        pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "delay_release": 1}, marks=ON_GPU_ONLY),
+        pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True}, marks=ON_GPU_ONLY),
         # Decode-sized row tiles: x's 16 or 32 rows are the wgmma's N (17- and 23-row experts take 2 and 1 tiles).
         pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "block_m": 16}, marks=ON_GPU_ONLY),
         pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True, "block_m": 32}, marks=ON_GPU_ONLY),
-        (F.INT4_G128, jnp.bfloat16, {"epilogue_slots": 2}),
-        pytest.param(F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "epilogue_slots": 2}, marks=ON_GPU_ONLY),
         # Clusters of two column tiles, x's pieces multicast (staged, and the register operand).
         (F.UINT4_ZP_G128, jnp.bfloat16, {"cluster_n": 2, "block_n": 128}),
         pytest.param(
@@ -163,10 +142,6 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
             jnp.bfloat16,
             {"swap_ab": True, "word_decode": True, "cluster_n": 2, "block_n": 128},
             marks=ON_GPU_ONLY,
-        ),
-        (F.INT4_G128, jnp.bfloat16, {"cluster_m": 2}),  # the codes and scales multicast, pad tiles
-        pytest.param(
-            F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "word_decode": True, "cluster_m": 2}, marks=ON_GPU_ONLY
         ),
         # Nibbles from the codes' 32-bit registers (compiled; interpreted, the 16-bit form runs).
         (F.INT4_G128, jnp.bfloat16, {"word_decode": True}),
@@ -178,22 +153,15 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
     ],
     ids=[
         "int4",
-        "int4-4slots",
-        "int4-split",
         "uint4",
-        "uint4-split",
         "int4-channel",
         "int4-f16",
         "uint4-swap",
-        "int4-swap-delayed",
+        "int4-swap",
         "int4-swap-16-rows",
         "uint4-swap-32-rows",
-        "int4-2-epilogue-slots",
-        "int4-swap-2-epilogue-slots",
         "uint4-cluster-pair",
         "int4-swap-words-cluster-pair",
-        "int4-row-pair",
-        "int4-swap-words-row-pair",
         "int4-words",
         "int4-f16-swap-words",
         "uint4-swap-words",
@@ -213,9 +181,9 @@ def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
     x = jnp.asarray(rng.normal(size=(m, k)), dtype)
     offsets = np.asarray([0, 17, 17, 40], np.int32)
     options = dict(options)
-    block_m = options.pop("block_m", 128 if options.get("split_rows") else 64)
+    block_m = options.pop("block_m", 64)
     block_n = options.pop("block_n", 256)
-    tuning = hj.TuningConfig(block_m, block_n, 128, num_stages=2, group_m=2, mosaic=True, **options)
+    tuning = mosaic.Tiles(block_m, block_n, 128, stages=2, group_m=2, **options)
     # swap_ab stores out.T through a transposed shared view: 16-bit outputs only.
     out_dtype, tolerance = (dtype, 5e-3) if options.get("swap_ab") else (jnp.float32, 1e-5)
     out = hj.gemm(
@@ -239,22 +207,19 @@ def test_nibble_weights_refused_with_the_reason(rng):
     x = jnp.asarray(rng.normal(size=(16, 256)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(0, 0.05, (2, 256, 256)), jnp.float32)
     grouped = hj.GroupedContiguous(jnp.asarray([0, 8, 16], jnp.int32))
-    run = dict(tuning=hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True), backend=KERNEL_BACKEND)
-    with pytest.raises(ValueError, match="tuning.mosaic.*K order.*to_planar"):
+    run = dict(tuning=mosaic.Tiles(64, 256, 128, stages=2), backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="tuning.*K order.*to_planar"):
         hj.gemm(x, F.quantize_weight(w, F.INT4_G128), grouped, **run)
-    with pytest.raises(ValueError, match="tuning.mosaic.*128-column groups"):
+    with pytest.raises(ValueError, match="tuning.*128-column groups"):
         hj.gemm(x, hj.to_planar(F.quantize_weight(w, F.INT4_G64)), grouped, **run)
-    with pytest.raises(ValueError, match="tuning.mosaic.*mxfp4.*dequantize_first"):
+    with pytest.raises(ValueError, match="tuning.*float4_e2m1.*dequantize_first"):
         hj.gemm(x, hj.to_planar(F.quantize_weight(w, F.MXFP4)), grouped, **run)
     planar = hj.to_planar(F.quantize_weight(w, F.INT4_G128))
-    with pytest.raises(ValueError, match="block_k=128"):
-        hj.gemm(x, planar, grouped, tuning=hj.TuningConfig(64, 256, 64, mosaic=True), backend=KERNEL_BACKEND)
-    with pytest.raises(ValueError, match="swap_ab.*without split_rows"):
-        both = hj.TuningConfig(128, 128, 128, mosaic=True, swap_ab=True, split_rows=True)
-        hj.gemm(x, planar, grouped, tuning=both, backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="block_k=64 with 4-bit weights"):
+        hj.gemm(x, planar, grouped, tuning=mosaic.Tiles(64, 256, 64), backend=KERNEL_BACKEND)
     if KERNEL_BACKEND == "interpret":
         with pytest.raises(ValueError, match="swap_ab runs compiled only"):
-            swap = hj.TuningConfig(64, 256, 128, mosaic=True, swap_ab=True)
+            swap = mosaic.Tiles(64, 256, 128, swap_ab=True)
             hj.gemm(x, planar, grouped, tuning=swap, backend=KERNEL_BACKEND)
 
 
@@ -263,36 +228,33 @@ def test_what_the_kernel_refuses(rng):
     w = jnp.asarray(rng.normal(size=(2, 256, 64)), jnp.bfloat16)
     grouped = hj.GroupedContiguous(jnp.asarray([0, 8, 16], jnp.int32))
     run = dict(tuning=TILES, backend=KERNEL_BACKEND)
-    with pytest.raises(ValueError, match="tuning.mosaic.*int4"):
+    with pytest.raises(ValueError, match="tuning.*int4 weights with group scales"):
         hj.gemm(x, F.quantize_weight(w.astype(jnp.float32), F.INT4_G32), grouped, **run)
-    with pytest.raises(ValueError, match="tuning.mosaic.*indexed"):
+    with pytest.raises(ValueError, match="tuning.*indexed"):
         ids = jnp.arange(16, dtype=jnp.int32)
         indexed = hj.Indexed(ids, jnp.zeros((1,), jnp.int32), jnp.asarray([16], jnp.int32), top_k=1, block_size=16)
         hj.gemm(x, w, indexed, **run)
     with pytest.raises(ValueError, match="block_n"):
         hj.gemm(x, w[:, :192], grouped, **run)
-    with pytest.raises(ValueError, match="block_m"):  # two 128x256 f32 accumulators do not fit the registers
-        hj.gemm(x, w, grouped, tuning=hj.TuningConfig(128, 512, 64, mosaic=True), backend=KERNEL_BACKEND)
-    with pytest.raises(ValueError, match="mosaic"):
-        hj.TuningConfig(64, 256, 64, split_k=2, mosaic=True)
-    with pytest.raises(ValueError, match="stage_slots"):
-        hj.TuningConfig(64, 256, 64, stage_slots=4)
-    with pytest.raises(ValueError, match="split_rows"):
-        hj.TuningConfig(128, 128, 64, split_rows=True)
-    with pytest.raises(ValueError, match="block_m must be 128 or 256 with split_rows"):
-        split = hj.TuningConfig(64, 256, 64, mosaic=True, split_rows=True)
-        hj.gemm(x, w, grouped, tuning=split, backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="accumulator"):  # two 128x256 f32 accumulators do not fit the registers
+        hj.gemm(x, w, grouped, tuning=mosaic.Tiles(128, 512, 64), backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="dequantize_first with a 16-bit weight"):
+        hj.gemm(x, w, grouped, tuning=dataclasses.replace(TILES, dequantize_first=True), backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="cluster_n: 1 or 2"):
+        mosaic.Tiles(64, 256, 64, cluster_n=4)
+    with pytest.raises(ValueError, match="cluster_n=2 with N=768"):
+        mosaic.check_tiles(mosaic.Tiles(64, 256, 64, cluster_n=2), 768, 128, jnp.bfloat16)
+    with pytest.raises(ValueError, match="word_decode with 16-bit weights"):
+        hj.gemm(x, w, grouped, tuning=dataclasses.replace(TILES, word_decode=True), backend=KERNEL_BACKEND)
+    with pytest.raises(TypeError, match="triton.Tiles or mosaic.Tiles"):
+        hj.gemm(x, w, grouped, tuning=(64, 256, 64), backend=KERNEL_BACKEND)
 
 
-def _check_table(table, want, m: int, block_m: int, ranges: int, pairs: int = 1):
+def _check_table(table, want, m: int, block_m: int, ranges: int):
     """Every row of ``[0, m)`` stored by exactly one tile of group ``want[row]``,
     every load box inside the padded x on the 8-row grid holding the stored
-    rows, the tiles within the static bound; with ``pairs`` tiles 2p and 2p+1
-    of one group, every load box inside x (a pad tile runs the pipeline too)."""
-    assert table.shape[0] == mosaic.max_row_tiles(ranges, m, block_m, pairs)
-    if pairs == 2:
-        assert table.shape[0] % 2 == 0 and np.all(table[0::2, 0] == table[1::2, 0])
-        assert np.all((table[:, 1] >= 0) & (table[:, 1] <= mosaic.padded_rows(m, block_m) - block_m))
+    rows, the tiles within the static bound."""
+    assert table.shape[0] == mosaic.max_row_tiles(ranges, m, block_m)
     owner = np.full(m, -1)
     for group, load, first, rows in table:
         if rows == 0:
@@ -304,9 +266,8 @@ def _check_table(table, want, m: int, block_m: int, ranges: int, pairs: int = 1)
     np.testing.assert_array_equal(owner, want)
 
 
-@pytest.mark.parametrize("pairs", [1, 2])  # 2: row-tile pairs of one group (cluster_m)
-@pytest.mark.parametrize("block_m", [64, 128, 256])  # 256: split_rows tiles
-def test_row_tile_table_covers_every_row_once(block_m, pairs, rng):
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_row_tile_table_covers_every_row_once(block_m, rng):
     """Grouped-contiguous ranges (rows outside them: group E) and grouped-masked
     ones (each expert's rows past its count: group E), over random routings,
     empty and full."""
@@ -320,8 +281,8 @@ def test_row_tile_table_covers_every_row_once(block_m, pairs, rng):
         want = np.full(m, e)
         for g in range(e):
             want[cuts[g] : cuts[g + 1]] = g
-        table = np.asarray(mosaic.row_tile_table(starts, ends, e, m, block_m, pairs))
-        _check_table(table, want, m, block_m, e + 2, pairs)
+        table = np.asarray(mosaic.row_tile_table(starts, ends, e, m, block_m))
+        _check_table(table, want, m, block_m, e + 2)
     for _ in range(20):
         e, max_tokens = int(rng.integers(1, 5)), int(rng.choice([1, 13, 64, 200]))
         counts = rng.integers(-2, max_tokens + 3, size=e)  # out-of-range counts are clipped
@@ -329,8 +290,8 @@ def test_row_tile_table_covers_every_row_once(block_m, pairs, rng):
         want = np.full(e * max_tokens, e)
         for g in range(e):
             want[g * max_tokens : g * max_tokens + int(np.clip(counts[g], 0, max_tokens))] = g
-        table = np.asarray(mosaic.row_tile_table(starts, ends, e, e * max_tokens, block_m, pairs))
-        _check_table(table, want, e * max_tokens, block_m, 2 * e, pairs)
+        table = np.asarray(mosaic.row_tile_table(starts, ends, e, e * max_tokens, block_m))
+        _check_table(table, want, e * max_tokens, block_m, 2 * e)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -341,10 +302,10 @@ def test_lowers_for_the_gpu():
     w = jax.ShapeDtypeStruct((3, 512, 256), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
     bias = jax.ShapeDtypeStruct((3, 512), jnp.float32)
-    # Half the columns a warpgroup; half the rows, sharing the weight tile (with a bias).
-    for tiles in (mosaic.MosaicTiles(128, 256, 64, stages=4), mosaic.MosaicTiles(256, 128, 64, split_rows=True)):
+    # Half the columns a warpgroup; with a bias and x multicast to column-tile pairs.
+    for tiles in (mosaic.Tiles(128, 256, 64, stages=4), mosaic.Tiles(128, 256, 64, stages=3, cluster_n=2)):
         run = functools.partial(mosaic.expert_gemm_mosaic, tiles=tiles, out_dtype=jnp.bfloat16)
-        with_bias = tiles.split_rows
+        with_bias = tiles.cluster_n > 1
         args = (x, w, offsets) + ((bias,) if with_bias else ())
         lowered = jax.jit(lambda x, w, o, *b, run=run: run(x, w, o, bias=b[0] if b else None)).trace(*args)
         assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
@@ -352,10 +313,10 @@ def test_lowers_for_the_gpu():
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
-    "zero_points,split_rows,swap_ab",
-    [(False, False, False), (True, False, False), (False, True, False), (True, False, True)],
+    "zero_points,swap_ab",
+    [(False, False), (True, False), (True, True)],
 )
-def test_nibble_decode_lowers_for_the_gpu(zero_points, split_rows, swap_ab):
+def test_nibble_decode_lowers_for_the_gpu(zero_points, swap_ab):
     """The 4-bit path (swizzled staging of the decoded pieces, 4 x pieces and
     the codes per pipeline step) lowers for the GPU on the CPU; the swap_ab form
     with a bias (broadcast along out.T's rows)."""
@@ -364,11 +325,9 @@ def test_nibble_decode_lowers_for_the_gpu(zero_points, split_rows, swap_ab):
     scales = jax.ShapeDtypeStruct((e, k // 128, n), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
-    tiles = mosaic.MosaicTiles(128, 256, 128, stages=3)
-    if split_rows:  # 256 rows, 128 a warpgroup, sharing the 128-column weight tile
-        tiles = mosaic.MosaicTiles(256, 128, 128, stages=2, split_rows=True)
+    tiles = mosaic.Tiles(128, 256, 128, stages=3)
     if swap_ab:  # the decoded pieces as the register operand, out.T stored transposed
-        tiles = mosaic.MosaicTiles(128, 256, 128, stages=3, swap_ab=True)
+        tiles = mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True)
     decode = mosaic.NibbleDecode(k // 128, zero_points=zero_points)
 
     def run(x, codes, offsets, scales):
@@ -382,140 +341,67 @@ def test_nibble_decode_lowers_for_the_gpu(zero_points, split_rows, swap_ab):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize(
-    "decoded,block_m", [(False, 128), (True, 128), (True, 16)], ids=["bf16", "int4-swap", "int4-16-rows"]
-)
-def test_delayed_release_lowers_for_the_gpu(decoded, block_m):
-    """``delay_release=1`` (a step's product in flight while the next is
-    issued, the last step waiting for all) lowers for the GPU: 16-bit weights
-    and the swap_ab form, also with decode-sized 16-row tiles (x's rows the
-    wgmma's N)."""
-    e, n, k = 3, 512, 512
-    x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
-    offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
-    if decoded:
-        tiles = mosaic.MosaicTiles(block_m, 256, 128, stages=6, swap_ab=True, delay_release=1)
-        weight = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
-        options = dict(decode=mosaic.NibbleDecode(k // 128))
-        scales = jax.ShapeDtypeStruct((e, k // 128, n), jnp.bfloat16)
-    else:
-        tiles = mosaic.MosaicTiles(128, 256, 64, stages=4, delay_release=1)
-        weight = jax.ShapeDtypeStruct((e, n, k), jnp.bfloat16)
-        options, scales = {}, None
-
-    def run(x, weight, offsets, scales):
-        return mosaic.expert_gemm_mosaic(x, weight, offsets, tiles, out_dtype=jnp.bfloat16, scales=scales, **options)
-
-    text = jax.jit(run).trace(x, weight, offsets, scales).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
-def test_delayed_release_refusals():
-    """delay_release names what it needs: 0 or 1 and only on the Mosaic
-    kernel, fewer than the stages, two K steps or more, not the staged 4-bit
-    pieces."""
-    with pytest.raises(ValueError, match="delay_release: 0 or 1, and 1 only with mosaic"):
-        hj.TuningConfig(64, 256, 64, delay_release=1)
-    with pytest.raises(ValueError, match="delay_release: 0 or 1"):
-        hj.TuningConfig(64, 256, 64, mosaic=True, delay_release=2)
-    decode = mosaic.NibbleDecode(4)
-    cases = [
-        (mosaic.MosaicTiles(64, 256, 64, stages=1, delay_release=1), 512, None, "below stages"),
-        (mosaic.MosaicTiles(64, 256, 64, stages=2, delay_release=1), 64, None, "at least 2 K steps"),
-        (mosaic.MosaicTiles(64, 256, 128, stages=2, delay_release=1), 512, decode, "staged 4-bit pieces"),
-    ]
-    for tiles, k, nibbles, reason in cases:
-        with pytest.raises(ValueError, match=reason):
-            mosaic.check_tiles(tiles, 256, k, jnp.bfloat16, nibbles)
-
-
 def test_decode_sized_row_tiles_need_swap_ab():
     """16- and 32-row tiles are the swap_ab form's (x's rows the wgmma's N);
     the other forms put x's rows on the wgmma's M: 64 or 128."""
     decode = mosaic.NibbleDecode(2)
-    mosaic.check_tiles(mosaic.MosaicTiles(16, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
-    with pytest.raises(ValueError, match="block_m must be 64 or 128, got 16"):
-        mosaic.check_tiles(mosaic.MosaicTiles(16, 256, 128, stages=4), 256, 256, jnp.bfloat16, decode)
-    with pytest.raises(ValueError, match="block_m must be 16 or 32 or 64 or 128, got 8"):
-        mosaic.check_tiles(mosaic.MosaicTiles(8, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
+    mosaic.check_tiles(mosaic.Tiles(16, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
+    with pytest.raises(ValueError, match=r"block_m=16 \(one of \(64, 128\)\)"):
+        mosaic.check_tiles(mosaic.Tiles(16, 256, 128, stages=4), 256, 256, jnp.bfloat16, decode)
+    with pytest.raises(ValueError, match=r"block_m=8 \(one of \(16, 32, 64, 128\)\)"):
+        mosaic.check_tiles(mosaic.Tiles(8, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
 
 
-def test_the_plan_for_a_swap_ab_table_entry(monkeypatch, rng):
-    """A table entry naming the Mosaic swap_ab form (the H200's int4 prefill
-    entries) runs as named on a Hopper GPU with 16-bit outputs; its staged form
-    (releasing each step) with f32 outputs or interpreted; dequantize_first for
-    MXFP4 with rows enough an expert (the 16-bit form: 64-column K steps, the
-    delayed release kept, word_decode dropped), else — and for a decode-sized
-    entry and K-order weights — the heuristic's Triton tile; the
-    Triton tile of its size, without the Mosaic-only options, on another GPU.
-    A tuning passed by hand runs as given."""
-    G = importlib.import_module("humming_jax.gemm")  # the module: the package exports the function under its name
+def _table(monkeypatch, *tiles):
+    """The tuning table's entries for every call: ``tiles``, in order."""
     from humming_jax import tuning as T
 
-    entry = hj.TuningConfig(128, 256, 128, num_stages=3, group_m=8, mosaic=True, swap_ab=True)
-    monkeypatch.setattr(T, "choose_tuning", lambda *args: entry)
-    monkeypatch.setattr(G, "_hopper_gpu", lambda: True)
+    monkeypatch.setattr(T, "table_entries", lambda *args: [T.Entry(0, 1 << 30, t) for t in tiles])
+
+
+def test_the_plan_takes_the_first_candidate_its_kernel_supports(monkeypatch, rng):
+    """The op runs the table's entry when its kernel takes the call, else the
+    next candidate: the H200's int4 prefill entry (the Mosaic swap_ab form)
+    runs as listed on a Hopper GPU with 16-bit outputs; with f32 outputs,
+    interpreted or off Hopper its kernel refuses and the heuristic's Triton
+    tile runs; MXFP4 (which the kernel does not decode) takes the heuristic's
+    dequantize-first candidate with rows enough an expert, else its Triton
+    tile; a column-pair entry on an odd number of column tiles is refused. A
+    tiling passed by hand runs as given or raises with the kernel's reason."""
+    entry = mosaic.Tiles(128, 256, 128, stages=3, group_m=8, swap_ab=True, word_decode=True)
+    _table(monkeypatch, entry)
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
     x = G.as_quantized_input(jnp.asarray(rng.normal(size=(64, 256)), jnp.bfloat16))
     w = jnp.asarray(rng.normal(0, 0.05, (2, 256, 256)), jnp.float32)
     planar = hj.to_planar(F.quantize_weight(w, F.INT4_G128))
     layout = hj.GroupedContiguous(jnp.asarray([0, 40, 64], jnp.int32))
 
-    def plan(weight=planar, tuning=None, **options):
-        return G.plan_tuning(x, weight, layout, tuning, **options)
+    def plan(weight=planar, **options):
+        return G.plan(x, weight, layout, **{"out_dtype": jnp.bfloat16, **options})
 
-    assert plan(out_dtype=jnp.bfloat16) == (entry, False)
-    staged = dataclasses.replace(entry, swap_ab=False)
-    assert plan(out_dtype=jnp.float32) == (staged, False)
-    assert plan(out_dtype=jnp.bfloat16, on_gpu=False) == (staged, False)
+    assert plan() == (entry, [])
+    for options, why in (({"out_dtype": jnp.float32}, "16-bit transposed view"), ({"interpret": True}, "compiled")):
+        ran, reasons = plan(**options)
+        assert isinstance(ran, triton.Tiles) and ran.pair_decode and why in reasons[0]
     mxfp4 = hj.to_planar(F.quantize_weight(w, F.MXFP4), half_bits=True)
-    many = dict(valid_shape_m=2 * G.DEQUANTIZE_MIN_ROWS)  # rows enough an expert to pay for a dequantize pass
-    assert plan(mxfp4, out_dtype=jnp.bfloat16, **many) == (dataclasses.replace(staged, block_k=64), True)
-    ran, dequantize = plan(mxfp4, out_dtype=jnp.bfloat16)  # 32 rows an expert: the heuristic's Triton tile
-    assert not ran.mosaic and not dequantize and ran.pair_decode
-    assert plan(tuning=entry, out_dtype=jnp.float32) == (entry, False)
-    delayed = dataclasses.replace(entry, delay_release=1)
-    monkeypatch.setattr(T, "choose_tuning", lambda *args: delayed)
-    assert plan(out_dtype=jnp.bfloat16) == (delayed, False)
-    assert plan(out_dtype=jnp.float32) == (staged, False)  # staged pieces: no delayed release
-    # Dequantized first: the 16-bit form keeps the delayed release.
-    assert plan(mxfp4, out_dtype=jnp.bfloat16, **many) == (
-        dataclasses.replace(delayed, swap_ab=False, block_k=64),
-        True,
-    )
-    # The shipped entries decode on 32-bit words: kept in the staged form, dropped
-    # with the decode when the weights are dequantized first.
-    words = dataclasses.replace(entry, word_decode=True)
-    monkeypatch.setattr(T, "choose_tuning", lambda *args: words)
-    assert plan(out_dtype=jnp.float32) == (dataclasses.replace(words, swap_ab=False), False)
-    assert plan(mxfp4, out_dtype=jnp.bfloat16, **many) == (dataclasses.replace(staged, block_k=64), True)
-    # A decode-sized entry meeting weights it does not decode (K order): the
-    # heuristic's Triton tile, not a dequantize pass over every expert.
-    monkeypatch.setattr(T, "choose_tuning", lambda *args: dataclasses.replace(delayed, block_m=16, num_stages=6))
-    k_order = F.quantize_weight(w, F.INT4_G128)
-    ran, dequantize = plan(k_order, out_dtype=jnp.bfloat16, valid_shape_m=16)
-    assert not ran.mosaic and not dequantize and ran.block_m <= 32
-    monkeypatch.setattr(T, "choose_tuning", lambda *args: delayed)
-    monkeypatch.setattr(G, "_hopper_gpu", lambda: False)
-    ran, dequantize = plan(out_dtype=jnp.bfloat16)  # planar int4 off Hopper: the heuristic's decode tile
-    assert not ran.mosaic and not dequantize and not ran.delay_release and ran.word_decode
-    # A split-rows entry off Hopper: the Triton tile of its size, without the Mosaic-only options.
-    split = hj.TuningConfig(
-        256,
-        128,
-        64,
-        num_stages=4,
-        group_m=8,
-        mosaic=True,
-        split_rows=True,
-        delay_release=1,
-        epilogue_slots=2,
-    )
-    monkeypatch.setattr(T, "choose_tuning", lambda *args: split)
-    dense = jnp.asarray(rng.normal(0, 0.05, (2, 256, 256)), jnp.bfloat16)
-    ran, _ = plan(G.as_weight(dense), out_dtype=jnp.bfloat16)
-    assert (ran.block_m, ran.block_n, ran.mosaic, ran.split_rows, ran.delay_release) == (256, 128, False, False, 0)
-    assert ran.epilogue_slots == 1
+    many = 2 * 2 * hj.tuning.DEQUANTIZE_MIN_ROWS  # rows enough an expert (2 experts) to pay for the pass
+    ran, reasons = plan(mxfp4, valid_shape_m=many)
+    assert ran == mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True) and "float4_e2m1" in reasons[0]
+    ran, _ = plan(mxfp4)  # 32 rows an expert: the heuristic's Triton tile
+    assert isinstance(ran, triton.Tiles) and ran.pair_decode and ran.fold_scales
+    ran, _ = plan(F.quantize_weight(w, F.INT4_G128))  # K order: the Triton decoder reads it
+    assert isinstance(ran, triton.Tiles)
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: False)
+    ran, reasons = plan()
+    assert isinstance(ran, triton.Tiles) and "Hopper" in reasons[0]
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
+    paired = mosaic.Tiles(64, 256, 64, stages=2, group_m=2, cluster_n=2)
+    _table(monkeypatch, paired, dataclasses.replace(paired, cluster_n=1))
+    for n, want in ((768, 1), (512, 2)):
+        weight = G.as_weight(jnp.asarray(rng.normal(0, 0.05, (2, n, 256)), jnp.bfloat16))
+        assert plan(weight)[0].cluster_n == want
+    ran, reasons = plan(tuning=entry, out_dtype=jnp.float32)
+    assert ran is None and "16-bit transposed view" in reasons[0]
 
 
 def test_swap_ab_refuses_32_bit_outputs():
@@ -523,7 +409,7 @@ def test_swap_ab_refuses_32_bit_outputs():
     takes 16-bit values: f32 outputs are refused with the reason (the Mosaic
     compiler's own error is a failed layout search)."""
     e, n, k = 2, 256, 256
-    tiles = mosaic.MosaicTiles(128, 256, 128, stages=3, swap_ab=True)
+    tiles = mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True)
     decode = mosaic.NibbleDecode(k // 128)
     codes = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
     scales = jax.ShapeDtypeStruct((e, k // 128, n), jnp.bfloat16)
@@ -533,74 +419,50 @@ def test_swap_ab_refuses_32_bit_outputs():
     def run(x, codes, offsets, scales):
         return mosaic.expert_gemm_mosaic(x, codes, offsets, tiles, out_dtype=jnp.float32, decode=decode, scales=scales)
 
-    with pytest.raises(ValueError, match="swap_ab.*16-bit outputs.*float32"):
+    with pytest.raises(ValueError, match="swap_ab with out_dtype=float32.*16-bit"):
         jax.jit(run).trace(x, codes, offsets, scales)
 
 
-def test_a_table_entry_naming_the_kernel_falls_back(monkeypatch, rng):
-    """The table may name the Mosaic kernel (the H200's 16-bit prefill entries
-    do); a call it cannot take runs another path instead of failing — N off its
-    tiles the Triton tile of the same size, quantized weights it does not
-    decode itself (MXFP4 in the pair decoder's bit order) dequantize_first, or
-    with few rows an expert the heuristic's Triton tile. A tuning passed by
+def test_a_table_entry_its_kernel_refuses_runs_the_next_candidate(monkeypatch, rng):
+    """Run interpreted: a Mosaic table entry with N off its tiles gives way to
+    the heuristic's Triton tile; MXFP4 in the pair decoder's bit order runs the
+    dequantize-first candidate when the estimate gives an expert rows enough,
+    else the Triton tile — the same numbers either way. A tiling passed by
     hand still fails with the reason."""
-    from humming_jax import tuning as T
-
-    chosen = []
-
-    def entry(tuning):
-        def choose(*args):
-            chosen.append(args)
-            return tuning
-
-        return choose
-
     m, k = 24, 64
     offsets = np.asarray([0, 9, 24], np.int32)
     layout = hj.GroupedContiguous(jnp.asarray(offsets))
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(0, 0.1, (2, 256, k)), jnp.float32)
-    monkeypatch.setattr(T, "choose_tuning", entry(TILES))
+    _table(monkeypatch, TILES)
+    launches = []
+    launch = mosaic.expert_gemm_mosaic
+    monkeypatch.setattr(mosaic, "expert_gemm_mosaic", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
     narrow = w[:, :192].astype(jnp.bfloat16)  # N off the kernel's 256-column tiles
     out = hj.gemm(x, narrow, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
-    assert chosen, "the table was not consulted"
     want = _expected(x, narrow, offsets, m)
-    assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
+    assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5 and not launches
     with pytest.raises(ValueError, match="block_n"):
         hj.gemm(x, narrow, layout, tuning=TILES, backend=KERNEL_BACKEND)
-    if KERNEL_BACKEND == "interpret":  # a swap_ab entry runs compiled only: interpreted, its staged form
-        monkeypatch.setattr(T, "choose_tuning", entry(hj.TuningConfig(64, 256, 128, mosaic=True, swap_ab=True)))
-        x128 = jnp.asarray(rng.normal(size=(m, 128)), jnp.bfloat16)
-        planar = hj.to_planar(
-            F.quantize_weight(jnp.asarray(rng.normal(0, 0.1, (2, 256, 128)), jnp.float32), F.INT4_G128)
-        )
-        out = hj.gemm(x128, planar, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
-        want = _expected(x128, F.dequantize_weight(planar).astype(jnp.bfloat16), offsets, m)
-        assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-2
-    monkeypatch.setattr(T, "choose_tuning", entry(hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True)))
     mxfp4 = hj.to_planar(F.quantize_weight(w, F.MXFP4), half_bits=True)
     want = _expected(x, F.dequantize_weight(mxfp4).astype(jnp.bfloat16), offsets, m)
-    # Rows enough an expert (the estimate says 2048) to pay for the dequantize pass; the
-    # call's own 12 rows an expert do not: the heuristic's Triton tile.
-    for estimate in (4096, None):
+    _table(monkeypatch, mosaic.Tiles(64, 256, 128, stages=2))
+    for estimate, on_mosaic in ((4096, True), (None, False)):
+        del launches[:]
         out = hj.gemm(x, mxfp4, layout, out_dtype=jnp.float32, valid_shape_m=estimate, backend=KERNEL_BACKEND)
         assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
+        assert bool(launches) == on_mosaic
 
 
 @pytest.mark.parametrize(
     "fmt,layout_kind,tuning",
     [
         (F.BF16, "grouped", TILES),
-        (F.BF16, "masked", SPLIT_ROWS),
-        (F.INT4_G128, "grouped", hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True)),
-        pytest.param(
-            F.INT4_G128,
-            "grouped",
-            hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True, swap_ab=True),
-            marks=ON_GPU_ONLY,
-        ),
+        (F.BF16, "masked", WIDE),
+        (F.INT4_G128, "grouped", mosaic.Tiles(64, 256, 128, stages=2)),
+        pytest.param(F.INT4_G128, "grouped", mosaic.Tiles(64, 256, 128, stages=2, swap_ab=True), marks=ON_GPU_ONLY),
     ],
-    ids=["bf16-grouped", "bf16-masked-split", "int4-grouped", "int4-swap"],
+    ids=["bf16-grouped", "bf16-masked-128-rows", "int4-grouped", "int4-swap"],
 )
 def test_bias_added_to_each_experts_rows(fmt, layout_kind, tuning, rng):
     """A bias ``[E, N]`` added in f32 to the rows of its expert (gpt-oss); rows
@@ -645,7 +507,7 @@ def test_the_offline_ir_tool_sees_the_decode():
     from benchmarks import mosaic_ir
 
     int4 = mosaic_ir.key_counts(
-        mosaic_ir.mosaic_ir("int4_g128", (2, 256, 256), 64, hj.TuningConfig(64, 256, 128, num_stages=2, mosaic=True))
+        mosaic_ir.mosaic_ir("int4_g128", (2, 256, 256), 64, mosaic.Tiles(64, 256, 128, stages=2))
     )
     bf16 = mosaic_ir.key_counts(mosaic_ir.mosaic_ir("bf16", (2, 256, 256), 64, TILES))
     assert int4["nvvm.ldmatrix"] > 0 and int4["nvvm.fence.proxy"] > bf16["nvvm.fence.proxy"]
@@ -658,10 +520,9 @@ def test_the_offline_ir_tool_sees_the_decode():
 @pytest.mark.parametrize(
     "config",
     [
-        "128,256,128,4,3,mosaic",
-        "128,256,128,4,2,mosaic,split_rows",  # 2 stages: uint4's zero points do not fit 3
-        "128,256,128,4,3,mosaic,swap_ab",
-        "128,256,128,4,3,mosaic,swap_ab,delay_release=1",
+        "mosaic:block_k=128,stages=3",
+        "mosaic:block_k=128,stages=3,swap_ab=1",
+        "mosaic:block_k=128,stages=3,swap_ab=1,cluster_n=2",
     ],
 )
 def test_word_decode_shifts_32_bit_registers(fmt, config):
@@ -678,7 +539,7 @@ def test_word_decode_shifts_32_bit_registers(fmt, config):
         return collections.Counter(f"{op} {ty}" for op, ty in ops)
 
     lanes = shifts(config)
-    words = shifts(config + ",word_decode")
+    words = shifts(config + ",word_decode=1")
     # Pieces 1-3 of a unit shift, all four mask and or (16 registers of a 128 x 32 piece a thread).
     assert lanes["shrui vector<2xi16>"] > 0 and lanes["shrui vector<1xi32>"] == 0
     assert words["shrui vector<2xi16>"] == 0 and words["andi vector<2xi16>"] == 0
@@ -690,9 +551,9 @@ def test_word_decode_shifts_32_bit_registers(fmt, config):
 @pytest.mark.parametrize(
     "config",
     [
-        "16,256,128,4,4,mosaic,swap_ab,word_decode",
-        "128,256,128,4,3,mosaic,swap_ab",
-        "256,128,128,4,2,mosaic,split_rows",
+        "mosaic:block_m=16,block_k=128,swap_ab=1,word_decode=1",
+        "mosaic:block_k=128,stages=3,swap_ab=1",
+        "mosaic:block_k=128,stages=3",
     ],
 )
 def test_register_counts_fit_the_launch(config):
@@ -713,44 +574,25 @@ def test_register_counts_fit_the_launch(config):
     assert mosaic.COMPUTE_WGS * increase[0] + decrease[0] <= warpgroups * at_launch
 
 
-@pytest.mark.parametrize("rows", [0, 1, 37, 64, 128])
-def test_store_copies_count_the_row_slices(rows):
-    """The epilogue's count of its copies (one per power-of-two slice of a
-    warpgroup's rows) is what the double-buffered wait allows in flight."""
-    assert int(mosaic._store_copies(jnp.int32(rows), 128)) == bin(rows).count("1")
-
-
-def test_epilogue_slots_refusals():
-    with pytest.raises(ValueError, match="epilogue_slots must be 1 or 2, got 3"):
-        mosaic.check_tiles(mosaic.MosaicTiles(64, 256, 64, epilogue_slots=3), 256, 128, jnp.bfloat16)
-    with pytest.raises(ValueError, match="epilogue_slots: 1 or 2, and 2 only with mosaic=True"):
-        hj.TuningConfig(64, 256, 64, epilogue_slots=2)
-
-
 def test_word_decode_is_for_4_bit_weights():
     x = jnp.zeros((64, 128), jnp.bfloat16)
     w = jnp.zeros((1, 256, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="word_decode is for 4-bit weights"):
+    with pytest.raises(ValueError, match="word_decode with 16-bit weights"):
         mosaic.expert_gemm_mosaic(
-            x, w, None, mosaic.MosaicTiles(64, 256, 64, word_decode=True), out_dtype=jnp.bfloat16, interpret=True
+            x, w, None, mosaic.Tiles(64, 256, 64, word_decode=True), out_dtype=jnp.bfloat16, interpret=True
         )
-    with pytest.raises(ValueError, match="takes none of split_k, column_tiles, pair_decode"):
-        hj.TuningConfig(128, 256, 128, mosaic=True, word_decode=True, pair_decode=True)
+    with pytest.raises(TypeError, match="pair_decode"):  # a Triton option: not a field of the Mosaic tiles
+        mosaic.Tiles(128, 256, 128, word_decode=True, pair_decode=True)
 
 
 @pytest.mark.parametrize("fmt", ["bf16+bias", "int4_g128"])
 def test_expert_pipelines_on_the_mosaic_kernel(fmt, monkeypatch, rng):
     """The grouped and the batched (masked) pipelines with every expert GEMM on
-    the Mosaic kernel (the table's entry forced to split-rows tiles): int4
-    weights planar, as the Flax modules store them, decoded in the kernel;
-    bf16 weights with biases — against the same pipelines on the reference."""
-    import dataclasses
-
-    from humming_jax import tuning as T
-
+    the Mosaic kernel (the table's entry forced to it): int4 weights planar,
+    as the Flax modules store them, decoded in the kernel; bf16 weights with
+    biases — against the same pipelines on the reference."""
     block_k = 128 if fmt.startswith("int4") else 64
-    tuning = hj.TuningConfig(128, 128, block_k, num_stages=2, group_m=2, mosaic=True, split_rows=True)
-    monkeypatch.setattr(T, "choose_tuning", lambda *args: tuning)
+    _table(monkeypatch, mosaic.Tiles(64, 128, block_k, stages=2, group_m=2))
     launches = []
     launch = mosaic.expert_gemm_mosaic
     monkeypatch.setattr(mosaic, "expert_gemm_mosaic", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
@@ -781,73 +623,23 @@ def test_expert_pipelines_on_the_mosaic_kernel(fmt, monkeypatch, rng):
     assert np.all(np.asarray(batched)[1] == 0) and np.all(np.asarray(batched)[0, 3:] == 0)
 
 
-def test_the_kernel_is_refused_off_hopper(monkeypatch, rng):
-    """The shipped table names the Mosaic kernel, which needs TMA and wgmma
-    (sm_90): on another GPU a table entry falls back and a tuning passed by hand
-    fails naming the device; interpreted, any machine runs it."""
-    import importlib
-
-    ops = importlib.import_module("humming_jax.gemm")
-    x = ops.as_quantized_input(jnp.asarray(rng.normal(size=(16, 64)), jnp.bfloat16))
-    w = ops.as_weight(jnp.asarray(rng.normal(size=(2, 256, 64)), jnp.bfloat16))
-    grouped = hj.GroupedContiguous(jnp.asarray([0, 8, 16], jnp.int32))
-    monkeypatch.setattr(ops, "_hopper_gpu", lambda: False)
-    assert "Hopper" in ops._mosaic_unsupported(x, w, grouped, False, on_gpu=True)
-    assert not ops._mosaic_fits(x, w, grouped, TILES, False, on_gpu=True)
-    assert ops._mosaic_fits(x, w, grouped, TILES, False, on_gpu=False)
-    monkeypatch.setattr(ops, "_hopper_gpu", lambda: True)
-    assert ops._mosaic_unsupported(x, w, grouped, False, on_gpu=True) is None
-
-
 @pytest.mark.parametrize(
     "fmt,config",
     [
-        ("bf16", "128,256,64,4,3,mosaic,group_m=8"),
-        ("int4_g128", "128,256,128,4,3,mosaic,group_m=8,swap_ab,word_decode"),
+        ("bf16", "mosaic:stages=3"),
+        ("int4_g128", "mosaic:block_k=128,stages=3,swap_ab=1,word_decode=1"),
     ],
 )
 def test_cluster_pairs_multicast(fmt, config):
     """``cluster_n=2``: x's TMA loads carry a multicast mask (each program of the
     pair fetches half of x's tile from L2 and both receive all of it), the
-    weight's do not; ``cluster_m=2``: the weight's do; without clusters no
-    load multicasts."""
+    weight's do not; without clusters no load multicasts."""
     from benchmarks import mosaic_ir
     from benchmarks.inspect_gemm import parse_config
 
     alone = mosaic_ir.mosaic_ir(fmt, (2, 1024, 512), 256, parse_config(config))
     loads = "nvvm.cp.async.bulk.tensor.shared.cluster.global"
-    ranks = {}
-    for option in ("cluster_n=2", "cluster_m=2"):
-        paired = mosaic_ir.mosaic_ir(fmt, (2, 1024, 512), 256, parse_config(f"{config},{option}"))
-        multicast = [line for line in paired.splitlines() if loads in line and "multicast_mask" in line]
-        assert multicast and len(multicast) < sum(loads in line for line in paired.splitlines())
-        ranks[option] = {line.split("box[")[1].split("]")[0].count(",") for line in multicast}
-    # x's boxes ([rows, K] tiled) for column pairs, the weight's ([E, N, K] tiled) for row pairs.
-    assert ranks["cluster_n=2"].isdisjoint(ranks["cluster_m=2"])
+    paired = mosaic_ir.mosaic_ir(fmt, (2, 1024, 512), 256, parse_config(f"{config},cluster_n=2"))
+    multicast = [line for line in paired.splitlines() if loads in line and "multicast_mask" in line]
+    assert multicast and len(multicast) < sum(loads in line for line in paired.splitlines())
     assert "multicast_mask" not in alone
-
-
-def test_cluster_pairs_refusals_and_fallback(monkeypatch, rng):
-    with pytest.raises(ValueError, match="cluster_n: 1 or 2, and 2 only with mosaic=True"):
-        hj.TuningConfig(64, 256, 64, cluster_n=2)
-    with pytest.raises(ValueError, match="cluster_n: 1 or 2"):
-        hj.TuningConfig(64, 256, 64, mosaic=True, cluster_n=4)
-    with pytest.raises(ValueError, match="not both 2"):
-        hj.TuningConfig(64, 256, 64, mosaic=True, cluster_n=2, cluster_m=2)
-    with pytest.raises(ValueError, match="clusters of two programs at most"):
-        mosaic.check_tiles(mosaic.MosaicTiles(64, 256, 64, cluster_n=2, cluster_m=2), 512, 128, jnp.bfloat16)
-    with pytest.raises(ValueError, match="cluster_n=2 pairs column tiles: N=768 must be a multiple of 512"):
-        mosaic.check_tiles(mosaic.MosaicTiles(64, 256, 64, cluster_n=2), 768, 128, jnp.bfloat16)
-    # A table entry with pairs on an odd number of column tiles runs unpaired on the same kernel.
-    G = importlib.import_module("humming_jax.gemm")
-    from humming_jax import tuning as T
-
-    monkeypatch.setattr(G, "_hopper_gpu", lambda: True)
-    paired = hj.TuningConfig(64, 256, 64, num_stages=2, group_m=2, mosaic=True, cluster_n=2)
-    monkeypatch.setattr(T, "choose_tuning", lambda *args: paired)
-    x = G.as_quantized_input(jnp.asarray(rng.normal(size=(40, 128)), jnp.bfloat16))
-    for n, want in ((768, 1), (512, 2)):
-        weight = G.as_weight(jnp.asarray(rng.normal(0, 0.05, (2, n, 128)), jnp.bfloat16))
-        layout = hj.GroupedContiguous(jnp.asarray([0, 20, 40], jnp.int32))
-        ran, _ = G.plan_tuning(x, weight, layout, out_dtype=jnp.bfloat16)
-        assert ran.mosaic and ran.cluster_n == want
