@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 import humming_jax as hj
 from humming_jax import formats as F
 from humming_jax.gemm import as_quantized_input, plan
+from pallas_kernels import word_decode as wd
 from pallas_kernels.gemm import triton as kernel
 from pallas_kernels.gemm.spec import LayoutSpec, WeightSpec
-from pallas_kernels import word_decode as wd
 
 import np_ref
 from np_ref import relative_error
