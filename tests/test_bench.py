@@ -1,6 +1,7 @@
 """The GEMM benchmark and tuning sweep run end to end on a tiny problem (interpret
 mode), so that GPU time is never spent finding a bug in the harness."""
 
+import dataclasses
 import functools
 import json
 
@@ -8,9 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-import humming_jax as hj
 import humming_jax.__main__ as cli
-from humming_jax import bench, timing, tuning
+from humming_jax import bench, tiles_text, timing, tuning
+from humming_jax.tuning import heuristic, search
+from humming_jax.tuning import table as table_module
+from pallas_kernels.gemm import mosaic, triton
 
 
 @pytest.fixture
@@ -44,65 +47,70 @@ def test_bench_writes_json(tiny, tmp_path, capsys):
 
 
 def test_tune_writes_a_table_the_loader_reads(tiny, tmp_path, monkeypatch):
-    candidates = (tuning.TuningConfig(16, 32, 32), tuning.TuningConfig(16, 64, 64, swap_ab=True))
-    monkeypatch.setattr(bench, "DECODE_CANDIDATES", candidates)
-    monkeypatch.setattr(bench, "M_RANGES", ((0, 8),))
+    """``tune`` writes entries only (the kernel, its tiles, the time, the
+    results file), merged into the file at ``--out``; the loader reads them back."""
+    candidates = (triton.Tiles(16, 32, 32), triton.Tiles(16, 64, 64, swap_ab=True))
+    monkeypatch.setattr(search, "DECODE", candidates)
+    monkeypatch.setattr(search, "M_RANGES", ((0, 8),))
     out = tmp_path / "table.json"
-    kept = dict(min_shape_m=8192, max_shape_m=16384, config=dict(block_m=128), us=[1.0])
-    meta = dict(note="how the table was made")
-    out.write_text(json.dumps(dict(meta=meta, entries={"indexed/4bit": [kept], "grouped_contiguous/16bit": [kept]})))
+    kept = dict(min_shape_m=8192, max_shape_m=16384, impl="mosaic", tiles=dict(stages=3), us=1.0, source="x.json")
+    out.write_text(json.dumps(dict(entries={"indexed/4bit": [kept], "grouped_contiguous/16bit": [kept]})))
     assert cli.main(["tune", "--problem", "tiny", "--formats", "int4_g32", "--out", str(out)]) == 0
     written = json.loads(out.read_text())
-    assert written["meta"]["note"] == meta["note"] and "tiny" in written["meta"]["tuned"][-1]  # history kept
     table = written["entries"]
+    assert set(written) == {"device", "entries"}
     assert set(table) == {"grouped_contiguous/4bit", "indexed/4bit", "grouped_contiguous/16bit"}
     assert [e["min_shape_m"] for e in table["indexed/4bit"]] == [0, 8192]  # merged, ordered
-    monkeypatch.setattr(tuning.resources, "files", lambda _: tmp_path)
-    loaded = tuning.load_table("table.json")
-    assert loaded["indexed/4bit"][0].config.block_m == 16
+    entry = table["indexed/4bit"][0]
+    assert entry["impl"] == "triton" and entry["us"] > 0 and entry["source"] == str(out)
+    loaded = table_module.parse_table(out.read_text())
+    assert loaded["indexed/4bit"][0].tiles in candidates
+    assert loaded["indexed/4bit"][1].tiles == mosaic.Tiles(stages=3)
 
 
 def test_tune_per_shape_entries_take_precedence(tiny, tmp_path, monkeypatch):
-    """``tune --per-shape`` keys its entries by (E, N, K); choose_tuning prefers
-    them to the class entries for that shape only."""
-    from humming_jax.configs import GemmLayout
+    """``tune --per-shape`` keys its entries by (E, N, K); the candidates list
+    them before the class entries, for that shape only, then the heuristic's."""
     from humming_jax.formats import get_format
 
-    monkeypatch.setattr(bench, "DECODE_CANDIDATES", (tuning.TuningConfig(16, 32, 32, num_stages=2),))
-    monkeypatch.setattr(bench, "M_RANGES", ((0, 8),))
+    monkeypatch.setattr(search, "DECODE", (triton.Tiles(16, 32, 32, num_stages=2),))
+    monkeypatch.setattr(search, "M_RANGES", ((0, 8),))
     out = tmp_path / "table.json"
-    generic = dict(min_shape_m=0, max_shape_m=8, config=dict(block_m=16, block_n=64, block_k=64), us=[1.0])
-    out.write_text(json.dumps(dict(meta={}, entries={"grouped_contiguous/4bit": [generic]})))
+    generic = dict(min_shape_m=0, max_shape_m=8, impl="triton", tiles=dict(block_m=16, block_n=64), us=1.0)
+    out.write_text(json.dumps(dict(entries={"grouped_contiguous/4bit": [generic]})))
     args = ["tune", "--problem", "tiny", "--formats", "int4_g32", "--layouts", "grouped", "--per-shape"]
     assert cli.main([*args, "--out", str(out)]) == 0
     e, n, k, _ = bench.Case("tiny", "w13", "grouped", 1, "int4_g32").shapes()
     shape_key = tuning.table_key("grouped_contiguous", "4bit", (e, n, k))
     assert set(json.loads(out.read_text())["entries"]) == {"grouped_contiguous/4bit", shape_key}
-    monkeypatch.setattr(tuning.resources, "files", lambda _: tmp_path)
-    monkeypatch.setattr(tuning, "_TABLE", tuning.load_table("table.json"))
+    monkeypatch.setattr(table_module, "load_table", lambda *a: table_module.parse_table(out.read_text()))
     int4 = get_format("int4_g32")
-    layout = GemmLayout.GROUPED_CONTIGUOUS
-    assert tuning.choose_tuning(layout, int4, 6, e, n, k).num_stages == 2  # the shape's entry
-    assert tuning.choose_tuning(layout, int4, 6, e, n, 2 * k).block_n == 64  # another shape: the class entry
-    assert tuning.choose_tuning(layout, int4, 64, e, n, k) == tuning.heuristic_tuning(64 // e, n, k, "4bit")
+    shape, other, class_entry = tuning.candidates("grouped_contiguous", int4, 6, e, n, k)[:3]
+    assert shape.num_stages == 2 and other.block_n == 64  # the shape's entry, then the class's
+    assert tuning.candidates("grouped_contiguous", int4, 6, e, n, 2 * k)[0].block_n == 64  # another shape
+    assert tuning.candidates("grouped_contiguous", int4, 64, e, n, k) == heuristic.heuristic_candidates(
+        64 // e, n, k, int4
+    )
     assert cli.main([*args, "--gemm", "w2", "--out", str(out)]) == 0  # w2's shape gets its own key
     e2, n2, k2, _ = bench.Case("tiny", "w2", "grouped", 1, "int4_g32").shapes()
     assert tuning.table_key("grouped_contiguous", "4bit", (e2, n2, k2)) in json.loads(out.read_text())["entries"]
 
 
 @pytest.mark.parametrize(
-    "entry,runs_mosaic",
+    "entry,runs",
     [
-        (tuning.TuningConfig(128, 64, 64, num_stages=2, mosaic=True, split_rows=True), True),
-        (tuning.TuningConfig(64, 128, 64, num_stages=2, mosaic=True), False),  # N=64 is off its tiles
+        (mosaic.Tiles(64, 128, 64, stages=2, group_m=2), "mosaic:block_m=64,block_n=128,stages=2,group_m=2"),
+        (mosaic.Tiles(64, 256, 64, stages=2), "triton:block_m=16,block_n=64,block_k=128"),  # N=128: off its tiles
     ],
     ids=["mosaic", "off-its-tiles"],
 )
-def test_bench_runs_the_tables_choice_as_gemm_does(tiny, monkeypatch, entry, runs_mosaic):
-    """By default a bench row runs the table's entry through ``gemm`` — with
-    its fallbacks — and records the tiling that ran: a Mosaic entry the call
-    cannot take is timed (and recorded) as the Triton tile of its size."""
-    monkeypatch.setattr(tuning, "choose_tuning", lambda *args: entry)
+def test_bench_runs_the_tables_choice_as_gemm_does(tiny, monkeypatch, entry, runs):
+    """By default a bench row runs the table's entry through ``gemm`` and
+    records the tiling that ran: a Mosaic entry the call cannot take gives way
+    to the heuristic's Triton tile, which the row names."""
+    monkeypatch.setitem(bench.PROBLEMS, "tiny", (4, 128, 64, 2))  # w13: N=128, K=128
+    monkeypatch.setattr(table_module, "table_entries", lambda *args: [tuning.Entry(0, 1 << 30, entry)])
+    monkeypatch.setattr(tuning, "table_entries", table_module.table_entries)
 
     def one_call(fn, sets):  # one interpreted call instead of the timing loop (seconds a call here)
         jax.block_until_ready(fn(*sets[0]))
@@ -111,15 +119,13 @@ def test_bench_runs_the_tables_choice_as_gemm_does(tiny, monkeypatch, entry, run
     monkeypatch.setattr(bench, "device_seconds", one_call)
     row = bench.time_kernel(bench.Case("tiny", "w13", "grouped", 5, "bf16"))
     assert row["error"] < 1e-2
-    ran = row["tuning"]
-    assert ran["mosaic"] is runs_mosaic and (ran["block_m"], ran["block_n"]) == (entry.block_m, entry.block_n)
-    assert ran["split_rows"] is runs_mosaic and (runs_mosaic or ran["num_warps"] == 8)
+    assert row["tiles"] == runs
 
 
 @pytest.mark.parametrize("layout_name", ["grouped", "indexed"])
 def test_sampled_error_catches_a_wrong_output(tiny, layout_name):
     prep = bench.prepare(bench.Case("tiny", "w13", layout_name, 5, "int4_g32"))
-    row, out, layout = bench.time_prepared(prep, tuning.TuningConfig(16, 32, 32))
+    row, out, layout = bench.time_prepared(prep, triton.Tiles(16, 32, 32))
     assert bench.sampled_error(prep, layout, out) < 1e-2
     assert bench.sampled_error(prep, layout, out * 1.1) > 5e-2
     assert bench.sampled_error(prep, layout, out.at[:, 0].add(1.0)) > 1e-2
@@ -128,11 +134,17 @@ def test_sampled_error_catches_a_wrong_output(tiny, layout_name):
 def test_inspect_gemm_parses_configs():
     from benchmarks.inspect_gemm import parse_config
 
-    assert parse_config("16,64,256,4,3,word_decode,fold_scales,split_k=2") == hj.TuningConfig(
-        16, 64, 256, 4, 3, split_k=2, word_decode=True, fold_scales=True
-    )
+    text = "triton:block_m=16,block_n=64,block_k=256,split_k=2,word_decode=1,fold_scales=1"
+    tiles = triton.Tiles(16, 64, 256, split_k=2, word_decode=True, fold_scales=True)
+    assert parse_config(text) == tiles and tiles_text.gemm_to_text(tiles) == text
+    assert parse_config("mosaic:stages=3,cluster_n=2") == mosaic.Tiles(stages=3, cluster_n=2)
+    assert parse_config("block_m=16") == triton.Tiles(block_m=16)  # a bare field list: the Triton kernel
     with pytest.raises(ValueError, match="block_n"):
-        parse_config("16,48,256,4,3")  # not a power of two
+        parse_config("triton:block_n=48")  # not a power of two
+    with pytest.raises(ValueError, match="kernel must be one of triton, mosaic"):
+        parse_config("cuda:block_m=16")
+    with pytest.raises(ValueError, match="names from block_m"):
+        parse_config("triton:column_tiles=2")  # an option that no longer exists
 
 
 def test_launched_ops_lists_the_entry_computation(tiny):
@@ -186,14 +198,17 @@ def test_routing_bench_sweeps_row_tiles(monkeypatch):
     from benchmarks import bench_routing
 
     monkeypatch.setattr(bench_routing, "KERNEL", "interpret")
-    tiles = hj.RowTilesConfig.parse("4x64x2")
+    from pallas_kernels.routing import RowTiles
+
+    tiles = tiles_text.from_text(RowTiles, "block_tokens=4,block_cols=64,num_warps=2")
+    name = "block_cols=64,num_warps=2"
     rows = bench_routing.bench((5,), ((4, 2),), (64,), row_tiles=(None, tiles))
     kernel_rows = [r for r in rows if r["backend"] == "interpret" and "H" in r]
     assert sorted((r["op"], r["row_tiles"]) for r in kernel_rows) == sorted(
-        (op, name) for op in ("permute", "unpermute", "fused_mul_sum") for name in ("default", "4x64x2")
+        (op, tiling) for op in ("permute", "unpermute", "fused_mul_sum") for tiling in ("default", name)
     )
     assert sum(r["backend"] == "reference" and "H" in r for r in rows) == 3
-    assert bench_routing.table(rows).count("4x64x2") == 3
+    assert bench_routing.table(rows).count(name) == 3
 
 
 def test_process_input_bench_sweeps_tiles(monkeypatch):
@@ -203,14 +218,16 @@ def test_process_input_bench_sweeps_tiles(monkeypatch):
 
     monkeypatch.setattr(bench_process_input, "KERNEL", "interpret")
     monkeypatch.setattr(bench_process_input, "TOP_K", 1)
-    tiles = hj.ProcessTilesConfig.parse("2x2")
+    from pallas_kernels.process_input import Tiles
+
+    tiles = Tiles(2, 2)
     rows = bench_process_input.bench((3,), (256,), ("silu+mxfp8",), tiles_list=(None, tiles))
     assert [(r["backend"], r.get("tiles")) for r in rows] == [
         ("interpret", "default"),
-        ("interpret", "2x2"),
+        ("interpret", "block_rows=2,num_warps=2"),
         ("reference", None),
     ]
-    assert bench_process_input.table(rows).count("2x2") == 1
+    assert bench_process_input.table(rows).count("block_rows=2,num_warps=2") == 1
     # Both tilings against one same-run pass over as many bytes.
     kernel_rows = [r for r in rows if r["backend"] == "interpret"]
     assert kernel_rows[0]["copy_us"] == kernel_rows[1]["copy_us"] > 0
@@ -246,91 +263,48 @@ def test_merge_entry_replaces_overlapping_ranges():
 def test_shipped_table_ranges_do_not_overlap():
     """Every key of the shipped H200 table has disjoint M ranges (else one
     entry silently shadows another)."""
-    for key, entries in tuning.load_table().items():
+    for key, entries in tuning.load_table("h200.json").items():
         ranges = sorted((e.min_shape_m, e.max_shape_m) for e in entries)
         for (_, high), (low, _) in zip(ranges, ranges[1:], strict=False):
             assert high <= low, (key, ranges)
 
 
+def test_shipped_table_entries_are_in_the_search_space():
+    """Every tiling the shipped table runs is one ``tune`` sweeps (a rerun can
+    reproduce the table), and each entry names its source."""
+    swept = set(search.DECODE + search.MID + search.PREFILL)
+    for key, entries in tuning.load_table("h200.json").items():
+        for entry in entries:
+            assert entry.tiles in swept, (key, tiles_text.gemm_to_text(entry.tiles))
+            assert entry.us and entry.source
+
+
 def test_candidates_by_rows_per_expert():
     """Split-K only where experts hold a row or two, 64-row tiles beside the
     decode ones for 17-32 rows, prefill tiles past that."""
-    one, eight, thirty_two = (bench.candidates_for(rows) for rows in (1, 8, 32))
+    one, eight, thirty_two = (search.candidates_for(rows) for rows in (1, 8, 32))
     assert any(c.split_k > 1 for c in one) and not any(c.split_k > 1 for c in eight + thirty_two)
     assert not any(c.block_m == 64 for c in eight)
-    assert set(bench.MID_CANDIDATES) <= set(thirty_two)
-    assert bench.candidates_for(64) == bench.PREFILL_CANDIDATES
+    assert set(search.MID) <= set(thirty_two)
+    assert search.candidates_for(64) == search.PREFILL
 
 
 def test_four_bit_heuristic_by_rows_and_format():
     """The heuristic's 4-bit tiles are the H200 winners: word + fold + pairs at
-    16/32 rows, swap_ab prefill tiles at 64/128 rows, 256 columns for e2m1 on 128."""
-    decode = tuning.heuristic_tuning(16, 1536, 2048, "4bit")
+    16/32 rows, swap_ab prefill tiles at 64/128 rows, 256 columns for e2m1 on
+    128; a dequantize-first Mosaic candidate ahead of them from 512 rows an
+    expert; an indexed layout's block size as the rows of a tile."""
+    from humming_jax.formats import get_format
+
+    decode = heuristic.triton_tiles(16, 1536, 2048, "4bit")
     assert (decode.block_m, decode.block_n, decode.block_k, decode.pair_decode) == (16, 128, 256, True)
-    int4, fp4 = (tuning.heuristic_tuning(1024, 28672, 4096, c) for c in ("4bit", "fp4"))
+    int4, fp4 = (heuristic.triton_tiles(1024, 28672, 4096, c) for c in ("4bit", "fp4"))
     assert int4.swap_ab and fp4.swap_ab and (int4.block_m, int4.block_n, fp4.block_n) == (128, 128, 256)
-    assert tuning.heuristic_tuning(64, 1536, 2048, "fp4").block_n == 128
-
-
-def test_trace_rotation_summary(tmp_path):
-    """The Mosaic rotation's trace report: region times a program per warpgroup
-    role (trace ids 1 + warpgroup + 4 * program with 3 compute warpgroups) and
-    one program's steps, from begin/end events."""
-    import json
-
-    from benchmarks import trace_rotation
-
-    def span(name, tid, begin, end):
-        return [
-            {"name": name, "ph": "B", "ts": begin, "pid": 1, "tid": tid},
-            {"name": name, "ph": "E", "ts": end, "pid": 1, "tid": tid},
-        ]
-
-    events = []
-    for program in range(2):
-        base = 1 + 4 * program
-        events += span("max_step", base, 1.0, 4.0) + span("max_waits_load", base, 1.5, 2.0)
-        events += span("quantize_step", base + 1, 4.0, 7.0) + span("quantize_step", base + 2, 4.0, 6.0)
-        events += span("load_step", base + 3, 0.5, 3.0)
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    report = trace_rotation.summarize(str(path), 3)
-    assert "kernel span (first to last recorded event): 6.50 k cycles" in report
-    assert "max max_waits_load" in report and "0.50 k cycles a program" in report
-    assert " quantize 0 quantize_step             1.0 a program,    3.00 k cycles" in report
-    assert " quantize 1 quantize_step             1.0 a program,    2.00 k cycles" in report
-    assert "memory load_step                 1.0 a program,    2.50 k cycles" in report
-    assert "   quantize 0 quantize_step     3.50 ..    6.50" in report  # program 0, from the first event
-    assert report.count("_step ") == 4 + 4  # four roles' totals, then program 0's four steps
-    # Without the memory warpgroup (self-fed rings): 3 trace ids a program.
-    events = []
-    for program in range(2):
-        base = 1 + 3 * program
-        events += span("max_step", base, 1.0, 4.0) + span("quantize_step", base + 1, 4.0, 7.0)
-        events += span("quantize_step", base + 2, 4.0, 6.0)
-    path.write_text(json.dumps({"traceEvents": events}))
-    report = trace_rotation.summarize(str(path), 3, memory=False)
-    assert " quantize 1 quantize_step             1.0 a program,    2.00 k cycles" in report
-    assert "memory" not in report
-    # The own-rings form: every warpgroup's own_step (both passes), 2 trace ids a program.
-    events = []
-    for program in range(2):
-        events += span("own_step", 1 + 2 * program, 1.0, 5.0) + span("own_step", 2 + 2 * program, 1.0, 4.0)
-    path.write_text(json.dumps({"traceEvents": events}))
-    report = trace_rotation.summarize(str(path), 2, memory=False, own_rings=True)
-    assert "      own 1 own_step                  1.0 a program,    3.00 k cycles" in report
-    assert report.count("own_step") == 2 + 2
-
-
-def test_ab_rotation_variants():
-    """The interleaved A/B's variant text: a name, then MosaicRotation fields as literals."""
-    from benchmarks import ab_rotation
-
-    assert ab_rotation.parse_variant("base:") == ("base", {})
-    assert ab_rotation.parse_variant("base") == ("base", {})
-    name, options = ab_rotation.parse_variant("quiet:auto_barriers=False, select_store=True,first_ring=3")
-    assert name == "quiet" and options == {"auto_barriers": False, "select_store": True, "first_ring": 3}
-    with pytest.raises(ValueError, match="field=value"):
-        ab_rotation.parse_variant("bad:first_ring")
-    with pytest.raises(ValueError, match="name"):
-        ab_rotation.parse_variant(":first_ring=3")
+    assert heuristic.triton_tiles(64, 1536, 2048, "fp4").block_n == 128
+    many = heuristic.heuristic_candidates(1024, 28672, 4096, get_format("int4_g128"))
+    assert many[0].dequantize_first and many[1] == int4
+    assert heuristic.heuristic_candidates(16, 1536, 2048, get_format("int4_g128")) == [decode]
+    indexed = heuristic.heuristic_candidates(16, 1536, 2048, get_format("int4_g128"), block_size=64)
+    assert indexed == [dataclasses.replace(decode, block_m=64)]
+    (small,) = heuristic.heuristic_candidates(16, 1536, 2048, get_format("bf16"), block_size=8)
+    assert small.block_m == 8 and not small.use_mma

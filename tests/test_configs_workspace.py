@@ -55,22 +55,19 @@ def test_layer_config_padding_and_errors():
         hj.LayerConfig(-1, 256, 4)
 
 
-def test_tuning_and_compute_configs():
-    with pytest.raises(ValueError, match="block_m"):
-        hj.TuningConfig(block_m=48)
+def test_tile_and_compute_configs():
+    from pallas_kernels.gemm import triton
+
+    with pytest.raises(ValueError, match="triton.Tiles.block_m"):
+        triton.Tiles(block_m=48)
     with pytest.raises(ValueError, match="block_k"):
-        hj.TuningConfig(block_k=8)
+        triton.Tiles(block_k=8)
     with pytest.raises(ValueError, match="num_warps"):
-        hj.TuningConfig(num_warps=3)
+        triton.Tiles(num_warps=3)
     with pytest.raises(ValueError, match="layout"):
         hj.ComputeConfig(layout="ragged")
-    with pytest.raises(ValueError, match="split_k"):
-        hj.TuningConfig(split_k=2).check_compute(hj.ComputeConfig(batch_invariant=True))
-    small, large = hj.TuningConfig(block_m=16, split_k=4), hj.TuningConfig(block_m=128)
-    table = (hj.TuningEntry(0, 64, small), hj.TuningEntry(64, 1 << 30, large))
-    assert hj.select_tuning(table, 64) is small and hj.select_tuning(table, 65) is large
-    with pytest.raises(ValueError, match="no entry"):
-        hj.select_tuning(table, 0)
+    table = {"dense/16bit": (hj.tuning.Entry(0, 64, triton.Tiles(16)), hj.tuning.Entry(64, 1 << 30, triton.Tiles()))}
+    assert hj.tuning.Entry.from_json(table["dense/16bit"][0].to_json()) == table["dense/16bit"][0]
 
 
 def test_every_weight_format_takes_unquantized_inputs():
@@ -94,12 +91,24 @@ def test_backend_choice(monkeypatch):
     with pytest.raises(ValueError, match="backend"):
         B.resolve_backend("triton", "gemm")
     assert B.resolve_backend("reference", "gemm") == "reference"
-    monkeypatch.setitem(B.KERNEL_BACKENDS, "gemm", ("pallas", "interpret"))
     assert B.resolve_backend(None, "gemm") == "interpret"
-    monkeypatch.setitem(B.KERNEL_BACKENDS, "gemm", ())
-    assert B.resolve_backend(None, "gemm") == "reference"  # no kernel yet: its reference runs
-    with pytest.raises(ValueError, match="not available for this op"):
-        B.resolve_backend("pallas", "gemm")
+
+
+def test_no_kernel_policy(monkeypatch):
+    """A call no kernel takes: an explicit kernel backend raises; on a GPU the
+    default raises too unless the user opted in (then a one-time warning);
+    off a GPU the default warns once and runs the reference."""
+    monkeypatch.delenv(B.FALLBACK_ENV_VAR, raising=False)
+    with pytest.raises(B.NoKernelError, match="op: no kernel takes this call \\(why\\); backend 'pallas'"):
+        B.no_kernel("op", "why", "pallas")
+    with pytest.warns(UserWarning, match="op: no kernel takes this call \\(a reason\\)"):
+        B.no_kernel("op", "a reason", None)
+    monkeypatch.setattr(B.jax, "default_backend", lambda: "gpu")
+    with pytest.raises(B.NoKernelError, match="on the GPU.*HUMMING_JAX_REFERENCE_FALLBACK=1"):
+        B.no_kernel("op", "another reason", None)
+    monkeypatch.setenv(B.FALLBACK_ENV_VAR, "1")
+    with pytest.warns(UserWarning, match="another reason"):
+        B.no_kernel("op", "another reason", None)
 
 
 # ---- plan_workspace (vLLM's get_buffer_metas / _workspace_shapes rules) ------------

@@ -253,9 +253,7 @@ def test_banded_program_order(group_m, layout_kind, rng):
 def test_word_decode(block_m, layout_kind, fmt_name, rng):
     """``word_decode``: packed weights read as uint32 words, 8 pieces per span
     (on a GPU, integer codes are decoded by inline PTX); same values."""
-    _check_tiling(
-        rng, fmt_name, layout_kind, kernel.Tiles(block_m=block_m, block_n=32, block_k=128, word_decode=True)
-    )
+    _check_tiling(rng, fmt_name, layout_kind, kernel.Tiles(block_m=block_m, block_n=32, block_k=128, word_decode=True))
 
 
 @pytest.mark.parametrize("fmt_name", ["int4_g128", "uint4_zp_g128", "mxfp4"])

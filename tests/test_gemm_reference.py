@@ -13,6 +13,7 @@ import humming_jax as hj
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax.configs import supported_input_specs
+from pallas_kernels.gemm import triton
 
 import np_ref
 
@@ -138,7 +139,7 @@ def test_gemm_bad_input(rng):
     with pytest.raises(ValueError, match="use_f16_accum"):
         hj.gemm(x, weight, layout, use_f16_accum=True)
     with pytest.raises(ValueError, match="split_k"):
-        hj.gemm(x, weight, layout, batch_invariant=True, tuning=hj.TuningConfig(split_k=4))
+        hj.gemm(x, weight, layout, batch_invariant=True, tuning=triton.Tiles(split_k=4))
     with pytest.raises(ValueError, match=r"weight\.scale"):
         hj.gemm(x, dataclasses.replace(weight, scale=weight.scale[:, :1]), layout)
     with pytest.raises(ValueError, match="layout.expert_ids"):

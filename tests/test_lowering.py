@@ -11,6 +11,8 @@ import humming_jax as hj
 from benchmarks.inspect_gemm import parse_config
 from benchmarks.lower_sm90 import gemm_ttir, process_ttir, ttir_of
 from humming_jax import input_quant as Q
+from humming_jax.tiles_text import from_text
+from pallas_kernels.process_input import Tiles
 
 SHAPE = (4, 256, 512)
 # Lowering for the GPU backend warns that Pallas's Triton backend is deprecated (our GPU path today).
@@ -20,10 +22,26 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 @pytest.mark.parametrize(
     "fmt,config,pack",
     [
-        ("int4_g128", "16,64,256,4,3,word_decode,fold_scales", 1),
-        ("int4_g128", "16,32,256,2,3,word_decode,fold_scales,pair_decode", 2),
-        ("mxfp4", "16,64,256,4,3,swap_ab,word_decode,fold_scales,pair_decode", 2),
-        ("uint4_zp_g128", "64,64,128,4,3,swap_ab,word_decode,pair_decode", 2),
+        (
+            "int4_g128",
+            "triton:block_m=16,block_n=64,block_k=256,num_warps=4,num_stages=3,word_decode=1,fold_scales=1",
+            1,
+        ),
+        (
+            "int4_g128",
+            "triton:block_m=16,block_n=32,block_k=256,num_warps=2,num_stages=3,word_decode=1,fold_scales=1,pair_decode=1",
+            2,
+        ),
+        (
+            "mxfp4",
+            "triton:block_m=16,block_n=64,block_k=256,num_warps=4,num_stages=3,swap_ab=1,word_decode=1,fold_scales=1,pair_decode=1",
+            2,
+        ),
+        (
+            "uint4_zp_g128",
+            "triton:block_m=64,block_n=64,block_k=128,num_warps=4,num_stages=3,swap_ab=1,word_decode=1,pair_decode=1",
+            2,
+        ),
     ],
 )
 def test_word_decoders_lower_for_sm90(fmt, config, pack):
@@ -41,9 +59,18 @@ def test_word_decoders_lower_for_sm90(fmt, config, pack):
 @pytest.mark.parametrize(
     "fmt,config",
     [
-        ("int4_g128", "16,64,256,4,3,swap_ab,word_decode,fold_scales,pair_decode"),
-        ("int4_g128", "128,128,128,8,3,swap_ab,group_m=8,word_decode,fold_scales,pair_decode"),
-        ("mxfp4", "16,128,256,4,3,word_decode,fold_scales,pair_decode"),
+        (
+            "int4_g128",
+            "triton:block_m=16,block_n=64,block_k=256,num_warps=4,num_stages=3,swap_ab=1,word_decode=1,fold_scales=1,pair_decode=1",
+        ),
+        (
+            "int4_g128",
+            "triton:block_m=128,block_n=128,block_k=128,num_warps=8,num_stages=3,swap_ab=1,group_m=8,word_decode=1,fold_scales=1,pair_decode=1",
+        ),
+        (
+            "mxfp4",
+            "triton:block_m=16,block_n=128,block_k=256,num_warps=4,num_stages=3,word_decode=1,fold_scales=1,pair_decode=1",
+        ),
     ],
 )
 def test_planar_weights_lower_for_sm90(fmt, config):
@@ -53,54 +80,38 @@ def test_planar_weights_lower_for_sm90(fmt, config):
 
 
 @pytest.mark.parametrize(
-    "fmt,config",
-    [
-        ("int4_g128", "16,128,256,4,3,word_decode,fold_scales,pair_decode,column_tiles=2"),
-        ("bf16", "64,128,64,4,3,column_tiles=4"),
-    ],
-)
-def test_column_tiles_lower_for_sm90(fmt, config):
-    """Several column tiles per program: one loop over (column tile, K tile),
-    its store in a branch of the loop (Triton's remainder of the loop index
-    takes no floor fix-ups)."""
-    (text,) = gemm_ttir(fmt, 64, parse_config(config), SHAPE, planar=fmt != "bf16")
-    assert text.count("scf.for") >= 1 and "scf.if" in text and "tt.store" in text
-
-
-@pytest.mark.parametrize(
     "case,tiles",
     [
-        ("silu", "4x4x1x8"),
-        ("hadamard", "8x8x1x4"),
-        ("hadamard", "0x0x2"),
+        ("silu", "block_rows=4,num_warps=4,row_blocks=8"),
+        ("hadamard", "block_rows=8,num_warps=8,row_blocks=4"),
         ("swigluoai", "default"),
-        ("silu", "4x4p"),  # K=768 as one masked 1024-wide block
-        ("hadamard", "8x8x1x4p"),
-        ("hadamard", "8x4x1x4h32"),  # four 32-column products a Hadamard block, f32 butterflies
+        ("silu", "block_rows=4,num_warps=4,row_blocks=1"),
+        ("hadamard", "block_rows=8,num_warps=4,row_blocks=4,hadamard_sub=32"),  # four 32-column products a block
     ],
 )
 def test_process_input_lowers_for_sm90(case, tiles):
     """One kernel; the row-block loop carries the next block's input tiles."""
     k_in = {"silu": 1536, "hadamard": 768, "swigluoai": 1536}[case]
     x = jax.ShapeDtypeStruct((512, k_in), jnp.bfloat16)
-    kw = dict(backend="pallas", tiles=None if tiles == "default" else hj.ProcessTilesConfig.parse(tiles))
+    kw = dict(backend="pallas", tiles=None if tiles == "default" else from_text(Tiles, tiles))
     if case == "hadamard":
         kw["hadamard_block_size"] = 128
     else:
         kw["activation"] = case
     spec = Q.FP8_DYNAMIC_TOKEN if case == "hadamard" else Q.FP8_DYNAMIC_GROUP128
     (text,) = ttir_of(lambda x: hj.process_input(x, spec, **kw), x)
-    assert ("scf.for" in text) == (tiles != "default" and "x1x" in tiles or tiles.endswith("x2"))
+    looped = tiles != "default" and "row_blocks=1" not in tiles
+    assert ("scf.for" in text) == looped
 
 
 @pytest.mark.parametrize(
     "tiles,warps,stages",
-    [("64x8x2h64", 8, 2), ("128x4x2", 4, 2), (None, 4, 3), ("8x4x1x1", 4, 1)],
+    [(None, 4, 3), ("block_rows=8,num_warps=4,row_blocks=1", 4, 1), ("block_rows=16,num_warps=8", 8, 3)],
 )
 def test_process_input_launch_configuration(tiles, warps, stages):
     """The offline compile takes each launch's warps and stages from the lowered
-    module: two passes pipeline their loads in 2 stages, the row-block loop in
-    3 (K=768 at T=4096 by default: 4 blocks of 8 rows on 4 warps), one block 1."""
+    module: the row-block loop in 3 stages (K=768 at T=4096 by default: 4
+    blocks of 8 rows on 4 warps), one block a program 1."""
     ((text, got_warps, got_stages),) = process_ttir("hadamard128+fp8_token", 768, 4096, tiles)
     assert (got_warps, got_stages) == (warps, stages) and "moe_process_input" in text
 
@@ -129,7 +140,11 @@ def test_permute_lowers_for_sm90(dtype):
 
 
 @pytest.mark.parametrize(
-    "config", ["16,64,256,4,3,word_decode,fold_scales,pair_decode", "64,64,128,4,3,swap_ab,word_decode,pair_decode"]
+    "config",
+    [
+        "triton:block_m=16,block_n=64,block_k=256,num_warps=4,num_stages=3,word_decode=1,fold_scales=1,pair_decode=1",
+        "triton:block_m=64,block_n=64,block_k=128,num_warps=4,num_stages=3,swap_ab=1,word_decode=1,pair_decode=1",
+    ],
 )
 def test_folded_mxfp4_decoder_has_no_multiply(config):
     """MXFP4 in bf16 with its scales in the weights (folded, or the exact
@@ -145,7 +160,14 @@ def test_mxfp4_half_bits_decoder_lowers_for_sm90():
     4 pair decoders per span with 11 integer instructions among them (the
     nibble order needs 15), no multiply (folded scales)."""
     (text,) = gemm_ttir(
-        "mxfp4", 16, parse_config("16,64,256,4,3,word_decode,fold_scales,pair_decode"), SHAPE, True, True
+        "mxfp4",
+        16,
+        parse_config(
+            "triton:block_m=16,block_n=64,block_k=256,num_warps=4,num_stages=3,word_decode=1,fold_scales=1,pair_decode=1"
+        ),
+        SHAPE,
+        True,
+        True,
     )
     asm = [part.split("->")[0] for part in text.split("tt.elementwise_inline_asm")[1:]]
     ops = sum(a.count(f"{op}.b32 ") for a in asm for op in ("shl", "shr", "and", "lop3"))

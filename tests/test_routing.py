@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 import humming_jax as hj
 from humming_jax.routing import align_length
+from humming_jax.tiles_text import from_text, to_text
+from pallas_kernels.routing import RowTiles
 
 import np_ref
 
@@ -351,11 +353,13 @@ def test_row_ops_with_either_token_tile(block_tokens, rng):
     np.testing.assert_allclose(fused, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("row_tiles", ["2x2048x8", "8x64x2"])
+@pytest.mark.parametrize(
+    "row_tiles", ["block_tokens=2,block_cols=2048,num_warps=8", "block_tokens=8,block_cols=64,num_warps=2"]
+)
 def test_row_ops_take_row_tiles(row_tiles, rng):
     """``row_tiles`` changes only the tiling: permute, unpermute and
     fused_mul_sum equal the reference exactly (38 tokens, E=8, k=2, H=192)."""
-    tiles = hj.RowTilesConfig.parse(row_tiles)
+    tiles = from_text(RowTiles, row_tiles)
     tokens, experts, top_k, hidden = 38, 8, 2, 192
     ids = jnp.asarray(rng.integers(-1, experts + 2, size=(tokens, top_k)), jnp.int32)  # some ids out of range
     x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.float32)
@@ -381,9 +385,11 @@ def test_row_ops_take_row_tiles(row_tiles, rng):
 
 def test_row_tiles_config_rejects_bad_tiles():
     with pytest.raises(ValueError, match="block_cols"):
-        hj.RowTilesConfig(16, 8, 4)
+        RowTiles(16, 8, 4)
     with pytest.raises(ValueError, match="block_tokens"):
-        hj.RowTilesConfig(12, 512, 4)
-    with pytest.raises(ValueError, match="TOKENSxCOLSxWARPS"):
-        hj.RowTilesConfig.parse("16x512")
-    assert hj.RowTilesConfig.parse("8x1024x8").text() == "8x1024x8"
+        RowTiles(12, 512, 4)
+    with pytest.raises(ValueError, match="name=value"):
+        from_text(RowTiles, "16x512")
+    assert to_text(from_text(RowTiles, "block_tokens=8,block_cols=1024,num_warps=8")) == (
+        "block_tokens=8,block_cols=1024,num_warps=8"
+    )

@@ -1,0 +1,112 @@
+"""On a GPU no pipeline reaches a reference by accident: for every weight
+format and every input quantization a kernel takes with it
+(``hj.kernel_input_specs``), each expert pipeline traced for the GPU
+(``backend="pallas"``, ``jax.eval_shape``: no GPU needed) gets a kernel from
+every op it calls — the kernels' ``supports`` answer, the references are
+poisoned. The pairs without a kernel raise on a GPU, naming the op."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import humming_jax as hj
+from humming_jax import backend as B
+from humming_jax import formats as F
+from humming_jax import input_quant as Q
+
+E, H, INTER, TOP_K, T = 4, 256, 128, 2, 8
+FORMATS = sorted(F.PRESETS) + ["int4_g128+bias", "mxfp4+bias"]
+
+
+@pytest.fixture
+def no_references(monkeypatch):
+    """Every reference the pipelines could fall back to raises when called."""
+    import importlib
+
+    for module, name in (
+        ("humming_jax.gemm", "gemm_reference"),
+        ("humming_jax.process_input", "process_input_reference"),
+    ):
+        mod = importlib.import_module(module)
+
+        def poisoned(*args, _name=name, **kwargs):
+            raise AssertionError(f"{_name} reached on the GPU path")
+
+        monkeypatch.setattr(mod, name, poisoned)
+
+
+def _weights(config: hj.ExpertsConfig) -> hj.ExpertWeights:
+    fmt = config.weight_format
+    w13 = jax.ShapeDtypeStruct((E, config.w13_n, H), jnp.float32)
+    w2 = jax.ShapeDtypeStruct((E, H, INTER), jnp.float32)
+    bias = {}
+    if fmt.has_bias:
+        bias = dict(
+            w13_bias=jax.ShapeDtypeStruct((E, config.w13_n), jnp.float32),
+            w2_bias=jax.ShapeDtypeStruct((E, H), jnp.float32),
+        )
+    return jax.eval_shape(lambda w13, w2, **b: hj.quantize_experts(w13, w2, config, **b), w13, w2, **bias)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_every_advertised_pair_has_a_kernel_in_every_pipeline(fmt_name, no_references):
+    fmt = F.get_format(fmt_name)
+    specs = hj.kernel_input_specs(fmt)
+    assert Q.NONE in specs
+    for spec in specs:
+        config = hj.ExpertsConfig(E, H, INTER, TOP_K, weight_format=fmt, input_quant=spec)
+        weights = _weights(config)
+        x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
+        tw = jax.ShapeDtypeStruct((T, TOP_K), jnp.float32)
+        ids = jax.ShapeDtypeStruct((T, TOP_K), jnp.int32)
+        for pipeline in (hj.humming_grouped_experts, hj.humming_indexed_experts):
+            out = jax.eval_shape(
+                lambda x, w, tw, ids, p=pipeline, c=config: p(x, w, tw, ids, c, backend="pallas"), x, weights, tw, ids
+            )
+            assert out.shape == (T, H)
+        xb = jax.ShapeDtypeStruct((E, 4, H), jnp.bfloat16)
+        counts = jax.ShapeDtypeStruct((E,), jnp.int32)
+        out = jax.eval_shape(
+            lambda x, n, w, c=config: hj.batched_humming_grouped_experts(x, n, w, c, backend="pallas"),
+            xb,
+            counts,
+            weights,
+        )
+        assert out.shape == (E, 4, H)
+
+
+def test_moonep_experts_have_a_kernel(no_references):
+    g, nvs = 5, 24
+    shapes = [
+        jax.ShapeDtypeStruct((nvs, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, INTER, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, INTER, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, H, INTER), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+        jax.ShapeDtypeStruct((nvs,), jnp.float32),
+    ]
+    out = jax.eval_shape(lambda *a: hj.moonep_experts(*a, backend="pallas"), *shapes)
+    assert out.shape == (nvs, H)
+
+
+def test_a_pair_without_a_kernel_raises_on_the_gpu(monkeypatch, rng):
+    """fp8 inputs with fp8-block weights have no kernel yet: on a GPU the call
+    raises naming the op and why; with the opt-in it runs the reference after
+    a one-time warning; ``backend="reference"`` runs it silently."""
+    monkeypatch.delenv(B.FALLBACK_ENV_VAR, raising=False)
+    monkeypatch.delenv(B.ENV_VAR, raising=False)
+    fmt = F.FP8_BLOCK128
+    assert Q.FP8_DYNAMIC_GROUP128 in hj.supported_input_specs(fmt)
+    assert Q.FP8_DYNAMIC_GROUP128 not in hj.kernel_input_specs(fmt)
+    weight = F.quantize_weight(jnp.asarray(rng.normal(0, 0.05, (E, 256, H)), jnp.float32), fmt)
+    x = hj.quantize_input(jnp.asarray(rng.normal(size=(T, H)), jnp.float32), Q.FP8_DYNAMIC_GROUP128)
+    layout = hj.GroupedContiguous(jnp.asarray([0, 2, 2, 5, T], jnp.int32))
+    want = np.asarray(hj.gemm(x, weight, layout, backend="reference"))
+    monkeypatch.setattr(B.jax, "default_backend", lambda: "gpu")
+    with pytest.raises(B.NoKernelError, match="gemm: no kernel takes this call.*quantized inputs"):
+        hj.gemm(x, weight, layout, valid_shape_m=7)  # a new static argument: traced anew
+    monkeypatch.setenv(B.FALLBACK_ENV_VAR, "1")
+    with pytest.warns(UserWarning, match="gemm: no kernel takes this call"):
+        got = hj.gemm(x, weight, layout, valid_shape_m=9)
+    np.testing.assert_array_equal(np.asarray(got), want)
