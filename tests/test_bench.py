@@ -85,8 +85,9 @@ def test_tune_per_shape_entries_take_precedence(tiny, tmp_path, monkeypatch):
     assert set(json.loads(out.read_text())["entries"]) == {"grouped_contiguous/4bit", shape_key}
     monkeypatch.setattr(table_module, "load_table", lambda *a: table_module.parse_table(out.read_text()))
     int4 = get_format("int4_g32")
-    shape, other, class_entry = tuning.candidates("grouped_contiguous", int4, 6, e, n, k)[:3]
-    assert shape.num_stages == 2 and other.block_n == 64  # the shape's entry, then the class's
+    shape, heuristic_tile = tuning.candidates("grouped_contiguous", int4, 6, e, n, k)
+    assert shape.num_stages == 2  # the shape's entry, then the heuristic's (not the class's)
+    assert heuristic_tile == heuristic.heuristic_candidates(6 // e or 1, n, k, int4)[0]
     assert tuning.candidates("grouped_contiguous", int4, 6, e, n, 2 * k)[0].block_n == 64  # another shape
     assert tuning.candidates("grouped_contiguous", int4, 64, e, n, k) == heuristic.heuristic_candidates(
         64 // e, n, k, int4

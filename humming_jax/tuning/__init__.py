@@ -30,7 +30,7 @@ def candidates(
     block_size: int | None = None,
     half_bits: bool = False,
 ) -> list:
-    """The table's entries for this call (its weight shape's, then its format
+    """The table's entry for this call (its weight shape's, else its format
     class's), then the heuristic's tilings. ``block_size``: an indexed
     layout's alignment block (a tile is one block); ``half_bits``: see
     :func:`heuristic_candidates`."""

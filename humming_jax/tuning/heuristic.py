@@ -78,14 +78,15 @@ def _indexed(tiles: triton.Tiles, block_size: int) -> triton.Tiles:
 def heuristic_candidates(
     rows: int, n: int, k: int, fmt: F.WeightFormat, block_size: int | None = None, half_bits: bool = False
 ) -> list:
-    """In order: the Mosaic kernel after a dequantize pass (quantized weights, at
-    least :data:`DEQUANTIZE_MIN_ROWS` rows an expert: its ``supports`` refuses
-    what it cannot take), then the Triton tile (which takes every call with
-    16-bit inputs). ``block_size``: an indexed layout's block. ``half_bits``:
+    """In order: the Mosaic kernel after a dequantize pass (4-bit integer
+    weights it does not decode itself — K order, float zero points, other
+    groups —, at least :data:`DEQUANTIZE_MIN_ROWS` rows an expert; its
+    ``supports`` refuses what it cannot take), then the Triton tile (which
+    takes every call with 16-bit inputs). ``block_size``: an indexed layout's block. ``half_bits``:
     weights the Triton decoder reads as nibble pairs only."""
     fmt_class = format_class(fmt)
     found = []
-    if fmt.is_quantized and rows >= DEQUANTIZE_MIN_ROWS and block_size is None:
+    if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and block_size is None:
         found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
     tiles = triton_tiles(rows, n, k, fmt_class)
     if half_bits:  # the pair decoder reads whole 128-column units

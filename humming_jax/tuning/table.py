@@ -102,10 +102,13 @@ def load_table(name: str | None = None) -> dict[str, tuple[Entry, ...]]:
 def table_entries(
     layout: str, fmt: F.WeightFormat, valid_shape_m: int, num_experts: int, n: int, k: int
 ) -> list[Entry]:
-    """The entries whose M range holds ``valid_shape_m``: the weight shape's key first, then the class's."""
+    """The entry whose M range holds ``valid_shape_m`` under the weight shape's
+    key, else under the format class's (a shape's entry is not backed by the
+    class's: the heuristic takes what its kernel refuses); empty if neither has one."""
     table = load_table()
     fmt_class = format_class(fmt)
-    found = []
     for key in (table_key(layout, fmt_class, (num_experts, n, k)), table_key(layout, fmt_class)):
-        found += [e for e in table.get(key, ()) if e.min_shape_m < valid_shape_m <= e.max_shape_m]
-    return found
+        found = [e for e in table.get(key, ()) if e.min_shape_m < valid_shape_m <= e.max_shape_m]
+        if found:
+            return found
+    return []

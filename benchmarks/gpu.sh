@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU steps, one per call: bash benchmarks/gpu.sh OUT_DIR STEP [ARGS...]
+#   tests [PYTEST ARGS]      the kernel tests with the real compiler (default: every test file)
+#   bench [BENCH ARGS]       python -m humming_jax bench (the GEMMs; peers timed in the same run)
+#   process-bench [ARGS]     benchmarks.bench_process_input
+#   routing-bench [ARGS]     benchmarks.bench_routing
+#   tune [TUNE ARGS]         python -m humming_jax tune, written to OUT_DIR/tuning.json
+#   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call
+# Logs and JSON go to OUT_DIR; the code runs from this checkout (PYTHONPATH), nothing is installed.
+# One-off experiments are not steps: their commands live in the notes entry that records them.
+set -u -o pipefail
+out=${1:?output directory}
+step=${2:?step}
+shift 2
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+# deepseek-v3 keeps two 15 GB bf16 weights per case: let JAX grow past its default 75 %.
+export PYTHONPATH=$PWD JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
+  PYTHONUNBUFFERED=1
+case $step in
+  # A hung kernel fails its test after 120 s (pytest-timeout, on the GPU image) instead of holding a worker.
+  tests) python3 -m pytest -q -n 6 -p no:cacheprovider -W ignore::DeprecationWarning --timeout 120 \
+           --timeout-method thread "${@:-tests}" 2>&1 | tee "$out/tests.log" | tail -15 ;;
+  bench) python3 -W ignore -m humming_jax bench --out "$out/gemm.json" "$@" 2>&1 | tee "$out/gemm_bench.log" ;;
+  process-bench) python3 -W ignore -m benchmarks.bench_process_input --out "$out/process_input.json" "$@" 2>&1 |
+                   tee "$out/process_bench.log" | tail -30 ;;
+  routing-bench) python3 -W ignore -m benchmarks.bench_routing --out "$out/routing.json" "$@" 2>&1 |
+                   tee "$out/routing_bench.log" | tail -30 ;;
+  tune) python3 -W ignore -m humming_jax tune --out "$out/tuning.json" "$@" 2>&1 | tee "$out/tune.log" | tail -30 ;;
+  profile) ncu --clock-control none -k regex:gemm -c 1 --section SpeedOfLight --section Occupancy \
+             --section LaunchStats --section WarpStateStats --section SchedulerStats \
+             python3 -W ignore -m benchmarks.inspect_gemm "$@" 2>&1 | tee "$out/profile.log" | tail -60 ;;
+  *) echo "unknown step: $step" >&2; exit 2 ;;
+esac
