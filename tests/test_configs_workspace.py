@@ -99,6 +99,7 @@ def test_no_kernel_policy(monkeypatch):
     default raises too unless the user opted in (then a one-time warning);
     off a GPU the default warns once and runs the reference."""
     monkeypatch.delenv(B.FALLBACK_ENV_VAR, raising=False)
+    monkeypatch.setattr(B, "_WARNED", set())
     with pytest.raises(B.NoKernelError, match="op: no kernel takes this call \\(why\\); backend 'pallas'"):
         B.no_kernel("op", "why", "pallas")
     with pytest.warns(UserWarning, match="op: no kernel takes this call \\(a reason\\)"):

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import humming_jax as hj
+from humming_jax import backend as B
 from humming_jax import formats as F
 from humming_jax.gemm import as_quantized_input, plan
 from pallas_kernels import word_decode as wd
@@ -149,7 +150,7 @@ def test_batch_invariance(rng):
     np.testing.assert_array_equal(np.asarray(full[5:9], np.float32), np.asarray(part, np.float32))
 
 
-@settings(max_examples=12)  # interpreted kernels: ~4-6 s an example
+@settings(max_examples=5)  # interpreted kernels: ~4-6 s an example
 @given(
     st.integers(1, 48),
     st.sampled_from([1, 2, 8]),
@@ -186,7 +187,7 @@ def test_kernel_over_random_routings(num_tokens, top_k, block_size, seed, shape,
     )
 
 
-def test_kernel_backend_refuses_what_it_cannot_run(rng):
+def test_kernel_backend_refuses_what_it_cannot_run(monkeypatch, rng):
     weight = _weight(rng, F.FP8_CHANNEL, E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
     layout = _layouts(rng)["grouped_masked"]
@@ -195,6 +196,11 @@ def test_kernel_backend_refuses_what_it_cannot_run(rng):
         hj.gemm(q, weight, layout, backend=KERNEL_BACKEND)
     with pytest.raises(ValueError, match="float32 inputs"):
         hj.gemm(x, weight, layout, backend=KERNEL_BACKEND)
+    if KERNEL_BACKEND == "pallas":  # on a GPU the default raises too
+        with pytest.raises(ValueError, match="on the GPU"):
+            hj.gemm(q, weight, layout)
+        return
+    monkeypatch.setattr(B, "_WARNED", set())
     with pytest.warns(UserWarning, match="no kernel takes this call"):  # off a GPU the default runs the reference
         assert hj.gemm(q, weight, layout).shape == (M, N)
 
@@ -228,7 +234,7 @@ def test_swap_ab_tiles(layout_kind, fmt_name, rng):
 
 @pytest.mark.parametrize("layout_kind", ["dense", "grouped_contiguous", "grouped_masked"])
 @pytest.mark.parametrize("fmt_name", ["int4_g32", "uint4_fzp_g128", "mxfp4+bias", "nvfp4"])
-@pytest.mark.parametrize("block_k", [64, 128])
+@pytest.mark.parametrize("block_k", [128])
 def test_prefill_tiles_split_x(layout_kind, fmt_name, block_k, rng):
     """Row tiles of 64+ read a copy of x with each span's columns split even/odd
     (packed formats): same values as the reference."""
@@ -246,8 +252,7 @@ def test_banded_program_order(group_m, layout_kind, rng):
 @pytest.mark.parametrize(
     "layout_kind,block_m",
     # 64-row tiles read the split copy of x; an indexed tile is its alignment block (16 here).
-    [("dense", 16), ("dense", 64), ("grouped_contiguous", 16), ("grouped_contiguous", 64), ("grouped_masked", 64)]
-    + [("indexed", 16)],
+    [("dense", 64), ("grouped_contiguous", 16), ("grouped_masked", 64), ("indexed", 16)],
 )
 @pytest.mark.parametrize("fmt_name", ["int4_g128", "int4_channel", "uint4_zp_g128", "uint4_fzp_g128", "mxfp4+bias"])
 def test_word_decode(block_m, layout_kind, fmt_name, rng):
@@ -338,12 +343,12 @@ def test_piece_column_order():
             np.testing.assert_array_equal(np.diff(runs, axis=1), 1)
 
 
-@pytest.mark.parametrize("block_m", [1, 4, 8])
+@pytest.mark.parametrize("block_m", [1, 8])
 @pytest.mark.parametrize(
     "fmt_name,word",
     [("int4_g128", True), ("uint4_fzp_g128", False), ("mxfp4", False), ("bf16", False), ("nvfp4", False)],
 )
-@pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "grouped_masked", "dense"])
+@pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "dense"])
 def test_multiply_add_tiles(block_m, fmt_name, word, layout_kind, rng):
     """``use_mma=False``: row tiles of 1-8 rows multiply on the CUDA cores (f32),
     every format's pieces and scales as in the MMA path."""
@@ -413,7 +418,7 @@ def test_word_decode_f16(rng):
     ],
     ids=["prefill", "decode_word"],
 )
-@pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "indexed"])
+@pytest.mark.parametrize("layout_kind", ["indexed"])
 @pytest.mark.parametrize(
     "fmt_name",
     ["int4_g128+bias", "int4_channel", "uint4_zp_g128", "uint4_fzp_g128", "int8_g64", "mxfp4", "nvfp4", "fp8_block128"],
@@ -491,8 +496,6 @@ _HALF_BITS_TILINGS = ("bytes_16rows", "multiply_add", "pairs_fold", "split_k")
         ("int4_g128", "grouped_contiguous"),
         ("uint4_zp_g128", "indexed"),
         ("mxfp4+bias", "grouped_masked"),
-        ("int4_g32", "dense"),
-        ("int4_channel", "grouped_contiguous"),
         ("nvfp4", "indexed"),
     ],
 )

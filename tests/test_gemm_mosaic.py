@@ -364,9 +364,9 @@ def test_the_plan_takes_the_first_candidate_its_kernel_supports(monkeypatch, rng
     next candidate: the H200's int4 prefill entry (the Mosaic swap_ab form)
     runs as listed on a Hopper GPU with 16-bit outputs; with f32 outputs,
     interpreted or off Hopper its kernel refuses and the heuristic's Triton
-    tile runs; MXFP4 (which the kernel does not decode) takes the heuristic's
-    dequantize-first candidate with rows enough an expert, else its Triton
-    tile; a column-pair entry on an odd number of column tiles is refused. A
+    tile runs; K-order int4 (which the kernel does not decode) takes the
+    heuristic's dequantize-first candidate with rows enough an expert, else
+    its Triton tile; MXFP4 the Triton tile; a column-pair entry on an odd number of column tiles is refused. A
     tiling passed by hand runs as given or raises with the kernel's reason."""
     entry = mosaic.Tiles(128, 256, 128, stages=3, group_m=8, swap_ab=True, word_decode=True)
     _table(monkeypatch, entry)
@@ -383,14 +383,15 @@ def test_the_plan_takes_the_first_candidate_its_kernel_supports(monkeypatch, rng
     for options, why in (({"out_dtype": jnp.float32}, "16-bit transposed view"), ({"interpret": True}, "compiled")):
         ran, reasons = plan(**options)
         assert isinstance(ran, triton.Tiles) and ran.pair_decode and why in reasons[0]
-    mxfp4 = hj.to_planar(F.quantize_weight(w, F.MXFP4), half_bits=True)
+    k_order = F.quantize_weight(w, F.INT4_G128)
     many = 2 * 2 * hj.tuning.DEQUANTIZE_MIN_ROWS  # rows enough an expert (2 experts) to pay for the pass
-    ran, reasons = plan(mxfp4, valid_shape_m=many)
-    assert ran == mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True) and "float4_e2m1" in reasons[0]
-    ran, _ = plan(mxfp4)  # 32 rows an expert: the heuristic's Triton tile
+    ran, reasons = plan(k_order, valid_shape_m=many)
+    assert ran == mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True) and "K order" in reasons[0]
+    ran, _ = plan(k_order)  # 32 rows an expert: the heuristic's Triton tile, which reads K order
+    assert isinstance(ran, triton.Tiles) and ran.pair_decode
+    mxfp4 = hj.to_planar(F.quantize_weight(w, F.MXFP4), half_bits=True)
+    ran, _ = plan(mxfp4, valid_shape_m=many)  # e2m1: the Triton decoder at any size
     assert isinstance(ran, triton.Tiles) and ran.pair_decode and ran.fold_scales
-    ran, _ = plan(F.quantize_weight(w, F.INT4_G128))  # K order: the Triton decoder reads it
-    assert isinstance(ran, triton.Tiles)
     monkeypatch.setattr(mosaic, "hopper_gpu", lambda: False)
     ran, reasons = plan()
     assert isinstance(ran, triton.Tiles) and "Hopper" in reasons[0]
@@ -425,10 +426,10 @@ def test_swap_ab_refuses_32_bit_outputs():
 
 def test_a_table_entry_its_kernel_refuses_runs_the_next_candidate(monkeypatch, rng):
     """Run interpreted: a Mosaic table entry with N off its tiles gives way to
-    the heuristic's Triton tile; MXFP4 in the pair decoder's bit order runs the
-    dequantize-first candidate when the estimate gives an expert rows enough,
-    else the Triton tile — the same numbers either way. A tiling passed by
-    hand still fails with the reason."""
+    the heuristic's Triton tile; K-order int4 runs the dequantize-first
+    candidate when the estimate gives an expert rows enough, else the Triton
+    tile — the same numbers either way. A tiling passed by hand still fails
+    with the reason."""
     m, k = 24, 64
     offsets = np.asarray([0, 9, 24], np.int32)
     layout = hj.GroupedContiguous(jnp.asarray(offsets))
@@ -444,12 +445,12 @@ def test_a_table_entry_its_kernel_refuses_runs_the_next_candidate(monkeypatch, r
     assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5 and not launches
     with pytest.raises(ValueError, match="block_n"):
         hj.gemm(x, narrow, layout, tuning=TILES, backend=KERNEL_BACKEND)
-    mxfp4 = hj.to_planar(F.quantize_weight(w, F.MXFP4), half_bits=True)
-    want = _expected(x, F.dequantize_weight(mxfp4).astype(jnp.bfloat16), offsets, m)
+    k_order = F.quantize_weight(w, F.INT4_CHANNEL)
+    want = _expected(x, F.dequantize_weight(k_order).astype(jnp.bfloat16), offsets, m)
     _table(monkeypatch, mosaic.Tiles(64, 256, 128, stages=2))
     for estimate, on_mosaic in ((4096, True), (None, False)):
         del launches[:]
-        out = hj.gemm(x, mxfp4, layout, out_dtype=jnp.float32, valid_shape_m=estimate, backend=KERNEL_BACKEND)
+        out = hj.gemm(x, k_order, layout, out_dtype=jnp.float32, valid_shape_m=estimate, backend=KERNEL_BACKEND)
         assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
         assert bool(launches) == on_mosaic
 

@@ -49,7 +49,7 @@ def routings(draw):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=20)  # three interpreted grouping kernels an example (x 2 backends)
+@settings(max_examples=8)  # three interpreted grouping kernels an example (x 2 backends)
 @given(routings(), st.sampled_from([16, 32, 64, 128]), st.booleans())
 def test_align_matches_loop(backend, routing, block_size, ignore_invalid):
     ids, num_experts, expert_map, num_local = routing
@@ -104,7 +104,7 @@ def test_align_caps_length_when_few_slots(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=12)  # five routing ops an example, interpreted
+@settings(max_examples=6)  # five routing ops an example, interpreted
 @given(routings())
 def test_prepare_scatter_and_permute_round_trip(backend, routing):
     ids, num_experts, expert_map, num_local = routing
