@@ -6,7 +6,7 @@ lowering checked) before any GPU run.
     python -m benchmarks.lower_sm90 --fmt int4_g128 --tokens 16 \\
         --config triton:block_m=16,block_n=64,block_k=256,word_decode=1,fold_scales=1,pair_decode=1 --out build/sm90
     python -m benchmarks.lower_sm90 --process hadamard128+fp8_token --width 768 \\
-        --tiles 128x8x2h64 --tokens 4096 --out build/sm90
+        --tiles block_rows=8,num_warps=8,row_blocks=4 --tokens 4096 --out build/sm90
 
 (the second: a ``process_input`` case of ``benchmarks.bench_process_input``,
 compiled with the launch's own warps and stages).

@@ -1,6 +1,6 @@
 """GEMM benchmark and tuning sweep (``python -m humming_jax bench|tune``).
 
-Problems (DESIGN §4, name: E, H, I, top_k); each runs w13 (N = 2I, K = H) and
+Problems (name: E, H, I, top_k); each runs w13 (N = 2I, K = H) and
 w2 (N = H, K = I) in the grouped and the indexed layout. Reported per case:
 time, TFLOP/s on the real rows (2·T·k·N·K), GB/s on the bytes that must move
 (the stored weights of the experts that received tokens + activations in and

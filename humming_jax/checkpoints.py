@@ -1,32 +1,12 @@
 """Loading expert weights from real checkpoint layouts (safetensors).
 
-``read_safetensors`` reads the file format directly (NumPy + ml_dtypes, so fp8
-and bf16 tensors load too). ``load_experts`` turns the tensors of one MoE
-layer into :class:`ExpertWeights` for an :class:`ExpertsConfig`, converting
-the checkpoint's packing to this library's (DESIGN §3.1) without
-requantizing. Supported layouts (per-expert tensors are
-``{prefix}.{e}.{proj}.{name}`` with ``proj`` in ``names``; gpt-oss stores
-fused ``{prefix}.gate_up_proj_*`` / ``{prefix}.down_proj_*``):
-
-============================  ====================================================================
-``gptq``                      ``qweight`` i32 [K/8, N] (8 nibbles along K, low first), ``qzeros``
-                              i32 [G, N/8] (stored as z-1), ``scales`` [G, N], optional ``g_idx``
-                              [K] (act-order; gate and up of an expert share it, as they share
-                              their input) -> ``uint4_zp``, act-order as ``group_index``
-``awq``                       ``qweight`` i32 [K, N/8] (along N, AWQ order 0 2 4 6 1 3 5 7),
-                              ``qzeros`` i32 [G, N/8], ``scales`` [G, N] -> ``uint4_zp``
-``compressed_tensors``        ``weight_packed`` i32 [N, K/8] (q+8, low nibble first),
-                              ``weight_scale`` [N, G] -> ``int4`` symmetric per group
-``fp8_block``                 ``weight`` e4m3 [N, K], ``weight_scale_inv`` f32 [N/128, K/128]
-                              (DeepSeek: dequant = weight * weight_scale_inv) -> ``fp8_block128``
-``modelopt_nvfp4``            ``weight`` u8 [N, K/2], ``weight_scale`` e4m3 [N, K/16],
-                              ``weight_scale_2`` f32 [], ``input_scale`` f32 [] -> ``nvfp4``
-``gpt_oss_mxfp4``             ``{gate_up,down}_proj_blocks`` u8 [E, N, K/32, 16],
-                              ``..._scales`` u8 [E, N, K/32] (e8m0), ``..._bias`` [E, N];
-                              gate/up interleaved (SWIGLUOAI) -> ``mxfp4+bias``
-============================  ====================================================================
-
-A missing tensor, or one with the wrong shape or dtype, raises ``ValueError``
+``read_safetensors`` reads the file format directly (NumPy + ml_dtypes: fp8
+and bf16 load too); ``load_experts`` turns one MoE layer's tensors into
+:class:`ExpertWeights` for an :class:`ExpertsConfig`, converting the
+checkpoint's packing to this library's without requantizing: GPTQ (act-order
+included), AWQ, compressed-tensors int4, DeepSeek FP8-block, ModelOpt NVFP4,
+gpt-oss MXFP4. The tensors each layout reads: docs/DESIGN.md, appendix B. A
+missing tensor, or one with the wrong shape or dtype, raises ``ValueError``
 naming it.
 """
 

@@ -1,36 +1,12 @@
 """Weight formats: a frozen, hashable spec (static under ``jit``), the
 ``QuantizedWeight`` pytree, and ``quantize_weight`` / ``dequantize_weight``.
 
-Weights are ``[E, N, K]`` (vLLM convention: row ``n`` of expert ``e`` is a
-K-vector). The dequantized weight is::
-
-    w[e, n, k] = (value[e, n, k] - zero_point[e, n, k // g]) * scale[e, n', k'] * second_scale[e]
-
-with every scale stored *blockwise*: a scale array of shape ``[E, S_n, S_k]``
-covers ``[E, N, K]`` in blocks of ``N/S_n`` rows by ``K/S_k`` columns
-(``S_n = 1`` and ``S_k = 1`` for per-tensor; ``S_k = 1`` per-channel;
-``S_k = K/g`` per-group; ``ceil(N/128) x ceil(K/128)`` for 128x128 blocks).
-Layouts of the stored arrays (see :mod:`humming_jax.numerics` for the bit
-layouts):
-
-=================  =========================================  ====================================
-value type          ``values``                                 notes
-=================  =========================================  ====================================
-bfloat16/float16    the weight itself ``[E, N, K]``            no scale
-int8                ``int8 [E, N, K]``                         symmetric, q in [-127, 127]
-int4                ``uint8 [E, N, K/2]``, nibble = q + 8       symmetric, q in [-7, 7]
-uint4               ``uint8 [E, N, K/2]``, nibble = q           asymmetric, zero point per group
-float8_e4m3         ``float8_e4m3fn [E, N, K]``                 f32 or e8m0 scale
-float4_e2m1         ``uint8 [E, N, K/2]`` e2m1 codes            e8m0 (MX) or e4m3 (NV) scale
-=================  =========================================  ====================================
-
-Integer zero points of uint4 are packed two per byte along the group axis:
-``uint8 [E, N, ceil(G/2)]`` (group ``2j`` low nibble, ``2j+1`` high).
-Float zero points are ``[E, N, G]`` in the scale dtype.
-
-A per-group weight may carry ``group_index int32 [E, K]`` (GPTQ act-order
-``g_idx``): column k then uses group ``group_index[e, k]`` instead of
-``k // group_size`` (each group still holds ``group_size`` columns).
+Weights are ``[E, N, K]``; the dequantized weight is ``(value - zero_point)
+* scale * second_scale``, every scale stored blockwise (``[E, S_n, S_k]``
+covering ``[E, N, K]`` in blocks of ``N/S_n`` by ``K/S_k``). The stored
+arrays of each value type, the zero points' packing and act-order's
+``group_index``: docs/DESIGN.md, appendix A; the bit layouts:
+:mod:`humming_jax.numerics`.
 """
 
 from __future__ import annotations

@@ -294,13 +294,11 @@ def _layout_spec(layout, m_in: int) -> tuple[spec.LayoutSpec, tuple[jax.Array, .
 def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret):
     if isinstance(tiles, mosaic.Tiles) and tiles.dequantize_first and weight.format.is_quantized:
         weight = _dequantized(weight, x.values.dtype)
-    layout_spec, route = _layout_spec(layout, x.m)
+    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, interpret=interpret)
     parts = tuple(
         a
         for a in (weight.values, weight.scale, weight.zero_point, weight.second_scale, weight.group_index)
         if a is not None
     )
-    args = (x.values, parts, weight.bias, route, _weight_spec(weight), layout_spec, tiles)
-    if isinstance(tiles, mosaic.Tiles):
-        return mosaic.expert_gemm(*args, out_dtype=out_dtype, interpret=interpret)
-    return triton.expert_gemm(*args, out_dtype=out_dtype, use_f16_accum=use_f16_accum, interpret=interpret)
+    route = _layout_spec(layout, x.m)[1]
+    return kernels.KERNELS[type(tiles)].expert_gemm(call, tiles, x.values, parts, weight.bias, route)

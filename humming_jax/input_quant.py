@@ -1,22 +1,11 @@
 """Activation (input) quantization and the Hadamard rotation.
 
-An :class:`InputQuantSpec` says how the GEMM input is quantized:
-
-=============================  ====================================  ==========================
-mode                            ``scale``                              ``scale_2``
-=============================  ====================================  ==========================
-``none``                        –                                      –
-``static_tensor``               given, f32 ``[1]``                     –
-``dynamic_token``               f32 ``[M, 1]`` (amax of the row)       –
-``dynamic_group``               ``[M, K/g]`` (f32, e8m0 or e4m3)       –
-``static_tensor_dynamic_group`` ``[M, K/g]`` e4m3, over ``scale_2``    given, f32 ``[1]``
-``dynamic_group_token``         ``[M, K/g]`` e4m3, over ``scale_2``    f32 ``[M, 1]``
-=============================  ====================================  ==========================
-
-``x ≈ q * scale * scale_2``. Scales come from the absolute maximum; the value
-is rounded to nearest (ties to even) and saturated. A zero block gets scale 0
-(e8m0: the smallest, byte 0) and zero values: never NaN or Inf.
-float4 e2m1 values are packed two per byte along K (see :mod:`numerics`).
+An :class:`InputQuantSpec` says how a GEMM input is quantized (mode, dtype,
+group size, scale dtype); ``x ≈ q * scale * scale_2``. Scales come from the
+absolute maximum; values are rounded to nearest (ties to even) and saturated.
+A zero block gets scale 0 (e8m0: byte 0) and zero values, never NaN or Inf.
+float4 e2m1 values are packed two per byte along K (:mod:`numerics`). The
+shapes of ``scale`` and ``scale_2`` per mode: docs/DESIGN.md, appendix A.
 """
 
 from __future__ import annotations

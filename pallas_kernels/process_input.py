@@ -105,14 +105,12 @@ class ProcessConfig:
     def rows(self) -> int:
         if self.tiles.block_rows:
             return self.tiles.block_rows
-        # At least 2 rows: the H200 sweep had K=2880 (width 4096) at 71 % of copy
-        # bandwidth with 2 rows and 4 warps, 63 % with 1.
+        # At least 2 rows: one row a program left the widest rows short of bandwidth.
         rows = max(2, 4096 // self.width)
         if self.hadamard:
             # The rotation's products [rows * size / b, b] x [b, b] need 16 rows in
-            # every column block (the MMA minimum) and run better with 64 (v1's
-            # 32-row products left the Hadamard case at 20 % of copy bandwidth),
-            # as far as a block of 8192 elements allows.
+            # every column block (the MMA minimum) and run better with 64, as far
+            # as a block of 8192 elements allows.
             per_row = self.hadamard_blocks_per_row
             wanted = min(pl.cdiv(64, per_row), max(1, 8192 // self.width))
             rows = max(rows, pl.cdiv(16, per_row), wanted)
@@ -140,10 +138,8 @@ class ProcessConfig:
         if self.tiles.num_warps:
             return self.tiles.num_warps
         elements = self.rows * self.width
-        # Plain rows kept 4 warps up to 2 x 4096 elements on the H200 (8 warps: 66 %
-        # vs 71 % at K=2880); the Hadamard products were measured with 8 at 8192
-        # (K=2048: 64-row products). Products under 64 rows run on mma.sync, where
-        # 4 warps won (K=768, 8 rows: products of 32 and 16 rows; 65.5 -> 51.1 us).
+        # Plain rows keep 4 warps up to 2 x 4096 elements; Hadamard products take 8
+        # from 8192, except products under 64 rows (mma.sync), where 4 won.
         if self.hadamard and self.smallest_product_rows < 64:
             return 4
         return 8 if elements >= (8192 if self.hadamard else 16384) else 4
@@ -558,31 +554,28 @@ def hadamard_signs(block: int) -> np.ndarray:
     return h
 
 
-# Programs a grid keeps at least when row blocks are looped: 2 per SM of an H200.
+# Programs a grid keeps at least when row blocks are looped: 2 per SM of an H100/H200.
 MIN_LOOPED_PROGRAMS = 264
 
 
 def chosen_row_blocks(cfg: ProcessConfig, m_in: int) -> int:
     """Row blocks per program when the tiles leave it open: 8 for a one-pass
-    Hadamard rotation (H200, T=4096: K=2048 32 -> 45 % of copy bandwidth, K=768
-    22 -> 28 %; the loop reads the rotation matrix once per program and loads
-    the next block during this one's products), 4 on 4 warps (K=768: 34 -> 38 %),
-    fewer while the grid would
-    fall under MIN_LOOPED_PROGRAMS; 1 otherwise (the activations and
-    quantizations ran 5-15 % slower looped)."""
+    Hadamard rotation (the loop reads the rotation matrix once per program and
+    loads the next block during this one's products), 4 on 4 warps, fewer
+    while the grid would fall under MIN_LOOPED_PROGRAMS; 1 otherwise (the
+    activations and quantizations ran slower looped). Figures:
+    benchmarks/notes/process_input.md."""
     if not cfg.hadamard:
         return 1
     programs = pl.cdiv(m_in, cfg.rows)
-    # Programs of 4 warps (products under 64 rows) ran best with 4 blocks (K=768:
-    # 46.4 us with 4, 51.1 with 8).
+    # Programs of 4 warps (products under 64 rows) ran best with 4 blocks.
     most = 4 if cfg.warps == 4 else 8
     return next((b for b in (8, 4, 2) if b <= most and programs >= b * MIN_LOOPED_PROGRAMS), 1)
 
 
 # Columns of one Hadamard product when the tiles leave it open (operand-blocks
-# rotation, blocks of 128 and more): H200, T=4096, Hadamard 128 + fp8 per token,
-# same run: K=768 46.8 -> 39.1 us, K=2048 86.1 -> 77.6 (32-column products
-# 46.5 / 80.7: the butterflies' f32 work outgrows the products they save).
+# rotation, blocks of 128 and more): narrower, the butterflies' f32 work
+# outgrows the products they save.
 CHOSEN_HADAMARD_SUB = 64
 
 

@@ -1,29 +1,14 @@
 """Pallas kernels for routing and data movement of the expert path.
 
-Grouping slots by expert (``moe_align_block_size`` and ``moe_prepare_scatter``)
-runs as three or four launches, with no atomics (a slot's place comes from counts and
-prefix sums only, so the result is deterministic and exact in interpret mode):
-
-1. ``chunk_counts`` — grid over chunks of ``chunk`` slots: each slot's rank
-   among the earlier slots of its bin in the chunk (pairwise compares over
-   sub-tiles), and the per-bin count of the chunk.
-2. ``bin_prefix`` — a program per tile of ``prefix_bins`` bins: exclusive
-   prefix of the chunk counts over chunks (each chunk's base inside a bin)
-   and each bin's count; then (``bin_starts``, a fourth launch, or the same
-   program when the counts are few enough for one) the prefix over bins:
-   each bin's start, with its count rounded up to the block size.
-3. ``place_slots`` — grid over chunks (write each slot to ``bin_start[g] +
-   chunk_base[c, g] + rank``; in the aligned layout a dropped slot goes past
-   the padded bins, to ``total + dropped before its chunk + its rank among
-   the chunk's dropped``, the first count from the chunk's size less its
-   valid slots' bases, so the dropped need no bin), plus, for the aligned
-   layout, programs over ``sorted_ids`` positions that write the padding
-   sentinels and the block experts.
-
-Row movement (permute, unpermute, fused weighted sum) is a grid over
-``block_tokens x block_cols`` tiles that gathers or scatters whole rows.
-
-Kernels only: validation and the backend choice live in ``humming_jax.routing``.
+Grouping slots by expert (``moe_align_block_size``, ``moe_prepare_scatter``)
+runs as three or four launches with no atomics — ``chunk_counts`` (each
+slot's rank in its bin within a chunk), ``bin_prefix`` (and ``bin_starts``:
+prefix sums over chunks and bins), ``place_slots`` (each slot to its place;
+the aligned layout's padding and block experts) — so the result is
+deterministic and exact in interpret mode (docs/DESIGN.md, appendix C). Row
+movement (permute, unpermute, fused weighted sum) is a grid over
+``block_tokens x block_cols`` tiles (:class:`RowTiles`) that gathers or
+scatters whole rows. Notes: benchmarks/notes/routing.md.
 """
 
 from __future__ import annotations
@@ -67,20 +52,17 @@ class Grouping:
 
 @dataclasses.dataclass(frozen=True)
 class GroupingTiles:
-    # Slots per program of chunk_counts / place_slots. One sub-tile: a chunk of
-    # 512 costs 10 pairwise [128, 128] compares (and 4x fewer programs); the
-    # H200 took ~50 us per 512-slot program (align: 14 us at 128 slots in one
-    # chunk, 58 us at 1024 slots in two).
+    # Slots per program of chunk_counts / place_slots: one sub-tile (a chunk of
+    # 512 costs 10 pairwise [128, 128] compares, a program's latency at decode).
     chunk: int = 128
     bin_tile: int = 128  # bins handled at a time
     chunk_tile: int = 64  # chunks handled at a time by bin_prefix
     # Bins per bin_prefix program: the prefix over chunks runs in parallel over
-    # bin tiles (it was one program walking chunks x bins: at T=16384 and 256
-    # experts, 1024 x 512 counts in 64 sequential [64, 128] scans).
+    # bin tiles (one program walking chunks x bins serialized the large cases).
     prefix_bins: int = 32
     fill_positions: int = 256  # sorted_ids positions per fill program
     # Bins compared with the fill's positions at a time: [256, 128] compares
-    # took 255 registers a thread and 25 us at 256 bins on the H200 (ncu).
+    # ran out of registers.
     fill_bin_tile: int = 32
     num_warps: int = 4
 

@@ -1,37 +1,14 @@
 """Decoding 8 packed 4-bit codes of a uint32 word into 8 16-bit floats with
 a few 32-bit integer instructions (inline PTX on the GPU).
 
-A decoder is a short *program* over 32-bit registers (data, not text): it is
-rendered to PTX for ``plgpu.elementwise_inline_asm`` and can be run by any
-other interpreter (the tests run it in NumPy). Each of its four outputs holds
-two 16-bit floats: the codes at nibble positions j (low half) and j + 4 (high
-half) of the word, so position j of a word is piece j of the GEMM. Pallas's
-inline asm returns one result, so each position is rendered separately (the
-ops it needs only); ptxas sees the eight blocks of a word together. With
-``pair_decode`` the words are read as 16-bit halves (nibbles 0-3 and 4-7):
-Triton's ``pack=2`` hands two halves to one call as one 32-bit register
-(``to_ptx_pair``; it packs 16-bit operands) and the program's register for
-position j holds the code at position j of each half. Where the two halves
-are one word's (the decode layouts: consecutive elements of a thread) that
-register is an MMA k-pair with no repacking; whichever two elements Triton
-packs (the layout decides), each result is its own element's code.
-
-Programs:
-
-* int4/uint4 — ``lop3`` puts nibbles j and j+4 under the exponent of the
-  16-bit float ``base`` (128 for bf16, 1024 for f16: the nibble lands in the
-  integer part), a packed subtraction removes ``base + offset``. Exact.
-* e2m1 — the 3 magnitude bits go to the top of the exponent/mantissa fields
-  (exponent field = e, first mantissa bit = m; e = 0 is a subnormal, which
-  is exactly the e2m1 subnormal), the sign bit to bit 15, and a packed
-  multiply by a power of two makes every value normal. The result is the
-  e2m1 value times ``2**-6`` (the GEMM folds the 2**6 into its scales).
-  ``normalized=False`` (bf16) leaves the multiply out: the bits are the e2m1
-  value times ``2**-126`` (a subnormal for e = 0), for a GEMM whose next
-  operation multiplies them by a scale carrying the factor (folded scales):
-  the packed bf16 multiply takes subnormal inputs exactly. The program is
-  generated from where each code's bits sit in a half (``bits``): nibbles, or
-  planar e2m1 weights' own order (:data:`E2M1_HALF_BITS`, fewer ops).
+A decoder is a short *program* over 32-bit registers (data, not text),
+rendered to PTX for ``plgpu.elementwise_inline_asm`` and run in NumPy by the
+tests. Each of its four outputs holds the codes at nibble positions j and
+j + 4 of a word (piece j of the GEMM); with ``pair_decode`` the words are read
+as 16-bit halves, each register an MMA k-pair. Programs: int4/uint4 (``lop3``
+under a magic exponent, one packed subtraction: exact) and e2m1 (the value
+times a power of two the GEMM folds into its scales). How each works:
+docs/DESIGN.md, appendix D.
 """
 
 from __future__ import annotations

@@ -28,13 +28,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, vector
 
-from pallas_kernels.gemm.spec import GemmCall, LayoutSpec, WeightSpec, tile_order
+from pallas_kernels.gemm.spec import GemmCall, WeightSpec, tile_order
 from pallas_kernels.word_decode import MAGIC  # (pattern, base): pattern | q is the float base + q
 
 # Compute warpgroups of a program. Not 4: JAX 0.11.2's warp-specialized pipeline then
 # raises each to (512 - 40) / 4 -> 112 registers a thread, but a 640-thread program
 # launches with 96 (65536 / 640, in steps of 8), and the 40 the memory warpgroup gives
-# back do not cover 4 x 16: setmaxnreg.inc waits for ever (it hung on the H200).
+# back do not cover 4 x 16: setmaxnreg.inc waits for ever (it hangs).
 COMPUTE_WGS = 2
 EPILOGUE_COLUMNS = 64  # output columns per shared-memory store slot
 H100_SMS = 132  # H100 / H200: programs of the persistent grid when the device does not say
@@ -628,24 +628,16 @@ def _nibble_operands(w: WeightSpec, weight_arrays: tuple[jax.Array, ...], dtype)
     return codes, scales, zero_points, decode
 
 
-def expert_gemm(
-    x: jax.Array,
-    weight_arrays: tuple[jax.Array, ...],
-    bias: jax.Array | None,
-    route_arrays: tuple[jax.Array, ...],
-    w: WeightSpec,
-    layout: LayoutSpec,
-    tiles: Tiles,
-    *,
-    out_dtype,
-    interpret: bool = False,
-) -> jax.Array:
+def expert_gemm(call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias, route_arrays) -> jax.Array:
     """The family's entry point (as ``triton.expert_gemm``): ``[M, N]`` in
-    ``out_dtype`` for a 16-bit weight (``weight_arrays = (values,)``) or a
-    planar 4-bit one (values, scale, and for uint4 the packed zero point);
+    ``call.out_dtype`` for a 16-bit weight (``weight_arrays = (values,)``) or
+    a planar 4-bit one (values, scale, and for uint4 the packed zero point);
     ``route_arrays``: the layout's (offsets | counts | none). A weight
     ``dequantize_first`` applies to arrives here already dequantized."""
-    run = functools.partial(expert_gemm_mosaic, tiles=tiles, out_dtype=out_dtype, bias=bias, interpret=interpret)
+    w, layout = call.weight, call.layout
+    run = functools.partial(
+        expert_gemm_mosaic, tiles=tiles, out_dtype=jnp.dtype(call.out_dtype), bias=bias, interpret=call.interpret
+    )
     offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
     counts = route_arrays[0] if layout.kind == "grouped_masked" else None
     if not w.quantized:

@@ -868,8 +868,8 @@ def _as_units(values: jax.Array, ways: int) -> jax.Array:
 
 def splits_x(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
     """Large row tiles read x once per column tile, and word-decoded tiles would
-    gather every 8th column: both get the split copy of x (contiguous loads;
-    measured on the H200 for word decode at 16 rows: 112 -> 95 us). Small
+    gather every 8th column: both get the split copy of x (contiguous loads).
+    Small
     byte-decoded tiles gather the even/odd columns. Pair-decoded planar
     weights (``nibble_unit``) need no split: each piece meets a run of
     consecutive columns of x as it is."""
@@ -878,23 +878,14 @@ def splits_x(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
     return w.packed and (tiles.block_m >= 64 or tiles.word_decode)
 
 
-def expert_gemm(
-    x: jax.Array,
-    weight_arrays: tuple[jax.Array, ...],
-    bias: jax.Array | None,
-    route_arrays: tuple[jax.Array, ...],
-    w: WeightSpec,
-    layout: LayoutSpec,
-    tiles: Tiles,
-    *,
-    out_dtype,
-    use_f16_accum: bool = False,
-    interpret: bool = False,
-) -> jax.Array:
-    """``[m_out, N]`` in ``out_dtype``. ``weight_arrays`` are the stored parts in
-    order (values, scale, zero point, global scale, group index), only those the weight has;
+def expert_gemm(call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias, route_arrays) -> jax.Array:
+    """``[m_out, N]`` in ``call.out_dtype`` for ``x [M, K]``. ``weight_arrays``
+    are the stored parts in order (values, scale, zero point, global scale,
+    group index), only those the weight has; ``bias [E, N]`` or None;
     ``route_arrays`` the layout's (offsets | counts | sorted_ids, expert_ids,
     num_tokens_padded)."""
+    w, layout, out_dtype, interpret = call.weight, call.layout, jnp.dtype(call.out_dtype), call.interpret
+    use_f16_accum = call.use_f16_accum
     compute_dtype = jnp.dtype(x.dtype)
     accum_dtype = jnp.float16 if use_f16_accum else jnp.float32
     grid = (num_col_groups(w.n, tiles) * num_row_tiles(layout, w.num_experts, tiles.block_m), tiles.split_k)

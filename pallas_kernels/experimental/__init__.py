@@ -1,0 +1,1 @@
+"""Kernels no op reaches yet; each module says what would promote it."""
