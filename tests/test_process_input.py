@@ -237,19 +237,26 @@ def _check_against_reference(got, ref, exact: bool, x64=None):
     assert np.all(np.abs(dg - dr) <= bound)
 
 
-@pytest.mark.parametrize("spec", KERNEL_SPECS, ids=lambda s: s.name)
-@pytest.mark.parametrize(
-    "activation,block",
-    [
-        (None, None),
-        ("silu", None),
-        ("gelu", None),
-        ("swigluoai", None),
-        ("silu_no_mul", None),
-        (None, 128),
-        ("gelu_tanh", 32),
-    ],
-)
+_KERNEL_STEPS = [
+    (None, None),
+    ("silu", None),
+    ("gelu", None),
+    ("swigluoai", None),
+    ("silu_no_mul", None),
+    (None, 128),
+    ("gelu_tanh", 32),
+]
+# Every spec with every activation/rotation would repeat each code path many times:
+# each spec meets the plain rows and three of the others, every other one met by
+# several specs (a spec's quantizer and an activation's code are independent).
+_KERNEL_CASES = [
+    (spec, *steps)
+    for i, spec in enumerate(KERNEL_SPECS)
+    for steps in [_KERNEL_STEPS[0], *(_KERNEL_STEPS[1 + (i + j) % 6] for j in (0, 2, 4))]
+]
+
+
+@pytest.mark.parametrize("spec,activation,block", _KERNEL_CASES, ids=lambda v: getattr(v, "name", str(v)))
 def test_kernel_matches_reference(spec, activation, block, rng):
     m, n = 11, 512
     x = jnp.asarray(_inputs(rng, m, n), jnp.bfloat16)
