@@ -460,14 +460,15 @@ def test_tiles_too_few_rows_for_the_hadamard_products():
         Tiles(4, 3)
 
 
-@pytest.mark.parametrize("layout", ["normal", "grouped_mask", "scatter"])
 @pytest.mark.parametrize(
-    "spec,k,block",
+    "spec,k,block,layout",
     [
-        (Q.FP8_DYNAMIC_TOKEN, 768, 128),  # two column blocks (512 + 256)
-        (Q.INT8_DYNAMIC_TOKEN, 256, 64),
-        (Q.FP8_STATIC_TENSOR, 384, 128),
-        (Q.NONE, 256, 32),
+        (Q.FP8_DYNAMIC_TOKEN, 768, 128, "normal"),  # two column blocks (512 + 256)
+        (Q.FP8_DYNAMIC_TOKEN, 768, 128, "grouped_mask"),
+        (Q.FP8_DYNAMIC_TOKEN, 768, 128, "scatter"),
+        (Q.INT8_DYNAMIC_TOKEN, 256, 64, "scatter"),
+        (Q.FP8_STATIC_TENSOR, 384, 128, "grouped_mask"),
+        (Q.NONE, 256, 32, "normal"),
     ],
     ids=lambda v: getattr(v, "name", str(v)),
 )
