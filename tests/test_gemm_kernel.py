@@ -158,7 +158,7 @@ def test_batch_invariance(rng):
     np.testing.assert_array_equal(np.asarray(full[5:9], np.float32), np.asarray(part, np.float32))
 
 
-@settings(max_examples=5)  # interpreted kernels: ~4-6 s an example
+@settings(max_examples=3)  # interpreted kernels: ~4-6 s an example
 @given(
     st.integers(1, 48),
     st.sampled_from([1, 2, 8]),
@@ -451,7 +451,7 @@ def test_folded_scales(fmt_name, layout_kind, tuning, rng):
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
 
 
-@pytest.mark.parametrize("fmt_name", ["uint4_zp_g128", "uint4_fzp_g128"])
+@pytest.mark.parametrize("fmt_name", ["uint4_zp_g128"])
 def test_folded_zero_points_with_a_partial_last_tile(fmt_name, rng):
     """Folded scales and zero points (one load per group run) when the last K
     tile is partial (K=384 with 256-wide tiles): the bf16-rounded reference."""
@@ -470,9 +470,7 @@ def test_folded_zero_points_with_a_partial_last_tile(fmt_name, rng):
     [
         ("mxfp4", 96, kernel.Tiles(block_m=64, block_n=32, block_k=64)),  # split x, scales in the weights
         ("mxfp4", 160, kernel.Tiles(block_m=16, block_n=32, block_k=128, word_decode=True)),
-        ("int4_g32", 96, kernel.Tiles(block_m=64, block_n=32, block_k=64)),
         ("int4_channel", 160, kernel.Tiles(block_m=64, block_n=32, block_k=128, word_decode=True)),
-        ("int4_channel", 160, kernel.Tiles(block_m=16, block_n=32, block_k=128, word_decode=True)),
         # The partial tile in the last split, and (split_k=4) a split with no tile at all.
         ("mxfp4", 160, kernel.Tiles(block_m=16, block_n=32, block_k=64, split_k=2)),
         ("int4_channel", 144, kernel.Tiles(block_m=16, block_n=32, block_k=32, split_k=4)),
@@ -665,7 +663,7 @@ def test_grouped_tiles_at_the_bound(rng):
         _check(out, _reference(x, weight, layout), bound=1e-5)
 
 
-@pytest.mark.parametrize("fmt_name", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt_name", ["nvfp4"])
 def test_half_bits_with_a_partial_last_tile(fmt_name, rng):
     """e2m1 weights in the decoder's bit order with K=160 (gpt-oss's K=2880 is
     not a multiple of 128 either): the 128-wide pair tiles they need end in a

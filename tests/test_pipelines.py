@@ -54,8 +54,6 @@ def _run(pipeline, x, weights, tw, ti, config, **kw):
     [
         ("int4_g128", "silu"),
         ("mxfp4+bias", "swigluoai"),
-        ("fp8_channel", "gelu"),
-        ("bf16", "silu_no_mul"),
         ("nvfp4", "relu2_no_mul"),
     ],
 )
