@@ -229,7 +229,7 @@ def humming_indexed_experts(
         **gemm_kwargs,
     )
     return routing.moe_fused_mul_sum(
-        down.reshape(num_tokens, top_k, -1),
+        down.reshape(num_tokens, top_k, down.shape[-1]),
         topk_weights,
         topk_ids,
         num_experts=config.global_num_experts,
@@ -271,7 +271,7 @@ def batched_humming_grouped_experts(
     layout = L.GroupedMasked(expert_num_tokens)
     if a1q_scale is None:
         gate_up_input = process_input(
-            hidden_states.reshape(num_experts * max_tokens, -1),
+            hidden_states.reshape(num_experts * max_tokens, hidden_states.shape[-1]),
             config.input_quant,
             hadamard_block_size=config.hadamard_block_size,
             layout="grouped_mask",

@@ -154,7 +154,7 @@ def gemm(
     if batch_invariant and tuning is not None and getattr(tuning, "split_k", 1) > 1:
         raise ValueError(f"tuning.split_k: batch_invariant needs a fixed K order (split_k=1), got {tuning.split_k}")
     chosen = resolve_backend(backend, "gemm")
-    if chosen == "reference":
+    if chosen == "reference" or x.m == 0:  # an empty batch (T=0): nothing to compute, an empty output
         return gemm_reference(x, weight, layout, out_dtype)
     interpret = chosen == "interpret"
     tiles, reasons = plan(

@@ -110,7 +110,7 @@ def process_input_reference(x: jax.Array, steps: ProcessSteps, arrays: ProcessAr
     m_in = x.shape[0]
     if layout == "scatter":
         destination = scatter_idx.reshape(-1).astype(jnp.int32)
-        copies = destination.shape[0] // m_in
+        copies = 1 if scatter_idx.ndim == 1 else scatter_idx.shape[1]
         values, scale, scale_2 = (_scatter_rows(a, destination, copies) for a in (values, scale, scale_2))
         keep = jnp.ones(destination.shape[0], bool)
     elif layout == "grouped_mask":
@@ -168,7 +168,7 @@ def process_input(
             raise ValueError("process_input: input_scale was given but spec is 'none'")
         # A batched [E, max_tokens, ...] input and its scale are flattened row-aligned.
         values = x.reshape(-1, x.shape[-1])
-        scale = input_scale.reshape(values.shape[0], -1) if input_scale.ndim == 3 else input_scale
+        scale = input_scale.reshape(values.shape[0], input_scale.shape[-1]) if input_scale.ndim == 3 else input_scale
         return Q.QuantizedInput(
             values=values, scale=scale, scale_2=input_scale_2, spec=spec, k=values.shape[1] * spec.packs_k
         )
@@ -186,7 +186,8 @@ def process_input(
         raise ValueError(f"process_input: static_scale: mode {spec.mode.value!r} {need} a static tensor scale")
     steps = ProcessSteps(spec, activation, hadamard_block_size, layout, jnp.dtype(compute_dtype))
     arrays = ProcessArrays(expert_num_tokens, scatter_idx, num_valid_tokens, static_scale)
-    chosen = resolve_backend(backend, "process_input")
+    # An empty batch (T=0) has nothing to compute: the reference builds its empty outputs.
+    chosen = resolve_backend(backend, "process_input") if x.shape[0] else "reference"
     if chosen == "reference":
         return process_input_reference(x, steps, arrays)
     interpret = chosen == "interpret"

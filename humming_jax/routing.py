@@ -30,6 +30,13 @@ def align_length(num_slots: int, num_experts: int, block_size: int) -> int:
     return length
 
 
+def _empty_or(chosen: str, size: int) -> str:
+    """An empty batch (T=0: idle expert-parallel ranks, dynamic batching) has
+    nothing to compute: its outputs are empty or zeros, which the reference
+    builds from the static shapes (a kernel's grid would have no program)."""
+    return "reference" if size == 0 else chosen
+
+
 def _check_routing(topk_ids: jax.Array, num_experts: int, expert_map: jax.Array | None, op: str) -> None:
     if topk_ids.ndim != 2:
         raise ValueError(f"{op}: topk_ids must be [T, k], got shape {topk_ids.shape}")
@@ -139,7 +146,7 @@ def moe_align_block_size(
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"moe_align_block_size: block_size must be a positive int, got {block_size!r}")
     num_local = num_experts if num_local_experts is None else num_local_experts
-    chosen = resolve_backend(backend, "moe_align_block_size")
+    chosen = _empty_or(resolve_backend(backend, "moe_align_block_size"), topk_ids.size)
     if chosen == "reference":
         return _align_reference(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts, num_local)
     map_groups = expert_map is not None and ignore_invalid_experts
@@ -203,7 +210,7 @@ def moe_prepare_scatter(
     """
     _check_routing(topk_ids, num_experts, expert_map, "moe_prepare_scatter")
     num_local = num_experts if num_local_experts is None else num_local_experts
-    chosen = resolve_backend(backend, "moe_prepare_scatter")
+    chosen = _empty_or(resolve_backend(backend, "moe_prepare_scatter"), topk_ids.size)
     if chosen == "reference":
         return _scatter_reference(topk_ids, num_experts, expert_map, num_local)
     offsets, dest, _ = _scatter_kernel(topk_ids, num_experts, expert_map, num_local, chosen == "interpret")
@@ -249,7 +256,7 @@ def moe_permute(
             f"moe_permute: a1q_scale must be [T, S] with T={topk_ids.shape[0]}, got shape {a1q_scale.shape}"
         )
     num_local = num_experts if num_local_experts is None else num_local_experts
-    chosen = resolve_backend(backend, "moe_permute")
+    chosen = _empty_or(resolve_backend(backend, "moe_permute"), topk_ids.size)
     top_k = topk_ids.shape[1]
     if chosen != "reference":
         interpret = chosen == "interpret"
@@ -303,7 +310,7 @@ def moe_unpermute(
         raise ValueError(
             f"moe_unpermute: expert_first_token_offset must be [E+1], got shape {expert_first_token_offset.shape}"
         )
-    chosen = resolve_backend(backend, "moe_unpermute")
+    chosen = _empty_or(resolve_backend(backend, "moe_unpermute"), inv_permuted_idx.size)
     if chosen != "reference":
         return kernels.weighted_gather(
             permuted_hidden_states,
@@ -322,7 +329,7 @@ def moe_unpermute(
     rows = permuted_hidden_states[jnp.where(valid, inv, 0)].astype(jnp.float32)
     weights = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32), 0.0)
     rows = jnp.where(valid[:, None], rows, 0.0) * weights[:, None]
-    return rows.reshape(t, k, -1).sum(axis=1).astype(permuted_hidden_states.dtype)
+    return rows.reshape(t, k, permuted_hidden_states.shape[1]).sum(axis=1).astype(permuted_hidden_states.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "row_tiles", "backend"))
@@ -348,7 +355,7 @@ def moe_fused_mul_sum(
         )
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"moe_fused_mul_sum: topk_weights must be {topk_ids.shape}, got {topk_weights.shape}")
-    chosen = resolve_backend(backend, "moe_fused_mul_sum")
+    chosen = _empty_or(resolve_backend(backend, "moe_fused_mul_sum"), inputs.size)
     if chosen != "reference":
         num_tokens, top_k = topk_ids.shape
         bound = jnp.full((1,), num_tokens, jnp.int32) if num_valid_tokens is None else num_valid_tokens

@@ -65,9 +65,11 @@ def plan_workspace(
     """
     if pipeline not in PIPELINES:
         raise ValueError(f"plan_workspace: pipeline: expected one of {PIPELINES}, got {pipeline!r}")
-    for name, value in (("num_tokens", num_tokens), ("top_k", top_k)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"plan_workspace: {name}: expected a positive int, got {value!r}")
+    # num_tokens may be 0 (an idle rank's empty batch: every buffer has no rows).
+    for name, value, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            kind = "non-negative" if least == 0 else "positive"
+            raise ValueError(f"plan_workspace: {name}: expected a {kind} int, got {value!r}")
     activation = get_activation(activation) or config.activation
     w13, w2 = config.w13, config.w2
     gate_up_dim, intermediate_dim, hidden = w13.real_n, w2.real_k, w13.real_k

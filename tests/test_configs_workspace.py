@@ -165,5 +165,6 @@ def test_plan_errors():
         hj.plan_workspace(config, 4, 2, "batched")
     with pytest.raises(ValueError, match="w2 takes K"):
         hj.plan_workspace(config, 4, 2, "grouped", activation="silu_no_mul")
-    with pytest.raises(ValueError, match="num_tokens"):
-        hj.plan_workspace(config, 0, 2, "grouped")
+    with pytest.raises(ValueError, match="num_tokens: expected a non-negative int"):
+        hj.plan_workspace(config, -1, 2, "grouped")
+    assert hj.plan_workspace(config, 0, 2, "grouped").buffers["output"].shape == (0, 256)  # an empty batch
