@@ -678,3 +678,23 @@ def test_half_bits_with_a_partial_last_tile(fmt_name, rng):
     _check(hj.gemm(x, bits, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND), _reference(x, weight, layout))
     with pytest.raises(ValueError, match="half-bits"):  # a tiling passed by hand runs as given or raises
         hj.gemm(x, bits, layout, tuning=kernel.Tiles(16, 32, 64), backend=KERNEL_BACKEND)
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        (-(2**31) + 5, 5, 5, 30, 2**31 - 7),  # far-negative start, end near INT32_MAX
+        (-3, -1, 12, 12, 90),  # an expert wholly before the rows, an end past them
+        (45, 50, 60, 70, 80),  # every range past the rows: all zeros
+    ],
+)
+def test_grouped_offsets_outside_the_rows(offsets, rng):
+    """Offsets outside ``[0, M]`` (public ``gemm`` and ``moonep_grouped_gemm``
+    take the caller's): every row written, equal to the reference, which owns
+    row r by ``offsets[e] <= r < offsets[e+1]``."""
+    weight = _weight(rng, F.INT4_G128, E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = hj.GroupedContiguous(jnp.asarray(offsets, jnp.int32))
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=kernel.Tiles(16, 32, 128), backend=KERNEL_BACKEND)
+    assert np.all(np.isfinite(np.asarray(out)))
+    _check(out, _reference(x, weight, layout), bound=1e-5)
