@@ -61,12 +61,6 @@ def _positive_int(value, field: str, owner: str, allow_zero: bool = False) -> No
         raise ValueError(f"{owner}.{field}: expected a {kind} int, got {value!r}")
 
 
-def _power_of_two(value, field: str, owner: str) -> None:
-    _positive_int(value, field, owner)
-    if value & (value - 1):
-        raise ValueError(f"{owner}.{field}: expected a power of two, got {value}")
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
     """One expert GEMM: ``num_experts`` weights ``[shape_n, shape_k]``.

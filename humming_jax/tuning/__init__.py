@@ -3,8 +3,9 @@ this file), the heuristic, and the search space ``python -m humming_jax tune``
 sweeps. :func:`candidates` lists, in order, the tilings a call may run; the op
 runs the first whose kernel ``supports`` it."""
 
-from humming_jax.tuning.heuristic import DEQUANTIZE_MIN_ROWS, heuristic_candidates, rows_per_expert
+from humming_jax.tuning.heuristic import DEQUANTIZE_MIN_ROWS, for_block, heuristic_candidates, rows_per_expert
 from humming_jax.tuning.table import Entry, format_class, load_table, table_entries, table_key, table_path
+from pallas_kernels.gemm import triton
 
 __all__ = [
     "DEQUANTIZE_MIN_ROWS",
@@ -32,8 +33,11 @@ def candidates(
 ) -> list:
     """The table's entry for this call (its weight shape's, else its format
     class's), then the heuristic's tilings. ``block_size``: an indexed
-    layout's alignment block (a tile is one block); ``half_bits``: see
+    layout's alignment block — a tile is one block, so an entry's Triton tile
+    runs with that many rows (:func:`for_block`); ``half_bits``: see
     :func:`heuristic_candidates`."""
     entries = [e.tiles for e in table_entries(layout, fmt, valid_shape_m, num_experts, n, k)]
+    if block_size is not None:
+        entries = [for_block(t, block_size) if isinstance(t, triton.Tiles) else t for t in entries]
     rows = rows_per_expert(layout, valid_shape_m, num_experts)
     return entries + heuristic_candidates(rows, n, k, fmt, block_size, half_bits)

@@ -60,7 +60,7 @@ def triton_tiles(rows: int, n: int, k: int, fmt_class: str = "16bit") -> triton.
     return triton.Tiles(block_m, block_n, block_k, num_warps=4, num_stages=3)
 
 
-def _indexed(tiles: triton.Tiles, block_size: int) -> triton.Tiles:
+def for_block(tiles: triton.Tiles, block_size: int) -> triton.Tiles:
     """A tile of an indexed layout is one alignment block; blocks under 16 rows
     take f32 multiply-adds (an MMA would mostly multiply padding), with the
     scales applied after the product (exact)."""
@@ -93,5 +93,5 @@ def heuristic_candidates(
         tiles = dataclasses.replace(
             tiles, block_k=max(128, tiles.block_k), word_decode=True, fold_scales=True, pair_decode=True
         )
-    found.append(_indexed(tiles, block_size) if block_size is not None else tiles)
+    found.append(for_block(tiles, block_size) if block_size is not None else tiles)
     return found
