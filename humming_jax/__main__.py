@@ -15,7 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     from humming_jax import bench as bench_module
 
     for sub, default_out in ((bench, "benchmarks/results/gemm.json"), (tune, "benchmarks/results/tuning.json")):
-        sub.add_argument("--formats", nargs="+", default=list(bench_module.FORMATS))
+        sub.add_argument(
+            "--formats",
+            nargs="+",
+            default=list(bench_module.FORMATS),
+            help="weight formats, WEIGHT@INPUT pairs (fp8_block128@fp8_dynamic_group128) or the anchor's pair names",
+        )
         sub.add_argument("--out", default=default_out)
         sub.add_argument(
             "--k-order",
@@ -27,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--tokens", nargs="+", type=int, default=list(bench_module.TOKENS))
     bench.add_argument("--no-compare", action="store_true", help="skip torch._grouped_mm and jax.lax.ragged_dot")
+    bench.add_argument(
+        "--anchor",
+        default=bench_module.ANCHOR_FILE,
+        help="Humming's measured table (JSON) for the 'humming us' and 'x humming' columns; absent: none",
+    )
     tune.add_argument("--problem", default="qwen3-30b-a3b", choices=list(bench_module.PROBLEMS))
     tune.add_argument("--gemm", default="w13", choices=["w13", "w2"], help="which of the problem's GEMMs to time")
     tune.add_argument("--layouts", nargs="+", default=["grouped", "indexed"], choices=["grouped", "indexed"])

@@ -6,7 +6,9 @@ time, TFLOP/s on the real rows (2·T·k·N·K), GB/s on the bytes that must move
 (the stored weights of the experts that received tokens + activations in and
 out), the fraction of the roofline max(bytes / 4.3 TB/s, flops / 790 TFLOP/s),
 and, in the same process, ``torch._grouped_mm`` (bf16) and
-``jax.lax.ragged_dot`` (bf16) on the same rows when they run.
+``jax.lax.ragged_dot`` (bf16) on the same rows when they run. A format
+``WEIGHT@INPUT`` (or the anchor table's names, :data:`PAIRS`) quantizes the
+input too; its quantization (``process_input``) is timed apart (``quant_us``).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from humming_jax import formats as F
+from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import tiles_text
 from humming_jax import tuning as T
 from humming_jax.gemm import GemmTiles, as_quantized_input, gemm, plan
+from humming_jax.process_input import process_input
 from humming_jax.routing import moe_align_block_size, moe_prepare_scatter
 from humming_jax.timing import (
     COPY_BANDWIDTH,
@@ -47,6 +51,42 @@ PROBLEMS = {
 }
 TOKENS = (1, 16, 128, 512, 4096)
 FORMATS = ("bf16", "int4_g128", "mxfp4")
+# The anchor table's (Humming's) names of the weight@input pairs.
+PAIRS = {
+    "w4a16_int4_g128": "int4_g128",
+    "w4a16_mxfp4": "mxfp4",
+    "w8a8_fp8_block128": "fp8_block128@fp8_dynamic_group128",
+    "w4a8_mxfp4_fp8g128": "mxfp4@fp8_dynamic_group128",
+}
+
+
+ANCHOR_FILE = "benchmarks/anchors/humming_h200.json"  # Humming's measured H200 table
+
+
+def load_anchor(path: str | None) -> dict:
+    """Humming's time (µs: the lower of its do_bench and CUDA-graph medians) per
+    (problem, layout, gemm, T, format) from an anchor table, or {} without one."""
+    try:
+        with open(path) as f:
+            results = json.load(f)["results"]
+    except (TypeError, OSError):
+        return {}
+    ours = {"grouped_contiguous": "grouped", "indexed": "indexed"}
+    return {
+        (r["shape"], ours[r["gemm_type"]], r["sublayer"], r["T"], PAIRS[r["format"]]): 1e3 * min(r["ms"], r["ms_graph"])
+        for r in results
+        if r["kind"] == "humming" and r["format"] in PAIRS
+    }
+
+
+def split_format(name: str) -> tuple[F.WeightFormat, Q.InputQuantSpec]:
+    """(weight format, input quantization) of a bench format name: ``WEIGHT``,
+    ``WEIGHT@INPUT`` or a name of :data:`PAIRS`."""
+    name = PAIRS.get(name, name)
+    weight, _, quant = name.partition("@")
+    return F.get_format(weight), Q.get_input_spec(quant or None)
+
+
 KERNEL_BACKEND = "pallas"  # "interpret" lets the CPU test suite run this code path
 
 
@@ -56,7 +96,7 @@ class Case:
     gemm: str  # w13 | w2
     layout: str  # grouped | indexed
     tokens: int
-    fmt: str
+    fmt: str  # a weight format, or WEIGHT@INPUT (split_format)
     # 4-bit codes stored in K order instead of the planar order the library
     # repacks them into at load time (to_planar; the kernel then needs no split x).
     k_order: bool = False
@@ -95,7 +135,9 @@ def _costs(case: Case, ids: np.ndarray) -> tuple[int, int]:
     _, n, k, top_k = case.shapes()
     rows = case.tokens * top_k
     hit = len(np.unique(ids))
-    moved = hit * _weight_bytes(F.get_format(case.fmt), n, k) + _input_rows(case) * k * 2 + rows * n * 2
+    fmt, quant = split_format(case.fmt)
+    x_bytes = _input_rows(case) * k * (quant.dtype.bits / 8 if quant.is_quantized else 2)
+    moved = hit * _weight_bytes(fmt, n, k) + int(x_bytes) + rows * n * 2
     return moved, 2 * rows * n * k
 
 
@@ -118,14 +160,32 @@ def _random_weight(key, fmt: F.WeightFormat, e: int, n: int, k: int) -> F.Quanti
 def _arrays(case: Case, sets: int, seed: int):
     """Weights and inputs for ``sets`` independent calls (rotated so L2 does not serve them)."""
     e, n, k, _ = case.shapes()
-    fmt = F.get_format(case.fmt)
+    fmt, quant = split_format(case.fmt)
     weights, xs = [], []
     for s in range(sets):
         kw, kx = jax.random.split(jax.random.fold_in(jax.random.key(seed), s))
         weight = _random_weight(kw, fmt, e, n, k)
-        weights.append(weight if case.k_order else F.to_planar(weight, half_bits=case.half_bits))
-        xs.append(jax.random.normal(kx, (_input_rows(case), k), jnp.bfloat16))
+        weights.append(weight if case.k_order else F.to_planar(weight, half_bits=_half_bits(case, quant)))
+        xs.append(_quantized(jax.random.normal(kx, (_input_rows(case), k), jnp.bfloat16), quant))
     return weights, xs
+
+
+def _half_bits(case: Case, quant: Q.InputQuantSpec) -> bool:
+    """As the modules store planar e2m1 codes (:func:`humming_jax.formats.planar_half_bits`)."""
+    return case.half_bits and F.planar_half_bits("bfloat16", quant)
+
+
+def _static_scale(x: jax.Array, quant: Q.InputQuantSpec) -> jax.Array | None:
+    """A static tensor scale that fits ``x`` (amax over the element maximum)."""
+    return jnp.max(jnp.abs(x.astype(jnp.float32))).reshape(1) / quant.dtype.max_value if quant.mode.is_static else None
+
+
+@functools.partial(jax.jit, static_argnames="quant")
+def _quantized(x: jax.Array, quant: Q.InputQuantSpec):
+    """``x`` quantized as the pipelines quantize it (``process_input``), or as it is."""
+    if not quant.is_quantized:
+        return x
+    return process_input(x, quant, static_scale=_static_scale(x, quant), backend=KERNEL_BACKEND)
 
 
 def _layout(case: Case, ids: np.ndarray, block_size: int):
@@ -143,7 +203,9 @@ def _block_size(case: Case, tiles: GemmTiles | None) -> int:
     those of the first tiling the table or the heuristic lists for the case)."""
     if tiles is None:
         e, n, k, _ = case.shapes()
-        tiles = T.candidates("indexed", F.get_format(case.fmt), _real_rows(case), e, n, k)[0]
+        fmt, quant = split_format(case.fmt)
+        bits = quant.dtype.bits if quant.is_quantized else 16
+        tiles = T.candidates("indexed", fmt, _real_rows(case), e, n, k, input_bits=bits)[0]
     return tiles.block_m
 
 
@@ -215,7 +277,7 @@ def time_prepared(prep: Prepared, tuning: GemmTiles | None) -> tuple[dict, jax.A
     case = prep.case
     fn, layout = gemm_call(prep, tuning)
     seconds = device_seconds(fn, list(zip(prep.xs, prep.weights, strict=True)))
-    floor = max(prep.moved / COPY_BANDWIDTH, prep.flops / MATMUL_RATE)
+    floor = max(prep.moved / COPY_BANDWIDTH, prep.flops / _matmul_rate(case))
     x, weight = as_quantized_input(prep.xs[0]), prep.weights[0]
     interpret = KERNEL_BACKEND != "pallas"
     ran, _ = plan(x, weight, layout, valid_shape_m=_real_rows(case), tuning=tuning, interpret=interpret)
@@ -261,6 +323,7 @@ def sampled_error(prep: Prepared, layout, out: jax.Array) -> float:
     product with the dequantized weight of each expert: independent of the
     kernel and cheap at any problem size."""
     case, x = prep.case, prep.xs[0]
+    x = Q.dequantize_input(x) if isinstance(x, Q.QuantizedInput) else x
     e, _, _, top_k = case.shapes()
     m_out = out.shape[0]
     hit = [expert for expert in range(e) if len(_expert_rows(layout, expert, m_out)[1])]
@@ -276,12 +339,32 @@ def sampled_error(prep: Prepared, layout, out: jax.Array) -> float:
     return math.sqrt(diff / norm) if norm else 0.0
 
 
+def _matmul_rate(case: Case) -> float:
+    """The tensor cores' peak for the case's operands: twice bf16's with 8-bit float inputs."""
+    quant = split_format(case.fmt)[1]
+    eight_bit_float = quant.is_quantized and quant.dtype.value.startswith("float8")
+    return MATMUL_RATE * (2 if eight_bit_float else 1)
+
+
+def time_quantization(case: Case, seed: int = 0) -> float | None:
+    """Microseconds of the input's quantization (``process_input`` on the GEMM's
+    input rows, bf16 in), or None for an unquantized input."""
+    quant = split_format(case.fmt)[1]
+    if not quant.is_quantized:
+        return None
+    _, _, k, _ = case.shapes()
+    keys = jax.random.split(jax.random.key(seed + 1), 2)
+    sets = [(jax.random.normal(key, (_input_rows(case), k), jnp.bfloat16),) for key in keys]
+    return device_seconds(lambda x: _quantized(x, quant), sets) * 1e6
+
+
 def time_kernel(case: Case, tuning: GemmTiles | None = None, seed: int = 0) -> dict:
     """One case under ``tuning`` (default: the table/heuristic choice), checked against
-    :func:`sampled_error` (``error``)."""
+    :func:`sampled_error` (``error``); ``quant_us``: the input's quantization, apart."""
     prep = prepare(case, seed)
     row, out, layout = time_prepared(prep, tuning)
     row["error"] = sampled_error(prep, layout, out)
+    row["quant_us"] = time_quantization(case, seed)
     row["layout_ids"] = prep.ids
     return row
 
@@ -377,10 +460,14 @@ def run_bench(
     compare=True,
     on_row=None,
     k_order=False,
+    anchor=None,
 ):
     """Time every case; ``on_row(rows)`` runs after each one (the JSON is kept
     current, so a run cut short keeps what it measured). ``k_order``: 4-bit
-    weights as quantized, not repacked (see :class:`Case`)."""
+    weights as quantized, not repacked (see :class:`Case`). ``anchor``
+    (:func:`load_anchor`): Humming's times, ``humming_us`` and ``x_humming``
+    (our time over Humming's) on the cases it has."""
+    anchor = anchor or {}
     rows = []
     torch_us = {}  # (problem, gemm, T) -> torch._grouped_mm (bf16) time, the ratio's reference
     copy_us = {}  # bytes moved -> time of a pass that reads and writes as many bytes
@@ -392,7 +479,9 @@ def run_bench(
                         case = Case(problem, g, layout, t, fmt, k_order)
                         e, n, k, _ = case.shapes()
                         try:
-                            F.get_format(fmt).check_shape(n, k)
+                            weight_format, quant = split_format(fmt)
+                            weight_format.check_shape(n, k)
+                            quant.check_k(k)
                         except ValueError:
                             continue  # e.g. gpt-oss K=2880 with groups of 128 (needs padding)
                         result = time_kernel(case)
@@ -406,6 +495,10 @@ def run_bench(
                                 torch_us[problem, g, t] = result["torch_grouped_mm_us"]
                         if (problem, g, t) in torch_us:  # throughput relative to bf16 torch (>1: faster)
                             result["vs_torch"] = torch_us[problem, g, t] / result["us"]
+                        humming_us = anchor.get((problem, layout, g, t, PAIRS.get(fmt, fmt)))
+                        if humming_us is not None:
+                            result["humming_us"] = humming_us
+                            result["x_humming"] = result["us"] / humming_us
                         if compare and t <= COPY_REFERENCE_MAX_TOKENS:
                             # Decode is judged on bandwidth: what a plain pass over as many bytes reaches.
                             if result["bytes"] not in copy_us:
@@ -422,6 +515,7 @@ def run_bench(
 HEADER = (
     f"{'problem':<15}{'gemm':<5}{'layout':<8}{'T':>6}{'format':>11}{'us':>10}{'TFLOP/s':>9}{'GB/s':>8}"
     f"{'%roof':>7}{'torch us':>10}{'ragged us':>11}{'mgpu us':>10}{'x torch':>8}{'x copy':>8}{'error':>9}"
+    f"{'quant us':>9}{'humming us':>11}{'x humming':>10}"
 )
 
 
@@ -436,6 +530,8 @@ def format_row(r: dict) -> str:
         f"{cell('torch_grouped_mm_us', 10)}{cell('ragged_dot_us', 11)}{cell('mgpu_ragged_dot_us', 10)}"
         f"{'' if r.get('vs_torch') is None else format(r['vs_torch'], '.2f'):>8}"
         f"{'' if r.get('vs_copy') is None else format(r['vs_copy'], '.2f'):>8}{r['error']:>9.1e}"
+        f"{cell('quant_us', 9)}{cell('humming_us', 11)}"
+        f"{'' if r.get('x_humming') is None else format(r['x_humming'], '.2f'):>10}"
     )
 
 
@@ -449,7 +545,13 @@ def bench_main(args) -> int:
         write_results(args.out, rows, quiet=True, copy_bandwidth=COPY_BANDWIDTH, matmul_rate=MATMUL_RATE)
 
     rows = run_bench(
-        args.problems, args.tokens, args.formats, compare=not args.no_compare, on_row=save, k_order=args.k_order
+        args.problems,
+        args.tokens,
+        args.formats,
+        compare=not args.no_compare,
+        on_row=save,
+        k_order=args.k_order,
+        anchor=load_anchor(args.anchor),
     )
     save(rows)
     print(f"wrote {args.out}")

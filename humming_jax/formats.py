@@ -577,6 +577,21 @@ def check_folded_scale_range(weight: QuantizedWeight, argument: str = "weight") 
         )
 
 
+def planar_half_bits(compute_dtype, input_quant=None) -> bool:
+    """Whether planar e2m1 codes are stored in the pair decoder's bit order
+    (``to_planar(half_bits=True)``): for bf16 compute, where the GEMM reads
+    them as nibble pairs in spans of 128+ columns — unless the input
+    (an ``InputQuantSpec``) keeps 8-bit values with scales for narrower
+    groups (MXFP8 inputs: a scale every 32 columns)."""
+    narrow = (
+        input_quant is not None
+        and input_quant.mode.has_group_scale
+        and input_quant.dtype.bits == 8
+        and input_quant.group_size < 128
+    )
+    return jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and not narrow
+
+
 def to_planar(weight: QuantizedWeight, half_bits: bool = False) -> QuantizedWeight:
     """``weight`` with its 4-bit codes in the planar order the GEMM kernel
     reads without splitting x (a load-time repack: same arrays but the packed

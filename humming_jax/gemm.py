@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from humming_jax import configs, tiles_text
+from humming_jax import configs, numerics, tiles_text
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
@@ -172,15 +172,52 @@ def kernel_input_specs(fmt: F.WeightFormat) -> tuple[Q.InputQuantSpec, ...]:
     """The input quantizations of :func:`configs.supported_input_specs` that a
     GEMM kernel takes with weights in ``fmt`` (the others run on the reference
     only), as the kernels' ``supports`` answer for a grouped call."""
-    weight = spec.WeightSpec(1, 256, 256, fmt.value_type.value, group_size=fmt.group_size)
+    weight = _format_spec(fmt, (1, 256, 256))
     layout = spec.LayoutSpec("grouped_contiguous", 16, 16)
     found = []
     for quant in configs.supported_input_specs(fmt):
-        x_dtype = jnp.dtype(quant.dtype.storage_dtype).name if quant.is_quantized else "bfloat16"
-        call = spec.GemmCall(weight, layout, x_dtype, "bfloat16", quant.name if quant.is_quantized else "none")
+        x_dtype, x_scale = kernel_input_spec(quant)
+        call = spec.GemmCall(weight, layout, x_dtype, "bfloat16", _quant_name(quant), x_scale)
         if any(module.supports(tiles(), call) is None for tiles, module in kernels.KERNELS.items()):
             found.append(quant)
     return tuple(found)
+
+
+def _quant_name(quant: Q.InputQuantSpec) -> str:
+    return quant.name if quant.is_quantized else "none"
+
+
+def kernel_input_spec(quant: Q.InputQuantSpec, x_dtype=jnp.bfloat16) -> tuple[str, spec.XScale]:
+    """(the dtype of the input the kernels read, how they scale it) for an
+    input quantized by ``quant`` (``x_dtype``: an unquantized input's dtype).
+    8-bit values are read as stored with their scale; 4-bit e2m1 values are
+    read as bf16 values times their group scales, exact (:func:`kernel_input`),
+    with the second scale (per tensor or row) left to the kernel."""
+    mode = quant.mode
+    if mode == Q.InputQuantMode.NONE:
+        return jnp.dtype(x_dtype).name, spec.XScale()
+    if quant.dtype == Q.ActivationDType.FLOAT4_E2M1:
+        second = {Q.InputQuantMode.STATIC_TENSOR_DYNAMIC_GROUP: "tensor", Q.InputQuantMode.DYNAMIC_GROUP_TOKEN: "token"}
+        return "bfloat16", spec.XScale(second.get(mode, "none"))
+    x_dtype = jnp.dtype(quant.dtype.storage_dtype).name
+    if mode == Q.InputQuantMode.STATIC_TENSOR:
+        return x_dtype, spec.XScale("tensor")
+    if mode == Q.InputQuantMode.DYNAMIC_TOKEN:
+        return x_dtype, spec.XScale("token")
+    if mode == Q.InputQuantMode.DYNAMIC_GROUP:
+        return x_dtype, spec.XScale("group", quant.scale_type.value, quant.group_size)
+    return x_dtype, spec.XScale(mode.value)  # a mode no kernel takes: supports says so
+
+
+def kernel_input(x: Q.QuantizedInput) -> tuple[jax.Array, jax.Array | None]:
+    """(values, scale) of ``x`` as the kernels read it (:func:`kernel_input_spec`)."""
+    quant = x.spec
+    if quant.dtype != Q.ActivationDType.FLOAT4_E2M1:
+        return x.values, x.scale
+    # e2m1 times an e8m0 or e4m3 group scale has at most 6 significant bits: exact in bf16.
+    codes = numerics.e2m1_decode(numerics.unpack_nibbles(x.values))
+    group_scale = jnp.repeat(Q.decode_group_scale(x.scale, quant), quant.group_size, axis=-1)
+    return (codes * group_scale).astype(jnp.bfloat16), x.scale_2
 
 
 def _out_dtype(x: Q.QuantizedInput, out_dtype) -> jnp.dtype:
@@ -210,7 +247,13 @@ def plan(
         estimate = valid_shape_m or layout.output_rows(x.m)
         block_size = layout.block_size if isinstance(layout, L.Indexed) else None
         listed = T.candidates(
-            layout.kind.value, weight.format, estimate, *weight.shape, block_size=block_size, half_bits=weight.half_bits
+            layout.kind.value,
+            weight.format,
+            estimate,
+            *weight.shape,
+            block_size=block_size,
+            half_bits=weight.half_bits,
+            input_bits=x.spec.dtype.bits if x.spec.is_quantized else 16,
         )
     reasons = []
     for tiles in listed:
@@ -226,9 +269,10 @@ def gemm_call(x, weight, layout, out_dtype, use_f16_accum=False, batch_invariant
     return spec.GemmCall(
         _weight_spec(weight),
         _layout_spec(layout, x.m)[0],
-        jnp.dtype(x.values.dtype).name,
+        *kernel_input_spec(x.spec, x.values.dtype)[:1],
         jnp.dtype(out_dtype).name,
-        x.spec.name if x.spec.is_quantized else "none",
+        _quant_name(x.spec),
+        kernel_input_spec(x.spec, x.values.dtype)[1],
         use_f16_accum,
         batch_invariant,
         interpret,
@@ -245,12 +289,11 @@ def _dequantized(weight: F.QuantizedWeight, dtype) -> F.QuantizedWeight:
     )
 
 
-def _weight_spec(weight: F.QuantizedWeight) -> spec.WeightSpec:
-    fmt = weight.format
+def _format_spec(fmt: F.WeightFormat, shape: tuple[int, int, int], **stored) -> spec.WeightSpec:
+    """The kernels' view of an ``[E, N, K]`` weight in ``fmt``; ``stored``: how
+    this weight is stored (group index, planar order)."""
     return spec.WeightSpec(
-        num_experts=weight.num_experts,
-        n=weight.n,
-        k=weight.k,
+        *shape,
         value_type=fmt.value_type.value,
         scale=fmt.scale_granularity.value,
         scale_type=None if fmt.scale_type is None else fmt.scale_type.value,
@@ -259,6 +302,14 @@ def _weight_spec(weight: F.QuantizedWeight) -> spec.WeightSpec:
         zero_point=fmt.zero_point.value,
         global_scale=fmt.global_scale.value,
         has_bias=fmt.has_bias,
+        **stored,
+    )
+
+
+def _weight_spec(weight: F.QuantizedWeight) -> spec.WeightSpec:
+    return _format_spec(
+        weight.format,
+        weight.shape,
         has_group_index=weight.group_index is not None,
         nibble_unit=weight.nibble_unit,
         half_bits=weight.half_bits,
@@ -304,4 +355,5 @@ def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret):
         if a is not None
     )
     route = _layout_spec(layout, x.m)[1]
-    return kernels.KERNELS[type(tiles)].expert_gemm(call, tiles, x.values, parts, weight.bias, route)
+    values, x_scale = kernel_input(x)
+    return kernels.KERNELS[type(tiles)].expert_gemm(call, tiles, values, parts, weight.bias, route, x_scale)

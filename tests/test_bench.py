@@ -44,6 +44,32 @@ def test_bench_writes_json(tiny, tmp_path, capsys):
     assert bench.time_mgpu_ragged_dot(bench.Case("tiny", "w13", "grouped", 512, "bf16"), ids) is None
 
 
+def test_bench_quantized_input_pairs_with_the_anchor(tiny, tmp_path, monkeypatch):
+    """A weight@input pair (or the anchor's name for it) quantizes the input
+    (timed apart: ``quant_us``) and is compared with the anchor's time."""
+    monkeypatch.setitem(bench.PROBLEMS, "tiny128", (4, 128, 128, 2))
+    anchor = tmp_path / "anchor.json"
+    humming = dict(kind="humming", shape="tiny128", gemm_type="grouped_contiguous", sublayer="w13", T=3)
+    anchor.write_text(json.dumps({"results": [dict(humming, format="w8a8_fp8_block128", ms=0.004, ms_graph=0.002)]}))
+    rows = bench.run_bench(
+        ["tiny128"],
+        [3],
+        ["w8a8_fp8_block128", "int8_channel@int8_dynamic_token"],
+        layouts=("grouped",),
+        gemms=("w13",),
+        compare=False,
+        anchor=bench.load_anchor(str(anchor)),
+    )
+    assert [r["fmt"] for r in rows] == ["w8a8_fp8_block128", "int8_channel@int8_dynamic_token"]
+    for r in rows:
+        assert r["error"] < 1e-2, r
+        assert r["quant_us"] > 0 and r["tiles"].startswith("triton:")
+    assert rows[0]["humming_us"] == pytest.approx(2.0)
+    assert rows[0]["x_humming"] == pytest.approx(rows[0]["us"] / 2.0)
+    assert "humming_us" not in rows[1]
+    assert bench.load_anchor(str(tmp_path / "absent.json")) == {}
+
+
 def test_tune_writes_a_table_the_loader_reads(tiny, tmp_path, monkeypatch):
     """``tune`` writes entries only (the kernel, its tiles, the time, the
     results file), merged into the file at ``--out``; the loader reads them back."""

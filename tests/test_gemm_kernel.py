@@ -28,6 +28,7 @@ from pallas_kernels import word_decode as wd
 from pallas_kernels.gemm import triton as kernel
 from pallas_kernels.gemm.spec import LayoutSpec, WeightSpec
 
+import gemm_layouts
 import np_ref
 from np_ref import relative_error
 
@@ -42,17 +43,7 @@ def _weight(rng, fmt, e, k=K):
 
 
 def _layouts(rng, block_size=16):
-    """Every layout; the indexed one aligned to ``block_size`` (a tile's rows)."""
-    ids = rng.integers(0, E, size=(M, 2)).astype(np.int32)
-    ids[0, 0] = E + 5  # an invalid slot: its output row is never written
-    sorted_ids, expert_ids, padded = hj.moe_align_block_size(jnp.asarray(ids), block_size, E)
-    return {
-        "dense": hj.Dense(),
-        "grouped_contiguous": hj.GroupedContiguous(jnp.asarray([0, 7, 7, 30, 33], jnp.int32)),  # empty, tail rows
-        "grouped_masked": hj.GroupedMasked(jnp.asarray([0, 10, 3, 40], jnp.int32)),  # empty, over-full
-        # The dropped slot is listed past the padded blocks: the kernel zeroes its row (no zero fill).
-        "indexed": hj.Indexed(sorted_ids, expert_ids, padded, top_k=2, block_size=block_size, lists_dropped=True),
-    }
+    return gemm_layouts.layouts(rng, E, M, block_size)
 
 
 def _reference(x, weight, layout):
@@ -196,21 +187,19 @@ def test_kernel_over_random_routings(num_tokens, top_k, block_size, seed, shape,
 
 
 def test_kernel_backend_refuses_what_it_cannot_run(monkeypatch, rng):
+    """float32 inputs have no kernel (the tensor cores take 16- and 8-bit operands)."""
     weight = _weight(rng, F.FP8_CHANNEL, E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
     layout = _layouts(rng)["grouped_masked"]
-    q = hj.quantize_input(x, "fp8_dynamic_token")
-    with pytest.raises(ValueError, match="quantized inputs"):
-        hj.gemm(q, weight, layout, backend=KERNEL_BACKEND)
     with pytest.raises(ValueError, match="float32 inputs"):
         hj.gemm(x, weight, layout, backend=KERNEL_BACKEND)
     if KERNEL_BACKEND == "pallas":  # on a GPU the default raises too
         with pytest.raises(ValueError, match="on the GPU"):
-            hj.gemm(q, weight, layout)
+            hj.gemm(x, weight, layout)
         return
     monkeypatch.setattr(B, "_WARNED", set())
     with pytest.warns(UserWarning, match="no kernel takes this call"):  # off a GPU the default runs the reference
-        assert hj.gemm(q, weight, layout).shape == (M, N)
+        assert hj.gemm(x, weight, layout).shape == (M, N)
 
 
 @pytest.mark.parametrize("layout_kind", ["dense", "grouped_contiguous", "indexed"])

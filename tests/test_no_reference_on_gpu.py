@@ -46,6 +46,11 @@ def _weights(config: hj.ExpertsConfig) -> hj.ExpertWeights:
             w13_bias=jax.ShapeDtypeStruct((E, config.w13_n), jnp.float32),
             w2_bias=jax.ShapeDtypeStruct((E, H), jnp.float32),
         )
+    if config.input_quant.mode.is_static:
+        bias.update(
+            w13_input_scale=jax.ShapeDtypeStruct((1,), jnp.float32),
+            w2_input_scale=jax.ShapeDtypeStruct((1,), jnp.float32),
+        )
     return jax.eval_shape(lambda w13, w2, **b: hj.quantize_experts(w13, w2, config, **b), w13, w2, **bias)
 
 
@@ -90,22 +95,29 @@ def test_moonep_experts_have_a_kernel(no_references):
     assert out.shape == (nvs, H)
 
 
-def test_a_pair_without_a_kernel_raises_on_the_gpu(monkeypatch, rng):
-    """fp8 inputs with fp8-block weights have no kernel yet: on a GPU the call
-    raises naming the op and why; with the opt-in it runs the reference after
-    a one-time warning; ``backend="reference"`` runs it silently."""
+def test_every_advertised_pair_has_a_kernel():
+    """Every (weight format, input quantization) pair the library lists runs on a kernel."""
+    for name in FORMATS:
+        fmt = F.get_format(name)
+        assert hj.kernel_input_specs(fmt) == hj.supported_input_specs(fmt), name
+
+
+def test_a_call_without_a_kernel_raises_on_the_gpu(monkeypatch, rng):
+    """An indexed layout aligned to 24 rows has no kernel (a tile is a block of
+    a power of two): on a GPU the call raises naming the op and why; with the
+    opt-in it runs the reference after a one-time warning; ``backend="reference"``
+    runs it silently."""
     monkeypatch.delenv(B.FALLBACK_ENV_VAR, raising=False)
     monkeypatch.delenv(B.ENV_VAR, raising=False)
     monkeypatch.setattr(B, "_WARNED", set())  # the warning is once a process: another test may have had it
     fmt = F.FP8_BLOCK128
-    assert Q.FP8_DYNAMIC_GROUP128 in hj.supported_input_specs(fmt)
-    assert Q.FP8_DYNAMIC_GROUP128 not in hj.kernel_input_specs(fmt)
     weight = F.quantize_weight(jnp.asarray(rng.normal(0, 0.05, (E, 256, H)), jnp.float32), fmt)
     x = hj.quantize_input(jnp.asarray(rng.normal(size=(T, H)), jnp.float32), Q.FP8_DYNAMIC_GROUP128)
-    layout = hj.GroupedContiguous(jnp.asarray([0, 2, 2, 5, T], jnp.int32))
+    ids = jnp.asarray(rng.integers(0, E, size=(T, 1)), jnp.int32)
+    layout = hj.Indexed(*hj.moe_align_block_size(ids, 24, E), top_k=1, block_size=24)
     want = np.asarray(hj.gemm(x, weight, layout, backend="reference"))
     monkeypatch.setattr(B.jax, "default_backend", lambda: "gpu")
-    with pytest.raises(B.NoKernelError, match="gemm: no kernel takes this call.*quantized inputs"):
+    with pytest.raises(B.NoKernelError, match="gemm: no kernel takes this call.*block_size of 24"):
         hj.gemm(x, weight, layout, valid_shape_m=7)  # a new static argument: traced anew
     monkeypatch.setenv(B.FALLBACK_ENV_VAR, "1")
     with pytest.warns(UserWarning, match="gemm: no kernel takes this call"):

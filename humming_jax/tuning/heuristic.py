@@ -60,10 +60,32 @@ def triton_tiles(rows: int, n: int, k: int, fmt_class: str = "16bit") -> triton.
     return triton.Tiles(block_m, block_n, block_k, num_warps=4, num_stages=3)
 
 
+def quantized_input_tiles(rows: int, n: int, k: int, fmt_class: str) -> triton.Tiles:
+    """The Triton tile for inputs quantized with a scale (W8A8, W4A8, …): a
+    scale that multiplies each span's product keeps a second accumulator live,
+    so prefill takes 64-row tiles; 8-bit weights at decode take 256 columns of
+    K a step, 4-bit ones the weight-only tile."""
+    block_m = _pow2_at_most(max(rows, 16), 64)
+    cap_n = max(16, 1 << (max(n, 16) - 1).bit_length())
+    cap_k = max(16, 1 << (max(k, 16) - 1).bit_length())
+    four_bit = fmt_class.split("-")[0] in ("4bit", "fp4")
+    if block_m <= 32:
+        if four_bit:
+            return _four_bit_tiles(block_m, cap_n, cap_k, 1, fmt_class.split("-")[0])
+        return triton.Tiles(block_m, min(64, cap_n), min(256, cap_k), 4, 3)
+    if four_bit:
+        pairs = dict(word_decode=True, fold_scales=True, pair_decode=True)
+        return triton.Tiles(block_m, min(128, cap_n), min(128, cap_k), 4, 3, swap_ab=True, **pairs)
+    return triton.Tiles(block_m, min(128, cap_n), min(128, cap_k), 4, 4)
+
+
 def for_block(tiles: triton.Tiles, block_size: int) -> triton.Tiles:
     """A tile of an indexed layout is one alignment block; blocks under 16 rows
     take f32 multiply-adds (an MMA would mostly multiply padding), with the
-    scales applied after the product (exact)."""
+    scales applied after the product (exact). A block no tile can be (not a
+    power of two) leaves the tile as it is, for the kernel to refuse."""
+    if block_size < 1 or block_size & (block_size - 1):
+        return tiles
     small = block_size < 16
     return dataclasses.replace(
         tiles,
@@ -76,19 +98,29 @@ def for_block(tiles: triton.Tiles, block_size: int) -> triton.Tiles:
 
 
 def heuristic_candidates(
-    rows: int, n: int, k: int, fmt: F.WeightFormat, block_size: int | None = None, half_bits: bool = False
+    rows: int,
+    n: int,
+    k: int,
+    fmt: F.WeightFormat,
+    block_size: int | None = None,
+    half_bits: bool = False,
+    input_bits: int = 16,
 ) -> list:
     """In order: the Mosaic kernel after a dequantize pass (4-bit integer
     weights it does not decode itself — K order, float zero points, other
     groups —, at least :data:`DEQUANTIZE_MIN_ROWS` rows an expert; its
     ``supports`` refuses what it cannot take), then the Triton tile (which
-    takes every call with 16-bit inputs). ``block_size``: an indexed layout's block. ``half_bits``:
-    weights the Triton decoder reads as nibble pairs only."""
-    fmt_class = format_class(fmt)
+    takes every call). ``block_size``: an indexed layout's block. ``half_bits``:
+    weights the Triton decoder reads as nibble pairs only. ``input_bits`` 8 or
+    4: a quantized input (:func:`quantized_input_tiles`)."""
+    fmt_class = format_class(fmt, input_bits)
     found = []
     if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and block_size is None:
         found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
-    tiles = triton_tiles(rows, n, k, fmt_class)
+    if input_bits == 16:
+        tiles = triton_tiles(rows, n, k, fmt_class)
+    else:
+        tiles = quantized_input_tiles(rows, n, k, fmt_class)
     if half_bits:  # the pair decoder reads whole 128-column units
         tiles = dataclasses.replace(
             tiles, block_k=max(128, tiles.block_k), word_decode=True, fold_scales=True, pair_decode=True

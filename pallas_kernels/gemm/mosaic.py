@@ -628,12 +628,17 @@ def _nibble_operands(w: WeightSpec, weight_arrays: tuple[jax.Array, ...], dtype)
     return codes, scales, zero_points, decode
 
 
-def expert_gemm(call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias, route_arrays) -> jax.Array:
+def expert_gemm(
+    call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias, route_arrays, x_scale: jax.Array | None = None
+) -> jax.Array:
     """The family's entry point (as ``triton.expert_gemm``): ``[M, N]`` in
     ``call.out_dtype`` for a 16-bit weight (``weight_arrays = (values,)``) or
     a planar 4-bit one (values, scale, and for uint4 the packed zero point);
     ``route_arrays``: the layout's (offsets | counts | none). A weight
-    ``dequantize_first`` applies to arrives here already dequantized."""
+    ``dequantize_first`` applies to arrives here already dequantized. The
+    input is unscaled 16-bit floats (``x_scale`` None)."""
+    if x_scale is not None:
+        raise ValueError("mosaic.expert_gemm: x_scale: the kernel takes unscaled 16-bit inputs")
     w, layout = call.weight, call.layout
     run = functools.partial(
         expert_gemm_mosaic, tiles=tiles, out_dtype=jnp.dtype(call.out_dtype), bias=bias, interpret=call.interpret

@@ -67,16 +67,31 @@ class LayoutSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class XScale:
+    """How the values of a quantized input ``x [M, K]`` (stored as
+    ``GemmCall.x_dtype``: float8_e4m3, float8_e5m2, int8, or a 16-bit float
+    holding exact values) are scaled: ``x = values * scale``, the scale being
+    one f32 for the tensor (``[1]``), one per row (``[M, 1]``) or one per row
+    and group of ``group_size`` columns (``[M, K / group_size]``, f32 or e8m0
+    bytes)."""
+
+    mode: str = "none"  # none tensor token group
+    scale_type: str = "float32"  # float32 e8m0
+    group_size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class GemmCall:
     """One GEMM call as a kernel's ``supports`` sees it. ``x_dtype`` is the
     stored input dtype; ``input_quant`` the name of its quantization ("none":
-    a float input)."""
+    a float input) and ``x_scale`` how the kernel scales its values."""
 
     weight: WeightSpec
     layout: LayoutSpec
     x_dtype: str
     out_dtype: str
     input_quant: str = "none"
+    x_scale: XScale = XScale()
     use_f16_accum: bool = False
     batch_invariant: bool = False
     interpret: bool = False

@@ -1,5 +1,6 @@
 """The Triton-lowered expert GEMM: every weight format, the four layouts,
-16-bit float inputs.
+16-bit float inputs and 8-bit quantized ones (e4m3, e5m2, int8 values with a
+tensor, row or row-and-group scale).
 
 ``out[r] = x[r_in] @ dequant(w[e]).T (+ bias[e])`` on ``block_m x block_n``
 output tiles. The layout decides which rows a tile covers and which expert it
@@ -9,7 +10,10 @@ decoded one nibble position a piece, scales on each span of K that shares one,
 or folded into the weight with ``fold_scales``). The grid is a static bound on
 the tiles (no host sync when the routing changes); rows no expert owns are
 written as zeros by the kernel itself. ``split_k > 1`` writes f32 partials
-that are summed in a fixed order. Tiling: :class:`Tiles`; what it cannot take:
+that are summed in a fixed order. Quantized inputs meet the weight on the fp8
+tensor cores where both operands are exact in e4m3 (:func:`operand_dtype`),
+else as exact bf16/f16 values; a group scale multiplies each span's product,
+a row or tensor scale the sum. Tiling: :class:`Tiles`; what it cannot take:
 :func:`supports`. Design and measurements: docs/DESIGN.md, benchmarks/notes/gemm.md.
 """
 
@@ -26,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import codecs, word_decode
-from pallas_kernels.gemm.spec import GemmCall, LayoutSpec, WeightSpec, tile_order
+from pallas_kernels.gemm.spec import GemmCall, LayoutSpec, WeightSpec, XScale, tile_order
 
 
 def _power_of_two(value, name: str) -> None:
@@ -80,15 +84,30 @@ class Tiles:
 
 
 FLOAT_INPUTS = ("bfloat16", "float16")
+QUANTIZED_INPUTS = ("float8_e4m3fn", "float8_e5m2", "int8")  # stored values of a scaled input
+# Weight values exact in e4m3 (e2m1 times 2**-6, int4 codes minus 8).
+FP8_EXACT_WEIGHTS = ("float8_e4m3", "float4_e2m1", "int4")
+FP8_MIN_K = 32  # the K of one 8-bit MMA
+X_SHIFT = {"float8_e4m3fn": 8, "float8_e5m2": 15, "int8": 7}  # log2 of an input dtype's largest value, rounded
 
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
     """Why this kernel cannot run ``call`` with ``tiles`` (None if it can)."""
-    w, layout = call.weight, call.layout
-    if call.input_quant != "none":
-        return f"quantized inputs ({call.input_quant}): the kernel takes 16-bit float inputs"
-    if call.x_dtype not in FLOAT_INPUTS:
-        return f"{call.x_dtype} inputs (bfloat16 or float16)"
+    w, layout, xs = call.weight, call.layout, call.x_scale
+    if call.x_dtype not in FLOAT_INPUTS + QUANTIZED_INPUTS:
+        return f"{call.x_dtype} inputs (bfloat16, float16, or e4m3/e5m2/int8 values with a scale)"
+    if call.x_dtype in QUANTIZED_INPUTS and xs.mode == "none":
+        return f"{call.x_dtype} inputs without a scale ({call.input_quant})"
+    if xs.mode not in ("none", "tensor", "token", "group") or xs.scale_type not in ("float32", "e8m0"):
+        return f"an input scale {xs} (tensor, token or group; float32 or e8m0)"
+    if xs.mode == "group":
+        if xs.group_size < 16 or xs.group_size & (xs.group_size - 1):
+            return f"input groups of {xs.group_size} (a power of two, at least 16: one MMA)"
+        operand = operand_dtype(call, tiles)
+        span = scale_span(w, tiles, operand, xs.group_size)
+        pieces = _pieces_per_span(w, tiles, operand, xs.group_size)
+        if span // pieces < 16:
+            return f"input groups of {xs.group_size}: spans of {span} columns in {pieces} pieces (16+ a product)"
     if layout.kind == "indexed":
         if layout.block_size & (layout.block_size - 1):
             return f"an indexed block_size of {layout.block_size} (a power of two)"
@@ -100,7 +119,44 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return f"split_k={tiles.split_k} with batch_invariant (a fixed K order needs split_k=1)"
     if w.half_bits and not (tiles.word_decode and tiles.pair_decode and tiles.fold_scales and tiles.block_k >= 128):
         return "half-bits e2m1 weights (read as nibble pairs: word_decode, pair_decode, fold_scales, block_k >= 128)"
+    if w.half_bits and xs.mode == "group" and xs.group_size < 128:
+        return f"half-bits e2m1 weights with input groups of {xs.group_size} (read in spans of 128+ columns)"
     return None
+
+
+def _sixteen_bits(call: GemmCall):
+    """The 16-bit operand dtype of a call: the input's, or for a quantized
+    input f16 when the output is f16, else bf16 (8-bit values are exact in both)."""
+    if call.x_dtype in FLOAT_INPUTS:
+        return jnp.dtype(call.x_dtype)
+    return jnp.dtype(jnp.float16 if call.out_dtype == "float16" else jnp.bfloat16)
+
+
+def operand_dtype(call: GemmCall, tiles: Tiles):
+    """The dtype both MMA operands take: e4m3 (the fp8 tensor cores, f32
+    accumulation) for e4m3 inputs with weights whose values are exact in e4m3,
+    scaled after the product in spans of at least one fp8 MMA; else 16 bits
+    (:func:`_sixteen_bits`), every quantized value converted exactly."""
+    w = call.weight
+    if call.x_dtype != "float8_e4m3fn" or w.value_type not in FP8_EXACT_WEIGHTS or w.zero_point != "none":
+        return _sixteen_bits(call)
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    if not tiles.use_mma or call.use_f16_accum or scales_in_weights(w, tiles, fp8):
+        return _sixteen_bits(call)
+    x_group = call.x_scale.group_size if call.x_scale.mode == "group" else 0
+    span = scale_span(w, tiles, fp8, x_group)
+    if span // _pieces_per_span(w, tiles, fp8, x_group) < FP8_MIN_K:
+        return _sixteen_bits(call)
+    return fp8
+
+
+def _pieces_per_span(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> int:
+    """Weight pieces (products) per span: one unpacked, else one per nibble
+    position (pairs: per pair of positions)."""
+    if not w.packed:
+        return 1
+    ways = nibbles_per_unit(w, tiles, compute_dtype, x_group)
+    return ways // 2 if decodes_pairs(w, tiles, compute_dtype, x_group) else ways
 
 
 def num_col_groups(n: int, tiles: Tiles) -> int:
@@ -237,12 +293,14 @@ def scales_in_weights(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
     return narrow or (exact and tiles.block_m >= 64)
 
 
-def scale_span(w: WeightSpec, tiles: Tiles, compute_dtype) -> int:
+def scale_span(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> int:
     """Columns of K that share one scale (and zero point) inside a K tile: the
-    width of one product, whose ``[bm, bn]`` result the scale multiplies."""
+    width of one product, whose ``[bm, bn]`` result the scale multiplies
+    (``x_group``: the input's scale groups, 0 if it has none)."""
+    span = tiles.block_k
     if w.scale in ("group", "block") and not scales_in_weights(w, tiles, compute_dtype):
-        return min(tiles.block_k, w.group_size)
-    return tiles.block_k
+        span = min(span, w.group_size)
+    return min(span, x_group) if x_group else span
 
 
 def folds_e2m1(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
@@ -395,20 +453,20 @@ class _Piece:
     values: jax.Array  # [bn, c] compute dtype
 
 
-def nibbles_per_unit(w: WeightSpec, tiles: Tiles, compute_dtype) -> int:
+def nibbles_per_unit(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> int:
     """4-bit codes per loaded unit of a packed weight: 2 (uint8) or, with
     ``tiles.word_decode`` and spans of 128+ (so every piece keeps K >= 16), 8
     (uint32 words). The codes at position j of their unit form piece j."""
     if not w.packed:
         return 1
-    if tiles.word_decode and scale_span(w, tiles, compute_dtype) % 128 == 0 and w.k % 8 == 0:
+    if tiles.word_decode and scale_span(w, tiles, compute_dtype, x_group) % 128 == 0 and w.k % 8 == 0:
         return 8
     return 2
 
 
-def decodes_pairs(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
+def decodes_pairs(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> bool:
     """Whether word-decoded pieces pair nibble positions j and j+4 (``tiles.pair_decode``)."""
-    return tiles.pair_decode and nibbles_per_unit(w, tiles, compute_dtype) == 8
+    return tiles.pair_decode and nibbles_per_unit(w, tiles, compute_dtype, x_group) == 8
 
 
 def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, zero, on_gpu: bool, raw: bool = False):
@@ -477,6 +535,13 @@ class _SpanPlan:
             return 0
         decoded = word_decode.E2M1_RAW_FACTOR if self.raw_e2m1 else word_decode.E2M1_FACTOR
         return -E2M1_FOLDED_EXPONENT - round(math.log2(decoded))
+
+    @property
+    def decode_dtype(self):
+        """The dtype 4-bit codes decode to: the compute dtype, or bf16 for the
+        fp8 operands (then converted, exactly)."""
+        fp8 = jnp.dtype(self.compute_dtype) == jnp.dtype(jnp.float8_e4m3fn)
+        return jnp.dtype(jnp.bfloat16) if fp8 else jnp.dtype(self.compute_dtype)
 
     @property
     def pieces(self) -> int:
@@ -613,11 +678,11 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
         if w.zero_point == "int" and not plan.in_weights:
             zero = _int_zero(zero_ref, expert, n_idx, _floor_div(k_start, w.group_size), n_mask)
         for j, values in enumerate(
-            _decode_units(units, w, ways, plan.pairs, compute_dtype, zero, plan.on_gpu, plan.raw_e2m1)
+            _decode_units(units, w, ways, plan.pairs, plan.decode_dtype, zero, plan.on_gpu, plan.raw_e2m1)
         ):
             cols = _piece_columns(k_start, along, j, per_unit, w.nibble_unit, span)
             x_cols = k_start + j * width + along if plan.x_split else cols
-            yield finish(_Piece(cols, x_cols, values))
+            yield finish(_Piece(cols, x_cols, values.astype(compute_dtype)))
         return
     cols = k_start + jnp.arange(span, dtype=jnp.int32)
     k_mask = None if k_limit is None else (cols < k_limit)[None, :]
@@ -673,8 +738,12 @@ def _gemm_kernel(
     num_weight: int,
     x_split: bool,
     on_gpu: bool,
+    x_scale: XScale,
+    x_float8=None,
 ):
     x_ref = refs[0]
+    x_scale_ref = refs[1] if x_scale.mode != "none" else None
+    refs = refs[1:] if x_scale_ref is not None else refs
     route_refs = refs[1 : 1 + num_route]
     values_ref, scale_ref, zero_ref, global_ref, group_ref = _weight_parts(
         refs[1 + num_route : 1 + num_route + num_weight], w
@@ -683,17 +752,18 @@ def _gemm_kernel(
     bias_ref = rest[0] if w.has_bias else None
     out_ref = rest[-1]  # the output (aliased to a zeroed input when layout.zero_filled)
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    x_group = x_scale.group_size if x_scale.mode == "group" else 0
     in_weights = scales_in_weights(w, tiles, compute_dtype)
-    span = scale_span(w, tiles, compute_dtype)
+    span = scale_span(w, tiles, compute_dtype, x_group)
     plan = _SpanPlan(
         span,
-        nibbles_per_unit(w, tiles, compute_dtype),
+        nibbles_per_unit(w, tiles, compute_dtype, x_group),
         in_weights,
         x_split,
         compute_dtype,
         on_gpu,
         scale_in_compute=_scales_exact_in(w, compute_dtype) and tiles.use_mma,
-        pairs=decodes_pairs(w, tiles, compute_dtype),
+        pairs=decodes_pairs(w, tiles, compute_dtype, x_group),
         folded_e2m1=folds_e2m1(w, tiles, compute_dtype),
     )
     row_tile, col_group = tile_order(
@@ -726,7 +796,11 @@ def _gemm_kernel(
     def product(piece, k_limit):
         k_mask = None if k_limit is None else (piece.cols < k_limit)[None, :]
         x = _load(x_ref.at[rows_in[:, None], piece.x_cols[None, :]], _all(row_mask[:, None], k_mask))
+        if x_float8 is not None:  # 8-bit floats travel as uint8 (see _storage_bits)
+            x = _storage_bits(x, x_float8)
         x = x.astype(compute_dtype)
+        if x_shift:
+            x = x * jnp.asarray(2.0**-x_shift, compute_dtype)
         row_sum = jnp.sum(x.astype(jnp.float32), axis=1) if float_zero else None
         if not tiles.use_mma:  # [bm, 1, c] x [1, bn, c] summed over c, in f32
             products = x.astype(jnp.float32)[:, None, :] * piece.values.astype(jnp.float32)[None, :, :]
@@ -752,7 +826,12 @@ def _gemm_kernel(
                     (n_mask, k_limit),
                 )
                 scale = _column_scale(scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask, span_factor)
-                if scale is None and not float_zero:  # accumulate straight into acc (one MMA chain)
+                row_scale = None
+                if x_group:  # the input's scales of this span's group, one per row
+                    in_k = row_mask if k_limit is None else row_mask & (k_start < k_limit)
+                    raw = _load(x_scale_ref.at[rows_in, _floor_div(k_start, x_group)], in_k)
+                    row_scale = _decode_scale(raw, x_scale.scale_type)
+                if scale is None and row_scale is None and not float_zero:  # straight into acc (one MMA chain)
                     for piece in pieces:
                         acc = acc + product(piece, k_limit)[0]
                     continue
@@ -767,6 +846,8 @@ def _gemm_kernel(
                     part = part - along_m(row_sum) * along_n(zero)
                 if scale is not None:
                     part = part * (along_n(scale) if jnp.ndim(scale) else scale)
+                if row_scale is not None:
+                    part = part * along_m(row_scale)
                 acc = acc + part.astype(accum_dtype)
             return acc
 
@@ -776,6 +857,11 @@ def _gemm_kernel(
     # applied to the sum, so the K loop stays one accumulation chain.
     factor = value_factor(w, plan.folded_e2m1)
     end_factor = factor if in_weights and w.global_scale == "none" else 1.0
+    # An f16 accumulator would overflow on raw 8-bit input values (e4m3 up to
+    # 448, e5m2 57344): they enter the product times a power of two (exact but
+    # for e5m2 values under 2**-9), multiplied back on the sum.
+    x_stored = x_ref.dtype if x_float8 is None else x_float8
+    x_shift = X_SHIFT.get(jnp.dtype(x_stored).name, 0) if accum_dtype == jnp.float16 else 0
     span_factor = factor / end_factor
 
     def finish(acc, n_idx, n_mask):
@@ -783,6 +869,12 @@ def _gemm_kernel(
         acc = acc.astype(jnp.float32)
         if end_factor != 1.0:
             acc = acc * end_factor
+        if x_shift:
+            acc = acc * 2.0**x_shift
+        if x_scale.mode == "token":
+            acc = acc * along_m(_load(x_scale_ref.at[rows_in], row_mask).astype(jnp.float32))
+        elif x_scale.mode == "tensor":
+            acc = acc * x_scale_ref[0]
         if bias_ref is not None:
             bias = _load(bias_ref.at[expert, n_idx], n_mask).astype(jnp.float32)
             acc = acc + along_n(jnp.where(split == 0, bias, 0.0))
@@ -866,27 +958,38 @@ def _as_units(values: jax.Array, ways: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(values.reshape(e, n, half // per, per), dtype)
 
 
-def splits_x(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
+def splits_x(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> bool:
     """Large row tiles read x once per column tile, and word-decoded tiles would
     gather every 8th column: both get the split copy of x (contiguous loads).
     Small
     byte-decoded tiles gather the even/odd columns. Pair-decoded planar
     weights (``nibble_unit``) need no split: each piece meets a run of
     consecutive columns of x as it is."""
-    if w.nibble_unit and decodes_pairs(w, tiles, compute_dtype):
+    if w.nibble_unit and decodes_pairs(w, tiles, compute_dtype, x_group):
         return False
     return w.packed and (tiles.block_m >= 64 or tiles.word_decode)
 
 
-def expert_gemm(call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias, route_arrays) -> jax.Array:
-    """``[m_out, N]`` in ``call.out_dtype`` for ``x [M, K]``. ``weight_arrays``
+def expert_gemm(
+    call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias, route_arrays, x_scale: jax.Array | None = None
+) -> jax.Array:
+    """``[m_out, N]`` in ``call.out_dtype`` for ``x [M, K]`` (16-bit floats,
+    or 8-bit values times ``x_scale`` as ``call.x_scale`` says: f32 ``[1]``,
+    ``[M, 1]``, or ``[M, K / group]`` f32 or e8m0 bytes). ``weight_arrays``
     are the stored parts in order (values, scale, zero point, global scale,
     group index), only those the weight has; ``bias [E, N]`` or None;
     ``route_arrays`` the layout's (offsets | counts | sorted_ids, expert_ids,
     num_tokens_padded)."""
     w, layout, out_dtype, interpret = call.weight, call.layout, jnp.dtype(call.out_dtype), call.interpret
     use_f16_accum = call.use_f16_accum
-    compute_dtype = jnp.dtype(x.dtype)
+    compute_dtype = operand_dtype(call, tiles)
+    xs = call.x_scale
+    x_group = xs.group_size if xs.mode == "group" else 0
+    if (x_scale is None) != (xs.mode == "none"):
+        raise ValueError(f"expert_gemm: x_scale: the call's input scale is {xs.mode!r}, got {x_scale!r}")
+    x_float8 = x.dtype if x.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2) else None
+    if x_float8 is not None:
+        x = jax.lax.bitcast_convert_type(x, jnp.uint8)
     accum_dtype = jnp.float16 if use_f16_accum else jnp.float32
     grid = (num_col_groups(w.n, tiles) * num_row_tiles(layout, w.num_experts, tiles.block_m), tiles.split_k)
     # 8-bit floats travel as their uint8 bits (see _storage_bits).
@@ -896,17 +999,18 @@ def expert_gemm(call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias,
     out_shape = (tiles.split_k, layout.m_out, w.n) if tiles.split_k > 1 else (layout.m_out, w.n)
     out_type = jnp.float32 if tiles.split_k > 1 else out_dtype
     zero_filled = layout.zero_filled  # (see the module docstring)
-    ways = nibbles_per_unit(w, tiles, compute_dtype)
-    span, pairs = scale_span(w, tiles, compute_dtype), decodes_pairs(w, tiles, compute_dtype)
+    ways = nibbles_per_unit(w, tiles, compute_dtype, x_group)
+    span, pairs = scale_span(w, tiles, compute_dtype, x_group), decodes_pairs(w, tiles, compute_dtype, x_group)
     if w.packed:  # pairs read words as their 16-bit halves
         weight_arrays = (_as_units(weight_arrays[0], ways // 2 if pairs else ways), *weight_arrays[1:])
-    x_split = splits_x(w, tiles, compute_dtype)
+    x_split = splits_x(w, tiles, compute_dtype, x_group)
     if x_split and w.nibble_unit:  # planar words or bytes (never pairs): gather each piece's columns
         order = piece_column_order(w.k, span, ways, w.nibble_unit)
         x = jnp.pad(x, ((0, 0), (0, len(order) - w.k)))[:, order]
     elif x_split:
         x = split_packed_columns(x, span, ways, pairs)
-    inputs = [x, *route_arrays, *weight_arrays] + ([bias] if bias is not None else [])
+    scales = [] if x_scale is None else [x_scale.reshape(-1) if xs.mode in ("tensor", "token") else x_scale]
+    inputs = [x, *scales, *route_arrays, *weight_arrays] + ([bias] if bias is not None else [])
     if zero_filled:
         inputs.append(jnp.zeros(out_shape, out_type))
     result = pl.pallas_call(
@@ -921,6 +1025,8 @@ def expert_gemm(call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias,
             num_weight=len(weight_arrays),
             x_split=x_split,
             on_gpu=not interpret,
+            x_scale=xs,
+            x_float8=x_float8,
         ),
         grid=grid,
         out_shape=jax.ShapeDtypeStruct(out_shape, out_type),

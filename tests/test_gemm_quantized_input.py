@@ -1,0 +1,188 @@
+"""The Triton GEMM with quantized inputs (W8A8, W4A8, int8, MXFP8, NVFP4, …;
+interpret mode on the CPU, compiled on a GPU) against the reference, and the
+reference against an independent float64 NumPy product.
+
+What we measure: 8-bit input values enter the product exactly (fp8 operands
+where both sides are exact in e4m3, else bf16), group scales multiply each
+span's f32 partial product and row/tensor scales the sum, so against the
+reference (f32, dequantized operands) ‖kernel − reference‖/‖reference‖ is
+~3e-7 (summation order); bound 1e-5. Tilings with folded weight scales are
+held to the reference on the bf16-rounded weight (as in test_gemm_kernel).
+Rows no tile owns must be exactly zero.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import humming_jax as hj
+from humming_jax import formats as F
+from humming_jax import input_quant as Q
+from humming_jax.gemm import gemm_call, gemm_reference, plan
+from pallas_kernels.gemm import triton as kernel
+
+import gemm_layouts
+import np_ref
+from np_ref import relative_error
+
+KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
+E, N, K, M = 4, 64, 256, 40
+# Every advertised quantized pair but two repeats: integer groups of 32 and 64
+# read as those of 128 do (test_gemm_kernel covers each group with 16-bit
+# inputs), and e5m2 per token reads as int8 per token (bf16 operands, a row
+# scale) but for its load, kept with one weight of each kind.
+_REPEATS = {"int4_g32", "int4_g64", "int8_g32", "int8_g64"}
+_E5M2_WITH = {"fp8_block128", "int4_g128", "mxfp4", "nvfp4"}
+PAIRS = [
+    (fmt_name, quant.name)
+    for fmt_name in sorted(set(F.PRESETS) - _REPEATS)
+    for quant in hj.supported_input_specs(F.get_format(fmt_name))
+    if quant.is_quantized and (quant.dtype.value != "float8_e5m2" or fmt_name in _E5M2_WITH)
+]
+# One pair per operand path for the other layouts and the edge cases.
+PATHS = [
+    ("fp8_block128", "fp8_dynamic_group128"),  # fp8 operands, group and block scales per span
+    ("mxfp4", "fp8_dynamic_group128"),  # bf16 operands, e2m1 scales folded, input scale per span
+    ("int8_channel", "int8_dynamic_token"),  # bf16 operands, row scale in the epilogue
+    ("nvfp4", "nvfp4_dynamic_token"),  # 4-bit input read as exact bf16, second scale per row
+]
+
+
+def _weight(rng, fmt, e=E, k=K):
+    w = jnp.asarray(rng.normal(0, 0.05, (e, N, k)), jnp.float32)
+    return F.quantize_weight(w, fmt)
+
+
+def _input(rng, quant, m=M, k=K):
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+    static = jnp.float32(np.abs(np.asarray(x)).max() / quant.dtype.max_value) if quant.mode.is_static else None
+    return Q.quantize_input(x, quant, static_scale=static)
+
+
+def _layouts(rng, block_size=16):
+    return gemm_layouts.layouts(rng, E, M, block_size)
+
+
+def _reference(x, weight, layout, tuning=None):
+    """The reference the kernel must match: with folded scales that round
+    (integer weights, fp8 with f32 scales) the weight is rounded to bf16 once."""
+    if tuning is None:
+        tuning, _ = plan(x, weight, layout, out_dtype=jnp.float32, interpret=True)
+    fmt = weight.format
+    exact = fmt.value_type.value in ("float4_e2m1", "float8_e4m3") and fmt.scale_type.value in ("e8m0", "float8_e4m3")
+    if getattr(tuning, "fold_scales", False) and not exact:  # (a bf16 weight takes no quantized input: no checks)
+        rounded = F.dequantize_weight(weight).astype(jnp.bfloat16)
+        return gemm_reference(x, F.QuantizedWeight(rounded, format=F.BF16, shape=weight.shape), layout, jnp.float32)
+    return hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+
+
+def _check(out, ref, bound=1e-5):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert out.shape == ref.shape
+    assert np.all(np.isfinite(out))
+    assert relative_error(out, ref) < bound
+    unowned = np.all(ref == 0, axis=1)
+    assert np.all(out[unowned] == 0), "rows no tile owns must be zero"
+
+
+@pytest.mark.parametrize("fmt_name,quant_name", PAIRS)
+def test_every_pair_on_the_grouped_layout(fmt_name, quant_name, rng):
+    fmt, quant = F.get_format(fmt_name), Q.get_input_spec(quant_name)
+    weight, x = _weight(rng, fmt), _input(rng, quant)
+    layout = _layouts(rng)["grouped_contiguous"]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
+    _check(out, _reference(x, weight, layout))
+
+
+@pytest.mark.parametrize("fmt_name,quant_name", PATHS)
+@pytest.mark.parametrize("layout_kind", ["dense", "grouped_masked", "indexed"])
+def test_other_layouts(fmt_name, quant_name, layout_kind, rng):
+    fmt, quant = F.get_format(fmt_name), Q.get_input_spec(quant_name)
+    weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
+    x, layout = _input(rng, quant), _layouts(rng)[layout_kind]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
+    _check(out, _reference(x, weight, layout))
+
+
+@pytest.mark.parametrize("fmt_name,quant_name", PATHS)
+def test_reference_matches_numpy(fmt_name, quant_name, rng):
+    """The reference of a quantized pair is the float64 product of the
+    dequantized input and weight (decoded here from their bits)."""
+    fmt, quant = F.get_format(fmt_name), Q.get_input_spec(quant_name)
+    weight, x = _weight(rng, fmt), _input(rng, quant)
+    offsets = np.array([0, 7, 7, 30, 33])
+    out = hj.gemm(x, weight, hj.GroupedContiguous(jnp.asarray(offsets, jnp.int32)), backend="reference")
+    xd, wd = np_ref.dequantize_input(x), np_ref.dequantize_weight(weight)
+    want = np.zeros((M, N))
+    for e in range(E):
+        rows = slice(offsets[e], offsets[e + 1])
+        want[rows] = xd[rows] @ wd[e].T
+    assert relative_error(np.asarray(out, np.float64), want) < 1e-2  # a bf16 output
+
+
+def test_operand_paths():
+    """e4m3 inputs meet e4m3 / e2m1 / int4 weights on the fp8 tensor cores when
+    the spans hold a whole fp8 MMA; the other pairs as exact 16-bit values."""
+
+    def operand(fmt_name, quant_name, tiles):
+        fmt, quant = F.get_format(fmt_name), Q.get_input_spec(quant_name)
+        x = Q.QuantizedInput(jax.ShapeDtypeStruct((M, K), quant.dtype.storage_dtype), spec=quant, k=K)
+        weight = jax.eval_shape(lambda: _weight(np.random.default_rng(0), fmt))
+        call = gemm_call(x, weight, hj.Dense(), jnp.bfloat16)
+        assert kernel.supports(tiles, call) is None
+        return jnp.dtype(kernel.operand_dtype(call, tiles)).name
+
+    plain = kernel.Tiles(64, 64, 128)
+    assert operand("fp8_block128", "fp8_dynamic_group128", plain) == "float8_e4m3fn"
+    assert operand("mxfp8", "mxfp8_dynamic", plain) == "float8_e4m3fn"  # spans of 32: one fp8 MMA each
+    assert operand("int4_g128", "fp8_dynamic_token", plain) == "float8_e4m3fn"  # byte pieces of 64 columns
+    assert operand("fp8_block128", "fp8_e5m2_dynamic_token", plain) == "bfloat16"
+    assert operand("int8_channel", "int8_dynamic_token", plain) == "bfloat16"
+    assert operand("mxfp4", "fp8_dynamic_group128", plain) == "bfloat16"  # pieces of 16 columns
+    assert operand("int4_g128", "fp8_dynamic_token", kernel.Tiles(64, 64, 128, fold_scales=True)) == "bfloat16"
+
+
+@pytest.mark.parametrize("tiles", [kernel.Tiles(16, 32, 256), kernel.Tiles(16, 64, 64, split_k=2)])
+def test_k_tail_and_split_k(tiles, rng):
+    """K=384 with 256-column steps ends in a partial tile (the input's group
+    scales past K are masked); split K sums the scaled partials."""
+    fmt, quant = F.FP8_CHANNEL, Q.FP8_DYNAMIC_GROUP128
+    weight, x = _weight(rng, fmt, k=384), _input(rng, quant, k=384)
+    layout = _layouts(rng)["grouped_contiguous"]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
+    _check(out, _reference(x, weight, layout, tiles))
+
+
+def test_f16_output_and_accumulation(rng):
+    """A float16 output computes in f16 operands (8-bit values are exact in
+    f16), with ``use_f16_accum`` in an f16 accumulator."""
+    weight, x = _weight(rng, F.FP8_CHANNEL), _input(rng, Q.FP8_E5M2_DYNAMIC_TOKEN)
+    layout = _layouts(rng)["grouped_contiguous"]
+    ref = _reference(x, weight, layout)
+    for f16_accum, bound in ((False, 1e-3), (True, 5e-3)):
+        out = hj.gemm(x, weight, layout, out_dtype=jnp.float16, use_f16_accum=f16_accum, backend=KERNEL_BACKEND)
+        assert out.dtype == jnp.float16
+        _check(out, ref, bound)
+
+
+@pytest.mark.parametrize("fmt_name,quant_name", PATHS[:2])
+def test_batch_invariant_rows(fmt_name, quant_name, rng):
+    """With ``batch_invariant`` a row's result is bitwise the same computed in
+    a batch of 40 rows or alone."""
+    fmt, quant = F.get_format(fmt_name), Q.get_input_spec(quant_name)
+    weight, x = _weight(rng, fmt), _input(rng, quant)
+    layout = hj.GroupedContiguous(jnp.asarray([0, 0, 40, 40, 40], jnp.int32))
+    batch = np.asarray(hj.gemm(x, weight, layout, batch_invariant=True, backend=KERNEL_BACKEND))
+    row = jax.tree.map(lambda a: a[5:6] if a.ndim == 2 and a.shape[0] == M else a, x)
+    alone = hj.gemm(row, weight, hj.GroupedContiguous(jnp.asarray([0, 0, 1, 1, 1], jnp.int32)), batch_invariant=True)
+    np.testing.assert_array_equal(np.asarray(alone)[0], batch[5])
+
+
+def test_expert_gemm_checks_its_input_scale(rng):
+    weight, x = _weight(rng, F.FP8_CHANNEL), _input(rng, Q.FP8_DYNAMIC_TOKEN)
+    layout = _layouts(rng)["grouped_contiguous"]
+    call = gemm_call(x, weight, layout, jnp.float32, interpret=True)
+    parts = (weight.values, weight.scale)
+    with pytest.raises(ValueError, match="x_scale: the call's input scale is 'token'"):
+        kernel.expert_gemm(call, kernel.Tiles(16, 64, 128), x.values, parts, None, (layout.expert_offsets,))
