@@ -33,7 +33,7 @@ E, N, K, M = 4, 64, 256, 40
 # inputs), and e5m2 per token reads as int8 per token (bf16 operands, a row
 # scale) but for its load, kept with one weight of each kind.
 _REPEATS = {"int4_g32", "int4_g64", "int8_g32", "int8_g64"}
-_E5M2_WITH = {"fp8_block128", "int4_g128", "mxfp4", "nvfp4"}
+_E5M2_WITH = {"fp8_channel", "int4_g128"}
 PAIRS = [
     (fmt_name, quant.name)
     for fmt_name in sorted(set(F.PRESETS) - _REPEATS)
