@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(PY) -m humming_jax demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q --durations=12
+	$(PY) -m pytest -n 2 --dist worksteal -q --durations=12
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check humming_jax pallas_kernels tests benchmarks

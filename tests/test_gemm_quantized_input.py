@@ -95,8 +95,10 @@ def test_every_pair_on_the_grouped_layout(fmt_name, quant_name, rng):
     _check(out, _reference(x, weight, layout))
 
 
-@pytest.mark.parametrize("fmt_name,quant_name", PATHS)
-@pytest.mark.parametrize("layout_kind", ["dense", "grouped_masked", "indexed"])
+@pytest.mark.parametrize(
+    "fmt_name,quant_name,layout_kind",
+    [(*path, kind) for kind in ("grouped_masked", "indexed") for path in PATHS] + [(*PATHS[0], "dense")],
+)
 def test_other_layouts(fmt_name, quant_name, layout_kind, rng):
     fmt, quant = F.get_format(fmt_name), Q.get_input_spec(quant_name)
     weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
