@@ -27,7 +27,7 @@ import np_ref
 from np_ref import relative_error
 
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
-E, N, K, M = 4, 64, 256, 40
+E, N, K, M = 4, 64, 128, 40
 # Every advertised quantized pair but two repeats: integer groups of 32 and 64
 # read as those of 128 do (test_gemm_kernel covers each group with 16-bit
 # inputs), and e5m2 per token reads as int8 per token (bf16 operands, a row
@@ -168,7 +168,7 @@ def test_f16_output_and_accumulation(rng):
         _check(out, ref, bound)
 
 
-@pytest.mark.parametrize("fmt_name,quant_name", PATHS[:2])
+@pytest.mark.parametrize("fmt_name,quant_name", PATHS[:1])
 def test_batch_invariant_rows(fmt_name, quant_name, rng):
     """With ``batch_invariant`` a row's result is bitwise the same computed in
     a batch of 40 rows or alone."""

@@ -49,7 +49,7 @@ def routings(draw):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=8)  # three interpreted grouping kernels an example (x 2 backends)
+@settings(max_examples=5)  # three interpreted grouping kernels an example (x 2 backends)
 @given(routings(), st.sampled_from([16, 32, 64, 128]), st.booleans())
 def test_align_matches_loop(backend, routing, block_size, ignore_invalid):
     ids, num_experts, expert_map, num_local = routing
