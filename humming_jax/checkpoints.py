@@ -217,13 +217,25 @@ def _group_index(projections, names: list[str], k: int, group: int):
     return np.stack(rows)
 
 
+def _join_rows(parts, what: str) -> np.ndarray:
+    """The gate and up parts of one fused tensor stacked along the rows; every
+    other axis must agree (e.g. the same scale groups along K)."""
+    shapes = [tuple(p.shape[1:]) for p in parts]
+    if len(set(shapes)) > 1:
+        raise ValueError(
+            f"checkpoint: {what}: gate and up differ past the rows ({' vs '.join(map(str, shapes))}): "
+            "fused gate/up need the same columns and scale groups"
+        )
+    return np.concatenate(parts)
+
+
 def _assemble_uint4(per_proj, config: ExpertsConfig, prefix: str, names) -> dict:
     h, i = config.hidden_size, config.intermediate_size
     gate, up, down = per_proj["gate"], per_proj["up"], per_proj["down"]
     fmt13, fmt2 = config.weight_format, config.w2_weight_format
     w13 = [
-        (np.concatenate([g[0], u[0]]), np.concatenate([g[1], u[1]]), np.concatenate([g[2], u[2]]))
-        for g, u in zip(gate, up, strict=True)
+        tuple(_join_rows([g[j], u[j]], f"expert {x} {part}") for j, part in enumerate(("values", "scales", "zeros")))
+        for x, (g, u) in enumerate(zip(gate, up, strict=True))
     ]
     proj_names = [f"{prefix}.{{}}.{name}" for name in names]
     return dict(
@@ -266,6 +278,13 @@ def _load_plain(t: _Tensors, name: str, n: int, k: int, layout: str) -> dict:
     )
 
 
+def _stack_scales(experts, key: str) -> np.ndarray:
+    """``[E, N, groups]`` weight scales of every expert, gate and up rows joined."""
+    return np.stack(
+        [_join_rows([part["scale"] for part in parts], f"{key} expert {x} scales") for x, parts in enumerate(experts)]
+    )
+
+
 def _assemble_plain(per_proj, config: ExpertsConfig, layout: str) -> dict:
     h, i = config.hidden_size, config.intermediate_size
     out = {}
@@ -274,12 +293,17 @@ def _assemble_plain(per_proj, config: ExpertsConfig, layout: str) -> dict:
         ("w2", config.w2_weight_format, ("down",), (h, i)),
     ):
         experts = [[per_proj[p][x] for p in projs] for x in range(config.num_experts)]
-        values = np.stack([np.concatenate([part["values"] for part in parts]) for parts in experts])
+        values = np.stack(
+            [
+                _join_rows([part["values"] for part in parts], f"{key} expert {x} values")
+                for x, parts in enumerate(experts)
+            ]
+        )
         if layout == "modelopt_nvfp4":
             seconds = [[part["second"] for part in parts] for parts in experts]
             if any(len(set(s)) > 1 for s in seconds):  # one global scale per expert and weight
                 raise ValueError(f"checkpoint: {key}: weight_scale_2 of gate and up must be equal per expert")
-            scale = np.stack([np.concatenate([part["scale"] for part in parts]) for parts in experts])
+            scale = _stack_scales(experts, key)
             weight = F.QuantizedWeight(
                 values=jnp.asarray(values),
                 scale=jnp.asarray(scale),
@@ -295,12 +319,12 @@ def _assemble_plain(per_proj, config: ExpertsConfig, layout: str) -> dict:
         elif layout == "fp8_block":
             if len(projs) == 2 and i % 128:
                 raise ValueError(f"checkpoint: {key}: gate/up rows ({i}) must be a multiple of the 128-row scale block")
-            scale = np.stack([np.concatenate([part["scale"] for part in parts]) for parts in experts])
+            scale = _stack_scales(experts, key)
             weight = F.QuantizedWeight(
                 values=jnp.asarray(values), scale=jnp.asarray(scale), format=fmt, shape=(len(experts), n, k)
             )
         else:
-            scale = np.stack([np.concatenate([part["scale"] for part in parts]) for parts in experts])
+            scale = _stack_scales(experts, key)
             weight = F.QuantizedWeight(
                 values=jnp.asarray(values),
                 scale=jnp.asarray(scale, fmt.scale_dtype),

@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
@@ -64,7 +65,13 @@ def quantize_experts(
 
 
 def check_weights(weights: ExpertWeights, config: ExpertsConfig) -> None:
-    """Raise if ``weights`` do not match ``config`` (shapes, formats, static scales)."""
+    """Raise if ``weights`` do not match ``config`` (shapes, formats, static
+    scales: present for static input modes and, where concrete, finite and
+    positive — a zero or NaN scale would zero or poison every input)."""
+    if not isinstance(weights, ExpertWeights):
+        raise TypeError(
+            f"weights: expected ExpertWeights (quantize_experts, load_experts), got {type(weights).__name__}"
+        )
     for name, layer in (("w13", config.w13), ("w2", config.w2)):
         weight = getattr(weights, name)
         expected = (layer.num_experts, layer.shape_n, layer.shape_k)
@@ -78,6 +85,10 @@ def check_weights(weights: ExpertWeights, config: ExpertsConfig) -> None:
             raise ValueError(f"weights.{name}_input_scale: input mode {layer.input_quant.name!r} needs a static scale")
         if not layer.input_quant.mode.is_static and scale is not None:
             raise ValueError(f"weights.{name}_input_scale: input mode {layer.input_quant.name!r} takes no static scale")
+        if scale is not None and not isinstance(scale, jax.core.Tracer):
+            values = np.asarray(scale, np.float64)
+            if not np.all(np.isfinite(values) & (values > 0)):
+                raise ValueError(f"weights.{name}_input_scale: expected a finite positive scale, got {values.tolist()}")
 
 
 def estimate_valid_shape_m(num_tokens: int, top_k: int, config: ExpertsConfig) -> int:
@@ -85,7 +96,22 @@ def estimate_valid_shape_m(num_tokens: int, top_k: int, config: ExpertsConfig) -
     return math.ceil(num_tokens * top_k * config.num_experts / config.global_num_experts)
 
 
+FLOAT_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def check_float_input(hidden_states, op: str) -> None:
+    """Raise unless ``hidden_states`` are float activations: quantized values
+    (fp8, int8 codes) come with their scale (``a1q_scale``), or they would be
+    quantized again as if they were activations."""
+    if jnp.dtype(hidden_states.dtype) not in FLOAT_INPUTS:
+        raise ValueError(
+            f"{op}: hidden_states: {hidden_states.dtype} values without a1q_scale; pass their scale as a1q_scale "
+            "(pre-quantized input) or float activations (bfloat16, float16, float32)"
+        )
+
+
 def _check_routing_inputs(hidden_states, topk_weights, topk_ids, config: ExpertsConfig, op: str) -> None:
+    check_float_input(hidden_states, op)
     if hidden_states.ndim != 2 or hidden_states.shape[1] != config.hidden_size:
         raise ValueError(f"{op}: hidden_states must be [T, H={config.hidden_size}], got {hidden_states.shape}")
     if topk_ids.shape != (hidden_states.shape[0], config.top_k):
@@ -260,6 +286,8 @@ def batched_humming_grouped_experts(
         raise ValueError(
             f"batched_humming_grouped_experts: hidden size {hidden_states.shape[2]} != {config.hidden_size}"
         )
+    if a1q_scale is None:
+        check_float_input(hidden_states, "batched_humming_grouped_experts")
     if expert_num_tokens.shape != (config.num_experts,):
         raise ValueError(
             f"batched_humming_grouped_experts: expert_num_tokens must be [E]=[{config.num_experts}], "
@@ -301,6 +329,8 @@ def moonep_grouped_gemm(
     rows past ``cu_seqlens[-1]`` are zero.
     """
     w = as_weight(w, "w")
+    if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+        raise TypeError(f"moonep_grouped_gemm: cu_seqlens: expected integer segment ends, got {cu_seqlens.dtype}")
     if cu_seqlens.shape != (w.num_experts,):
         raise ValueError(f"moonep_grouped_gemm: cu_seqlens must be [G]=[{w.num_experts}], got {cu_seqlens.shape}")
     offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), cu_seqlens.astype(jnp.int32)])

@@ -176,6 +176,11 @@ def process_input(
         x = x.reshape(-1, x.shape[-1])
     if x.ndim != 2:
         raise ValueError(f"process_input: x must be [M, K] (or [E, max_tokens, K] for grouped_mask), got {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize < 2:
+        raise ValueError(
+            f"process_input: x: {x.dtype} values without input_scale; pass their scale as input_scale "
+            "(a pre-quantized input) or float activations"
+        )
     _check_layout_args(x, layout, expert_num_tokens, scatter_idx, num_valid_tokens)
     k = activation.output_width(x.shape[1]) if activation is not None else x.shape[1]
     Q.check_hadamard_block_size(hadamard_block_size, k, "process_input: hadamard_block_size")
