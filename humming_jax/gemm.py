@@ -321,10 +321,8 @@ def _layout_spec(layout, m_in: int) -> tuple[spec.LayoutSpec, tuple[jax.Array, .
     if isinstance(layout, L.Dense):
         return spec.LayoutSpec(kind, m_in, m_in), ()
     if isinstance(layout, L.GroupedContiguous):
-        # Offsets outside [0, M] (a caller's or a dispatcher's) own the same rows once clipped:
-        # the kernels' static tile bound then covers every row.
-        offsets = jnp.clip(layout.expert_offsets.astype(jnp.int32), 0, m_in)
-        return spec.LayoutSpec(kind, m_in, m_in), (offsets,)
+        # The kernels' static tile bound covers every row of offsets in [0, M] that never decrease.
+        return spec.LayoutSpec(kind, m_in, m_in), (layout.owned_offsets(m_in),)
     if isinstance(layout, L.GroupedMasked):
         counts = layout.expert_num_tokens.astype(jnp.int32)
         return spec.LayoutSpec(kind, m_in, m_in, max_tokens=m_in // counts.shape[0]), (counts,)

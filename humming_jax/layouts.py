@@ -38,6 +38,14 @@ class GroupedContiguous:
     def output_rows(self, m_in: int) -> int:
         return m_in
 
+    def owned_offsets(self, m_in: int) -> jax.Array:
+        """The offsets as every backend reads them: clipped to ``[0, M]`` and
+        made non-decreasing by a running maximum, so expert ``e`` owns rows
+        ``[owned[e], owned[e+1])`` — none when its end precedes its start —
+        and no row has two owners (a caller's or a dispatcher's offsets may be
+        anything an int32 holds)."""
+        return jax.lax.cummax(jnp.clip(self.expert_offsets.astype(jnp.int32), 0, m_in))
+
     def validate(self, m_in: int, num_experts: int) -> None:
         if self.expert_offsets.shape != (num_experts + 1,):
             raise ValueError(
@@ -133,7 +141,7 @@ def row_experts(layout: Layout, m_in: int) -> tuple[jax.Array, jax.Array]:
     if isinstance(layout, Dense):
         return jnp.zeros(m_in, jnp.int32), jnp.ones(m_in, bool)
     if isinstance(layout, GroupedContiguous):
-        offsets = layout.expert_offsets.astype(jnp.int32)
+        offsets = layout.owned_offsets(m_in)
         expert = jnp.sum(rows[:, None] >= offsets[None, 1:], axis=1).astype(jnp.int32)
         valid = (rows >= offsets[0]) & (rows < offsets[-1])
         return jnp.minimum(expert, offsets.shape[0] - 2), valid

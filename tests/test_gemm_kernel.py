@@ -675,12 +675,15 @@ def test_half_bits_with_a_partial_last_tile(fmt_name, rng):
         (-(2**31) + 5, 5, 5, 30, 2**31 - 7),  # far-negative start, end near INT32_MAX
         (-3, -1, 12, 12, 90),  # an expert wholly before the rows, an end past them
         (45, 50, 60, 70, 80),  # every range past the rows: all zeros
+        (0, 30, 10, 20, 40),  # decreasing: expert 1 owns nothing, expert 2 nothing, expert 3 rows 30-39
+        (25, 3, 2**31 - 1, -5, 36),  # decreasing around extremes
     ],
 )
 def test_grouped_offsets_outside_the_rows(offsets, rng):
-    """Offsets outside ``[0, M]`` (public ``gemm`` and ``moonep_grouped_gemm``
-    take the caller's): every row written, equal to the reference, which owns
-    row r by ``offsets[e] <= r < offsets[e+1]``."""
+    """Offsets outside ``[0, M]`` or decreasing (public ``gemm`` and
+    ``moonep_grouped_gemm`` take the caller's): every row written, equal to the
+    reference, which owns row r by ``owned[e] <= r < owned[e+1]`` of the
+    clipped running maximum (``GroupedContiguous.owned_offsets``)."""
     weight = _weight(rng, F.INT4_G128, E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
     layout = hj.GroupedContiguous(jnp.asarray(offsets, jnp.int32))

@@ -148,3 +148,38 @@ def test_gemm_bad_input(rng):
         )
     with pytest.raises(ValueError, match="grouped_masked input"):
         hj.gemm(jnp.ones((18, K), jnp.bfloat16), weight, hj.GroupedMasked(jnp.ones(4, jnp.int32)))
+
+
+_INT32 = st.integers(-(2**31), 2**31 - 1)
+_NEAR = st.integers(-3, 43)  # around the 40 rows
+
+
+@settings(max_examples=8)
+@given(st.lists(st.one_of(_NEAR, _INT32), min_size=5, max_size=5))
+def test_hostile_grouped_offsets(offsets):
+    """Any int32 offsets (decreasing, outside the rows, at the extremes): row r
+    belongs to the last expert e with ``owned[e] <= r`` and ``r < owned[e+1]``
+    of the clipped running maximum — written here as a loop — and rows no
+    expert owns are zero."""
+    m, n, k = 40, 8, 16
+    rng = np.random.default_rng(abs(sum(offsets)) % 2**32)
+    w = rng.normal(size=(4, n, k))
+    x = rng.normal(size=(m, k))
+    weight = F.quantize_weight(jnp.asarray(w, jnp.float32), F.BF16)
+    out = hj.gemm(
+        jnp.asarray(x, jnp.bfloat16),
+        weight,
+        hj.GroupedContiguous(jnp.asarray(offsets, jnp.int32)),
+        out_dtype=jnp.float32,
+        backend="reference",
+    )
+    owned, high = [], 0
+    for offset in offsets:
+        high = max(high, min(max(offset, 0), m))
+        owned.append(high)
+    want = np.zeros((m, n))
+    xb, wb = np_ref.to64(jnp.asarray(x, jnp.bfloat16)), np_ref.to64(weight.values)
+    for e in range(4):
+        for r in range(owned[e], owned[e + 1]):
+            want[r] = xb[r] @ wb[e].T
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-5, atol=1e-5)
