@@ -180,6 +180,7 @@ def humming_grouped_experts(
             hadamard_block_size=config.hadamard_block_size,
             layout="scatter",
             scatter_idx=scatter_idx,
+            scatter_is_permutation=True,  # moe_prepare_scatter's: every row written once
             num_valid_tokens=offsets[-1:],
             static_scale=weights.w13_input_scale,
             compute_dtype=jnp.dtype(config.compute_dtype),

@@ -10,7 +10,10 @@ Layouts:
   written as zeros.
 * ``scatter`` — row i of the input goes to rows ``scatter_idx[i, :]`` of the
   output (``[M*R, K]`` for ``scatter_idx [M, R]``): the permute of the
-  grouped path fused into quantization. Rows nobody targets are zeros.
+  grouped path fused into quantization. Rows nobody targets are zeros
+  (the kernel starts from a zeroed output unless the caller says
+  ``scatter_is_permutation``, as the pipelines do: then every row is written
+  once); destinations outside the output are dropped.
 
 ``num_valid_tokens`` (``int32 [1]``) bounds the output rows: rows at or past it
 are zeros (values and per-row scales). With ``input_scale`` the input is
@@ -42,11 +45,14 @@ def _zero_rows(array: jax.Array | None, keep: jax.Array) -> jax.Array | None:
 
 
 def _scatter_rows(array: jax.Array | None, destination: jax.Array, copies: int) -> jax.Array | None:
-    """Row i of ``array`` to rows ``destination[i*copies : (i+1)*copies]`` of a zeroed output."""
+    """Row i of ``array`` to rows ``destination[i*copies : (i+1)*copies]`` of a
+    zeroed output; destinations outside it (negative ones too: no wrapping) are dropped."""
     if array is None or array.ndim < 2:
         return array
-    out = jnp.zeros((destination.shape[0], *array.shape[1:]), array.dtype)
-    return out.at[destination].set(jnp.repeat(array, copies, axis=0), mode="drop")
+    size = destination.shape[0]
+    out = jnp.zeros((size, *array.shape[1:]), array.dtype)
+    inside = jnp.where(destination >= 0, destination, size)
+    return out.at[inside].set(jnp.repeat(array, copies, axis=0), mode="drop")
 
 
 def _check_layout_args(x, layout, expert_num_tokens, scatter_idx, num_valid_tokens):
@@ -81,6 +87,7 @@ class ProcessSteps:
     hadamard_block_size: int | None
     layout: str
     compute_dtype: jnp.dtype
+    scatter_is_permutation: bool = False
 
 
 class ProcessArrays(NamedTuple):
@@ -127,7 +134,16 @@ def process_input_reference(x: jax.Array, steps: ProcessSteps, arrays: ProcessAr
 
 @functools.partial(
     jax.jit,
-    static_argnames=("spec", "activation", "hadamard_block_size", "layout", "compute_dtype", "tiles", "backend"),
+    static_argnames=(
+        "spec",
+        "activation",
+        "hadamard_block_size",
+        "layout",
+        "compute_dtype",
+        "tiles",
+        "backend",
+        "scatter_is_permutation",
+    ),
 )
 def process_input(
     x: jax.Array,
@@ -145,6 +161,7 @@ def process_input(
     compute_dtype=jnp.bfloat16,
     tiles: kernel.Tiles | None = None,
     backend: str | None = None,
+    scatter_is_permutation: bool = False,
 ) -> Q.QuantizedInput:
     """Prepare a GEMM input: ``x [M, N]`` -> activation -> Hadamard -> quantize
     -> layout, returning a :class:`QuantizedInput` (values ``[M_out, K]``, or
@@ -189,7 +206,9 @@ def process_input(
     if spec.mode.is_static != (static_scale is not None):
         need = "needs" if spec.mode.is_static else "takes no"
         raise ValueError(f"process_input: static_scale: mode {spec.mode.value!r} {need} a static tensor scale")
-    steps = ProcessSteps(spec, activation, hadamard_block_size, layout, jnp.dtype(compute_dtype))
+    steps = ProcessSteps(
+        spec, activation, hadamard_block_size, layout, jnp.dtype(compute_dtype), bool(scatter_is_permutation)
+    )
     arrays = ProcessArrays(expert_num_tokens, scatter_idx, num_valid_tokens, static_scale)
     # An empty batch (T=0) has nothing to compute: the reference builds its empty outputs.
     chosen = resolve_backend(backend, "process_input") if x.shape[0] else "reference"
@@ -239,6 +258,7 @@ def _process_input_kernel(
         static_scale=static_scale,
         expert_num_tokens=expert_num_tokens,
         scatter_idx=scatter_idx,
+        zero_filled=layout == "scatter" and not steps.scatter_is_permutation,
         interpret=interpret,
     )
     static = None if static_scale is None else jnp.asarray(static_scale, jnp.float32).reshape(1)

@@ -309,7 +309,7 @@ def _quantize(ys, static_ref, cfg: ProcessConfig, row_amax=None):
     return values, stored_scales, (second if cfg.mode == "dynamic_group_token" else None)
 
 
-def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
+def _process_kernel(*refs, cfg: ProcessConfig, m_in: int, zero_filled: int = 0):
     refs = list(refs)
     x_ref = refs.pop(0)
     h_ref = refs.pop(0) if cfg.hadamard else None
@@ -317,6 +317,7 @@ def _process_kernel(*refs, cfg: ProcessConfig, m_in: int):
     counts_ref = refs.pop(0) if cfg.layout == "grouped_mask" else None
     scatter_ref = refs.pop(0) if cfg.layout == "scatter" else None
     valid_ref = refs.pop(0)
+    del refs[:zero_filled]  # the zeroed outputs' input side (aliased to the outputs below)
     values_ref = refs.pop(0)
     scale_ref = refs.pop(0) if refs else None
     scale2_ref = refs.pop(0) if refs else None
@@ -401,7 +402,8 @@ def _destinations(rows, row_mask, ins: _Inputs, cfg: ProcessConfig):
         destinations = [
             plgpu.load(ins.scatter_ref.at[rows * cfg.copies + r], mask=row_mask, other=0) for r in range(cfg.copies)
         ]
-        return destinations, [row_mask & (dest < num_valid) for dest in destinations]
+        # A destination outside [0, num_valid) is dropped (a negative one would store before the output).
+        return destinations, [row_mask & (dest >= 0) & (dest < num_valid) for dest in destinations]
     keep = row_mask & (rows < num_valid)
     if cfg.layout == "grouped_mask":
         count = plgpu.load(ins.counts_ref.at[rows // cfg.max_tokens], mask=row_mask, other=0)
@@ -613,11 +615,14 @@ def process_input(
     static_scale: jax.Array | None = None,
     expert_num_tokens: jax.Array | None = None,
     scatter_idx: jax.Array | None = None,
+    zero_filled: bool = False,
     interpret: bool = False,
 ):
     """Run the kernel on ``x [M, k_in]``. Returns ``(values, scale, scale_2)``
     for the kernel-computed parts (static scales are the caller's). With the
-    scatter layout ``scatter_idx`` must be a permutation of ``[0, M*copies)``."""
+    scatter layout every output row is written once when ``scatter_idx`` is a
+    permutation of ``[0, M*copies)``; else ``zero_filled`` starts from zeroed
+    outputs (updated in place) so that rows nobody targets are zeros."""
     m_in = x.shape[0]
     m_out = m_in * cfg.copies
     if not cfg.tiles.row_blocks:
@@ -649,10 +654,15 @@ def process_input(
             out_shape.append(jax.ShapeDtypeStruct((m_out, cfg.num_groups), _scale_dtype(cfg)))
         if cfg.mode == "dynamic_group_token":
             out_shape.append(jax.ShapeDtypeStruct((m_out, 1), jnp.float32))
+    aliases = {}
+    if zero_filled:
+        aliases = {len(inputs) + j: j for j in range(len(out_shape))}
+        inputs += [jnp.zeros(s.shape, s.dtype) for s in out_shape]
     outs = pl.pallas_call(
-        functools.partial(_process_kernel, cfg=cfg, m_in=m_in),
+        functools.partial(_process_kernel, cfg=cfg, m_in=m_in, zero_filled=len(aliases)),
         grid=(pl.cdiv(pl.cdiv(m_in, cfg.rows), cfg.tiles.row_blocks),),
         out_shape=tuple(out_shape),
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=pipeline_stages(cfg)),
         interpret=interpret,
         name="moe_process_input",

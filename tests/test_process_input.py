@@ -603,3 +603,26 @@ def test_hadamard_sub_refusals(rng):
             hj.process_input(x, Q.FP8_DYNAMIC_TOKEN, backend=KERNEL_BACKEND, **kw)
     with pytest.raises(ValueError, match="tiles.*hadamard_sub=32"):  # f32 input: two products a block
         hj.process_input(x.astype(jnp.float32), hadamard_block_size=128, tiles=sub, backend=KERNEL_BACKEND)
+
+
+@pytest.mark.parametrize("spec", [Q.NONE, Q.FP8_DYNAMIC_GROUP128, Q.MXFP4_DYNAMIC])
+def test_scatter_rows_nobody_targets_are_zeros(spec, rng):
+    """A caller's ``scatter_idx`` need not be a permutation: destinations past
+    the output are dropped and rows nobody targets are zeros (values and
+    scales) in the kernel as in the reference; the pipelines' permutations
+    (``scatter_is_permutation``) write every row once, the same values."""
+    x = jnp.asarray(rng.normal(size=(6, 128)), jnp.bfloat16)
+    gappy = jnp.asarray([[0, 5], [7, 2], [40, 9], [1, 11], [3, -6], [8, 10]], jnp.int32)  # rows 4, 6 untargeted
+    kw = dict(layout="scatter", scatter_idx=gappy)
+    got = hj.process_input(x, spec, backend=KERNEL_BACKEND, **kw)
+    want = hj.process_input(x, spec, backend="reference", **kw)
+    for part in ("values", "scale"):
+        a, b = getattr(got, part), getattr(want, part)
+        if b is not None:
+            np.testing.assert_array_equal(np.asarray(a[jnp.asarray([4, 6])]).view(np.uint8), 0)
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    permutation = jnp.asarray(rng.permutation(12).reshape(6, 2), jnp.int32)
+    kw = dict(layout="scatter", scatter_idx=permutation)
+    trusted = hj.process_input(x, spec, backend=KERNEL_BACKEND, scatter_is_permutation=True, **kw)
+    checked = hj.process_input(x, spec, backend=KERNEL_BACKEND, **kw)
+    np.testing.assert_array_equal(np.asarray(trusted.values).view(np.uint8), np.asarray(checked.values).view(np.uint8))
