@@ -3,7 +3,9 @@
 An :class:`InputQuantSpec` says how a GEMM input is quantized (mode, dtype,
 group size, scale dtype); ``x ≈ q * scale * scale_2``. Scales come from the
 absolute maximum; values are rounded to nearest (ties to even) and saturated.
-A zero block gets scale 0 (e8m0: byte 0) and zero values, never NaN or Inf.
+A zero block gets scale 0 (e8m0: byte 0) and zero values, never NaN or Inf; a
+block holding a NaN gets a NaN scale (e8m0: byte 255), so that token's output
+is NaN and no other's (every backend alike).
 float4 e2m1 values are packed two per byte along K (:mod:`numerics`). The
 shapes of ``scale`` and ``scale_2`` per mode: docs/DESIGN.md, appendix A.
 """

@@ -56,15 +56,20 @@ def pow2(exponent: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+E8M0_NAN = 255  # the OCP MX encoding of a NaN scale
+
+
 def e8m0_decode(byte: jax.Array) -> jax.Array:
-    """Decode e8m0 scale bytes to f32 exactly: ``2**(byte - 127)``."""
-    return pow2(byte.astype(jnp.int32) - E8M0_BIAS)
+    """Decode e8m0 scale bytes to f32 exactly: ``2**(byte - 127)``; byte 255 is NaN."""
+    byte = byte.astype(jnp.int32)
+    return jnp.where(byte == E8M0_NAN, jnp.float32(jnp.nan), pow2(byte - E8M0_BIAS))
 
 
 def e8m0_from_amax(amax: jax.Array, element_max: float) -> jax.Array:
     """The smallest power-of-two scale ``s`` with ``amax / s <= element_max``, as
     an e8m0 byte, computed exactly from the exponent and mantissa bits. A zero
-    (or subnormal) ``amax`` gives the smallest scale, byte 0."""
+    (or subnormal) ``amax`` gives the smallest scale, byte 0; a NaN one the NaN
+    scale, byte 255."""
     max_exponent = math.floor(math.log2(element_max))
     max_mantissa = round((element_max / 2**max_exponent - 1) * 2**23)
     bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32)
@@ -73,7 +78,9 @@ def e8m0_from_amax(amax: jax.Array, element_max: float) -> jax.Array:
     # exactly when m_a <= m_b, else one more power of two is needed.
     exponent = amax_exponent - max_exponent + ((bits & 0x7FFFFF) > max_mantissa).astype(jnp.int32)
     exponent = jnp.where(((bits >> 23) & 0xFF) > 0, exponent, -E8M0_BIAS)
-    return (jnp.clip(exponent, -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).astype(jnp.uint8)
+    byte = jnp.clip(exponent, -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
+    is_nan = (((bits >> 23) & 0xFF) == 0xFF) & ((bits & 0x7FFFFF) != 0)
+    return jnp.where(is_nan, E8M0_NAN, byte).astype(jnp.uint8)
 
 
 def cast_float8_saturating(x: jax.Array, dtype, on_gpu: bool = False) -> jax.Array:

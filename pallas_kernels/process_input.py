@@ -261,9 +261,20 @@ def _encode(scaled, cfg: ProcessConfig):
 
 
 def _row_max(blocks):
-    """Per-row max over a list of ``[rows, c]`` (or ``[rows]``) blocks."""
-    maxima = [b if b.ndim == 1 else jnp.max(b, axis=1) for b in blocks]
-    return functools.reduce(jnp.maximum, maxima)
+    """Per-row max over a list of ``[rows, c]`` (or ``[rows]``) blocks, NaN if any is."""
+    maxima = [b if b.ndim == 1 else _amax(b, axis=1) for b in blocks]
+    return functools.reduce(_nan_maximum, maxima)
+
+
+def _amax(values, axis: int):
+    """The max of ``|values|`` along ``axis``, NaN where any value is NaN (the
+    GPU's max skips NaN: a NaN token would get a finite scale and finite garbage)."""
+    largest = jnp.max(jnp.abs(values), axis=axis)
+    return jnp.where(jnp.max((values != values).astype(jnp.float32), axis=axis) > 0, jnp.nan, largest)
+
+
+def _nan_maximum(a, b):
+    return jnp.where((a != a) | (b != b), jnp.nan, jnp.maximum(a, b))
 
 
 def _quantize(ys, static_ref, cfg: ProcessConfig, row_amax=None):
@@ -281,11 +292,11 @@ def _quantize(ys, static_ref, cfg: ProcessConfig, row_amax=None):
         inverse = recip(jnp.full((rows, 1), static_ref[0], jnp.float32))
         return [_encode(y * inverse, cfg) for y in ys], None, None
     if cfg.mode == "dynamic_token":
-        scale = divide(_row_max([jnp.abs(y) for y in ys]) if row_amax is None else row_amax, qmax)
+        scale = divide(_row_max(ys) if row_amax is None else row_amax, qmax)
         inverse = recip(scale)[:, None]
         return [_encode(y * inverse, cfg) for y in ys], scale, None
     grouped = [y.reshape(rows, y.shape[1] // cfg.group_size, cfg.group_size) for y in ys]
-    amaxes = [jnp.max(jnp.abs(g), axis=2) for g in grouped]
+    amaxes = [_amax(g, axis=2) for g in grouped]
     second = None
     if cfg.mode == "static_tensor_dynamic_group":
         second = jnp.full((rows,), static_ref[0], jnp.float32)
@@ -463,9 +474,9 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
     if cfg.mode == "dynamic_token":  # the row's amax over all its blocks, then _quantize per block row
         amaxes = []
         for n, tiles in segments:  # sub-blocks share a layout: their max is elementwise, one reduction
-            largest = functools.reduce(jnp.maximum, [jnp.abs(y) for _, y in tiles])
-            amaxes.append(jnp.max(jnp.max(largest, axis=1).reshape(rows_n, n), axis=1))
-        row_amax = functools.reduce(jnp.maximum, amaxes)
+            largest = functools.reduce(_nan_maximum, [jnp.abs(y) for _, y in tiles])
+            amaxes.append(_amax(_amax(largest, axis=1).reshape(rows_n, n), axis=1))
+        row_amax = functools.reduce(_nan_maximum, amaxes)
         scale = codecs.divide(row_amax, cfg.qmax, exact_on_gpu=cfg.gpu)
     outputs = [
         _quantize([y for _, y in tiles], ins.static_ref, cfg, None if row_amax is None else per_block(row_amax, n))[0]

@@ -90,3 +90,17 @@ def test_traced_scales_are_not_checked_under_jit(layer):
     x = jnp.zeros((T, H), jnp.bfloat16)
     out = jax.eval_shape(lambda w: hj.humming_grouped_experts(x, w, tw, ids, config), weights)
     assert out.shape == (T, H)
+
+
+@pytest.mark.parametrize("pipeline", [hj.humming_grouped_experts, hj.humming_indexed_experts])
+def test_a_nan_token_poisons_its_own_output_only(layer, pipeline, rng):
+    """The NaN rule through a quantized layer: the token with a NaN gets a NaN
+    output row; every other token's row is finite and what it is without it."""
+    config, weights, tw, ids = layer
+    x = rng.normal(size=(T, H)).astype(np.float32)
+    clean = pipeline(jnp.asarray(x, jnp.bfloat16), weights, tw, ids, config)
+    x[2, 5] = np.nan
+    out = np.asarray(pipeline(jnp.asarray(x, jnp.bfloat16), weights, tw, ids, config), np.float32)
+    assert np.all(np.isnan(out[2]))
+    others = [t for t in range(T) if t != 2]
+    np.testing.assert_array_equal(out[others], np.asarray(clean, np.float32)[others])

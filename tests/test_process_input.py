@@ -626,3 +626,35 @@ def test_scatter_rows_nobody_targets_are_zeros(spec, rng):
     trusted = hj.process_input(x, spec, backend=KERNEL_BACKEND, scatter_is_permutation=True, **kw)
     checked = hj.process_input(x, spec, backend=KERNEL_BACKEND, **kw)
     np.testing.assert_array_equal(np.asarray(trusted.values).view(np.uint8), np.asarray(checked.values).view(np.uint8))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Q.FP8_DYNAMIC_TOKEN,
+        Q.INT8_DYNAMIC_TOKEN,
+        Q.FP8_DYNAMIC_GROUP128,
+        Q.MXFP8_DYNAMIC,
+        Q.MXFP4_DYNAMIC,
+        Q.NVFP4_DYNAMIC,
+        Q.NVFP4_DYNAMIC_TOKEN,
+    ],
+)
+def test_a_nan_poisons_its_scale_group_only(spec, rng):
+    """The NaN rule: a NaN input element makes the scale of its group (its
+    row, for per-token modes; e8m0: byte 255) NaN, so the token's GEMM output
+    is NaN and no other token's is — the kernel as the reference, bit for bit."""
+    x = rng.normal(size=(4, 256)).astype(np.float32)
+    x[1, 7] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    kw = dict(static_scale=jnp.asarray([0.01], jnp.float32)) if spec.mode.is_static else {}
+    got, want = (hj.process_input(x, spec, backend=b, **kw) for b in (KERNEL_BACKEND, "reference"))
+    for part in ("values", "scale", "scale_2"):
+        a, b = getattr(got, part), getattr(want, part)
+        if b is not None:
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    dequantized = np.asarray(Q.dequantize_input(got))
+    # Per-token modes and NVFP4 per token (its row's second scale): the row; groups: the group.
+    poisoned = 256 if spec.mode.value in ("dynamic_token", "dynamic_group_token") else spec.group_size
+    assert np.isnan(dequantized[1]).sum() == poisoned
+    assert np.all(np.isfinite(dequantized[[0, 2, 3]]))
