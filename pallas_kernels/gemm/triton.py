@@ -88,7 +88,7 @@ QUANTIZED_INPUTS = ("float8_e4m3fn", "float8_e5m2", "int8")  # stored values of 
 # Weight values exact in e4m3 (e2m1 times 2**-6, int4 codes minus 8).
 FP8_EXACT_WEIGHTS = ("float8_e4m3", "float4_e2m1", "int4")
 FP8_MIN_K = 32  # the K of one 8-bit MMA
-X_SHIFT = {"float8_e4m3fn": 8, "float8_e5m2": 15, "int8": 7}  # log2 of an input dtype's largest value, rounded
+X_SHIFT = {"float8_e4m3fn": 8, "float8_e5m2": 15, "int8": 7}  # shifted, each dtype's values stay under 2
 
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
