@@ -19,7 +19,7 @@ from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import routing
 from humming_jax.configs import ExpertsConfig
-from humming_jax.gemm import as_weight, gemm
+from humming_jax.gemm import FLOAT_INPUTS, as_weight, gemm
 from humming_jax.process_input import process_input
 
 DEFAULT_BLOCK_SIZE = 64
@@ -94,9 +94,6 @@ def check_weights(weights: ExpertWeights, config: ExpertsConfig) -> None:
 def estimate_valid_shape_m(num_tokens: int, top_k: int, config: ExpertsConfig) -> int:
     """Expected local rows (vLLM's estimate for choosing a tuning entry)."""
     return math.ceil(num_tokens * top_k * config.num_experts / config.global_num_experts)
-
-
-FLOAT_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def check_float_input(hidden_states, op: str) -> None:

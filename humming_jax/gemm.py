@@ -10,12 +10,13 @@ the heuristic's) and runs the first whose kernel ``supports`` the call
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from humming_jax import configs, numerics, tiles_text
+from humming_jax import configs, tiles_text
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
@@ -24,7 +25,7 @@ from humming_jax.backend import no_kernel, resolve_backend
 from pallas_kernels import gemm as kernels
 from pallas_kernels.gemm import mosaic, spec, triton
 
-_FLOAT_INPUTS = (jnp.bfloat16, jnp.float16, jnp.float32)
+FLOAT_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))  # unquantized inputs
 
 
 def as_quantized_input(x: jax.Array | Q.QuantizedInput) -> Q.QuantizedInput:
@@ -34,7 +35,7 @@ def as_quantized_input(x: jax.Array | Q.QuantizedInput) -> Q.QuantizedInput:
     x = jnp.asarray(x)
     if x.ndim != 2:
         raise ValueError(f"x: expected [M, K], got shape {x.shape}")
-    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOAT_INPUTS]:
+    if jnp.dtype(x.dtype) not in FLOAT_INPUTS:
         raise TypeError(f"x: an unquantized input must be bfloat16, float16 or float32, got {x.dtype}")
     return Q.QuantizedInput(values=x, spec=Q.NONE, k=x.shape[1])
 
@@ -215,9 +216,8 @@ def kernel_input(x: Q.QuantizedInput) -> tuple[jax.Array, jax.Array | None]:
     if quant.dtype != Q.ActivationDType.FLOAT4_E2M1:
         return x.values, x.scale
     # e2m1 times an e8m0 or e4m3 group scale has at most 6 significant bits: exact in bf16.
-    codes = numerics.e2m1_decode(numerics.unpack_nibbles(x.values))
-    group_scale = jnp.repeat(Q.decode_group_scale(x.scale, quant), quant.group_size, axis=-1)
-    return (codes * group_scale).astype(jnp.bfloat16), x.scale_2
+    values = Q.dequantize_input(dataclasses.replace(x, scale_2=None)).astype(jnp.bfloat16)
+    return values, x.scale_2
 
 
 def _out_dtype(x: Q.QuantizedInput, out_dtype) -> jnp.dtype:
@@ -266,13 +266,14 @@ def plan(
 
 def gemm_call(x, weight, layout, out_dtype, use_f16_accum=False, batch_invariant=False, interpret=False):
     """The :class:`~pallas_kernels.gemm.spec.GemmCall` the kernels' ``supports`` answer."""
+    x_dtype, x_scale = kernel_input_spec(x.spec, x.values.dtype)
     return spec.GemmCall(
         _weight_spec(weight),
         _layout_spec(layout, x.m)[0],
-        *kernel_input_spec(x.spec, x.values.dtype)[:1],
+        x_dtype,
         jnp.dtype(out_dtype).name,
         _quant_name(x.spec),
-        kernel_input_spec(x.spec, x.values.dtype)[1],
+        x_scale,
         use_f16_accum,
         batch_invariant,
         interpret,

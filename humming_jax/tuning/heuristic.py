@@ -29,6 +29,11 @@ def _pow2_at_most(value: int, cap: int) -> int:
     return size
 
 
+def _caps(n: int, k: int) -> tuple[int, int]:
+    """The largest tile sizes worth taking along N and K: their powers of two at or above."""
+    return max(16, 1 << (max(n, 16) - 1).bit_length()), max(16, 1 << (max(k, 16) - 1).bit_length())
+
+
 def _four_bit_tiles(block_m: int, cap_n: int, cap_k: int, group_m: int, fmt_class: str) -> triton.Tiles:
     """Words decoded as nibble pairs with the scales folded into the decoded
     tile; up to 32 rows: 256 columns of K a step; 64 and 128 rows: the decoded
@@ -45,8 +50,7 @@ def _four_bit_tiles(block_m: int, cap_n: int, cap_k: int, group_m: int, fmt_clas
 def triton_tiles(rows: int, n: int, k: int, fmt_class: str = "16bit") -> triton.Tiles:
     """The Triton tile for experts of ``rows`` rows."""
     block_m = _pow2_at_most(max(rows, 16), 128)
-    cap_n = max(16, 1 << (max(n, 16) - 1).bit_length())
-    cap_k = max(16, 1 << (max(k, 16) - 1).bit_length())
+    cap_n, cap_k = _caps(n, k)
     # An expert whose weight outgrows L2 and whose rows span several row tiles
     # is read once per row tile unless the programs run in bands.
     weight_bytes = n * k * {"16bit": 2.0, "8bit": 1.0}.get(fmt_class, 0.5)
@@ -66,12 +70,12 @@ def quantized_input_tiles(rows: int, n: int, k: int, fmt_class: str) -> triton.T
     so prefill takes 64-row tiles; 8-bit weights at decode take 256 columns of
     K a step, 4-bit ones the weight-only tile."""
     block_m = _pow2_at_most(max(rows, 16), 64)
-    cap_n = max(16, 1 << (max(n, 16) - 1).bit_length())
-    cap_k = max(16, 1 << (max(k, 16) - 1).bit_length())
-    four_bit = fmt_class.split("-")[0] in ("4bit", "fp4")
+    cap_n, cap_k = _caps(n, k)
+    weight_class = fmt_class.split("-")[0]
+    four_bit = weight_class in ("4bit", "fp4")
     if block_m <= 32:
         if four_bit:
-            return _four_bit_tiles(block_m, cap_n, cap_k, 1, fmt_class.split("-")[0])
+            return _four_bit_tiles(block_m, cap_n, cap_k, 1, weight_class)
         return triton.Tiles(block_m, min(64, cap_n), min(256, cap_k), 4, 3)
     if four_bit:
         pairs = dict(word_decode=True, fold_scales=True, pair_decode=True)

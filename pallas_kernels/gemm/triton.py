@@ -256,8 +256,7 @@ def _storage_bits(raw, dtype):
 def _decode_scale(raw, scale_type: str, exponent: int = 0):
     """Stored scales as f32, times ``2**exponent`` (e8m0: by the exponent alone; byte 255 is NaN)."""
     if scale_type == "e8m0":
-        raw = raw.astype(jnp.int32)
-        return jnp.where(raw == codecs.E8M0_NAN, jnp.float32(jnp.nan), codecs.pow2(raw + (exponent - codecs.E8M0_BIAS)))
+        return codecs.e8m0_decode(raw, exponent)
     if scale_type == "float8_e4m3":
         scale = _storage_bits(raw, jnp.float8_e4m3fn).astype(jnp.float32)
     else:
