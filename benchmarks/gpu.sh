@@ -6,6 +6,7 @@
 #   routing-bench [ARGS]     benchmarks.bench_routing
 #   tune [TUNE ARGS]         python -m humming_jax tune, written to OUT_DIR/tuning.json
 #   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call
+#   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
 # Logs and JSON go to OUT_DIR; the code runs from this checkout (PYTHONPATH), nothing is installed.
 # One-off experiments are not steps: their commands live in the notes entry that records them.
 set -u -o pipefail
@@ -30,5 +31,10 @@ case $step in
   profile) ncu --clock-control none -k regex:gemm -c 1 --section SpeedOfLight --section Occupancy \
              --section LaunchStats --section WarpStateStats --section SchedulerStats \
              python3 -W ignore -m benchmarks.inspect_gemm "$@" 2>&1 | tee "$out/profile.log" | tail -60 ;;
+  # One cudaMalloc per buffer (no XLA pool), so that a store past a buffer is an error, not another buffer's bytes.
+  sanitize) tool=${1:?memcheck, racecheck, initcheck or synccheck}; shift
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
+      python3 -m pytest -q -p no:cacheprovider -p no:xdist -W ignore::DeprecationWarning \
+      "${@:-tests/test_process_input.py}" 2>&1 | tee "$out/sanitize_$tool.log" | tail -30 ;;
   *) echo "unknown step: $step" >&2; exit 2 ;;
 esac

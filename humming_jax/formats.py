@@ -444,9 +444,9 @@ def quantize_weight(
         else:
             parts["zero_point"] = zero.astype(fmt.scale_dtype)
             zero_used = parts["zero_point"].astype(jnp.float32)
-        full_scale = numerics.block_broadcast(scale32, w.shape)
+        inverse = numerics.block_broadcast(numerics.safe_reciprocal(scale32), w.shape)
         full_zero = numerics.block_broadcast(zero_used, w.shape)
-        q = jnp.clip(numerics.round_half_even(w32 * numerics.safe_reciprocal(full_scale) + full_zero), 0, 15)
+        q = jnp.clip(numerics.round_half_even(w32 * inverse + full_zero), 0, 15)
         parts["values"] = numerics.pack_nibbles(q.astype(jnp.uint8))
         parts["scale"] = scale
     else:
@@ -472,7 +472,7 @@ def quantize_weight(
             scale = _store_scale(amax / qmax, fmt)
             scale32 = scale.astype(jnp.float32)
         parts["scale"] = scale
-        scaled = w32 * numerics.safe_reciprocal(numerics.block_broadcast(scale32, w.shape))
+        scaled = w32 * numerics.block_broadcast(numerics.safe_reciprocal(scale32), w.shape)
         if vt == ValueType.INT4:
             q = jnp.clip(numerics.round_half_even(scaled), -8, 7)
             parts["values"] = numerics.pack_nibbles((q + 8).astype(jnp.uint8))

@@ -340,19 +340,19 @@ def quantize_input(
 
     if mode == InputQuantMode.STATIC_TENSOR:
         scale = jnp.asarray(static_scale, jnp.float32).reshape(1)
-        full_scale = scale.reshape(1, 1)
+        inverse = numerics.safe_reciprocal(scale.reshape(1, 1))
     elif mode == InputQuantMode.DYNAMIC_TOKEN:
-        scale = jnp.abs(x32).max(axis=-1, keepdims=True) / qmax
-        full_scale = scale
+        scale = numerics.divide_rn(jnp.abs(x32).max(axis=-1, keepdims=True), qmax)
+        inverse = numerics.safe_reciprocal(scale)
     else:
         amax = _group_amax(x32, spec.group_size)
         if mode == InputQuantMode.DYNAMIC_GROUP:
             if spec.scale_type == InputScaleType.E8M0:
                 scale = numerics.e8m0_from_amax(amax, qmax)
             elif spec.scale_type == InputScaleType.FLOAT8_E4M3:
-                scale = numerics.cast_float8_saturating(amax / qmax, jnp.float8_e4m3fn)
+                scale = numerics.cast_float8_saturating(numerics.divide_rn(amax, qmax), jnp.float8_e4m3fn)
             else:
-                scale = amax / qmax
+                scale = numerics.divide_rn(amax, qmax)
             group_scale = decode_group_scale(scale, spec)
         else:
             if mode == InputQuantMode.STATIC_TENSOR_DYNAMIC_GROUP:
@@ -360,13 +360,14 @@ def quantize_input(
                 second = scale_2.reshape(1, 1)
             else:
                 # Per-token second scale: the row amax lands on e4m3 max x element max.
-                scale_2 = jnp.abs(x32).max(axis=-1, keepdims=True) / (numerics.FLOAT8_E4M3_MAX * qmax)
+                scale_2 = numerics.divide_rn(jnp.abs(x32).max(axis=-1, keepdims=True), numerics.FLOAT8_E4M3_MAX * qmax)
                 second = scale_2
-            scale = numerics.cast_float8_saturating(amax / qmax * numerics.safe_reciprocal(second), jnp.float8_e4m3fn)
+            scaled = numerics.divide_rn(amax, qmax) * numerics.safe_reciprocal(second)
+            scale = numerics.cast_float8_saturating(scaled, jnp.float8_e4m3fn)
             group_scale = scale.astype(jnp.float32) * second
-        full_scale = jnp.repeat(group_scale, spec.group_size, axis=-1)
+        inverse = jnp.repeat(numerics.safe_reciprocal(group_scale), spec.group_size, axis=-1)
 
-    values = _encode_values(x32 * numerics.safe_reciprocal(full_scale), spec.dtype)
+    values = _encode_values(x32 * inverse, spec.dtype)
     return QuantizedInput(values=values, scale=scale, scale_2=scale_2, spec=spec, k=k)
 
 

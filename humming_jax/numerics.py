@@ -13,7 +13,7 @@ Storage conventions (documented once, used everywhere):
 * **float4 e2m1 codes**: bit 3 is the sign, bits 2-1 the exponent (bias 1),
   bit 0 the mantissa; magnitudes ``0, .5, 1, 1.5, 2, 3, 4, 6``.
 * **e8m0 scales** are stored as their raw biased-exponent byte (``uint8``):
-  byte ``b`` means ``2**(b - 127)``; 255 (NaN) is never produced.
+  byte ``b`` means ``2**(b - 127)``; 255 is NaN (the scale of a group holding a NaN).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 
 # The elementwise codecs are shared with the kernels, which cannot import this package.
 from pallas_kernels.codecs import (  # noqa: F401  (re-exported)
+    divide_rn,
     e2m1_encode,
     e8m0_decode,
     e8m0_from_amax,

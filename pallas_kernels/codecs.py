@@ -88,12 +88,14 @@ def cast_float8_saturating(x: jax.Array, dtype, on_gpu: bool = False) -> jax.Arr
     """Round f32 to a float8 dtype (nearest, ties to even), saturating at its
     largest finite value instead of overflowing to NaN. Inside a compiled GPU
     kernel (``on_gpu``) the conversion itself saturates (Triton emits
-    ``cvt.rn.satfinite``), so the clamp — two instructions per element — is
-    left out; elsewhere (interpret mode, XLA) it is needed."""
+    ``cvt.rn.satfinite``, NaN kept NaN), so the clamp — two instructions per
+    element — is left out; elsewhere (interpret mode, XLA) it is needed, and
+    keeps a NaN NaN (a kernel's min/max would return the other operand)."""
+    x = x.astype(jnp.float32)
     if on_gpu:
-        return x.astype(jnp.float32).astype(dtype)
+        return x.astype(dtype)
     finite_max = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32), -finite_max, finite_max).astype(dtype)
+    return jnp.where(x != x, x, jnp.clip(x, -finite_max, finite_max)).astype(dtype)
 
 
 def divide(x: jax.Array, y, exact_on_gpu: bool = False) -> jax.Array:
@@ -104,7 +106,7 @@ def divide(x: jax.Array, y, exact_on_gpu: bool = False) -> jax.Array:
     x = jnp.asarray(x, jnp.float32)
     y = jnp.broadcast_to(jnp.asarray(y, jnp.float32), x.shape)
     if not exact_on_gpu:
-        return x / y
+        return divide_rn(x, y)
     (quotient,) = plgpu.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;",
         args=[x, y],
@@ -113,6 +115,44 @@ def divide(x: jax.Array, y, exact_on_gpu: bool = False) -> jax.Array:
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
     )
     return quotient
+
+
+def divide_rn(x: jax.Array, y: jax.Array) -> jax.Array:
+    """``x / y`` in f32, correctly rounded (nearest, ties to even) whatever the
+    compiler does with ``/``: XLA's f32 division on the GPU is not correctly
+    rounded, so a reference there would differ from a kernel's ``div.rn`` by an
+    ulp. The significands are divided in int32 (26 quotient bits by shifts
+    and subtractions, then the remainder as the sticky bit); zeros, infinities,
+    NaN and quotients outside the normal range take the plain ``/``."""
+    x = jnp.asarray(x, jnp.float32)
+    y = jnp.broadcast_to(jnp.asarray(y, jnp.float32), x.shape)
+    bx, by = (jax.lax.bitcast_convert_type(v, jnp.int32) for v in (x, y))
+
+    def significand(bits):  # (significand with bit 23 set, unbiased exponent), subnormals normalized
+        exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+        mantissa = jnp.where(exponent > 0, mantissa | 0x800000, mantissa)
+        shift = jnp.maximum(jax.lax.clz(mantissa) - 8, 0)
+        return mantissa << shift, jnp.maximum(exponent, 1) - shift
+
+    mx, ex = significand(bx)
+    my, ey = significand(by)
+    quotient, remainder = jnp.zeros_like(mx), mx
+    for _ in range(26):  # quotient = floor(mx / my * 2**25): 25 or 26 bits
+        bit = remainder >= my
+        quotient = (quotient << 1) | bit.astype(jnp.int32)
+        remainder = jnp.where(bit, remainder - my, remainder) << 1
+    top = quotient >= 1 << 25  # mx >= my: the quotient is in [1, 2)
+    mantissa = jnp.where(top, quotient >> 2, quotient >> 1)  # 24 bits
+    half = jnp.where(top, (quotient >> 1) & 1, quotient & 1)
+    sticky = (remainder != 0) | (top & ((quotient & 1) == 1))
+    mantissa = mantissa + (half & (sticky | ((mantissa & 1) == 1)).astype(jnp.int32))
+    exponent = ex - ey + jnp.where(top, 127, 126) + (mantissa >> 24)
+    mantissa = jnp.where(mantissa >> 24 > 0, mantissa >> 1, mantissa)
+    sign = (bx ^ by) & jnp.int32(-(2**31))
+    bits = sign | (exponent << 23) | (mantissa & 0x7FFFFF)
+    exact = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    finite = (jnp.abs(x) < jnp.inf) & (jnp.abs(y) < jnp.inf) & (x != 0) & (y != 0)
+    return jnp.where(finite & (exponent >= 1) & (exponent <= 254), exact, x / y)
 
 
 def safe_reciprocal(scale: jax.Array, exact_on_gpu: bool = False) -> jax.Array:

@@ -305,13 +305,15 @@ def _quantize(ys, static_ref, cfg: ProcessConfig, row_amax=None):
     values, stored_scales = [], []
     for g, amax in zip(grouped, amaxes, strict=True):
         if second is not None:
-            stored = codecs.cast_float8_saturating(divide(amax, qmax) * recip(second)[:, None], jnp.float8_e4m3fn)
+            stored = codecs.cast_float8_saturating(
+                divide(amax, qmax) * recip(second)[:, None], jnp.float8_e4m3fn, on_gpu=cfg.gpu
+            )
             scale = stored.astype(jnp.float32) * second[:, None]
         elif cfg.scale_type == "e8m0":
             stored = codecs.e8m0_from_amax(amax, qmax)
             scale = codecs.e8m0_decode(stored)
         elif cfg.scale_type == "float8_e4m3":
-            stored = codecs.cast_float8_saturating(divide(amax, qmax), jnp.float8_e4m3fn)
+            stored = codecs.cast_float8_saturating(divide(amax, qmax), jnp.float8_e4m3fn, on_gpu=cfg.gpu)
             scale = stored.astype(jnp.float32)
         else:
             stored = scale = divide(amax, qmax)
@@ -413,7 +415,7 @@ def _destinations(rows, row_mask, ins: _Inputs, cfg: ProcessConfig):
         destinations = [
             plgpu.load(ins.scatter_ref.at[rows * cfg.copies + r], mask=row_mask, other=0) for r in range(cfg.copies)
         ]
-        # A destination outside [0, num_valid) is dropped (a negative one would store before the output).
+        # A destination outside [0, num_valid) keeps no values (see _written for those outside the output).
         return destinations, [row_mask & (dest >= 0) & (dest < num_valid) for dest in destinations]
     keep = row_mask & (rows < num_valid)
     if cfg.layout == "grouped_mask":
@@ -484,9 +486,10 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
     ]
     values_ref, scale_ref, _ = out_refs
     for dest, keep in zip(destinations, keeps, strict=True):
-        out_rows = codecs.scatter_index(dest, row_mask, values_ref.shape[0])
+        written = _written(dest, row_mask, values_ref.shape[0])
+        out_rows = codecs.scatter_index(dest, written, values_ref.shape[0])
         for (n, tiles), values in zip(segments, outputs, strict=True):
-            block_rows, mask, block_keep = per_block(out_rows, n), per_block(row_mask, n)[:, None], per_block(keep, n)
+            block_rows, mask, block_keep = per_block(out_rows, n), per_block(written, n)[:, None], per_block(keep, n)
             for (cols, _), tile_values in zip(tiles, values, strict=True):
                 plgpu.store(
                     values_ref.at[block_rows[:, None], cols],
@@ -494,7 +497,7 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
                     mask=mask & (cols < cfg.k_out) if cfg.padded else mask,
                 )
         if scale is not None:
-            plgpu.store(scale_ref.at[out_rows, 0], _zero_rows(scale, keep), mask=row_mask)
+            plgpu.store(scale_ref.at[out_rows, 0], _zero_rows(scale, keep), mask=written)
 
 
 def butterflies(parts: list) -> list:
@@ -532,25 +535,32 @@ def _store(out: _Outputs, quantized, segments, padded: bool, cfg: ProcessConfig)
     row_mask = out.row_mask
     per_byte = 2 if cfg.packed else 1
     for dest, keep in zip(out.destinations, out.keeps, strict=True):
-        out_rows = codecs.scatter_index(dest, row_mask, out.values_ref.shape[0])
+        written = _written(dest, row_mask, out.values_ref.shape[0])
+        out_rows = codecs.scatter_index(dest, written, out.values_ref.shape[0])
         for index, (start, size) in enumerate(segments):
             value_cols = start // per_byte + jnp.arange(size // per_byte, dtype=jnp.int32)
-            mask = row_mask[:, None] & (value_cols < cfg.k_out // per_byte)[None, :] if padded else row_mask[:, None]
+            mask = written[:, None] & (value_cols < cfg.k_out // per_byte)[None, :] if padded else written[:, None]
             plgpu.store(
                 out.values_ref.at[out_rows[:, None], value_cols[None, :]], _zero_rows(values[index], keep), mask=mask
             )
             if isinstance(scales, list):
                 group_cols = start // cfg.group_size + jnp.arange(size // cfg.group_size, dtype=jnp.int32)
-                mask = row_mask[:, None] & (group_cols < cfg.num_groups)[None, :] if padded else row_mask[:, None]
+                mask = written[:, None] & (group_cols < cfg.num_groups)[None, :] if padded else written[:, None]
                 plgpu.store(
                     out.scale_ref.at[out_rows[:, None], group_cols[None, :]],
                     _zero_rows(scales[index], keep),
                     mask=mask,
                 )
         if scales is not None and not isinstance(scales, list):
-            plgpu.store(out.scale_ref.at[out_rows, 0], _zero_rows(scales, keep), mask=row_mask)
+            plgpu.store(out.scale_ref.at[out_rows, 0], _zero_rows(scales, keep), mask=written)
         if second is not None:
-            plgpu.store(out.scale2_ref.at[out_rows, 0], _zero_rows(second, keep), mask=row_mask)
+            plgpu.store(out.scale2_ref.at[out_rows, 0], _zero_rows(second, keep), mask=written)
+
+
+def _written(dest, row_mask, size: int):
+    """Which rows store at ``dest``: a destination outside the output (a
+    caller's scatter index) is not stored at all, not even as zeros."""
+    return row_mask & (dest >= 0) & (dest < size)
 
 
 def _zero_rows(array, keep):

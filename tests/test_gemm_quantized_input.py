@@ -6,7 +6,10 @@ What we measure: 8-bit input values enter the product exactly (fp8 operands
 where both sides are exact in e4m3, else bf16), group scales multiply each
 span's f32 partial product and row/tensor scales the sum, so against the
 reference (f32, dequantized operands) ‖kernel − reference‖/‖reference‖ is
-~3e-7 (summation order); bound 1e-5. Tilings with folded weight scales are
+~3e-7 (summation order); bound 1e-5. Compiled, fp8 x fp8 products sum 128
+columns on the tensor cores in their own reduced precision between f32
+promotions (``fp8_dot.PROMOTE_K``, as the CUDA libraries do): ~1e-4 on the
+H200, bound 1e-3 for those calls. Tilings with folded weight scales are
 held to the reference on the bf16-rounded weight (as in test_gemm_kernel).
 Rows no tile owns must be exactly zero.
 """
@@ -81,6 +84,17 @@ def _reference(x, weight, layout, tuning=None):
     return hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
 
 
+def _bound(x, weight, layout, tiles=None) -> float:
+    """1e-5, or for a compiled call on fp8 tensor cores 1e-3 (see above)."""
+    if KERNEL_BACKEND == "interpret":
+        return 1e-5
+    if tiles is None:
+        tiles, _ = plan(x, weight, layout, out_dtype=jnp.float32)
+    call = gemm_call(x, weight, layout, jnp.float32)
+    fp8 = isinstance(tiles, kernel.Tiles) and kernel.operand_dtype(call, tiles) == jnp.float8_e4m3fn
+    return 1e-3 if fp8 else 1e-5
+
+
 def _check(out, ref, bound=1e-5):
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert out.shape == ref.shape
@@ -96,7 +110,7 @@ def test_every_pair_on_the_grouped_layout(fmt_name, quant_name, rng):
     weight, x = _weight(rng, fmt), _input(rng, quant)
     layout = _layouts(rng)["grouped_contiguous"]
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
-    _check(out, _reference(x, weight, layout))
+    _check(out, _reference(x, weight, layout), _bound(x, weight, layout))
 
 
 @pytest.mark.parametrize(
@@ -108,7 +122,7 @@ def test_other_layouts(fmt_name, quant_name, layout_kind, rng):
     weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
     x, layout = _input(rng, quant), _layouts(rng)[layout_kind]
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
-    _check(out, _reference(x, weight, layout))
+    _check(out, _reference(x, weight, layout), _bound(x, weight, layout))
 
 
 @pytest.mark.parametrize("fmt_name,quant_name", PATHS)
@@ -144,7 +158,9 @@ def test_operand_paths():
     assert operand("mxfp8", "mxfp8_dynamic", plain) == "float8_e4m3fn"  # spans of 32: one fp8 MMA each
     assert operand("int4_g128", "fp8_dynamic_token", plain) == "float8_e4m3fn"  # byte pieces of 64 columns
     assert operand("fp8_block128", "fp8_e5m2_dynamic_token", plain) == "bfloat16"
-    assert operand("int8_channel", "int8_dynamic_token", plain) == "bfloat16"
+    assert operand("int8_channel", "int8_dynamic_token", plain) == "int8"
+    assert operand("int4_g128", "int8_dynamic_token", plain) == "int8"
+    assert operand("uint4_zp_g128", "int8_dynamic_token", plain) == "bfloat16"
     assert operand("mxfp4", "fp8_dynamic_group128", plain) == "bfloat16"  # pieces of 16 columns
     assert operand("int4_g128", "fp8_dynamic_token", kernel.Tiles(64, 64, 128, fold_scales=True)) == "bfloat16"
 
@@ -157,7 +173,7 @@ def test_k_tail_and_split_k(tiles, rng):
     weight, x = _weight(rng, fmt, k=384), _input(rng, quant, k=384)
     layout = _layouts(rng)["grouped_contiguous"]
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
-    _check(out, _reference(x, weight, layout, tiles))
+    _check(out, _reference(x, weight, layout, tiles), _bound(x, weight, layout, tiles))
 
 
 def test_f16_output_and_accumulation(rng):

@@ -172,3 +172,34 @@ def test_mxfp4_half_bits_decoder_lowers_for_sm90():
     asm = [part.split("->")[0] for part in text.split("tt.elementwise_inline_asm")[1:]]
     ops = sum(a.count(f"{op}.b32 ") for a in asm for op in ("shl", "shr", "and", "lop3"))
     assert len(asm) == 4 and ops == 11 and not any("mul.rn" in a for a in asm)
+
+
+@pytest.mark.parametrize(
+    "fmt,quant,operand,accumulator",
+    [
+        ("fp8_block128", "fp8_dynamic_group128", "f8E4M3FN", "f32"),
+        ("int8_channel", "int8_dynamic_token", "i8", "i32"),
+    ],
+)
+def test_eight_bit_inputs_lower_to_eight_bit_mmas(fmt, quant, operand, accumulator):
+    """W8A8 lowers to 8-bit ``tt.dot`` operands: e4m3 with the tensor cores'
+    own sums promoted every 128 columns (``maxNumImpreciseAcc``; left at 0,
+    Triton converts the operands to f16 for ``mma.sync``), int8 with int32 sums;
+    e4m3 weight values loaded as e4m3 (no uint8 bitcast before the product)."""
+    from humming_jax import formats as F
+    from humming_jax import layouts as L
+    from pallas_kernels.gemm import fp8_dot
+    from pallas_kernels.gemm import triton as kernel
+
+    e, n, k = SHAPE
+    w = F.quantize_weight(jnp.ones((e, n, k), jnp.float32) * 0.02, F.get_format(fmt))
+    x = Q.quantize_input(jnp.ones((64, k), jnp.float32), Q.get_input_spec(quant))
+    layout = L.GroupedContiguous(jnp.asarray([0, 16, 32, 48, 64], jnp.int32))
+    tiles = kernel.Tiles(64, 128, 128, 4, 4)
+    (text,) = ttir_of(lambda x, w, lay: hj.gemm(x, w, lay, tuning=tiles, backend="pallas"), x, w, layout)
+    dots = [line for line in text.splitlines() if "tt.dot" in line]
+    assert dots and all(f"x{operand}> * tensor<" in d and f"x{accumulator}>" in d for d in dots)
+    if operand == "f8E4M3FN":
+        assert all(f"maxNumImpreciseAcc = {fp8_dot.PROMOTE_K}" in d for d in dots)
+        loads = [line for line in text.splitlines() if "tt.load" in line]
+        assert any("128x128x!tt.ptr<f8E4M3FN>>" in line for line in loads)  # the weight tile, unmasked

@@ -211,8 +211,8 @@ def _check_against_reference(got, ref, exact: bool, x64=None):
     same = codes(got.values) == codes(ref.values)
     scale_tie = np.zeros(np.shape(got.scale), bool)
     if exact and spec.scale_type is not None and spec.scale_type.value == "float8_e4m3":
-        # An e4m3 group scale whose target sits on a midpoint may round either way
-        # (XLA's GPU f32 divide is not correctly rounded): then its group's values follow it.
+        # An e4m3 group scale whose target sits on a midpoint may round either way where
+        # two backends' f32 arithmetic differs by an ulp: then its group's values follow it.
         scale_tie = np.asarray(got.scale).view(np.uint8) != np.asarray(ref.scale).view(np.uint8)
         assert (~scale_tie | _e4m3_scale_near_tie(ref, x64)).all()
         same |= np.repeat(scale_tie, spec.group_size, axis=1)
@@ -234,7 +234,9 @@ def _check_against_reference(got, ref, exact: bool, x64=None):
         bound = np.maximum(np.abs(dr), np.abs(dg)) * 0.5 + 1e-6 * np.abs(dr).max()
     if spec.dtype.value == "int8":
         bound = np.abs(dr).max(axis=1, keepdims=True) / 127 * 1.01 + 1e-30
-    assert np.all(np.abs(dg - dr) <= bound)
+    # A group whose scale rounded the other way at a tie has every value on the other grid.
+    tied = np.repeat(scale_tie, spec.group_size, axis=1) if spec.group_size and scale_tie.ndim == 2 else False
+    assert np.all((np.abs(dg - dr) <= bound) | tied)
 
 
 _KERNEL_STEPS = [
@@ -612,7 +614,7 @@ def test_scatter_rows_nobody_targets_are_zeros(spec, rng):
     scales) in the kernel as in the reference; the pipelines' permutations
     (``scatter_is_permutation``) write every row once, the same values."""
     x = jnp.asarray(rng.normal(size=(6, 128)), jnp.bfloat16)
-    gappy = jnp.asarray([[0, 5], [7, 2], [40, 9], [1, 11], [3, -6], [8, 10]], jnp.int32)  # rows 4, 6 untargeted
+    gappy = jnp.asarray([[0, 5], [7, 2], [40, 9], [1, 11], [3, -5], [8, 10]], jnp.int32)  # rows 4, 6 untargeted
     kw = dict(layout="scatter", scatter_idx=gappy)
     got = hj.process_input(x, spec, backend=KERNEL_BACKEND, **kw)
     want = hj.process_input(x, spec, backend="reference", **kw)
@@ -651,7 +653,7 @@ def test_a_nan_poisons_its_scale_group_only(spec, rng):
     got, want = (hj.process_input(x, spec, backend=b, **kw) for b in (KERNEL_BACKEND, "reference"))
     for part in ("values", "scale", "scale_2"):
         a, b = getattr(got, part), getattr(want, part)
-        if b is not None:
+        if b is not None:  # (both divide correctly rounded: div.rn in the kernel, divide_rn in the reference)
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     dequantized = np.asarray(Q.dequantize_input(got))
     # Per-token modes and NVFP4 per token (its row's second scale): the row; groups: the group.

@@ -68,19 +68,21 @@ def quantized_input_tiles(rows: int, n: int, k: int, fmt_class: str) -> triton.T
     """The Triton tile for inputs quantized with a scale (W8A8, W4A8, …): a
     scale that multiplies each span's product keeps a second accumulator live,
     so prefill takes 64-row tiles; 8-bit weights at decode take 256 columns of
-    K a step, 4-bit ones the weight-only tile."""
+    K a step, and from 32 rows per expert the 64-row tile (a warpgroup MMA
+    reads 64 rows: half-empty, it still beats two 32-row tiles); 4-bit weights
+    at decode the weight-only tile."""
     block_m = _pow2_at_most(max(rows, 16), 64)
     cap_n, cap_k = _caps(n, k)
     weight_class = fmt_class.split("-")[0]
     four_bit = weight_class in ("4bit", "fp4")
-    if block_m <= 32:
-        if four_bit:
-            return _four_bit_tiles(block_m, cap_n, cap_k, 1, weight_class)
+    if four_bit and block_m <= 32:
+        return _four_bit_tiles(block_m, cap_n, cap_k, 1, weight_class)
+    if block_m < 32:
         return triton.Tiles(block_m, min(64, cap_n), min(256, cap_k), 4, 3)
     if four_bit:
         pairs = dict(word_decode=True, fold_scales=True, pair_decode=True)
         return triton.Tiles(block_m, min(128, cap_n), min(128, cap_k), 4, 3, swap_ab=True, **pairs)
-    return triton.Tiles(block_m, min(128, cap_n), min(128, cap_k), 4, 4)
+    return triton.Tiles(64, min(128, cap_n), min(128, cap_k), 4, 4)
 
 
 def for_block(tiles: triton.Tiles, block_size: int) -> triton.Tiles:

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import codecs, word_decode
+from pallas_kernels.gemm.fp8_dot import fp8_dot
 from pallas_kernels.gemm.spec import GemmCall, LayoutSpec, WeightSpec, XScale, tile_order
 
 
@@ -87,6 +88,7 @@ FLOAT_INPUTS = ("bfloat16", "float16")
 QUANTIZED_INPUTS = ("float8_e4m3fn", "float8_e5m2", "int8")  # stored values of a scaled input
 # Weight values exact in e4m3 (e2m1 times 2**-6, int4 codes minus 8).
 FP8_EXACT_WEIGHTS = ("float8_e4m3", "float4_e2m1", "int4")
+INT8_EXACT_WEIGHTS = ("int8", "int4")  # int4 codes minus 8
 FP8_MIN_K = 32  # the K of one 8-bit MMA
 X_SHIFT = {"float8_e4m3fn": 8, "float8_e5m2": 15, "int8": 7}  # shifted, each dtype's values stay under 2
 
@@ -138,16 +140,20 @@ def operand_dtype(call: GemmCall, tiles: Tiles):
     scaled after the product in spans of at least one fp8 MMA; else 16 bits
     (:func:`_sixteen_bits`), every quantized value converted exactly."""
     w = call.weight
-    if call.x_dtype != "float8_e4m3fn" or w.value_type not in FP8_EXACT_WEIGHTS or w.zero_point != "none":
+    eight_bit = {"float8_e4m3fn": (jnp.float8_e4m3fn, FP8_EXACT_WEIGHTS), "int8": (jnp.int8, INT8_EXACT_WEIGHTS)}
+    if call.x_dtype not in eight_bit or w.zero_point != "none":
         return _sixteen_bits(call)
-    fp8 = jnp.dtype(jnp.float8_e4m3fn)
-    if not tiles.use_mma or call.use_f16_accum or scales_in_weights(w, tiles, fp8):
+    operand, exact_weights = eight_bit[call.x_dtype]
+    operand = jnp.dtype(operand)
+    if w.value_type not in exact_weights or not tiles.use_mma or call.use_f16_accum:
+        return _sixteen_bits(call)
+    if scales_in_weights(w, tiles, operand):
         return _sixteen_bits(call)
     x_group = call.x_scale.group_size if call.x_scale.mode == "group" else 0
-    span = scale_span(w, tiles, fp8, x_group)
-    if span // _pieces_per_span(w, tiles, fp8, x_group) < FP8_MIN_K:
+    span = scale_span(w, tiles, operand, x_group)
+    if span // _pieces_per_span(w, tiles, operand, x_group) < FP8_MIN_K:
         return _sixteen_bits(call)
-    return fp8
+    return operand
 
 
 def _pieces_per_span(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> int:
@@ -540,8 +546,8 @@ class _SpanPlan:
     def decode_dtype(self):
         """The dtype 4-bit codes decode to: the compute dtype, or bf16 for the
         fp8 operands (then converted, exactly)."""
-        fp8 = jnp.dtype(self.compute_dtype) == jnp.dtype(jnp.float8_e4m3fn)
-        return jnp.dtype(jnp.bfloat16) if fp8 else jnp.dtype(self.compute_dtype)
+        eight_bit = jnp.dtype(self.compute_dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8))
+        return jnp.dtype(jnp.bfloat16) if eight_bit else jnp.dtype(self.compute_dtype)
 
     @property
     def pieces(self) -> int:
@@ -687,7 +693,7 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
     cols = k_start + jnp.arange(span, dtype=jnp.int32)
     k_mask = None if k_limit is None else (cols < k_limit)[None, :]
     raw = _load(values_ref.at[expert, n_col, cols[None, :]], _all(n_mask2, k_mask))
-    if w.value_type == "float8_e4m3":
+    if w.value_type == "float8_e4m3" and raw.dtype == jnp.uint8:
         raw = _storage_bits(raw, jnp.float8_e4m3fn)
     values = raw.astype(compute_dtype)
     if w.zero_point == "int" and not plan.in_weights:  # q - z is a small integer, exact
@@ -806,7 +812,13 @@ def _gemm_kernel(
             products = x.astype(jnp.float32)[:, None, :] * piece.values.astype(jnp.float32)[None, :, :]
             return jnp.sum(products, axis=2).astype(accum_dtype), row_sum
         operands = (piece.values, x) if swap else (x, piece.values)
-        return jax.lax.dot_general(*operands, (((1,), (1,)), ((), ())), preferred_element_type=accum_dtype), row_sum
+        if jnp.dtype(compute_dtype) == jnp.dtype(jnp.float8_e4m3fn):
+            return fp8_dot(*operands).astype(accum_dtype), row_sum
+        integer = jnp.dtype(compute_dtype) == jnp.dtype(jnp.int8)  # int8 MMAs sum exactly in int32
+        dot = jax.lax.dot_general(
+            *operands, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32 if integer else accum_dtype
+        )
+        return dot.astype(accum_dtype), row_sum
 
     def k_tile_step(k_limit, n_idx, n_mask):
         """One K tile's products of column tile ``n_idx`` added to ``acc``;
@@ -992,9 +1004,14 @@ def expert_gemm(
         x = jax.lax.bitcast_convert_type(x, jnp.uint8)
     accum_dtype = jnp.float16 if use_f16_accum else jnp.float32
     grid = (num_col_groups(w.n, tiles) * num_row_tiles(layout, w.num_experts, tiles.block_m), tiles.split_k)
-    # 8-bit floats travel as their uint8 bits (see _storage_bits).
+    # 8-bit floats travel as their uint8 bits (see _storage_bits), but for e4m3
+    # weight values read by fp8 MMAs with no mask: loaded as they are, they go
+    # straight to shared memory for the MMA.
+    direct = jnp.dtype(compute_dtype) == jnp.dtype(jnp.float8_e4m3fn) and w.k % tiles.block_k == 0
+    direct = direct and w.n % tiles.block_n == 0
     weight_arrays = tuple(
-        jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype == jnp.float8_e4m3fn else a for a in weight_arrays
+        jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype == jnp.float8_e4m3fn and not (direct and i == 0) else a
+        for i, a in enumerate(weight_arrays)
     )
     out_shape = (tiles.split_k, layout.m_out, w.n) if tiles.split_k > 1 else (layout.m_out, w.n)
     out_type = jnp.float32 if tiles.split_k > 1 else out_dtype

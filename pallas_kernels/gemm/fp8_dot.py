@@ -1,0 +1,74 @@
+"""An fp8 × fp8 → f32 dot for Pallas Triton kernels that says how far the
+tensor cores may accumulate on their own.
+
+Hopper's fp8 MMAs accumulate in reduced precision. Triton promotes the sum
+into an f32 register accumulator every ``maxNumImpreciseAcc`` columns of K;
+Pallas's ``dot_general`` lowering leaves that attribute at 0, which makes
+Triton promote after every 32-deep instruction and wait for each one. This
+dot sets it (:data:`PROMOTE_K` columns, as the CUDA libraries do) and is a
+plain ``dot_general`` everywhere else (interpret mode, the CPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
+
+PROMOTE_K = 128  # columns of K summed by the tensor cores between two f32 promotions
+_CONTRACT = (((1,), (1,)), ((), ()))  # a [m, k] · b [n, k] -> [m, n]
+
+
+def _plain(a, b, *, promote_k: int):
+    del promote_k
+    return jax.lax.dot_general(a, b, _CONTRACT, preferred_element_type=jnp.float32)
+
+
+def _abstract(a, b, *, promote_k: int):
+    del promote_k
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"fp8_dot: a [m, k] and b [n, k] expected, got {a.shape} and {b.shape}")
+    return jax.core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32)
+
+
+fp8_dot_p = jex_core.Primitive("fp8_dot")
+fp8_dot_p.def_impl(_plain)
+fp8_dot_p.def_abstract_eval(_abstract)
+mlir.register_lowering(fp8_dot_p, mlir.lower_fun(_plain, multiple_results=False))
+
+
+def fp8_dot(a: jax.Array, b: jax.Array, promote_k: int = PROMOTE_K) -> jax.Array:
+    """``a [m, k] · b [n, k]ᵀ`` in f32 (a, b: float8_e4m3fn), the tensor cores
+    summing ``promote_k`` columns between two promotions."""
+    return fp8_dot_p.bind(a, b, promote_k=promote_k)
+
+
+def _register_triton_lowering() -> None:
+    """The Triton rule: Pallas's own dot lowering, then the attribute on its
+    ``tt.dot``. Pallas's Triton lowering is internal to JAX (pinned version)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    dot_rule = triton_lowering.triton_lowering_rules[jax.lax.dot_general_p]
+
+    def rule(ctx, a, b, *, promote_k: int):
+        out = dot_rule(
+            ctx,
+            a,
+            b,
+            dimension_numbers=_CONTRACT,
+            out_sharding=None,
+            precision=None,
+            preferred_element_type=jnp.float32,
+        )
+        op = out.owner
+        if op.name != "tt.dot":
+            raise NotImplementedError(f"fp8_dot: the dot lowering ended in {op.name}, not tt.dot")
+        op.attributes["maxNumImpreciseAcc"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), promote_k)
+        return out
+
+    triton_lowering.triton_lowering_rules[fp8_dot_p] = rule
+
+
+_register_triton_lowering()
