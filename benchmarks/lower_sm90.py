@@ -5,6 +5,8 @@ lowering checked) before any GPU run.
 
     python -m benchmarks.lower_sm90 --fmt int4_g128 --tokens 16 \\
         --config triton:block_m=16,block_n=64,block_k=256,word_decode=1,fold_scales=1,pair_decode=1 --out build/sm90
+    python -m benchmarks.lower_sm90 --fmt w8a8_fp8_block128 --tokens 4096 \\
+        --config triton:block_m=64,block_n=128,block_k=128,num_stages=4 --out build/sm90
     python -m benchmarks.lower_sm90 --process hadamard128+fp8_token --width 768 \\
         --tiles block_rows=8,num_warps=8,row_blocks=4 --tokens 4096 --out build/sm90
 
@@ -107,12 +109,15 @@ def gemm_ttir(
 ) -> list[str]:
     """TTIR of the grouped GEMM kernels of ``tokens`` tokens (top-8 of ``E``
     experts, or top-2 below 8) on an ``[E, N, K]`` weight of format ``fmt``
-    (in the planar nibble order with ``planar``; e2m1 codes in the decoder's
-    bit order with ``half_bits``)."""
+    (``WEIGHT`` or ``WEIGHT@INPUT`` as the bench takes it; in the planar
+    nibble order with ``planar``; e2m1 codes in the decoder's bit order with
+    ``half_bits``)."""
     import jax.numpy as jnp
 
     from humming_jax import formats as F
+    from humming_jax import input_quant as Q
     from humming_jax import layouts as L
+    from humming_jax.bench import split_format
     from humming_jax.gemm import gemm
     from humming_jax.routing import moe_prepare_scatter
 
@@ -120,10 +125,13 @@ def gemm_ttir(
     top_k = 8 if e >= 8 else 2
     rng = np.random.default_rng(0)
     ids = np.stack([rng.choice(e, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
-    weight = F.quantize_weight(jnp.asarray(rng.normal(size=shape).astype(np.float32) * 0.02), F.get_format(fmt))
+    weight_format, quant = split_format(fmt)
+    weight = F.quantize_weight(jnp.asarray(rng.normal(size=shape).astype(np.float32) * 0.02), weight_format)
     if planar:
         weight = F.to_planar(weight, half_bits=half_bits)
     x = jnp.asarray(rng.normal(size=(tokens * top_k, k)), jnp.bfloat16)
+    if quant.is_quantized:
+        x = Q.quantize_input(x, quant, static_scale=jnp.float32(0.02) if quant.mode.is_static else None)
     layout = L.GroupedContiguous(moe_prepare_scatter(jnp.asarray(ids), e, backend="reference")[0])
 
     def run(x, weight, layout):
