@@ -7,6 +7,7 @@
 #   tune [TUNE ARGS]         python -m humming_jax tune, written to OUT_DIR/tuning.json
 #   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
+#   soak [SOAK ARGS]         benchmarks.soak: random hostile layers against the reference for --seconds
 # Logs and JSON go to OUT_DIR; the code runs from this checkout (PYTHONPATH), nothing is installed.
 # One-off experiments are not steps: their commands live in the notes entry that records them.
 set -u -o pipefail
@@ -36,5 +37,6 @@ case $step in
     XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
       python3 -m pytest -q -p no:cacheprovider -p no:xdist -W ignore::DeprecationWarning \
       "${@:-tests/test_process_input.py}" 2>&1 | tee "$out/sanitize_$tool.log" | tail -30 ;;
+  soak) python3 -W ignore -m benchmarks.soak --out "$out/soak.json" "$@" 2>&1 | tee "$out/soak.log" | tail -20 ;;
   *) echo "unknown step: $step" >&2; exit 2 ;;
 esac

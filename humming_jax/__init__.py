@@ -25,6 +25,7 @@ from humming_jax.experts import (
     moonep_experts,
     moonep_grouped_gemm,
     quantize_experts,
+    to_kernel_order,
 )
 from humming_jax.formats import (
     QuantizedWeight,
@@ -105,6 +106,7 @@ __all__ = [
     "plan_workspace",
     "process_input",
     "quantize_experts",
+    "to_kernel_order",
     "quantize_input",
     "quantize_weight",
     "resolve_backend",

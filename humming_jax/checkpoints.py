@@ -22,7 +22,7 @@ import numpy as np
 
 from humming_jax import formats as F
 from humming_jax.configs import ExpertsConfig
-from humming_jax.experts import ExpertWeights, check_weights
+from humming_jax.experts import ExpertWeights, check_weights, to_kernel_order
 
 _DTYPES = {
     "F64": np.float64,
@@ -192,7 +192,7 @@ def load_experts(
     check_weights(result, config)
     for name in ("w13", "w2"):
         F.check_folded_scale_range(getattr(result, name), f"{prefix}.{name}")
-    return result
+    return to_kernel_order(result, config)
 
 
 def _group_index(projections, names: list[str], k: int, group: int):

@@ -61,7 +61,22 @@ def quantize_experts(
         None if w2_input_scale is None else jnp.asarray(w2_input_scale, jnp.float32).reshape(1),
     )
     check_weights(weights, config)
-    return weights
+    return to_kernel_order(weights, config)
+
+
+def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeights:
+    """``weights`` with their 4-bit codes in the order the GEMM kernels read
+    without a split copy of the activations (:func:`formats.to_planar`, the
+    same values), e2m1 codes in bf16 also in the pair decoder's bit order —
+    what :func:`quantize_experts`, ``load_experts`` and the NNX modules give.
+    Weights in K order still run, slower; planar or 16/8-bit ones come back as
+    they are."""
+    half_bits = F.planar_half_bits(config.compute_dtype, config.input_quant)
+    return dataclasses.replace(
+        weights,
+        w13=F.to_planar(weights.w13, half_bits=half_bits),
+        w2=F.to_planar(weights.w2, half_bits=half_bits),
+    )
 
 
 def check_weights(weights: ExpertWeights, config: ExpertsConfig) -> None:

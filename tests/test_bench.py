@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+import humming_jax as hj
 import humming_jax.__main__ as cli
 from humming_jax import bench, tiles_text, timing, tuning
 from humming_jax.tuning import heuristic, search
@@ -334,3 +335,29 @@ def test_four_bit_heuristic_by_rows_and_format():
     assert indexed == [dataclasses.replace(decode, block_m=64)]
     (small,) = heuristic.heuristic_candidates(16, 1536, 2048, get_format("bf16"), block_size=8)
     assert small.block_m == 8 and not small.use_mma
+
+
+def test_soak_case_checks_the_kernel_path(monkeypatch):
+    """One soak case end to end (hostile routing, a NaN token), and a kernel
+    path that is wrong is reported as failed."""
+    from benchmarks import soak
+
+    case = dict(
+        index=0,
+        fmt="bf16",
+        quant="none",
+        bound=2e-2,
+        pipeline="grouped",
+        tokens=5,
+        hot=True,
+        out_of_range=True,
+        expert_map=True,
+        nan_tokens=1,
+        seed=3,
+    )
+    result = soak.run_case(case, "interpret")
+    assert result["ok"] and result["error"] < 1e-2
+    real = hj.humming_grouped_experts
+    wrong = lambda *a, backend=None: real(*a, backend=backend) * (1.0 if backend == "reference" else 1.1)  # noqa: E731
+    monkeypatch.setattr(hj, "humming_grouped_experts", wrong)
+    assert not soak.run_case(case, "interpret")["ok"]

@@ -266,6 +266,7 @@ def test_gpt_oss_mxfp4(tmp_path, rng):
     tensors.update({f"{PREFIX}.down_proj_{k}": v for k, v in t2.items()})
     config = hj.ExpertsConfig(E, H, I, 2, activation="swigluoai", weight_format="mxfp4+bias")
     loaded = load_experts(_save(tmp_path, tensors), PREFIX, config, "gpt_oss_mxfp4")
+    assert loaded.w13.nibble_unit and loaded.w13.half_bits  # in the order the bf16 kernels read
     np.testing.assert_allclose(np_ref.dequantize_weight(loaded.w13), w13, rtol=1e-6, atol=1e-12)
     np.testing.assert_array_equal(np.asarray(loaded.w13.bias), b13)
     _run_layer(config, loaded, w13, w2, rng, b13=b13.astype(np.float64), b2=b2.astype(np.float64))

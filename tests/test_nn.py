@@ -41,14 +41,13 @@ def test_from_float_matches_quantize_experts():
     w2 = jnp.asarray(rng.normal(size=(8, 128, 128)) / 11, jnp.float32)
     module = nn.HummingIndexedExperts.from_float(CONFIG, w13, w2, block_size=16)
     direct = hj.quantize_experts(w13, w2, CONFIG)
-    # The module keeps 4-bit codes in the kernel's planar order (repacked at load): the same weight.
+    # Both keep 4-bit codes in the kernel's planar order: the same arrays, the K-order codes repacked.
     stored = module.weights.w13
-    assert stored.nibble_unit == hj.formats.planar_unit(stored.format, stored.k) > 0
-    np.testing.assert_array_equal(np.asarray(stored.values), np.asarray(hj.to_planar(direct.w13).values))
-    np.testing.assert_array_equal(
-        np.asarray(hj.dequantize_weight(stored)), np.asarray(hj.dequantize_weight(direct.w13))
-    )
-    np.testing.assert_array_equal(np.asarray(hj.to_k_order(stored).values), np.asarray(direct.w13.values))
+    assert stored.nibble_unit == direct.w13.nibble_unit == hj.formats.planar_unit(stored.format, stored.k) > 0
+    np.testing.assert_array_equal(np.asarray(stored.values), np.asarray(direct.w13.values))
+    k_order = hj.quantize_weight(w13, CONFIG.weight_format)
+    np.testing.assert_array_equal(np.asarray(hj.to_k_order(stored).values), np.asarray(k_order.values))
+    np.testing.assert_array_equal(np.asarray(hj.dequantize_weight(stored)), np.asarray(hj.dequantize_weight(k_order)))
     weights, ids = _routing(3)
     out = module(_tokens(4), weights, ids)
     assert out.shape == (6, 128) and out.dtype == jnp.bfloat16

@@ -292,3 +292,21 @@ def test_jit_does_not_recompile_for_new_routing(rng):
         new_ids = np.random.default_rng(seed).integers(0, 4, size=ids.shape).astype(np.int32)
         jax.block_until_ready(hj.humming_grouped_experts(xs, weights, jnp.asarray(tw), jnp.asarray(new_ids), config))
     assert hj.humming_grouped_experts._cache_size() == before
+
+
+@pytest.mark.parametrize("fmt", ["int4_g128", "mxfp4"])
+def test_weights_come_in_the_kernels_order(fmt, rng):
+    """quantize_experts gives 4-bit codes in the planar order the kernels read
+    without a split copy of the activations (e2m1 in bf16 also in the pair
+    decoder's bit order); the same layer built in K order gives the same output."""
+    config = hj.ExpertsConfig(8, 128, 128, 2, weight_format=fmt)
+    x, w13, w2, ids, tw = _problem(rng, config, 5)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    for w in (weights.w13, weights.w2):
+        assert w.nibble_unit == hj.formats.planar_unit(w.format, w.k) > 0
+        assert w.half_bits == (fmt == "mxfp4")
+    again = hj.to_kernel_order(weights, config)  # already in order: the same weights
+    assert again.w13 is weights.w13 and again.w2 is weights.w2
+    k_order = hj.ExpertWeights(hj.to_k_order(weights.w13), hj.to_k_order(weights.w2))
+    planar, k_ordered = (_run("grouped", x, w, tw, ids, config, backend="interpret") for w in (weights, k_order))
+    np.testing.assert_array_equal(np.asarray(planar, np.float32), np.asarray(k_ordered, np.float32))

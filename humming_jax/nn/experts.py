@@ -17,7 +17,7 @@ from flax import nnx
 
 from humming_jax import experts as E
 from humming_jax.configs import ExpertsConfig
-from humming_jax.formats import QuantizedWeight, planar_half_bits, to_planar
+from humming_jax.formats import QuantizedWeight
 from humming_jax.workspace import WorkspacePlan, plan_workspace
 
 
@@ -54,12 +54,9 @@ class _HummingExperts(nnx.Module):
         E.check_weights(weights, config)
         self.config = config
         self.backend = backend
-        # 4-bit codes repacked once, at load, into the order the kernel reads
-        # without a split copy of the activations (to_planar; same values);
-        # e2m1 codes in bf16 also into the pair decoder's bit order.
-        half_bits = planar_half_bits(config.compute_dtype, config.input_quant)
-        self.w13 = ExpertWeight(to_planar(weights.w13, half_bits=half_bits))
-        self.w2 = ExpertWeight(to_planar(weights.w2, half_bits=half_bits))
+        weights = E.to_kernel_order(weights, config)  # weights a caller built in K order: repacked once, here
+        self.w13 = ExpertWeight(weights.w13)
+        self.w2 = ExpertWeight(weights.w2)
         self.w13_input_scale = None if weights.w13_input_scale is None else InputScale(weights.w13_input_scale)
         self.w2_input_scale = None if weights.w2_input_scale is None else InputScale(weights.w2_input_scale)
 
