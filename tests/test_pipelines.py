@@ -307,6 +307,7 @@ def test_weights_come_in_the_kernels_order(fmt, rng):
         assert w.half_bits == (fmt == "mxfp4")
     again = hj.to_kernel_order(weights, config)  # already in order: the same weights
     assert again.w13 is weights.w13 and again.w2 is weights.w2
-    k_order = hj.ExpertWeights(hj.to_k_order(weights.w13), hj.to_k_order(weights.w2))
-    planar, k_ordered = (_run("grouped", x, w, tw, ids, config, backend="interpret") for w in (weights, k_order))
-    np.testing.assert_array_equal(np.asarray(planar, np.float32), np.asarray(k_ordered, np.float32))
+    if fmt == "mxfp4":  # (the layer in interpret mode once: e2m1 pairs are the stricter order)
+        k_order = hj.ExpertWeights(hj.to_k_order(weights.w13), hj.to_k_order(weights.w2))
+        planar, k_ordered = (_run("grouped", x, w, tw, ids, config, backend="interpret") for w in (weights, k_order))
+        np.testing.assert_array_equal(np.asarray(planar, np.float32), np.asarray(k_ordered, np.float32))
