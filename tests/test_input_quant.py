@@ -235,3 +235,20 @@ def test_divide_is_correctly_rounded(rng):
     special = ~np.isfinite(want) | (want == 0)
     np.testing.assert_array_equal(np.isnan(got[special]), np.isnan(want[special]))
     np.testing.assert_array_equal(got[special & ~np.isnan(want)], want[special & ~np.isnan(want)])
+
+
+@pytest.mark.parametrize(
+    "name", ["fp8_dynamic_token", "fp8_dynamic_group128", "nvfp4_dynamic_token", "int8_dynamic_token"]
+)
+def test_quantization_is_the_same_jitted_or_not(name, rng):
+    """Scales and codes are bit-identical eager and under ``jit`` (XLA may
+    turn ``x / c`` into ``x * (1/c)`` under jit; the scales divide with
+    ``divide_rn``, integer arithmetic no rewrite touches)."""
+    spec = Q.get_input_spec(name)
+    x = jnp.asarray(rng.normal(size=(64, 256)) * np.exp(rng.uniform(-3, 3, (64, 1))), jnp.bfloat16)
+    eager = Q.quantize_input(x, spec)
+    jitted = jax.jit(lambda v: Q.quantize_input(v, spec))(x)
+    for part in ("values", "scale", "scale_2"):
+        a, b = getattr(eager, part), getattr(jitted, part)
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
