@@ -18,23 +18,55 @@ def route(
     scoring: str = "softmax",
     renormalize: bool = True,
     correction_bias: jax.Array | None = None,
+    num_groups: int = 1,
+    topk_groups: int | None = None,
+    routed_scaling_factor: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
     """Top-k routing of ``logits [T, E]`` (f32): ``(topk_weights [T, k] f32, topk_ids [T, k] int32)``.
 
-    ``softmax`` (Mixtral, Qwen3) or ``sigmoid`` (DeepSeek-V3) scores; an
-    optional ``correction_bias [E]`` shifts the choice but not the weights
-    (DeepSeek-V3's aux-loss-free balancing); ``renormalize`` makes the k
-    weights of a token sum to one.
+    Args:
+        logits: router outputs ``[T, E]``.
+        top_k: experts per token.
+        scoring: ``softmax`` (Mixtral, Qwen3, gpt-oss) or ``sigmoid`` (DeepSeek-V3) scores.
+        renormalize: make the k weights of a token sum to one.
+        correction_bias: ``[E]``, shifts the choice but not the weights
+            (DeepSeek-V3's aux-loss-free balancing).
+        num_groups, topk_groups: group-limited choice (DeepSeek-V3's ``n_group``,
+            ``topk_group``): the experts split into ``num_groups`` equal groups,
+            each scored by its best expert (the sum of its best two when there
+            is a correction bias, as vLLM and transformers do); the token picks
+            its experts inside its ``topk_groups`` best groups only.
+        routed_scaling_factor: multiplies the final weights (DeepSeek-V3: 2.5).
+
+    Returns:
+        ``(topk_weights [T, k] f32, topk_ids [T, k] int32)``.
     """
     if scoring not in SCORING:
         raise ValueError(f"route: scoring: expected one of {SCORING}, got {scoring!r}")
+    num_experts = logits.shape[-1]
+    topk_groups = num_groups if topk_groups is None else topk_groups
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(f"route: num_groups: expected a divisor of the {num_experts} experts, got {num_groups}")
+    if not 1 <= topk_groups <= num_groups or top_k > topk_groups * (num_experts // num_groups):
+        raise ValueError(
+            f"route: topk_groups: expected 1..{num_groups} groups holding at least top_k={top_k} experts, "
+            f"got {topk_groups}"
+        )
     logits = logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+    if topk_groups < num_groups:
+        grouped = choice.reshape(*choice.shape[:-1], num_groups, num_experts // num_groups)
+        best = jax.lax.top_k(grouped, 2)[0].sum(-1) if correction_bias is not None else grouped.max(-1)
+        _, kept = jax.lax.top_k(best, topk_groups)
+        in_kept = jnp.any(jnp.arange(num_groups)[None, :, None] == kept[:, None, :], axis=-1)  # [T, groups]
+        choice = jnp.where(jnp.repeat(in_kept, num_experts // num_groups, axis=-1), choice, -jnp.inf)
     _, topk_ids = jax.lax.top_k(choice, top_k)
     topk_weights = jnp.take_along_axis(scores, topk_ids, axis=-1)
     if renormalize:
         topk_weights = topk_weights / jnp.maximum(topk_weights.sum(-1, keepdims=True), 1e-20)
+    if routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * jnp.float32(routed_scaling_factor)
     return topk_weights, topk_ids.astype(jnp.int32)
 
 
@@ -88,8 +120,11 @@ class MoEBlock(nnx.Module):
     routing directly; for the batched one the block dispatches the tokens into
     ``[E, max_tokens, H]`` and does the weighted reduce (vLLM's delegate); for
     MoonEP it lays the tokens out in expert segments (``top_k`` is then
-    required). The router is a bias-free linear ``[H, E_global]`` in f32.
-    Input ``[..., H]`` -> output of the same shape and dtype.
+    required). The router is a linear ``[H, E_global]`` in f32 (with a bias
+    for ``router_bias``, gpt-oss); :func:`route` gives the routing (DeepSeek-V3:
+    ``scoring="sigmoid", correction_bias=True, num_groups=8, topk_groups=4,
+    routed_scaling_factor=2.5``). Input ``[..., H]`` -> output of the same
+    shape and dtype.
     """
 
     def __init__(
@@ -102,6 +137,10 @@ class MoEBlock(nnx.Module):
         shared_intermediate_size: int | None = None,
         correction_bias: bool = False,
         top_k: int | None = None,
+        router_bias: bool = False,
+        num_groups: int = 1,
+        topk_groups: int | None = None,
+        routed_scaling_factor: float = 1.0,
     ):
         if scoring not in SCORING:
             raise ValueError(f"MoEBlock: scoring: expected one of {SCORING}, got {scoring!r}")
@@ -115,7 +154,9 @@ class MoEBlock(nnx.Module):
             top_k = config.top_k if top_k is None else top_k
         self.experts = experts
         self.scoring, self.renormalize, self.top_k = scoring, renormalize, top_k
-        self.router = nnx.Linear(hidden, num_experts, use_bias=False, param_dtype=jnp.float32, rngs=rngs)
+        self.num_groups, self.topk_groups, self.routed_scaling_factor = num_groups, topk_groups, routed_scaling_factor
+        route(jnp.zeros((1, num_experts)), top_k, scoring, num_groups=num_groups, topk_groups=topk_groups)  # checks
+        self.router = nnx.Linear(hidden, num_experts, use_bias=router_bias, param_dtype=jnp.float32, rngs=rngs)
         self.correction_bias = nnx.Param(jnp.zeros(num_experts, jnp.float32)) if correction_bias else None
         self.shared = (
             SharedExpert(hidden, shared_intermediate_size, rngs=rngs, dtype=jnp.dtype(dtype))
@@ -128,7 +169,14 @@ class MoEBlock(nnx.Module):
         tokens = x.reshape(-1, shape[-1])
         bias = None if self.correction_bias is None else self.correction_bias.get_value()
         topk_weights, topk_ids = route(
-            self.router(tokens.astype(jnp.float32)), self.top_k, self.scoring, self.renormalize, bias
+            self.router(tokens.astype(jnp.float32)),
+            self.top_k,
+            self.scoring,
+            self.renormalize,
+            bias,
+            self.num_groups,
+            self.topk_groups,
+            self.routed_scaling_factor,
         )
         if isinstance(self.experts, BatchedHummingGroupedExperts):
             out = _batched_experts(self.experts, tokens, topk_weights, topk_ids)
