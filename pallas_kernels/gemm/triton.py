@@ -136,9 +136,11 @@ def _sixteen_bits(call: GemmCall):
 
 def operand_dtype(call: GemmCall, tiles: Tiles):
     """The dtype both MMA operands take: e4m3 (the fp8 tensor cores, f32
-    accumulation) for e4m3 inputs with weights whose values are exact in e4m3,
-    scaled after the product in spans of at least one fp8 MMA; else 16 bits
-    (:func:`_sixteen_bits`), every quantized value converted exactly."""
+    promotions: :mod:`fp8_dot`) for e4m3 inputs with weights whose values are
+    exact in e4m3, int8 (int32 sums) for int8 inputs with int8 or int4
+    weights — scaled after the product in spans of at least one 8-bit MMA;
+    else 16 bits (:func:`_sixteen_bits`), every quantized value converted
+    exactly."""
     w = call.weight
     eight_bit = {"float8_e4m3fn": (jnp.float8_e4m3fn, FP8_EXACT_WEIGHTS), "int8": (jnp.int8, INT8_EXACT_WEIGHTS)}
     if call.x_dtype not in eight_bit or w.zero_point != "none":
