@@ -112,3 +112,14 @@ __all__ = [
     "resolve_backend",
     "supported_input_specs",
 ]
+
+_SUBMODULES = ("nn", "checkpoints")  # imported on first use (nn brings Flax)
+
+
+def __getattr__(name: str):
+    """``hj.nn`` and ``hj.checkpoints`` without importing them at ``import humming_jax``."""
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"humming_jax.{name}")
+    raise AttributeError(f"module 'humming_jax' has no attribute {name!r}")

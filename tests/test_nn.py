@@ -235,3 +235,11 @@ def test_group_limited_routing_and_router_bias(rng):
             nn.route(jnp.zeros((2, 32)), 5, "sigmoid", num_groups=groups, topk_groups=kept)
     block = nn.MoEBlock(nn.HummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1), router_bias=True)
     assert block.router.bias is not None and block.router.bias.get_value().shape == (CONFIG.global_num_experts,)
+
+
+def test_submodules_reachable_from_the_package():
+    import humming_jax.checkpoints
+
+    assert hj.nn is nn and hj.checkpoints is humming_jax.checkpoints
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        hj.nope  # noqa: B018
