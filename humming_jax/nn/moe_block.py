@@ -12,6 +12,24 @@ from humming_jax.nn.experts import BatchedHummingGroupedExperts, MoonEPExperts
 SCORING = ("softmax", "sigmoid")
 
 
+def check_routing(
+    num_experts: int, top_k: int, scoring: str, num_groups: int, topk_groups: int | None, op: str = "route"
+) -> int:
+    """Raise (naming ``op``) on routing arguments that cannot be met; returns
+    ``topk_groups`` (all groups when None)."""
+    if scoring not in SCORING:
+        raise ValueError(f"{op}: scoring: expected one of {SCORING}, got {scoring!r}")
+    topk_groups = num_groups if topk_groups is None else topk_groups
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(f"{op}: num_groups: expected a divisor of the {num_experts} experts, got {num_groups}")
+    if not 1 <= topk_groups <= num_groups or top_k > topk_groups * (num_experts // num_groups):
+        raise ValueError(
+            f"{op}: topk_groups: expected 1..{num_groups} groups holding at least top_k={top_k} experts, "
+            f"got {topk_groups}"
+        )
+    return topk_groups
+
+
 def route(
     logits: jax.Array,
     top_k: int,
@@ -41,17 +59,8 @@ def route(
     Returns:
         ``(topk_weights [T, k] f32, topk_ids [T, k] int32)``.
     """
-    if scoring not in SCORING:
-        raise ValueError(f"route: scoring: expected one of {SCORING}, got {scoring!r}")
     num_experts = logits.shape[-1]
-    topk_groups = num_groups if topk_groups is None else topk_groups
-    if num_groups < 1 or num_experts % num_groups:
-        raise ValueError(f"route: num_groups: expected a divisor of the {num_experts} experts, got {num_groups}")
-    if not 1 <= topk_groups <= num_groups or top_k > topk_groups * (num_experts // num_groups):
-        raise ValueError(
-            f"route: topk_groups: expected 1..{num_groups} groups holding at least top_k={top_k} experts, "
-            f"got {topk_groups}"
-        )
+    topk_groups = check_routing(num_experts, top_k, scoring, num_groups, topk_groups)
     logits = logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
@@ -142,8 +151,6 @@ class MoEBlock(nnx.Module):
         topk_groups: int | None = None,
         routed_scaling_factor: float = 1.0,
     ):
-        if scoring not in SCORING:
-            raise ValueError(f"MoEBlock: scoring: expected one of {SCORING}, got {scoring!r}")
         if isinstance(experts, MoonEPExperts):
             if top_k is None:
                 raise ValueError("MoEBlock: top_k is required with MoonEPExperts (it has no experts config)")
@@ -155,7 +162,7 @@ class MoEBlock(nnx.Module):
         self.experts = experts
         self.scoring, self.renormalize, self.top_k = scoring, renormalize, top_k
         self.num_groups, self.topk_groups, self.routed_scaling_factor = num_groups, topk_groups, routed_scaling_factor
-        route(jnp.zeros((1, num_experts)), top_k, scoring, num_groups=num_groups, topk_groups=topk_groups)  # checks
+        check_routing(num_experts, top_k, scoring, num_groups, topk_groups, "MoEBlock")
         self.router = nnx.Linear(hidden, num_experts, use_bias=router_bias, param_dtype=jnp.float32, rngs=rngs)
         self.correction_bias = nnx.Param(jnp.zeros(num_experts, jnp.float32)) if correction_bias else None
         self.shared = (

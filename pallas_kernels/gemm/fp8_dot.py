@@ -38,10 +38,10 @@ fp8_dot_p.def_abstract_eval(_abstract)
 mlir.register_lowering(fp8_dot_p, mlir.lower_fun(_plain, multiple_results=False))
 
 
-def fp8_dot(a: jax.Array, b: jax.Array, promote_k: int = PROMOTE_K) -> jax.Array:
+def fp8_dot(a: jax.Array, b: jax.Array) -> jax.Array:
     """``a [m, k] · b [n, k]ᵀ`` in f32 (a, b: float8_e4m3fn), the tensor cores
-    summing ``promote_k`` columns between two promotions."""
-    return fp8_dot_p.bind(a, b, promote_k=promote_k)
+    summing :data:`PROMOTE_K` columns between two promotions."""
+    return fp8_dot_p.bind(a, b, promote_k=PROMOTE_K)
 
 
 def _register_triton_lowering() -> None:
