@@ -68,7 +68,7 @@ def run_case(case: dict, backend: str) -> dict:
     x = rng.normal(size=(t, H)).astype(np.float32)
     nan_rows = rng.choice(t, case["nan_tokens"], replace=False) if t else np.zeros(0, int)
     x[nan_rows, 0] = np.nan
-    ids = np.stack([rng.choice(global_experts, TOP_K, replace=False) for _ in range(t)]).reshape(t, TOP_K)
+    ids = np.array([rng.choice(global_experts, TOP_K, replace=False) for _ in range(t)], np.int64).reshape(t, TOP_K)
     if case["hot"] and t:
         ids[:, 0] = 1
     if case["out_of_range"] and t:

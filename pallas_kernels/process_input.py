@@ -250,6 +250,8 @@ def _rotate(y, h, cfg: ProcessConfig, bf16_exact: bool):
 
 def _encode(scaled, cfg: ProcessConfig):
     if cfg.act_dtype == "int8":
+        # NaN codes as 0, as XLA converts it: the GPU's clamp would turn it into -127.
+        scaled = jnp.where(jnp.isnan(scaled), 0.0, scaled)
         return jnp.clip(codecs.round_half_even(scaled), -127, 127).astype(jnp.int8)
     if cfg.act_dtype == "float4_e2m1":
         codes = codecs.e2m1_encode(scaled)

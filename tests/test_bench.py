@@ -357,6 +357,7 @@ def test_soak_case_checks_the_kernel_path(monkeypatch):
     )
     result = soak.run_case(case, "interpret")
     assert result["ok"] and result["error"] < 1e-2
+    assert soak.run_case({**case, "tokens": 0, "nan_tokens": 0, "pipeline": "indexed"}, "interpret")["ok"]
     real = hj.humming_grouped_experts
     wrong = lambda *a, backend=None: real(*a, backend=backend) * (1.0 if backend == "reference" else 1.1)  # noqa: E731
     monkeypatch.setattr(hj, "humming_grouped_experts", wrong)

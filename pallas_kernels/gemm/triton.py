@@ -710,10 +710,11 @@ def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start, n_mask):
     return _load(zero_ref.at[expert, n_idx, _floor_div(k_start, w.group_size)], n_mask).astype(jnp.float32)
 
 
-def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, in_weights, n_mask, factor):
+def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, in_weights, n_mask, factor, n_start):
     """The f32 factor of each output column for columns starting at ``k_start``
-    (``[bn]`` or a scalar): scale (unless applied in the weights) x global
-    scale x ``factor``, or None when it is 1."""
+    (``[bn]``, or a scalar when one scale covers the tile's columns ``n_start
+    + [0, bn)``): scale (unless applied in the weights) x global scale x
+    ``factor``, or None when it is 1."""
     if w.scale == "none" or in_weights:
         scale = None
     elif w.scale == "tensor":
@@ -724,6 +725,8 @@ def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, 
         scale = _decode_scale(
             _load(scale_ref.at[expert, n_idx, _floor_div(k_start, w.group_size)], n_mask), w.scale_type
         )
+    elif w.block_n % n_idx.shape[0] == 0:  # block: the tile inside one block of rows
+        scale = _decode_scale(scale_ref[expert, n_start // w.block_n, _floor_div(k_start, w.group_size)], w.scale_type)
     else:  # block
         raw = _load(scale_ref.at[expert, n_idx // w.block_n, _floor_div(k_start, w.group_size)], n_mask)
         scale = _decode_scale(raw, w.scale_type)
@@ -825,6 +828,7 @@ def _gemm_kernel(
     def k_tile_step(k_limit, n_idx, n_mask):
         """One K tile's products of column tile ``n_idx`` added to ``acc``;
         ``k_limit`` masks the columns at and past K (only a partial tile needs it)."""
+        n_start = col_group * bn
 
         def step(i, acc):
             k_tile = (split * per_split + i) * bk
@@ -839,12 +843,16 @@ def _gemm_kernel(
                     plan,
                     (n_mask, k_limit),
                 )
-                scale = _column_scale(scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask, span_factor)
+                scale = _column_scale(
+                    scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask, span_factor, n_start
+                )
                 row_scale = None
                 if x_group:  # the input's scales of this span's group, one per row
                     in_k = row_mask if k_limit is None else row_mask & (k_start < k_limit)
                     raw = _load(x_scale_ref.at[rows_in, _floor_div(k_start, x_group)], in_k)
                     row_scale = _decode_scale(raw, x_scale.scale_type)
+                    if scale is not None and jnp.ndim(scale) == 0:  # one multiply-add per element, not two
+                        row_scale, scale = row_scale * scale, None
                 if scale is None and row_scale is None and not float_zero:  # straight into acc (one MMA chain)
                     for piece in pieces:
                         acc = acc + product(piece, k_limit)[0]
