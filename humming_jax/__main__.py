@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         "--problems", nargs="+", default=list(bench_module.PROBLEMS), choices=list(bench_module.PROBLEMS)
     )
     bench.add_argument("--tokens", nargs="+", type=int, default=list(bench_module.TOKENS))
+    bench.add_argument("--layouts", nargs="+", default=["grouped", "indexed"], choices=["grouped", "indexed"])
+    bench.add_argument("--gemms", nargs="+", default=["w13", "w2"], choices=["w13", "w2"])
     bench.add_argument("--no-compare", action="store_true", help="skip torch._grouped_mm and jax.lax.ragged_dot")
     bench.add_argument(
         "--anchor",

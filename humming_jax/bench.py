@@ -295,26 +295,40 @@ def time_prepared(prep: Prepared, tuning: GemmTiles | None) -> tuple[dict, jax.A
 CHECKED_EXPERTS = 8
 
 
-def _one_expert(weight: F.QuantizedWeight, expert: int) -> F.QuantizedWeight:
+def _one_expert(weight: F.QuantizedWeight, expert) -> F.QuantizedWeight:
+    """Expert ``expert`` (an int or a traced scalar) of ``weight`` as a one-expert weight."""
     parts = {
-        name: None if getattr(weight, name) is None else getattr(weight, name)[expert : expert + 1]
+        name: None if getattr(weight, name) is None else jax.lax.dynamic_slice_in_dim(getattr(weight, name), expert, 1)
         for name in ("values", "scale", "zero_point", "second_scale", "bias", "group_index")
     }
     return dataclasses.replace(weight, **parts, shape=(1, *weight.shape[1:]))
 
 
-def _expert_rows(layout, expert: int, m_out: int) -> tuple[np.ndarray, np.ndarray]:
-    """(input rows, output rows) that ``layout`` sends through ``expert``."""
+def _rows_by_expert(layout, m_out: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """``{expert: (input rows, output rows)}`` that ``layout`` sends through each
+    expert that gets rows (the layout read to the host once)."""
     if isinstance(layout, L.GroupedContiguous):
         offsets = np.asarray(layout.expert_offsets)
-        rows = np.arange(offsets[expert], offsets[expert + 1])
-        return rows, rows
+        spans = {e: np.arange(offsets[e], offsets[e + 1]) for e in range(len(offsets) - 1)}
+        return {e: (rows, rows) for e, rows in spans.items() if len(rows)}
     block = layout.block_size
     padded = int(np.asarray(layout.num_tokens_padded).reshape(-1)[0])
     entries = np.asarray(layout.sorted_ids)[:padded]
     block_expert = np.repeat(np.asarray(layout.expert_ids)[: padded // block], block)
-    entries = entries[(block_expert == expert) & (entries < m_out)]
-    return entries // layout.top_k, entries
+    keep = entries < m_out
+    entries, block_expert = entries[keep], block_expert[keep]
+    return {int(e): (entries[block_expert == e] // layout.top_k, entries[block_expert == e]) for e in np.unique(block_expert)}
+
+
+@jax.jit
+def _expert_sums(x, weight, expert, out, rows_in, rows_out, valid):
+    """(Σ(out − ref)², Σref²) over the rows of ``expert`` (``rows_*`` padded,
+    ``valid`` marks the real ones): ref a float32 product with its dequantized weight."""
+    w = F.dequantize_weight(_one_expert(weight, expert))[0]
+    ref = jnp.dot(x[rows_in].astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+    got = out[rows_out].astype(jnp.float32)
+    keep = valid[:, None]
+    return jnp.sum(jnp.where(keep, (got - ref) ** 2, 0.0)), jnp.sum(jnp.where(keep, ref**2, 0.0))
 
 
 def sampled_error(prep: Prepared, layout, out: jax.Array) -> float:
@@ -324,18 +338,17 @@ def sampled_error(prep: Prepared, layout, out: jax.Array) -> float:
     kernel and cheap at any problem size."""
     case, x = prep.case, prep.xs[0]
     x = Q.dequantize_input(x) if isinstance(x, Q.QuantizedInput) else x
-    e, _, _, top_k = case.shapes()
-    m_out = out.shape[0]
-    hit = [expert for expert in range(e) if len(_expert_rows(layout, expert, m_out)[1])]
+    rows = _rows_by_expert(layout, out.shape[0])
+    hit = sorted(rows)
     chosen = hit[:: max(1, len(hit) // CHECKED_EXPERTS)][:CHECKED_EXPERTS]
+    # Every expert's rows padded to one length: one compiled check per case.
+    size = max((len(rows[expert][0]) for expert in chosen), default=0)
     diff = norm = 0.0
     for expert in chosen:
-        rows_in, rows_out = _expert_rows(layout, expert, m_out)
-        w = F.dequantize_weight(_one_expert(prep.weights[0], expert))[0]
-        ref = jnp.dot(x[rows_in].astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
-        got = out[rows_out].astype(jnp.float32)
-        diff += float(jnp.sum((got - ref) ** 2))
-        norm += float(jnp.sum(ref**2))
+        rows_in, rows_out = (np.pad(r, (0, size - len(r))) for r in rows[expert])
+        valid = np.arange(size) < len(rows[expert][0])
+        d, n = _expert_sums(x, prep.weights[0], expert, out, rows_in, rows_out, valid)
+        diff, norm = diff + float(d), norm + float(n)
     return math.sqrt(diff / norm) if norm else 0.0
 
 
@@ -548,6 +561,8 @@ def bench_main(args) -> int:
         args.problems,
         args.tokens,
         args.formats,
+        layouts=args.layouts,
+        gemms=args.gemms,
         compare=not args.no_compare,
         on_row=save,
         k_order=args.k_order,

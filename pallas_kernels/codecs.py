@@ -59,11 +59,13 @@ def pow2(exponent: jax.Array) -> jax.Array:
 E8M0_NAN = 255  # the OCP MX encoding of a NaN scale
 
 
-def e8m0_decode(byte: jax.Array, exponent: int = 0) -> jax.Array:
+def e8m0_decode(byte: jax.Array, exponent: int = 0, nan: bool = True) -> jax.Array:
     """Decode e8m0 scale bytes to f32 exactly: ``2**(byte - 127 + exponent)``
-    (``exponent``: a power of two the caller folds in); byte 255 is NaN."""
+    (``exponent``: a power of two the caller folds in); byte 255 is NaN unless
+    ``nan`` is False (for bytes the caller has bounded: no compare and select)."""
     byte = byte.astype(jnp.int32)
-    return jnp.where(byte == E8M0_NAN, jnp.float32(jnp.nan), pow2(byte + (exponent - E8M0_BIAS)))
+    value = pow2(byte + (exponent - E8M0_BIAS))
+    return jnp.where(byte == E8M0_NAN, jnp.float32(jnp.nan), value) if nan else value
 
 
 def e8m0_from_amax(amax: jax.Array, element_max: float) -> jax.Array:

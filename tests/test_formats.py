@@ -11,6 +11,7 @@ import pytest
 
 from humming_jax import formats as F
 from humming_jax import numerics
+from pallas_kernels import codecs
 
 import np_ref
 
@@ -104,6 +105,10 @@ def test_e8m0_decodes_exactly():
     # Compare bit patterns: 2**-127 is an f32 subnormal, which arithmetic may flush.
     expected = (2.0 ** (np.arange(255) - 127.0)).astype(np.float32)
     np.testing.assert_array_equal(decoded.view(np.uint32), expected.view(np.uint32))
+    assert np.isnan(np.asarray(numerics.e8m0_decode(jnp.uint8(255))))
+    # Without the NaN byte's select (bytes bounded by the caller) every other byte decodes the same.
+    unchecked = np.asarray(codecs.e8m0_decode(byte, 0, nan=False))
+    np.testing.assert_array_equal(unchecked.view(np.uint32), expected.view(np.uint32))
 
 
 def test_e8m0_from_amax_is_smallest_sufficient_power(rng):

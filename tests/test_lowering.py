@@ -149,10 +149,13 @@ def test_permute_lowers_for_sm90(dtype):
 def test_folded_mxfp4_decoder_has_no_multiply(config):
     """MXFP4 in bf16 with its scales in the weights (folded, or the exact
     e2m1 x e8m0 product on 64-row tiles): the pair decoder leaves out its
-    normalizing multiply (the folded scale carries it: E2M1_FOLDED_EXPONENT)."""
+    normalizing multiply (the folded scale carries it: E2M1_FOLDED_EXPONENT)
+    and the scale decode its NaN-byte check."""
     (text,) = gemm_ttir("mxfp4", 16, parse_config(config), SHAPE)
     asm = [part.split("->")[0] for part in text.split("tt.elementwise_inline_asm")[1:]]
     assert len(asm) == 4 and not any("mul.rn" in a for a in asm)
+    # Nor a compare and select for the NaN byte (the loaded scales are bounded: E8M0_FOLD_MAX).
+    assert "arith.constant 255 : i32" not in text
 
 
 def test_mxfp4_half_bits_decoder_lowers_for_sm90():

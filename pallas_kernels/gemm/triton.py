@@ -261,10 +261,11 @@ def _storage_bits(raw, dtype):
     return jax.lax.bitcast_convert_type(raw, dtype)
 
 
-def _decode_scale(raw, scale_type: str, exponent: int = 0):
-    """Stored scales as f32, times ``2**exponent`` (e8m0: by the exponent alone; byte 255 is NaN)."""
+def _decode_scale(raw, scale_type: str, exponent: int = 0, nan: bool = True):
+    """Stored scales as f32, times ``2**exponent`` (e8m0: by the exponent alone;
+    byte 255 is NaN unless ``nan`` is False)."""
     if scale_type == "e8m0":
-        return codecs.e8m0_decode(raw, exponent)
+        return codecs.e8m0_decode(raw, exponent, nan)
     if scale_type == "float8_e4m3":
         scale = _storage_bits(raw, jnp.float8_e4m3fn).astype(jnp.float32)
     else:
@@ -392,7 +393,9 @@ def _group_scale_tile(
     load per run of columns."""
     groups, run, mask = _group_runs(w, k_start, width, ways, n_mask, k_masked)
     raw = _load(scale_ref.at[expert, n_idx[:, None], groups], mask)
-    return _along_runs(_decode_scale(raw, w.scale_type, exponent), width, run)
+    # Folded e2m1 scales are bounded where the weight is loaded (formats.E8M0_FOLD_MAX):
+    # no byte 255 (NaN) reaches them, so they skip its compare and select.
+    return _along_runs(_decode_scale(raw, w.scale_type, exponent, nan=exponent == 0), width, run)
 
 
 def _group_zero_tile(zero_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked):
