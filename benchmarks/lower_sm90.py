@@ -107,11 +107,19 @@ def process_ttir(case: str, width: int, tokens: int, tiles: str | None) -> list[
 def gemm_ttir(
     fmt: str, tokens: int, tuning, shape: tuple[int, int, int], planar: bool = False, half_bits: bool = False
 ) -> list[str]:
+    """TTIR of :func:`gemm_launches` (the same arguments)."""
+    return [text for text, _, _ in gemm_launches(fmt, tokens, tuning, shape, planar, half_bits)]
+
+
+def gemm_launches(
+    fmt: str, tokens: int, tuning, shape: tuple[int, int, int], planar: bool = False, half_bits: bool = False
+) -> list[tuple[str, int, int]]:
     """TTIR of the grouped GEMM kernels of ``tokens`` tokens (top-8 of ``E``
     experts, or top-2 below 8) on an ``[E, N, K]`` weight of format ``fmt``
     (``WEIGHT`` or ``WEIGHT@INPUT`` as the bench takes it; in the planar
     nibble order with ``planar``; e2m1 codes in the decoder's bit order with
-    ``half_bits``)."""
+    ``half_bits``; ``tuning`` None: what the op chooses on an H200), with
+    each launch's warps and stages."""
     import jax.numpy as jnp
 
     from humming_jax import formats as F
@@ -137,7 +145,7 @@ def gemm_ttir(
     def run(x, weight, layout):
         return gemm(x, weight, layout, tuning=tuning, backend="pallas")
 
-    return ttir_of(run, x, weight, layout)
+    return ttir_with_launch(run, x, weight, layout)
 
 
 SASS_OP = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
@@ -250,7 +258,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fmt", default="int4_g128")
     parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--config", help="as benchmarks.inspect_gemm (the GEMM mode)")
+    parser.add_argument("--config", help="as benchmarks.inspect_gemm (the GEMM mode); 'auto': the op's choice")
     parser.add_argument("--process", help="a benchmarks.bench_process_input case (the process_input mode)")
     parser.add_argument("--width", type=int, default=768, help="process_input: columns after the activation")
     parser.add_argument("--tiles", help="process_input: tiles in the text form, e.g. block_rows=8 (default: chosen)")
@@ -266,10 +274,9 @@ def main(argv=None) -> int:
         return _write_and_compile(launches, args.out, args.name, "loops")
     if not args.config:
         parser.error("--config is required (or --process)")
-    tuning = parse_config(args.config)
+    tuning = None if args.config == "auto" else parse_config(args.config)
     shape = tuple(int(v) for v in args.shape.split(","))
-    texts = gemm_ttir(args.fmt, args.tokens, tuning, shape, args.planar, args.half_bits)
-    launches = [(text, tuning.num_warps, tuning.num_stages) for text in texts]
+    launches = gemm_launches(args.fmt, args.tokens, tuning, shape, args.planar, args.half_bits)
     return _write_and_compile(launches, args.out, args.name, "K loop")
 
 

@@ -317,7 +317,8 @@ def _rows_by_expert(layout, m_out: int) -> dict[int, tuple[np.ndarray, np.ndarra
     block_expert = np.repeat(np.asarray(layout.expert_ids)[: padded // block], block)
     keep = entries < m_out
     entries, block_expert = entries[keep], block_expert[keep]
-    return {int(e): (entries[block_expert == e] // layout.top_k, entries[block_expert == e]) for e in np.unique(block_expert)}
+    by_expert = {int(e): entries[block_expert == e] for e in np.unique(block_expert)}
+    return {e: (rows // layout.top_k, rows) for e, rows in by_expert.items()}
 
 
 @jax.jit
@@ -336,7 +337,7 @@ def sampled_error(prep: Prepared, layout, out: jax.Array) -> float:
     (spread over the ones that got rows), the reference being a float32
     product with the dequantized weight of each expert: independent of the
     kernel and cheap at any problem size."""
-    case, x = prep.case, prep.xs[0]
+    x = prep.xs[0]
     x = Q.dequantize_input(x) if isinstance(x, Q.QuantizedInput) else x
     rows = _rows_by_expert(layout, out.shape[0])
     hit = sorted(rows)

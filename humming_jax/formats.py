@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from typing import Any
 
@@ -423,6 +424,19 @@ def quantize_weight(
         )
     if bias is not None and tuple(bias.shape) != (e, n):
         raise ValueError(f"quantize_weight: bias: expected shape {(e, n)}, got {tuple(bias.shape)}")
+    parts = _quantized_parts(w, fmt)
+    if bias is not None:
+        parts["bias"] = jnp.asarray(bias)
+    weight = QuantizedWeight(**parts, format=fmt, shape=(e, n, k))
+    check_folded_scale_range(weight)
+    return weight
+
+
+@functools.partial(jax.jit, static_argnames="fmt")
+def _quantized_parts(w: jax.Array, fmt: WeightFormat) -> dict[str, jax.Array]:
+    """The stored arrays of ``w [E, N, K]`` in ``fmt`` (one compiled program a
+    format and shape: called eagerly, op by op, they would compile hundreds)."""
+    e, n, k = w.shape
     w32 = w.astype(jnp.float32)
     vt = fmt.value_type
     parts: dict[str, Any] = {}
@@ -444,7 +458,7 @@ def quantize_weight(
         else:
             parts["zero_point"] = zero.astype(fmt.scale_dtype)
             zero_used = parts["zero_point"].astype(jnp.float32)
-        inverse = numerics.block_broadcast(numerics.safe_reciprocal(scale32), w.shape)
+        inverse = numerics.block_broadcast(jax.lax.optimization_barrier(numerics.safe_reciprocal(scale32)), w.shape)
         full_zero = numerics.block_broadcast(zero_used, w.shape)
         q = jnp.clip(numerics.round_half_even(w32 * inverse + full_zero), 0, 15)
         parts["values"] = numerics.pack_nibbles(q.astype(jnp.uint8))
@@ -472,7 +486,10 @@ def quantize_weight(
             scale = _store_scale(amax / qmax, fmt)
             scale32 = scale.astype(jnp.float32)
         parts["scale"] = scale
-        scaled = w32 * numerics.block_broadcast(numerics.safe_reciprocal(scale32), w.shape)
+        # The barrier keeps XLA from fusing the reciprocal's long division into
+        # the broadcast, once per element: CPU compile times of minutes.
+        inverse = jax.lax.optimization_barrier(numerics.safe_reciprocal(scale32))
+        scaled = w32 * numerics.block_broadcast(inverse, w.shape)
         if vt == ValueType.INT4:
             q = jnp.clip(numerics.round_half_even(scaled), -8, 7)
             parts["values"] = numerics.pack_nibbles((q + 8).astype(jnp.uint8))
@@ -482,12 +499,7 @@ def quantize_weight(
             parts["values"] = numerics.cast_float8_saturating(scaled, jnp.float8_e4m3fn)
         else:
             parts["values"] = numerics.pack_nibbles(numerics.e2m1_encode(scaled))
-
-    if bias is not None:
-        parts["bias"] = jnp.asarray(bias)
-    weight = QuantizedWeight(**parts, format=fmt, shape=(e, n, k))
-    check_folded_scale_range(weight)
-    return weight
+    return parts
 
 
 def decode_values(weight: QuantizedWeight) -> jax.Array:
@@ -644,6 +656,12 @@ def decode_zero_point(weight: QuantizedWeight) -> jax.Array | None:
 
 def dequantize_weight(weight: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The weight as floats ``[E, N, K]``: ``(value - zero) * scale * second_scale``."""
+    return _dequantized(weight, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
+    """:func:`dequantize_weight`, one compiled program a format and shape."""
     fmt = weight.format
     values = decode_values(weight)
     if not fmt.is_quantized:

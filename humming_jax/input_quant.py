@@ -334,6 +334,15 @@ def quantize_input(
     if mode == InputQuantMode.NONE:
         return QuantizedInput(values=x, spec=spec, k=k)
     spec.check_k(k, "quantize_input: x")
+    values, scale, scale_2 = _quantized_parts(x, None if static_scale is None else jnp.asarray(static_scale), spec)
+    return QuantizedInput(values=values, scale=scale, scale_2=scale_2, spec=spec, k=k)
+
+
+@functools.partial(jax.jit, static_argnames="spec")
+def _quantized_parts(x: jax.Array, static_scale: jax.Array | None, spec: InputQuantSpec):
+    """(values, scale, scale_2) of :func:`quantize_input`: one compiled program a
+    spec and shape (op by op, the correctly rounded divisions compile hundreds)."""
+    mode = spec.mode
     x32 = x.astype(jnp.float32)
     qmax = spec.dtype.max_value
     scale_2 = None
@@ -365,14 +374,19 @@ def quantize_input(
             scaled = numerics.divide_rn(amax, qmax) * numerics.safe_reciprocal(second)
             scale = numerics.cast_float8_saturating(scaled, jnp.float8_e4m3fn)
             group_scale = scale.astype(jnp.float32) * second
-        inverse = jnp.repeat(numerics.safe_reciprocal(group_scale), spec.group_size, axis=-1)
+        # The barrier keeps XLA from fusing the long division into the repeat, once per element.
+        inverse = jnp.repeat(jax.lax.optimization_barrier(numerics.safe_reciprocal(group_scale)), spec.group_size, -1)
 
-    values = _encode_values(x32 * inverse, spec.dtype)
-    return QuantizedInput(values=values, scale=scale, scale_2=scale_2, spec=spec, k=k)
+    return _encode_values(x32 * inverse, spec.dtype), scale, scale_2
 
 
 def dequantize_input(q: QuantizedInput) -> jax.Array:
     """``values * scale * scale_2`` as float32 ``[M, K]``."""
+    return _dequantized(q)
+
+
+@jax.jit
+def _dequantized(q: QuantizedInput) -> jax.Array:
     spec = q.spec
     if spec.mode == InputQuantMode.NONE:
         return q.values.astype(jnp.float32)

@@ -206,3 +206,16 @@ def test_eight_bit_inputs_lower_to_eight_bit_mmas(fmt, quant, operand, accumulat
         assert all(f"maxNumImpreciseAcc = {fp8_dot.PROMOTE_K}" in d for d in dots)
         loads = [line for line in text.splitlines() if "tt.load" in line]
         assert any("128x128x!tt.ptr<f8E4M3FN>>" in line for line in loads)  # the weight tile, unmasked
+
+
+def test_four_bit_weights_with_fp8_inputs_chain_their_products():
+    """int4 × fp8 per token on e4m3 MMAs: the four nibble pieces of a span
+    accumulate in one chain (each ``tt.dot`` takes the previous one's result),
+    not in their own registers summed by f32 adds."""
+    config = parse_config("triton:block_m=64,block_n=128,block_k=128,word_decode=1,pair_decode=1")
+    (text,) = gemm_ttir("int4_g128@fp8_dynamic_token", 512, config, SHAPE, planar=True)
+    dots = [line.strip() for line in text.splitlines() if "= tt.dot " in line]
+    assert len(dots) == 4 and all("maxNumImpreciseAcc" in d for d in dots)
+    results = [d.split(" = ")[0] for d in dots]
+    accumulators = [d.split("tt.dot ")[1].split(",")[2].strip() for d in dots]
+    assert accumulators[1:] == results[:-1]

@@ -6,7 +6,10 @@ into an f32 register accumulator every ``maxNumImpreciseAcc`` columns of K;
 Pallas's ``dot_general`` lowering leaves that attribute at 0, which makes
 Triton promote after every 32-deep instruction and wait for each one. This
 dot sets it (:data:`PROMOTE_K` columns, as the CUDA libraries do) and is a
-plain ``dot_general`` everywhere else (interpret mode, the CPU).
+plain ``dot_general`` everywhere else (interpret mode, the CPU). It takes the
+accumulator itself: Triton folds ``acc + dot`` into the MMA chain only for
+dots without the attribute, so chained products would each get their own
+registers and an f32 add.
 """
 
 from __future__ import annotations
@@ -20,15 +23,17 @@ PROMOTE_K = 128  # columns of K summed by the tensor cores between two f32 promo
 _CONTRACT = (((1,), (1,)), ((), ()))  # a [m, k] · b [n, k] -> [m, n]
 
 
-def _plain(a, b, *, promote_k: int):
+def _plain(a, b, acc, *, promote_k: int):
     del promote_k
-    return jax.lax.dot_general(a, b, _CONTRACT, preferred_element_type=jnp.float32)
+    return acc + jax.lax.dot_general(a, b, _CONTRACT, preferred_element_type=jnp.float32)
 
 
-def _abstract(a, b, *, promote_k: int):
+def _abstract(a, b, acc, *, promote_k: int):
     del promote_k
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8_dot: a [m, k] and b [n, k] expected, got {a.shape} and {b.shape}")
+    if acc.shape != (a.shape[0], b.shape[0]) or acc.dtype != jnp.float32:
+        raise ValueError(f"fp8_dot: acc f32 {(a.shape[0], b.shape[0])} expected, got {acc.dtype} {acc.shape}")
     return jax.core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32)
 
 
@@ -38,10 +43,13 @@ fp8_dot_p.def_abstract_eval(_abstract)
 mlir.register_lowering(fp8_dot_p, mlir.lower_fun(_plain, multiple_results=False))
 
 
-def fp8_dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a [m, k] · b [n, k]ᵀ`` in f32 (a, b: float8_e4m3fn), the tensor cores
-    summing :data:`PROMOTE_K` columns between two promotions."""
-    return fp8_dot_p.bind(a, b, promote_k=PROMOTE_K)
+def fp8_dot(a: jax.Array, b: jax.Array, acc: jax.Array | None = None) -> jax.Array:
+    """``acc + a [m, k] · b [n, k]ᵀ`` in f32 (a, b: float8_e4m3fn; ``acc``
+    f32 ``[m, n]``, zeros if None), the tensor cores summing
+    :data:`PROMOTE_K` columns between two promotions."""
+    if acc is None:
+        acc = jnp.zeros((a.shape[0], b.shape[0]), jnp.float32)
+    return fp8_dot_p.bind(a, b, acc, promote_k=PROMOTE_K)
 
 
 def _register_triton_lowering() -> None:
@@ -52,9 +60,10 @@ def _register_triton_lowering() -> None:
 
     dot_rule = triton_lowering.triton_lowering_rules[jax.lax.dot_general_p]
 
-    def rule(ctx, a, b, *, promote_k: int):
+    def rule(ctx, a, b, acc, *, promote_k: int):
+        dot_ctx = ctx.replace(avals_in=ctx.avals_in[:2])
         out = dot_rule(
-            ctx,
+            dot_ctx,
             a,
             b,
             dimension_numbers=_CONTRACT,
@@ -66,6 +75,7 @@ def _register_triton_lowering() -> None:
         if op.name != "tt.dot":
             raise NotImplementedError(f"fp8_dot: the dot lowering ended in {op.name}, not tt.dot")
         op.attributes["maxNumImpreciseAcc"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), promote_k)
+        op.operands[2] = acc  # the dot's zero accumulator replaced by the caller's
         return out
 
     triton_lowering.triton_lowering_rules[fp8_dot_p] = rule

@@ -549,10 +549,14 @@ class _SpanPlan:
 
     @property
     def decode_dtype(self):
-        """The dtype 4-bit codes decode to: the compute dtype, or bf16 for the
-        fp8 operands (then converted, exactly)."""
-        eight_bit = jnp.dtype(self.compute_dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8))
-        return jnp.dtype(jnp.bfloat16) if eight_bit else jnp.dtype(self.compute_dtype)
+        """The dtype 4-bit codes decode to: the compute dtype, or a 16-bit float
+        for 8-bit operands (then converted, exactly): f16 for e4m3 (one
+        conversion a pair of values), bf16 for int8."""
+        if jnp.dtype(self.compute_dtype) == jnp.dtype(jnp.float8_e4m3fn):
+            return jnp.dtype(jnp.float16)
+        if jnp.dtype(self.compute_dtype) == jnp.dtype(jnp.int8):
+            return jnp.dtype(jnp.bfloat16)
+        return jnp.dtype(self.compute_dtype)
 
     @property
     def pieces(self) -> int:
@@ -807,7 +811,8 @@ def _gemm_kernel(
     def along_m(row):  # a [bm] vector broadcast against the accumulator
         return row[None, :] if swap else row[:, None]
 
-    def product(piece, k_limit):
+    def product(piece, k_limit, acc=None):
+        """(``acc`` + the piece's product, or the product alone; the piece's row sums)."""
         k_mask = None if k_limit is None else (piece.cols < k_limit)[None, :]
         x = _load(x_ref.at[rows_in[:, None], piece.x_cols[None, :]], _all(row_mask[:, None], k_mask))
         if x_float8 is not None:  # 8-bit floats travel as uint8 (see _storage_bits)
@@ -816,17 +821,18 @@ def _gemm_kernel(
         if x_shift:
             x = x * jnp.asarray(2.0**-x_shift, compute_dtype)
         row_sum = jnp.sum(x.astype(jnp.float32), axis=1) if float_zero else None
+        operands = (piece.values, x) if swap else (x, piece.values)
+        if tiles.use_mma and jnp.dtype(compute_dtype) == jnp.dtype(jnp.float8_e4m3fn):
+            return fp8_dot(*operands, acc), row_sum  # (accumulates in f32)
         if not tiles.use_mma:  # [bm, 1, c] x [1, bn, c] summed over c, in f32
             products = x.astype(jnp.float32)[:, None, :] * piece.values.astype(jnp.float32)[None, :, :]
-            return jnp.sum(products, axis=2).astype(accum_dtype), row_sum
-        operands = (piece.values, x) if swap else (x, piece.values)
-        if jnp.dtype(compute_dtype) == jnp.dtype(jnp.float8_e4m3fn):
-            return fp8_dot(*operands).astype(accum_dtype), row_sum
-        integer = jnp.dtype(compute_dtype) == jnp.dtype(jnp.int8)  # int8 MMAs sum exactly in int32
-        dot = jax.lax.dot_general(
-            *operands, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32 if integer else accum_dtype
-        )
-        return dot.astype(accum_dtype), row_sum
+            dot = jnp.sum(products, axis=2).astype(accum_dtype)
+        else:
+            integer = jnp.dtype(compute_dtype) == jnp.dtype(jnp.int8)  # int8 MMAs sum exactly in int32
+            dot = jax.lax.dot_general(
+                *operands, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32 if integer else accum_dtype
+            ).astype(accum_dtype)
+        return (dot if acc is None else acc + dot), row_sum
 
     def k_tile_step(k_limit, n_idx, n_mask):
         """One K tile's products of column tile ``n_idx`` added to ``acc``;
@@ -858,12 +864,11 @@ def _gemm_kernel(
                         row_scale, scale = row_scale * scale, None
                 if scale is None and row_scale is None and not float_zero:  # straight into acc (one MMA chain)
                     for piece in pieces:
-                        acc = acc + product(piece, k_limit)[0]
+                        acc = product(piece, k_limit, acc)[0]
                     continue
                 part, row_sum = None, None
                 for piece in pieces:
-                    dot, sums = product(piece, k_limit)
-                    part = dot if part is None else part + dot
+                    part, sums = product(piece, k_limit, part)
                     row_sum = sums if row_sum is None else row_sum + sums
                 part = part.astype(jnp.float32)
                 if float_zero:
