@@ -288,8 +288,12 @@ def test_hadamard_without_activation(dtype, rng):
         _check_against_reference(got, ref, False, np.asarray(x, np.float64))
 
 
-@pytest.mark.parametrize("k", [256, 384])  # 384: two column blocks (256 + 128)
-@pytest.mark.parametrize("spec", [Q.NONE, Q.FP8_DYNAMIC_GROUP128, Q.NVFP4_DYNAMIC_TOKEN], ids=lambda s: s.name)
+# 384: two column blocks (256 + 128); one column block with the plain rows only.
+@pytest.mark.parametrize(
+    "spec,k",
+    [(Q.NONE, 256), (Q.NONE, 384), (Q.FP8_DYNAMIC_GROUP128, 384), (Q.NVFP4_DYNAMIC_TOKEN, 384)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
 def test_kernel_layouts(spec, k, rng):
     # grouped_mask: garbage (NaN) past the counts, an empty and an over-full expert
     e, max_tokens = 4, 6
@@ -515,18 +519,23 @@ def test_hadamard_blocks_loaded_as_operands(spec, k, block, layout, rng):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+LOOPED = "block_rows=16,num_warps=4,row_blocks=2"
+
+
 @pytest.mark.parametrize(
-    "spec,k,sub,tiles",
+    "spec,k,sub,tiles,layout",
     [
-        (Q.FP8_DYNAMIC_TOKEN, 768, 32, ""),  # 512 + 256: two column blocks of 4 sub-products a Hadamard block
-        (Q.FP8_DYNAMIC_TOKEN, 384, 64, "block_rows=16,num_warps=4,row_blocks=2"),  # looped row blocks
-        (Q.INT8_DYNAMIC_TOKEN, 256, 16, ""),
-        (Q.FP8_STATIC_TENSOR, 384, 64, ""),
-        (Q.NONE, 256, 32, ""),
+        # 512 + 256: two column blocks of 4 sub-products a Hadamard block
+        *((Q.FP8_DYNAMIC_TOKEN, 768, 32, "", layout) for layout in ("normal", "scatter")),
+        # looped row blocks
+        *((Q.FP8_DYNAMIC_TOKEN, 384, 64, LOOPED, layout) for layout in ("normal", "scatter")),
+        # the other quantizers and sizes once each (the layout only moves rows)
+        (Q.INT8_DYNAMIC_TOKEN, 256, 16, "", "normal"),
+        (Q.FP8_STATIC_TENSOR, 384, 64, "", "scatter"),
+        (Q.NONE, 256, 32, "", "normal"),
     ],
     ids=lambda v: getattr(v, "name", str(v)),
 )
-@pytest.mark.parametrize("layout", ["normal", "scatter"])
 def test_hadamard_sub_block_products(spec, k, sub, tiles, layout, rng):
     """``hadamard_sub``: each Hadamard block of 128 rotated
     as 128/S products with the S x S matrix and f32 butterflies across them
