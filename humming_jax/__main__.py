@@ -21,7 +21,11 @@ def main(argv: list[str] | None = None) -> int:
             default=list(bench_module.FORMATS),
             help="weight formats, WEIGHT@INPUT pairs (fp8_block128@fp8_dynamic_group128) or the anchor's pair names",
         )
-        sub.add_argument("--out", default=default_out)
+        sub.add_argument(
+            "--out",
+            default=default_out,
+            help="results JSON (tune: the table; use it with HUMMING_JAX_TUNING=FILE) (default: %(default)s)",
+        )
         sub.add_argument(
             "--k-order",
             action="store_true",

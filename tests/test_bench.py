@@ -362,3 +362,21 @@ def test_soak_case_checks_the_kernel_path(monkeypatch):
     wrong = lambda *a, backend=None: real(*a, backend=backend) * (1.0 if backend == "reference" else 1.1)  # noqa: E731
     monkeypatch.setattr(hj, "humming_grouped_experts", wrong)
     assert not soak.run_case(case, "interpret")["ok"]
+
+
+def test_a_users_table_from_the_environment(tmp_path, monkeypatch):
+    """``$HUMMING_JAX_TUNING`` names a table file (what ``tune --out`` writes)
+    used in place of the packaged one; a missing file is an error, not the
+    packaged table."""
+    shipped = json.loads(tuning.table_path("h200.json").read_text())
+    key, entries = next(iter(shipped["entries"].items()))
+    mine = dict(meta={}, entries={key: [dict(entries[0], us=[1.0], source="mine")]})
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(mine))
+    monkeypatch.setenv(tuning.table.TABLE_ENV, str(path))
+    table = tuning.load_table()
+    assert list(table) == [key] and table[key][0].source == "mine"
+    assert len(tuning.load_table("h200.json")) == len(shipped["entries"])  # a named packaged table as before
+    monkeypatch.setenv(tuning.table.TABLE_ENV, str(tmp_path / "absent.json"))
+    with pytest.raises(FileNotFoundError, match="HUMMING_JAX_TUNING"):
+        tuning.load_table()

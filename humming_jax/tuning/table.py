@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
+import pathlib
 from importlib import resources
 from typing import Any
 
@@ -82,8 +84,15 @@ def table_key(layout: str, fmt_class: str, shape: tuple[int, int, int] | None = 
     return base if shape is None else f"{base}@E={shape[0]},N={shape[1]},K={shape[2]}"
 
 
+TABLE_ENV = "HUMMING_JAX_TUNING"  # a table file of one's own (what `tune --out` writes), used in place of ours
+
+
 def table_path(name: str | None = None):
-    """The packaged table file for the default device (or the file ``name``)."""
+    """The table file: the packaged file ``name``; without one, the file
+    ``$HUMMING_JAX_TUNING`` names if set, else the packaged table of the
+    default device."""
+    if name is None and os.environ.get(TABLE_ENV):
+        return pathlib.Path(os.environ[TABLE_ENV])
     if name is None:
         name = TABLES.get(str(jax.devices()[0].device_kind), DEFAULT_TABLE)
     return resources.files("humming_jax.tuning").joinpath(name)
@@ -93,11 +102,19 @@ def parse_table(text: str) -> dict[str, tuple[Entry, ...]]:
     return {key: tuple(Entry.from_json(e) for e in entries) for key, entries in json.loads(text)["entries"].items()}
 
 
-@functools.cache
 def load_table(name: str | None = None) -> dict[str, tuple[Entry, ...]]:
-    """``{key: entries}`` of the packaged table (empty if there is none)."""
+    """``{key: entries}`` of the table :func:`table_path` names (empty if the
+    packaged one does not exist; a missing ``$HUMMING_JAX_TUNING`` file raises)."""
+    path = table_path(name)
+    if name is None and os.environ.get(TABLE_ENV) and not path.is_file():
+        raise FileNotFoundError(f"{TABLE_ENV}={os.environ[TABLE_ENV]!r}: no such tuning table file")
+    return _read_table(str(path))
+
+
+@functools.cache
+def _read_table(path: str) -> dict[str, tuple[Entry, ...]]:
     try:
-        text = table_path(name).read_text()
+        text = pathlib.Path(path).read_text()
     except FileNotFoundError:
         return {}
     return parse_table(text)
