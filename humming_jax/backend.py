@@ -68,3 +68,47 @@ def no_kernel(op: str, reason: str, backend: str | None) -> None:
     if (op, reason) not in _WARNED:
         _WARNED.add((op, reason))
         warnings.warn(f"{op}: no kernel takes this call ({reason}); running the jnp reference", stacklevel=3)
+
+
+def reference_gradient(static_argnames: tuple[str, ...]):
+    """Decorate a kernel op ``fn(..., backend=...)`` so that its derivative is
+    the derivative of its ``jnp`` reference (Pallas kernels have none): the
+    forward pass runs the kernel, the backward pass ``jax.vjp`` of
+    ``fn(..., backend="reference")`` on the same arguments (recomputed). The
+    ``static_argnames`` (those ``jax.jit`` takes as static) stay out of the
+    differentiated arguments. Rounding in a quantizer has a zero derivative,
+    as in the reference."""
+    import functools
+    import inspect
+
+    def wrap(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def op(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arrays = dict(bound.arguments)
+            static = {name: arrays.pop(name) for name in static_argnames if name in arrays}
+            if resolve_backend(static.get("backend"), fn.__name__) == "reference":
+                return fn(**arrays, **static)
+
+            def run(arrays, backend):
+                return fn(**arrays, **{**static, "backend": backend})
+
+            @jax.custom_vjp
+            def kernel(arrays):
+                return run(arrays, static.get("backend"))
+
+            def forward(arrays):
+                return kernel(arrays), arrays
+
+            def backward(arrays, cotangent):
+                return jax.vjp(lambda a: run(a, "reference"), arrays)[1](cotangent)
+
+            kernel.defvjp(forward, backward)
+            return kernel(arrays)
+
+        return op
+
+    return wrap

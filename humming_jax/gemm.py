@@ -21,7 +21,7 @@ from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import tuning as T
-from humming_jax.backend import no_kernel, resolve_backend
+from humming_jax.backend import no_kernel, reference_gradient, resolve_backend
 from pallas_kernels import gemm as kernels
 from pallas_kernels.gemm import mosaic, spec, triton
 
@@ -121,9 +121,11 @@ def gemm_reference(x: Q.QuantizedInput, weight: F.QuantizedWeight, layout: L.Lay
 GemmTiles = triton.Tiles | mosaic.Tiles
 
 
-@functools.partial(
-    jax.jit, static_argnames=("out_dtype", "use_f16_accum", "batch_invariant", "valid_shape_m", "tuning", "backend")
-)
+_GEMM_STATIC = ("out_dtype", "use_f16_accum", "batch_invariant", "valid_shape_m", "tuning", "backend")
+
+
+@functools.partial(jax.jit, static_argnames=_GEMM_STATIC)
+@reference_gradient(_GEMM_STATIC)
 def gemm(
     x: jax.Array | Q.QuantizedInput,
     weight: F.QuantizedWeight | jax.Array,

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from humming_jax import input_quant as Q
 from humming_jax.activations import ActivationSpec, apply_activation, get_activation
-from humming_jax.backend import resolve_backend
+from humming_jax.backend import reference_gradient, resolve_backend
 from pallas_kernels import process_input as kernel
 
 LAYOUTS = ("normal", "grouped_mask", "scatter")
@@ -132,19 +132,20 @@ def process_input_reference(x: jax.Array, steps: ProcessSteps, arrays: ProcessAr
     return Q.QuantizedInput(values=values, scale=scale, scale_2=scale_2, spec=spec, k=k)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "spec",
-        "activation",
-        "hadamard_block_size",
-        "layout",
-        "compute_dtype",
-        "tiles",
-        "backend",
-        "scatter_is_permutation",
-    ),
+_STATIC = (
+    "spec",
+    "activation",
+    "hadamard_block_size",
+    "layout",
+    "compute_dtype",
+    "tiles",
+    "backend",
+    "scatter_is_permutation",
 )
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+@reference_gradient(_STATIC)
 def process_input(
     x: jax.Array,
     spec: Q.InputQuantSpec | str = Q.NONE,

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from humming_jax.backend import resolve_backend
+from humming_jax.backend import reference_gradient, resolve_backend
 from pallas_kernels import routing as kernels
 
 
@@ -230,6 +230,7 @@ class PermuteResult:
 
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "num_local_experts", "row_tiles", "backend"))
+@reference_gradient(("num_experts", "num_local_experts", "row_tiles", "backend"))
 def moe_permute(
     hidden_states: jax.Array,
     topk_ids: jax.Array,
@@ -286,6 +287,7 @@ def moe_permute(
 
 
 @functools.partial(jax.jit, static_argnames=("row_tiles", "backend"))
+@reference_gradient(("row_tiles", "backend"))
 def moe_unpermute(
     permuted_hidden_states: jax.Array,
     topk_weights: jax.Array,
@@ -333,6 +335,7 @@ def moe_unpermute(
 
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "row_tiles", "backend"))
+@reference_gradient(("num_experts", "row_tiles", "backend"))
 def moe_fused_mul_sum(
     inputs: jax.Array,
     topk_weights: jax.Array,
