@@ -1,7 +1,8 @@
 """Loading expert weights from real checkpoint layouts (safetensors).
 
 ``read_safetensors`` reads the file format directly (NumPy + ml_dtypes: fp8
-and bf16 load too); ``load_experts`` turns one MoE layer's tensors into
+and bf16 load too), ``SafetensorsCheckpoint`` a sharded folder lazily;
+``load_experts`` turns one MoE layer's tensors into
 :class:`ExpertWeights` for an :class:`ExpertsConfig`, converting the
 checkpoint's packing to this library's without requantizing: GPTQ (act-order
 included), AWQ, compressed-tensors int4, DeepSeek FP8-block, ModelOpt NVFP4,
@@ -12,7 +13,9 @@ naming it.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import struct
 from collections.abc import Mapping, Sequence
 
@@ -59,6 +62,63 @@ def read_safetensors(paths: str | Sequence[str]) -> dict[str, np.ndarray]:
             start, end = info["data_offsets"]
             tensors[name] = np.frombuffer(data[start:end], dtype=_DTYPES[info["dtype"]]).reshape(info["shape"])
     return tensors
+
+
+def _header(path: str) -> tuple[dict, int]:
+    """(the header of a ``.safetensors`` file, the offset of its data)."""
+    with open(path, "rb") as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(header_size)), 8 + header_size
+
+
+class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
+    """A sharded checkpoint read lazily: ``{name: array}`` over a folder (its
+    ``model.safetensors.index.json`` when there is one, else every
+    ``*.safetensors`` in it) or a list of files. Only the headers are read up
+    front; a tensor is memory-mapped from its file when asked for, so
+    :func:`load_experts` on one layer reads that layer's bytes only."""
+
+    INDEX = "model.safetensors.index.json"
+
+    def __init__(self, path: str | os.PathLike | Sequence[str | os.PathLike]):
+        if isinstance(path, str | os.PathLike) and os.path.isdir(path):
+            index = os.path.join(path, self.INDEX)
+            if os.path.exists(index):
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                files = sorted({os.path.join(path, name) for name in weight_map.values()})
+            else:
+                files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            if not files:
+                raise ValueError(f"SafetensorsCheckpoint: no .safetensors files in {os.fspath(path)!r}")
+        else:
+            files = [os.fspath(path)] if isinstance(path, str | os.PathLike) else [os.fspath(p) for p in path]
+        self._where: dict[str, tuple[str, dict, int]] = {}
+        for file in files:
+            header, data_start = _header(file)
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                if info["dtype"] not in _DTYPES:
+                    raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
+                self._where[name] = (file, info, data_start)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise KeyError(f"checkpoint: no tensor {name!r}")
+        file, info, data_start = self._where[name]
+        dtype, shape = np.dtype(_DTYPES[info["dtype"]]), tuple(info["shape"])
+        start, end = info["data_offsets"]
+        if end == start:
+            return np.empty(shape, dtype)
+        raw = np.memmap(file, dtype=np.uint8, mode="r", offset=data_start + start, shape=(end - start,))
+        return raw.view(dtype).reshape(shape)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 class _Tensors:

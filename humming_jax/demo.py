@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +83,15 @@ def _timed(fn, *args, repeats: int = 5):
     return out, float(np.median(times))
 
 
-def run_demo(problem: DemoProblem = DemoProblem(), backend: str | None = None) -> list[DemoRow]:
+def _quiet(message: str) -> None:
+    del message
+
+
+def run_demo(
+    problem: DemoProblem = DemoProblem(), backend: str | None = None, progress: Callable[[str], None] = _quiet
+) -> list[DemoRow]:
+    """Every pipeline on ``problem``, checked; ``progress`` gets a line before
+    each step (compiling a pipeline takes seconds, tens in interpret mode)."""
     e, h, i, k, t = problem.num_experts, problem.hidden, problem.intermediate, problem.top_k, problem.num_tokens
     keys = jax.random.split(jax.random.key(problem.seed), 4)
     x = jax.random.normal(keys[0], (t, h), jnp.float32).astype(jnp.bfloat16)
@@ -104,6 +113,7 @@ def run_demo(problem: DemoProblem = DemoProblem(), backend: str | None = None) -
     )
     gemm_backend = resolve_backend(backend, "gemm")
     rows = []
+    progress(f"compiling and timing the grouped pipeline ({gemm_backend})")
 
     out, seconds = _timed(
         lambda *a: hj.humming_grouped_experts(*a, config, backend=backend), x, weights, topk_weights, topk_ids
@@ -119,6 +129,7 @@ def run_demo(problem: DemoProblem = DemoProblem(), backend: str | None = None) -
         )
     )
 
+    progress("the indexed pipeline")
     out, seconds = _timed(
         lambda *a: hj.humming_indexed_experts(*a, config, backend=backend), x, weights, topk_weights, topk_ids
     )
@@ -134,6 +145,7 @@ def run_demo(problem: DemoProblem = DemoProblem(), backend: str | None = None) -
     )
 
     # Batched: dispatch tokens into [E, max_tokens, H]; the caller does the top-k reduce.
+    progress("the batched pipeline")
     offsets, scatter_idx = routing.moe_prepare_scatter(topk_ids, e)
     expert_num_tokens = offsets[1:] - offsets[:-1]
     position = scatter_idx - offsets[topk_ids]  # row of each slot inside its expert
@@ -159,6 +171,7 @@ def run_demo(problem: DemoProblem = DemoProblem(), backend: str | None = None) -
     # MoonEP: segment-ordered rows (one segment per expert, plus B=2 empty
     # redundant rows), bf16 weights; reduced back to tokens for the check.
     redundant = 2
+    progress("the MoonEP experts")
     permuted = routing.moe_permute(x, topk_ids, e)
     route_weights = topk_weights.reshape(-1)[permuted.permuted_idx]
     cu_seqlens = jnp.concatenate([offsets[1:], jnp.full(redundant, offsets[-1])])
@@ -215,7 +228,8 @@ def workspace_line(problem: DemoProblem) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     problem = DemoProblem()
-    rows = run_demo(problem)
+    print(f"quantizing a {problem.weight_format} layer ({jax.devices()[0].platform})", flush=True)
+    rows = run_demo(problem, progress=lambda line: print(f"  {line}…", flush=True))
     print(format_table(rows, problem))
     print(workspace_line(problem))
     failed = [row.pipeline for row in rows if not row.passed]

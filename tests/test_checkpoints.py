@@ -5,7 +5,9 @@ definition, saved with the ``safetensors`` package), loads it with
 writer's dequantized weights."""
 
 import dataclasses
+import json
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -14,7 +16,7 @@ from safetensors.numpy import save_file
 
 import humming_jax as hj
 from humming_jax import formats as F
-from humming_jax.checkpoints import load_experts, read_safetensors
+from humming_jax.checkpoints import SafetensorsCheckpoint, load_experts, read_safetensors
 
 import np_ref
 
@@ -289,3 +291,36 @@ def test_bad_checkpoints_name_the_tensor(tmp_path, rng):
         load_experts(wrong_dtype, PREFIX, config, "fp8_block")
     with pytest.raises(ValueError, match="layout"):
         load_experts(tensors, PREFIX, config, "bitsandbytes")
+
+
+def test_a_sharded_folder_is_read_lazily(tmp_path, rng):
+    """``SafetensorsCheckpoint`` over a folder of shards and its index: a
+    layer's tensors split over three files (and another layer's, never read),
+    loaded as from one file; each tensor memory-mapped on first use."""
+    tensors, w13, w2 = _per_expert(rng, write_fp8_block)
+    other = {
+        f"model.layers.1.mlp.experts.{x}.up_proj.weight": rng.normal(size=(4, 4)).astype(np.float32) for x in (0, 1)
+    }
+    names = sorted(tensors) + sorted(other)
+    shards = [names[0::3], names[1::3], names[2::3]]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-00003.safetensors"
+        save_file({n: np.ascontiguousarray({**tensors, **other}[n]) for n in shard}, str(tmp_path / file))
+        weight_map.update(dict.fromkeys(shard, file))
+    (tmp_path / SafetensorsCheckpoint.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    checkpoint = SafetensorsCheckpoint(tmp_path)
+    assert set(checkpoint) == set(names) and len(checkpoint) == len(names)
+    first = checkpoint[names[0]]
+    assert isinstance(first.base, np.memmap) or isinstance(first, np.memmap)
+    np.testing.assert_array_equal(first, tensors[names[0]])
+    config = hj.ExpertsConfig(E, H, I, 2, weight_format="fp8_block128")
+    lazy = load_experts(checkpoint, PREFIX, config, "fp8_block")
+    (tmp_path / "one").mkdir()
+    whole = load_experts(_save(tmp_path / "one", tensors), PREFIX, config, "fp8_block")
+    for a, b in zip(jax.tree.leaves(lazy), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(KeyError, match="no tensor 'absent'"):
+        checkpoint["absent"]
+    (tmp_path / SafetensorsCheckpoint.INDEX).unlink()  # without the index: every file of the folder
+    assert set(SafetensorsCheckpoint(tmp_path)) == set(names)

@@ -9,3 +9,5 @@ def test_demo_passes(capsys):
     for pipeline in ("humming_grouped", "humming_indexed", "batched_humming_grouped", "moonep"):
         assert pipeline in out
     assert "FAIL" not in out
+    # Progress lines before the compiles (tens of seconds in interpret mode).
+    assert "compiling and timing the grouped pipeline" in out and "the MoonEP experts" in out
