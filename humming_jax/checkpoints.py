@@ -13,6 +13,7 @@ naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -413,3 +414,89 @@ def _load_gpt_oss(t: _Tensors, prefix: str, config: ExpertsConfig) -> dict:
             shape=(e, n, k),
         )
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HFMoE:
+    """What a Hugging Face ``config.json`` says about its MoE layers:
+    ``experts`` (the :class:`ExpertsConfig`), ``layout`` (the
+    :func:`load_experts` layout of its quantization, None for float weights),
+    ``names`` (gate, up, down tensor names of an expert), ``prefix`` (the
+    experts' tensor prefix, ``{layer}`` to fill) and ``block`` (the
+    :class:`~humming_jax.nn.MoEBlock` router arguments)."""
+
+    experts: ExpertsConfig
+    layout: str | None
+    names: tuple[str, str, str]
+    prefix: str
+    block: dict
+
+
+_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+# model_type -> (experts key, intermediate key, expert prefix, tensor names)
+_HF_MODELS = {
+    "mixtral": (
+        "num_local_experts",
+        "intermediate_size",
+        "model.layers.{layer}.block_sparse_moe.experts",
+        ("w1", "w3", "w2"),
+    ),
+    "qwen3_moe": ("num_experts", "moe_intermediate_size", "model.layers.{layer}.mlp.experts", _GATE_UP_DOWN),
+    "deepseek_v3": ("n_routed_experts", "moe_intermediate_size", "model.layers.{layer}.mlp.experts", _GATE_UP_DOWN),
+    "gpt_oss": ("num_local_experts", "intermediate_size", "model.layers.{layer}.mlp.experts", _GATE_UP_DOWN),
+}
+
+
+def _hf_quantization(quant: dict | None, model_type: str) -> tuple[str | None, dict]:
+    """(layout, ExpertsConfig fields) of a ``quantization_config``."""
+    if not quant:
+        return None, {}
+    method = quant.get("quant_method")
+    if method == "fp8" and list(quant.get("weight_block_size") or []) == [128, 128]:
+        return "fp8_block", dict(weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
+    if method == "mxfp4" and model_type == "gpt_oss":
+        return "gpt_oss_mxfp4", dict(weight_format="mxfp4+bias")
+    if method in ("gptq", "awq") and quant.get("bits") == 4:
+        group = quant.get("group_size", 128)
+        fmt = dataclasses.replace(
+            F.UINT4_ZP_G128, name=f"uint4_zp_g{group}_f16", group_size=group, scale_type="float16"
+        )
+        return method, dict(weight_format=fmt)
+    raise ValueError(
+        f"from_hf_config: quantization_config: no layout reads {method!r} "
+        f"({', '.join(repr(k) + '=' + repr(v) for k, v in sorted(quant.items()) if k != 'quant_method')}); "
+        f"known: fp8 with weight_block_size [128, 128], gpt-oss mxfp4, 4-bit gptq/awq"
+    )
+
+
+def from_hf_config(config: Mapping | str | os.PathLike) -> HFMoE:
+    """The MoE layer of a Hugging Face model config (a dict or a
+    ``config.json`` path; Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss)."""
+    if not isinstance(config, Mapping):
+        with open(config) as f:
+            config = json.load(f)
+    model_type = config.get("model_type")
+    if model_type not in _HF_MODELS:
+        raise ValueError(f"from_hf_config: model_type: expected one of {sorted(_HF_MODELS)}, got {model_type!r}")
+    experts_key, intermediate_key, prefix, names = _HF_MODELS[model_type]
+    layout, fields = _hf_quantization(config.get("quantization_config"), model_type)
+    if model_type == "gpt_oss":
+        fields["activation"] = "swigluoai"
+    experts = ExpertsConfig(
+        config[experts_key], config["hidden_size"], config[intermediate_key], config["num_experts_per_tok"], **fields
+    )
+    block: dict = dict(renormalize=bool(config.get("norm_topk_prob", True)))
+    if model_type == "deepseek_v3":
+        block.update(
+            scoring=config.get("scoring_func", "sigmoid"),
+            correction_bias=config.get("topk_method", "noaux_tc") == "noaux_tc",
+            num_groups=config.get("n_group", 1),
+            topk_groups=config.get("topk_group"),
+            routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+            shared_intermediate_size=config["moe_intermediate_size"] * config.get("n_shared_experts", 0) or None,
+        )
+    if model_type == "qwen3_moe" and config.get("shared_expert_intermediate_size"):
+        block["shared_intermediate_size"] = config["shared_expert_intermediate_size"]
+    if model_type == "gpt_oss":
+        block["router_bias"] = True
+    return HFMoE(experts, layout, names, prefix, block)

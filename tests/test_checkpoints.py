@@ -324,3 +324,67 @@ def test_a_sharded_folder_is_read_lazily(tmp_path, rng):
         checkpoint["absent"]
     (tmp_path / SafetensorsCheckpoint.INDEX).unlink()  # without the index: every file of the folder
     assert set(SafetensorsCheckpoint(tmp_path)) == set(names)
+
+
+HF = {
+    "mixtral": dict(num_local_experts=8, intermediate_size=256, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=128, num_experts_per_tok=4, norm_topk_prob=False),
+    "deepseek_v3": dict(
+        n_routed_experts=8,
+        moe_intermediate_size=128,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        n_shared_experts=1,
+        norm_topk_prob=True,
+        quantization_config=dict(quant_method="fp8", weight_block_size=[128, 128], activation_scheme="dynamic"),
+    ),
+    "gpt_oss": dict(
+        num_local_experts=8, intermediate_size=128, num_experts_per_tok=4, quantization_config={"quant_method": "mxfp4"}
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(HF))
+def test_hugging_face_configs(model_type, tmp_path):
+    """A model's ``config.json`` gives its experts' config, its checkpoint
+    layout, tensor names and router; the MoEBlock builds from them."""
+    from flax import nnx
+
+    from humming_jax.checkpoints import from_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type=model_type, hidden_size=128, **HF[model_type])))
+    hf = from_hf_config(path)
+    want = {"mixtral": (8, 256, 2), "qwen3_moe": (8, 128, 4), "deepseek_v3": (8, 128, 4), "gpt_oss": (8, 128, 4)}
+    assert (hf.experts.num_experts, hf.experts.intermediate_size, hf.experts.top_k) == want[model_type]
+    assert hf.layout == {"deepseek_v3": "fp8_block", "gpt_oss": "gpt_oss_mxfp4"}.get(model_type)
+    assert hf.prefix.format(layer=3).startswith("model.layers.3.")
+    if model_type == "deepseek_v3":
+        assert hf.experts.weight_format.name == "fp8_block128" and hf.experts.input_quant.name == "fp8_dynamic_group128"
+        assert hf.block["num_groups"] == 4 and hf.block["routed_scaling_factor"] == 2.5 and hf.block["correction_bias"]
+    if model_type == "gpt_oss":
+        assert hf.experts.activation.kind.value == "swigluoai" and hf.block["router_bias"]
+    assert hf.block["renormalize"] == (model_type != "qwen3_moe")
+    block = hj.nn.MoEBlock(hj.nn.HummingGroupedExperts(hf.experts, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1), **hf.block)
+    assert block.top_k == hf.experts.top_k
+
+
+def test_a_gptq_config_loads_its_checkpoint_bit_exact(tmp_path, rng):
+    """GPTQ's ``quantization_config`` gives fp16 scales (the checkpoint's):
+    the loaded weights dequantize to the checkpoint's values exactly."""
+    from humming_jax.checkpoints import from_hf_config
+
+    tensors, w13, w2 = _per_expert(rng, write_gptq, act_order=False)
+    config = dict(model_type="qwen3_moe", hidden_size=H, num_experts=E, moe_intermediate_size=I, num_experts_per_tok=2)
+    config["quantization_config"] = dict(quant_method="gptq", bits=4, group_size=128, desc_act=False, sym=False)
+    hf = from_hf_config(config)
+    loaded = load_experts(_save(tmp_path, tensors), PREFIX, hf.experts, hf.layout, hf.names)
+    np.testing.assert_allclose(np_ref.dequantize_weight(loaded.w13), w13, rtol=1e-6, atol=1e-12)
+    with pytest.raises(ValueError, match="no layout reads 'bitsandbytes'"):
+        from_hf_config({**config, "quantization_config": {"quant_method": "bitsandbytes"}})
+    with pytest.raises(ValueError, match="model_type"):
+        from_hf_config({**config, "model_type": "llama"})

@@ -50,7 +50,13 @@ class _HummingExperts(nnx.Module):
         if weights is None:
             if rngs is None:
                 raise ValueError(f"{type(self).__name__}: give rngs (random weights) or weights")
-            weights = E.quantize_experts(*_random_float_weights(config, rngs), config)
+            w13, w2 = _random_float_weights(config, rngs)
+            biases = {  # formats with a bias start with zeros
+                f"{name}_bias": jnp.zeros(w.shape[:2], jnp.float32)
+                for name, w, fmt in (("w13", w13, config.weight_format), ("w2", w2, config.w2_weight_format))
+                if fmt.has_bias
+            }
+            weights = E.quantize_experts(w13, w2, config, **biases)
         E.check_weights(weights, config)
         self.config = config
         self.backend = backend
