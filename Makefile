@@ -11,12 +11,15 @@ FIND_PYTHON = for c in python3.12 python3 $$HOME/.pyenv/versions/3.1[2-9]*/bin/p
 
 .PHONY: demo test lint clean
 
+# On a machine with an NVIDIA driver the CUDA build of JAX comes too (the `cuda` extra).
+CUDA_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ",cuda")
+
 $(STAMP): pyproject.toml
 	@PYTHON=$$($(FIND_PYTHON)) || { echo "error: need Python >= 3.12 (python3.12 or python3 on PATH)" >&2; exit 1; }; \
 	  echo "using $$PYTHON ($$($$PYTHON --version))"; \
 	  $$PYTHON -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,dev,notebooks]'
+	$(PY) -m pip install -q -e '.[test,dev,notebooks$(CUDA_EXTRA)]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
