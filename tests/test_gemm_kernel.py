@@ -94,9 +94,15 @@ def _check_tiling(rng, fmt_name, layout_kind, tuning, k=K, x_dtype=jnp.bfloat16)
 
 # Every format on the grouped layout (the pipelines'); the other layouts with one
 # format of each kind (their row logic is the format's code's caller, not its part).
-_ONE_OF_EACH_KIND = ["bf16", "f16", "int4_g128+bias", "uint4_zp_g128", "int8_channel", "fp8_block128", "mxfp4", "nvfp4"]
+# Each other layout meets a 16-bit, a 4-bit integer, an 8-bit and a 4-bit float format, and
+# every kind of format meets at least two of them.
+_OTHER_LAYOUTS = {
+    "dense": ["bf16", "int4_g128+bias", "fp8_block128", "nvfp4"],
+    "grouped_masked": ["f16", "uint4_zp_g128", "int8_channel", "mxfp4"],
+    "indexed": ["bf16", "uint4_zp_g128", "fp8_block128", "mxfp4"],
+}
 _FORMAT_LAYOUTS = [(f, "grouped_contiguous") for f in sorted(F.PRESETS) + ["int4_g128+bias", "mxfp4+bias"]] + [
-    (f, layout) for layout in ("dense", "grouped_masked", "indexed") for f in _ONE_OF_EACH_KIND
+    (f, layout) for layout, formats in _OTHER_LAYOUTS.items() for f in formats
 ]
 
 
@@ -236,8 +242,17 @@ def test_swap_ab_tiles(layout_kind, fmt_name, rng):
     _check_tiling(rng, fmt_name, layout_kind, kernel.Tiles(block_m=16, block_n=64, block_k=128, swap_ab=True))
 
 
-@pytest.mark.parametrize("layout_kind", ["dense", "grouped_contiguous", "grouped_masked"])
-@pytest.mark.parametrize("fmt_name", ["int4_g32", "uint4_fzp_g128", "mxfp4+bias", "nvfp4"])
+@pytest.mark.parametrize(
+    "fmt_name,layout_kind",  # each format on two layouts, each layout twice
+    [
+        ("int4_g32", "dense"),
+        ("int4_g32", "grouped_contiguous"),
+        ("uint4_fzp_g128", "grouped_masked"),
+        ("mxfp4+bias", "grouped_contiguous"),
+        ("nvfp4", "dense"),
+        ("nvfp4", "grouped_masked"),
+    ],
+)
 @pytest.mark.parametrize("block_k", [128])
 def test_prefill_tiles_split_x(layout_kind, fmt_name, block_k, rng):
     """Row tiles of 64+ read a copy of x with each span's columns split even/odd
@@ -254,11 +269,13 @@ def test_banded_program_order(group_m, layout_kind, rng):
 
 
 @pytest.mark.parametrize(
-    "layout_kind,block_m",
+    "fmt_name,layout_kind,block_m",
     # 64-row tiles read the split copy of x; an indexed tile is its alignment block (16 here).
-    [("dense", 64), ("grouped_contiguous", 16), ("grouped_masked", 64), ("indexed", 16)],
+    [("int4_g128", layout, block_m) for layout, block_m in (("dense", 64), ("grouped_contiguous", 16))]
+    + [("int4_g128", "grouped_masked", 64), ("int4_g128", "indexed", 16)]
+    + [("uint4_fzp_g128", "grouped_masked", 64), ("uint4_fzp_g128", "indexed", 16)]
+    + [("mxfp4+bias", "dense", 64), ("mxfp4+bias", "grouped_contiguous", 16)],
 )
-@pytest.mark.parametrize("fmt_name", ["int4_g128", "uint4_fzp_g128", "mxfp4+bias"])
 def test_word_decode(block_m, layout_kind, fmt_name, rng):
     """``word_decode``: packed weights read as uint32 words, 8 pieces per span
     (on a GPU, integer codes are decoded by inline PTX); same values."""
@@ -347,12 +364,14 @@ def test_piece_column_order():
             np.testing.assert_array_equal(np.diff(runs, axis=1), 1)
 
 
-@pytest.mark.parametrize("block_m", [1, 8])
+@pytest.mark.parametrize(
+    "block_m,layout_kind",  # each format with both row counts, each on another layout
+    [(1, "grouped_contiguous"), (8, "dense")],
+)
 @pytest.mark.parametrize(
     "fmt_name,word",
     [("int4_g128", True), ("mxfp4", False), ("bf16", False)],
 )
-@pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "dense"])
 def test_multiply_add_tiles(block_m, fmt_name, word, layout_kind, rng):
     """``use_mma=False``: row tiles of 1-8 rows multiply on the CUDA cores (f32),
     every format's pieces and scales as in the MMA path."""

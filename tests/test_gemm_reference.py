@@ -3,6 +3,7 @@ NumPy loop over rows, plus quantized inputs and bad input."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,7 +87,8 @@ def test_quantized_inputs(fmt_name, spec, rng):
     )
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
     assert out.dtype == jnp.float32
-    assert hj.gemm(q, weight, layout).dtype == jnp.bfloat16  # default for quantized inputs
+    # The default output dtype for quantized inputs (traced only: the default backend's kernel is tested elsewhere).
+    assert jax.eval_shape(lambda: hj.gemm(q, weight, layout)).dtype == jnp.bfloat16
 
 
 @settings(max_examples=4)  # two gemm calls an example
