@@ -49,8 +49,14 @@ LAYOUTS = ["dense", "grouped_contiguous", "grouped_masked", "indexed"]
 FORMATS = sorted(F.PRESETS) + ["int4_g128+bias", "nvfp4+bias"]
 
 
-@pytest.mark.parametrize("layout_kind", LAYOUTS)
-@pytest.mark.parametrize("fmt_name", FORMATS)
+# Every format on the grouped layout; the other layouts' row logic with formats of each kind.
+_OTHER_LAYOUT_FORMATS = ["bf16", "int4_g128+bias", "uint4_zp_g128", "fp8_block128", "nvfp4+bias", "mxfp4"]
+_CASES = [(f, "grouped_contiguous") for f in FORMATS] + [
+    (f, layout) for layout in LAYOUTS if layout != "grouped_contiguous" for f in _OTHER_LAYOUT_FORMATS
+]
+
+
+@pytest.mark.parametrize("fmt_name,layout_kind", _CASES)
 def test_every_layout_every_format(layout_kind, fmt_name, rng):
     fmt = F.get_format(fmt_name)
     e = 1 if layout_kind == "dense" else E

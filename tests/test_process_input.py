@@ -38,8 +38,15 @@ SPECS = [
 TOL = {"none": 8e-3, "int8": 3e-2, "float8_e4m3": 7e-2, "float4_e2m1": 0.2}
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
-@pytest.mark.parametrize("activation,block", [(None, None), ("silu", None), ("swigluoai", 128), (None, 64)])
+_NORMAL_STEPS = [("silu", None), ("swigluoai", 128), (None, 64)]
+
+
+# Each spec on the plain rows and on one of the other steps (each met by two specs).
+@pytest.mark.parametrize(
+    "spec,activation,block",
+    [(spec, *steps) for i, spec in enumerate(SPECS) for steps in [(None, None), _NORMAL_STEPS[i % 3]]],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
 def test_normal_layout(spec, activation, block, rng):
     m, n = 10, 512
     x = (rng.normal(size=(m, n)) * 2).astype(np.float32)
