@@ -5,7 +5,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"] == "cpu":
     # Interpreted kernels are compiled far more than they run: XLA's CPU backend
     # without LLVM's optimizations compiles them faster (the results are the same).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    flags = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + flags).strip()
 # The Mosaic GPU interpreter runs each warpgroup as a CPU computation whose blocking
 # callbacks (barrier waits) take a worker thread of the CPU client, which has as many
 # as the machine has cores: on 2 cores, warpgroups blocked on both could starve the one
