@@ -15,6 +15,8 @@ same one-time warning: the CPU has no fast path to miss.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import warnings
 from typing import Literal
@@ -78,8 +80,6 @@ def reference_gradient(static_argnames: tuple[str, ...]):
     ``static_argnames`` (those ``jax.jit`` takes as static) stay out of the
     differentiated arguments. Rounding in a quantizer has a zero derivative,
     as in the reference."""
-    import functools
-    import inspect
 
     def wrap(fn):
         signature = inspect.signature(fn)

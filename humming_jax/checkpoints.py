@@ -47,22 +47,8 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ int32 holds column AW
 
 
 def read_safetensors(paths: str | Sequence[str]) -> dict[str, np.ndarray]:
-    """All tensors of one or more ``.safetensors`` files as NumPy arrays."""
-    paths = [paths] if isinstance(paths, str) else list(paths)
-    tensors: dict[str, np.ndarray] = {}
-    for path in paths:
-        with open(path, "rb") as f:
-            (header_size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_size))
-            data = f.read()
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if info["dtype"] not in _DTYPES:
-                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-            start, end = info["data_offsets"]
-            tensors[name] = np.frombuffer(data[start:end], dtype=_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return tensors
+    """All tensors of one or more ``.safetensors`` files as (read-only, memory-mapped) NumPy arrays."""
+    return dict(SafetensorsCheckpoint(paths))
 
 
 def _header(path: str) -> tuple[dict, int]:
