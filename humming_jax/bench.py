@@ -204,8 +204,8 @@ def _block_size(case: Case, tiles: GemmTiles | None) -> int:
     if tiles is None:
         e, n, k, _ = case.shapes()
         fmt, quant = split_format(case.fmt)
-        bits = quant.dtype.bits if quant.is_quantized else 16
-        tiles = T.candidates("indexed", fmt, _real_rows(case), e, n, k, input_bits=bits)[0]
+        dtype = quant.dtype.value if quant.is_quantized else None
+        tiles = T.candidates("indexed", fmt, _real_rows(case), e, n, k, input_dtype=dtype)[0]
     return tiles.block_m
 
 

@@ -255,7 +255,7 @@ def plan(
             *weight.shape,
             block_size=block_size,
             half_bits=weight.half_bits,
-            input_bits=x.spec.dtype.bits if x.spec.is_quantized else 16,
+            input_dtype=x.spec.dtype.value if x.spec.is_quantized else None,
         )
     reasons = []
     for tiles in listed:

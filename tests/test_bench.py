@@ -337,6 +337,31 @@ def test_four_bit_heuristic_by_rows_and_format():
     assert small.block_m == 8 and not small.use_mma
 
 
+def test_quantized_input_heuristic_by_input_dtype():
+    """With fp8 inputs, int4 codes from 32 rows an expert keep their scales out
+    of the tile (e4m3 products); with int8 inputs and for e2m1 codes the
+    folded tile stays; the input's dtype names the class."""
+    from humming_jax.formats import get_format
+
+    int4, mx = get_format("int4_g128"), get_format("mxfp4")
+    for rows in (32, 256):
+        (fp8,) = heuristic.heuristic_candidates(rows, 1536, 2048, int4, input_dtype="float8_e4m3")
+        assert (fp8.block_m, fp8.swap_ab, fp8.fold_scales, fp8.pair_decode) == (64, True, False, True)
+        (int8,) = heuristic.heuristic_candidates(rows, 1536, 2048, int4, input_dtype="int8")
+        assert int8.fold_scales and int8.block_m == min(rows, 64)
+        (e2m1,) = heuristic.heuristic_candidates(rows, 1536, 2048, mx, half_bits=True, input_dtype="float8_e4m3")
+        assert e2m1.fold_scales
+    (decode,) = heuristic.heuristic_candidates(16, 1536, 2048, int4, input_dtype="float8_e4m3")
+    assert decode.fold_scales and decode.block_k == 256
+    assert [tuning.format_class(int4, d) for d in ("float8_e5m2", "int8", "float4_e2m1")] == [
+        "4bit-a8",
+        "4bit-i8",
+        "4bit-a4",
+    ]
+    with pytest.raises(ValueError, match="input_dtype"):
+        tuning.format_class(int4, "int4")
+
+
 def test_soak_case_checks_the_kernel_path(monkeypatch):
     """One soak case end to end (hostile routing, a NaN token), and a kernel
     path that is wrong is reported as failed."""

@@ -176,6 +176,23 @@ def test_k_tail_and_split_k(tiles, rng):
     _check(out, _reference(x, weight, layout, tiles), _bound(x, weight, layout, tiles))
 
 
+@pytest.mark.parametrize("planar", [False, True])
+def test_int4_codes_on_fp8_operands_prefill_tile(planar, rng):
+    """The heuristic's prefill tile for int4 weights with fp8 inputs (64 rows,
+    decoded weight as the A operand, nibble pairs, scales kept out of the tile
+    so the product runs on e4m3), on K-order and planar codes."""
+    from humming_jax.tuning import heuristic
+
+    fmt, quant = F.INT4_G128, Q.FP8_DYNAMIC_TOKEN
+    (tiles,) = heuristic.heuristic_candidates(64, N, K, fmt, input_dtype=quant.dtype.value)
+    assert (tiles.block_m, tiles.swap_ab, tiles.pair_decode, tiles.fold_scales) == (64, True, True, False)
+    weight, x = _weight(rng, fmt), _input(rng, quant)
+    weight = F.to_planar(weight) if planar else weight
+    layout = _layouts(rng)["grouped_contiguous"]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
+    _check(out, _reference(x, weight, layout, tiles), _bound(x, weight, layout, tiles))
+
+
 def test_f16_output_and_accumulation(rng):
     """A float16 output computes in f16 operands (8-bit values are exact in
     f16), with ``use_f16_accum`` in an f16 accumulator."""

@@ -30,15 +30,15 @@ def candidates(
     k: int,
     block_size: int | None = None,
     half_bits: bool = False,
-    input_bits: int = 16,
+    input_dtype: str | None = None,
 ) -> list:
     """The table's entry for this call (its weight shape's, else its format
     class's), then the heuristic's tilings. ``block_size``: an indexed
     layout's alignment block — a tile is one block, so an entry's Triton tile
     runs with that many rows (:func:`for_block`); ``half_bits``: see
-    :func:`heuristic_candidates`; ``input_bits``: 16, or 8 / 4 for a quantized input."""
-    entries = [e.tiles for e in table_entries(layout, fmt, valid_shape_m, num_experts, n, k, input_bits)]
+    :func:`heuristic_candidates`; ``input_dtype``: a quantized input's values (:func:`format_class`)."""
+    entries = [e.tiles for e in table_entries(layout, fmt, valid_shape_m, num_experts, n, k, input_dtype)]
     if block_size is not None:
         entries = [for_block(t, block_size) if isinstance(t, triton.Tiles) else t for t in entries]
     rows = rows_per_expert(layout, valid_shape_m, num_experts)
-    return entries + heuristic_candidates(rows, n, k, fmt, block_size, half_bits, input_bits)
+    return entries + heuristic_candidates(rows, n, k, fmt, block_size, half_bits, input_dtype)

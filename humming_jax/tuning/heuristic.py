@@ -69,19 +69,26 @@ def quantized_input_tiles(rows: int, n: int, k: int, fmt_class: str) -> triton.T
     scale that multiplies each span's product keeps a second accumulator live,
     so prefill takes 64-row tiles; 8-bit weights at decode take 256 columns of
     K a step, and from 32 rows per expert the 64-row tile (a warpgroup MMA
-    reads 64 rows: half-empty, it still beats two 32-row tiles); 4-bit weights
-    at decode the weight-only tile."""
+    reads 64 rows: half-empty, it still beats two 32-row tiles). 4-bit weights
+    at decode take the weight-only tile; from 32 rows per expert, with e4m3 /
+    e5m2 inputs, integer codes keep their scales out of the tile so that the
+    product runs on the input's 8-bit operands (folded scales put it on 16-bit
+    ones); with int8 inputs (whose integer products lose to the folded 16-bit
+    ones) and for e2m1 codes (read as nibble pairs, which fold) the folded tile."""
     block_m = _pow2_at_most(max(rows, 16), 64)
     cap_n, cap_k = _caps(n, k)
     weight_class = fmt_class.split("-")[0]
     four_bit = weight_class in ("4bit", "fp4")
-    if four_bit and block_m <= 32:
+    float_product = fmt_class == "4bit-a8"  # integer codes x e4m3/e5m2 on 8-bit operands
+    if four_bit and block_m < (32 if float_product else 64):
         return _four_bit_tiles(block_m, cap_n, cap_k, 1, weight_class)
     if block_m < 32:
         return triton.Tiles(block_m, min(64, cap_n), min(256, cap_k), 4, 3)
+    pairs = dict(word_decode=True, pair_decode=True)
+    if float_product:
+        return triton.Tiles(64, min(128, cap_n), min(128, cap_k), 4, 3, swap_ab=True, **pairs)
     if four_bit:
-        pairs = dict(word_decode=True, fold_scales=True, pair_decode=True)
-        return triton.Tiles(block_m, min(128, cap_n), min(128, cap_k), 4, 3, swap_ab=True, **pairs)
+        return triton.Tiles(block_m, min(128, cap_n), min(128, cap_k), 4, 3, swap_ab=True, fold_scales=True, **pairs)
     return triton.Tiles(64, min(128, cap_n), min(128, cap_k), 4, 4)
 
 
@@ -110,20 +117,20 @@ def heuristic_candidates(
     fmt: F.WeightFormat,
     block_size: int | None = None,
     half_bits: bool = False,
-    input_bits: int = 16,
+    input_dtype: str | None = None,
 ) -> list:
     """In order: the Mosaic kernel after a dequantize pass (4-bit integer
     weights it does not decode itself — K order, float zero points, other
     groups —, at least :data:`DEQUANTIZE_MIN_ROWS` rows an expert; its
     ``supports`` refuses what it cannot take), then the Triton tile (which
     takes every call). ``block_size``: an indexed layout's block. ``half_bits``:
-    weights the Triton decoder reads as nibble pairs only. ``input_bits`` 8 or
-    4: a quantized input (:func:`quantized_input_tiles`)."""
-    fmt_class = format_class(fmt, input_bits)
+    weights the Triton decoder reads as nibble pairs only. ``input_dtype``: a
+    quantized input's values (:func:`quantized_input_tiles`)."""
+    fmt_class = format_class(fmt, input_dtype)
     found = []
     if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and block_size is None:
         found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
-    if input_bits == 16:
+    if input_dtype is None:
         tiles = triton_tiles(rows, n, k, fmt_class)
     else:
         tiles = quantized_input_tiles(rows, n, k, fmt_class)

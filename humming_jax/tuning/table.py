@@ -60,19 +60,26 @@ class Entry:
         return cls(data["min_shape_m"], data["max_shape_m"], tiles, data.get("us"), data.get("source"))
 
 
-def format_class(fmt: F.WeightFormat, input_bits: int = 16) -> str:
+def format_class(fmt: F.WeightFormat, input_dtype: str | None = None) -> str:
     """Formats that tile alike share entries: 16-bit weights, 8-bit weights,
     4-bit integers (int4/uint4) and 4-bit floats (e2m1: MX/NV scales every
-    32/16 columns, which tile differently at decode); with quantized inputs
-    of ``input_bits`` (8 or 4) the class is suffixed ``-a8`` / ``-a4`` (their
-    scales multiply each span's product: other tiles win)."""
+    32/16 columns, which tile differently at decode); with a quantized input
+    whose values are ``input_dtype`` (an :class:`~humming_jax.input_quant.ActivationDType`
+    value) the class is suffixed ``-a8`` (e4m3/e5m2), ``-i8`` (int8: integer
+    products) or ``-a4`` (e2m1): their scales multiply each span's product, and
+    other tiles win."""
     if not fmt.is_quantized:
         weight = "16bit"
     elif not fmt.value_type.is_packed:
         weight = "8bit"
     else:
         weight = "fp4" if fmt.value_type.value == "float4_e2m1" else "4bit"
-    return weight if input_bits == 16 else f"{weight}-a{input_bits}"
+    if input_dtype is None:
+        return weight
+    suffix = {"float8_e4m3": "a8", "float8_e5m2": "a8", "int8": "i8", "float4_e2m1": "a4"}.get(input_dtype)
+    if suffix is None:
+        raise ValueError(f"input_dtype: expected float8_e4m3, float8_e5m2, int8 or float4_e2m1, got {input_dtype!r}")
+    return f"{weight}-{suffix}"
 
 
 def table_key(layout: str, fmt_class: str, shape: tuple[int, int, int] | None = None) -> str:
@@ -121,14 +128,20 @@ def _read_table(path: str) -> dict[str, tuple[Entry, ...]]:
 
 
 def table_entries(
-    layout: str, fmt: F.WeightFormat, valid_shape_m: int, num_experts: int, n: int, k: int, input_bits: int = 16
+    layout: str,
+    fmt: F.WeightFormat,
+    valid_shape_m: int,
+    num_experts: int,
+    n: int,
+    k: int,
+    input_dtype: str | None = None,
 ) -> list[Entry]:
     """The entry whose M range holds ``valid_shape_m`` under the weight shape's
     key, else under the format class's (a shape's entry is not backed by the
     class's: the heuristic takes what its kernel refuses); empty if neither has one.
-    ``input_bits``: 16, or 8 / 4 for quantized inputs (:func:`format_class`)."""
+    ``input_dtype``: a quantized input's values (:func:`format_class`)."""
     table = load_table()
-    fmt_class = format_class(fmt, input_bits)
+    fmt_class = format_class(fmt, input_dtype)
     for key in (table_key(layout, fmt_class, (num_experts, n, k)), table_key(layout, fmt_class)):
         found = [e for e in table.get(key, ()) if e.min_shape_m < valid_shape_m <= e.max_shape_m]
         if found:
