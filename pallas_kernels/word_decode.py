@@ -1,5 +1,6 @@
-"""Decoding 8 packed 4-bit codes of a uint32 word into 8 16-bit floats with
-a few 32-bit integer instructions (inline PTX on the GPU).
+"""Decoding 8 packed 4-bit codes of a uint32 word into 8 16-bit floats (or
+int4 codes into e4m3 bytes, four a register) with a few 32-bit integer
+instructions (inline PTX on the GPU).
 
 A decoder is a short *program* over 32-bit registers (data, not text),
 rendered to PTX for ``plgpu.elementwise_inline_asm`` and run in NumPy by the
@@ -21,11 +22,13 @@ import numpy as np
 from jax.experimental.pallas import triton as plgpu
 
 WORD = "w"  # the input register of every program
+WORD2 = "w2"  # the second input register of four-element programs (``int4_e4m3_program``)
 # 16-bit float bit patterns whose value is ``base + nibble`` when a nibble is
 # OR-ed into the low mantissa bits: (pattern, base) per compute dtype.
 MAGIC = {"bfloat16": (0x4300, 128.0), "float16": (0x6400, 1024.0)}
 E2M1_FACTOR = 2.0**-6  # decoded e2m1 values are the true ones times this
 E2M1_RAW_FACTOR = 2.0**-126  # the same without the normalizing multiply (bf16)
+INT4_E4M3_FACTOR = 2.0**-9  # e4m3 bytes of int4 codes: q - 8 times this (e4m3 subnormals and 2**-6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +36,11 @@ class Op:
     """``dst = op(a, b[, c])`` on 32-bit registers; ``b``/``c`` may be ints.
 
     op: ``shl``/``shr`` (logical, b = count), ``and``, ``or_and`` (``(a & b) | c``,
-    lop3 0xEA), ``sub2``/``mul2`` (two packed 16-bit floats of the compute dtype).
+    lop3 0xEA), ``sub2``/``mul2`` (two packed 16-bit floats of the compute dtype),
+    ``prmt`` (bytes of ``a`` (0-3) and ``b`` (4-7) picked by the selector ``c``,
+    a nibble per result byte; bit 3 of a nibble replicates the picked byte's
+    top bit), ``rsub`` (``b - a``, 32-bit integers), ``select`` (``(a & b) | (~a & c)``,
+    lop3 0xCA).
     """
 
     op: str
@@ -47,7 +54,7 @@ class Op:
 class Program:
     ops: tuple[Op, ...]
     outputs: tuple[str, ...]  # 4 registers: output j holds positions j (low) and j + 4 (high)
-    dtype: str  # bfloat16 | float16
+    dtype: str  # bfloat16 | float16 | float8_e4m3fn (int4_e4m3_program)
 
 
 def _pair(value: float, dtype: str) -> int:
@@ -68,6 +75,34 @@ def int4_program(dtype: str, offset: float) -> Program:
         ops.append(Op("sub2", f"t{j}", f"t{j}", _pair(base + offset, dtype)))
         outputs.append(f"t{j}")
     return Program(tuple(ops), tuple(outputs), dtype)
+
+
+def int4_e4m3_program() -> Program:
+    """int4 codes (``q + 8``) of four 16-bit halves to e4m3 bytes of ``q``
+    times :data:`INT4_E4M3_FACTOR`, exactly: the inputs are two registers of
+    two halves each (``WORD``: halves 0, 1; ``WORD2``: 2, 3) and output j
+    holds, in byte i, the code at nibble position j of half i. q >= 0 is the
+    subnormal byte ``q`` (``q + 8 < 16``: the code's low 3 bits), q < 0 the
+    byte ``0x80 | -q`` = ``0x88 - (q + 8)`` (8 is ``0x08``, exponent 1); the
+    code's top bit picks one or the other per byte."""
+    ops, outputs = [], []
+    for j in range(4):
+        byte = j // 2  # the byte of each half that holds nibble j
+        gathered = f"g{j}"
+        selector = sum((4 * (i // 2) + 2 * (i % 2) + byte) << (4 * i) for i in range(4))
+        ops.append(Op("prmt", gathered, WORD, WORD2, selector))
+        if j % 2:  # the nibble is the byte's high one: its top bit is the byte's
+            low, top = f"l{j}", gathered
+            ops.append(Op("shr", low, gathered, 4))
+        else:
+            low, top = gathered, f"h{j}"
+            ops.append(Op("shl", top, gathered, 4))
+        ops.append(Op("and", f"c{j}", low, 0x07070707))
+        ops.append(Op("prmt", f"m{j}", top, top, 0xBA98))  # 0xFF where the code is 8 or more
+        ops.append(Op("rsub", f"n{j}", f"c{j}", 0x88888888))
+        ops.append(Op("select", f"t{j}", f"m{j}", f"c{j}", f"n{j}"))
+        outputs.append(f"t{j}")
+    return Program(tuple(ops), tuple(outputs), "float8_e4m3fn")
 
 
 # Where the bits (m, e0, e1, s) of the e2m1 code at position j (0-3) of a
@@ -162,23 +197,39 @@ def to_ptx_pair(program: Program, pair: int) -> str:
     return _ptx(program, register, [], f"mov.b32 $0, {register};")
 
 
+def to_ptx_quad(program: Program, pair: int) -> str:
+    """Inline PTX for ``pack=4`` over 16-bit halves (two 32-bit input
+    registers ``$1``, ``$2``) and 8-bit results (one 32-bit ``$0``): the
+    program's register ``pair``. Each result byte depends on its own half
+    only, so whichever four elements Triton packs, each gets its own code."""
+    register = program.outputs[pair]
+    return _ptx(program, register, [], f"mov.b32 $0, {register};")
+
+
 def _ptx(program: Program, register: str, declarations: list[str], result: str) -> str:
     """One asm block: the ops ``register`` needs (the input word is ``$1``),
     then the ``result`` move."""
-    kind = {"bfloat16": "bf16x2", "float16": "f16x2"}[program.dtype]
+    kind = {"bfloat16": "bf16x2", "float16": "f16x2"}.get(program.dtype)
     ops = needed_ops(program, register)
-    constants = [f"k{i}" for i, op in enumerate(ops) if op.op in ("sub2", "mul2")]
+    constants = [f"k{i}" for i, op in enumerate(ops) if op.op in ("sub2", "mul2", "rsub")]
     lines = ["{", f".reg .b32 {', '.join(sorted({op.dst for op in ops} | set(constants)))};", *declarations]
     return "\n".join([*lines, *_op_lines(ops, kind), result, "}"])
 
 
 def _op_lines(ops: list[Op], kind: str) -> list[str]:
     def reg(name):
-        return "$1" if name == WORD else name
+        return {WORD: "$1", WORD2: "$2"}.get(name, name)
 
     lines = []
     for i, op in enumerate(ops):
-        if op.op in ("shl", "shr"):
+        if op.op == "prmt":
+            lines.append(f"prmt.b32 {op.dst}, {reg(op.a)}, {reg(op.b)}, {op.c:#x};")
+        elif op.op == "rsub":
+            lines.append(f"mov.b32 k{i}, {op.b:#x};")
+            lines.append(f"sub.u32 {op.dst}, k{i}, {reg(op.a)};")
+        elif op.op == "select":
+            lines.append(f"lop3.b32 {op.dst}, {reg(op.a)}, {reg(op.b)}, {reg(op.c)}, 0xCA;")
+        elif op.op in ("shl", "shr"):
             lines.append(f"{op.op}.b32 {op.dst}, {reg(op.a)}, {op.b};")
         elif op.op == "and":
             lines.append(f"and.b32 {op.dst}, {reg(op.a)}, {op.b:#x};")
@@ -192,12 +243,13 @@ def _op_lines(ops: list[Op], kind: str) -> list[str]:
 
 
 def _run(units: jax.Array, ptx: str, constraints: str, pack: int, dtype: str) -> jax.Array:
+    bits_dtype = jnp.int8 if jnp.dtype(dtype).itemsize == 1 else jnp.int16
     (bits,) = plgpu.elementwise_inline_asm(
         ptx,
         args=[units],
         constraints=constraints,
         pack=pack,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(units.shape, jnp.int16)],
+        result_shape_dtypes=[jax.ShapeDtypeStruct(units.shape, bits_dtype)],
     )
     return jax.lax.bitcast_convert_type(bits, jnp.dtype(dtype))
 
@@ -215,3 +267,10 @@ def decode_word_position(words: jax.Array, program: Program, position: int) -> j
     """Run ``program`` on uint32 ``words`` (GPU kernels only): the codes at
     nibble ``position`` of every word, in the program's dtype."""
     return _run(words, to_ptx(program, position), "=h,r", 1, program.dtype)
+
+
+def decode_e4m3_quads(halves: jax.Array, program: Program, pair: int) -> jax.Array:
+    """The code at nibble position ``pair`` (0-3) of each uint16 element of
+    ``halves`` (as :func:`decode_word_pairs`; GPU kernels only) as e4m3, by
+    :func:`int4_e4m3_program`: four elements a call, one result byte each."""
+    return _run(halves, to_ptx_quad(program, pair), "=r,r,r", 4, program.dtype)

@@ -211,7 +211,8 @@ def test_eight_bit_inputs_lower_to_eight_bit_mmas(fmt, quant, operand, accumulat
 def test_four_bit_weights_with_fp8_inputs_chain_their_products():
     """int4 × fp8 per token on e4m3 MMAs: the four nibble pieces of a span
     accumulate in one chain (each ``tt.dot`` takes the previous one's result),
-    not in their own registers summed by f32 adds."""
+    not in their own registers summed by f32 adds; the codes decode to e4m3
+    bytes with integer ops, four halves a call (no 16-bit float in between)."""
     config = parse_config("triton:block_m=64,block_n=128,block_k=128,word_decode=1,pair_decode=1")
     (text,) = gemm_ttir("int4_g128@fp8_dynamic_token", 512, config, SHAPE, planar=True)
     dots = [line.strip() for line in text.splitlines() if "= tt.dot " in line]
@@ -219,3 +220,4 @@ def test_four_bit_weights_with_fp8_inputs_chain_their_products():
     results = [d.split(" = ")[0] for d in dots]
     accumulators = [d.split("tt.dot ")[1].split(",")[2].strip() for d in dots]
     assert accumulators[1:] == results[:-1]
+    assert text.count("packed_element = 4") == 4 and "prmt.b32" in text and "xf16>" not in text

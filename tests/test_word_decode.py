@@ -29,8 +29,25 @@ def _halves(dtype, x):
     return lo, hi
 
 
-def _interpret(dtype, ops, words):
+def _prmt(a, b, selector: int):
+    """PTX ``prmt.b32`` (default mode) in NumPy: result byte i is byte n & 7
+    of (b:a), n the selector's nibble i; n & 8 replicates that byte's top bit."""
+    source = [(a >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)]
+    source += [(b >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4)]
+    out = np.zeros_like(a)
+    for i in range(4):
+        nibble = (selector >> (4 * i)) & 0xF
+        byte = source[nibble & 7]
+        if nibble & 8:
+            byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+        out |= byte << np.uint64(8 * i)
+    return out
+
+
+def _interpret(dtype, ops, words, words2=None):
     regs = {wd.WORD: words.astype(np.uint64)}
+    if words2 is not None:
+        regs[wd.WORD2] = words2.astype(np.uint64)
     mask32 = np.uint64(0xFFFFFFFF)
 
     def val(x):
@@ -51,6 +68,12 @@ def _interpret(dtype, ops, words):
             out = a & val(op.b)
         elif op.op == "or_and":
             out = (a & val(op.b)) | val(op.c)
+        elif op.op == "prmt":
+            out = _prmt(a, val(op.b), op.c)
+        elif op.op == "rsub":
+            out = (val(op.b) - a) & mask32
+        elif op.op == "select":
+            out = (a & val(op.b)) | (~a & mask32 & val(op.c))
         else:  # packed float arithmetic, rounded to the 16-bit type (exact here)
             (al, ah), (bl, bh) = _halves(dtype, a), _halves(dtype, val(op.b))
             f = np.subtract if op.op == "sub2" else np.multiply
@@ -207,3 +230,37 @@ def test_pair_registers_hold_nibbles_j_and_j_plus_4(program, rng):
         low, high = _halves(program.dtype, regs[register])
         np.testing.assert_array_equal(low, single[:, pair])
         np.testing.assert_array_equal(high, single[:, pair + 4])
+
+
+def test_int4_e4m3_quads(rng):
+    """Four halves a call (two registers): byte i of output j is the e4m3
+    byte of (code - 8) x 2**-9 of nibble j of half i, for every code at every
+    position of every half and random halves; 6 ops an output, no float op."""
+    program = wd.int4_e4m3_program()
+    codes = np.concatenate([np.arange(16), rng.integers(0, 16, 400)])
+    halves = [rng.integers(0, 2**16, size=len(codes) * 4, dtype=np.uint64) for _ in range(4)]
+    for h in range(4):  # half h, position p: every code, the others random
+        for p in range(4):
+            part = slice(p * len(codes), (p + 1) * len(codes))
+            planted = codes.astype(np.uint64) << np.uint64(4 * p)
+            halves[h][part] = (halves[h][part] & ~np.uint64(0xF << (4 * p))) | planted
+    first = halves[0] | (halves[1] << np.uint64(16))
+    second = halves[2] | (halves[3] << np.uint64(16))
+    for j in range(4):
+        register = program.outputs[j]
+        ops = wd.needed_ops(program, register)
+        assert len(ops) == 6 and all(op.op not in ("sub2", "mul2") for op in ops)
+        out = _interpret(program.dtype, ops, first, second)[register]
+        for i in range(4):
+            byte = ((out >> np.uint64(8 * i)) & np.uint64(0xFF)).astype(np.uint8)
+            value = byte.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+            code = ((halves[i] >> np.uint64(4 * j)) & np.uint64(0xF)).astype(np.int64)
+            np.testing.assert_array_equal(value, (code - 8) * wd.INT4_E4M3_FACTOR)
+
+
+def test_quad_ptx_text():
+    """``pack=4``: the four halves arrive as $1 and $2, the four bytes leave as $0."""
+    text = wd.to_ptx_quad(wd.int4_e4m3_program(), 1)
+    assert text.startswith("{") and text.endswith("}")
+    assert "prmt.b32 g1, $1, $2, 0x6420;" in text and "mov.b32 $0, t1;" in text
+    assert "lop3.b32 t1, m1, c1, n1, 0xCA;" in text and "sub.u32 n1, k" in text and "g0" not in text

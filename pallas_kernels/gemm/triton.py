@@ -325,11 +325,13 @@ def folds_e2m1(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
     )
 
 
-def value_factor(w: WeightSpec, folded_e2m1: bool = False) -> float:
+def value_factor(w: WeightSpec, folded_e2m1: bool = False, e4m3_codes: bool = False) -> float:
     """The factor between the decoded (and, when folded, scaled) weight values
-    and the stored ones."""
+    and the stored ones (``e4m3_codes``: see :func:`decodes_e4m3_codes`)."""
     if folded_e2m1:
         return 2.0**E2M1_FOLDED_EXPONENT
+    if e4m3_codes:
+        return 1.0 / word_decode.INT4_E4M3_FACTOR
     return E2M1_DECODE_FACTOR if w.value_type == "float4_e2m1" else 1.0
 
 
@@ -444,7 +446,11 @@ def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, 
 
 def _nibbles_to_values(codes, w: WeightSpec, compute_dtype, zero=None):
     """4-bit codes (uint8, low nibble) to exact compute-dtype values (e2m1: times
-    2**-6); ``zero`` ([bn] int32) is subtracted from uint4 codes."""
+    2**-6; int4 to e4m3: times 2**-9, the bytes of ``int4_e4m3_program``);
+    ``zero`` ([bn] int32) is subtracted from uint4 codes."""
+    if jnp.dtype(compute_dtype) == jnp.dtype(jnp.float8_e4m3fn) and w.value_type == "int4":
+        bits = jnp.where(codes >= 8, codes - 8, 0x88 - codes).astype(jnp.uint8)
+        return _storage_bits(bits, jnp.float8_e4m3fn)
     if w.value_type == "float4_e2m1":
         bits = ((codes & 8) << 4) | ((codes & 7) << 2)
         return _storage_bits(bits, jnp.float8_e4m3fn).astype(compute_dtype)
@@ -480,6 +486,17 @@ def decodes_pairs(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) 
     return tiles.pair_decode and nibbles_per_unit(w, tiles, compute_dtype, x_group) == 8
 
 
+def decodes_e4m3_codes(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> bool:
+    """Whether int4 codes read as nibble pairs decode straight to e4m3 bytes
+    (``word_decode.int4_e4m3_program``, integer ops only): e4m3 operands. The
+    values are q x 2**-9, the 2**9 joins the span's scale."""
+    return (
+        jnp.dtype(compute_dtype) == jnp.dtype(jnp.float8_e4m3fn)
+        and w.value_type == "int4"
+        and decodes_pairs(w, tiles, compute_dtype, x_group)
+    )
+
+
 def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, zero, on_gpu: bool, raw: bool = False):
     """The pieces (values ``[bn, c]``) of packed units ``[bn, c]``, one at a
     time (a generator: each piece is decoded just before its product, so only
@@ -493,6 +510,11 @@ def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, z
         raise ValueError("gemm: e2m1 weights in the decoder's bit order (half_bits) are read as words or halves only")
     if ways == 8 and on_gpu:
         dtype = jnp.dtype(compute_dtype).name
+        if dtype == "float8_e4m3fn":  # int4 codes as e4m3 bytes (times 2**-9), four halves a call
+            program = word_decode.int4_e4m3_program()
+            for j in range(4):
+                yield word_decode.decode_e4m3_quads(units, program, j)
+            return
         if w.value_type == "float4_e2m1":  # values times 2**-6, as _nibbles_to_values (raw: 2**-126)
             bits = word_decode.E2M1_HALF_BITS if w.half_bits else word_decode.NIBBLE_BITS
             program = word_decode.e2m1_program(dtype, normalized=not raw, bits=bits)
@@ -532,6 +554,7 @@ class _SpanPlan:
     scale_in_compute: bool = False
     pairs: bool = False  # word pieces pair nibbles j and j+4 (Tiles.pair_decode)
     folded_e2m1: bool = False  # see folds_e2m1
+    e4m3_codes: bool = False  # see decodes_e4m3_codes
 
     @property
     def raw_e2m1(self) -> bool:
@@ -549,9 +572,12 @@ class _SpanPlan:
 
     @property
     def decode_dtype(self):
-        """The dtype 4-bit codes decode to: the compute dtype, or a 16-bit float
-        for 8-bit operands (then converted, exactly): f16 for e4m3 (one
-        conversion a pair of values), bf16 for int8."""
+        """The dtype 4-bit codes decode to: the compute dtype (e4m3 for int4
+        codes read as pairs: ``e4m3_codes``), or a 16-bit float for 8-bit
+        operands (then converted, exactly): f16 for e4m3 (one conversion a pair
+        of values), bf16 for int8."""
+        if self.e4m3_codes:
+            return jnp.dtype(jnp.float8_e4m3fn)
         if jnp.dtype(self.compute_dtype) == jnp.dtype(jnp.float8_e4m3fn):
             return jnp.dtype(jnp.float16)
         if jnp.dtype(self.compute_dtype) == jnp.dtype(jnp.int8):
@@ -783,6 +809,7 @@ def _gemm_kernel(
         scale_in_compute=_scales_exact_in(w, compute_dtype) and tiles.use_mma,
         pairs=decodes_pairs(w, tiles, compute_dtype, x_group),
         folded_e2m1=folds_e2m1(w, tiles, compute_dtype),
+        e4m3_codes=decodes_e4m3_codes(w, tiles, compute_dtype, x_group),
     )
     row_tile, col_group = tile_order(
         pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), num_col_groups(w.n, tiles), tiles.group_m
@@ -885,7 +912,7 @@ def _gemm_kernel(
 
     # A constant factor left once scales are in the weights (e2m1's 2**6) is
     # applied to the sum, so the K loop stays one accumulation chain.
-    factor = value_factor(w, plan.folded_e2m1)
+    factor = value_factor(w, plan.folded_e2m1, plan.e4m3_codes)
     end_factor = factor if in_weights and w.global_scale == "none" else 1.0
     # An f16 accumulator would overflow on raw 8-bit input values (e4m3 up to
     # 448, e5m2 57344): they enter the product times a power of two (exact but
