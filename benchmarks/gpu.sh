@@ -2,6 +2,7 @@
 # The GPU steps, one per call: bash benchmarks/gpu.sh OUT_DIR STEP [ARGS...]
 #   tests [PYTEST ARGS]      the kernel tests with the real compiler (default: every test file)
 #   bench [BENCH ARGS]       python -m humming_jax bench (the GEMMs; peers timed in the same run)
+#   layer-bench [ARGS]       python -m humming_jax bench --layer (whole layers, stage by stage)
 #   process-bench [ARGS]     benchmarks.bench_process_input
 #   routing-bench [ARGS]     benchmarks.bench_routing
 #   tune [TUNE ARGS]         python -m humming_jax tune, written to OUT_DIR/tuning.json
@@ -24,6 +25,8 @@ case $step in
   tests) python3 -m pytest -q -n 6 -p no:cacheprovider -W ignore::DeprecationWarning --timeout 120 \
            --timeout-method thread "${@:-tests}" 2>&1 | tee "$out/tests.log" | tail -15 ;;
   bench) python3 -W ignore -m humming_jax bench --out "$out/gemm.json" "$@" 2>&1 | tee "$out/gemm_bench.log" ;;
+  layer-bench) python3 -W ignore -m humming_jax bench --layer --out "$out/layer.json" "$@" 2>&1 |
+                 tee "$out/layer_bench.log" | tail -40 ;;
   process-bench) python3 -W ignore -m benchmarks.bench_process_input --out "$out/process_input.json" "$@" 2>&1 |
                    tee "$out/process_bench.log" | tail -30 ;;
   routing-bench) python3 -W ignore -m benchmarks.bench_routing --out "$out/routing.json" "$@" 2>&1 |

@@ -13,13 +13,15 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="GPU: time the expert GEMMs over the problem set (JSON + table)")
     tune = commands.add_parser("tune", help="GPU: sweep tiles per layout/format/M range and write the table")
     from humming_jax import bench as bench_module
+    from humming_jax import layer_bench
 
     for sub, default_out in ((bench, "benchmarks/results/gemm.json"), (tune, "benchmarks/results/tuning.json")):
         sub.add_argument(
             "--formats",
             nargs="+",
-            default=list(bench_module.FORMATS),
-            help="weight formats, WEIGHT@INPUT pairs (fp8_block128@fp8_dynamic_group128) or the anchor's pair names",
+            default=None,
+            help="weight formats, WEIGHT@INPUT pairs (fp8_block128@fp8_dynamic_group128) or the anchor's pair names "
+            f"(default: {' '.join(bench_module.FORMATS)}; with --layer: {' '.join(layer_bench.LAYER_FORMATS)})",
         )
         sub.add_argument(
             "--out",
@@ -38,6 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--layouts", nargs="+", default=["grouped", "indexed"], choices=["grouped", "indexed"])
     bench.add_argument("--gemms", nargs="+", default=["w13", "w2"], choices=["w13", "w2"])
     bench.add_argument("--no-compare", action="store_true", help="skip torch._grouped_mm and jax.lax.ragged_dot")
+    bench.add_argument(
+        "--layer",
+        action="store_true",
+        help="time whole expert layers (each stage, host time, a torch bf16 layer) instead of the GEMMs",
+    )
+    bench.add_argument(
+        "--pipelines", nargs="+", default=list(layer_bench.PIPELINES), choices=list(layer_bench.PIPELINES)
+    )
     bench.add_argument(
         "--anchor",
         default=bench_module.ANCHOR_FILE,
@@ -58,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         from humming_jax.demo import main as demo_main
 
         return demo_main()
+    if args.command == "bench" and args.layer:
+        args.formats = args.formats or list(layer_bench.LAYER_FORMATS)
+        if args.out == "benchmarks/results/gemm.json":
+            args.out = "benchmarks/results/layer.json"
+        return layer_bench.layer_main(args)
+    args.formats = args.formats or list(bench_module.FORMATS)
     if args.command == "bench":
         return bench_module.bench_main(args)
     return bench_module.tune_main(args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +19,13 @@ from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import routing
+from humming_jax import tuning as T
 from humming_jax.configs import ExpertsConfig
 from humming_jax.gemm import FLOAT_INPUTS, as_weight, gemm
 from humming_jax.process_input import process_input
+from pallas_kernels.gemm import triton
 
-DEFAULT_BLOCK_SIZE = 64
+DEFAULT_BLOCK_SIZE = 64  # an indexed layout's block where no tiling names one
 
 
 @jax.tree_util.register_dataclass
@@ -111,6 +114,25 @@ def estimate_valid_shape_m(num_tokens: int, top_k: int, config: ExpertsConfig) -
     return math.ceil(num_tokens * top_k * config.num_experts / config.global_num_experts)
 
 
+def indexed_block_size(num_tokens: int, top_k: int, config: ExpertsConfig) -> int:
+    """The indexed pipeline's alignment block: the rows of the Triton tile the
+    tuning table or the heuristic gives its w13 call (a tile is one block, as
+    vLLM's ``BLOCK_SIZE_M`` is): 16 at decode, 64-128 at prefill;
+    :data:`DEFAULT_BLOCK_SIZE` if none is listed."""
+    quant = config.input_quant
+    listed = T.candidates(
+        "indexed",
+        config.weight_format,
+        max(1, estimate_valid_shape_m(num_tokens, top_k, config)),
+        config.num_experts,
+        config.w13.shape_n,
+        config.w13.shape_k,
+        input_dtype=quant.dtype.value if quant.is_quantized else None,
+    )
+    rows = [tiles.block_m for tiles in listed if isinstance(tiles, triton.Tiles)]
+    return rows[0] if rows else DEFAULT_BLOCK_SIZE
+
+
 def check_float_input(hidden_states, op: str) -> None:
     """Raise unless ``hidden_states`` are float activations: quantized values
     (fp8, int8 codes) come with their scale (``a1q_scale``), or they would be
@@ -162,6 +184,79 @@ def _down_input(gate_up, config: ExpertsConfig, weights: ExpertWeights, backend,
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One step of a pipeline: ``run(state)`` reads entries of the state (a
+    dict of arrays and weights) and returns the entries it adds. The
+    pipelines run their stages in order; the layer benchmark times each on
+    the state the previous ones left."""
+
+    name: str
+    run: Callable[[dict], dict]
+
+
+def run_stages(stages, state: dict) -> dict:
+    """The state after every stage of ``stages`` ran on it in order."""
+    for stage in stages:
+        state = {**state, **stage.run(state)}
+    return state
+
+
+def grouped_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[Stage, ...]:
+    """The grouped pipeline on float activations as stages over the state
+    ``hidden_states [T, H]``, ``weights``, ``topk_weights``, ``topk_ids
+    [T, k]``, ``expert_map`` (or None); the last adds ``out [T, H]``."""
+
+    def gemm_kwargs(s):
+        num_tokens, top_k = s["topk_ids"].shape
+        return _gemm_kwargs(config, estimate_valid_shape_m(num_tokens, top_k, config), backend)
+
+    def route(s):
+        map_kwargs = _expert_map_kwargs(config, s["expert_map"])
+        offsets, scatter_idx = routing.moe_prepare_scatter(s["topk_ids"], backend=backend, **map_kwargs)
+        return dict(offsets=offsets, scatter_idx=scatter_idx)
+
+    def scatter_input(s):
+        gate_up_input = process_input(
+            s["hidden_states"],
+            config.input_quant,
+            hadamard_block_size=config.hadamard_block_size,
+            layout="scatter",
+            scatter_idx=s["scatter_idx"],
+            scatter_is_permutation=True,  # moe_prepare_scatter's: every row written once
+            num_valid_tokens=s["offsets"][-1:],
+            static_scale=s["weights"].w13_input_scale,
+            compute_dtype=jnp.dtype(config.compute_dtype),
+            backend=backend,
+        )
+        return dict(gate_up_input=gate_up_input)
+
+    def w13(s):
+        layout = L.GroupedContiguous(s["offsets"])
+        return dict(gate_up=gemm(s["gate_up_input"], s["weights"].w13, layout, **gemm_kwargs(s)))
+
+    def activation(s):
+        down_input = _down_input(s["gate_up"], config, s["weights"], backend, num_valid_tokens=s["offsets"][-1:])
+        return dict(down_input=down_input)
+
+    def w2(s):
+        layout = L.GroupedContiguous(s["offsets"])
+        return dict(down=gemm(s["down_input"], s["weights"].w2, layout, **gemm_kwargs(s)))
+
+    def combine(s):
+        inv_perm = s["scatter_idx"].reshape(-1)
+        return dict(out=routing.moe_unpermute(s["down"], s["topk_weights"], inv_perm, s["offsets"], backend=backend))
+
+    return (
+        Stage("routing", route),
+        Stage("input", scatter_input),
+        Stage("w13", w13),
+        Stage("activation", activation),
+        Stage("w2", w2),
+        Stage("combine", combine),
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("config", "backend"))
 def humming_grouped_experts(
     hidden_states: jax.Array,
@@ -179,31 +274,18 @@ def humming_grouped_experts(
     if a1q_scale is None:
         _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_grouped_experts")
     check_weights(weights, config)
-    num_tokens, top_k = topk_ids.shape
-    valid_shape_m = estimate_valid_shape_m(num_tokens, top_k, config)
-    gemm_kwargs = _gemm_kwargs(config, valid_shape_m, backend)
-    map_kwargs = _expert_map_kwargs(config, expert_map)
+    state = dict(hidden_states=hidden_states, weights=weights, topk_weights=topk_weights, topk_ids=topk_ids)
+    state["expert_map"] = expert_map
     if a1q_scale is None:
-        offsets, scatter_idx = routing.moe_prepare_scatter(topk_ids, backend=backend, **map_kwargs)
-        inv_perm = scatter_idx.reshape(-1)
-        gate_up_input = process_input(
-            hidden_states,
-            config.input_quant,
-            hadamard_block_size=config.hadamard_block_size,
-            layout="scatter",
-            scatter_idx=scatter_idx,
-            scatter_is_permutation=True,  # moe_prepare_scatter's: every row written once
-            num_valid_tokens=offsets[-1:],
-            static_scale=weights.w13_input_scale,
-            compute_dtype=jnp.dtype(config.compute_dtype),
-            backend=backend,
-        )
-    else:
-        permuted = routing.moe_permute(hidden_states, topk_ids, a1q_scale=a1q_scale, backend=backend, **map_kwargs)
-        offsets, inv_perm = permuted.expert_first_token_offset, permuted.inv_permuted_idx
-        gate_up_input = process_input(
-            permuted.permuted_hidden_states, config.input_quant, input_scale=permuted.permuted_scale, backend=backend
-        )
+        return run_stages(grouped_stages(config, backend), state)["out"]
+    num_tokens, top_k = topk_ids.shape
+    gemm_kwargs = _gemm_kwargs(config, estimate_valid_shape_m(num_tokens, top_k, config), backend)
+    map_kwargs = _expert_map_kwargs(config, expert_map)
+    permuted = routing.moe_permute(hidden_states, topk_ids, a1q_scale=a1q_scale, backend=backend, **map_kwargs)
+    offsets, inv_perm = permuted.expert_first_token_offset, permuted.inv_permuted_idx
+    gate_up_input = process_input(
+        permuted.permuted_hidden_states, config.input_quant, input_scale=permuted.permuted_scale, backend=backend
+    )
     layout = L.GroupedContiguous(offsets)
     gate_up = gemm(gate_up_input, weights.w13, layout, **gemm_kwargs)
     down_input = _down_input(gate_up, config, weights, backend, num_valid_tokens=offsets[-1:])
@@ -220,61 +302,105 @@ def humming_indexed_experts(
     config: ExpertsConfig,
     expert_map: jax.Array | None = None,
     a1q_scale: jax.Array | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     w2_block_size: int | None = None,
     num_valid_tokens: jax.Array | None = None,
     backend: str | None = None,
 ) -> jax.Array:
     """Indexed experts: align -> w13 indexed (reads ``[T, H]``, writes
     ``[T*k, N13]``) -> activation/quantize -> w2 indexed (``top_k=1``,
-    re-aligned when its block size differs) -> fused weighted top-k sum."""
+    re-aligned when its block size differs) -> fused weighted top-k sum.
+    ``block_size`` None: the rows of the tile the tuning gives the w13 call
+    (:func:`indexed_block_size`); ``w2_block_size`` None: ``block_size``."""
     if a1q_scale is None:
         _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_indexed_experts")
     check_weights(weights, config)
-    num_tokens, top_k = topk_ids.shape
-    gemm_kwargs = _gemm_kwargs(config, estimate_valid_shape_m(num_tokens, top_k, config), backend)
-    map_kwargs = _expert_map_kwargs(config, expert_map)
+    state = dict(hidden_states=hidden_states, weights=weights, topk_weights=topk_weights, topk_ids=topk_ids)
+    state.update(expert_map=expert_map, a1q_scale=a1q_scale, num_valid_tokens=num_valid_tokens)
+    return run_stages(indexed_stages(config, block_size, w2_block_size, backend), state)["out"]
 
-    def align(size):
-        sorted_ids, expert_ids, padded = routing.moe_align_block_size(
-            topk_ids, size, ignore_invalid_experts=True, backend=backend, **map_kwargs
+
+def indexed_stages(
+    config: ExpertsConfig,
+    block_size: int | None = None,
+    w2_block_size: int | None = None,
+    backend: str | None = None,
+) -> tuple[Stage, ...]:
+    """The indexed pipeline as stages over the state ``hidden_states [T, H]``
+    (or pre-quantized values with ``a1q_scale``), ``weights``,
+    ``topk_weights``, ``topk_ids [T, k]``, ``expert_map``, ``a1q_scale`` and
+    ``num_valid_tokens`` (each possibly None); the last adds ``out [T, H]``.
+    ``block_size`` None: :func:`indexed_block_size`; ``w2_block_size`` None:
+    ``block_size`` (one alignment serves both GEMMs)."""
+
+    def blocks(s) -> tuple[int, int]:
+        """(w13's block, w2's block) of this call."""
+        block = block_size if block_size is not None else indexed_block_size(*s["topk_ids"].shape, config)
+        return block, block if w2_block_size is None else w2_block_size
+
+    def gemm_kwargs(s):
+        num_tokens, top_k = s["topk_ids"].shape
+        return _gemm_kwargs(config, estimate_valid_shape_m(num_tokens, top_k, config), backend)
+
+    def route(s):
+        def align(size):
+            return routing.moe_align_block_size(
+                s["topk_ids"],
+                size,
+                ignore_invalid_experts=True,
+                backend=backend,
+                **_expert_map_kwargs(config, s["expert_map"]),
+            )
+
+        block, w2_block = blocks(s)
+        aligned = align(block)
+        return dict(aligned=aligned, aligned_w2=aligned if w2_block == block else align(w2_block))
+
+    def quantize_input(s):
+        a1q_scale = s["a1q_scale"]
+        gate_up_input = process_input(
+            s["hidden_states"],
+            config.input_quant,
+            hadamard_block_size=None if a1q_scale is not None else config.hadamard_block_size,
+            input_scale=a1q_scale,
+            static_scale=None if a1q_scale is not None else s["weights"].w13_input_scale,
+            compute_dtype=jnp.dtype(config.compute_dtype),
+            backend=backend,
         )
-        return sorted_ids, expert_ids, padded
+        return dict(gate_up_input=gate_up_input)
 
-    aligned = align(block_size)
-    w2_block_size = block_size if w2_block_size is None else w2_block_size
-    aligned_w2 = aligned if w2_block_size == block_size else align(w2_block_size)
+    def w13(s):
+        top_k = s["topk_ids"].shape[1]
+        layout = L.Indexed(*s["aligned"], top_k=top_k, block_size=blocks(s)[0], lists_dropped=True)
+        return dict(gate_up=gemm(s["gate_up_input"], s["weights"].w13, layout, **gemm_kwargs(s)))
 
-    gate_up_input = process_input(
-        hidden_states,
-        config.input_quant,
-        hadamard_block_size=None if a1q_scale is not None else config.hadamard_block_size,
-        input_scale=a1q_scale,
-        static_scale=None if a1q_scale is not None else weights.w13_input_scale,
-        compute_dtype=jnp.dtype(config.compute_dtype),
-        backend=backend,
-    )
-    gate_up = gemm(
-        gate_up_input,
-        weights.w13,
-        L.Indexed(*aligned, top_k=top_k, block_size=block_size, lists_dropped=True),
-        **gemm_kwargs,
-    )
-    down_input = _down_input(gate_up, config, weights, backend)
-    down = gemm(
-        down_input,
-        weights.w2,
-        L.Indexed(*aligned_w2, top_k=1, block_size=w2_block_size, lists_dropped=True),
-        **gemm_kwargs,
-    )
-    return routing.moe_fused_mul_sum(
-        down.reshape(num_tokens, top_k, down.shape[-1]),
-        topk_weights,
-        topk_ids,
-        num_experts=config.global_num_experts,
-        expert_map=expert_map,
-        num_valid_tokens=num_valid_tokens,
-        backend=backend,
+    def activation(s):
+        return dict(down_input=_down_input(s["gate_up"], config, s["weights"], backend))
+
+    def w2(s):
+        layout = L.Indexed(*s["aligned_w2"], top_k=1, block_size=blocks(s)[1], lists_dropped=True)
+        return dict(down=gemm(s["down_input"], s["weights"].w2, layout, **gemm_kwargs(s)))
+
+    def combine(s):
+        num_tokens, top_k = s["topk_ids"].shape
+        out = routing.moe_fused_mul_sum(
+            s["down"].reshape(num_tokens, top_k, s["down"].shape[-1]),
+            s["topk_weights"],
+            s["topk_ids"],
+            num_experts=config.global_num_experts,
+            expert_map=s["expert_map"],
+            num_valid_tokens=s["num_valid_tokens"],
+            backend=backend,
+        )
+        return dict(out=out)
+
+    return (
+        Stage("routing", route),
+        Stage("input", quantize_input),
+        Stage("w13", w13),
+        Stage("activation", activation),
+        Stage("w2", w2),
+        Stage("combine", combine),
     )
 
 

@@ -43,6 +43,12 @@ def _looped(fn: Callable, sets: Sequence[tuple]):
     return run
 
 
+# Calibration: a first timing of this many iterations (compile and warm-up),
+# then the best of ESTIMATE_RUNS timings estimates one call.
+FIRST_ITERATIONS = 4
+ESTIMATE_RUNS = 3
+
+
 def sampler(fn: Callable, sets: Sequence[tuple], min_seconds: float = 0.01) -> Callable[[int], float]:
     """Compile ``fn``'s timing loop once (calibrated so one timing lasts ``min_seconds``)
     and return ``sample(repeats)``: the median device seconds of one ``fn(*sets[i])`` call
@@ -56,10 +62,10 @@ def sampler(fn: Callable, sets: Sequence[tuple], min_seconds: float = 0.01) -> C
         jax.block_until_ready(run(sets, iterations))
         return time.perf_counter() - start
 
-    iterations = 4
+    iterations = FIRST_ITERATIONS
     timed(iterations)  # compile and warm up
-    estimate = min(timed(iterations) for _ in range(3)) / iterations
-    needed = min(4096, max(4, int(min_seconds / max(estimate, 1e-7))))
+    estimate = min(timed(iterations) for _ in range(ESTIMATE_RUNS)) / iterations
+    needed = min(4096, max(FIRST_ITERATIONS, int(min_seconds / max(estimate, 1e-7))))
     if needed > iterations:
         iterations = 1 << (needed - 1).bit_length()  # a static trip count: one more compile
         timed(iterations)

@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import triton as plgpu
 
 E8M0_BIAS = 127
@@ -98,6 +99,13 @@ def cast_float8_saturating(x: jax.Array, dtype, on_gpu: bool = False) -> jax.Arr
         return x.astype(dtype)
     finite_max = float(jnp.finfo(dtype).max)
     return jnp.where(x != x, x, jnp.clip(x, -finite_max, finite_max)).astype(dtype)
+
+
+def fp8_token_scale_floor(element_max: float) -> float:
+    """The smallest per-token fp8 scale, ``1 / (element_max * 512)`` in f32, as
+    vLLM's dynamic per-token fp8 quantization clamps it (``min_scaling_factor``):
+    a row whose amax is under ``1/512`` gets this scale, not ``amax / max``."""
+    return float(np.float32(1.0) / np.float32(element_max * 512.0))
 
 
 def divide(x: jax.Array, y, exact_on_gpu: bool = False) -> jax.Array:

@@ -279,6 +279,14 @@ def _nan_maximum(a, b):
     return jnp.where((a != a) | (b != b), jnp.nan, jnp.maximum(a, b))
 
 
+def _token_scale(scale, cfg: ProcessConfig):
+    """A per-token scale ``amax / max``, fp8 ones clamped from below as vLLM's
+    are (:func:`codecs.fp8_token_scale_floor`; NaN stays NaN)."""
+    if cfg.act_dtype not in ("float8_e4m3", "float8_e5m2"):
+        return scale
+    return _nan_maximum(scale, jnp.float32(codecs.fp8_token_scale_floor(cfg.qmax)))
+
+
 def _quantize(ys, static_ref, cfg: ProcessConfig, row_amax=None):
     """Quantize a row's column blocks ``ys`` (list of ``[rows, c]`` f32).
     ``row_amax`` ``[rows]``: the max of ``|y|`` over the whole row when ``ys``
@@ -294,7 +302,7 @@ def _quantize(ys, static_ref, cfg: ProcessConfig, row_amax=None):
         inverse = recip(jnp.full((rows, 1), static_ref[0], jnp.float32))
         return [_encode(y * inverse, cfg) for y in ys], None, None
     if cfg.mode == "dynamic_token":
-        scale = divide(_row_max(ys) if row_amax is None else row_amax, qmax)
+        scale = _token_scale(divide(_row_max(ys) if row_amax is None else row_amax, qmax), cfg)
         inverse = recip(scale)[:, None]
         return [_encode(y * inverse, cfg) for y in ys], scale, None
     grouped = [y.reshape(rows, y.shape[1] // cfg.group_size, cfg.group_size) for y in ys]
@@ -481,7 +489,7 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
             largest = functools.reduce(_nan_maximum, [jnp.abs(y) for _, y in tiles])
             amaxes.append(_amax(_amax(largest, axis=1).reshape(rows_n, n), axis=1))
         row_amax = functools.reduce(_nan_maximum, amaxes)
-        scale = codecs.divide(row_amax, cfg.qmax, exact_on_gpu=cfg.gpu)
+        scale = _token_scale(codecs.divide(row_amax, cfg.qmax, exact_on_gpu=cfg.gpu), cfg)
     outputs = [
         _quantize([y for _, y in tiles], ins.static_ref, cfg, None if row_amax is None else per_block(row_amax, n))[0]
         for n, tiles in segments

@@ -17,6 +17,25 @@ from humming_jax.tuning import table as table_module
 from pallas_kernels.gemm import mosaic, triton
 
 
+@pytest.fixture(autouse=True)
+def quick_timing(monkeypatch):
+    """Interpreted kernels: one iteration a timing, one calibration run."""
+    monkeypatch.setattr(timing, "FIRST_ITERATIONS", 1)
+    monkeypatch.setattr(timing, "ESTIMATE_RUNS", 1)
+
+
+def _compiled_once(fn, sets, **_):
+    """In place of ``device_seconds``: ``fn`` compiled and run once, not in a
+    timing loop (which takes any function of arrays: test_bench_writes_json)."""
+    jax.block_until_ready(jax.jit(fn)(*sets[0]))
+    return 1e-3
+
+
+@pytest.fixture
+def compiled_once(monkeypatch):
+    monkeypatch.setattr(bench, "device_seconds", _compiled_once)
+
+
 @pytest.fixture
 def tiny(monkeypatch):
     monkeypatch.setattr(bench, "KERNEL_BACKEND", "interpret")
@@ -45,7 +64,43 @@ def test_bench_writes_json(tiny, tmp_path, capsys):
     assert bench.time_mgpu_ragged_dot(bench.Case("tiny", "w13", "grouped", 512, "bf16"), ids) is None
 
 
-def test_bench_quantized_input_pairs_with_the_anchor(tiny, tmp_path, monkeypatch):
+def test_layer_bench_writes_json(tiny, compiled_once, tmp_path, monkeypatch, capsys):
+    """``bench --layer``: each pipeline's layer time, its stages' times (the
+    stages the pipeline runs), the share outside the GEMMs, the host time,
+    checked against the reference pipeline; JSON and a plot."""
+    from humming_jax import layer_bench
+
+    monkeypatch.setattr(layer_bench, "HOST_CALLS", 2)
+
+    monkeypatch.setattr(layer_bench, "INPUT_SETS", 1)
+    out = tmp_path / "layer.json"
+    args = [
+        "bench",
+        "--layer",
+        "--problems",
+        "tiny",
+        "--tokens",
+        "3",
+        "--formats",
+        "int4_g32",
+        "--pipelines",
+        "grouped",
+    ]
+    assert cli.main([*args, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["pipeline"], r["fmt"]) for r in rows] == [("grouped", "int4_g32")]  # indexed: test_pipelines
+    for r in rows:
+        assert list(r["stage_us"]) == ["routing", "input", "w13", "activation", "w2", "combine"]
+        assert all(us > 0 for us in r["stage_us"].values()) and r["us"] > 0 and r["gbps"] > 0
+        assert r["gemm_us"] == pytest.approx(r["stage_us"]["w13"] + r["stage_us"]["w2"])
+        assert 0 < r["outside_share"] < 1 and isinstance(r["host_us"], float)
+        assert r["error"] < 1e-2, r
+        assert r["torch_layer_us"] is None  # no GPU here
+    assert (tmp_path / "layer.png").stat().st_size > 0
+    assert "tiny" in capsys.readouterr().out
+
+
+def test_bench_quantized_input_pairs_with_the_anchor(tiny, compiled_once, tmp_path, monkeypatch):
     """A weight@input pair (or the anchor's name for it) quantizes the input
     (timed apart: ``quant_us``) and is compared with the anchor's time."""
     monkeypatch.setitem(bench.PROBLEMS, "tiny128", (4, 128, 128, 2))
@@ -72,7 +127,7 @@ def test_bench_quantized_input_pairs_with_the_anchor(tiny, tmp_path, monkeypatch
     assert bench.load_anchor(str(tmp_path / "absent.json")) == {}
 
 
-def test_tune_writes_a_table_the_loader_reads(tiny, tmp_path, monkeypatch):
+def test_tune_writes_a_table_the_loader_reads(tiny, compiled_once, tmp_path, monkeypatch):
     """``tune`` writes entries only (the kernel, its tiles, the time, the
     results file), merged into the file at ``--out``; the loader reads them back."""
     candidates = (triton.Tiles(16, 32, 32), triton.Tiles(16, 64, 64, swap_ab=True))
@@ -94,7 +149,7 @@ def test_tune_writes_a_table_the_loader_reads(tiny, tmp_path, monkeypatch):
     assert loaded["indexed/4bit"][1].tiles == mosaic.Tiles(stages=3)
 
 
-def test_tune_per_shape_entries_take_precedence(tiny, tmp_path, monkeypatch):
+def test_tune_per_shape_entries_take_precedence(tiny, compiled_once, tmp_path, monkeypatch):
     """``tune --per-shape`` keys its entries by (E, N, K); the candidates list
     them before the class entries, for that shape only, then the heuristic's."""
     from humming_jax.formats import get_format
@@ -223,6 +278,8 @@ def test_routing_bench_sweeps_row_tiles(monkeypatch):
     """The routing benchmark (interpret mode): one row per op and tiling, the
     references once, and the table pairs each tiling with its reference."""
     from benchmarks import bench_routing
+
+    monkeypatch.setattr(bench_routing, "device_seconds", _compiled_once)
 
     monkeypatch.setattr(bench_routing, "KERNEL", "interpret")
     from pallas_kernels.routing import RowTiles

@@ -26,7 +26,9 @@ def _expected_scale(x64, spec, static_scale=None):
     if mode == "static_tensor":
         return np.full((m, 1), static_scale), None
     if mode == "dynamic_token":
-        return np.abs(x64).max(1, keepdims=True) / qmax, None
+        scale = np.abs(x64).max(1, keepdims=True) / qmax
+        floor = 1.0 / (qmax * 512) if spec.dtype.value.startswith("float8") else 0.0  # vLLM's per-token fp8 floor
+        return np.maximum(scale, floor), None
     amax = np.abs(x64).reshape(m, k // spec.group_size, spec.group_size).max(-1)
     if mode == "dynamic_group":
         if spec.scale_type.value == "e8m0":

@@ -676,3 +676,29 @@ def test_a_nan_poisons_its_scale_group_only(spec, rng):
     poisoned = 256 if spec.mode.value in ("dynamic_token", "dynamic_group_token") else spec.group_size
     assert np.isnan(dequantized[1]).sum() == poisoned
     assert np.all(np.isfinite(dequantized[[0, 2, 3]]))
+
+
+@pytest.mark.parametrize("spec", [Q.FP8_DYNAMIC_TOKEN, Q.FP8_E5M2_DYNAMIC_TOKEN, Q.INT8_DYNAMIC_TOKEN], ids=str)
+def test_fp8_token_scales_have_vllms_floor(spec, rng):
+    """Per-token fp8 scales are at least 1 / (max * 512) in f32, as vLLM's
+    per-token fp8 quantization clamps them: a row of tiny values or zeros gets
+    that scale (int8 rows do not); a NaN row stays NaN; kernel and reference
+    bit for bit."""
+    x = rng.normal(size=(4, 256)).astype(np.float32)
+    x[1] *= 1e-5
+    x[2] = 0.0
+    x[3, 5] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    got, want = (hj.process_input(x, spec, backend=b) for b in (KERNEL_BACKEND, "reference"))
+    for part in ("values", "scale"):  # as floats: e5m2 has several NaN codes
+        a, b = (np.asarray(getattr(q, part)).astype(np.float32) for q in (got, want))
+        np.testing.assert_array_equal(a, b)
+    scale = np.asarray(want.scale, np.float32).reshape(-1)
+    qmax = spec.dtype.max_value
+    amax = np.abs(np.asarray(x, np.float32)).max(axis=1)
+    if spec.dtype.value.startswith("float8"):
+        floor = np.float32(1.0) / np.float32(qmax * 512)
+        assert scale[1] == floor == scale[2] and amax[1] / qmax < floor
+    else:
+        assert scale[2] == 0 and scale[1] == np.float32(amax[1]) / np.float32(qmax)
+    assert scale[0] == np.float32(amax[0]) / np.float32(qmax) and np.isnan(scale[3])

@@ -127,7 +127,7 @@ class HummingIndexedExperts(_HummingExperts):
         self,
         config: ExpertsConfig,
         *,
-        block_size: int = E.DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
         w2_block_size: int | None = None,
         **kwargs,
     ):

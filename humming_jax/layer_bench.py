@@ -1,0 +1,339 @@
+"""The whole expert layer timed: ``python -m humming_jax bench --layer``.
+
+Per (problem, pipeline, format, T): the jitted pipeline's device time, each
+of its stages' (:func:`humming_jax.experts.grouped_stages` /
+``indexed_stages``: routing, input quantization + scatter, w13, activation +
+quantization, w2, combine — the same functions the pipeline runs, each timed
+on the state the previous ones left), the share of the stages outside the two
+GEMMs, the host time of one call above its device time, and, in the same
+process when torch is importable on a GPU, a bf16 PyTorch layer
+(``torch._grouped_mm``, permute and unpermute with torch ops). Inputs rotate
+over several routings (so the experts a decode step reads are not the previous
+step's, left in L2); the weights are one set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from humming_jax import bench
+from humming_jax import experts as X
+from humming_jax.configs import ExpertsConfig
+from humming_jax.timing import bandwidth_fields
+
+PIPELINES = ("grouped", "indexed")
+# bf16, W4A16 int4 and MXFP4, W8A8 FP8-block and W4A8 (the anchor's pair names).
+LAYER_FORMATS = ("bf16", "int4_g128", "mxfp4", "w8a8_fp8_block128", "w4a8_mxfp4_fp8g128")
+GEMM_STAGES = ("w13", "w2")
+INPUT_SETS = 4  # routings rotated per timing
+REFERENCE_MAX_BYTES = 2**32  # f32 bytes of a dequantized weight past which the error is not checked
+HOST_CALLS = 30
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCase:
+    problem: str  # a key of bench.PROBLEMS: (E, H, I, top_k)
+    pipeline: str  # grouped | indexed
+    tokens: int
+    fmt: str  # a weight format, WEIGHT@INPUT or an anchor pair name (bench.split_format)
+
+    def config(self) -> ExpertsConfig:
+        e, h, i, top_k = bench.PROBLEMS[self.problem]
+        fmt, quant = bench.split_format(self.fmt)
+        return ExpertsConfig(e, h, i, top_k, weight_format=fmt, input_quant=quant)
+
+
+def stages(case: LayerCase, backend: str | None) -> tuple[X.Stage, ...]:
+    config = case.config()
+    if case.pipeline == "grouped":
+        return X.grouped_stages(config, backend)
+    if case.pipeline == "indexed":
+        return X.indexed_stages(config, backend=backend)
+    raise ValueError(f"pipeline: expected one of {PIPELINES}, got {case.pipeline!r}")
+
+
+def _weights(case: LayerCase, seed: int) -> X.ExpertWeights:
+    """Random weights in the case's formats and the kernels' order (as
+    :func:`humming_jax.experts.quantize_experts` gives them), drawn a few
+    experts at a time (bench's ``_random_weight``)."""
+    config = case.config()
+    key = jax.random.key(seed)
+    w13 = bench._random_weight(jax.random.fold_in(key, 13), config.weight_format, *_shape(config, "w13"))
+    w2 = bench._random_weight(jax.random.fold_in(key, 2), config.w2_weight_format, *_shape(config, "w2"))
+    return X.to_kernel_order(X.ExpertWeights(w13, w2), config)
+
+
+def _shape(config: ExpertsConfig, name: str) -> tuple[int, int, int]:
+    layer = getattr(config, name)
+    return layer.num_experts, layer.shape_n, layer.shape_k
+
+
+def _inputs(case: LayerCase, rng: np.random.Generator) -> dict:
+    """One routing: ``hidden_states [T, H]`` bf16, ``topk_ids``, ``topk_weights`` (each row sums to 1)."""
+    e, h, _, top_k = bench.PROBLEMS[case.problem]
+    ids = bench._routing(rng, case.tokens, e, top_k)
+    weights = rng.random((case.tokens, top_k)).astype(np.float32) + 0.1
+    hidden = rng.normal(size=(case.tokens, h)).astype(np.float32)
+    return dict(
+        hidden_states=jnp.asarray(hidden, jnp.bfloat16),
+        topk_ids=jnp.asarray(ids),
+        topk_weights=jnp.asarray(weights / weights.sum(axis=1, keepdims=True)),
+        expert_map=None,
+        a1q_scale=None,
+        num_valid_tokens=None,
+    )
+
+
+def _costs(case: LayerCase, weights: X.ExpertWeights, ids: np.ndarray) -> tuple[int, int]:
+    """(bytes the layer must move: the weights of the experts that get rows,
+    the input and the output; flops of the two GEMMs) on the real rows."""
+    config = case.config()
+    hit = len(np.unique(ids))
+    moved = 0
+    flops = 0
+    rows = case.tokens * config.top_k
+    for name in GEMM_STAGES:
+        e, n, k = _shape(config, name)
+        weight = getattr(weights, name)
+        moved += hit * bench._weight_bytes(weight.format, n, k)
+        flops += 2 * rows * n * k
+    moved += 2 * 2 * case.tokens * config.hidden_size  # bf16 in and out
+    return moved, flops
+
+
+def _layer_fn(case: LayerCase, backend: str | None):
+    """The jitted pipeline as users call it: ``fn(state) -> [T, H]``."""
+    config = case.config()
+    if case.pipeline == "grouped":
+        pipeline = X.humming_grouped_experts
+    else:
+        pipeline = X.humming_indexed_experts
+
+    def fn(state):
+        return pipeline(
+            state["hidden_states"],
+            state["weights"],
+            state["topk_weights"],
+            state["topk_ids"],
+            config,
+            backend=backend,
+        )
+
+    return fn
+
+
+def _host_us(fn, state, device_us: float) -> float:
+    """Median wall time of one jitted call waited for, minus its device time:
+    what a step that calls the layer pays on the host."""
+    jitted = jax.jit(fn)
+    jax.block_until_ready(jitted(state))
+    times = []
+    for _ in range(HOST_CALLS):
+        start = time.perf_counter()
+        jax.block_until_ready(jitted(state))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6 - device_us
+
+
+def _reference_error(case: LayerCase, state: dict, out: jax.Array) -> float | None:
+    """‖out − ref‖/‖ref‖ against the pipeline on the reference backend (f32
+    ``jnp``), or None where the dequantized weights would not fit."""
+    config = case.config()
+    largest = max(math.prod(_shape(config, name)) for name in GEMM_STAGES)
+    if 4 * largest > REFERENCE_MAX_BYTES:
+        return None
+    ref = np.asarray(jax.jit(_layer_fn(case, "reference"))(state), np.float64)
+    got = np.asarray(out, np.float64)
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def time_layer(case: LayerCase, seed: int = 0) -> dict:
+    """One result row (see the module docstring); times in µs."""
+    backend = bench.KERNEL_BACKEND
+    rng = np.random.default_rng(seed)
+    weights = _weights(case, seed)
+    sets = [dict(_inputs(case, rng), weights=weights) for _ in range(INPUT_SETS)]
+    moved, flops = _costs(case, weights, np.asarray(sets[0]["topk_ids"]))
+    fn = _layer_fn(case, backend)
+    layer_s = bench.device_seconds(fn, [(s,) for s in sets])
+    # The state before each stage is the final state's entries the earlier stages
+    # had (stages only add entries): one compiled run gives every stage's input.
+    staged = stages(case, backend)
+    finals = [jax.jit(functools.partial(X.run_stages, staged))(s) for s in sets]
+    stage_us, keys = {}, list(sets[0])
+    for stage in staged:
+        befores = [{key: final[key] for key in keys} for final in finals]
+        stage_us[stage.name] = bench.device_seconds(stage.run, [(b,) for b in befores]) * 1e6
+        keys += list(jax.eval_shape(stage.run, befores[0]))
+    out = finals[0]["out"]
+    gemm_us = sum(stage_us[name] for name in GEMM_STAGES)
+    staged_us = sum(stage_us.values())
+    floor = max(moved / bench.COPY_BANDWIDTH, flops / bench.MATMUL_RATE)
+    return dict(
+        **dataclasses.asdict(case),
+        **bandwidth_fields(layer_s, moved),
+        tflops=flops / layer_s / 1e12,
+        roofline_fraction=floor / layer_s,
+        flops=flops,
+        stage_us=stage_us,
+        gemm_us=gemm_us,
+        outside_share=1.0 - gemm_us / staged_us,
+        host_us=_host_us(fn, sets[0], layer_s * 1e6),
+        torch_layer_us=time_torch_layer(case, np.asarray(sets[0]["topk_ids"])),
+        error=_reference_error(case, sets[0], out),
+    )
+
+
+def time_torch_layer(case: LayerCase, ids: np.ndarray) -> float | None:
+    """Median µs of a bf16 PyTorch layer on the same routing (sort the routed
+    rows by expert, ``torch._grouped_mm`` w13, SiLU-and-mul, w2, weighted
+    scatter-add back to the tokens), or None without torch on a GPU."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
+        return None
+    us = _torch_layer_us(torch, case, ids)
+    torch.cuda.empty_cache()  # torch's cached blocks would leave JAX short on the largest problems
+    return us
+
+
+def _torch_layer_us(torch, case: LayerCase, ids: np.ndarray) -> float:
+    e, h, i, top_k = bench.PROBLEMS[case.problem]
+    flat = torch.tensor(ids.reshape(-1), dtype=torch.int64, device="cuda")
+    x = torch.randn(case.tokens, h, dtype=torch.bfloat16, device="cuda")
+    route = torch.rand(case.tokens * top_k, dtype=torch.float32, device="cuda")
+    w13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    w2 = torch.randn(e, h, i, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+
+    def layer():
+        order = torch.argsort(flat)
+        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+        rows = x[order // top_k]
+        gate_up = torch._grouped_mm(rows, w13, offs=offs)
+        act = torch.nn.functional.silu(gate_up[:, :i]) * gate_up[:, i:]
+        down = torch._grouped_mm(act, w2, offs=offs).float() * route[order, None]
+        out = torch.zeros(case.tokens, h, dtype=torch.float32, device="cuda")
+        return out.index_add_(0, order // top_k, down).to(torch.bfloat16)
+
+    for _ in range(3):
+        layer()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        layer()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return float(np.median(times))
+
+
+HEADER = (
+    f"{'problem':<15}{'pipeline':<9}{'T':>6}{'format':>20}{'us':>10}{'GB/s':>7}{'TFLOP/s':>9}"
+    f"{'gemms us':>10}{'outside':>8}{'host us':>9}{'torch us':>10}{'error':>9}"
+)
+
+
+def format_row(r: dict) -> str:
+    torch_us = "" if r["torch_layer_us"] is None else f"{r['torch_layer_us']:.1f}"
+    error = "" if r["error"] is None else f"{r['error']:.1e}"
+    stage_text = " ".join(f"{name}={us:.1f}" for name, us in r["stage_us"].items())
+    return (
+        f"{r['problem']:<15}{r['pipeline']:<9}{r['tokens']:>6}{r['fmt']:>20}{r['us']:>10.1f}{r['gbps']:>7.0f}"
+        f"{r['tflops']:>9.1f}{r['gemm_us']:>10.1f}{100 * r['outside_share']:>7.0f}%{r['host_us']:>9.1f}"
+        f"{torch_us:>10}{error:>9}  [{stage_text}]"
+    )
+
+
+def run_layers(problems, tokens, formats, pipelines=PIPELINES, on_row=None) -> list[dict]:
+    """Every case that the format's shapes allow; ``on_row(rows)`` after each."""
+    rows = []
+    for problem in problems:
+        for t in tokens:
+            for fmt in formats:
+                for pipeline in pipelines:
+                    case = LayerCase(problem, pipeline, t, fmt)
+                    try:
+                        case.config()
+                        for name in GEMM_STAGES:
+                            _, n, k = _shape(case.config(), name)
+                            weight_format, quant = bench.split_format(fmt)
+                            weight_format.check_shape(n, k)
+                            quant.check_k(k)
+                    except ValueError as reason:
+                        print(f"{problem} {fmt}: skipped ({reason})", flush=True)
+                        continue
+                    rows.append(time_layer(case))
+                    print(format_row(rows[-1]), flush=True)
+                    if on_row is not None:
+                        on_row(rows)
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> bool:
+    """Layer time and the share outside the GEMMs against T, one panel per
+    problem (PNG); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    problems = sorted({r["problem"] for r in rows})
+    fig, axes = plt.subplots(2, len(problems), figsize=(5 * len(problems), 8), squeeze=False)
+    for col, problem in enumerate(problems):
+        mine = [r for r in rows if r["problem"] == problem]
+        for key in sorted({(r["pipeline"], r["fmt"]) for r in mine}):
+            line = sorted((r for r in mine if (r["pipeline"], r["fmt"]) == key), key=lambda r: r["tokens"])
+            ts = [r["tokens"] for r in line]
+            axes[0][col].plot(ts, [r["us"] for r in line], marker="o", label=f"{key[0]} {key[1]}")
+            axes[1][col].plot(ts, [100 * r["outside_share"] for r in line], marker="o", label=f"{key[0]} {key[1]}")
+        torch_line = sorted({(r["tokens"], r["torch_layer_us"]) for r in mine if r["torch_layer_us"]})
+        if torch_line:
+            axes[0][col].plot(*zip(*torch_line, strict=True), "k--", label="torch bf16")
+        axes[0][col].set(xscale="log", yscale="log", title=problem, xlabel="T", ylabel="layer µs")
+        axes[1][col].set(xscale="log", xlabel="T", ylabel="% outside the GEMMs")
+        axes[0][col].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def layer_main(args) -> int:
+    import sys
+
+    from humming_jax.timing import write_results
+
+    if bench.KERNEL_BACKEND == "pallas" and jax.default_backend() != "gpu":
+        print("bench --layer: needs a GPU (kernels are timed compiled)", file=sys.stderr)
+        return 2
+    print(HEADER, flush=True)
+
+    def save(rows):
+        write_results(args.out, rows, quiet=True, copy_bandwidth=bench.COPY_BANDWIDTH, matmul_rate=bench.MATMUL_RATE)
+
+    rows = run_layers(args.problems, args.tokens, args.formats, args.pipelines, on_row=save)
+    save(rows)
+    print(f"wrote {args.out}")
+    if plot(rows, args.out.removesuffix(".json") + ".png"):
+        print(f"wrote {args.out.removesuffix('.json')}.png")
+    return 0
+
+
+def load_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)["rows"]
