@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
@@ -185,7 +186,7 @@ class ExpertsConfig:
     def w13_n(self) -> int:
         return 2 * self.intermediate_size if self.activation.is_gated else self.intermediate_size
 
-    @property
+    @functools.cached_property  # built once (a frozen config; the modules read it every call)
     def w13(self) -> LayerConfig:
         return LayerConfig(
             self.w13_n,
@@ -197,7 +198,7 @@ class ExpertsConfig:
             hadamard_block_size=self.hadamard_block_size,
         )
 
-    @property
+    @functools.cached_property
     def w2(self) -> LayerConfig:
         return LayerConfig(
             self.hidden_size,

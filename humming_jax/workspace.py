@@ -11,6 +11,7 @@ would put it in, and the bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -47,6 +48,7 @@ def activation_dtype(spec: Q.InputQuantSpec, compute_dtype: str):
     return jnp.dtype(compute_dtype) if not spec.is_quantized else jnp.dtype(spec.dtype.storage_dtype)
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of hashable arguments, asked on every module call
 def plan_workspace(
     config: ExpertsConfig,
     num_tokens: int,
