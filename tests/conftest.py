@@ -6,6 +6,8 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     # Interpreted kernels are compiled far more than they run: XLA's CPU backend
     # without LLVM's optimizations compiles them faster (the results are the same).
     flags = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    # Eight simulated devices for the expert-parallel tests (one device is still the default).
+    flags += " --xla_force_host_platform_device_count=8"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + flags).strip()
 # The Mosaic GPU interpreter runs each warpgroup as a CPU computation whose blocking
 # callbacks (barrier waits) take a worker thread of the CPU client, which has as many

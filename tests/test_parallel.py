@@ -1,0 +1,158 @@
+"""Expert parallelism over simulated CPU devices (tests/conftest.py asks XLA
+for eight): the EP layer equals the single-device grouped layer — same
+weights and routing — bit for bit, on 1, 2, 4 and 8 ranks; a capped receive
+buffer drops exactly the slots its rule says and counts them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from humming_jax import experts as X
+from humming_jax import parallel
+from humming_jax.configs import ExpertsConfig
+
+E, H, INTER, TOP_K, T = 8, 64, 32, 2, 16
+
+
+def _layer(rng, fmt, input_quant="none"):
+    config = ExpertsConfig(E, H, INTER, TOP_K, weight_format=fmt, input_quant=input_quant)
+    w13 = jnp.asarray(rng.normal(size=(E, 2 * INTER, H)) / 8, jnp.float32)
+    w2 = jnp.asarray(rng.normal(size=(E, H, INTER)) / 6, jnp.float32)
+    return config, X.quantize_experts(w13, w2, config)
+
+
+def _routing(rng, skewed: bool):
+    ids = rng.integers(0, E, (T, TOP_K)).astype(np.int32)
+    if skewed:  # one expert takes most slots: one rank receives most rows
+        ids[: T - 2, 0] = 5
+    ids[3, 1] = E + 1  # an id outside [0, E): an invalid slot, no contribution
+    weights = rng.random((T, TOP_K)).astype(np.float32)
+    return jnp.asarray(ids), jnp.asarray(weights)
+
+
+def _mesh(ranks: int):
+    return jax.make_mesh((ranks,), ("expert",), devices=jax.devices()[:ranks])
+
+
+@pytest.mark.parametrize(
+    "ranks,fmt,input_quant",
+    [(1, "bf16", "none"), (2, "bf16", "none"), (8, "bf16", "none")]
+    + [(r, "int4_g32", "none") for r in (2, 8)]
+    + [(r, "fp8_channel", "fp8_dynamic_token") for r in (2, 4)],
+)
+def test_ep_layer_equals_the_single_device_layer(ranks, fmt, input_quant, rng):
+    if jax.device_count() < ranks:
+        pytest.fail(f"needs {ranks} devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    config, weights = _layer(rng, fmt, input_quant)
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
+    for skewed in (False, True):
+        ids, topk_weights = _routing(rng, skewed)
+        want = X.humming_grouped_experts(x, weights, topk_weights, ids, config, backend="reference")
+        got = parallel.ep_experts(x, weights, topk_weights, ids, config, _mesh(ranks), backend="reference")
+        assert got.shape == (T, H) and got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_ep_layer_on_the_kernels_compiles_once(rng):
+    """The default backend (the kernels, interpreted here) and one compilation
+    across routings, uniform and skewed."""
+    config, weights = _layer(rng, "int4_g32")
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
+    mesh = _mesh(2)
+    parallel.ep_experts.clear_cache()
+    for skewed in (False, True):
+        ids, topk_weights = _routing(rng, skewed)
+        want = X.humming_grouped_experts(x, weights, topk_weights, ids, config)
+        got = parallel.ep_experts(x, weights, topk_weights, ids, config, mesh)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert parallel.ep_experts._cache_size() == 1
+
+
+def test_gathered_exchange_is_ragged_all_to_all():
+    """The all_gather form of the exchange (backends without the collective):
+    rank m's buffer holds each source's block for m at the sender's offset."""
+    ranks = 4
+    mesh = _mesh(ranks)
+    sizes = np.array([[2, 1, 1, 0], [0, 0, 0, 0], [0, 2, 1, 2], [1, 1, 2, 2]], np.int32)  # [source, dest]
+    rows = 6
+
+    def step(x, send):
+        send = send.reshape(ranks)
+        me = jax.lax.axis_index("expert")
+        every = jax.lax.all_gather(send, "expert")
+        out_off = jnp.sum(jnp.where(jnp.arange(ranks)[:, None] < me, every, 0), axis=0).astype(jnp.int32)
+        in_off = (jnp.cumsum(send) - send).astype(jnp.int32)
+        out = jnp.full((rows * ranks,), -1.0)
+        return parallel.ragged_all_to_all_gathered(x, out, in_off, send, out_off, every[:, me], axis_name="expert")
+
+    x = jnp.arange(ranks * rows, dtype=jnp.float32)
+    spec = jax.sharding.PartitionSpec("expert")
+    placed = [jax.reshard(a, jax.sharding.NamedSharding(mesh, spec)) for a in (x, jnp.asarray(sizes.reshape(-1)))]
+    got = np.asarray(jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec), out_specs=spec))(*placed))
+    got = got.reshape(ranks, rows * ranks)
+    for dest in range(ranks):
+        want = []
+        for source in range(ranks):
+            start = sizes[source, :dest].sum()
+            want += list(range(source * rows + start, source * rows + start + sizes[source, dest]))
+        np.testing.assert_array_equal(got[dest, : len(want)], want)
+        assert np.all(got[dest, len(want) :] == -1)
+
+
+def test_plan_and_bad_arguments(rng):
+    config, weights = _layer(rng, "bf16")
+    plan = parallel.plan_ep(config, T, 4)
+    assert (plan.local_experts, plan.tokens_per_rank, plan.slots_per_rank, plan.receive_rows) == (2, 4, 8, 32)
+    with pytest.raises(ValueError, match="experts do not divide"):
+        parallel.plan_ep(config, T, 3)
+    with pytest.raises(ValueError, match="tokens do not divide"):
+        parallel.plan_ep(config, 6, 4)
+    x = jnp.zeros((T, H), jnp.bfloat16)
+    ids, topk_weights = _routing(rng, False)
+    with pytest.raises(ValueError, match="axis_name"):
+        parallel.ep_experts(x, weights, topk_weights, ids, config, _mesh(2), axis_name="data")
+    with pytest.raises(ValueError, match="topk_ids"):
+        parallel.ep_experts(x, weights, topk_weights[:, :1], ids[:, :1], config, _mesh(2))
+
+
+def _expected_drops(ids: np.ndarray, ranks: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids with the slots a capped exchange drops set to -1, drops per source
+    rank), by the documented rule: a receiver takes the sources in rank order
+    and of each block (sorted by expert) its first rows."""
+    tokens = ids.shape[0] // ranks
+    local = E // ranks
+    kept = ids.copy()
+    filled = np.zeros(ranks, np.int64)
+    drops = np.zeros(ranks, np.int64)
+    for source in range(ranks):
+        flat = ids[source * tokens : (source + 1) * tokens].reshape(-1)
+        valid = (flat >= 0) & (flat < E)
+        dest = np.where(valid, flat // local, ranks)
+        order = np.argsort(dest * E + np.where(valid, flat, 0), kind="stable")
+        for dest_rank in range(ranks):
+            slots = [slot for slot in order if dest[slot] == dest_rank]
+            room = max(0, capacity - filled[dest_rank])
+            filled[dest_rank] += len(slots)
+            for slot in slots[room:]:
+                kept[source * tokens + slot // TOP_K, slot % TOP_K] = -1
+                drops[source] += 1
+    return kept, drops
+
+
+@pytest.mark.parametrize("capacity", [9, 64])
+def test_capped_exchange_counts_and_drops_exactly_the_slots_past_capacity(capacity, rng):
+    """``ep_experts_capped``: the output is the single-device layer without the
+    slots the documented rule drops, and ``dropped`` counts them per rank."""
+    ranks = 4
+    config, weights = _layer(rng, "bf16")
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
+    ids, topk_weights = _routing(rng, skewed=True)
+    kept, drops = _expected_drops(np.asarray(ids), ranks, capacity)
+    out, dropped = parallel.ep_experts_capped(
+        x, weights, topk_weights, ids, config, _mesh(ranks), capacity, backend="reference"
+    )
+    want = X.humming_grouped_experts(x, weights, topk_weights, jnp.asarray(kept), config, backend="reference")
+    np.testing.assert_array_equal(np.asarray(dropped), drops)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    assert (drops.sum() == 0) == (capacity >= 32)  # the skewed rank receives 14+ of the 32 slots
