@@ -89,6 +89,22 @@ def ragged_all_to_all_gathered(operand, output, input_offsets, send_sizes, outpu
     return output
 
 
+def weight_specs(weights: X.ExpertWeights, config: ExpertsConfig, axis_name: str = "expert"):
+    """A ``PartitionSpec`` per array of ``weights``: per-expert arrays (``[E, …]``)
+    split by experts over ``axis_name``, per-tensor ones (static input scales)
+    on every rank."""
+    return jax.tree.map(lambda a: P(axis_name) if a.shape[:1] == (config.num_experts,) else P(), weights)
+
+
+def shard_weights(
+    weights: X.ExpertWeights, config: ExpertsConfig, mesh: jax.sharding.Mesh, axis_name: str = "expert"
+) -> X.ExpertWeights:
+    """``weights`` placed on ``mesh``: each rank holds its experts' arrays
+    (:func:`weight_specs`), as :func:`ep_experts` reads them."""
+    specs = weight_specs(weights, config, axis_name)
+    return jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), weights, specs)
+
+
 def _exchange(kernel_collective: bool):
     if kernel_collective:
         return jax.lax.ragged_all_to_all
@@ -234,9 +250,7 @@ def _ep(hidden_states, weights, topk_weights, topk_ids, config, mesh, axis_name,
         exchange=_exchange(backend == "pallas"),
     )
     tokens = P(axis_name)
-    # Per-expert arrays split by experts; per-tensor ones (static input scales) on every rank.
-    weight_specs = jax.tree.map(lambda a: P(axis_name) if a.shape[:1] == (config.num_experts,) else P(), weights)
-    specs = (tokens, weight_specs, tokens, tokens)
+    specs = (tokens, weight_specs(weights, config, axis_name), tokens, tokens)
     mapped = jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(tokens, tokens), check_vma=False)
     explicit = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[axis_name] == jax.sharding.AxisType.Explicit
     place = jax.reshard if explicit else jax.lax.with_sharding_constraint  # (an Auto axis is a constraint)

@@ -156,3 +156,26 @@ def test_capped_exchange_counts_and_drops_exactly_the_slots_past_capacity(capaci
     np.testing.assert_array_equal(np.asarray(dropped), drops)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
     assert (drops.sum() == 0) == (capacity >= 32)  # the skewed rank receives 14+ of the 32 slots
+
+
+def test_module_splits_its_weights_and_equals_the_grouped_module(rng):
+    """``nn.ExpertParallelExperts``: its weights live split over the ranks; its
+    call (eager and under ``nnx.jit``) equals the single-device module's."""
+    from flax import nnx
+
+    from humming_jax import nn
+
+    config, weights = _layer(rng, "int4_g32")
+    mesh = _mesh(4)
+    module = nn.ExpertParallelExperts.from_quantized(config, weights, mesh=mesh, backend="reference")
+    single = nn.HummingGroupedExperts.from_quantized(config, weights, backend="reference")
+    values = module.w13.get_value().values
+    assert len(values.sharding.device_set) == 4 and values.addressable_shards[0].data.shape[0] == E // 4
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
+    ids, topk_weights = _routing(rng, skewed=False)
+    want = np.asarray(single(x, topk_weights, ids), np.float32)
+    np.testing.assert_array_equal(np.asarray(module(x, topk_weights, ids), np.float32), want)
+    step = nnx.jit(lambda m, x, w, i: m(x, w, i))
+    np.testing.assert_array_equal(np.asarray(step(module, x, topk_weights, ids), np.float32), want)
+    with pytest.raises(ValueError, match="axis_name"):
+        nn.ExpertParallelExperts.from_quantized(config, weights, mesh=mesh, axis_name="data")

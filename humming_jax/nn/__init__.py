@@ -2,6 +2,7 @@
 
 from humming_jax.nn.experts import (
     BatchedHummingGroupedExperts,
+    ExpertParallelExperts,
     ExpertWeight,
     HummingGroupedExperts,
     HummingIndexedExperts,
@@ -12,6 +13,7 @@ from humming_jax.nn.moe_block import MoEBlock, SharedExpert, route
 
 __all__ = [
     "BatchedHummingGroupedExperts",
+    "ExpertParallelExperts",
     "ExpertWeight",
     "HummingGroupedExperts",
     "HummingIndexedExperts",

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from humming_jax import experts as E
+from humming_jax import parallel
 from humming_jax.configs import ExpertsConfig
 from humming_jax.formats import QuantizedWeight
 from humming_jax.workspace import WorkspacePlan, plan_workspace
@@ -147,6 +148,38 @@ class HummingIndexedExperts(_HummingExperts):
             block_size=self.block_size,
             w2_block_size=self.w2_block_size,
             num_valid_tokens=num_valid_tokens,
+            backend=self.backend,
+        )
+        return self._checked(out, topk_ids.shape[0])
+
+
+class ExpertParallelExperts(_HummingExperts):
+    """The expert layer over a device mesh axis (:func:`humming_jax.parallel.ep_experts`):
+    the global layer's weights split by experts over ``mesh``'s ``axis_name``,
+    the tokens split over it at each call; the grouped module's call."""
+
+    pipeline = "grouped"
+
+    def __init__(self, config: ExpertsConfig, *, mesh: jax.sharding.Mesh, axis_name: str = "expert", **kwargs):
+        super().__init__(config, **kwargs)
+        if axis_name not in mesh.shape:
+            raise ValueError(f"ExpertParallelExperts: axis_name: {axis_name!r} is not an axis of {dict(mesh.shape)}")
+        ranks = mesh.shape[axis_name]
+        parallel.plan_ep(config, ranks, ranks)  # the experts divide over the ranks (the tokens: each call)
+        self.mesh, self.axis_name = mesh, axis_name
+        placed = parallel.shard_weights(self.weights, config, mesh, axis_name)
+        self.w13 = ExpertWeight(placed.w13)
+        self.w2 = ExpertWeight(placed.w2)
+
+    def __call__(self, hidden_states, topk_weights, topk_ids):
+        out = parallel.ep_experts(
+            hidden_states,
+            self.weights,
+            topk_weights,
+            topk_ids,
+            self.config,
+            self.mesh,
+            axis_name=self.axis_name,
             backend=self.backend,
         )
         return self._checked(out, topk_ids.shape[0])
