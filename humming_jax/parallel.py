@@ -21,7 +21,10 @@ XLA's CPU backend has no ``ragged-all-to-all``: there (``backend`` other than
 ``"pallas"``) the same exchange runs as :func:`ragged_all_to_all_gathered`,
 an ``all_gather`` of every rank's rows from which each rank takes its own —
 the same result, R times the traffic (for tests on simulated devices).
-Inputs are sent as they are and quantized on the receiving rank.
+Inputs whose scales belong to their row (dynamic per token or per group:
+fp8 per token, DeepSeek-V3's fp8 per 128) are quantized before the send and
+travel as their 8-bit values with their scales (half a bf16 row's bytes);
+other inputs travel as they are and are quantized on the receiving rank.
 """
 
 from __future__ import annotations
@@ -35,8 +38,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from humming_jax import experts as X
+from humming_jax import input_quant as Q
 from humming_jax.backend import resolve_backend
 from humming_jax.configs import ExpertsConfig
+from humming_jax.process_input import process_input
+
+# Input modes whose scales belong to their row: quantized before the send.
+ROW_SCALED_MODES = (Q.InputQuantMode.DYNAMIC_TOKEN, Q.InputQuantMode.DYNAMIC_GROUP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +150,6 @@ def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_
     recv_sizes = accepted[:, me]
     dropped = jnp.sum(wanted - send_sizes)
 
-    rows = jnp.take(hidden_states, order // k, axis=0)
     sent_ids = ids[order]
 
     def dispatch(operand, fill):
@@ -150,7 +157,23 @@ def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_
         out = jnp.full((plan.receive_rows, *operand.shape[1:]), fill, operand.dtype)
         return exchange(operand, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name)
 
-    recv_rows, recv_ids = dispatch(rows, 0), dispatch(sent_ids, -1)
+    recv_ids = dispatch(sent_ids, -1)
+    if config.input_quant.is_quantized and config.input_quant.mode in ROW_SCALED_MODES:
+        # Quantized on the source (the same rows the receiver would make), sent as bytes with their scales.
+        q = process_input(
+            hidden_states,
+            config.input_quant,
+            hadamard_block_size=config.hadamard_block_size,
+            compute_dtype=jnp.dtype(config.compute_dtype),
+            backend=backend,
+        )
+        values = jax.lax.bitcast_convert_type(jnp.take(q.values, order // k, axis=0), jnp.uint8)
+        recv_values = jax.lax.bitcast_convert_type(dispatch(values, 0), q.values.dtype)
+        recv_scale = dispatch(jnp.take(q.scale.astype(jnp.float32), order // k, axis=0), 0)
+        a1q_scale = recv_scale.astype(q.scale.dtype)
+        recv_rows = recv_values
+    else:
+        recv_rows, a1q_scale = dispatch(jnp.take(hidden_states, order // k, axis=0), 0), None
 
     local_config = dataclasses.replace(config, num_experts=el, top_k=1, global_num_experts=config.num_experts)
     expert_map = jnp.where(jnp.arange(config.num_experts) // el == me, jnp.arange(config.num_experts) % el, -1).astype(
@@ -163,6 +186,7 @@ def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_
         recv_ids[:, None],
         local_config,
         expert_map=expert_map,
+        a1q_scale=a1q_scale,
         backend=backend,
     )
 

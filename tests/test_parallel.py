@@ -185,3 +185,29 @@ def test_module_splits_its_weights_and_equals_the_grouped_module(rng):
     np.testing.assert_array_equal(np.asarray(step(module, x, topk_weights, ids), np.float32), want)
     with pytest.raises(ValueError, match="axis_name"):
         nn.ExpertParallelExperts.from_quantized(config, weights, mesh=mesh, axis_name="data")
+
+
+@pytest.mark.parametrize("weight_format,input_quant", [("fp8_block128", "fp8_dynamic_group128"), ("bf16", "none")])
+def test_row_scaled_inputs_travel_quantized(weight_format, input_quant, rng):
+    """DeepSeek-V3's pair (fp8 blocks, fp8 inputs per 128): the rows are
+    quantized before the send and travel as bytes with their scales; the
+    layer still equals the single-device one. bf16 rows travel as bf16."""
+    hidden, inter = 128, 128
+    config = ExpertsConfig(E, hidden, inter, TOP_K, weight_format=weight_format, input_quant=input_quant)
+    w13 = jnp.asarray(rng.normal(size=(E, 2 * inter, hidden)) / 11, jnp.float32)
+    w2 = jnp.asarray(rng.normal(size=(E, hidden, inter)) / 11, jnp.float32)
+    weights = X.quantize_experts(w13, w2, config)
+    x = jnp.asarray(rng.normal(size=(T, hidden)), jnp.bfloat16)
+    ids, topk_weights = _routing(rng, skewed=True)
+    mesh = _mesh(2)
+    want = X.humming_grouped_experts(x, weights, topk_weights, ids, config, backend="reference")
+    got = parallel.ep_experts(x, weights, topk_weights, ids, config, mesh, backend="reference")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    text = str(
+        jax.make_jaxpr(lambda *a: parallel.ep_experts(*a, config, mesh, backend="reference"))(
+            x, weights, topk_weights, ids
+        )
+    )
+    sent = f"[2,{T * TOP_K // 2},{hidden}]"  # the dispatched rows: [ranks, slots a rank, H] (combine: bf16 out rows)
+    gathers = [line for line in text.splitlines() if "all_gather" in line and sent in line]
+    assert len(gathers) == 1 and ("u8[" in gathers[0]) == (input_quant != "none"), gathers
