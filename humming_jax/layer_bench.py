@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from humming_jax import bench
+from humming_jax import bench, parallel
 from humming_jax import experts as X
 from humming_jax.configs import ExpertsConfig
 from humming_jax.timing import bandwidth_fields
 
-PIPELINES = ("grouped", "indexed")
+PIPELINES = ("grouped", "indexed", "ep")  # ep: parallel.ep_experts over this machine's devices
 # bf16, W4A16 int4 and MXFP4, W8A8 FP8-block and W4A8 (the anchor's pair names).
 LAYER_FORMATS = ("bf16", "int4_g128", "mxfp4", "w8a8_fp8_block128", "w4a8_mxfp4_fp8g128")
 GEMM_STAGES = ("w13", "w2")
@@ -52,8 +52,34 @@ class LayerCase:
         return ExpertsConfig(e, h, i, top_k, weight_format=fmt, input_quant=quant)
 
 
-def stages(case: LayerCase, backend: str | None) -> tuple[X.Stage, ...]:
+def ep_mesh(case: LayerCase) -> jax.sharding.Mesh:
+    """The expert axis over as many of this machine's devices as divide the
+    experts and the tokens (one GPU: one rank, dispatch and combine local)."""
+    e = bench.PROBLEMS[case.problem][0]
+    ranks = max(r for r in range(1, jax.device_count() + 1) if e % r == 0 and case.tokens % r == 0)
+    return jax.make_mesh((ranks,), ("expert",), devices=jax.devices()[:ranks])
+
+
+def _sent_bytes(case: LayerCase, ranks: int) -> int:
+    """Bytes a rank sends in one EP step: its routed rows (quantized before the
+    send where their scales are per row) with their ids, and the rows it
+    returns (bf16), at the average load (S·k rows each way)."""
     config = case.config()
+    slots = case.tokens // ranks * config.top_k
+    quant = config.input_quant
+    if quant.is_quantized and quant.mode in parallel.ROW_SCALED_MODES:
+        groups = 1 if quant.group_size == 0 else config.hidden_size // quant.group_size
+        row = config.hidden_size * quant.dtype.bits // 8 + 4 * groups
+    else:
+        row = 2 * config.hidden_size
+    return slots * (row + 4 + 2 * config.hidden_size)
+
+
+def stages(case: LayerCase, backend: str | None) -> tuple[X.Stage, ...]:
+    """The pipeline's stages (none for ``ep``: one mapped computation)."""
+    config = case.config()
+    if case.pipeline == "ep":
+        return ()
     if case.pipeline == "grouped":
         return X.grouped_stages(config, backend)
     if case.pipeline == "indexed":
@@ -113,7 +139,9 @@ def _costs(case: LayerCase, weights: X.ExpertWeights, ids: np.ndarray) -> tuple[
 def _layer_fn(case: LayerCase, backend: str | None):
     """The jitted pipeline as users call it: ``fn(state) -> [T, H]``."""
     config = case.config()
-    if case.pipeline == "grouped":
+    if case.pipeline == "ep":
+        pipeline = functools.partial(parallel.ep_experts, mesh=ep_mesh(case))
+    elif case.pipeline == "grouped":
         pipeline = X.humming_grouped_experts
     else:
         pipeline = X.humming_indexed_experts
@@ -161,6 +189,8 @@ def time_layer(case: LayerCase, seed: int = 0) -> dict:
     backend = bench.KERNEL_BACKEND
     rng = np.random.default_rng(seed)
     weights = _weights(case, seed)
+    if case.pipeline == "ep":
+        weights = parallel.shard_weights(weights, case.config(), ep_mesh(case))
     sets = [dict(_inputs(case, rng), weights=weights) for _ in range(INPUT_SETS)]
     moved, flops = _costs(case, weights, np.asarray(sets[0]["topk_ids"]))
     fn = _layer_fn(case, backend)
@@ -174,8 +204,8 @@ def time_layer(case: LayerCase, seed: int = 0) -> dict:
         befores = [{key: final[key] for key in keys} for final in finals]
         stage_us[stage.name] = bench.device_seconds(stage.run, [(b,) for b in befores]) * 1e6
         keys += list(jax.eval_shape(stage.run, befores[0]))
-    out = finals[0]["out"]
-    gemm_us = sum(stage_us[name] for name in GEMM_STAGES)
+    out = finals[0]["out"] if staged else jax.jit(fn)(sets[0])
+    gemm_us = sum(stage_us[name] for name in GEMM_STAGES) if staged else None
     staged_us = sum(stage_us.values())
     floor = max(moved / bench.COPY_BANDWIDTH, flops / bench.MATMUL_RATE)
     return dict(
@@ -186,11 +216,17 @@ def time_layer(case: LayerCase, seed: int = 0) -> dict:
         flops=flops,
         stage_us=stage_us,
         gemm_us=gemm_us,
-        outside_share=1.0 - gemm_us / staged_us,
+        outside_share=None if gemm_us is None else 1.0 - gemm_us / staged_us,
+        **(_ep_fields(case) if case.pipeline == "ep" else {}),
         host_us=_host_us(fn, sets[0], layer_s * 1e6),
         torch_layer_us=time_torch_layer(case, np.asarray(sets[0]["topk_ids"])),
         error=_reference_error(case, sets[0], out),
     )
+
+
+def _ep_fields(case: LayerCase) -> dict:
+    ranks = ep_mesh(case).shape["expert"]
+    return dict(ranks=ranks, sent_bytes_per_rank=_sent_bytes(case, ranks))
 
 
 def time_torch_layer(case: LayerCase, ids: np.ndarray) -> float | None:
@@ -250,9 +286,13 @@ def format_row(r: dict) -> str:
     torch_us = "" if r["torch_layer_us"] is None else f"{r['torch_layer_us']:.1f}"
     error = "" if r["error"] is None else f"{r['error']:.1e}"
     stage_text = " ".join(f"{name}={us:.1f}" for name, us in r["stage_us"].items())
+    if r["pipeline"] == "ep":
+        stage_text = f"ranks={r['ranks']} sent={r['sent_bytes_per_rank']} B/rank"
+    gemm = "" if r["gemm_us"] is None else f"{r['gemm_us']:.1f}"
+    outside = "" if r["outside_share"] is None else f"{100 * r['outside_share']:.0f}%"
     return (
         f"{r['problem']:<15}{r['pipeline']:<9}{r['tokens']:>6}{r['fmt']:>20}{r['us']:>10.1f}{r['gbps']:>7.0f}"
-        f"{r['tflops']:>9.1f}{r['gemm_us']:>10.1f}{100 * r['outside_share']:>7.0f}%{r['host_us']:>9.1f}"
+        f"{r['tflops']:>9.1f}{gemm:>10}{outside:>8}{r['host_us']:>9.1f}"
         f"{torch_us:>10}{error:>9}  [{stage_text}]"
     )
 
@@ -300,7 +340,9 @@ def plot(rows: list[dict], path: str) -> bool:
             line = sorted((r for r in mine if (r["pipeline"], r["fmt"]) == key), key=lambda r: r["tokens"])
             ts = [r["tokens"] for r in line]
             axes[0][col].plot(ts, [r["us"] for r in line], marker="o", label=f"{key[0]} {key[1]}")
-            axes[1][col].plot(ts, [100 * r["outside_share"] for r in line], marker="o", label=f"{key[0]} {key[1]}")
+            shares = [(r["tokens"], 100 * r["outside_share"]) for r in line if r["outside_share"] is not None]
+            if shares:
+                axes[1][col].plot(*zip(*shares, strict=True), marker="o", label=f"{key[0]} {key[1]}")
         torch_line = sorted({(r["tokens"], r["torch_layer_us"]) for r in mine if r["torch_layer_us"]})
         if torch_line:
             axes[0][col].plot(*zip(*torch_line, strict=True), "k--", label="torch bf16")

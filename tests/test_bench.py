@@ -71,25 +71,18 @@ def test_layer_bench_writes_json(tiny, compiled_once, tmp_path, monkeypatch, cap
     from humming_jax import layer_bench
 
     monkeypatch.setattr(layer_bench, "HOST_CALLS", 2)
-
     monkeypatch.setattr(layer_bench, "INPUT_SETS", 1)
     out = tmp_path / "layer.json"
-    args = [
-        "bench",
-        "--layer",
-        "--problems",
-        "tiny",
-        "--tokens",
-        "3",
-        "--formats",
-        "int4_g32",
-        "--pipelines",
-        "grouped",
-    ]
-    assert cli.main([*args, "--out", str(out)]) == 0
+    args = ["bench", "--layer", "--problems", "tiny", "--tokens", "4", "--formats", "int4_g32"]
+    assert cli.main([*args, "--pipelines", "grouped", "ep", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["pipeline"], r["fmt"]) for r in rows] == [("grouped", "int4_g32")]  # indexed: test_pipelines
-    for r in rows:
+    # (indexed: the same harness; its stages run in test_pipelines)
+    assert [(r["pipeline"], r["fmt"]) for r in rows] == [("grouped", "int4_g32"), ("ep", "int4_g32")]
+    grouped, ep = rows
+    # Four simulated ranks, one token each: 2 slots of an int4 x bf16 row (2H bytes), its id, a bf16 row back.
+    assert ep["ranks"] == 4 and ep["sent_bytes_per_rank"] == 2 * (2 * 64 + 4 + 2 * 64)
+    assert ep["stage_us"] == {} and ep["gemm_us"] is None and ep["error"] < 1e-2 and ep["us"] > 0
+    for r in [grouped]:
         assert list(r["stage_us"]) == ["routing", "input", "w13", "activation", "w2", "combine"]
         assert all(us > 0 for us in r["stage_us"].values()) and r["us"] > 0 and r["gbps"] > 0
         assert r["gemm_us"] == pytest.approx(r["stage_us"]["w13"] + r["stage_us"]["w2"])
