@@ -43,9 +43,7 @@ def _mesh(ranks: int):
 
 @pytest.mark.parametrize(
     "ranks,fmt,input_quant",
-    [(1, "bf16", "none"), (2, "bf16", "none"), (8, "bf16", "none")]
-    + [(r, "int4_g32", "none") for r in (2, 8)]
-    + [(r, "fp8_channel", "fp8_dynamic_token") for r in (2, 4)],
+    [(1, "bf16", "none"), (2, "bf16", "none"), (8, "int4_g32", "none"), (4, "fp8_channel", "fp8_dynamic_token")],
 )
 def test_ep_layer_equals_the_single_device_layer(ranks, fmt, input_quant, rng):
     mesh = _mesh(ranks)
@@ -146,7 +144,7 @@ def _expected_drops(ids: np.ndarray, ranks: int, capacity: int) -> tuple[np.ndar
     return kept, drops
 
 
-@pytest.mark.parametrize("capacity", [9, 64])
+@pytest.mark.parametrize("capacity", [9])
 def test_capped_exchange_counts_and_drops_exactly_the_slots_past_capacity(capacity, rng):
     """``ep_experts_capped``: the output is the single-device layer without the
     slots the documented rule drops, and ``dropped`` counts them per rank."""
@@ -161,7 +159,11 @@ def test_capped_exchange_counts_and_drops_exactly_the_slots_past_capacity(capaci
     want = X.humming_grouped_experts(x, weights, topk_weights, jnp.asarray(kept), config, backend="reference")
     np.testing.assert_array_equal(np.asarray(dropped), drops)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
-    assert (drops.sum() == 0) == (capacity >= 32)  # the skewed rank receives 14+ of the 32 slots
+    assert drops.sum() > 0  # the skewed rank receives 14+ of the 32 slots
+    out, dropped = parallel.ep_experts_capped(
+        x, weights, topk_weights, ids, config, _mesh(ranks), 32, backend="reference"
+    )
+    assert int(np.asarray(dropped).sum()) == 0  # the worst case: nothing dropped
 
 
 def test_module_splits_its_weights_and_equals_the_grouped_module(rng):
@@ -187,7 +189,7 @@ def test_module_splits_its_weights_and_equals_the_grouped_module(rng):
         nn.ExpertParallelExperts.from_quantized(config, weights, mesh=mesh, axis_name="data")
 
 
-@pytest.mark.parametrize("weight_format,input_quant", [("fp8_block128", "fp8_dynamic_group128"), ("bf16", "none")])
+@pytest.mark.parametrize("weight_format,input_quant", [("fp8_block128", "fp8_dynamic_group128")])
 def test_row_scaled_inputs_travel_quantized(weight_format, input_quant, rng):
     """DeepSeek-V3's pair (fp8 blocks, fp8 inputs per 128): the rows are
     quantized before the send and travel as bytes with their scales; the
