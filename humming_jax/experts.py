@@ -202,21 +202,41 @@ def run_stages(stages, state: dict) -> dict:
     return state
 
 
+def _stage_gemm_kwargs(config: ExpertsConfig, state: dict, backend: str | None) -> dict:
+    """The GEMM keywords of a pipeline stage (the tuning's row estimate from the routing's shape)."""
+    num_tokens, top_k = state["topk_ids"].shape
+    return _gemm_kwargs(config, estimate_valid_shape_m(num_tokens, top_k, config), backend)
+
+
 def grouped_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[Stage, ...]:
-    """The grouped pipeline on float activations as stages over the state
-    ``hidden_states [T, H]``, ``weights``, ``topk_weights``, ``topk_ids
-    [T, k]``, ``expert_map`` (or None); the last adds ``out [T, H]``."""
+    """The grouped pipeline as stages over the state ``hidden_states [T, H]``
+    (or pre-quantized values with ``a1q_scale``), ``weights``,
+    ``topk_weights``, ``topk_ids [T, k]``, ``expert_map`` and ``a1q_scale``
+    (each possibly None); the last adds ``out [T, H]``. Float activations are
+    scattered by ``process_input``; pre-quantized ones are permuted with
+    their scales."""
 
     def gemm_kwargs(s):
-        num_tokens, top_k = s["topk_ids"].shape
-        return _gemm_kwargs(config, estimate_valid_shape_m(num_tokens, top_k, config), backend)
+        return _stage_gemm_kwargs(config, s, backend)
 
     def route(s):
         map_kwargs = _expert_map_kwargs(config, s["expert_map"])
+        if s.get("a1q_scale") is not None:
+            permuted = routing.moe_permute(
+                s["hidden_states"], s["topk_ids"], a1q_scale=s["a1q_scale"], backend=backend, **map_kwargs
+            )
+            return dict(
+                offsets=permuted.expert_first_token_offset,
+                inv_perm=permuted.inv_permuted_idx,
+                permuted=(permuted.permuted_hidden_states, permuted.permuted_scale),
+            )
         offsets, scatter_idx = routing.moe_prepare_scatter(s["topk_ids"], backend=backend, **map_kwargs)
-        return dict(offsets=offsets, scatter_idx=scatter_idx)
+        return dict(offsets=offsets, scatter_idx=scatter_idx, inv_perm=scatter_idx.reshape(-1))
 
     def scatter_input(s):
+        if s.get("a1q_scale") is not None:
+            values, scale = s["permuted"]
+            return dict(gate_up_input=process_input(values, config.input_quant, input_scale=scale, backend=backend))
         gate_up_input = process_input(
             s["hidden_states"],
             config.input_quant,
@@ -244,8 +264,8 @@ def grouped_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[S
         return dict(down=gemm(s["down_input"], s["weights"].w2, layout, **gemm_kwargs(s)))
 
     def combine(s):
-        inv_perm = s["scatter_idx"].reshape(-1)
-        return dict(out=routing.moe_unpermute(s["down"], s["topk_weights"], inv_perm, s["offsets"], backend=backend))
+        out = routing.moe_unpermute(s["down"], s["topk_weights"], s["inv_perm"], s["offsets"], backend=backend)
+        return dict(out=out)
 
     return (
         Stage("routing", route),
@@ -275,22 +295,8 @@ def humming_grouped_experts(
         _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_grouped_experts")
     check_weights(weights, config)
     state = dict(hidden_states=hidden_states, weights=weights, topk_weights=topk_weights, topk_ids=topk_ids)
-    state["expert_map"] = expert_map
-    if a1q_scale is None:
-        return run_stages(grouped_stages(config, backend), state)["out"]
-    num_tokens, top_k = topk_ids.shape
-    gemm_kwargs = _gemm_kwargs(config, estimate_valid_shape_m(num_tokens, top_k, config), backend)
-    map_kwargs = _expert_map_kwargs(config, expert_map)
-    permuted = routing.moe_permute(hidden_states, topk_ids, a1q_scale=a1q_scale, backend=backend, **map_kwargs)
-    offsets, inv_perm = permuted.expert_first_token_offset, permuted.inv_permuted_idx
-    gate_up_input = process_input(
-        permuted.permuted_hidden_states, config.input_quant, input_scale=permuted.permuted_scale, backend=backend
-    )
-    layout = L.GroupedContiguous(offsets)
-    gate_up = gemm(gate_up_input, weights.w13, layout, **gemm_kwargs)
-    down_input = _down_input(gate_up, config, weights, backend, num_valid_tokens=offsets[-1:])
-    down = gemm(down_input, weights.w2, layout, **gemm_kwargs)
-    return routing.moe_unpermute(down, topk_weights, inv_perm, offsets, backend=backend)
+    state.update(expert_map=expert_map, a1q_scale=a1q_scale)
+    return run_stages(grouped_stages(config, backend), state)["out"]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_size", "w2_block_size", "backend"))
@@ -339,8 +345,7 @@ def indexed_stages(
         return block, block if w2_block_size is None else w2_block_size
 
     def gemm_kwargs(s):
-        num_tokens, top_k = s["topk_ids"].shape
-        return _gemm_kwargs(config, estimate_valid_shape_m(num_tokens, top_k, config), backend)
+        return _stage_gemm_kwargs(config, s, backend)
 
     def route(s):
         def align(size):

@@ -353,7 +353,7 @@ def _quantized_parts(x: jax.Array, static_scale: jax.Array | None, spec: InputQu
     elif mode == InputQuantMode.DYNAMIC_TOKEN:
         scale = numerics.divide_rn(jnp.abs(x32).max(axis=-1, keepdims=True), qmax)
         if spec.dtype in (ActivationDType.FLOAT8_E4M3, ActivationDType.FLOAT8_E5M2):  # vLLM's floor (NaN stays)
-            scale = jnp.maximum(scale, numerics.fp8_token_scale_floor(qmax))
+            scale = numerics.floor_fp8_token_scale(scale, qmax)
         inverse = numerics.safe_reciprocal(scale)
     else:
         amax = _group_amax(x32, spec.group_size)

@@ -28,7 +28,7 @@ from pallas_kernels.codecs import (  # noqa: F401  (re-exported)
     e2m1_encode,
     e8m0_decode,
     e8m0_from_amax,
-    fp8_token_scale_floor,
+    floor_fp8_token_scale,
     pow2,
     round_half_even,
     safe_reciprocal,

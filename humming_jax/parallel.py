@@ -168,10 +168,8 @@ def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_
             backend=backend,
         )
         values = jax.lax.bitcast_convert_type(jnp.take(q.values, order // k, axis=0), jnp.uint8)
-        recv_values = jax.lax.bitcast_convert_type(dispatch(values, 0), q.values.dtype)
-        recv_scale = dispatch(jnp.take(q.scale.astype(jnp.float32), order // k, axis=0), 0)
-        a1q_scale = recv_scale.astype(q.scale.dtype)
-        recv_rows = recv_values
+        recv_rows = jax.lax.bitcast_convert_type(dispatch(values, 0), q.values.dtype)
+        a1q_scale = dispatch(jnp.take(q.scale, order // k, axis=0), 0)
     else:
         recv_rows, a1q_scale = dispatch(jnp.take(hidden_states, order // k, axis=0), 0), None
 
@@ -192,7 +190,7 @@ def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_
 
     # Combine: each receiver returns a source's block to where the source sent it from.
     recv_offsets = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
-    back_offsets = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # where my block sat in each source
+    back_offsets = (jnp.cumsum(all_wanted, axis=1) - all_wanted)[:, me]  # where my block sat in each source
     returned = exchange(
         out_rows,
         jnp.zeros((plan.slots_per_rank, out_rows.shape[1]), out_rows.dtype),

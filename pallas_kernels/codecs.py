@@ -108,6 +108,13 @@ def fp8_token_scale_floor(element_max: float) -> float:
     return float(np.float32(1.0) / np.float32(element_max * 512.0))
 
 
+def floor_fp8_token_scale(scale: jax.Array, element_max: float) -> jax.Array:
+    """``scale`` (f32 per-token fp8 scales) at least :func:`fp8_token_scale_floor`;
+    a NaN scale stays NaN (a kernel's max would return the floor)."""
+    floor = jnp.float32(fp8_token_scale_floor(element_max))
+    return jnp.where(scale != scale, scale, jnp.maximum(scale, floor))
+
+
 def divide(x: jax.Array, y, exact_on_gpu: bool = False) -> jax.Array:
     """``x / y`` in f32, correctly rounded. Triton lowers an f32 ``/`` to the
     approximate ``div.full.f32``; inside a compiled GPU kernel pass

@@ -284,7 +284,7 @@ def _token_scale(scale, cfg: ProcessConfig):
     are (:func:`codecs.fp8_token_scale_floor`; NaN stays NaN)."""
     if cfg.act_dtype not in ("float8_e4m3", "float8_e5m2"):
         return scale
-    return _nan_maximum(scale, jnp.float32(codecs.fp8_token_scale_floor(cfg.qmax)))
+    return codecs.floor_fp8_token_scale(scale, cfg.qmax)
 
 
 def _quantize(ys, static_ref, cfg: ProcessConfig, row_amax=None):

@@ -115,7 +115,7 @@ def tile_scaling(tile, amax, num_valid):
     ``num_valid`` 0), their reciprocals broadcast over a part ``[ROWS, SUB]`` (0
     past the valid tokens), the valid rows as a mask ``[ROWS, SUB]`` and whether
     the tile has invalid rows."""
-    scale = jnp.maximum(amax / FLOAT8_E4M3_MAX, codecs.fp8_token_scale_floor(FLOAT8_E4M3_MAX))
+    scale = codecs.floor_fp8_token_scale(amax / FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
     inverse = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
     first_row = tile * ROWS
     kept = first_row + lax.broadcasted_iota(jnp.int32, (ROWS,), 0) < num_valid
