@@ -14,6 +14,11 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 # as the machine has cores: on 2 cores, warpgroups blocked on both could starve the one
 # that would release them (the re-read rotation's 4-5 warpgroups hung 2 runs in 8).
 os.environ.setdefault("PJRT_NPROC", "16")
+# Compiled programs persist across the test modules (whose in-memory caches are dropped, see
+# below) and the test workers of one run: most interpreted kernels recur in many tests.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ.pop("HUMMING_JAX_BACKEND", None)
 
 import numpy as np  # noqa: E402

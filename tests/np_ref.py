@@ -113,6 +113,26 @@ def round_to_grid(v: np.ndarray, grid: np.ndarray) -> np.ndarray:
     return np.where(up, hi, lo)
 
 
+def shifted_mxfp4(weight, span: int = 128) -> np.ndarray:
+    """An MXFP4 weight (float64) as the GEMM's shifted e2m1 path computes it:
+    in each span of ``span`` columns, the e2m1 values of group g times
+    ``2**(s_g - s_max + 6)`` rounded to e4m3 (nearest, ties to even), times
+    ``2**(s_max - 127 - 6)``."""
+    if weight.nibble_unit:
+        from humming_jax.formats import to_k_order
+
+        weight = to_k_order(weight)
+    v = E2M1_TABLE[unpack(np.asarray(weight.values))]
+    e, n, k = v.shape
+    g = weight.format.group_size
+    s = np.asarray(weight.scale).astype(np.float64)[..., : k // g]
+    top = s.reshape(e, n, k // span, span // g).max(axis=-1)
+    top = np.repeat(top, span // g, axis=-1)
+    shifted = v * expand(2.0 ** (s - top + 6), v.shape)
+    rounded = np.sign(shifted) * round_to_grid(np.abs(shifted), E4M3_GRID)
+    return rounded * expand(2.0 ** (top - 127 - 6), v.shape)
+
+
 def near_midpoint(v: np.ndarray, grid: np.ndarray, rel: float = 1e-6) -> np.ndarray:
     """Where ``v`` lies within ``rel`` (relative) of a rounding boundary of ``grid``."""
     mids = (grid[:-1] + grid[1:]) / 2

@@ -162,6 +162,11 @@ def test_operand_paths():
     assert operand("int4_g128", "int8_dynamic_token", plain) == "int8"
     assert operand("uint4_zp_g128", "int8_dynamic_token", plain) == "bfloat16"
     assert operand("mxfp4", "fp8_dynamic_group128", plain) == "bfloat16"  # pieces of 16 columns
+    pairs = kernel.Tiles(64, 64, 128, word_decode=True, pair_decode=True, fold_scales=True)
+    assert operand("mxfp4", "fp8_dynamic_group128", pairs) == "float8_e4m3fn"  # scales shifted to the span's
+    assert operand("nvfp4", "fp8_dynamic_token", pairs) == "bfloat16"  # e4m3 group scales: products, not shifts
+    decode = kernel.Tiles(16, 64, 128, word_decode=True, pair_decode=True, fold_scales=True)
+    assert operand("mxfp4", "fp8_dynamic_group128", decode) == "bfloat16"  # the bf16 decode is cheaper
     assert operand("int4_g128", "fp8_dynamic_token", kernel.Tiles(64, 64, 128, fold_scales=True)) == "bfloat16"
 
 
@@ -191,6 +196,65 @@ def test_int4_codes_on_fp8_operands_prefill_tile(planar, rng):
     layout = _layouts(rng)["grouped_contiguous"]
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
     _check(out, _reference(x, weight, layout, tiles), _bound(x, weight, layout, tiles))
+
+
+@pytest.mark.parametrize("planar", [False, True])
+def test_mxfp4_on_fp8_operands_prefill_tile(planar, rng):
+    """MXFP4 weights with fp8 inputs on the heuristic's 64-row tile: the group
+    scales folded relative to each span's largest (``shifts_e2m1``), the
+    product on e4m3 operands, on K-order and half-bits planar codes (what the
+    modules store)."""
+    from humming_jax.tuning import heuristic
+
+    fmt, quant = F.MXFP4, Q.FP8_DYNAMIC_GROUP128
+    weight, x = _weight(rng, fmt), _input(rng, quant)
+    weight = F.to_planar(weight, half_bits=True) if planar else weight
+    (tiles,) = heuristic.heuristic_candidates(64, N, K, fmt, half_bits=planar, input_dtype=quant.dtype.value)
+    layout = _layouts(rng)["grouped_contiguous"]
+    call = gemm_call(x, weight, layout, jnp.float32)
+    assert kernel.operand_dtype(call, tiles) == jnp.float8_e4m3fn and kernel.shifts_e2m1(
+        call.weight, tiles, jnp.float8_e4m3fn
+    )
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
+    _check(out, _reference(x, weight, layout, tiles), _bound(x, weight, layout, tiles))
+
+
+def test_mxfp4_on_fp8_operands_far_groups(rng):
+    """Groups whose scale lies more than 14 powers of two under their span's
+    largest round to the nearest e4m3 value (against an independent float64
+    model of that rounding, and within 2**-10 of the span's scale of the exact
+    product); a NaN scale byte (255) makes its rows NaN, no other."""
+    fmt, quant = F.MXFP4, Q.FP8_DYNAMIC_TOKEN
+    spread = 2.0 ** -np.array([0, 7, 14, 17, 20, 3, 12, 16])  # per group of 32 columns, K=256
+    w = rng.normal(0, 0.05, (E, N, 256)) * np.repeat(spread, 32)
+    weight = F.quantize_weight(jnp.asarray(w, jnp.float32), fmt)
+    scale = np.asarray(weight.scale)
+    gaps = scale.reshape(E, N, 2, 4).max(-1, keepdims=True) - scale.reshape(E, N, 2, 4)
+    assert gaps.max() > 14  # (the test's premise)
+    x = _input(rng, quant, k=256)
+    tiles = kernel.Tiles(32, 64, 128, fold_scales=True, word_decode=True, pair_decode=True)
+    layout = _layouts(rng)["grouped_contiguous"]
+    out = np.asarray(
+        hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND), np.float64
+    )
+    offsets, xd = np.asarray(layout.expert_offsets), np_ref.dequantize_input(x)
+    want, exact = np.zeros((M, N)), np.zeros((M, N))
+    shifted, true = np_ref.shifted_mxfp4(weight), np_ref.dequantize_weight(weight)
+    for e in range(E):
+        rows = slice(offsets[e], offsets[e + 1])
+        want[rows], exact[rows] = xd[rows] @ shifted[e].T, xd[rows] @ true[e].T
+    assert relative_error(out, want) < 1e-5 if KERNEL_BACKEND == "interpret" else 1e-3
+    assert 0 < relative_error(want, exact) < 2.0**-10
+
+    poisoned = scale.copy()
+    poisoned[1, 3, 5] = 255  # expert 1, output column 3, group 5 (the second span)
+    bad = F.QuantizedWeight(weight.values, jnp.asarray(poisoned), format=fmt, shape=weight.shape)
+    out = np.asarray(hj.gemm(x, bad, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND))
+    nan_rows = np.isnan(out).any(axis=1)
+    expected = np.zeros(M, bool)
+    expected[offsets[1] : offsets[2]] = True
+    np.testing.assert_array_equal(nan_rows, expected)
+    assert np.isnan(out[expected, 3]).all() and not np.isnan(np.delete(out, 3, axis=1)).any()
 
 
 def test_f16_output_and_accumulation(rng):

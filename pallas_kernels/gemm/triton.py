@@ -149,6 +149,8 @@ def operand_dtype(call: GemmCall, tiles: Tiles):
     operand = jnp.dtype(operand)
     if w.value_type not in exact_weights or not tiles.use_mma or call.use_f16_accum:
         return _sixteen_bits(call)
+    if shifts_e2m1(w, tiles, operand):
+        return operand
     if scales_in_weights(w, tiles, operand):
         return _sixteen_bits(call)
     x_group = call.x_scale.group_size if call.x_scale.mode == "group" else 0
@@ -325,13 +327,53 @@ def folds_e2m1(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
     )
 
 
-def value_factor(w: WeightSpec, folded_e2m1: bool = False, e4m3_codes: bool = False) -> float:
+# Shifted e2m1 (see shifts_e2m1): group g of a span decodes to the e4m3 bytes of
+# e2m1 x 2**(s_g - s_max + E2M1_SHIFT_EXPONENT); the exponent keeps the largest
+# value (6 x 2**6 = 384) under e4m3's 448 and gaps of up to 14 exact (2**-9,
+# the smallest e4m3 subnormal, is 0.5 x 2**(6 - 14)). Larger gaps round to nearest.
+E2M1_SHIFT_EXPONENT = 6
+E2M1_SHIFT_MIN_GAP = -24  # gaps clamped here keep the f16 factor normal (all such values round to 0 in e4m3)
+
+
+def shifts_e2m1(w: WeightSpec, tiles: Tiles, compute_dtype) -> bool:
+    """Whether MXFP4 weights (e2m1, e8m0 group scales) meet e4m3 operands with
+    their scales folded relative to the span: each span's largest group scale
+    ``2**s_max`` multiplies its product (as a block scale does), and the codes
+    of group g enter the fp8 product as e2m1 x 2**(s_g - s_max) (times
+    2**E2M1_SHIFT_EXPONENT, taken off the sum) — exact while the gap
+    ``s_max - s_g`` is at most 14, else rounded to the nearest e4m3 value (an
+    error under 2**-10 of the span's largest scale). Folded tiles of nibble
+    pairs (``fold_scales``, ``word_decode``, ``pair_decode``) over whole groups,
+    of 32+ rows: on fewer the weight's decode bounds the tile, and the e4m3
+    one costs more instructions than the bf16 one."""
+    return (
+        jnp.dtype(compute_dtype) == jnp.dtype(jnp.float8_e4m3fn)
+        and w.value_type == "float4_e2m1"
+        and w.scale == "group"
+        and w.scale_type == "e8m0"
+        and w.zero_point == "none"
+        and w.global_scale == "none"
+        and not w.has_group_index
+        and tiles.fold_scales
+        and tiles.word_decode
+        and tiles.pair_decode
+        and tiles.use_mma
+        and tiles.block_m >= 32
+        and tiles.block_k >= 128
+        and 128 % w.group_size == 0
+    )
+
+
+def value_factor(w: WeightSpec, folded_e2m1: bool = False, e4m3_codes: bool = False, shifted: bool = False) -> float:
     """The factor between the decoded (and, when folded, scaled) weight values
-    and the stored ones (``e4m3_codes``: see :func:`decodes_e4m3_codes`)."""
+    and the stored ones (``e4m3_codes``: see :func:`decodes_e4m3_codes`;
+    ``shifted``: :func:`shifts_e2m1`, the span's scale applied apart)."""
     if folded_e2m1:
         return 2.0**E2M1_FOLDED_EXPONENT
     if e4m3_codes:
         return 1.0 / word_decode.INT4_E4M3_FACTOR
+    if shifted:
+        return 2.0**-E2M1_SHIFT_EXPONENT
     return E2M1_DECODE_FACTOR if w.value_type == "float4_e2m1" else 1.0
 
 
@@ -398,6 +440,42 @@ def _group_scale_tile(
     # Folded e2m1 scales are bounded where the weight is loaded (formats.E8M0_FOLD_MAX):
     # no byte 255 (NaN) reaches them, so they skip its compare and select.
     return _along_runs(_decode_scale(raw, w.scale_type, exponent, nan=exponent == 0), width, run)
+
+
+def _span_top(scale_ref, w: WeightSpec, expert, n_idx, k_start, span: int, n_mask, k_masked):
+    """The largest e8m0 group-scale byte of each row over the span at
+    ``k_start`` (int32 ``[bn]``; groups past K read as byte 0)."""
+    groups = _floor_div(k_start, w.group_size) + jnp.arange(span // w.group_size, dtype=jnp.int32)
+    group_mask = (groups < w.k // w.group_size)[None, :] if k_masked else None
+    mask = _all(None if n_mask is None else n_mask[:, None], group_mask)
+    raw = _load(scale_ref.at[expert, n_idx[:, None], groups[None, :]], mask)
+    return jnp.max(raw.astype(jnp.int32), axis=1)
+
+
+def _shift_tile(scale_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked, top):
+    """f16 ``2**(s_g - s_max + 2 * E2M1_SHIFT_EXPONENT)`` per element of a piece
+    (``[bn, width]``): decoded e2m1 values (times 2**-6) times it are the
+    shifted values of :func:`shifts_e2m1`; the factor is built from its bits."""
+    groups, run, mask = _group_runs(w, k_start, width, ways, n_mask, k_masked)
+    raw = _load(scale_ref.at[expert, n_idx[:, None], groups], mask).astype(jnp.int32)
+    gap = jnp.clip(raw - top[:, None], E2M1_SHIFT_MIN_GAP, 0)
+    bits = (gap + (2 * E2M1_SHIFT_EXPONENT + 15)) << 10  # f16: exponent bias 15, 10 mantissa bits
+    return _along_runs(jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16), width, run)
+
+
+def _f16_to_e4m3(values, on_gpu: bool):
+    """f16 values to e4m3, rounded to nearest even (on the GPU one ``cvt`` for
+    two values; Triton's own cast goes through f32, three instructions)."""
+    if not on_gpu:
+        return values.astype(jnp.float8_e4m3fn)
+    (bits,) = plgpu.elementwise_inline_asm(
+        "cvt.rn.satfinite.e4m3x2.f16x2 $0, $1;",
+        args=[values],
+        constraints="=h,r",
+        pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.int8)],
+    )
+    return _storage_bits(bits, jnp.float8_e4m3fn)
 
 
 def _group_zero_tile(zero_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked):
@@ -555,6 +633,7 @@ class _SpanPlan:
     pairs: bool = False  # word pieces pair nibbles j and j+4 (Tiles.pair_decode)
     folded_e2m1: bool = False  # see folds_e2m1
     e4m3_codes: bool = False  # see decodes_e4m3_codes
+    shifted_e2m1: bool = False  # see shifts_e2m1
 
     @property
     def raw_e2m1(self) -> bool:
@@ -652,7 +731,7 @@ def _floor_div(value, divisor: int):
     return _lax_div(value, divisor)
 
 
-def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan, masks):
+def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan, masks, top=None):
     """The weight columns ``k_start + [0, span)`` as pieces (yielded one at a
     time, see _decode_units) whose products with
     ``x[:, piece.x_cols]`` sum to the span's product: the values minus their
@@ -662,7 +741,8 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
     after the product. Packed 4-bit weights give one piece per nibble position
     of their load unit (``plan.ways``): piece j holds columns j, j+ways, ...
     of the span, so no interleave is needed; with ``plan.pairs`` one piece per
-    pair of positions j, j+4 (columns j, j+4, j+8, j+12, ...)."""
+    pair of positions j, j+4 (columns j, j+4, j+8, j+12, ...). ``top``: the
+    span's largest scale bytes ``[bn]`` of shifted e2m1 (:func:`shifts_e2m1`)."""
     values_ref, scale_ref, zero_ref, group_ref = refs
     n_mask, k_limit = masks
     span, ways, compute_dtype = plan.span, plan.ways, plan.compute_dtype
@@ -678,6 +758,12 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
         nonlocal shared_scale
         if not plan.in_weights:
             return piece
+        if plan.shifted_e2m1:  # f16 values times exact powers of two, then e4m3 (exact but large gaps)
+            if shared_scale is None:
+                width = piece.cols.shape[0]
+                args = (width, plan.pieces, n_mask, k_limit is not None, top)
+                shared_scale = _shift_tile(scale_ref, w, expert, n_idx, k_start, *args)
+            return dataclasses.replace(piece, values=_f16_to_e4m3(piece.values * shared_scale, plan.on_gpu))
         if plan.scale_in_compute and w.packed:
             if shared_scale is None:
                 width = piece.cols.shape[0]
@@ -723,7 +809,7 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
         ):
             cols = _piece_columns(k_start, along, j, per_unit, w.nibble_unit, span)
             x_cols = k_start + j * width + along if plan.x_split else cols
-            yield finish(_Piece(cols, x_cols, values.astype(compute_dtype)))
+            yield finish(_Piece(cols, x_cols, values if plan.shifted_e2m1 else values.astype(compute_dtype)))
         return
     cols = k_start + jnp.arange(span, dtype=jnp.int32)
     k_mask = None if k_limit is None else (cols < k_limit)[None, :]
@@ -810,6 +896,7 @@ def _gemm_kernel(
         pairs=decodes_pairs(w, tiles, compute_dtype, x_group),
         folded_e2m1=folds_e2m1(w, tiles, compute_dtype),
         e4m3_codes=decodes_e4m3_codes(w, tiles, compute_dtype, x_group),
+        shifted_e2m1=shifts_e2m1(w, tiles, compute_dtype),
     )
     row_tile, col_group = tile_order(
         pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), num_col_groups(w.n, tiles), tiles.group_m
@@ -870,6 +957,9 @@ def _gemm_kernel(
             k_tile = (split * per_split + i) * bk
             for j in range(bk // span):  # one product per span of columns sharing a scale
                 k_start = k_tile + j * span
+                top = None
+                if plan.shifted_e2m1:
+                    top = _span_top(scale_ref, w, expert, n_idx, k_start, span, n_mask, k_limit is not None)
                 pieces = _weight_pieces(
                     (values_ref, scale_ref, zero_ref, group_ref),
                     w,
@@ -878,10 +968,14 @@ def _gemm_kernel(
                     k_start,
                     plan,
                     (n_mask, k_limit),
+                    top,
                 )
                 scale = _column_scale(
                     scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask, span_factor, n_start
                 )
+                if top is not None:  # the span's largest group scale multiplies its product
+                    top_scale = _decode_scale(top, "e8m0")
+                    scale = top_scale if scale is None else scale * top_scale
                 row_scale = None
                 if x_group:  # the input's scales of this span's group, one per row
                     in_k = row_mask if k_limit is None else row_mask & (k_start < k_limit)
@@ -912,7 +1006,7 @@ def _gemm_kernel(
 
     # A constant factor left once scales are in the weights (e2m1's 2**6) is
     # applied to the sum, so the K loop stays one accumulation chain.
-    factor = value_factor(w, plan.folded_e2m1, plan.e4m3_codes)
+    factor = value_factor(w, plan.folded_e2m1, plan.e4m3_codes, plan.shifted_e2m1)
     end_factor = factor if in_weights and w.global_scale == "none" else 1.0
     # An f16 accumulator would overflow on raw 8-bit input values (e4m3 up to
     # 448, e5m2 57344): they enter the product times a power of two (exact but
