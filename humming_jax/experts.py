@@ -23,6 +23,7 @@ from humming_jax import tuning as T
 from humming_jax.configs import ExpertsConfig
 from humming_jax.gemm import FLOAT_INPUTS, as_weight, gemm
 from humming_jax.process_input import process_input
+from humming_jax.sharding import token_parallel
 from pallas_kernels.gemm import triton
 
 DEFAULT_BLOCK_SIZE = 64  # an indexed layout's block where no tiling names one
@@ -294,6 +295,13 @@ def humming_grouped_experts(
     if a1q_scale is None:
         _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_grouped_experts")
     check_weights(weights, config)
+    tokens = (hidden_states, topk_weights, topk_ids, a1q_scale)
+    return token_parallel(_grouped_run, tokens, (weights, expert_map), (config, backend), "humming_grouped_experts")
+
+
+def _grouped_run(tokens, rest, config, backend):
+    hidden_states, topk_weights, topk_ids, a1q_scale = tokens
+    weights, expert_map = rest
     state = dict(hidden_states=hidden_states, weights=weights, topk_weights=topk_weights, topk_ids=topk_ids)
     state.update(expert_map=expert_map, a1q_scale=a1q_scale)
     return run_stages(grouped_stages(config, backend), state)["out"]
@@ -321,6 +329,16 @@ def humming_indexed_experts(
     if a1q_scale is None:
         _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_indexed_experts")
     check_weights(weights, config)
+    tokens = (hidden_states, topk_weights, topk_ids, a1q_scale)
+    static = (config, block_size, w2_block_size, backend)
+    if num_valid_tokens is not None:  # a count over the whole batch: not split by token
+        return _indexed_run(tokens, (weights, expert_map, num_valid_tokens), *static)
+    return token_parallel(_indexed_run, tokens, (weights, expert_map, None), static, "humming_indexed_experts")
+
+
+def _indexed_run(tokens, rest, config, block_size, w2_block_size, backend):
+    hidden_states, topk_weights, topk_ids, a1q_scale = tokens
+    weights, expert_map, num_valid_tokens = rest
     state = dict(hidden_states=hidden_states, weights=weights, topk_weights=topk_weights, topk_ids=topk_ids)
     state.update(expert_map=expert_map, a1q_scale=a1q_scale, num_valid_tokens=num_valid_tokens)
     return run_stages(indexed_stages(config, block_size, w2_block_size, backend), state)["out"]

@@ -30,7 +30,9 @@ from humming_jax import experts as X
 from humming_jax.configs import ExpertsConfig
 from humming_jax.timing import bandwidth_fields
 
-PIPELINES = ("grouped", "indexed", "ep")  # ep: parallel.ep_experts over this machine's devices
+# ep: parallel.ep_experts over this machine's devices; ep_balanced: with EP_REDUNDANT copies a rank.
+PIPELINES = ("grouped", "indexed", "ep", "ep_balanced")
+EP_REDUNDANT = 2
 # bf16, W4A16 int4 and MXFP4, W8A8 FP8-block and W4A8 (the anchor's pair names).
 LAYER_FORMATS = ("bf16", "int4_g128", "mxfp4", "w8a8_fp8_block128", "w4a8_mxfp4_fp8g128")
 GEMM_STAGES = ("w13", "w2")
@@ -78,7 +80,7 @@ def _sent_bytes(case: LayerCase, ranks: int) -> int:
 def stages(case: LayerCase, backend: str | None) -> tuple[X.Stage, ...]:
     """The pipeline's stages (none for ``ep``: one mapped computation)."""
     config = case.config()
-    if case.pipeline == "ep":
+    if case.pipeline.startswith("ep"):
         return ()
     if case.pipeline == "grouped":
         return X.grouped_stages(config, backend)
@@ -139,8 +141,8 @@ def _costs(case: LayerCase, weights: X.ExpertWeights, ids: np.ndarray) -> tuple[
 def _layer_fn(case: LayerCase, backend: str | None):
     """The jitted pipeline as users call it: ``fn(state) -> [T, H]``."""
     config = case.config()
-    if case.pipeline == "ep":
-        pipeline = functools.partial(parallel.ep_experts, mesh=ep_mesh(case))
+    if case.pipeline.startswith("ep"):
+        pipeline = functools.partial(parallel.ep_experts, mesh=ep_mesh(case), redundant_experts=_redundant(case))
     elif case.pipeline == "grouped":
         pipeline = X.humming_grouped_experts
     else:
@@ -189,7 +191,7 @@ def time_layer(case: LayerCase, seed: int = 0) -> dict:
     backend = bench.KERNEL_BACKEND
     rng = np.random.default_rng(seed)
     weights = _weights(case, seed)
-    if case.pipeline == "ep":
+    if case.pipeline.startswith("ep"):
         weights = parallel.shard_weights(weights, case.config(), ep_mesh(case))
     sets = [dict(_inputs(case, rng), weights=weights) for _ in range(INPUT_SETS)]
     moved, flops = _costs(case, weights, np.asarray(sets[0]["topk_ids"]))
@@ -217,16 +219,38 @@ def time_layer(case: LayerCase, seed: int = 0) -> dict:
         stage_us=stage_us,
         gemm_us=gemm_us,
         outside_share=None if gemm_us is None else 1.0 - gemm_us / staged_us,
-        **(_ep_fields(case) if case.pipeline == "ep" else {}),
+        **(_ep_fields(case, np.asarray(sets[0]["topk_ids"])) if case.pipeline.startswith("ep") else {}),
         host_us=_host_us(fn, sets[0], layer_s * 1e6),
         torch_layer_us=time_torch_layer(case, np.asarray(sets[0]["topk_ids"])),
         error=_reference_error(case, sets[0], out),
     )
 
 
-def _ep_fields(case: LayerCase) -> dict:
+def _redundant(case: LayerCase) -> int:
+    return EP_REDUNDANT if case.pipeline == "ep_balanced" else 0
+
+
+def _ep_fields(case: LayerCase, ids: np.ndarray) -> dict:
+    """Ranks, bytes a rank sends, and the slots each rank serves on the timed
+    routing without copies (``loads``) and with the case's copies
+    (``balanced_loads``, :func:`parallel.balance_plan`)."""
     ranks = ep_mesh(case).shape["expert"]
-    return dict(ranks=ranks, sent_bytes_per_rank=_sent_bytes(case, ranks))
+    e = bench.PROBLEMS[case.problem][0]
+    flat = ids.reshape(-1)
+    counts = np.bincount(flat[(flat >= 0) & (flat < e)], minlength=e)
+    loads = parallel.rank_loads(counts, ranks)
+    balanced = loads
+    if _redundant(case):
+        balanced = parallel.rank_loads(
+            counts, ranks, *parallel.balance_plan(jnp.asarray(counts), ranks, _redundant(case))
+        )
+    return dict(
+        ranks=ranks,
+        redundant=_redundant(case),
+        sent_bytes_per_rank=_sent_bytes(case, ranks),
+        loads=np.asarray(loads).tolist(),
+        balanced_loads=np.asarray(balanced).tolist(),
+    )
 
 
 def time_torch_layer(case: LayerCase, ids: np.ndarray) -> float | None:
@@ -286,8 +310,11 @@ def format_row(r: dict) -> str:
     torch_us = "" if r["torch_layer_us"] is None else f"{r['torch_layer_us']:.1f}"
     error = "" if r["error"] is None else f"{r['error']:.1e}"
     stage_text = " ".join(f"{name}={us:.1f}" for name, us in r["stage_us"].items())
-    if r["pipeline"] == "ep":
-        stage_text = f"ranks={r['ranks']} sent={r['sent_bytes_per_rank']} B/rank"
+    if r["pipeline"].startswith("ep"):
+        stage_text = (
+            f"ranks={r['ranks']} B={r['redundant']} sent={r['sent_bytes_per_rank']} B/rank "
+            f"loads={r['loads']} balanced={r['balanced_loads']}"
+        )
     gemm = "" if r["gemm_us"] is None else f"{r['gemm_us']:.1f}"
     outside = "" if r["outside_share"] is None else f"{100 * r['outside_share']:.0f}%"
     return (

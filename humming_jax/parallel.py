@@ -1,19 +1,20 @@
-"""Expert parallelism over a device mesh axis (first step: no redundant
-experts, B = 0).
+"""Expert parallelism over a device mesh axis, with optional balancing
+(B copies of the most loaded experts a rank).
 
 Each of the R ranks of ``axis_name`` holds ``E / R`` experts (rank r: global
 experts ``[r·E/R, (r+1)·E/R)``) and ``S = T / R`` tokens. A step:
 
 1. **dispatch** — each rank sorts its ``S·k`` routed slots by destination
-   rank (then expert) and sends every slot's row and global expert id to the
-   rank holding that expert with ``jax.lax.ragged_all_to_all``, into a static
+   rank (then weight row) and sends every slot's row and weight-row id to the
+   rank holding that expert (or its copy) with ``jax.lax.ragged_all_to_all``, into a static
    receive buffer of ``NvS = R·S·k`` rows (the worst case: every slot of every
    rank routed to one rank, so no routing can overflow it; with
    :func:`ep_experts_capped` fewer, and the slots that do not fit are counted
    and returned); rows arrive grouped by source rank;
-2. **experts** — the rank runs its local experts on the received rows with the
-   grouped pipeline (``expert_map`` maps the global ids to its own; unused rows
-   carry id −1, an invalid slot, and give zeros);
+2. **experts** — the rank runs its weight rows (its E/R experts, then its B
+   copies, :func:`balance_plan`) on the received rows with the grouped
+   pipeline (each slot is sent with its row's id; unused rows carry −1, an
+   invalid slot, and give zeros);
 3. **combine** — the reverse ``ragged_all_to_all`` returns each row to the
    slot it came from; the source rank applies the top-k weights and sums.
 
@@ -56,18 +57,29 @@ class EPPlan:
     tokens_per_rank: int  # S
     slots_per_rank: int  # S·k
     receive_rows: int  # NvS: R·S·k (every slot of every rank, the worst case) unless capped
+    redundant: int = 0  # B: weight rows a rank holds for copies of other ranks' experts
+
+    @property
+    def weight_rows(self) -> int:
+        """Expert rows a rank runs: its own E/R, then its B copies."""
+        return self.local_experts + self.redundant
 
     @property
     def worst_case_rows(self) -> int:
         return self.num_ranks * self.slots_per_rank
 
 
-def plan_ep(config: ExpertsConfig, num_tokens: int, num_ranks: int, capacity: int | None = None) -> EPPlan:
+def plan_ep(
+    config: ExpertsConfig, num_tokens: int, num_ranks: int, capacity: int | None = None, redundant: int = 0
+) -> EPPlan:
     """The static sizes for ``num_tokens`` tokens over ``num_ranks`` ranks;
     raises unless both the experts and the tokens divide evenly. ``capacity``:
-    rows a rank receives (default the worst case, which no routing exceeds)."""
+    rows a rank receives (default the worst case, which no routing exceeds);
+    ``redundant``: B expert copies a rank may hold (:func:`balance_plan`)."""
     if not isinstance(num_ranks, int) or num_ranks < 1:
         raise ValueError(f"plan_ep: num_ranks: expected a positive int, got {num_ranks!r}")
+    if not isinstance(redundant, int) or isinstance(redundant, bool) or redundant < 0:
+        raise ValueError(f"plan_ep: redundant: expected an int >= 0 (copies a rank holds), got {redundant!r}")
     if config.num_experts % num_ranks:
         raise ValueError(f"plan_ep: {config.num_experts} experts do not divide over {num_ranks} ranks")
     if num_tokens % num_ranks:
@@ -77,7 +89,84 @@ def plan_ep(config: ExpertsConfig, num_tokens: int, num_ranks: int, capacity: in
     if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
         raise ValueError(f"plan_ep: capacity: expected a positive int (rows a rank receives), got {capacity!r}")
     rows = num_ranks * slots if capacity is None else min(capacity, num_ranks * slots)
-    return EPPlan(num_ranks, config.num_experts // num_ranks, tokens, slots, rows)
+    return EPPlan(num_ranks, config.num_experts // num_ranks, tokens, slots, rows, redundant)
+
+
+def balance_plan(counts: jax.Array, num_ranks: int, redundant: int) -> tuple[jax.Array, jax.Array]:
+    """Which experts each rank copies, from the global slot count of every
+    expert ``counts [E]`` (int; expert e lives on rank ``e // (E/R)``).
+
+    R·B greedy steps, the same on every rank (a pure function of the counts):
+    the most loaded rank gives its most loaded expert (the slots still served
+    at home) to the least loaded rank with a free copy row, with a quota that
+    brings neither past the target ``ceil(slots / R)`` (at most what stays at
+    home). When the copy rows suffice every rank ends at most at the target,
+    within one row of the average. Returns
+    ``(copies [R, B] int32: the expert in each copy row, −1 unused; quota
+    [R, B] int32: the slots each copy serves)``."""
+    e = counts.shape[0]
+    local = e // num_ranks
+    home = counts.astype(jnp.int32)  # slots each expert still serves at home
+    load = home.reshape(num_ranks, local).sum(axis=1)
+    target = (jnp.sum(load) + num_ranks - 1) // num_ranks
+    copies = jnp.full((num_ranks, redundant), -1, jnp.int32)
+    quota = jnp.zeros((num_ranks, redundant), jnp.int32)
+    used = jnp.zeros(num_ranks, jnp.int32)
+    experts = jnp.arange(e, dtype=jnp.int32)
+    for _ in range(num_ranks * redundant):
+        donor = jnp.argmax(load)
+        expert = jnp.argmax(jnp.where(experts // local == donor, home, -1)).astype(jnp.int32)
+        free = used < redundant
+        receiver = jnp.argmin(jnp.where(free, load, jnp.iinfo(jnp.int32).max))
+        give = jnp.minimum(home[expert], jnp.minimum(load[donor] - target, target - load[receiver]))
+        ok = free[receiver] & (give > 0)
+        give = jnp.where(ok, give, 0)
+        row = jnp.minimum(used[receiver], redundant - 1)
+        copies = copies.at[receiver, row].set(jnp.where(ok, expert, copies[receiver, row]))
+        quota = quota.at[receiver, row].set(jnp.where(ok, give, quota[receiver, row]))
+        used = used.at[receiver].add(ok.astype(jnp.int32))
+        load = load.at[donor].add(-give).at[receiver].add(give)
+        home = home.at[expert].add(-give)
+    return copies, quota
+
+
+def rank_loads(counts, num_ranks: int, copies=None, quota=None) -> jax.Array:
+    """Slots each rank serves (``[R]`` int32) for the global per-expert counts
+    ``counts [E]``: its experts' slots, less what their copies serve, plus
+    what its own copies serve (``copies``/``quota`` of :func:`balance_plan`;
+    None: no copies)."""
+    counts = jnp.asarray(counts, jnp.int32)
+    local = counts.shape[0] // num_ranks
+    loads = counts.reshape(num_ranks, local).sum(axis=1)
+    if copies is None:
+        return loads
+    used = copies >= 0
+    served = jnp.where(used, quota, 0)
+    given = jnp.zeros(num_ranks, jnp.int32).at[jnp.where(used, copies // local, 0).reshape(-1)].add(served.reshape(-1))
+    return loads + served.sum(axis=1) - given
+
+
+def _slot_rows(ids, valid, base, copies, quota, local: int):
+    """(rank, weight row) of each slot: an expert's slots in global order
+    (``base``: the expert's slots on lower source ranks, then slot order here)
+    fill its copies' quotas in copy order, the rest stay at home."""
+    num_ranks, redundant = copies.shape
+    e_of = jnp.where(valid, ids, 0)
+    key = jnp.where(valid, ids, num_ranks * local)  # invalid slots last
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    first = jnp.searchsorted(sorted_key, sorted_key, side="left").astype(jnp.int32)  # each group's first position
+    occurrence = jnp.zeros_like(ids).at[order].set(jnp.arange(ids.shape[0], dtype=jnp.int32) - first)
+    index = base[e_of] + occurrence  # the slot's place among its expert's slots, over every rank
+    flat = copies.reshape(-1)
+    mine = flat[None, :] == e_of[:, None]  # [slots, R·B]
+    covered = jnp.cumsum(jnp.where(mine, quota.reshape(-1)[None, :], 0), axis=1)
+    takes = mine & (index[:, None] < covered)
+    has_copy = jnp.any(takes, axis=1) & valid
+    j = jnp.argmax(takes, axis=1)
+    rank = jnp.where(has_copy, j // max(redundant, 1), e_of // local)
+    row = jnp.where(has_copy, local + j % max(redundant, 1), e_of % local)
+    return jnp.where(valid, rank, num_ranks), jnp.where(valid, row, -1)
 
 
 def ragged_all_to_all_gathered(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
@@ -97,11 +186,16 @@ def ragged_all_to_all_gathered(operand, output, input_offsets, send_sizes, outpu
     return output
 
 
+def _per_expert(weights: X.ExpertWeights, config: ExpertsConfig):
+    """A bool per array of ``weights``: whether it is per expert (``[E, …]``)."""
+    return jax.tree.map(lambda a: a.shape[:1] == (config.num_experts,), weights)
+
+
 def weight_specs(weights: X.ExpertWeights, config: ExpertsConfig, axis_name: str = "expert"):
     """A ``PartitionSpec`` per array of ``weights``: per-expert arrays (``[E, …]``)
     split by experts over ``axis_name``, per-tensor ones (static input scales)
     on every rank."""
-    return jax.tree.map(lambda a: P(axis_name) if a.shape[:1] == (config.num_experts,) else P(), weights)
+    return jax.tree.map(lambda split: P(axis_name) if split else P(), _per_expert(weights, config))
 
 
 def shard_weights(
@@ -129,14 +223,59 @@ def _local_weights(weights: X.ExpertWeights, local_experts: int) -> X.ExpertWeig
     return dataclasses.replace(weights, w13=local(weights.w13), w2=local(weights.w2))
 
 
-def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_name, backend, exchange):
+def _with_copies(weights: X.ExpertWeights, per_expert, copies, plan: EPPlan, me, axis_name: str, exchange):
+    """The rank's weights with its B copy rows appended (``[E/R + B, …]`` for
+    each per-expert array, as ``per_expert`` marks them): each copied expert's arrays sent by its home rank with one
+    ragged exchange per array — copy rows in (receiver, row) order on the
+    sender, by (home rank, row) on the receiver, then put in row order."""
+    r, el, b = plan.num_ranks, plan.local_experts, plan.redundant
+    flat = copies.reshape(-1)  # [R·B]: copy j is row j % B of rank j // B
+    home = jnp.where(flat >= 0, flat // el, r)
+    receiver = jnp.arange(r * b, dtype=jnp.int32) // b
+    served = home == me  # the copies this rank sends, already in (receiver, row) order
+    send_order = jnp.argsort(jnp.where(served, 0, 1), stable=True)
+    sources = jnp.clip(flat[send_order] % el, 0, el - 1)
+    send_sizes = jnp.sum((receiver[None, :] == jnp.arange(r)[:, None]) & served[None, :], axis=1).astype(jnp.int32)
+    input_offsets = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
+    mine = home.reshape(r, b)[me]  # my copy rows' home ranks
+    recv_sizes = jnp.sum(mine[None, :] == jnp.arange(r)[:, None], axis=1).astype(jnp.int32)
+    everyone = home.reshape(r, b)
+    # Where sender h's block lands on receiver q: after q's copies homed on lower ranks.
+    output_offsets = jnp.sum(everyone < me, axis=1).astype(jnp.int32)
+    arrival = jnp.argsort(mine, stable=True)  # received position p holds copy row arrival[p]
+
+    def move(a):
+        operand = jnp.take(a, sources, axis=0)
+        out = exchange(
+            operand,
+            jnp.zeros((b, *a.shape[1:]), a.dtype),
+            input_offsets,
+            send_sizes,
+            output_offsets,
+            recv_sizes,
+            axis_name=axis_name,
+        )
+        return jnp.concatenate([a, jnp.zeros_like(out).at[arrival].set(out)], axis=0)
+
+    return jax.tree.map(lambda a, split: move(a) if split else a, weights, per_expert)
+
+
+def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_name, backend, exchange, per_expert):
     """One rank's part of the layer (inside ``shard_map``)."""
-    r, el, k = plan.num_ranks, plan.local_experts, config.top_k
+    r, el, k, rows = plan.num_ranks, plan.local_experts, config.top_k, plan.weight_rows
     me = jax.lax.axis_index(axis_name)
     ids = topk_ids.reshape(-1).astype(jnp.int32)
     valid = (ids >= 0) & (ids < config.num_experts)
-    dest = jnp.where(valid, ids // el, r)  # invalid slots: no rank
-    order = jnp.argsort(dest * config.num_experts + jnp.where(valid, ids, 0), stable=True)
+    if plan.redundant:  # every rank plans the same copies from the gathered counts
+        mine = jnp.zeros(config.num_experts, jnp.int32).at[jnp.where(valid, ids, 0)].add(valid.astype(jnp.int32))
+        counts = jax.lax.all_gather(mine, axis_name)  # [source, expert]
+        copies, quota = balance_plan(jnp.sum(counts, axis=0), r, plan.redundant)
+        base = (jnp.cumsum(counts, axis=0) - counts)[me]
+        dest, row = _slot_rows(ids, valid, base, copies, quota, el)
+        weights = _with_copies(weights, per_expert, copies, plan, me, axis_name, exchange)
+    else:
+        dest, row = jnp.where(valid, ids // el, r), jnp.where(valid, ids % el, -1)  # invalid slots: no rank
+    order = jnp.argsort(dest * rows + jnp.where(valid, row, 0), stable=True)
     sorted_dest = dest[order]
     wanted = jnp.sum(sorted_dest[None, :] == jnp.arange(r, dtype=jnp.int32)[:, None], axis=1).astype(jnp.int32)
     input_offsets = (jnp.cumsum(wanted) - wanted).astype(jnp.int32)
@@ -150,7 +289,7 @@ def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_
     recv_sizes = accepted[:, me]
     dropped = jnp.sum(wanted - send_sizes)
 
-    sent_ids = ids[order]
+    sent_ids = row[order]  # the weight row on the destination rank
 
     def dispatch(operand, fill):
         """``operand``'s sorted rows to their ranks' receive buffers (``fill`` elsewhere)."""
@@ -173,17 +312,13 @@ def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_
     else:
         recv_rows, a1q_scale = dispatch(jnp.take(hidden_states, order // k, axis=0), 0), None
 
-    local_config = dataclasses.replace(config, num_experts=el, top_k=1, global_num_experts=config.num_experts)
-    expert_map = jnp.where(jnp.arange(config.num_experts) // el == me, jnp.arange(config.num_experts) % el, -1).astype(
-        jnp.int32
-    )
+    local_config = dataclasses.replace(config, num_experts=rows, top_k=1, global_num_experts=rows)
     out_rows = X.humming_grouped_experts(
         recv_rows,
-        _local_weights(weights, el),
+        _local_weights(weights, rows),
         jnp.ones((plan.receive_rows, 1), jnp.float32),
         recv_ids[:, None],
         local_config,
-        expert_map=expert_map,
         a1q_scale=a1q_scale,
         backend=backend,
     )
@@ -206,7 +341,7 @@ def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_
     return jnp.sum(weighted, axis=1).astype(hidden_states.dtype), dropped.reshape(1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "backend"))
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "redundant_experts", "backend"))
 def ep_experts(
     hidden_states: jax.Array,
     weights: X.ExpertWeights,
@@ -215,6 +350,7 @@ def ep_experts(
     config: ExpertsConfig,
     mesh: jax.sharding.Mesh,
     axis_name: str = "expert",
+    redundant_experts: int = 0,
     backend: str | None = None,
 ) -> jax.Array:
     """The expert layer over ``mesh``'s ``axis_name`` (see the module docstring).
@@ -225,12 +361,17 @@ def ep_experts(
     layer's. Returns ``[T, H]`` sharded by tokens: on one rank, the grouped
     pipeline's result; slots with ids outside ``[0, E)`` contribute nothing.
     The receive buffers hold the worst case: no slot is ever dropped.
+    ``redundant_experts`` B > 0: each rank also holds B copies of other ranks'
+    most loaded experts, planned every step from the routing
+    (:func:`balance_plan`) and sent by their home ranks (B experts' weight
+    bytes a rank a step), so the ranks' loads even out.
     """
-    out, _ = _ep(hidden_states, weights, topk_weights, topk_ids, config, mesh, axis_name, backend, None)
+    args = (config, mesh, axis_name, backend, None, redundant_experts)
+    out, _ = _ep(hidden_states, weights, topk_weights, topk_ids, *args)
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh", "capacity", "axis_name", "backend"))
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "capacity", "axis_name", "redundant_experts", "backend"))
 def ep_experts_capped(
     hidden_states: jax.Array,
     weights: X.ExpertWeights,
@@ -240,6 +381,7 @@ def ep_experts_capped(
     mesh: jax.sharding.Mesh,
     capacity: int,
     axis_name: str = "expert",
+    redundant_experts: int = 0,
     backend: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`ep_experts` with receive buffers of ``capacity`` rows a rank
@@ -248,10 +390,11 @@ def ep_experts_capped(
     block its first rows (lower experts); the slots it cannot take contribute
     nothing to their token. Returns ``(out [T, H], dropped [R])``: the slots
     each source rank could not deliver — the caller sees every drop."""
-    return _ep(hidden_states, weights, topk_weights, topk_ids, config, mesh, axis_name, backend, capacity)
+    args = (config, mesh, axis_name, backend, capacity, redundant_experts)
+    return _ep(hidden_states, weights, topk_weights, topk_ids, *args)
 
 
-def _ep(hidden_states, weights, topk_weights, topk_ids, config, mesh, axis_name, backend, capacity):
+def _ep(hidden_states, weights, topk_weights, topk_ids, config, mesh, axis_name, backend, capacity, redundant):
     X.check_weights(weights, config)
     num_tokens = hidden_states.shape[0]
     if topk_ids.shape != (num_tokens, config.top_k) or topk_weights.shape != topk_ids.shape:
@@ -261,7 +404,7 @@ def _ep(hidden_states, weights, topk_weights, topk_ids, config, mesh, axis_name,
         )
     if axis_name not in mesh.shape:
         raise ValueError(f"ep_experts: axis_name: {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
-    plan = plan_ep(config, num_tokens, mesh.shape[axis_name], capacity)
+    plan = plan_ep(config, num_tokens, mesh.shape[axis_name], capacity, redundant)
     backend = resolve_backend(backend, "ep_experts")
     step = functools.partial(
         _step,
@@ -270,6 +413,7 @@ def _ep(hidden_states, weights, topk_weights, topk_ids, config, mesh, axis_name,
         axis_name=axis_name,
         backend=backend,
         exchange=_exchange(backend == "pallas"),
+        per_expert=_per_expert(weights, config),
     )
     tokens = P(axis_name)
     specs = (tokens, weight_specs(weights, config, axis_name), tokens, tokens)

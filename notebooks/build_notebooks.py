@@ -23,7 +23,10 @@ pure-`jnp` reference.""",
     ),
     (
         "code",
-        """import jax, jax.numpy as jnp, numpy as np
+        """import os
+if "device_count" not in os.environ.get("XLA_FLAGS", ""):  # simulated devices for the expert-parallel cell
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 import humming_jax as hj
 from humming_jax import nn
@@ -78,6 +81,44 @@ print("moonep vs reference:", rel(out_moon[:8], ref_moon[:8]), "| rows past cu_s
 step = nnx.jit(lambda block, h: block(h))
 h = jax.random.normal(jax.random.key(7), (2, 6, 128), jnp.bfloat16)
 print("MoEBlock output:", step(block, h).shape, step(block, h).dtype)""",
+    ),
+    (
+        "markdown",
+        """Expert parallelism over 4 (simulated) devices: each holds 2 of the 8
+experts; with `redundant_experts=2` each also takes copies of the most
+loaded experts every step, so a skewed routing (expert 5 in most slots)
+spreads evenly. Same output either way.""",
+    ),
+    (
+        "code",
+        """import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from IPython.display import Image, display
+from humming_jax import parallel
+
+ranks = 4
+mesh = jax.make_mesh((ranks,), ("expert",), devices=jax.devices()[:ranks])
+skewed = jnp.asarray(np.where(np.arange(12)[:, None] < 9, np.asarray([[5, 1]]), np.asarray(topk_ids)), jnp.int32)
+want = grouped(x, topk_weights, skewed)
+plain = nn.ExpertParallelExperts.from_quantized(config, grouped.weights, mesh=mesh)
+balanced = nn.ExpertParallelExperts.from_quantized(config, grouped.weights, mesh=mesh, redundant_experts=2)
+print("EP vs grouped:", rel(plain(x, topk_weights, skewed), want),
+      "| balanced vs grouped:", rel(balanced(x, topk_weights, skewed), want))
+counts = np.bincount(np.asarray(skewed).ravel(), minlength=8)
+before = parallel.rank_loads(counts, ranks)
+after = parallel.rank_loads(counts, ranks, *parallel.balance_plan(jnp.asarray(counts), ranks, 2))
+fig, ax = plt.subplots(figsize=(6, 2.8))
+ax.bar(np.arange(ranks) - 0.2, before, 0.4, label="no copies")
+ax.bar(np.arange(ranks) + 0.2, after, 0.4, label="2 copies a rank")
+ax.axhline(counts.sum() / ranks, color="k", ls="--", lw=1, label="average")
+ax.set(xlabel="rank", ylabel="slots served", xticks=range(ranks))
+ax.legend(fontsize=8)
+fig.tight_layout()
+fig.savefig("ep_loads.png", dpi=90)
+plt.close(fig)
+display(Image("ep_loads.png"))
+print("slots per rank:", np.asarray(before).tolist(), "->", np.asarray(after).tolist())""",
     ),
 ]
 
@@ -229,7 +270,7 @@ def main() -> int:
         nb = execute(build(name, cells))
         nbformat.write(nb, os.path.join(HERE, name))
         print("wrote", name)
-    for leftover in ("formats.png", "performance.png"):
+    for leftover in ("formats.png", "performance.png", "ep_loads.png"):
         path = os.path.join(HERE, leftover)
         if os.path.exists(path):
             os.remove(path)

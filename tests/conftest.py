@@ -17,7 +17,7 @@ os.environ.setdefault("PJRT_NPROC", "16")
 # Compiled programs persist across the test modules (whose in-memory caches are dropped, see
 # below) and the test workers of one run: most interpreted kernels recur in many tests.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ.pop("HUMMING_JAX_BACKEND", None)
 
@@ -41,7 +41,8 @@ def _release_compiled_executables():
     executable keeps ~6 memory mappings until it is freed; a test worker that
     compiles through the whole suite (interpret-mode kernels compile many)
     reaches the kernel's limit of 65530 mappings, and the next compilation
-    crashes with a segmentation fault."""
+    crashes with a segmentation fault. (Programs that recur come back from
+    the persistent cache above.)"""
     yield
     import jax
 

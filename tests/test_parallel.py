@@ -3,6 +3,8 @@ for eight): the EP layer equals the single-device grouped layer — same
 weights and routing — bit for bit, on 1, 2, 4 and 8 ranks; a capped receive
 buffer drops exactly the slots its rule says and counts them."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,6 +114,9 @@ def test_plan_and_bad_arguments(rng):
         parallel.plan_ep(config, T, 3)
     with pytest.raises(ValueError, match="tokens do not divide"):
         parallel.plan_ep(config, 6, 4)
+    assert parallel.plan_ep(config, T, 4, redundant=2).weight_rows == 4
+    with pytest.raises(ValueError, match="redundant"):
+        parallel.plan_ep(config, T, 4, redundant=-1)
     x = jnp.zeros((T, H), jnp.bfloat16)
     ids, topk_weights = _routing(rng, False)
     with pytest.raises(ValueError, match="axis_name"):
@@ -164,6 +169,60 @@ def test_capped_exchange_counts_and_drops_exactly_the_slots_past_capacity(capaci
         x, weights, topk_weights, ids, config, _mesh(ranks), 32, backend="reference"
     )
     assert int(np.asarray(dropped).sum()) == 0  # the worst case: nothing dropped
+
+
+def _loads(counts: np.ndarray, copies: np.ndarray, quota: np.ndarray, ranks: int) -> np.ndarray:
+    """Slots each rank serves under a plan (independent of the library's routing)."""
+    local = len(counts) // ranks
+    loads = counts.reshape(ranks, local).sum(axis=1).astype(np.int64)
+    for rank in range(ranks):
+        for expert, served in zip(copies[rank], quota[rank], strict=True):
+            if expert >= 0:
+                loads[rank] += served
+                loads[expert // local] -= served
+    return loads
+
+
+@pytest.mark.parametrize("ranks,redundant,fmt", [(4, 2, "int4_g32"), (8, 1, "bf16")])
+def test_balanced_layer_equals_the_single_device_layer(ranks, redundant, fmt, rng):
+    """With B copies a rank (``redundant_experts``) the layer is still the
+    single-device one bit for bit; the plan copies the hot expert onto other
+    ranks (never its own), within its count, and at least halves the most
+    loaded rank's slots on a skewed routing."""
+    config, weights = _layer(rng, fmt)
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
+    ids, topk_weights = _routing(rng, skewed=True)
+    want = X.humming_grouped_experts(x, weights, topk_weights, ids, config, backend="reference")
+    got = parallel.ep_experts(
+        x, weights, topk_weights, ids, config, _mesh(ranks), redundant_experts=redundant, backend="reference"
+    )
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+    flat = np.asarray(ids).reshape(-1)
+    counts = np.bincount(flat[(flat >= 0) & (flat < E)], minlength=E)
+    copies, quota = (np.asarray(a) for a in parallel.balance_plan(jnp.asarray(counts), ranks, redundant))
+    assert copies.shape == quota.shape == (ranks, redundant)
+    local = E // ranks
+    for expert in range(E):
+        mine = copies == expert
+        assert quota[mine].sum() <= counts[expert] and not mine[expert // local].any()
+    assert np.all(quota[copies < 0] == 0) and 5 in copies  # the hot expert (5) is copied
+    before, after = counts.reshape(ranks, local).sum(axis=1), _loads(counts, copies, quota, ranks)
+    assert after.sum() == before.sum() and after.min() >= 0
+    assert after.max() <= before.max() / 2, (before, after)
+
+
+def test_balancing_takes_fewer_drops_under_a_capacity(rng):
+    """Under a capacity that drops slots of the skewed rank, copies of its hot
+    expert on other ranks let them through (fewer drops, still counted)."""
+    ranks, capacity = 4, 9
+    config, weights = _layer(rng, "bf16")
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
+    ids, topk_weights = _routing(rng, skewed=True)
+    run = functools.partial(parallel.ep_experts_capped, x, weights, topk_weights, ids, config, _mesh(ranks), capacity)
+    _, plain = run(backend="reference")
+    _, balanced = run(redundant_experts=2, backend="reference")
+    assert 0 <= int(np.asarray(balanced).sum()) < int(np.asarray(plain).sum())
 
 
 def test_module_splits_its_weights_and_equals_the_grouped_module(rng):

@@ -156,17 +156,28 @@ class HummingIndexedExperts(_HummingExperts):
 class ExpertParallelExperts(_HummingExperts):
     """The expert layer over a device mesh axis (:func:`humming_jax.parallel.ep_experts`):
     the global layer's weights split by experts over ``mesh``'s ``axis_name``,
-    the tokens split over it at each call; the grouped module's call."""
+    the tokens split over it at each call; the grouped module's call.
+    ``redundant_experts``: copies of the most loaded experts each rank takes
+    every step (``ep_experts``)."""
 
     pipeline = "grouped"
 
-    def __init__(self, config: ExpertsConfig, *, mesh: jax.sharding.Mesh, axis_name: str = "expert", **kwargs):
+    def __init__(
+        self,
+        config: ExpertsConfig,
+        *,
+        mesh: jax.sharding.Mesh,
+        axis_name: str = "expert",
+        redundant_experts: int = 0,
+        **kwargs,
+    ):
         super().__init__(config, **kwargs)
         if axis_name not in mesh.shape:
             raise ValueError(f"ExpertParallelExperts: axis_name: {axis_name!r} is not an axis of {dict(mesh.shape)}")
         ranks = mesh.shape[axis_name]
-        parallel.plan_ep(config, ranks, ranks)  # the experts divide over the ranks (the tokens: each call)
-        self.mesh, self.axis_name = mesh, axis_name
+        # The experts divide over the ranks (the tokens: each call).
+        parallel.plan_ep(config, ranks, ranks, redundant=redundant_experts)
+        self.mesh, self.axis_name, self.redundant_experts = mesh, axis_name, redundant_experts
         placed = parallel.shard_weights(self.weights, config, mesh, axis_name)
         self.w13 = ExpertWeight(placed.w13)
         self.w2 = ExpertWeight(placed.w2)
@@ -180,6 +191,7 @@ class ExpertParallelExperts(_HummingExperts):
             self.config,
             self.mesh,
             axis_name=self.axis_name,
+            redundant_experts=self.redundant_experts,
             backend=self.backend,
         )
         return self._checked(out, topk_ids.shape[0])
