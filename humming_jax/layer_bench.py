@@ -3,8 +3,9 @@
 Per (problem, pipeline, format, T): the jitted pipeline's device time, each
 of its stages' (:func:`humming_jax.experts.grouped_stages` /
 ``indexed_stages``: routing, input quantization + scatter, w13, activation +
-quantization, w2, combine — the same functions the pipeline runs, each timed
-on the state the previous ones left), the share of the stages outside the two
+quantization, w2, combine; ``parallel.ep_stages``: dispatch, experts,
+combine — the same functions the pipeline runs, each timed on the state the
+previous ones left; EP rows add the ranks' loads without and with copies), the share of the stages outside the two
 GEMMs, the host time of one call above its device time, and, in the same
 process when torch is importable on a GPU, a bf16 PyTorch layer
 (``torch._grouped_mm``, permute and unpermute with torch ops). Inputs rotate
@@ -77,11 +78,14 @@ def _sent_bytes(case: LayerCase, ranks: int) -> int:
     return slots * (row + 4 + 2 * config.hidden_size)
 
 
-def stages(case: LayerCase, backend: str | None) -> tuple[X.Stage, ...]:
-    """The pipeline's stages (none for ``ep``: one mapped computation)."""
+def stages(case: LayerCase, backend: str | None, weights: X.ExpertWeights | None = None) -> tuple[X.Stage, ...]:
+    """The pipeline's stages (``ep``: dispatch, experts, combine; needs the weights)."""
     config = case.config()
     if case.pipeline.startswith("ep"):
-        return ()
+        mesh = ep_mesh(case)
+        return parallel.ep_stages(
+            config, mesh, weights, case.tokens, redundant_experts=_redundant(case), backend=backend
+        )
     if case.pipeline == "grouped":
         return X.grouped_stages(config, backend)
     if case.pipeline == "indexed":
@@ -199,7 +203,7 @@ def time_layer(case: LayerCase, seed: int = 0) -> dict:
     layer_s = bench.device_seconds(fn, [(s,) for s in sets])
     # The state before each stage is the final state's entries the earlier stages
     # had (stages only add entries): one compiled run gives every stage's input.
-    staged = stages(case, backend)
+    staged = stages(case, backend, weights)
     finals = [jax.jit(functools.partial(X.run_stages, staged))(s) for s in sets]
     stage_us, keys = {}, list(sets[0])
     for stage in staged:
@@ -207,7 +211,7 @@ def time_layer(case: LayerCase, seed: int = 0) -> dict:
         stage_us[stage.name] = bench.device_seconds(stage.run, [(b,) for b in befores]) * 1e6
         keys += list(jax.eval_shape(stage.run, befores[0]))
     out = finals[0]["out"] if staged else jax.jit(fn)(sets[0])
-    gemm_us = sum(stage_us[name] for name in GEMM_STAGES) if staged else None
+    gemm_us = sum(stage_us[name] for name in GEMM_STAGES) if set(GEMM_STAGES) <= set(stage_us) else None
     staged_us = sum(stage_us.values())
     floor = max(moved / bench.COPY_BANDWIDTH, flops / bench.MATMUL_RATE)
     return dict(
@@ -311,7 +315,7 @@ def format_row(r: dict) -> str:
     error = "" if r["error"] is None else f"{r['error']:.1e}"
     stage_text = " ".join(f"{name}={us:.1f}" for name, us in r["stage_us"].items())
     if r["pipeline"].startswith("ep"):
-        stage_text = (
+        stage_text += " " + (
             f"ranks={r['ranks']} B={r['redundant']} sent={r['sent_bytes_per_rank']} B/rank "
             f"loads={r['loads']} balanced={r['balanced_loads']}"
         )

@@ -260,19 +260,36 @@ def _with_copies(weights: X.ExpertWeights, per_expert, copies, plan: EPPlan, me,
     return jax.tree.map(lambda a, split: move(a) if split else a, weights, per_expert)
 
 
-def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_name, backend, exchange, per_expert):
-    """One rank's part of the layer (inside ``shard_map``)."""
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    """What every per-rank part of a step needs (static)."""
+
+    config: ExpertsConfig
+    plan: EPPlan
+    axis_name: str
+    backend: str
+    exchange: object
+    per_expert: object  # a bool per weight array: per expert (split over the ranks)
+
+
+def _dispatch(s: dict, ctx: _Ctx) -> dict:
+    """One rank's dispatch (inside ``shard_map``): the copies planned and
+    fetched (B > 0), its slots sorted by destination and sent; adds the
+    received rows (``recv_rows``, ``recv_ids``, ``a1q_scale``), the weights
+    with their copies and what the combine needs."""
+    config, plan, axis_name, exchange = ctx.config, ctx.plan, ctx.axis_name, ctx.exchange
     r, el, k, rows = plan.num_ranks, plan.local_experts, config.top_k, plan.weight_rows
     me = jax.lax.axis_index(axis_name)
-    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    ids = s["topk_ids"].reshape(-1).astype(jnp.int32)
     valid = (ids >= 0) & (ids < config.num_experts)
+    weights = s["weights"]
     if plan.redundant:  # every rank plans the same copies from the gathered counts
         mine = jnp.zeros(config.num_experts, jnp.int32).at[jnp.where(valid, ids, 0)].add(valid.astype(jnp.int32))
         counts = jax.lax.all_gather(mine, axis_name)  # [source, expert]
         copies, quota = balance_plan(jnp.sum(counts, axis=0), r, plan.redundant)
         base = (jnp.cumsum(counts, axis=0) - counts)[me]
         dest, row = _slot_rows(ids, valid, base, copies, quota, el)
-        weights = _with_copies(weights, per_expert, copies, plan, me, axis_name, exchange)
+        weights = _with_copies(weights, ctx.per_expert, copies, plan, me, axis_name, exchange)
     else:
         dest, row = jnp.where(valid, ids // el, r), jnp.where(valid, ids % el, -1)  # invalid slots: no rank
     order = jnp.argsort(dest * rows + jnp.where(valid, row, 0), stable=True)
@@ -287,16 +304,14 @@ def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_
     send_sizes = accepted[me]
     output_offsets = jnp.minimum(before[me], plan.receive_rows).astype(jnp.int32)
     recv_sizes = accepted[:, me]
-    dropped = jnp.sum(wanted - send_sizes)
-
-    sent_ids = row[order]  # the weight row on the destination rank
 
     def dispatch(operand, fill):
         """``operand``'s sorted rows to their ranks' receive buffers (``fill`` elsewhere)."""
         out = jnp.full((plan.receive_rows, *operand.shape[1:]), fill, operand.dtype)
         return exchange(operand, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name)
 
-    recv_ids = dispatch(sent_ids, -1)
+    hidden_states = s["hidden_states"]
+    out = dict(recv_ids=dispatch(row[order], -1))  # each slot's weight row on its destination
     if config.input_quant.is_quantized and config.input_quant.mode in ROW_SCALED_MODES:
         # Quantized on the source (the same rows the receiver would make), sent as bytes with their scales.
         q = process_input(
@@ -304,41 +319,72 @@ def _step(hidden_states, weights, topk_weights, topk_ids, *, config, plan, axis_
             config.input_quant,
             hadamard_block_size=config.hadamard_block_size,
             compute_dtype=jnp.dtype(config.compute_dtype),
-            backend=backend,
+            backend=ctx.backend,
         )
         values = jax.lax.bitcast_convert_type(jnp.take(q.values, order // k, axis=0), jnp.uint8)
-        recv_rows = jax.lax.bitcast_convert_type(dispatch(values, 0), q.values.dtype)
-        a1q_scale = dispatch(jnp.take(q.scale, order // k, axis=0), 0)
+        out["recv_rows"] = jax.lax.bitcast_convert_type(dispatch(values, 0), q.values.dtype)
+        out["a1q_scale"] = dispatch(jnp.take(q.scale, order // k, axis=0), 0)
     else:
-        recv_rows, a1q_scale = dispatch(jnp.take(hidden_states, order // k, axis=0), 0), None
+        out["recv_rows"] = dispatch(jnp.take(hidden_states, order // k, axis=0), 0)
+    return dict(
+        out,
+        copied_weights=weights,
+        order=order,
+        valid=valid,
+        send_sizes=send_sizes,
+        recv_sizes=recv_sizes,
+        back_offsets=(jnp.cumsum(all_wanted, axis=1) - all_wanted)[:, me],  # where my block sat in each source
+        dropped=jnp.sum(wanted - send_sizes).reshape(1),
+    )
 
-    local_config = dataclasses.replace(config, num_experts=rows, top_k=1, global_num_experts=rows)
+
+def _run_experts(s: dict, ctx: _Ctx) -> dict:
+    """One rank's weight rows on its received rows (the grouped pipeline)."""
+    rows = ctx.plan.weight_rows
+    local_config = dataclasses.replace(ctx.config, num_experts=rows, top_k=1, global_num_experts=rows)
     out_rows = X.humming_grouped_experts(
-        recv_rows,
-        _local_weights(weights, rows),
-        jnp.ones((plan.receive_rows, 1), jnp.float32),
-        recv_ids[:, None],
+        s["recv_rows"],
+        _local_weights(s["copied_weights"], rows),
+        jnp.ones((ctx.plan.receive_rows, 1), jnp.float32),
+        s["recv_ids"][:, None],
         local_config,
-        a1q_scale=a1q_scale,
-        backend=backend,
+        a1q_scale=s.get("a1q_scale"),
+        backend=ctx.backend,
     )
+    return dict(out_rows=out_rows)
 
-    # Combine: each receiver returns a source's block to where the source sent it from.
-    recv_offsets = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
-    back_offsets = (jnp.cumsum(all_wanted, axis=1) - all_wanted)[:, me]  # where my block sat in each source
-    returned = exchange(
+
+def _combine(s: dict, ctx: _Ctx) -> dict:
+    """Each receiver returns a source's block to where the source sent it
+    from; the source weights its slots and sums them per token."""
+    out_rows, k = s["out_rows"], ctx.config.top_k
+    recv_sizes = s["recv_sizes"]
+    returned = ctx.exchange(
         out_rows,
-        jnp.zeros((plan.slots_per_rank, out_rows.shape[1]), out_rows.dtype),
-        recv_offsets,
+        jnp.zeros((ctx.plan.slots_per_rank, out_rows.shape[1]), out_rows.dtype),
+        (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32),
         recv_sizes,
-        back_offsets,
-        send_sizes,
-        axis_name=axis_name,
+        s["back_offsets"],
+        s["send_sizes"],
+        axis_name=ctx.axis_name,
     )
-    slots = jnp.zeros_like(returned).at[order].set(returned)  # back to slot order
-    weighted = slots.astype(jnp.float32).reshape(-1, k, slots.shape[1]) * topk_weights.astype(jnp.float32)[..., None]
-    weighted = jnp.where(valid.reshape(-1, k)[..., None], weighted, 0.0)
-    return jnp.sum(weighted, axis=1).astype(hidden_states.dtype), dropped.reshape(1)
+    slots = jnp.zeros_like(returned).at[s["order"]].set(returned)  # back to slot order
+    weighted = (
+        slots.astype(jnp.float32).reshape(-1, k, slots.shape[1]) * s["topk_weights"].astype(jnp.float32)[..., None]
+    )
+    weighted = jnp.where(s["valid"].reshape(-1, k)[..., None], weighted, 0.0)
+    return dict(out=jnp.sum(weighted, axis=1).astype(s["hidden_states"].dtype))
+
+
+EP_STAGES = (("dispatch", _dispatch), ("experts", _run_experts), ("combine", _combine))
+
+
+def _step(hidden_states, weights, topk_weights, topk_ids, *, ctx: _Ctx):
+    """One rank's part of the layer (inside ``shard_map``)."""
+    state = dict(hidden_states=hidden_states, weights=weights, topk_weights=topk_weights, topk_ids=topk_ids)
+    for _, part in EP_STAGES:
+        state.update(part(state, ctx))
+    return state["out"], state["dropped"]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "redundant_experts", "backend"))
@@ -406,20 +452,53 @@ def _ep(hidden_states, weights, topk_weights, topk_ids, config, mesh, axis_name,
         raise ValueError(f"ep_experts: axis_name: {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
     plan = plan_ep(config, num_tokens, mesh.shape[axis_name], capacity, redundant)
     backend = resolve_backend(backend, "ep_experts")
-    step = functools.partial(
-        _step,
-        config=config,
-        plan=plan,
-        axis_name=axis_name,
-        backend=backend,
-        exchange=_exchange(backend == "pallas"),
-        per_expert=_per_expert(weights, config),
-    )
+    ctx = _Ctx(config, plan, axis_name, backend, _exchange(backend == "pallas"), _per_expert(weights, config))
+    step = functools.partial(_step, ctx=ctx)
     tokens = P(axis_name)
     specs = (tokens, weight_specs(weights, config, axis_name), tokens, tokens)
     mapped = jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(tokens, tokens), check_vma=False)
+    return mapped(*_place((hidden_states, weights, topk_weights, topk_ids), specs, mesh, axis_name))
+
+
+def _place(args, specs, mesh: jax.sharding.Mesh, axis_name: str):
+    """``args`` laid out as ``specs`` say (an Explicit axis is resharded, an Auto one constrained)."""
     explicit = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[axis_name] == jax.sharding.AxisType.Explicit
-    place = jax.reshard if explicit else jax.lax.with_sharding_constraint  # (an Auto axis is a constraint)
-    args = (hidden_states, weights, topk_weights, topk_ids)
-    placed = jax.tree.map(lambda a, spec: place(a, NamedSharding(mesh, spec)), args, specs)
-    return mapped(*placed)
+    place = jax.reshard if explicit else jax.lax.with_sharding_constraint
+
+    def along(spec, subtree):  # a spec applies to every array of its subtree (a prefix)
+        return jax.tree.map(lambda a: place(a, NamedSharding(mesh, spec)), subtree)
+
+    return jax.tree.map(along, specs, args, is_leaf=lambda x: isinstance(x, P))
+
+
+def ep_stages(
+    config: ExpertsConfig,
+    mesh: jax.sharding.Mesh,
+    weights: X.ExpertWeights,
+    num_tokens: int,
+    axis_name: str = "expert",
+    redundant_experts: int = 0,
+    backend: str | None = None,
+) -> tuple[X.Stage, ...]:
+    """:func:`ep_experts` as stages (``dispatch``, ``experts``, ``combine``)
+    over the state ``hidden_states``, ``weights``, ``topk_weights``,
+    ``topk_ids`` (as :func:`humming_jax.experts.grouped_stages`; the last adds
+    ``out``), for timing each apart. Every entry a stage adds is a per-rank
+    array laid end to end over the ranks."""
+    backend = resolve_backend(backend, "ep_experts")
+    plan = plan_ep(config, num_tokens, mesh.shape[axis_name], None, redundant_experts)
+    ctx = _Ctx(config, plan, axis_name, backend, _exchange(backend == "pallas"), _per_expert(weights, config))
+    given = weight_specs(weights, config, axis_name)
+
+    def stage(part):
+        def run(state):
+            specs = {key: given if key == "weights" else P(axis_name) for key in state if state[key] is not None}
+            state = {key: state[key] for key in specs}
+            mapped = jax.shard_map(
+                lambda s: part(s, ctx), mesh=mesh, in_specs=(specs,), out_specs=P(axis_name), check_vma=False
+            )
+            return mapped(_place(state, specs, mesh, axis_name))
+
+        return run
+
+    return tuple(X.Stage(name, stage(part)) for name, part in EP_STAGES)
