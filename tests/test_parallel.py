@@ -3,6 +3,7 @@ for eight): the EP layer equals the single-device grouped layer — same
 weights and routing — bit for bit, on 1, 2, 4 and 8 ranks; a capped receive
 buffer drops exactly the slots its rule says and counts them."""
 
+import dataclasses
 import functools
 
 import jax
@@ -210,6 +211,22 @@ def test_balanced_layer_equals_the_single_device_layer(ranks, redundant, fmt, rn
     before, after = counts.reshape(ranks, local).sum(axis=1), _loads(counts, copies, quota, ranks)
     assert after.sum() == before.sum() and after.min() >= 0
     assert after.max() <= before.max() / 2, (before, after)
+
+
+def test_unused_rows_never_reach_the_output(rng):
+    """An expert no slot routes to has NaN weights: with copies planned on a
+    skewed routing (unused copy rows, padded receive rows) every output is
+    finite and the single-device layer's."""
+    config, weights = _layer(rng, "bf16")
+    w13 = weights.w13
+    weights = dataclasses.replace(weights, w13=dataclasses.replace(w13, values=w13.values.at[7].set(jnp.nan)))
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
+    ids, topk_weights = _routing(rng, skewed=True)
+    ids = jnp.where(ids == 7, 6, ids)
+    want = X.humming_grouped_experts(x, weights, topk_weights, ids, config, backend="reference")
+    got = parallel.ep_experts(x, weights, topk_weights, ids, config, _mesh(4), redundant_experts=2, backend="reference")
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_balancing_takes_fewer_drops_under_a_capacity(rng):
