@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         "--pipelines", nargs="+", default=list(layer_bench.PIPELINES), choices=list(layer_bench.PIPELINES)
     )
     bench.add_argument(
+        "--no-stages", action="store_true", help="with --layer: time whole layers only (a third of the compilations)"
+    )
+    bench.add_argument(
         "--anchor",
         default=bench_module.ANCHOR_FILE,
         help="Humming's measured table (JSON) for the 'humming us' and 'x humming' columns; absent: none",

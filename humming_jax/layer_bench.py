@@ -190,8 +190,10 @@ def _reference_error(case: LayerCase, state: dict, out: jax.Array) -> float | No
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def time_layer(case: LayerCase, seed: int = 0) -> dict:
-    """One result row (see the module docstring); times in µs."""
+def time_layer(case: LayerCase, seed: int = 0, with_stages: bool = True) -> dict:
+    """One result row (see the module docstring); times in µs. Without
+    ``with_stages`` the stages are not timed (three compilations a case
+    instead of nine)."""
     backend = bench.KERNEL_BACKEND
     rng = np.random.default_rng(seed)
     weights = _weights(case, seed)
@@ -203,8 +205,8 @@ def time_layer(case: LayerCase, seed: int = 0) -> dict:
     layer_s = bench.device_seconds(fn, [(s,) for s in sets])
     # The state before each stage is the final state's entries the earlier stages
     # had (stages only add entries): one compiled run gives every stage's input.
-    staged = stages(case, backend, weights)
-    finals = [jax.jit(functools.partial(X.run_stages, staged))(s) for s in sets]
+    staged = stages(case, backend, weights) if with_stages else ()
+    finals = [jax.jit(functools.partial(X.run_stages, staged))(s) for s in sets] if staged else []
     stage_us, keys = {}, list(sets[0])
     for stage in staged:
         befores = [{key: final[key] for key in keys} for final in finals]
@@ -328,7 +330,7 @@ def format_row(r: dict) -> str:
     )
 
 
-def run_layers(problems, tokens, formats, pipelines=PIPELINES, on_row=None) -> list[dict]:
+def run_layers(problems, tokens, formats, pipelines=PIPELINES, on_row=None, with_stages: bool = True) -> list[dict]:
     """Every case that the format's shapes allow; ``on_row(rows)`` after each."""
     rows = []
     for problem in problems:
@@ -346,7 +348,7 @@ def run_layers(problems, tokens, formats, pipelines=PIPELINES, on_row=None) -> l
                     except ValueError as reason:
                         print(f"{problem} {fmt}: skipped ({reason})", flush=True)
                         continue
-                    rows.append(time_layer(case))
+                    rows.append(time_layer(case, with_stages=with_stages))
                     print(format_row(rows[-1]), flush=True)
                     if on_row is not None:
                         on_row(rows)
@@ -399,7 +401,9 @@ def layer_main(args) -> int:
     def save(rows):
         write_results(args.out, rows, quiet=True, copy_bandwidth=bench.COPY_BANDWIDTH, matmul_rate=bench.MATMUL_RATE)
 
-    rows = run_layers(args.problems, args.tokens, args.formats, args.pipelines, on_row=save)
+    rows = run_layers(
+        args.problems, args.tokens, args.formats, args.pipelines, on_row=save, with_stages=not args.no_stages
+    )
     save(rows)
     print(f"wrote {args.out}")
     if plot(rows, args.out.removesuffix(".json") + ".png"):

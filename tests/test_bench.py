@@ -93,6 +93,10 @@ def test_layer_bench_writes_json(tiny, compiled_once, tmp_path, monkeypatch, cap
         assert r["torch_layer_us"] is None  # no GPU here
     assert (tmp_path / "layer.png").stat().st_size > 0
     assert "tiny" in capsys.readouterr().out
+    # --no-stages: the whole layer only (the pipeline compiled above is reused).
+    assert cli.main([*args, "--pipelines", "grouped", "--no-stages", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["stage_us"] == {} and row["gemm_us"] is None and row["outside_share"] is None and row["us"] > 0
 
 
 def test_bench_quantized_input_pairs_with_the_anchor(tiny, compiled_once, tmp_path, monkeypatch):
