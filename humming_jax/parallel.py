@@ -379,11 +379,15 @@ def _combine(s: dict, ctx: _Ctx) -> dict:
 EP_STAGES = (("dispatch", _dispatch), ("experts", _run_experts), ("combine", _combine))
 
 
+def _rank_stages(ctx: _Ctx) -> tuple[X.Stage, ...]:
+    """A rank's parts of the step as stages (run inside ``shard_map``)."""
+    return tuple(X.Stage(name, functools.partial(part, ctx=ctx)) for name, part in EP_STAGES)
+
+
 def _step(hidden_states, weights, topk_weights, topk_ids, *, ctx: _Ctx):
     """One rank's part of the layer (inside ``shard_map``)."""
     state = dict(hidden_states=hidden_states, weights=weights, topk_weights=topk_weights, topk_ids=topk_ids)
-    for _, part in EP_STAGES:
-        state.update(part(state, ctx))
+    state = X.run_stages(_rank_stages(ctx), state)
     return state["out"], state["dropped"]
 
 
@@ -490,15 +494,13 @@ def ep_stages(
     ctx = _Ctx(config, plan, axis_name, backend, _exchange(backend == "pallas"), _per_expert(weights, config))
     given = weight_specs(weights, config, axis_name)
 
-    def stage(part):
+    def mapped(rank_stage: X.Stage) -> X.Stage:
         def run(state):
             specs = {key: given if key == "weights" else P(axis_name) for key in state if state[key] is not None}
             state = {key: state[key] for key in specs}
-            mapped = jax.shard_map(
-                lambda s: part(s, ctx), mesh=mesh, in_specs=(specs,), out_specs=P(axis_name), check_vma=False
-            )
-            return mapped(_place(state, specs, mesh, axis_name))
+            step = jax.shard_map(rank_stage.run, mesh=mesh, in_specs=(specs,), out_specs=P(axis_name), check_vma=False)
+            return step(_place(state, specs, mesh, axis_name))
 
-        return run
+        return X.Stage(rank_stage.name, run)
 
-    return tuple(X.Stage(name, stage(part)) for name, part in EP_STAGES)
+    return tuple(mapped(stage) for stage in _rank_stages(ctx))

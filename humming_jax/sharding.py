@@ -25,7 +25,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
-from humming_jax.backend import resolve_backend
+from humming_jax.backend import reference_gradient, resolve_backend
 
 
 def token_parallel(run, tokens: tuple, rest: tuple, static: tuple, op: str):
@@ -37,27 +37,19 @@ def token_parallel(run, tokens: tuple, rest: tuple, static: tuple, op: str):
     returns ``[T, H]``. On a machine with one device, or on the reference
     backend (plain ``jnp``, which XLA partitions itself), ``run`` is called as
     it is."""
-    backend = static[-1]
+    *fixed, backend = static
     if jax.device_count() == 1 or resolve_backend(backend, op) == "reference":
         return run(tokens, rest, *static)
-    return _with_reference_gradient(run, static, tokens, rest)
+    return _partitioned_op(tokens, rest, run=run, fixed=tuple(fixed), backend=backend)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _with_reference_gradient(run, static, tokens, rest):
-    return _partitioned(run, static, tokens, rest)
-
-
-def _forward(run, static, tokens, rest):
-    return _partitioned(run, static, tokens, rest), (tokens, rest)
-
-
-def _backward(run, static, saved, cotangent):
-    reference = (*static[:-1], "reference")
-    return jax.vjp(lambda t, r: run(t, r, *reference), *saved)[1](cotangent)
-
-
-_with_reference_gradient.defvjp(_forward, _backward)
+@reference_gradient(("run", "fixed", "backend"))
+def _partitioned_op(tokens, rest, run, fixed: tuple, backend):
+    """The partitioned pipeline; its derivative is the reference pipeline's
+    (``custom_partitioning`` has none)."""
+    if backend == "reference":
+        return run(tokens, rest, *fixed, backend)
+    return _partitioned(run, (*fixed, backend), tokens, rest)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
