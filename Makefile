@@ -9,7 +9,7 @@ FIND_PYTHON = for c in python3.12 python3 $$HOME/.pyenv/versions/3.1[2-9]*/bin/p
 	  if command -v $$c >/dev/null 2>&1 && $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
 	    echo $$c; exit 0; fi; done; exit 1
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-full lint clean
 
 # On a machine with an NVIDIA driver the CUDA build of JAX comes too (the `cuda` extra).
 CUDA_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ",cuda")
@@ -27,6 +27,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist worksteal -q --durations=12
+
+# Every case of the sweeps (make test runs a chosen case for each path they cover).
+test-full: $(STAMP)
+	$(PY) -m pytest -n 2 --dist worksteal -q --full
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check humming_jax pallas_kernels tests benchmarks

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU steps, one per call: bash benchmarks/gpu.sh OUT_DIR STEP [ARGS...]
-#   tests [PYTEST ARGS]      the kernel tests with the real compiler (default: every test file)
+#   tests [PYTEST ARGS]      the kernel tests with the real compiler, every case of the sweeps (default: every file)
 #   bench [BENCH ARGS]       python -m humming_jax bench (the GEMMs; peers timed in the same run)
 #   layer-bench [ARGS]       python -m humming_jax bench --layer (whole layers, stage by stage)
 #   process-bench [ARGS]     benchmarks.bench_process_input
@@ -18,11 +18,12 @@ shift 2
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 # deepseek-v3 keeps two 15 GB bf16 weights per case: let JAX grow past its default 75 %.
+# The expert-parallel exchange needs XLA's ragged-all-to-all decomposer (humming_jax.parallel).
 export PYTHONPATH=$PWD JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
-  PYTHONUNBUFFERED=1
+  PYTHONUNBUFFERED=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
 case $step in
   # A hung kernel fails its test after 120 s (pytest-timeout, on the GPU image) instead of holding a worker.
-  tests) python3 -m pytest -q -n 6 -p no:cacheprovider -W ignore::DeprecationWarning --timeout 120 \
+  tests) python3 -m pytest -q -n 6 --full -p no:cacheprovider -W ignore::DeprecationWarning --timeout 120 \
            --timeout-method thread "${@:-tests}" 2>&1 | tee "$out/tests.log" | tail -15 ;;
   bench) python3 -W ignore -m humming_jax bench --out "$out/gemm.json" "$@" 2>&1 | tee "$out/gemm_bench.log" ;;
   layer-bench) python3 -W ignore -m humming_jax bench --layer --out "$out/layer.json" "$@" 2>&1 |

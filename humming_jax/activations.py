@@ -16,6 +16,17 @@ import jax.numpy as jnp
 
 
 class Activation(enum.StrEnum):
+    """The activations of vLLM's fused MoE, by their vLLM names.
+
+    Attributes:
+        SILU, GELU, GELU_TANH: gated, ``act(gate) · up`` (an ``[M, 2I]`` input
+            gives ``[M, I]``).
+        SWIGLUOAI: gpt-oss's clamped gated SiLU with ``alpha``, ``beta``.
+        SWIGLUSTEP: the clamped gated SiLU with a step limit.
+        SILU_NO_MUL, GELU_NO_MUL, GELU_TANH_NO_MUL, RELU2_NO_MUL: not gated,
+            the activation alone (``[M, I]`` gives ``[M, I]``).
+    """
+
     SILU = "silu"
     GELU = "gelu"
     GELU_TANH = "gelu_tanh"
@@ -33,9 +44,15 @@ class Activation(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class ActivationSpec:
-    """An activation with its constants. ``clamp_limit`` applies to SILU
-    (``min(g, L)``, ``clamp(u, ±L)``); SWIGLUOAI uses ``alpha``, ``beta`` and
-    ``clamp_limit`` (defaults 1.702, 1, 7), SWIGLUSTEP a limit of 7."""
+    """An activation with its constants.
+
+    Attributes:
+        kind: the :class:`Activation` (a name is converted).
+        clamp_limit: SILU: ``min(g, L)`` and ``clamp(u, ±L)``; SWIGLUOAI and
+            SWIGLUSTEP: their limit (default 7); None: no clamp.
+        alpha: SWIGLUOAI's sigmoid scale (default 1.702).
+        beta: SWIGLUOAI's offset on ``u`` (default 1).
+    """
 
     kind: Activation = Activation.SILU
     clamp_limit: float | None = None
@@ -77,6 +94,14 @@ class ActivationSpec:
 
 
 def get_activation(activation: str | Activation | ActivationSpec | None) -> ActivationSpec | None:
+    """The :class:`ActivationSpec` of a name, an :class:`Activation` or a spec.
+
+    Args:
+        activation: a name (``"silu"``), an :class:`Activation`, a spec or None.
+
+    Returns:
+        The spec with default constants, or None for None.
+    """
     if activation is None or isinstance(activation, ActivationSpec):
         return activation
     return ActivationSpec(activation)
@@ -90,8 +115,16 @@ def _split_gate_up(x: jax.Array, interleaved: bool) -> tuple[jax.Array, jax.Arra
 
 
 def apply_activation(x: jax.Array, activation: ActivationSpec | str | Activation) -> jax.Array:
-    """Apply ``activation`` to ``x [..., N]``; returns float32 ``[..., N/2]``
-    (gated) or ``[..., N]`` (``_NO_MUL``)."""
+    """Apply an activation in float32.
+
+    Args:
+        x: ``[..., N]``; gated activations read the gate in the first half of
+            the last axis and up in the second.
+        activation: a name, an :class:`Activation` or an :class:`ActivationSpec`.
+
+    Returns:
+        float32 ``[..., N/2]`` (gated) or ``[..., N]`` (``*_no_mul``).
+    """
     spec = get_activation(activation)
     spec.output_width(x.shape[-1])
     x = x.astype(jnp.float32)

@@ -4,13 +4,14 @@
 the same kernels in Pallas interpret mode (CPU), ``"reference"`` runs the pure
 ``jnp`` reference. With no explicit choice the environment variable
 ``HUMMING_JAX_BACKEND`` decides, else the platform: GPU -> ``pallas``,
-anything else -> ``interpret``.
+anything else -> ``reference`` (XLA runs it several times faster than the
+interpreted kernels; ``"interpret"`` is for testing the kernels off a GPU).
 
 A call that no kernel takes (:func:`no_kernel`) raises on a GPU, naming the op
 and the reason, unless the user opted in to the reference
 (``HUMMING_JAX_REFERENCE_FALLBACK=1``: it then runs with a one-time warning).
-Off a GPU, with the backend left to the default, the reference runs with the
-same one-time warning: the CPU has no fast path to miss.
+Off a GPU, with no explicit backend (``HUMMING_JAX_BACKEND=interpret``), the
+reference runs with the same one-time warning: the CPU has no fast path to miss.
 """
 
 from __future__ import annotations
@@ -40,15 +41,28 @@ def _check(name: str, source: str) -> str:
 
 
 def default_backend() -> str:
-    """The backend used when none is given: env var, else from the platform."""
+    """The backend used when none is given: ``HUMMING_JAX_BACKEND`` if set, else
+    ``"pallas"`` on a GPU and ``"reference"`` anywhere else.
+
+    Returns:
+        One of :data:`BACKENDS`.
+    """
     env = os.environ.get(ENV_VAR)
     if env:
         return _check(env.strip().lower(), f"environment variable {ENV_VAR}")
-    return "pallas" if jax.default_backend() == "gpu" else "interpret"
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
 def resolve_backend(backend: str | None, op: str) -> str:
-    """The backend ``op`` runs on: ``backend`` if given (checked), else the default."""
+    """The backend an op runs on.
+
+    Args:
+        backend: ``"pallas"``, ``"interpret"``, ``"reference"`` or None (the default).
+        op: the op's name, for the error message.
+
+    Returns:
+        ``backend`` if given (checked), else :func:`default_backend`.
+    """
     if backend is not None:
         return _check(backend, f"{op}: backend")
     return default_backend()

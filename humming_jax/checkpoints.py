@@ -28,6 +28,8 @@ from humming_jax import formats as F
 from humming_jax.configs import ExpertsConfig
 from humming_jax.experts import ExpertWeights, check_weights, to_kernel_order
 
+__all__ = ["LAYOUTS", "HFMoE", "SafetensorsCheckpoint", "from_hf_config", "load_experts", "read_safetensors"]
+
 _DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
@@ -47,7 +49,15 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ int32 holds column AW
 
 
 def read_safetensors(paths: str | Sequence[str]) -> dict[str, np.ndarray]:
-    """All tensors of one or more ``.safetensors`` files as (read-only, memory-mapped) NumPy arrays."""
+    """Every tensor of one or more ``.safetensors`` files (or a checkpoint folder).
+
+    Args:
+        paths: a file, a folder or a list of files.
+
+    Returns:
+        ``{name: array}``, read-only memory-mapped NumPy arrays (fp8, fp4 and
+        e8m0 as ``ml_dtypes`` types).
+    """
     return dict(SafetensorsCheckpoint(paths))
 
 
@@ -59,11 +69,14 @@ def _header(path: str) -> tuple[dict, int]:
 
 
 class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
-    """A sharded checkpoint read lazily: ``{name: array}`` over a folder (its
-    ``model.safetensors.index.json`` when there is one, else every
-    ``*.safetensors`` in it) or a list of files. Only the headers are read up
-    front; a tensor is memory-mapped from its file when asked for, so
-    :func:`load_experts` on one layer reads that layer's bytes only."""
+    """A sharded checkpoint read lazily, as a mapping ``{name: array}``. Only
+    the headers are read up front; a tensor is memory-mapped from its file when
+    asked for, so :func:`load_experts` on one layer reads that layer's bytes only.
+
+    Args:
+        path: a folder (its ``model.safetensors.index.json`` when there is
+            one, else every ``*.safetensors`` in it), a file or a list of files.
+    """
 
     INDEX = "model.safetensors.index.json"
 
@@ -208,10 +221,24 @@ def load_experts(
     layout: str,
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
 ) -> ExpertWeights:
-    """The expert weights of one MoE layer, converted from ``layout`` (see the module table).
+    """The expert weights of one MoE layer, converted from a checkpoint's
+    packing without requantizing (the tensors each layout reads: docs/DESIGN.md,
+    appendix B).
 
-    ``config``'s weight formats must be the ones the layout converts to (e.g.
-    ``uint4_zp_g128``-like for GPTQ/AWQ with the checkpoint's group size).
+    Args:
+        tensors: ``{name: array}``, e.g. a :class:`SafetensorsCheckpoint`.
+        prefix: the layer's experts' prefix (``"model.layers.3.mlp.experts"``).
+        config: the layer's :class:`ExpertsConfig`; its weight formats must be
+            the ones ``layout`` converts to (:func:`from_hf_config` derives both).
+        layout: one of :data:`LAYOUTS` (``"gptq"``, ``"awq"``, ``"fp8_block"``, …).
+        names: the gate, up and down projections' names in the checkpoint.
+
+    Returns:
+        The :class:`ExpertWeights`, in the kernels' order.
+
+    Raises:
+        ValueError: a missing tensor or one of the wrong shape or dtype (named),
+            or formats the layout does not give (naming the preset to use).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"load_experts: layout: expected one of {LAYOUTS}, got {layout!r}")
@@ -404,12 +431,15 @@ def _load_gpt_oss(t: _Tensors, prefix: str, config: ExpertsConfig) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class HFMoE:
-    """What a Hugging Face ``config.json`` says about its MoE layers:
-    ``experts`` (the :class:`ExpertsConfig`), ``layout`` (the
-    :func:`load_experts` layout of its quantization, None for float weights),
-    ``names`` (gate, up, down tensor names of an expert), ``prefix`` (the
-    experts' tensor prefix, ``{layer}`` to fill) and ``block`` (the
-    :class:`~humming_jax.nn.MoEBlock` router arguments)."""
+    """What a Hugging Face ``config.json`` says about its MoE layers.
+
+    Attributes:
+        experts: the :class:`ExpertsConfig`.
+        layout: the :func:`load_experts` layout of its quantization, None for float weights.
+        names: the gate, up and down tensor names of an expert.
+        prefix: the experts' tensor prefix, ``{layer}`` to fill.
+        block: the :class:`~humming_jax.nn.MoEBlock` router arguments.
+    """
 
     experts: ExpertsConfig
     layout: str | None
@@ -456,8 +486,15 @@ def _hf_quantization(quant: dict | None, model_type: str) -> tuple[str | None, d
 
 
 def from_hf_config(config: Mapping | str | os.PathLike) -> HFMoE:
-    """The MoE layer of a Hugging Face model config (a dict or a
-    ``config.json`` path; Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss)."""
+    """The MoE layer of a Hugging Face model config (Mixtral, Qwen3-MoE,
+    DeepSeek-V3, gpt-oss; float, GPTQ, AWQ, compressed-tensors, FP8, MXFP4, NVFP4).
+
+    Args:
+        config: a ``config.json`` as a dict, its path or its folder.
+
+    Returns:
+        The :class:`HFMoE`.
+    """
     if not isinstance(config, Mapping):
         with open(config) as f:
             config = json.load(f)

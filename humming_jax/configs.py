@@ -27,8 +27,15 @@ _WNA16 = (Q.NONE, *_FP8_TOKEN, Q.INT8_DYNAMIC_TOKEN)
 
 
 def supported_input_specs(fmt: F.WeightFormat) -> tuple[Q.InputQuantSpec, ...]:
-    """Input quantizations a GEMM supports with weights in ``fmt`` (the
-    weight/activation pairs Humming runs; see vLLM's supported list)."""
+    """The input quantizations weights in ``fmt`` take (the weight/activation
+    pairs Humming runs; vLLM's supported list).
+
+    Args:
+        fmt: a :class:`WeightFormat` or a preset's name.
+
+    Returns:
+        A tuple of :class:`InputQuantSpec`, ``NONE`` first.
+    """
     vt, gran = fmt.value_type, fmt.scale_granularity
     if not fmt.is_quantized:
         return (Q.NONE,)
@@ -46,7 +53,16 @@ def supported_input_specs(fmt: F.WeightFormat) -> tuple[Q.InputQuantSpec, ...]:
 
 
 def check_supported(fmt: F.WeightFormat, spec: Q.InputQuantSpec, argument: str = "input_quant") -> None:
-    """Raise ``ValueError`` if weights in ``fmt`` cannot take inputs quantized by ``spec``."""
+    """Check that weights in ``fmt`` take inputs quantized by ``spec``.
+
+    Args:
+        fmt: a :class:`WeightFormat` or a preset's name.
+        spec: an :class:`InputQuantSpec` or its name.
+        argument: the caller's argument name, for the message.
+
+    Raises:
+        ValueError: the pair is not supported, naming what ``fmt`` takes.
+    """
     supported = supported_input_specs(fmt)
     if _spec_key(spec) not in {_spec_key(s) for s in supported}:
         raise ValueError(
@@ -64,10 +80,18 @@ def _positive_int(value, field: str, owner: str, allow_zero: bool = False) -> No
 
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
-    """One expert GEMM: ``num_experts`` weights ``[shape_n, shape_k]``.
+    """One expert GEMM: ``num_experts`` weights ``[shape_n, shape_k]`` (vLLM's convention).
 
-    ``shape_n``/``shape_k`` are the stored (padded) sizes; the real sizes are
-    ``shape_n - pad_shape_n`` and ``shape_k - pad_shape_k`` (vLLM's convention).
+    Attributes:
+        shape_n: N as stored (padded).
+        shape_k: K as stored (padded).
+        num_experts: E.
+        weight_format: the :class:`WeightFormat`.
+        input_quant: the input's :class:`InputQuantSpec`.
+        compute_dtype: the dtype of unquantized inputs.
+        pad_shape_n: padding of N (the real N is ``shape_n − pad_shape_n``).
+        pad_shape_k: padding of K.
+        hadamard_block_size: the input's rotation block, None: none.
     """
 
     shape_n: int
@@ -107,6 +131,15 @@ class LayerConfig:
 
 
 class GemmLayout(enum.StrEnum):
+    """The row layouts of an expert GEMM (the classes of :mod:`humming_jax.layouts`).
+
+    Attributes:
+        GROUPED_CONTIGUOUS: each expert's rows contiguous, by offsets.
+        GROUPED_MASKED: ``[E, max_tokens]`` rows with a count per expert.
+        INDEXED: rows read and written by index, in aligned blocks of one expert.
+        DENSE: one weight, every row.
+    """
+
     GROUPED_CONTIGUOUS = "grouped_contiguous"
     GROUPED_MASKED = "grouped_masked"
     INDEXED = "indexed"
@@ -115,7 +148,13 @@ class GemmLayout(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class ComputeConfig:
-    """How a GEMM computes: its layout, f16 accumulation, batch invariance."""
+    """How a GEMM computes.
+
+    Attributes:
+        layout: the :class:`GemmLayout`.
+        use_f16_accum: accumulate in f16 (f16 compute only).
+        batch_invariant: a row's result never depends on the other rows (no split-K).
+    """
 
     layout: GemmLayout = GemmLayout.GROUPED_CONTIGUOUS
     use_f16_accum: bool = False
@@ -134,11 +173,26 @@ class ComputeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ExpertsConfig:
-    """The static config of an expert layer: w13 (gate+up, ``[E, 2I, H]`` or
-    ``[E, I, H]`` for ``_NO_MUL``) and w2 (down, ``[E, H, I]``).
+    """The static config of an expert layer: w13 (gate+up, ``[E, 2I, H]``, or
+    ``[E, I, H]`` for ``*_no_mul``) and w2 (down, ``[E, H, I]``). Frozen and
+    hashable: a static argument of the pipelines.
 
-    ``num_experts`` is the number of local experts the weights hold;
-    ``global_num_experts`` the range of router ids (default: the same).
+    Attributes:
+        num_experts: E, the local experts the weights hold.
+        hidden_size: H.
+        intermediate_size: I.
+        top_k: k, the slots per token.
+        activation: an :class:`ActivationSpec` (or its name).
+        weight_format: w13's :class:`WeightFormat` (or a preset's name).
+        input_quant: w13's input :class:`InputQuantSpec` (or its name).
+        w2_weight_format: w2's format; None: ``weight_format``.
+        w2_input_quant: w2's input quantization; None: ``input_quant``.
+        compute_dtype: the dtype of unquantized GEMM inputs (``"bfloat16"``, ``"float16"``).
+        global_num_experts: the range of router ids; None: ``num_experts``.
+        hadamard_block_size: rotate w13's input (and weights) in blocks; None: none.
+        w2_hadamard_block_size: the same for w2.
+        use_f16_accum: f16 accumulation in the GEMMs (f16 compute).
+        batch_invariant: a token's output never depends on the batch.
     """
 
     num_experts: int

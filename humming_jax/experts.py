@@ -32,8 +32,17 @@ DEFAULT_BLOCK_SIZE = 64  # an indexed layout's block where no tiling names one
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ExpertWeights:
-    """Weights of an expert layer: ``w13 [E, N13, H]``, ``w2 [E, H, I]`` and
-    the static tensor scales of the static input modes (f32 ``[1]``)."""
+    """Weights of an expert layer (a pytree; build with :func:`quantize_experts`
+    or ``checkpoints.load_experts``).
+
+    Attributes:
+        w13: gate and up projections, ``[E, N13, H]`` in the config's weight
+            format (``N13 = 2·I`` for gated activations, else ``I``).
+        w2: down projection, ``[E, H, I]`` in the config's w2 format.
+        w13_input_scale: f32 ``[1]``, the static input scale of w13's input
+            (static input modes only), else None.
+        w2_input_scale: f32 ``[1]``, the same for w2's input, else None.
+    """
 
     w13: F.QuantizedWeight
     w2: F.QuantizedWeight
@@ -51,9 +60,22 @@ def quantize_experts(
     w13_input_scale: jax.Array | None = None,
     w2_input_scale: jax.Array | None = None,
 ) -> ExpertWeights:
-    """Quantize float ``w13 [E, N13, H]`` and ``w2 [E, H, I]`` into the config's
-    formats. When a Hadamard block is configured the weights are rotated along
-    K first, as the inputs will be."""
+    """Quantize a layer's float weights into the config's formats, in the
+    kernels' order (:func:`to_kernel_order`). When a Hadamard block is
+    configured the weights are rotated along K first, as the inputs will be.
+
+    Args:
+        w13: float ``[E, N13, H]``, gate rows then up rows for gated activations.
+        w2: float ``[E, H, I]``.
+        config: the layer's :class:`ExpertsConfig`.
+        w13_bias: optional float ``[E, N13]`` (formats with a bias: gpt-oss).
+        w2_bias: optional float ``[E, H]``.
+        w13_input_scale: the static scale of w13's input (static input modes), a scalar.
+        w2_input_scale: the static scale of w2's input, a scalar.
+
+    Returns:
+        The :class:`ExpertWeights`, checked against ``config``.
+    """
     if config.hadamard_block_size:
         w13 = Q.hadamard_rotate(w13, config.hadamard_block_size)
     if config.w2_hadamard_block_size:
@@ -69,12 +91,20 @@ def quantize_experts(
 
 
 def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeights:
-    """``weights`` with their 4-bit codes in the order the GEMM kernels read
-    without a split copy of the activations (:func:`formats.to_planar`, the
-    same values), e2m1 codes in bf16 also in the pair decoder's bit order —
-    what :func:`quantize_experts`, ``load_experts`` and the NNX modules give.
-    Weights in K order still run, slower; planar or 16/8-bit ones come back as
-    they are."""
+    """Repack 4-bit codes in the order the GEMM kernels read without a split
+    copy of the activations (:func:`formats.to_planar`, the same values); e2m1
+    codes with bf16 compute also in the pair decoder's bit order. What
+    :func:`quantize_experts`, ``load_experts`` and the NNX modules give; weights
+    in K order still run, slower.
+
+    Args:
+        weights: the layer's :class:`ExpertWeights`.
+        config: its :class:`ExpertsConfig` (compute dtype and input quantization
+            choose the bit order).
+
+    Returns:
+        The same weights, 4-bit codes planar; 16- and 8-bit ones unchanged.
+    """
     half_bits = F.planar_half_bits(config.compute_dtype, config.input_quant)
     return dataclasses.replace(
         weights,
@@ -84,9 +114,18 @@ def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeig
 
 
 def check_weights(weights: ExpertWeights, config: ExpertsConfig) -> None:
-    """Raise if ``weights`` do not match ``config`` (shapes, formats, static
-    scales: present for static input modes and, where concrete, finite and
-    positive — a zero or NaN scale would zero or poison every input)."""
+    """Check ``weights`` against ``config``: shapes, formats and static scales
+    (present for static input modes and, where concrete, finite and positive —
+    a zero or NaN scale would zero or poison every input).
+
+    Args:
+        weights: the layer's :class:`ExpertWeights`.
+        config: its :class:`ExpertsConfig`.
+
+    Raises:
+        TypeError: ``weights`` is not an :class:`ExpertWeights`.
+        ValueError: naming the array that does not match and what was expected.
+    """
     if not isinstance(weights, ExpertWeights):
         raise TypeError(
             f"weights: expected ExpertWeights (quantize_experts, load_experts), got {type(weights).__name__}"
@@ -289,9 +328,27 @@ def humming_grouped_experts(
     a1q_scale: jax.Array | None = None,
     backend: str | None = None,
 ) -> jax.Array:
-    """Grouped-contiguous experts: scatter (or permute a pre-quantized input) ->
-    w13 -> activation/quantize -> w2 -> weighted unpermute. ``hidden_states
-    [T, H]`` (or already-quantized values with ``a1q_scale``) -> ``[T, H]``."""
+    """The expert layer on the grouped-contiguous layout (vLLM's
+    ``humming_grouped_experts``): scatter each token's k slots into expert
+    order (quantizing them), w13, activation and quantization, w2, weighted
+    unpermute. Jitted; token-sharded inputs keep their sharding.
+
+    Args:
+        hidden_states: ``[T, H]`` bf16/f16/f32 activations, or values already
+            quantized to ``config.input_quant`` when ``a1q_scale`` is given.
+        weights: the layer's :class:`ExpertWeights`.
+        topk_weights: ``[T, k]`` float router weights.
+        topk_ids: ``[T, k]`` int32 expert ids; ids outside ``[0, E)`` (or mapped
+            to −1) contribute nothing.
+        config: the layer's :class:`ExpertsConfig` (static).
+        expert_map: optional int32 ``[global E]`` → local expert or −1 (expert
+            parallelism as vLLM writes it).
+        a1q_scale: the scales of pre-quantized ``hidden_states``.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``[T, H]`` in ``hidden_states``' dtype (bf16 for pre-quantized inputs).
+    """
     if a1q_scale is None:
         _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_grouped_experts")
     check_weights(weights, config)
@@ -321,11 +378,29 @@ def humming_indexed_experts(
     num_valid_tokens: jax.Array | None = None,
     backend: str | None = None,
 ) -> jax.Array:
-    """Indexed experts: align -> w13 indexed (reads ``[T, H]``, writes
-    ``[T*k, N13]``) -> activation/quantize -> w2 indexed (``top_k=1``,
-    re-aligned when its block size differs) -> fused weighted top-k sum.
-    ``block_size`` None: the rows of the tile the tuning gives the w13 call
-    (:func:`indexed_block_size`); ``w2_block_size`` None: ``block_size``."""
+    """The expert layer on the indexed layout (vLLM's
+    ``humming_indexed_experts``): align the slots into blocks of one expert,
+    w13 reading ``[T, H]`` rows by index and writing ``[T·k, N13]``,
+    activation and quantization, w2 (``top_k=1``, re-aligned when its block
+    size differs), fused weighted top-k sum. Jitted.
+
+    Args:
+        hidden_states: ``[T, H]`` activations, or pre-quantized values with ``a1q_scale``.
+        weights: the layer's :class:`ExpertWeights`.
+        topk_weights: ``[T, k]`` float router weights.
+        topk_ids: ``[T, k]`` int32 expert ids (outside ``[0, E)``: nothing).
+        config: the layer's :class:`ExpertsConfig` (static).
+        expert_map: optional int32 ``[global E]`` → local expert or −1.
+        a1q_scale: the scales of pre-quantized ``hidden_states``.
+        block_size: rows of an aligned block; None: the rows of the tile the
+            tuning gives the w13 call (:func:`indexed_block_size`).
+        w2_block_size: the same for w2; None: ``block_size``.
+        num_valid_tokens: optional int32 ``[1]``, the real tokens of a padded batch.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``[T, H]`` in ``hidden_states``' dtype (bf16 for pre-quantized inputs).
+    """
     if a1q_scale is None:
         _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_indexed_experts")
     check_weights(weights, config)
@@ -436,9 +511,22 @@ def batched_humming_grouped_experts(
     a1q_scale: jax.Array | None = None,
     backend: str | None = None,
 ) -> jax.Array:
-    """Batched (grouped-masked) experts: ``[E, max_tokens, H]`` with
-    ``expert_num_tokens [E]`` -> ``[E, max_tokens, H]``; rows past each count
-    are zero. The weighted top-k reduce is left to the caller."""
+    """The experts on the grouped-masked layout (vLLM's batched experts):
+    each expert's rows already gathered by the caller; the weighted top-k
+    reduce is left to the caller. Jitted.
+
+    Args:
+        hidden_states: ``[E, max_tokens, H]`` activations (or pre-quantized
+            values with ``a1q_scale``); rows past each expert's count are never read.
+        expert_num_tokens: int32 ``[E]``, the rows of each expert (clipped to ``max_tokens``).
+        weights: the layer's :class:`ExpertWeights`.
+        config: the layer's :class:`ExpertsConfig` (static).
+        a1q_scale: the scales of pre-quantized ``hidden_states``.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``[E, max_tokens, H]``; rows past each count are zero.
+    """
     if hidden_states.ndim != 3 or hidden_states.shape[0] != config.num_experts:
         raise ValueError(
             f"batched_humming_grouped_experts: hidden_states must be [E={config.num_experts}, max_tokens, H], "
@@ -484,11 +572,16 @@ def batched_humming_grouped_experts(
 def moonep_grouped_gemm(
     a: jax.Array, w: jax.Array | F.QuantizedWeight, cu_seqlens: jax.Array, backend: str | None = None
 ) -> jax.Array:
-    """``out[seg_g] = a[seg_g] @ w[g].T`` for each ``cu_seqlens`` segment.
+    """MoonEP's grouped GEMM: ``out[seg_g] = a[seg_g] @ w[g].T`` for each segment.
 
-    ``a [NvS, K]`` in segment order, ``w [G, N, K]``, ``cu_seqlens [G]`` int32
-    cumulative segment *end* offsets. Returns ``[NvS, N]`` in ``a``'s dtype;
-    rows past ``cu_seqlens[-1]`` are zero.
+    Args:
+        a: ``[NvS, K]`` bf16/f16 rows in segment order.
+        w: ``[G, N, K]``, a float array or a :class:`QuantizedWeight`.
+        cu_seqlens: int32 ``[G]``, cumulative segment *end* offsets.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``[NvS, N]`` in ``a``'s dtype; rows past ``cu_seqlens[-1]`` are zero.
     """
     w = as_weight(w, "w")
     if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
@@ -510,12 +603,24 @@ def moonep_experts(
     apply_router_weight_on_input: bool = False,
     backend: str | None = None,
 ) -> jax.Array:
-    """MoonEP experts over ``[NvS, H]`` in segment order (G = E expert rows plus
-    B redundant prefetch rows): ``grouped(silu(grouped(x, gate)) *
-    grouped(x, up) * w_route, down)``, bf16 and SILU like the original. The
-    route multiply is skipped when ``apply_router_weight_on_input``. Weights:
-    ``w_gate, w_up [G, I, H]``, ``w_down [G, H, I]``; rows past
-    ``cu_seqlens[-1]`` are zero."""
+    """MoonEP's grouped experts: ``grouped(silu(grouped(x, gate)) ·
+    grouped(x, up) · w_route, down)`` over rows in segment order (G = E expert
+    rows plus B redundant prefetch rows), bf16 and SILU like the original.
+
+    Args:
+        hidden_states: ``[NvS, H]`` bf16 rows in segment order.
+        w_gate: bf16 ``[G, I, H]``.
+        w_up: bf16 ``[G, I, H]``.
+        w_down: bf16 ``[G, H, I]``.
+        cu_seqlens: int32 ``[G]``, cumulative segment end offsets.
+        route_weights: float ``[NvS]``, each row's router weight.
+        apply_router_weight_on_input: the caller applied the weights to the
+            inputs: skip the route multiply.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``[NvS, H]`` bf16; rows past ``cu_seqlens[-1]`` are zero.
+    """
     if hidden_states.ndim != 2:
         raise ValueError(f"moonep_experts: hidden_states must be [NvS, H], got {hidden_states.shape}")
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):

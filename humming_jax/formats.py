@@ -83,8 +83,20 @@ def _enum_field(enum_type, value, field_name: str):
 
 @dataclasses.dataclass(frozen=True)
 class WeightFormat:
-    """A weight format: value type, scale granularity and type, zero point,
-    second (global) scale, bias. Frozen and hashable: pass it as a static arg."""
+    """A weight format (Humming's weight schema). Frozen and hashable: pass it
+    as a static argument. The presets are in ``PRESETS`` (:func:`get_format`).
+
+    Attributes:
+        name: the preset's name (``"int4_g128"``, ``"mxfp4+bias"``).
+        value_type: the stored value type (bf16, f16, int4, uint4, int8, e4m3, e2m1, …).
+        scale_granularity: none, per tensor, per channel, per group of K or per block.
+        scale_type: f32, bf16, f16, e8m0 or e4m3 (None: unscaled).
+        group_size: columns of K a scale covers (groups and blocks).
+        block_n: rows of N a block scale covers.
+        zero_point: none, integer or float (per group).
+        global_scale: a second f32 scale per expert (NVFP4).
+        has_bias: a bias ``[E, N]`` is added to the product.
+    """
 
     name: str
     value_type: ValueType
@@ -263,7 +275,18 @@ PRESETS: dict[str, WeightFormat] = {
 
 
 def get_format(name: str | WeightFormat) -> WeightFormat:
-    """Look a preset up by name (``"int4_g128"``, ``"mxfp4+bias"``, ...)."""
+    """Look a preset up by name.
+
+    Args:
+        name: a preset's name (``"int4_g128"``, ``"mxfp4+bias"``, …) or a
+            :class:`WeightFormat` (returned as it is).
+
+    Returns:
+        The :class:`WeightFormat`.
+
+    Raises:
+        ValueError: an unknown name, listing the known ones.
+    """
     if isinstance(name, WeightFormat):
         return name
     base, plus_bias = (name[: -len("+bias")], True) if name.endswith("+bias") else (name, False)
@@ -276,8 +299,21 @@ def get_format(name: str | WeightFormat) -> WeightFormat:
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
     """A weight in a :class:`WeightFormat`: a pytree whose leaves are the stored
-    arrays and whose static part is the format and the logical shape ``(E, N, K)``.
-    Unused parts are ``None``."""
+    arrays and whose static part is the format and the logical shape. Unused
+    parts are None. Build with :func:`quantize_weight` or a checkpoint loader.
+
+    Attributes:
+        values: the stored values ``[E, N, K]`` (4-bit codes packed two a byte: ``K/2``).
+        scale: the scales, shaped by the format's granularity (groups: ``[E, K/g, N]``).
+        zero_point: uint4 formats: the zero points per group.
+        second_scale: NVFP4: f32 ``[E]``, the global scale.
+        bias: ``[E, N]`` for formats with a bias.
+        group_index: GPTQ act-order: int32 ``[E, K]``, the group of each column.
+        format: the :class:`WeightFormat` (static).
+        shape: the logical ``(E, N, K)`` (static).
+        nibble_unit: 0 for codes in K order, else the planar order's unit (:func:`to_planar`).
+        half_bits: planar e2m1 codes with each 16-bit half in the pair decoder's bit order.
+    """
 
     values: jax.Array
     scale: jax.Array | None = None
@@ -392,8 +428,15 @@ def quantize_weight(
     *,
     bias: jax.Array | None = None,
 ) -> QuantizedWeight:
-    """Round-to-nearest quantization of a float weight ``w [E, N, K]`` (or
-    ``[N, K]``, taken as one expert) into ``fmt``.
+    """Round-to-nearest quantization of a float weight into ``fmt``.
+
+    Args:
+        w: float ``[E, N, K]`` (or ``[N, K]``, taken as one expert).
+        fmt: the :class:`WeightFormat` or a preset's name.
+        bias: ``[E, N]`` float, for formats with a bias.
+
+    Returns:
+        The :class:`QuantizedWeight` (codes in K order).
 
     Scale rules (amax taken over each scale block):
 
@@ -605,15 +648,20 @@ def planar_half_bits(compute_dtype, input_quant=None) -> bool:
 
 
 def to_planar(weight: QuantizedWeight, half_bits: bool = False) -> QuantizedWeight:
-    """``weight`` with its 4-bit codes in the planar order the GEMM kernel
-    reads without splitting x (a load-time repack: same arrays but the packed
-    values, a permutation of nibbles within each unit of
-    :func:`planar_unit` columns). ``half_bits`` (e2m1 formats; ignored for
-    the others): each 16-bit half's bits also in the pair decoder's order
-    (``half_bits`` on the weight) — for bf16 compute, where the GEMM then
-    always decodes nibble pairs. Weights that cannot be planar (unpacked
-    formats, K not a whole number of units) and planar ones are returned as
-    they are."""
+    """Repack 4-bit codes in the planar order the GEMM kernel reads without
+    splitting x (a load-time repack: the same values, a permutation of nibbles
+    within each unit of :func:`planar_unit` columns).
+
+    Args:
+        weight: a :class:`QuantizedWeight`.
+        half_bits: e2m1 formats (ignored for the others): each 16-bit half's
+            bits also in the pair decoder's order — for bf16 compute, where the
+            GEMM then always decodes nibble pairs.
+
+    Returns:
+        The planar weight; weights that cannot be planar (unpacked formats, K
+        not a whole number of units) and planar ones as they are.
+    """
     check_folded_scale_range(weight)
     unit = planar_unit(weight.format, weight.k)
     if weight.nibble_unit or not unit:
@@ -628,7 +676,14 @@ def to_planar(weight: QuantizedWeight, half_bits: bool = False) -> QuantizedWeig
 
 
 def to_k_order(weight: QuantizedWeight) -> QuantizedWeight:
-    """Inverse of :func:`to_planar`: the codes back in column order."""
+    """The inverse of :func:`to_planar`.
+
+    Args:
+        weight: a :class:`QuantizedWeight`, planar or not.
+
+    Returns:
+        The weight with its codes in column (K) order.
+    """
     if not weight.nibble_unit:
         return weight
     values = numerics.pack_nibbles(_codes_in_k_order(weight))
@@ -655,7 +710,15 @@ def decode_zero_point(weight: QuantizedWeight) -> jax.Array | None:
 
 
 def dequantize_weight(weight: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
-    """The weight as floats ``[E, N, K]``: ``(value - zero) * scale * second_scale``."""
+    """Dequantize: ``(value − zero) · scale · second_scale``.
+
+    Args:
+        weight: a :class:`QuantizedWeight` (any order).
+        dtype: the output dtype (default float32).
+
+    Returns:
+        ``[E, N, K]`` in ``dtype``.
+    """
     return _dequantized(weight, jnp.dtype(dtype))
 
 

@@ -138,15 +138,29 @@ def gemm(
     tuning: GemmTiles | None = None,
     backend: str | None = None,
 ) -> jax.Array:
-    """Expert GEMM: ``x [M, K]`` (float, or a :class:`QuantizedInput`) times
-    ``weight [E, N, K]`` in any :class:`WeightFormat`, over ``layout``.
+    """The expert GEMM (Humming's grouped / indexed GEMM): ``x`` times each
+    row's expert weight over ``layout``. :func:`plan` says what a call runs.
 
-    Returns ``[M_out, N]`` in ``out_dtype`` (default: ``x``'s dtype when it is
-    unquantized, else bfloat16). ``valid_shape_m`` (an estimate of the real
-    rows) picks the tuning entry; ``tuning`` (a ``triton.Tiles`` or
-    ``mosaic.Tiles`` from ``pallas_kernels.gemm``) runs as given or raises with
-    the kernel's reason. ``batch_invariant`` forbids split-K so that a row's
-    result never depends on other rows. :func:`plan` says what a call runs.
+    Args:
+        x: ``[M, K]`` bf16/f16, or a :class:`QuantizedInput`.
+        weight: ``[E, N, K]``, a :class:`QuantizedWeight` in any format or a float array.
+        layout: a :class:`GroupedContiguous`, :class:`GroupedMasked`,
+            :class:`Indexed` or :class:`Dense`.
+        out_dtype: default ``x``'s dtype when unquantized, else bfloat16.
+        use_f16_accum: accumulate in f16 (f16 inputs).
+        batch_invariant: no split-K, so a row's result never depends on other rows.
+        valid_shape_m: an estimate of the real rows, to pick the tuning entry.
+        tuning: a ``triton.Tiles`` or ``mosaic.Tiles`` (``pallas_kernels.gemm``):
+            runs as given or raises with the kernel's reason; None: the table's
+            entry, else the heuristic.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``[M_out, N]`` in ``out_dtype`` (``M_out = M·top_k`` for :class:`Indexed`);
+        rows no expert owns are zero.
+
+    Raises:
+        NoKernelError: on a GPU, when no kernel takes the call (naming why).
     """
     x = as_quantized_input(x)
     weight = as_weight(weight)
@@ -173,8 +187,15 @@ def gemm(
 
 def kernel_input_specs(fmt: F.WeightFormat) -> tuple[Q.InputQuantSpec, ...]:
     """The input quantizations of :func:`configs.supported_input_specs` that a
-    GEMM kernel takes with weights in ``fmt`` (the others run on the reference
-    only), as the kernels' ``supports`` answer for a grouped call."""
+    GEMM kernel takes with weights in ``fmt`` (the kernels' ``supports``
+    answer for a grouped call; the others run on the reference only).
+
+    Args:
+        fmt: a :class:`WeightFormat`.
+
+    Returns:
+        A tuple of :class:`InputQuantSpec`.
+    """
     weight = _format_spec(fmt, (1, 256, 256))
     layout = spec.LayoutSpec("grouped_contiguous", 16, 16)
     found = []

@@ -24,6 +24,17 @@ from humming_jax import numerics
 
 
 class InputQuantMode(enum.StrEnum):
+    """Where an input's scales come from.
+
+    Attributes:
+        NONE: unquantized.
+        STATIC_TENSOR: one f32 scale given ahead (per tensor).
+        DYNAMIC_TOKEN: one scale per row, from its amax.
+        DYNAMIC_GROUP: one scale per group of columns of a row (fp8 g128, MX).
+        STATIC_TENSOR_DYNAMIC_GROUP: group scales under a static tensor scale.
+        DYNAMIC_GROUP_TOKEN: group scales and a second f32 scale per row (NVFP4 per token).
+    """
+
     NONE = "none"
     STATIC_TENSOR = "static_tensor"
     DYNAMIC_TOKEN = "dynamic_token"
@@ -85,7 +96,17 @@ class InputScaleType(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class InputQuantSpec:
-    """How a GEMM input is quantized. Frozen and hashable (static under jit)."""
+    """How a GEMM input is quantized (Humming's input schema). Frozen and
+    hashable (static under jit); the presets are in ``INPUT_PRESETS``
+    (:func:`get_input_spec`).
+
+    Attributes:
+        mode: the :class:`InputQuantMode`.
+        dtype: the quantized value type (e4m3, e5m2, int8, e2m1), None for ``none``.
+        group_size: columns a group scale covers (group modes).
+        scale_type: f32, e8m0 or e4m3.
+        name: the preset's name.
+    """
 
     mode: InputQuantMode = InputQuantMode.NONE
     dtype: ActivationDType | None = None
@@ -217,6 +238,17 @@ INPUT_PRESETS: dict[str, InputQuantSpec] = {
 
 
 def get_input_spec(spec: str | InputQuantSpec | None) -> InputQuantSpec:
+    """Look an input quantization up by name.
+
+    Args:
+        spec: a preset's name (``"fp8_dynamic_group128"``), a spec, or None.
+
+    Returns:
+        The :class:`InputQuantSpec` (``NONE`` for None).
+
+    Raises:
+        ValueError: an unknown name, listing the known ones.
+    """
     if spec is None:
         return NONE
     if isinstance(spec, InputQuantSpec):
@@ -229,8 +261,15 @@ def get_input_spec(spec: str | InputQuantSpec | None) -> InputQuantSpec:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedInput:
-    """A quantized GEMM input: ``values [M, K or K/2]``, ``scale``, ``scale_2``
-    (see the module table), with its spec and logical K as static data."""
+    """A quantized GEMM input (a pytree).
+
+    Attributes:
+        values: ``[M, K]`` (``[M, K/2]`` bytes for fp4), or the unquantized rows.
+        scale: per tensor ``[1]``, per row ``[M, 1]`` or per group ``[M, K/g]``; None unquantized.
+        scale_2: NVFP4's second f32 scale (per tensor or per row), else None.
+        spec: the :class:`InputQuantSpec` (static).
+        k: the logical K (static).
+    """
 
     values: jax.Array
     scale: jax.Array | None = None
@@ -270,9 +309,16 @@ def hadamard_matrix(n: int) -> np.ndarray:
 
 
 def hadamard_rotate(x: jax.Array, block_size: int) -> jax.Array:
-    """Rotate the last axis of ``x`` by ``H_b / sqrt(b)`` in independent blocks of
-    ``b = block_size``. Computed in f32; returns f32. A weight stored as
-    ``hadamard_rotate(w, b)`` gives ``rot(x) @ rot(w).T == x @ w.T``."""
+    """Rotate the last axis by ``H_b / sqrt(b)`` in independent blocks, in f32.
+    A weight stored as ``hadamard_rotate(w, b)`` gives ``rot(x) @ rot(w).T == x @ w.T``.
+
+    Args:
+        x: ``[..., K]``, K a multiple of ``block_size``.
+        block_size: b, a power of two.
+
+    Returns:
+        float32 ``[..., K]``.
+    """
     k = x.shape[-1]
     check_hadamard_block_size(block_size, k)
     h = jnp.asarray(hadamard_matrix(block_size))
@@ -317,11 +363,16 @@ def quantize_input(
     *,
     static_scale: jax.Array | None = None,
 ) -> QuantizedInput:
-    """Quantize ``x [M, K]`` (any float dtype) per ``spec``.
+    """Quantize rows per ``spec`` (the ``jnp`` quantizer; :func:`process_input` is the kernel).
 
-    ``static_scale`` (f32, ``[1]`` or scalar) is the tensor scale of the static
-    modes and is required exactly for them. For ``none`` the values are ``x``
-    unchanged.
+    Args:
+        x: ``[M, K]``, any float dtype.
+        spec: an :class:`InputQuantSpec` or its name.
+        static_scale: f32 ``[1]`` or a scalar: the tensor scale of the static
+            modes, required exactly for them.
+
+    Returns:
+        A :class:`QuantizedInput` (for ``none`` the values are ``x`` unchanged).
     """
     spec = get_input_spec(spec)
     if x.ndim != 2:
@@ -383,7 +434,14 @@ def _quantized_parts(x: jax.Array, static_scale: jax.Array | None, spec: InputQu
 
 
 def dequantize_input(q: QuantizedInput) -> jax.Array:
-    """``values * scale * scale_2`` as float32 ``[M, K]``."""
+    """Dequantize: ``values · scale · scale_2``.
+
+    Args:
+        q: a :class:`QuantizedInput`.
+
+    Returns:
+        float32 ``[M, K]``.
+    """
     return _dequantized(q)
 
 

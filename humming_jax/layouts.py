@@ -32,6 +32,14 @@ def _static(**default):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GroupedContiguous:
+    """Each expert's rows contiguous: expert e owns rows ``[off[e], off[e+1])``
+    of the offsets as read clipped to ``[0, M]`` and non-decreasing; rows no
+    expert owns give zeros.
+
+    Attributes:
+        expert_offsets: int32 ``[E+1]``.
+    """
+
     expert_offsets: jax.Array  # int32 [E+1]
     kind = GemmLayout.GROUPED_CONTIGUOUS
 
@@ -58,6 +66,13 @@ class GroupedContiguous:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GroupedMasked:
+    """``[E·max_tokens]`` rows, expert e's block the first ``counts[e]`` of its
+    ``max_tokens`` (clipped); the other rows give zeros.
+
+    Attributes:
+        expert_num_tokens: int32 ``[E]``.
+    """
+
     expert_num_tokens: jax.Array  # int32 [E]
     kind = GemmLayout.GROUPED_MASKED
 
@@ -77,6 +92,21 @@ class GroupedMasked:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Indexed:
+    """Rows read and written by index (vLLM's indexed GEMM over
+    :func:`moe_align_block_size`'s output): slot ``s`` of block ``b`` reads
+    input row ``s // top_k`` and writes output row ``s`` through expert
+    ``expert_ids[b]``; the output has ``M·top_k`` rows.
+
+    Attributes:
+        sorted_ids: int32 ``[L]``, slots grouped by expert.
+        expert_ids: int32 ``[ceil(L / block_size)]``, each block's expert (−1: none).
+        num_tokens_padded: int32 ``[1]``, the entries of ``sorted_ids`` in use.
+        top_k: the slots per input row (static).
+        block_size: the rows of a block (static).
+        lists_dropped: the slots no live block holds are listed past
+            ``num_tokens_padded`` (static; the GEMM then skips its zero fill).
+    """
+
     sorted_ids: jax.Array  # int32 [L]
     expert_ids: jax.Array  # int32 [ceil(L / block_size)]
     num_tokens_padded: jax.Array  # int32 [1]
@@ -116,6 +146,8 @@ class Indexed:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Dense:
+    """Every row through the one weight (``E = 1``)."""
+
     kind = GemmLayout.DENSE
 
     def output_rows(self, m_in: int) -> int:

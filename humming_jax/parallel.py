@@ -21,7 +21,9 @@ experts ``[r·E/R, (r+1)·E/R)``) and ``S = T / R`` tokens. A step:
 XLA's CPU backend has no ``ragged-all-to-all``: there (``backend`` other than
 ``"pallas"``) the same exchange runs as :func:`ragged_all_to_all_gathered`,
 an ``all_gather`` of every rank's rows from which each rank takes its own —
-the same result, R times the traffic (for tests on simulated devices).
+the same result, R times the traffic (for tests on simulated devices). On
+GPUs start the process with ``XLA_FLAGS=`` :data:`RAGGED_DECOMPOSER_FLAG`
+(without it XLA's exchange costs ~1 µs a row; a warning says so once).
 Inputs whose scales belong to their row (dynamic per token or per group:
 fp8 per token, DeepSeek-V3's fp8 per 128) are quantized before the send and
 travel as their 8-bit values with their scales (half a bf16 row's bytes);
@@ -32,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +48,40 @@ from humming_jax.backend import resolve_backend
 from humming_jax.configs import ExpertsConfig
 from humming_jax.process_input import process_input
 
+__all__ = [
+    "RAGGED_DECOMPOSER_FLAG",
+    "EPPlan",
+    "balance_plan",
+    "ep_experts",
+    "ep_experts_capped",
+    "ep_stages",
+    "plan_ep",
+    "ragged_all_to_all_gathered",
+    "rank_loads",
+    "shard_weights",
+    "weight_specs",
+]
+
+# XLA's GPU ragged-all-to-all without this pass runs ~1 µs a row (a 4096-row
+# exchange: 4.5 ms on one H200 against 28 µs with it); XLA reads it at start-up.
+RAGGED_DECOMPOSER_FLAG = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
+
 # Input modes whose scales belong to their row: quantized before the send.
 ROW_SCALED_MODES = (Q.InputQuantMode.DYNAMIC_TOKEN, Q.InputQuantMode.DYNAMIC_GROUP)
 
 
 @dataclasses.dataclass(frozen=True)
 class EPPlan:
-    """Static sizes of one expert-parallel step (Python ints)."""
+    """Static sizes of one expert-parallel step (Python ints; :func:`plan_ep`).
+
+    Attributes:
+        num_ranks: R, the ranks of the axis.
+        local_experts: E / R.
+        tokens_per_rank: S = T / R.
+        slots_per_rank: S·k.
+        receive_rows: NvS, the rows a rank receives: R·S·k (the worst case) unless capped.
+        redundant: B, the copy rows a rank holds.
+    """
 
     num_ranks: int
     local_experts: int  # E / R
@@ -72,10 +103,21 @@ class EPPlan:
 def plan_ep(
     config: ExpertsConfig, num_tokens: int, num_ranks: int, capacity: int | None = None, redundant: int = 0
 ) -> EPPlan:
-    """The static sizes for ``num_tokens`` tokens over ``num_ranks`` ranks;
-    raises unless both the experts and the tokens divide evenly. ``capacity``:
-    rows a rank receives (default the worst case, which no routing exceeds);
-    ``redundant``: B expert copies a rank may hold (:func:`balance_plan`)."""
+    """The static sizes of an expert-parallel step.
+
+    Args:
+        config: the global layer's :class:`ExpertsConfig`.
+        num_tokens: T, over every rank.
+        num_ranks: R.
+        capacity: rows a rank receives; None: the worst case, which no routing exceeds.
+        redundant: B, the expert copies a rank may hold (:func:`balance_plan`).
+
+    Returns:
+        The :class:`EPPlan`.
+
+    Raises:
+        ValueError: the experts or the tokens do not divide over the ranks, or a bad capacity.
+    """
     if not isinstance(num_ranks, int) or num_ranks < 1:
         raise ValueError(f"plan_ep: num_ranks: expected a positive int, got {num_ranks!r}")
     if not isinstance(redundant, int) or isinstance(redundant, bool) or redundant < 0:
@@ -93,17 +135,24 @@ def plan_ep(
 
 
 def balance_plan(counts: jax.Array, num_ranks: int, redundant: int) -> tuple[jax.Array, jax.Array]:
-    """Which experts each rank copies, from the global slot count of every
-    expert ``counts [E]`` (int; expert e lives on rank ``e // (E/R)``).
+    """Which experts each rank copies (expert e lives on rank ``e // (E/R)``).
 
     R·B greedy steps, the same on every rank (a pure function of the counts):
     the most loaded rank gives its most loaded expert (the slots still served
     at home) to the least loaded rank with a free copy row, with a quota that
     brings neither past the target ``ceil(slots / R)`` (at most what stays at
     home). When the copy rows suffice every rank ends at most at the target,
-    within one row of the average. Returns
-    ``(copies [R, B] int32: the expert in each copy row, −1 unused; quota
-    [R, B] int32: the slots each copy serves)``."""
+    within one row of the average.
+
+    Args:
+        counts: int ``[E]``, the global slot count of every expert.
+        num_ranks: R.
+        redundant: B, the copy rows a rank holds.
+
+    Returns:
+        ``(copies [R, B] int32: the expert in each copy row, −1 unused;
+        quota [R, B] int32: the slots each copy serves)``.
+    """
     e = counts.shape[0]
     local = e // num_ranks
     home = counts.astype(jnp.int32)  # slots each expert still serves at home
@@ -131,10 +180,18 @@ def balance_plan(counts: jax.Array, num_ranks: int, redundant: int) -> tuple[jax
 
 
 def rank_loads(counts, num_ranks: int, copies=None, quota=None) -> jax.Array:
-    """Slots each rank serves (``[R]`` int32) for the global per-expert counts
-    ``counts [E]``: its experts' slots, less what their copies serve, plus
-    what its own copies serve (``copies``/``quota`` of :func:`balance_plan`;
-    None: no copies)."""
+    """The slots each rank serves: its experts' slots, less what their copies
+    serve, plus what its own copies serve.
+
+    Args:
+        counts: int ``[E]``, the global slot count of every expert.
+        num_ranks: R.
+        copies: ``[R, B]`` of :func:`balance_plan`; None: no copies.
+        quota: ``[R, B]`` of :func:`balance_plan`.
+
+    Returns:
+        int32 ``[R]``.
+    """
     counts = jnp.asarray(counts, jnp.int32)
     local = counts.shape[0] // num_ranks
     loads = counts.reshape(num_ranks, local).sum(axis=1)
@@ -171,8 +228,21 @@ def _slot_rows(ids, valid, base, copies, quota, local: int):
 
 def ragged_all_to_all_gathered(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
     """``jax.lax.ragged_all_to_all``'s result computed with ``all_gather``
-    (for backends without the collective): every rank's rows and offsets are
-    gathered and each rank writes the blocks addressed to it."""
+    (for backends without the collective, such as XLA's CPU): every rank's rows
+    and offsets are gathered and each rank writes the blocks addressed to it.
+
+    Args:
+        operand: the rank's rows ``[rows, ...]``.
+        output: the receive buffer ``[out_rows, ...]`` (its other rows kept).
+        input_offsets: int32 ``[R]``, where each destination's block starts in ``operand``.
+        send_sizes: int32 ``[R]``, each block's rows.
+        output_offsets: int32 ``[R]``, where each block lands on its destination.
+        recv_sizes: int32 ``[R]`` (implied by the senders' sizes; unused).
+        axis_name: the mesh axis (inside ``shard_map``).
+
+    Returns:
+        ``output`` with the blocks addressed to this rank written.
+    """
     del recv_sizes  # implied by the senders' sizes
     me = jax.lax.axis_index(axis_name)
     rows = jax.lax.all_gather(operand, axis_name)  # [R, rows, ...]
@@ -192,17 +262,35 @@ def _per_expert(weights: X.ExpertWeights, config: ExpertsConfig):
 
 
 def weight_specs(weights: X.ExpertWeights, config: ExpertsConfig, axis_name: str = "expert"):
-    """A ``PartitionSpec`` per array of ``weights``: per-expert arrays (``[E, …]``)
-    split by experts over ``axis_name``, per-tensor ones (static input scales)
-    on every rank."""
+    """How expert parallelism places a layer's weights.
+
+    Args:
+        weights: the global layer's :class:`ExpertWeights`.
+        config: its :class:`ExpertsConfig`.
+        axis_name: the mesh axis.
+
+    Returns:
+        A ``PartitionSpec`` per array of ``weights`` (a pytree of them):
+        per-expert arrays (``[E, …]``) split by experts over ``axis_name``,
+        per-tensor ones (static input scales) on every rank.
+    """
     return jax.tree.map(lambda split: P(axis_name) if split else P(), _per_expert(weights, config))
 
 
 def shard_weights(
     weights: X.ExpertWeights, config: ExpertsConfig, mesh: jax.sharding.Mesh, axis_name: str = "expert"
 ) -> X.ExpertWeights:
-    """``weights`` placed on ``mesh``: each rank holds its experts' arrays
-    (:func:`weight_specs`), as :func:`ep_experts` reads them."""
+    """Place a layer's weights on ``mesh`` as :func:`ep_experts` reads them.
+
+    Args:
+        weights: the global layer's :class:`ExpertWeights`.
+        config: its :class:`ExpertsConfig`.
+        mesh: the device mesh.
+        axis_name: the axis the experts split over.
+
+    Returns:
+        The weights, each rank holding its experts' arrays (:func:`weight_specs`).
+    """
     specs = weight_specs(weights, config, axis_name)
     return jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), weights, specs)
 
@@ -391,6 +479,23 @@ def _step(hidden_states, weights, topk_weights, topk_ids, *, ctx: _Ctx):
     return state["out"], state["dropped"]
 
 
+@functools.cache
+def _warn_without_decomposer() -> None:
+    """Once a process: the exchange is slow unless XLA decomposes it."""
+    if RAGGED_DECOMPOSER_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        warnings.warn(
+            f"ep_experts: XLA's GPU ragged-all-to-all is ~1 µs a row without its decomposer; start the "
+            f"process with XLA_FLAGS={RAGGED_DECOMPOSER_FLAG}",
+            stacklevel=4,
+        )
+
+
+def _local_step(hidden_states, weights, topk_weights, topk_ids, *, config, backend):
+    """One rank with every expert (inside ``shard_map``): the grouped pipeline."""
+    out = X.humming_grouped_experts(hidden_states, weights, topk_weights, topk_ids, config, backend=backend)
+    return out, jnp.zeros(1, jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "axis_name", "redundant_experts", "backend"))
 def ep_experts(
     hidden_states: jax.Array,
@@ -403,18 +508,27 @@ def ep_experts(
     redundant_experts: int = 0,
     backend: str | None = None,
 ) -> jax.Array:
-    """The expert layer over ``mesh``'s ``axis_name`` (see the module docstring).
+    """The expert layer over ``mesh``'s ``axis_name`` (see the module
+    docstring). The receive buffers hold the worst case: no slot is ever
+    dropped. On one rank the grouped pipeline runs (no exchange).
 
-    ``hidden_states [T, H]``, ``topk_weights`` / ``topk_ids [T, k]`` sharded
-    (or shardable) over the axis by tokens; ``weights`` the global layer's
-    (``[E, …]``), sharded over the axis by experts; ``config`` the global
-    layer's. Returns ``[T, H]`` sharded by tokens: on one rank, the grouped
-    pipeline's result; slots with ids outside ``[0, E)`` contribute nothing.
-    The receive buffers hold the worst case: no slot is ever dropped.
-    ``redundant_experts`` B > 0: each rank also holds B copies of other ranks'
-    most loaded experts, planned every step from the routing
-    (:func:`balance_plan`) and sent by their home ranks (B experts' weight
-    bytes a rank a step), so the ranks' loads even out.
+    Args:
+        hidden_states: ``[T, H]``, sharded (or shardable) over the axis by tokens.
+        weights: the global layer's :class:`ExpertWeights` (``[E, …]``), sharded
+            over the axis by experts (:func:`shard_weights`).
+        topk_weights: float ``[T, k]``, sharded by tokens.
+        topk_ids: int32 ``[T, k]`` global ids (outside ``[0, E)``: nothing).
+        config: the global layer's :class:`ExpertsConfig`.
+        mesh: the device mesh.
+        axis_name: the axis the experts and the tokens split over.
+        redundant_experts: B > 0: each rank also holds B copies of other
+            ranks' most loaded experts, planned every step from the routing
+            (:func:`balance_plan`) and sent by their home ranks (B experts'
+            weight bytes a rank a step), so the ranks' loads even out.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``[T, H]`` sharded by tokens.
     """
     args = (config, mesh, axis_name, backend, None, redundant_experts)
     out, _ = _ep(hidden_states, weights, topk_weights, topk_ids, *args)
@@ -438,8 +552,24 @@ def ep_experts_capped(
     (less memory and a smaller local GEMM than the worst case R·S·k). A rank
     full at capacity takes the blocks of lower source ranks first, and of a
     block its first rows (lower experts); the slots it cannot take contribute
-    nothing to their token. Returns ``(out [T, H], dropped [R])``: the slots
-    each source rank could not deliver — the caller sees every drop."""
+    nothing to their token.
+
+    Args:
+        hidden_states: ``[T, H]``, sharded by tokens.
+        weights: the global layer's :class:`ExpertWeights`, sharded by experts.
+        topk_weights: float ``[T, k]``.
+        topk_ids: int32 ``[T, k]`` global ids.
+        config: the global layer's :class:`ExpertsConfig`.
+        mesh: the device mesh.
+        capacity: the rows a rank receives.
+        axis_name: the axis the experts and the tokens split over.
+        redundant_experts: B, copies of the most loaded experts a rank holds.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``(out [T, H], dropped [R] int32)``: the slots each source rank could
+        not deliver — the caller sees every drop.
+    """
     args = (config, mesh, axis_name, backend, capacity, redundant_experts)
     return _ep(hidden_states, weights, topk_weights, topk_ids, *args)
 
@@ -456,8 +586,14 @@ def _ep(hidden_states, weights, topk_weights, topk_ids, config, mesh, axis_name,
         raise ValueError(f"ep_experts: axis_name: {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
     plan = plan_ep(config, num_tokens, mesh.shape[axis_name], capacity, redundant)
     backend = resolve_backend(backend, "ep_experts")
+    if backend == "pallas" and plan.num_ranks > 1:
+        _warn_without_decomposer()
     ctx = _Ctx(config, plan, axis_name, backend, _exchange(backend == "pallas"), _per_expert(weights, config))
     step = functools.partial(_step, ctx=ctx)
+    if plan.num_ranks == 1 and plan.receive_rows >= plan.slots_per_rank:
+        # One rank holds every expert and receives every slot: the exchange is a
+        # reordering, the copies are its own experts — the local layer, the same result.
+        step = functools.partial(_local_step, config=config, backend=backend)
     tokens = P(axis_name)
     specs = (tokens, weight_specs(weights, config, axis_name), tokens, tokens)
     mapped = jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(tokens, tokens), check_vma=False)
@@ -484,11 +620,25 @@ def ep_stages(
     redundant_experts: int = 0,
     backend: str | None = None,
 ) -> tuple[X.Stage, ...]:
-    """:func:`ep_experts` as stages (``dispatch``, ``experts``, ``combine``)
-    over the state ``hidden_states``, ``weights``, ``topk_weights``,
-    ``topk_ids`` (as :func:`humming_jax.experts.grouped_stages`; the last adds
-    ``out``), for timing each apart. Every entry a stage adds is a per-rank
-    array laid end to end over the ranks."""
+    """:func:`ep_experts` as stages (``dispatch``, ``experts``, ``combine``; on
+    one rank the grouped pipeline's) over the state ``hidden_states``,
+    ``weights``, ``topk_weights``, ``topk_ids`` (as
+    :func:`humming_jax.experts.grouped_stages`; the last adds ``out``), for
+    timing each apart. Every entry a stage adds is a per-rank array laid end to
+    end over the ranks.
+
+    Args:
+        config: the global layer's :class:`ExpertsConfig`.
+        mesh: the device mesh.
+        weights: the global layer's :class:`ExpertWeights` (for their specs).
+        num_tokens: T, over every rank.
+        axis_name: the axis the experts and the tokens split over.
+        redundant_experts: B, copies of the most loaded experts a rank holds.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        A tuple of :class:`~humming_jax.experts.Stage`.
+    """
     backend = resolve_backend(backend, "ep_experts")
     plan = plan_ep(config, num_tokens, mesh.shape[axis_name], None, redundant_experts)
     ctx = _Ctx(config, plan, axis_name, backend, _exchange(backend == "pallas"), _per_expert(weights, config))
@@ -497,10 +647,17 @@ def ep_stages(
     def mapped(rank_stage: X.Stage) -> X.Stage:
         def run(state):
             specs = {key: given if key == "weights" else P(axis_name) for key in state if state[key] is not None}
-            state = {key: state[key] for key in specs}
-            step = jax.shard_map(rank_stage.run, mesh=mesh, in_specs=(specs,), out_specs=P(axis_name), check_vma=False)
-            return step(_place(state, specs, mesh, axis_name))
+            # The grouped stages read these as None (an EP step takes neither).
+            absent = {"expert_map": None, "a1q_scale": None} | {key: None for key in state if state[key] is None}
+
+            def on_rank(arrays):
+                return rank_stage.run({**arrays, **absent})
+
+            step = jax.shard_map(on_rank, mesh=mesh, in_specs=(specs,), out_specs=P(axis_name), check_vma=False)
+            return step(_place({key: state[key] for key in specs}, specs, mesh, axis_name))
 
         return X.Stage(rank_stage.name, run)
 
+    if plan.num_ranks == 1:  # as ep_experts: the local layer
+        return tuple(mapped(stage) for stage in X.grouped_stages(config, backend))
     return tuple(mapped(stage) for stage in _rank_stages(ctx))

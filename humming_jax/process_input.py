@@ -164,16 +164,33 @@ def process_input(
     backend: str | None = None,
     scatter_is_permutation: bool = False,
 ) -> Q.QuantizedInput:
-    """Prepare a GEMM input: ``x [M, N]`` -> activation -> Hadamard -> quantize
-    -> layout, returning a :class:`QuantizedInput` (values ``[M_out, K]``, or
-    ``K/2`` bytes for fp4; unquantized values are in ``compute_dtype``).
+    """Prepare a GEMM input (Humming's ``process_input``): activation →
+    Hadamard rotation → quantization → layout, in one kernel.
 
-    ``x`` may be ``[E, max_tokens, K]`` for ``grouped_mask``; the output is
-    flattened to 2-D. If ``input_scale`` is given, ``x`` is already quantized
-    per ``spec``: it is returned unchanged (an activation is then an error).
-    ``tiles`` (``pallas_kernels.process_input.Tiles``) sets the kernel's rows
-    and row blocks per program, warps and Hadamard sub-blocks (default: each
-    chosen from the width); it runs as given or raises with the kernel's reason.
+    Args:
+        x: ``[M, N]`` bf16/f16/f32 (``[E, max_tokens, N]`` for ``grouped_mask``),
+            or values already quantized per ``spec`` when ``input_scale`` is given
+            (returned unchanged; an activation is then an error).
+        spec: the :class:`InputQuantSpec` or its name (``"fp8_dynamic_token"``).
+        activation: applied first (gated ones halve N); None: none.
+        hadamard_block_size: rotate each block of this many columns; None: none.
+        layout: ``"normal"``, ``"grouped_mask"`` or ``"scatter"``.
+        expert_num_tokens: ``grouped_mask``: int32 ``[E]``, rows past each count are zero.
+        scatter_idx: ``scatter``: int32 ``[M, k]``, the output row of each (token, slot).
+        num_valid_tokens: optional int32 ``[1]``: rows past it are zero.
+        static_scale: static modes: the f32 scale.
+        input_scale: the scales of a pre-quantized ``x``.
+        input_scale_2: NVFP4's second (global) scale of a pre-quantized ``x``.
+        compute_dtype: the dtype of unquantized outputs.
+        tiles: the kernel's tiling (``pallas_kernels.process_input.Tiles``); runs
+            as given or raises with the kernel's reason; None: chosen from the width.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+        scatter_is_permutation: the caller guarantees ``scatter_idx`` is a
+            permutation (the pipelines'): no zero fill of untargeted rows.
+
+    Returns:
+        A :class:`QuantizedInput` with values ``[M_out, K]`` (``K/2`` bytes for
+        fp4; unquantized values in ``compute_dtype``) and its scales.
     """
     spec = Q.get_input_spec(spec)
     activation = get_activation(activation)

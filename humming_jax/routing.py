@@ -22,8 +22,16 @@ from pallas_kernels import routing as kernels
 
 
 def align_length(num_slots: int, num_experts: int, block_size: int) -> int:
-    """Static length of ``sorted_ids``: ``T*k + E*(block_size-1)``, capped at
-    ``T*k*block_size`` when ``T*k < E`` (vLLM's rule)."""
+    """The static length of :func:`moe_align_block_size`'s ``sorted_ids`` (vLLM's rule).
+
+    Args:
+        num_slots: T·k.
+        num_experts: E.
+        block_size: the rows of a block.
+
+    Returns:
+        ``T·k + E·(block_size − 1)``, capped at ``T·k·block_size`` when ``T·k < E``.
+    """
     length = num_slots + num_experts * (block_size - 1)
     if num_slots < num_experts:
         length = min(length, num_slots * block_size)
@@ -121,13 +129,26 @@ def moe_align_block_size(
     num_local_experts: int | None = None,
     backend: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Group the slots of ``topk_ids [T, k]`` by expert, padded to ``block_size``.
+    """Group the slots of ``topk_ids`` by expert, each group padded to
+    ``block_size`` (vLLM's ``moe_align_block_size``).
 
-    Returns ``sorted_ids [L]`` (slot indices grouped by expert, ascending inside
-    an expert, each group padded to a multiple of ``block_size`` with the
-    sentinel ``T*k``), ``expert_ids [ceil(L/block_size)]`` (the expert of each
-    block, -1 past the last used block) and ``num_tokens_post_pad [1]``;
-    ``L = align_length(T*k, E, block_size)``. Past ``num_tokens_post_pad``
+    Args:
+        topk_ids: int ``[T, k]`` expert ids.
+        block_size: the rows of a block (a GEMM tile's rows).
+        num_experts: E, global.
+        expert_map: optional int32 ``[E]`` → local expert or −1.
+        ignore_invalid_experts: with ``expert_map``, drop non-local slots (see below).
+        num_local_experts: the local experts (default ``num_experts``).
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``sorted_ids [L]`` int32 (slot indices grouped by expert, ascending
+        inside an expert, each group padded to a multiple of ``block_size``
+        with the sentinel ``T·k``), ``expert_ids [ceil(L/block_size)]`` int32
+        (the expert of each block, −1 past the last used block) and
+        ``num_tokens_post_pad [1]`` int32; ``L = align_length(T·k, E, block_size)``.
+
+    Past ``num_tokens_post_pad``
     come the dropped slots in slot order, then the sentinel (vLLM leaves only
     sentinels there; its consumers read no further than
     ``num_tokens_post_pad``): a GEMM over ``Indexed(..., lists_dropped=True)``
@@ -201,12 +222,20 @@ def moe_prepare_scatter(
     backend: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Offsets and destinations of the grouped-contiguous layout, moving no data.
+    Local slots are grouped by local expert in slot order; invalid slots take
+    the rows ``[off[-1], T·k)`` in slot order, so ``scatter_idx`` is a
+    permutation of ``[0, T·k)``.
 
-    Returns ``expert_first_token_offset [E_local+1]`` (rows of local expert e are
-    ``[off[e], off[e+1])``) and ``scatter_idx [T, k]``: the row each slot goes
-    to. Local slots are grouped by local expert in slot order; invalid slots
-    take the rows ``[off[-1], T*k)`` in slot order, so ``scatter_idx`` is a
-    permutation of ``[0, T*k)``.
+    Args:
+        topk_ids: int ``[T, k]`` expert ids.
+        num_experts: E, global.
+        expert_map: optional int32 ``[E]`` → local expert or −1.
+        num_local_experts: the local experts (default ``num_experts``).
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``(expert_first_token_offset [E_local+1], scatter_idx [T, k])``, int32:
+        the rows of local expert e are ``[off[e], off[e+1])``; the row each slot goes to.
     """
     _check_routing(topk_ids, num_experts, expert_map, "moe_prepare_scatter")
     num_local = num_experts if num_local_experts is None else num_local_experts
@@ -220,7 +249,15 @@ def moe_prepare_scatter(
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PermuteResult:
-    """Output of :func:`moe_permute`."""
+    """Output of :func:`moe_permute`.
+
+    Attributes:
+        permuted_hidden_states: ``[T·k, H]``; rows ``>= offsets[-1]`` are zero.
+        permuted_scale: ``[T·k, S]`` (the carried input scale) or None.
+        expert_first_token_offset: int32 ``[E_local+1]``.
+        inv_permuted_idx: int32 ``[T·k]``, the row of slot s.
+        permuted_idx: int32 ``[T·k]``, the slot of row r.
+    """
 
     permuted_hidden_states: jax.Array  # [T*k, H]; rows >= offsets[-1] are zero
     permuted_scale: jax.Array | None  # [T*k, S] or None
@@ -241,11 +278,22 @@ def moe_permute(
     row_tiles: kernels.RowTiles | None = None,
     backend: str | None = None,
 ) -> PermuteResult:
-    """Gather ``hidden_states [T, H]`` into the grouped-contiguous layout
-    ``[T*k, H]`` (row ``scatter_idx[t, j]`` holds token t), carrying an optional
-    per-token input scale ``a1q_scale [T, S]`` (e.g. block-FP8 ``[T, H/128]``)
-    along. Rows of invalid slots (``>= offsets[-1]``) are zero. ``row_tiles``
-    sets the kernel's tiling (``pallas_kernels.routing.RowTiles``)."""
+    """Gather tokens into the grouped-contiguous layout (row ``scatter_idx[t, j]``
+    holds token t), carrying an optional per-token input scale along.
+
+    Args:
+        hidden_states: ``[T, H]``, any dtype.
+        topk_ids: int ``[T, k]`` expert ids.
+        num_experts: E, global.
+        expert_map: optional int32 ``[E]`` → local expert or −1.
+        num_local_experts: the local experts (default ``num_experts``).
+        a1q_scale: optional ``[T, S]`` scales (e.g. block-FP8 ``[T, H/128]``).
+        row_tiles: the kernel's tiling (``pallas_kernels.routing.RowTiles``); None: chosen.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        A :class:`PermuteResult`; rows of invalid slots (``>= offsets[-1]``) are zero.
+    """
     _check_routing(topk_ids, num_experts, expert_map, "moe_permute")
     if hidden_states.ndim != 2 or hidden_states.shape[0] != topk_ids.shape[0]:
         raise ValueError(
@@ -297,10 +345,20 @@ def moe_unpermute(
     backend: str | None = None,
 ) -> jax.Array:
     """Weighted gather-reduce back to token order:
-    ``out[t] = sum_j w[t, j] * permuted[inv[t*k + j]]`` over slots whose row is
-    below ``expert_first_token_offset[-1]`` (others contribute zero). fp32
-    accumulation; returns ``[T, H]`` in the dtype of ``permuted_hidden_states``.
-    ``row_tiles`` sets the kernel's tiling (``pallas_kernels.routing.RowTiles``)."""
+    ``out[t] = Σ_j w[t, j] · permuted[inv[t·k + j]]`` over slots whose row is
+    below ``expert_first_token_offset[-1]`` (others contribute zero), f32 accumulation.
+
+    Args:
+        permuted_hidden_states: ``[T·k, H]`` rows in the grouped layout.
+        topk_weights: float ``[T, k]``.
+        inv_permuted_idx: int32 ``[T·k]``, the row of each slot.
+        expert_first_token_offset: int32 ``[E_local+1]``.
+        row_tiles: the kernel's tiling (``pallas_kernels.routing.RowTiles``); None: chosen.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``[T, H]`` in the dtype of ``permuted_hidden_states``.
+    """
     if permuted_hidden_states.ndim != 2:
         raise ValueError(f"moe_unpermute: permuted_hidden_states must be [M, H], got {permuted_hidden_states.shape}")
     if topk_weights.ndim != 2:
@@ -346,11 +404,23 @@ def moe_fused_mul_sum(
     row_tiles: kernels.RowTiles | None = None,
     backend: str | None = None,
 ) -> jax.Array:
-    """``out[t] = sum_j w[t, j] * inputs[t, j]`` over valid slots, for
-    ``inputs [T, k, N]``; slots whose id is outside ``[0, E)`` or maps to -1
-    contribute zero; rows ``t >= num_valid_tokens[0]`` are zero. fp32
-    accumulation; returns ``[T, N]`` in the dtype of ``inputs``. ``row_tiles``
-    sets the kernel's tiling (``pallas_kernels.routing.RowTiles``)."""
+    """The weighted top-k sum ``out[t] = Σ_j w[t, j] · inputs[t, j]`` over
+    valid slots, f32 accumulation: slots whose id is outside ``[0, E)`` or maps
+    to −1 contribute zero.
+
+    Args:
+        inputs: ``[T, k, N]``, each slot's expert output.
+        topk_weights: float ``[T, k]``.
+        topk_ids: int ``[T, k]`` expert ids.
+        num_experts: E, global.
+        expert_map: optional int32 ``[E]`` → local expert or −1.
+        num_valid_tokens: optional int32 ``[1]``; rows ``t >= num_valid_tokens[0]`` are zero.
+        row_tiles: the kernel's tiling (``pallas_kernels.routing.RowTiles``); None: chosen.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``[T, N]`` in the dtype of ``inputs``.
+    """
     _check_routing(topk_ids, num_experts, expert_map, "moe_fused_mul_sum")
     if inputs.ndim != 3 or inputs.shape[:2] != topk_ids.shape:
         raise ValueError(

@@ -27,6 +27,18 @@ CHAIN = ("quanted_gate_up_input", "gate_up_output", "quanted_down_input", "down_
 
 @dataclasses.dataclass(frozen=True)
 class WorkspacePlan:
+    """The static buffers of one expert pipeline call (:func:`plan_workspace`).
+
+    Attributes:
+        buffers: each intermediate's shape and dtype, by vLLM's name
+            (``quanted_gate_up_input``, ``gate_up_output``, ``quanted_down_input``,
+            ``down_output``, ``output``).
+        required: the chain's buffers in order (batched stops at ``down_output``).
+        workspace_of: 1 or 2 for each buffer, vLLM's alternation of two workspaces.
+        workspace1_bytes: the largest buffer of workspace 1.
+        workspace2_bytes: the largest buffer of workspace 2.
+    """
+
     buffers: dict[str, jax.ShapeDtypeStruct]
     required: tuple[str, ...]  # the chain in order; batched stops at down_output
     workspace_of: dict[str, int]  # 1 or 2, vLLM's alternation
@@ -44,7 +56,16 @@ class WorkspacePlan:
 
 
 def activation_dtype(spec: Q.InputQuantSpec, compute_dtype: str):
-    """dtype of a GEMM input buffer (4-bit values are stored as uint8 pairs)."""
+    """The dtype of a GEMM input buffer.
+
+    Args:
+        spec: the input's :class:`InputQuantSpec`.
+        compute_dtype: the unquantized input's dtype name (``"bfloat16"``).
+
+    Returns:
+        ``compute_dtype`` for unquantized inputs, else the quantized storage
+        dtype (4-bit values are stored as uint8 pairs).
+    """
     return jnp.dtype(compute_dtype) if not spec.is_quantized else jnp.dtype(spec.dtype.storage_dtype)
 
 
@@ -58,12 +79,23 @@ def plan_workspace(
     max_num_tokens: int | None = None,
     num_dispatchers: int | None = None,
 ) -> WorkspacePlan:
-    """Static shapes of every intermediate of an expert pipeline.
+    """Static shapes of every intermediate of an expert pipeline (vLLM's
+    ``workspace_shapes``): gated activations halve the intermediate width,
+    4-bit inputs halve the last dim (which must be even).
 
-    ``pipeline`` is ``"grouped"`` (w13 input is the permuted ``[M*k, H]``),
-    ``"indexed"`` (w13 reads the unexpanded ``[M, H]``) or ``"batched"``
-    (``[E, max_num_tokens*num_dispatchers, H]``). Gated activations halve the
-    intermediate width; 4-bit inputs halve the last dim (which must be even).
+    Args:
+        config: the layer's :class:`ExpertsConfig`.
+        num_tokens: M, the tokens of a call.
+        top_k: the slots per token.
+        pipeline: ``"grouped"`` (w13 reads the permuted ``[M·k, H]``),
+            ``"indexed"`` (w13 reads the unexpanded ``[M, H]``) or ``"batched"``
+            (``[E, max_num_tokens·num_dispatchers, H]``).
+        activation: overrides ``config.activation``.
+        max_num_tokens: batched: the rows an expert holds.
+        num_dispatchers: batched: the ranks dispatching into one buffer.
+
+    Returns:
+        The :class:`WorkspacePlan`.
     """
     if pipeline not in PIPELINES:
         raise ValueError(f"plan_workspace: pipeline: expected one of {PIPELINES}, got {pipeline!r}")

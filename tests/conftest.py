@@ -19,7 +19,12 @@ os.environ.setdefault("PJRT_NPROC", "16")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-os.environ.pop("HUMMING_JAX_BACKEND", None)
+# Off a GPU the library defaults to the XLA reference; the tests run the kernels
+# (interpreted) wherever they leave the backend to the default.
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    os.environ["HUMMING_JAX_BACKEND"] = "interpret"
+else:
+    os.environ.pop("HUMMING_JAX_BACKEND", None)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -27,6 +32,26 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="every case of the sweeps (make test-full, the GPU step); without it the sweeps' "
+        "cases marked `full` are left out",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Leave out the sweep cases marked ``full`` unless ``--full``: each
+    sweep keeps a chosen case for every path it covers (see ``sweep``)."""
+    if config.getoption("--full"):
+        return
+    kept = [item for item in items if item.get_closest_marker("full") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full")])
+        items[:] = kept
 
 
 @pytest.fixture

@@ -298,10 +298,16 @@ def prepare_scatter(ids, num_experts, expert_map=None, num_local=None):
 
 
 def grouped_rows(offsets, m):
-    """Expert of each row of a grouped-contiguous input (-1 outside every group)."""
+    """Expert of each row of a grouped-contiguous input (-1 outside every
+    group). Offsets read clipped to ``[0, m]`` and made non-decreasing by a
+    running maximum (DESIGN: no row has two owners)."""
+    owned, run = [], 0
+    for o in np.asarray(offsets).tolist():
+        run = max(run, min(max(int(o), 0), m))
+        owned.append(run)
     expert = np.full(m, -1)
-    for e in range(len(offsets) - 1):
-        expert[offsets[e] : offsets[e + 1]] = e
+    for e in range(len(owned) - 1):
+        expert[owned[e] : owned[e + 1]] = e
     return expert
 
 
@@ -337,6 +343,40 @@ def gemm(x64, w64, bias64, layout_kind, **layout):
                 out[idx] = row(idx // top_k, e)
         return out
     raise ValueError(layout_kind)
+
+
+def layout_fields(layout) -> tuple[str, dict]:
+    """(kind, fields) of a GEMM layout object for :func:`gemm`, read from its
+    arrays by attribute name."""
+    name = type(layout).__name__
+    if name == "Dense":
+        return "dense", {}
+    if name == "GroupedContiguous":
+        return "grouped_contiguous", dict(offsets=np.asarray(layout.expert_offsets))
+    if name == "GroupedMasked":
+        return "grouped_masked", dict(counts=np.asarray(layout.expert_num_tokens))
+    if name == "Indexed":
+        return "indexed", dict(
+            sorted_ids=np.asarray(layout.sorted_ids),
+            expert_ids=np.asarray(layout.expert_ids),
+            padded=np.asarray(layout.num_tokens_padded),
+            top_k=layout.top_k,
+            block_size=layout.block_size,
+        )
+    raise ValueError(name)
+
+
+def gemm_of(x, weight, layout, bf16_weight: bool = False) -> np.ndarray:
+    """:func:`gemm` of an input (an array or a quantized input), a quantized
+    weight and a layout object, float64; ``bf16_weight`` rounds the dequantized
+    weight once to bf16 (what a kernel with folded scales multiplies)."""
+    x64 = dequantize_input(x) if hasattr(x, "spec") else to64(x)
+    w64 = dequantize_weight(weight)
+    if bf16_weight:
+        w64 = w64.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)  # as f32 math rounds
+    b64 = None if weight.bias is None else to64(weight.bias)
+    kind, fields = layout_fields(layout)
+    return gemm(x64, w64, b64, kind, **fields)
 
 
 def relative_error(out, ref) -> float:

@@ -72,6 +72,8 @@ def test_layer_bench_writes_json(tiny, compiled_once, tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(layer_bench, "HOST_CALLS", 2)
     monkeypatch.setattr(layer_bench, "INPUT_SETS", 1)
+    # The harness is under test: the pipelines' kernels run interpreted in test_pipelines.
+    monkeypatch.setattr(bench, "KERNEL_BACKEND", "reference")
     out = tmp_path / "layer.json"
     args = ["bench", "--layer", "--problems", "tiny", "--tokens", "4", "--formats", "int4_g32"]
     assert cli.main([*args, "--pipelines", "grouped", "ep", "--out", str(out)]) == 0

@@ -15,6 +15,7 @@ from pallas_kernels import process_input as kernel
 from pallas_kernels.experimental import rotation_mosaic as mosaic
 
 import np_ref
+from sweep import FULL
 
 INTERPRETED = jax.default_backend() != "gpu"
 
@@ -23,8 +24,10 @@ INTERPRETED = jax.default_backend() != "gpu"
     "m,k,block,warpgroups,valid",
     [
         (70, 256, 128, 2, 61),  # a partial second tile, rows past the valid tokens
-        (300, 768, 128, 2, 290),  # the measured width; interpreted (4 SMs) programs of 2 steps: rings wrap
-        (96, 384, 64, 3, 90),  # blocks of 64 (no butterflies), three warpgroups, uneven shares
+        # the measured width; interpreted (4 SMs) programs of 2 steps: rings wrap
+        pytest.param(300, 768, 128, 2, 290, marks=FULL),
+        # blocks of 64 (no butterflies), three warpgroups, uneven shares
+        pytest.param(96, 384, 64, 3, 90, marks=FULL),
     ],
 )
 def test_own_rings_rotation(m, k, block, warpgroups, valid, rng):

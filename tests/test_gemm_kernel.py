@@ -31,6 +31,7 @@ from pallas_kernels.gemm.spec import LayoutSpec, WeightSpec
 import gemm_layouts
 import np_ref
 from np_ref import relative_error
+from sweep import sweep
 
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
 E, N, K, M = 4, 64, 256, 40
@@ -47,7 +48,8 @@ def _layouts(rng, block_size=16):
 
 
 def _reference(x, weight, layout):
-    return hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    """The GEMM in float64 NumPy (the ``jnp`` reference is held to it in test_gemm_reference)."""
+    return np_ref.gemm_of(x, weight, layout)
 
 
 def _kernel_reference(x, weight, layout):
@@ -68,11 +70,9 @@ def _reference_for(tuning, x, weight, layout):
 
 
 def _folded_reference(x, weight, layout):
-    """What a kernel with folded scales computes: the reference on the
+    """What a kernel with folded scales computes: the product with the
     dequantized weight rounded once to bf16 (exact for the e2m1/e4m3 formats)."""
-    rounded = F.dequantize_weight(weight).astype(jnp.bfloat16).astype(jnp.float32)
-    bf16 = F.BF16.with_bias() if weight.bias is not None else F.BF16
-    return _reference(x, F.quantize_weight(rounded, bf16, bias=weight.bias), layout)
+    return np_ref.gemm_of(x, weight, layout, bf16_weight=True)
 
 
 def _check(out, ref, bound=1e-2):
@@ -88,7 +88,7 @@ def _check_tiling(rng, fmt_name, layout_kind, tuning, k=K, x_dtype=jnp.bfloat16)
     weight = _weight(rng, F.get_format(fmt_name), 1 if layout_kind == "dense" else E, k)
     x = jnp.asarray(rng.normal(size=(M, k)), x_dtype)
     layout = _layouts(rng, tuning.block_m)[layout_kind]
-    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    ref = _reference(x, weight, layout)
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND), ref, bound=1e-5)
 
 
@@ -107,9 +107,22 @@ _BF16_OUTPUT = ("bf16", "int4_g128", "fp8_block128", "mxfp4")
 _FORMAT_LAYOUTS = [(f, "grouped_contiguous") for f in _GROUPED_FORMATS] + [
     (f, layout) for layout, formats in _OTHER_LAYOUTS.items() for f in formats
 ]
+# make test: a format of each value type, zero point and bias on the grouped
+# layout (f16, channel and tensor scales: in the tiling tests below); one or two
+# formats of different kinds on each other layout.
+_FORMAT_LAYOUTS_CI = [
+    *[
+        (f, "grouped_contiguous")
+        for f in ("bf16", "int4_g128", "uint4_zp_g128", "int8_g64", "fp8_block128", "mxfp4+bias", "nvfp4", "mxfp8")
+    ],
+    ("int4_g128+bias", "dense"),
+    ("uint4_zp_g128", "grouped_masked"),
+    ("bf16", "indexed"),
+    ("mxfp4", "indexed"),
+]
 
 
-@pytest.mark.parametrize("fmt_name,layout_kind", _FORMAT_LAYOUTS)
+@pytest.mark.parametrize("fmt_name,layout_kind", sweep(_FORMAT_LAYOUTS, _FORMAT_LAYOUTS_CI))
 def test_kernel_every_layout_every_format(layout_kind, fmt_name, rng):
     fmt = F.get_format(fmt_name)
     weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
@@ -124,7 +137,7 @@ def test_kernel_every_layout_every_format(layout_kind, fmt_name, rng):
         _check(out_bf16, ref)
 
 
-@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("split_k", sweep([2, 4], [2]))
 def test_split_k_is_deterministic(split_k, rng):
     weight = _weight(rng, F.INT4_G32, E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
@@ -133,7 +146,7 @@ def test_split_k_is_deterministic(split_k, rng):
     first = hj.gemm(x, weight, layout, tuning=tuning, backend=KERNEL_BACKEND)
     again = hj.gemm(x, weight, layout, tuning=tuning, backend=KERNEL_BACKEND)
     np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(again, np.float32))
-    _check(first, hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference"))
+    _check(first, _reference(x, weight, layout))
     with pytest.raises(ValueError, match="split_k"):
         hj.gemm(x, weight, layout, tuning=tuning, batch_invariant=True, backend=KERNEL_BACKEND)
 
@@ -142,7 +155,7 @@ def test_f16_compute_and_accumulation(rng):
     weight = _weight(rng, F.F16, E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.float16)
     layout = _layouts(rng)["grouped_masked"]
-    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    ref = _reference(x, weight, layout)
     for accum in (False, True):
         out = hj.gemm(x, weight, layout, use_f16_accum=accum, backend=KERNEL_BACKEND)
         assert out.dtype == jnp.float16
@@ -158,7 +171,7 @@ def test_batch_invariance(rng):
     np.testing.assert_array_equal(np.asarray(full[5:9], np.float32), np.asarray(part, np.float32))
 
 
-@settings(max_examples=3)  # interpreted kernels: ~4-6 s an example
+@settings(max_examples=2)  # interpreted kernels: ~4-6 s an example
 @given(
     st.integers(1, 48),
     st.sampled_from([1, 2, 8]),
@@ -184,14 +197,14 @@ def test_kernel_over_random_routings(num_tokens, top_k, block_size, seed, shape,
     indexed = hj.Indexed(*aligned, top_k=top_k, block_size=block_size, lists_dropped=lists_dropped)
     _check(
         hj.gemm(x, weight, indexed, backend=KERNEL_BACKEND),
-        hj.gemm(x, weight, indexed, out_dtype=jnp.float32, backend="reference"),
+        _reference(x, weight, indexed),
     )
     permuted = hj.moe_permute(x, jnp.asarray(ids), num_experts, emap, local)
     grouped = hj.GroupedContiguous(permuted.expert_first_token_offset)
     rows = permuted.permuted_hidden_states
     _check(
         hj.gemm(rows, weight, grouped, backend=KERNEL_BACKEND),
-        hj.gemm(rows, weight, grouped, out_dtype=jnp.float32, backend="reference"),
+        _reference(rows, weight, grouped),
     )
 
 
@@ -211,7 +224,7 @@ def test_kernel_backend_refuses_what_it_cannot_run(monkeypatch, rng):
         assert hj.gemm(x, weight, layout).shape == (M, N)
 
 
-@pytest.mark.parametrize("layout_kind", ["dense", "grouped_contiguous", "indexed"])
+@pytest.mark.parametrize("layout_kind", sweep(["dense", "grouped_contiguous", "indexed"], ["dense", "indexed"]))
 def test_act_order_group_index(layout_kind, rng):
     """GPTQ act-order: column k uses group group_index[e, k] (per-element scales in the kernel)."""
     e = 1 if layout_kind == "dense" else E
@@ -221,7 +234,7 @@ def test_act_order_group_index(layout_kind, rng):
     weight.validate()
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
     layout = _layouts(rng)[layout_kind]
-    ref = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    ref = _reference(x, weight, layout)
     w64 = np_ref.dequantize_weight(weight)  # independent: scales gathered by group_index in NumPy
     np.testing.assert_allclose(np.asarray(hj.dequantize_weight(weight), np.float64), w64, rtol=1e-6, atol=1e-12)
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND), ref, bound=5e-3)
@@ -233,12 +246,20 @@ def test_act_order_group_index(layout_kind, rng):
 
 @pytest.mark.parametrize(
     "fmt_name,layout_kind",
-    [
-        (f, k)
-        for f in ("bf16", "int4_g128+bias", "uint4_fzp_g128", "mxfp4", "nvfp4", "fp8_block128")
-        for k in ("grouped_contiguous", "indexed")
-    ]
-    + [("int4_g128+bias", "dense"), ("mxfp4", "grouped_masked")],
+    sweep(
+        [
+            (f, k)
+            for f in ("bf16", "int4_g128+bias", "uint4_fzp_g128", "mxfp4", "nvfp4", "fp8_block128")
+            for k in ("grouped_contiguous", "indexed")
+        ]
+        + [("int4_g128+bias", "dense"), ("mxfp4", "grouped_masked")],
+        [
+            ("bf16", "indexed"),
+            ("int4_g128+bias", "grouped_contiguous"),
+            ("nvfp4", "indexed"),
+            ("mxfp4", "grouped_masked"),
+        ],
+    ),
 )
 def test_swap_ab_tiles(layout_kind, fmt_name, rng):
     """``swap_ab`` (out.T = w @ x.T, the decode tiling) computes the same values."""
@@ -247,14 +268,17 @@ def test_swap_ab_tiles(layout_kind, fmt_name, rng):
 
 @pytest.mark.parametrize(
     "fmt_name,layout_kind",  # each format on two layouts, each layout twice
-    [
-        ("int4_g32", "dense"),
-        ("int4_g32", "grouped_contiguous"),
-        ("uint4_fzp_g128", "grouped_masked"),
-        ("mxfp4+bias", "grouped_contiguous"),
-        ("nvfp4", "dense"),
-        ("nvfp4", "grouped_masked"),
-    ],
+    sweep(
+        [
+            ("int4_g32", "dense"),
+            ("int4_g32", "grouped_contiguous"),
+            ("uint4_fzp_g128", "grouped_masked"),
+            ("mxfp4+bias", "grouped_contiguous"),
+            ("nvfp4", "dense"),
+            ("nvfp4", "grouped_masked"),
+        ],
+        [("int4_g32", "dense"), ("nvfp4", "grouped_masked")],
+    ),
 )
 @pytest.mark.parametrize("block_k", [128])
 def test_prefill_tiles_split_x(layout_kind, fmt_name, block_k, rng):
@@ -263,8 +287,13 @@ def test_prefill_tiles_split_x(layout_kind, fmt_name, block_k, rng):
     _check_tiling(rng, fmt_name, layout_kind, kernel.Tiles(block_m=64, block_n=32, block_k=block_k))
 
 
-@pytest.mark.parametrize("group_m", [2, 4])
-@pytest.mark.parametrize("layout_kind", ["dense", "grouped_contiguous", "indexed"])
+@pytest.mark.parametrize(
+    "layout_kind,group_m",
+    sweep(
+        [(k, g) for k in ("dense", "grouped_contiguous", "indexed") for g in (2, 4)],
+        [("indexed", 4)],
+    ),
+)
 def test_banded_program_order(group_m, layout_kind, rng):
     """Programs in bands of ``group_m`` row tiles (a partial last band
     included) cover every output tile exactly once."""
@@ -274,10 +303,13 @@ def test_banded_program_order(group_m, layout_kind, rng):
 @pytest.mark.parametrize(
     "fmt_name,layout_kind,block_m",
     # 64-row tiles read the split copy of x; an indexed tile is its alignment block (16 here).
-    [("int4_g128", layout, block_m) for layout, block_m in (("dense", 64), ("grouped_contiguous", 16))]
-    + [("int4_g128", "grouped_masked", 64), ("int4_g128", "indexed", 16)]
-    + [("uint4_fzp_g128", "grouped_masked", 64), ("uint4_fzp_g128", "indexed", 16)]
-    + [("mxfp4+bias", "dense", 64), ("mxfp4+bias", "grouped_contiguous", 16)],
+    sweep(
+        [("int4_g128", layout, block_m) for layout, block_m in (("dense", 64), ("grouped_contiguous", 16))]
+        + [("int4_g128", "grouped_masked", 64), ("int4_g128", "indexed", 16)]
+        + [("uint4_fzp_g128", "grouped_masked", 64), ("uint4_fzp_g128", "indexed", 16)]
+        + [("mxfp4+bias", "dense", 64), ("mxfp4+bias", "grouped_contiguous", 16)],
+        [("int4_g128", "indexed", 16), ("uint4_fzp_g128", "grouped_masked", 64), ("mxfp4+bias", "dense", 64)],
+    ),
 )
 def test_word_decode(block_m, layout_kind, fmt_name, rng):
     """``word_decode``: packed weights read as uint32 words, 8 pieces per span
@@ -285,32 +317,43 @@ def test_word_decode(block_m, layout_kind, fmt_name, rng):
     _check_tiling(rng, fmt_name, layout_kind, kernel.Tiles(block_m=block_m, block_n=32, block_k=128, word_decode=True))
 
 
-@pytest.mark.parametrize("fmt_name", ["int4_g128", "uint4_zp_g128", "mxfp4"])
+@pytest.mark.parametrize("fmt_name", sweep(["int4_g128", "uint4_zp_g128", "mxfp4"], ["uint4_zp_g128", "mxfp4"]))
 def test_word_decode_swap_ab(fmt_name, rng):
     """Word-decoded weights as the MMA's A operand (decode tiles)."""
     tuning = kernel.Tiles(block_m=16, block_n=32, block_k=256, swap_ab=True, word_decode=True)
     _check_tiling(rng, fmt_name, "grouped_contiguous", tuning)
 
 
+_PAIR_TILINGS = {
+    "grouped": ("grouped_contiguous", kernel.Tiles(16, 32, 128, word_decode=True, pair_decode=True)),
+    "indexed_fold": ("indexed", kernel.Tiles(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)),
+    "masked_64rows": ("grouped_masked", kernel.Tiles(64, 32, 128, word_decode=True, pair_decode=True)),
+    "dense_swap_fold": (
+        "dense",
+        kernel.Tiles(16, 32, 256, swap_ab=True, word_decode=True, pair_decode=True, fold_scales=True),
+    ),
+    # the prefill candidate's shape: 64 rows, swap, bands, folded scales
+    "prefill_swap_fold": (
+        "grouped_contiguous",
+        kernel.Tiles(64, 32, 128, swap_ab=True, group_m=2, word_decode=True, pair_decode=True, fold_scales=True),
+    ),
+}
+_PAIR_FORMATS = ("int4_g128", "uint4_zp_g128", "mxfp4+bias")
+
+
+# make test: each weight once, on the decode, folded-indexed and prefill tilings.
 @pytest.mark.parametrize(
-    "layout_kind,tuning",
-    [
-        ("grouped_contiguous", kernel.Tiles(16, 32, 128, word_decode=True, pair_decode=True)),
-        ("indexed", kernel.Tiles(16, 32, 256, word_decode=True, pair_decode=True, fold_scales=True)),
-        ("grouped_masked", kernel.Tiles(64, 32, 128, word_decode=True, pair_decode=True)),
-        ("dense", kernel.Tiles(16, 32, 256, swap_ab=True, word_decode=True, pair_decode=True, fold_scales=True)),
-        (  # the prefill candidate's shape: 64 rows, swap, bands, folded scales
-            "grouped_contiguous",
-            kernel.Tiles(64, 32, 128, swap_ab=True, group_m=2, word_decode=True, pair_decode=True, fold_scales=True),
-        ),
-    ],
-    ids=["grouped", "indexed_fold", "masked_64rows", "dense_swap_fold", "prefill_swap_fold"],
+    "fmt_name,tiling",
+    sweep(
+        [(f, t) for f in _PAIR_FORMATS for t in _PAIR_TILINGS],
+        [("int4_g128", "grouped"), ("uint4_zp_g128", "indexed_fold"), ("mxfp4+bias", "prefill_swap_fold")],
+    ),
 )
-@pytest.mark.parametrize("fmt_name", ["int4_g128", "uint4_zp_g128", "mxfp4+bias"])
-def test_pair_decode(fmt_name, layout_kind, tuning, rng):
+def test_pair_decode(fmt_name, tiling, rng):
     """``pair_decode``: 4 pieces per span, each pairing nibbles j and j+4 of a
     word as consecutive K (x split to match); folded tilings against the
     bf16-rounded reference (f32 output, bound 1e-5), others as every tiling."""
+    layout_kind, tuning = _PAIR_TILINGS[tiling]
     if not tuning.fold_scales:
         _check_tiling(rng, fmt_name, layout_kind, tuning)
         return
@@ -368,12 +411,18 @@ def test_piece_column_order():
 
 
 @pytest.mark.parametrize(
-    "block_m,layout_kind",  # each format with both row counts, each on another layout
-    [(1, "grouped_contiguous"), (8, "dense")],
-)
-@pytest.mark.parametrize(
-    "fmt_name,word",
-    [("int4_g128", True), ("mxfp4", False), ("bf16", False)],
+    "fmt_name,word,block_m,layout_kind",  # each format with both row counts, each on another layout
+    sweep(
+        [
+            (f, w, b, k)
+            for f, w in (("int4_g128", True), ("mxfp4", False), ("bf16", False))
+            for b, k in ((1, "grouped_contiguous"), (8, "dense"))
+        ],
+        [
+            ("int4_g128", True, 1, "grouped_contiguous"),
+            ("mxfp4", False, 8, "dense"),
+        ],
+    ),
 )
 def test_multiply_add_tiles(block_m, fmt_name, word, layout_kind, rng):
     """``use_mma=False``: row tiles of 1-8 rows multiply on the CUDA cores (f32),
@@ -382,7 +431,7 @@ def test_multiply_add_tiles(block_m, fmt_name, word, layout_kind, rng):
     _check_tiling(rng, fmt_name, layout_kind, tuning)
 
 
-@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("block_size", sweep([4, 8], [4]))
 def test_indexed_blocks_under_16_rows(block_size, rng):
     """An indexed layout aligned to blocks of 4 or 8 rows runs on the kernel
     (multiply-add tiles) and equals the reference."""
@@ -436,25 +485,41 @@ def test_word_decode_f16(rng):
     _check_tiling(rng, "int4_g128", "grouped_contiguous", tuning, x_dtype=jnp.float16)
 
 
-@pytest.mark.parametrize(
-    "tuning",
-    [
-        kernel.Tiles(block_m=64, block_n=32, block_k=128, swap_ab=True, fold_scales=True),
-        kernel.Tiles(block_m=16, block_n=32, block_k=128, word_decode=True, fold_scales=True),
-    ],
-    ids=["prefill", "decode_word"],
+_FOLDED_TILINGS = {
+    "prefill": kernel.Tiles(block_m=64, block_n=32, block_k=128, swap_ab=True, fold_scales=True),
+    "decode_word": kernel.Tiles(block_m=16, block_n=32, block_k=128, word_decode=True, fold_scales=True),
+}
+_FOLDED_FORMATS = (
+    "int4_g128+bias",
+    "int4_channel",
+    "uint4_zp_g128",
+    "uint4_fzp_g128",
+    "int8_g64",
+    "mxfp4",
+    "nvfp4",
+    "fp8_block128",
 )
-@pytest.mark.parametrize("layout_kind", ["indexed"])
+
+
+# make test: a weight of each kind, the two tilings in turn.
 @pytest.mark.parametrize(
-    "fmt_name",
-    ["int4_g128+bias", "int4_channel", "uint4_zp_g128", "uint4_fzp_g128", "int8_g64", "mxfp4", "nvfp4", "fp8_block128"],
+    "fmt_name,tiling",
+    sweep(
+        [(f, t) for f in _FOLDED_FORMATS for t in _FOLDED_TILINGS],
+        [
+            (f, list(_FOLDED_TILINGS)[i % 2])
+            for i, f in enumerate(_FOLDED_FORMATS)
+            if f not in ("int4_channel", "uint4_fzp_g128", "int8_g64")
+        ],
+    ),
 )
-def test_folded_scales(fmt_name, layout_kind, tuning, rng):
+def test_folded_scales(fmt_name, tiling, rng):
     """``fold_scales``: the kernel multiplies the decoded tile by its scales and
     rounds ``(q - z) * s`` once to bf16, so it equals the reference run on the
     bf16-rounded dequantized weight (f32 output, bound 1e-5); e2m1 values times
     their scales are exact (NVFP4's global scale comes after the product, MXFP4
     and NVFP4 carry the split exponent, E2M1_FOLDED_EXPONENT)."""
+    layout_kind, tuning = "indexed", _FOLDED_TILINGS[tiling]
     weight = _weight(rng, F.get_format(fmt_name), E)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
     layout = _layouts(rng, tuning.block_m)[layout_kind]
@@ -468,25 +533,24 @@ def test_folded_zero_points_with_a_partial_last_tile(fmt_name, rng):
     tile is partial (K=384 with 256-wide tiles): the bf16-rounded reference."""
     weight = _weight(rng, F.get_format(fmt_name), E, k=384)
     x = jnp.asarray(rng.normal(size=(M, 384)), jnp.bfloat16)
-    for layout in _layouts(rng).values():
-        if isinstance(layout, hj.Dense):
-            continue
+    # The K tail is the same code on every layout: the pipelines' two.
+    for layout in (_layouts(rng)[kind] for kind in ("grouped_contiguous", "indexed")):
         tuning = kernel.Tiles(16, 32, 256, word_decode=True, fold_scales=True)
         out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
         _check(out, _folded_reference(x, weight, layout), bound=1e-5)
 
 
-@pytest.mark.parametrize(
-    "fmt_name,k,tuning",
-    [
-        ("mxfp4", 96, kernel.Tiles(block_m=64, block_n=32, block_k=64)),  # split x, scales in the weights
-        ("mxfp4", 160, kernel.Tiles(block_m=16, block_n=32, block_k=128, word_decode=True)),
-        ("int4_channel", 160, kernel.Tiles(block_m=64, block_n=32, block_k=128, word_decode=True)),
-        # The partial tile in the last split, and (split_k=4) a split with no tile at all.
-        ("mxfp4", 160, kernel.Tiles(block_m=16, block_n=32, block_k=64, split_k=2)),
-        ("int4_channel", 144, kernel.Tiles(block_m=16, block_n=32, block_k=32, split_k=4)),
-    ],
-)
+_K_TAILS = [
+    ("mxfp4", 96, kernel.Tiles(block_m=64, block_n=32, block_k=64)),  # split x, scales in the weights
+    ("mxfp4", 160, kernel.Tiles(block_m=16, block_n=32, block_k=128, word_decode=True)),
+    ("int4_channel", 160, kernel.Tiles(block_m=64, block_n=32, block_k=128, word_decode=True)),
+    # The partial tile in the last split, and (split_k=4) a split with no tile at all.
+    ("mxfp4", 160, kernel.Tiles(block_m=16, block_n=32, block_k=64, split_k=2)),
+    ("int4_channel", 144, kernel.Tiles(block_m=16, block_n=32, block_k=32, split_k=4)),
+]
+
+
+@pytest.mark.parametrize("fmt_name,k,tuning", sweep(_K_TAILS, [_K_TAILS[2], _K_TAILS[4]]))
 def test_k_not_a_multiple_of_the_tile(fmt_name, k, tuning, rng):
     """A last K tile that is partly past K (gpt-oss: K=2880 with 128-wide tiles)."""
     _check_tiling(rng, fmt_name, "grouped_contiguous", tuning, k=k)
@@ -514,9 +578,17 @@ _PLANAR_CASES = [("int4_g128", "grouped_contiguous"), ("uint4_zp_g128", "indexed
 
 
 # Each tiling with two of the three weights, each weight with four of the six tilings.
+# make test: each tiling once (the weights in turn).
 @pytest.mark.parametrize(
     "tiling,fmt_name,layout_kind",
-    [(t, *_PLANAR_CASES[(i + j) % 3]) for i, t in enumerate(sorted(_PLANAR_TILINGS)) for j in (0, 1)],
+    sweep(
+        [(t, *_PLANAR_CASES[(i + j) % 3]) for i, t in enumerate(sorted(_PLANAR_TILINGS)) for j in (0, 1)],
+        [
+            (t, *_PLANAR_CASES[i % 3])
+            for i, t in enumerate(sorted(_PLANAR_TILINGS))
+            if t not in ("split_k", "bytes_16rows")
+        ],
+    ),
 )
 def test_planar_weights(fmt_name, layout_kind, tiling, rng):
     """Weights repacked at load time (``to_planar``: each unit's nibbles in the

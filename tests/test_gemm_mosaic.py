@@ -18,6 +18,8 @@ import humming_jax as hj
 from humming_jax import formats as F
 from pallas_kernels.gemm import mosaic, triton
 
+from sweep import FULL
+
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
 ON_GPU_ONLY = pytest.mark.skipif(KERNEL_BACKEND != "pallas", reason="a register wgmma operand runs compiled only")
 TILES = mosaic.Tiles(64, 256, 64, stages=2, group_m=2)
@@ -40,9 +42,9 @@ WIDE = mosaic.Tiles(128, 256, 64, stages=3, group_m=8)  # the H200 table's 16-bi
     "counts,dtype,out_dtype,tuning",
     [
         ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, TILES),  # an empty expert, ragged tiles
-        ((0, 0, 40, 0), jnp.bfloat16, jnp.bfloat16, TILES),  # all rows on one expert
+        pytest.param((0, 0, 40, 0), jnp.bfloat16, jnp.bfloat16, TILES, marks=FULL),  # all rows on one expert
         ((1, 70, 0, 30), jnp.float16, jnp.float32, TILES),  # tiles straddling the 8-row grid, two tiles on one expert
-        ((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, WIDE),  # 128-row tiles, the table's 16-bit entry
+        pytest.param((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, WIDE, marks=FULL),  # 128-row tiles, the table's entry
         # Clusters of two programs on adjacent column tiles of one row tile, x multicast to both.
         ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, block_n=128, cluster_n=2)),
     ],
@@ -66,7 +68,7 @@ def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
 
 @pytest.mark.parametrize(
     "tuning",
-    [TILES, WIDE, dataclasses.replace(TILES, block_n=128, cluster_n=2)],
+    [pytest.param(TILES, marks=FULL), WIDE, dataclasses.replace(TILES, block_n=128, cluster_n=2)],
     ids=["64-rows", "128-rows", "column-pairs"],
 )
 def test_grouped_masked_rows_against_numpy(tuning, rng):
@@ -125,7 +127,7 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
     "fmt,dtype,options",
     [
         (F.INT4_G128, jnp.bfloat16, {}),
-        (F.UINT4_ZP_G128, jnp.bfloat16, {}),  # integer zero points per group
+        pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {}, marks=FULL),  # zero points per group (and clustered below)
         (F.INT4_CHANNEL, jnp.bfloat16, {}),  # per-channel scales, repeated per 128 columns
         (INT4_G128_F16, jnp.float16, {}),  # f16: the code as 1024 + q
         # The decoded piece as the register operand (compiled only: the interpreter
@@ -144,7 +146,7 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
             marks=ON_GPU_ONLY,
         ),
         # Nibbles from the codes' 32-bit registers (compiled; interpreted, the 16-bit form runs).
-        (F.INT4_G128, jnp.bfloat16, {"word_decode": True}),
+        pytest.param(F.INT4_G128, jnp.bfloat16, {"word_decode": True}, marks=FULL),
         pytest.param(INT4_G128_F16, jnp.float16, {"swap_ab": True, "word_decode": True}, marks=ON_GPU_ONLY),
         pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {"swap_ab": True, "word_decode": True}, marks=ON_GPU_ONLY),
         pytest.param(
@@ -266,7 +268,7 @@ def _check_table(table, want, m: int, block_m: int, ranges: int):
     np.testing.assert_array_equal(owner, want)
 
 
-@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("block_m", [pytest.param(64, marks=FULL), 128])
 def test_row_tile_table_covers_every_row_once(block_m, rng):
     """Grouped-contiguous ranges (rows outside them: group E) and grouped-masked
     ones (each expert's rows past its count: group E), over random routings,
@@ -458,7 +460,7 @@ def test_a_table_entry_its_kernel_refuses_runs_the_next_candidate(monkeypatch, r
 @pytest.mark.parametrize(
     "fmt,layout_kind,tuning",
     [
-        (F.BF16, "grouped", TILES),
+        pytest.param(F.BF16, "grouped", TILES, marks=FULL),
         (F.BF16, "masked", WIDE),
         (F.INT4_G128, "grouped", mosaic.Tiles(64, 256, 128, stages=2)),
         pytest.param(F.INT4_G128, "grouped", mosaic.Tiles(64, 256, 128, stages=2, swap_ab=True), marks=ON_GPU_ONLY),
@@ -520,7 +522,8 @@ def test_the_offline_ir_tool_sees_the_decode():
 @pytest.mark.parametrize(
     "fmt,config",
     [
-        ("uint4_zp_g128", "mosaic:block_k=128,stages=2"),  # 2 stages: uint4's zero points do not fit 3
+        # 2 stages: uint4's zero points do not fit 3
+        pytest.param("uint4_zp_g128", "mosaic:block_k=128,stages=2", marks=FULL),
         ("int4_g128", "mosaic:block_k=128,stages=3,swap_ab=1,cluster_n=2"),
     ],
 )
@@ -584,8 +587,18 @@ def test_word_decode_is_for_4_bit_weights():
         mosaic.Tiles(128, 256, 128, word_decode=True, pair_decode=True)
 
 
-@pytest.mark.parametrize("fmt", ["bf16+bias", "int4_g128"])
-def test_expert_pipelines_on_the_mosaic_kernel(fmt, monkeypatch, rng):
+@pytest.mark.parametrize(
+    "fmt,pipelines",
+    [
+        # make test: int4 (decoded in the kernel) on the grouped pipeline; the bf16
+        # kernel's rows, biases and masked layout are tested on their own above.
+        pytest.param("bf16+bias", ("batched",), marks=FULL),
+        ("int4_g128", ("grouped",)),
+        pytest.param("bf16+bias", ("grouped",), marks=FULL),
+        pytest.param("int4_g128", ("batched",), marks=FULL),
+    ],
+)
+def test_expert_pipelines_on_the_mosaic_kernel(fmt, pipelines, monkeypatch, rng):
     """The grouped and the batched (masked) pipelines with every expert GEMM on
     the Mosaic kernel (the table's entry forced to it): int4 weights planar,
     as the Flax modules store them, decoded in the kernel; bf16 weights with
@@ -609,17 +622,20 @@ def test_expert_pipelines_on_the_mosaic_kernel(fmt, monkeypatch, rng):
     x = jnp.asarray(rng.normal(size=(20, 128)), jnp.bfloat16)
     ids = jnp.asarray(np.stack([rng.choice(4, 2, replace=False) for _ in range(20)]), jnp.int32)
     tw = jnp.asarray(rng.random((20, 2)), jnp.float32)
-    grouped = hj.humming_grouped_experts(x, weights, tw, ids, config, backend=KERNEL_BACKEND)
-    want = hj.humming_grouped_experts(x, weights, tw, ids, config, backend="reference")
-    counts = jnp.asarray([3, 0, 8, 5], jnp.int32)
-    xb = jnp.asarray(rng.normal(size=(4, 8, 128)), jnp.bfloat16)
-    batched = hj.batched_humming_grouped_experts(xb, counts, weights, config, backend=KERNEL_BACKEND)
-    want_batched = hj.batched_humming_grouped_experts(xb, counts, weights, config, backend="reference")
-    assert len(launches) == 4, "every expert GEMM on the Mosaic kernel"
-    for got, ref in ((grouped, want), (batched, want_batched)):
+    results = []
+    if "grouped" in pipelines:
+        grouped = hj.humming_grouped_experts(x, weights, tw, ids, config, backend=KERNEL_BACKEND)
+        results.append((grouped, hj.humming_grouped_experts(x, weights, tw, ids, config, backend="reference")))
+    if "batched" in pipelines:
+        counts = jnp.asarray([3, 0, 8, 5], jnp.int32)
+        xb = jnp.asarray(rng.normal(size=(4, 8, 128)), jnp.bfloat16)
+        batched = hj.batched_humming_grouped_experts(xb, counts, weights, config, backend=KERNEL_BACKEND)
+        results.append((batched, hj.batched_humming_grouped_experts(xb, counts, weights, config, backend="reference")))
+        assert np.all(np.asarray(batched)[1] == 0) and np.all(np.asarray(batched)[0, 3:] == 0)
+    assert len(launches) == 2 * len(pipelines), "every expert GEMM on the Mosaic kernel"
+    for got, ref in results:
         got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
-    assert np.all(np.asarray(batched)[1] == 0) and np.all(np.asarray(batched)[0, 3:] == 0)
 
 
 @pytest.mark.parametrize(

@@ -22,12 +22,13 @@ import pytest
 import humming_jax as hj
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
-from humming_jax.gemm import gemm_call, gemm_reference, plan
+from humming_jax.gemm import gemm_call, plan
 from pallas_kernels.gemm import triton as kernel
 
 import gemm_layouts
 import np_ref
 from np_ref import relative_error
+from sweep import sweep
 
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
 E, N, K, M = 4, 64, 128, 40
@@ -46,6 +47,21 @@ PAIRS = [
     if quant.is_quantized
     and (quant.dtype.value != "float8_e5m2" or fmt_name in _E5M2_WITH)
     and _ONE_INPUT.get(fmt_name, quant.name) == quant.name
+]
+# make test: one pair per operand path and scale kind (the others read as one of them).
+_PAIRS_CI = [
+    ("fp8_block128", "fp8_dynamic_group128"),
+    ("fp8_channel", "fp8_dynamic_token"),
+    ("fp8_tensor", "fp8_static_tensor"),
+    ("fp8_channel", "fp8_e5m2_dynamic_token"),
+    ("int4_g128", "fp8_dynamic_token"),
+    ("int4_g128", "int8_dynamic_token"),
+    ("int8_channel", "int8_dynamic_token"),
+    ("mxfp4", "fp8_dynamic_group128"),
+    ("mxfp4", "mxfp4_dynamic"),
+    ("mxfp8", "mxfp8_dynamic"),
+    ("nvfp4", "nvfp4_dynamic"),
+    ("uint4_zp_g128", "fp8_dynamic_token"),
 ]
 # One pair per operand path for the other layouts and the edge cases.
 PATHS = [
@@ -72,16 +88,15 @@ def _layouts(rng, block_size=16):
 
 
 def _reference(x, weight, layout, tuning=None):
-    """The reference the kernel must match: with folded scales that round
-    (integer weights, fp8 with f32 scales) the weight is rounded to bf16 once."""
+    """The float64 NumPy product the kernel must match: with folded scales that
+    round (integer weights, fp8 with f32 scales) the weight is rounded to bf16
+    once (test_reference_matches_numpy holds the ``jnp`` reference to it)."""
     if tuning is None:
         tuning, _ = plan(x, weight, layout, out_dtype=jnp.float32, interpret=True)
     fmt = weight.format
     exact = fmt.value_type.value in ("float4_e2m1", "float8_e4m3") and fmt.scale_type.value in ("e8m0", "float8_e4m3")
-    if getattr(tuning, "fold_scales", False) and not exact:  # (a bf16 weight takes no quantized input: no checks)
-        rounded = F.dequantize_weight(weight).astype(jnp.bfloat16)
-        return gemm_reference(x, F.QuantizedWeight(rounded, format=F.BF16, shape=weight.shape), layout, jnp.float32)
-    return hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend="reference")
+    # (a bf16 weight takes no quantized input: no checks)
+    return np_ref.gemm_of(x, weight, layout, bf16_weight=getattr(tuning, "fold_scales", False) and not exact)
 
 
 def _bound(x, weight, layout, tiles=None) -> float:
@@ -104,7 +119,7 @@ def _check(out, ref, bound=1e-5):
     assert np.all(out[unowned] == 0), "rows no tile owns must be zero"
 
 
-@pytest.mark.parametrize("fmt_name,quant_name", PAIRS)
+@pytest.mark.parametrize("fmt_name,quant_name", sweep(PAIRS, _PAIRS_CI))
 def test_every_pair_on_the_grouped_layout(fmt_name, quant_name, rng):
     fmt, quant = F.get_format(fmt_name), Q.get_input_spec(quant_name)
     weight, x = _weight(rng, fmt), _input(rng, quant)
@@ -115,7 +130,14 @@ def test_every_pair_on_the_grouped_layout(fmt_name, quant_name, rng):
 
 @pytest.mark.parametrize(
     "fmt_name,quant_name,layout_kind",
-    [(*path, kind) for kind in ("grouped_masked", "indexed") for path in PATHS] + [(*PATHS[0], "dense")],
+    sweep(
+        [(*path, kind) for kind in ("grouped_masked", "indexed") for path in PATHS] + [(*PATHS[0], "dense")],
+        [
+            (*PATHS[i], kind)
+            for i, kind in ((0, "grouped_masked"), (1, "indexed"), (2, "indexed"), (3, "grouped_masked"))
+        ]
+        + [(*PATHS[0], "dense")],
+    ),
 )
 def test_other_layouts(fmt_name, quant_name, layout_kind, rng):
     fmt, quant = F.get_format(fmt_name), Q.get_input_spec(quant_name)

@@ -17,6 +17,7 @@ from humming_jax.configs import supported_input_specs
 from pallas_kernels.gemm import triton
 
 import np_ref
+from sweep import sweep
 
 E, N, K = 4, 64, 256
 
@@ -56,7 +57,11 @@ _CASES = [(f, "grouped_contiguous") for f in FORMATS] + [
 ]
 
 
-@pytest.mark.parametrize("fmt_name,layout_kind", _CASES)
+# make test: every format on the grouped layout, two of different kinds on each other one.
+@pytest.mark.parametrize(
+    "fmt_name,layout_kind",
+    sweep(_CASES, lambda case: case[1] == "grouped_contiguous" or case[0] in ("int4_g128+bias", "nvfp4+bias")),
+)
 def test_every_layout_every_format(layout_kind, fmt_name, rng):
     fmt = F.get_format(fmt_name)
     e = 1 if layout_kind == "dense" else E
@@ -78,7 +83,13 @@ def test_every_layout_every_format(layout_kind, fmt_name, rng):
 QUANT_CASES = [(f, s) for f in sorted(F.PRESETS) for s in supported_input_specs(F.PRESETS[f]) if s.is_quantized]
 
 
-@pytest.mark.parametrize("fmt_name,spec", QUANT_CASES, ids=lambda c: getattr(c, "name", c))
+# make test: each format with its first quantized input, each input at least once.
+_QUANT_CASES_CI = [case for i, case in enumerate(QUANT_CASES) if i == 0 or QUANT_CASES[i - 1][0] != case[0]] + [
+    next(case for case in QUANT_CASES if case[1] == spec) for spec in dict.fromkeys(s for _, s in QUANT_CASES)
+]
+
+
+@pytest.mark.parametrize("fmt_name,spec", sweep(QUANT_CASES, _QUANT_CASES_CI), ids=lambda c: getattr(c, "name", c))
 def test_quantized_inputs(fmt_name, spec, rng):
     fmt = F.PRESETS[fmt_name]
     weight = _weight(rng, fmt)

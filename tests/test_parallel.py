@@ -5,6 +5,7 @@ buffer drops exactly the slots its rule says and counts them."""
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,8 @@ import pytest
 from humming_jax import experts as X
 from humming_jax import parallel
 from humming_jax.configs import ExpertsConfig
+
+from sweep import FULL
 
 E, H, INTER, TOP_K, T = 8, 64, 32, 2, 16
 
@@ -46,7 +49,12 @@ def _mesh(ranks: int):
 
 @pytest.mark.parametrize(
     "ranks,fmt,input_quant",
-    [(1, "bf16", "none"), (2, "bf16", "none"), (8, "int4_g32", "none"), (4, "fp8_channel", "fp8_dynamic_token")],
+    [
+        (1, "bf16", "none"),
+        pytest.param(2, "bf16", "none", marks=FULL),
+        (8, "int4_g32", "none"),
+        (4, "fp8_channel", "fp8_dynamic_token"),
+    ],
 )
 def test_ep_layer_equals_the_single_device_layer(ranks, fmt, input_quant, rng):
     mesh = _mesh(ranks)
@@ -195,7 +203,9 @@ def test_balanced_layer_equals_the_single_device_layer(rng):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("ranks,redundant", [(2, 1), (4, 1), (4, 2), (8, 1)])
+@pytest.mark.parametrize(
+    "ranks,redundant", [pytest.param(2, 1, marks=FULL), (4, 1), pytest.param(4, 2, marks=FULL), (8, 1)]
+)
 def test_balance_plan_evens_out_a_skewed_routing(ranks, redundant, rng):
     """The plan copies the hot expert onto other ranks (never its own), within
     its count, and brings every rank to at most ceil(slots / R) when one
@@ -291,3 +301,18 @@ def test_row_scaled_inputs_travel_quantized(weight_format, input_quant, rng):
     sent = f"[2,{T * TOP_K // 2},{hidden}]"  # the dispatched rows: [ranks, slots a rank, H] (combine: bf16 out rows)
     gathers = [line for line in text.splitlines() if "all_gather" in line and sent in line]
     assert len(gathers) == 1 and ("u8[" in gathers[0]) == (input_quant != "none"), gathers
+
+
+def test_the_gpu_exchange_warns_without_xlas_decomposer(monkeypatch):
+    """On GPUs the exchange needs XLA's ragged-all-to-all decomposer (read at
+    start-up): without it in XLA_FLAGS a warning names the flag, once."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    parallel._warn_without_decomposer.cache_clear()
+    with pytest.warns(UserWarning, match=parallel.RAGGED_DECOMPOSER_FLAG):
+        parallel._warn_without_decomposer()
+    monkeypatch.setenv("XLA_FLAGS", parallel.RAGGED_DECOMPOSER_FLAG)
+    parallel._warn_without_decomposer.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallel._warn_without_decomposer()
+    parallel._warn_without_decomposer.cache_clear()

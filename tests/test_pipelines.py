@@ -10,6 +10,7 @@ import humming_jax as hj
 from humming_jax import input_quant as Q
 
 import np_ref
+from sweep import sweep
 
 
 def _problem(rng, config, num_tokens, ids=None):
@@ -48,14 +49,16 @@ def _run(pipeline, x, weights, tw, ti, config, **kw):
     return fn(jnp.asarray(x, jnp.bfloat16), weights, jnp.asarray(tw), jnp.asarray(ti), config, **kw)
 
 
-@pytest.mark.parametrize("pipeline", PIPELINES)
+_STEPS = [("int4_g128", "silu"), ("mxfp4+bias", "swigluoai"), ("nvfp4", "relu2_no_mul")]
+
+
+# make test: each weight and activation once, the pipelines in turn.
 @pytest.mark.parametrize(
-    "fmt,activation",
-    [
-        ("int4_g128", "silu"),
-        ("mxfp4+bias", "swigluoai"),
-        ("nvfp4", "relu2_no_mul"),
-    ],
+    "fmt,activation,pipeline",
+    sweep(
+        [(*step, p) for step in _STEPS for p in PIPELINES],
+        [(*step, PIPELINES[i % len(PIPELINES)]) for i, step in enumerate(_STEPS)],
+    ),
 )
 def test_pipeline_matches_numpy(pipeline, fmt, activation, rng):
     config = hj.ExpertsConfig(8, 128, 128, 2, activation=activation, weight_format=fmt)
@@ -88,8 +91,16 @@ def test_pipeline_matches_numpy(pipeline, fmt, activation, rng):
     assert np_ref.relative_error(out, expected) < 1e-2
 
 
-@pytest.mark.parametrize("pipeline", PIPELINES)
-@pytest.mark.parametrize("case", ["T=1", "hot", "out_of_range", "expert_map"])
+# make test: each case once, the pipelines in turn (out-of-range ids on both: they raise before compiling).
+@pytest.mark.parametrize(
+    "case,pipeline",
+    sweep(
+        [(c, p) for c in ("T=1", "hot", "out_of_range", "expert_map") for p in PIPELINES],
+        lambda case: (
+            case[0] == "out_of_range" or ("T=1", "hot", "expert_map").index(case[0]) % 2 == PIPELINES.index(case[1])
+        ),
+    ),
+)
 def test_pipeline_routing_edge_cases(pipeline, case, rng):
     num_tokens = 1 if case == "T=1" else 12
     expert_map = None
@@ -153,7 +164,7 @@ def test_indexed_with_different_w2_block_size_and_hadamard(rng):
     assert np_ref.relative_error(out, np.asarray(grouped, np.float64)) < 1e-2
 
 
-@pytest.mark.parametrize("pipeline", ["grouped", "indexed", "batched"])
+@pytest.mark.parametrize("pipeline", sweep(["grouped", "indexed", "batched"], ["grouped", "indexed"]))
 def test_block_fp8_activations_and_prequantized_input(pipeline, rng):
     config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
     x, w13, w2, ids, tw = _problem(rng, config, 8)
@@ -229,8 +240,13 @@ def _moonep_numpy(x, wg, wu, wd, cu, route, on_input):
     return out
 
 
-@pytest.mark.parametrize("segments", [[3, 0, 5, 0, 2, 0], [10, 0, 0, 0, 0, 0], [2, 3, 1, 0, 2, 1], [0, 0, 0, 0, 0, 4]])
-@pytest.mark.parametrize("on_input", [False, True])
+_SEGMENTS = [[3, 0, 5, 0, 2, 0], [10, 0, 0, 0, 0, 0], [2, 3, 1, 0, 2, 1], [0, 0, 0, 0, 0, 4]]
+
+
+@pytest.mark.parametrize(
+    "segments,on_input",
+    sweep([(s, o) for o in (False, True) for s in _SEGMENTS], [(_SEGMENTS[0], False), (_SEGMENTS[2], True)]),
+)
 def test_moonep(segments, on_input, rng):
     """E=4 expert rows + B=2 redundant rows; empty segments, one segment,
     redundant rows used and unused; two padding rows past cu_seqlens[-1]."""

@@ -15,6 +15,7 @@ from humming_jax.tiles_text import from_text, to_text
 from pallas_kernels.routing import RowTiles
 
 import np_ref
+from sweep import sweep
 
 # The Pallas kernels: compiled on a GPU, in interpret mode on the CPU.
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
@@ -49,7 +50,7 @@ def routings(draw):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=5)  # three interpreted grouping kernels an example (x 2 backends)
+@settings(max_examples=3)  # three interpreted grouping kernels an example (x 2 backends)
 @given(routings(), st.sampled_from([16, 32, 64, 128]), st.booleans())
 def test_align_matches_loop(backend, routing, block_size, ignore_invalid):
     ids, num_experts, expert_map, num_local = routing
@@ -104,7 +105,7 @@ def test_align_caps_length_when_few_slots(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=4)  # five routing ops an example, interpreted
+@settings(max_examples=3)  # five routing ops an example, interpreted
 @given(routings())
 def test_prepare_scatter_and_permute_round_trip(backend, routing):
     ids, num_experts, expert_map, num_local = routing
@@ -216,8 +217,11 @@ def test_routing_bad_input_raises():
 # ---- kernel tilings (the op layer picks one; these pin down the others) ----------
 
 
-@pytest.mark.parametrize("num_experts", [64, 256])  # 256: counts written by each bin's last slot
-@pytest.mark.parametrize("chunk", [128, 256, 512])
+# 256 experts: counts written by each bin's last slot; make test: each chunk size once.
+@pytest.mark.parametrize(
+    "chunk,num_experts",
+    sweep([(c, e) for c in (128, 256, 512) for e in (64, 256)], [(128, 256), (256, 64), (512, 256)]),
+)
 def test_grouping_chunk_sizes_agree(chunk, num_experts, rng):
     """``group_slots`` with chunks of one to four pairwise-ranked sub-tiles: the
     aligned layout equals the NumPy loop (stable order, padding, invalid ids)."""
@@ -241,9 +245,14 @@ def test_grouping_chunk_sizes_agree(chunk, num_experts, rng):
         np.testing.assert_array_equal(np.asarray(g).reshape(-1), np.asarray(e).reshape(-1))
 
 
-@pytest.mark.parametrize("num_experts", [64, 60])
-@pytest.mark.parametrize("outputs", ["sorted", "dest"])
-@pytest.mark.parametrize("prefix_bins", [16, 32])
+# make test: each output, bin count and expert count twice.
+@pytest.mark.parametrize(
+    "prefix_bins,outputs,num_experts",
+    sweep(
+        [(b, o, e) for b in (16, 32) for o in ("sorted", "dest") for e in (64, 60)],
+        [(16, "sorted", 64), (16, "dest", 60), (32, "sorted", 60), (32, "dest", 64)],
+    ),
+)
 def test_grouping_parallel_bin_prefix(outputs, prefix_bins, num_experts, rng):
     """A bin prefix spread over programs of 16 or 32 bins with a bin-starts
     launch after it (many chunks: 19 here, 4 per scan), for both layouts:

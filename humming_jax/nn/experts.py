@@ -23,11 +23,20 @@ from humming_jax.workspace import WorkspacePlan, plan_workspace
 
 
 class ExpertWeight(nnx.Variable):
-    """A (possibly quantized) expert weight: holds a :class:`QuantizedWeight`."""
+    """An ``nnx.Variable`` holding one projection's :class:`QuantizedWeight`
+    (a pytree: ``nnx.split`` / ``nnx.state`` see its arrays).
+
+    Args:
+        value: the :class:`QuantizedWeight`.
+    """
 
 
 class InputScale(nnx.Variable):
-    """A static f32 input (activation) scale ``[1]``."""
+    """An ``nnx.Variable`` holding a static input (activation) scale.
+
+    Args:
+        value: f32 ``[1]``.
+    """
 
 
 def _random_float_weights(config: ExpertsConfig, rngs: nnx.Rngs):
@@ -69,8 +78,18 @@ class _HummingExperts(nnx.Module):
 
     @classmethod
     def from_float(cls, config: ExpertsConfig, w13: jax.Array, w2: jax.Array, **kwargs):
-        """Quantize float ``w13 [E, N13, H]`` / ``w2 [E, H, I]`` (and optional
-        ``w13_bias``, ``w2_bias``, static input scales) into the config's formats."""
+        """The module with float weights quantized into the config's formats.
+
+        Args:
+            config: the layer's :class:`ExpertsConfig`.
+            w13: float ``[E, N13, H]``.
+            w2: float ``[E, H, I]``.
+            **kwargs: ``w13_bias``, ``w2_bias``, ``w13_input_scale``,
+                ``w2_input_scale`` (as :func:`quantize_experts`), the rest to the constructor.
+
+        Returns:
+            The module.
+        """
         weight_kwargs = {
             k: kwargs.pop(k) for k in ("w13_bias", "w2_bias", "w13_input_scale", "w2_input_scale") if k in kwargs
         }
@@ -78,6 +97,16 @@ class _HummingExperts(nnx.Module):
 
     @classmethod
     def from_quantized(cls, config: ExpertsConfig, weights: E.ExpertWeights, **kwargs):
+        """The module over quantized weights.
+
+        Args:
+            config: the layer's :class:`ExpertsConfig`.
+            weights: its :class:`ExpertWeights`.
+            **kwargs: to the constructor (``backend``, …).
+
+        Returns:
+            The module.
+        """
         return cls(config, weights=weights, **kwargs)
 
     @property
@@ -87,7 +116,15 @@ class _HummingExperts(nnx.Module):
         return E.ExpertWeights(w13, self.w2.get_value(), scale(self.w13_input_scale), scale(self.w2_input_scale))
 
     def workspace(self, num_tokens: int, **kwargs) -> WorkspacePlan:
-        """Static shapes and dtypes of every intermediate for ``num_tokens`` tokens."""
+        """The static buffers of a call (:func:`plan_workspace`).
+
+        Args:
+            num_tokens: the tokens of a call.
+            **kwargs: to :func:`plan_workspace`.
+
+        Returns:
+            The :class:`WorkspacePlan`.
+        """
         return plan_workspace(self.config, num_tokens, self.config.top_k, self.pipeline, **kwargs)
 
     def _checked(self, out: jax.Array, num_tokens: int, **kwargs) -> jax.Array:
@@ -100,12 +137,32 @@ class _HummingExperts(nnx.Module):
 
 
 class HummingGroupedExperts(_HummingExperts):
-    """Grouped-contiguous experts: ``(hidden_states [T, H], topk_weights [T, k],
-    topk_ids [T, k], expert_map=None, a1q_scale=None) -> [T, H]``."""
+    """The expert layer as an NNX module on the grouped pipeline
+    (:func:`humming_grouped_experts`).
+
+    Args:
+        config: the layer's :class:`ExpertsConfig`.
+        rngs: random weights (drawn in float, quantized to the config's formats)
+            when ``weights`` is None.
+        weights: the layer's :class:`ExpertWeights` (repacked to the kernels' order).
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+    """
 
     pipeline = "grouped"
 
     def __call__(self, hidden_states, topk_weights, topk_ids, expert_map=None, a1q_scale=None):
+        """Run the layer.
+
+        Args:
+            hidden_states: ``[T, H]`` activations (or pre-quantized values with ``a1q_scale``).
+            topk_weights: float ``[T, k]`` router weights.
+            topk_ids: int32 ``[T, k]`` expert ids (outside ``[0, E)``: nothing).
+            expert_map: optional int32 ``[global E]`` → local expert or −1.
+            a1q_scale: the scales of pre-quantized ``hidden_states``.
+
+        Returns:
+            ``[T, H]`` in ``hidden_states``' dtype.
+        """
         out = E.humming_grouped_experts(
             hidden_states,
             self.weights,
@@ -120,7 +177,14 @@ class HummingGroupedExperts(_HummingExperts):
 
 
 class HummingIndexedExperts(_HummingExperts):
-    """Indexed experts (align -> w13 top_k=k -> w2 top_k=1 -> fused sum); same call as the grouped one."""
+    """The expert layer as an NNX module on the indexed pipeline
+    (:func:`humming_indexed_experts`); the grouped module's call.
+
+    Args:
+        config, rngs, weights, backend: as :class:`HummingGroupedExperts`.
+        block_size: rows of an aligned block; None: the w13 tile's rows.
+        w2_block_size: the same for w2; None: ``block_size``.
+    """
 
     pipeline = "indexed"
 
@@ -137,6 +201,16 @@ class HummingIndexedExperts(_HummingExperts):
         self.w2_block_size = w2_block_size
 
     def __call__(self, hidden_states, topk_weights, topk_ids, expert_map=None, a1q_scale=None, num_valid_tokens=None):
+        """Run the layer.
+
+        Args:
+            hidden_states, topk_weights, topk_ids, expert_map, a1q_scale: as
+                :meth:`HummingGroupedExperts.__call__`.
+            num_valid_tokens: optional int32 ``[1]``, the real tokens of a padded batch.
+
+        Returns:
+            ``[T, H]`` in ``hidden_states``' dtype.
+        """
         out = E.humming_indexed_experts(
             hidden_states,
             self.weights,
@@ -156,9 +230,14 @@ class HummingIndexedExperts(_HummingExperts):
 class ExpertParallelExperts(_HummingExperts):
     """The expert layer over a device mesh axis (:func:`humming_jax.parallel.ep_experts`):
     the global layer's weights split by experts over ``mesh``'s ``axis_name``,
-    the tokens split over it at each call; the grouped module's call.
-    ``redundant_experts``: copies of the most loaded experts each rank takes
-    every step (``ep_experts``)."""
+    the tokens split over it at each call.
+
+    Args:
+        config, rngs, weights, backend: as :class:`HummingGroupedExperts`.
+        mesh: the device mesh.
+        axis_name: the axis the experts (and each call's tokens) split over.
+        redundant_experts: B, copies of the most loaded experts each rank takes every step.
+    """
 
     pipeline = "grouped"
 
@@ -183,6 +262,16 @@ class ExpertParallelExperts(_HummingExperts):
         self.w2 = ExpertWeight(placed.w2)
 
     def __call__(self, hidden_states, topk_weights, topk_ids):
+        """Run the layer.
+
+        Args:
+            hidden_states: ``[T, H]``, T a multiple of the axis' ranks.
+            topk_weights: float ``[T, k]``.
+            topk_ids: int32 ``[T, k]`` global expert ids.
+
+        Returns:
+            ``[T, H]``, sharded by tokens over the axis.
+        """
         out = parallel.ep_experts(
             hidden_states,
             self.weights,
@@ -198,8 +287,14 @@ class ExpertParallelExperts(_HummingExperts):
 
 
 class BatchedHummingGroupedExperts(_HummingExperts):
-    """Batched (grouped-masked) experts: ``([E, max_tokens, H], expert_num_tokens [E])
-    -> [E, max_tokens, H]``; the weighted top-k reduce is the caller's."""
+    """The experts as an NNX module on the batched (grouped-masked) pipeline
+    (:func:`batched_humming_grouped_experts`); the weighted top-k reduce is the caller's.
+
+    Args:
+        config, rngs, weights, backend: as :class:`HummingGroupedExperts`.
+        max_num_tokens: the rows an expert holds from one dispatcher.
+        num_dispatchers: the dispatchers writing into one buffer.
+    """
 
     pipeline = "batched"
 
@@ -214,6 +309,16 @@ class BatchedHummingGroupedExperts(_HummingExperts):
         )
 
     def __call__(self, hidden_states, expert_num_tokens, a1q_scale=None):
+        """Run the experts.
+
+        Args:
+            hidden_states: ``[E, max_num_tokens·num_dispatchers, H]``.
+            expert_num_tokens: int32 ``[E]``, the rows of each expert.
+            a1q_scale: the scales of pre-quantized ``hidden_states``.
+
+        Returns:
+            ``[E, max_num_tokens·num_dispatchers, H]``; rows past each count are zero.
+        """
         if hidden_states.shape[1] != self.max_num_tokens * self.num_dispatchers:
             raise ValueError(
                 f"BatchedHummingGroupedExperts: hidden_states must be [E, max_num_tokens*num_dispatchers="
@@ -226,11 +331,20 @@ class BatchedHummingGroupedExperts(_HummingExperts):
 
 
 class MoonEPExperts(nnx.Module):
-    """MoonEP experts over ``num_experts`` expert rows plus ``num_redundant``
-    prefetch rows, with separate bf16 gate/up ``[G, I, H]`` and down ``[G, H, I]``.
-    Call: ``(hidden_states [NvS, H], cu_seqlens [G], route_weights [NvS],
-    apply_router_weight_on_input=False) -> [NvS, H]`` (rows past
-    ``cu_seqlens[-1]`` are zero)."""
+    """MoonEP's grouped experts as an NNX module (:func:`moonep_experts`):
+    G = ``num_experts`` expert rows plus ``num_redundant`` prefetch rows, bf16.
+
+    Args:
+        num_experts: E.
+        hidden_size: H.
+        intermediate_size: I.
+        num_redundant: B, the redundant rows.
+        rngs: random weights when ``w_gate`` is None.
+        w_gate: ``[G, I, H]``.
+        w_up: ``[G, I, H]``.
+        w_down: ``[G, H, I]``.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+    """
 
     def __init__(
         self,
@@ -268,6 +382,17 @@ class MoonEPExperts(nnx.Module):
         self.w_down = nnx.Param(jnp.asarray(w_down, jnp.bfloat16))
 
     def __call__(self, hidden_states, cu_seqlens, route_weights, apply_router_weight_on_input: bool = False):
+        """Run the experts.
+
+        Args:
+            hidden_states: ``[NvS, H]`` rows in segment order.
+            cu_seqlens: int32 ``[G]``, cumulative segment end offsets.
+            route_weights: float ``[NvS]``.
+            apply_router_weight_on_input: skip the route multiply.
+
+        Returns:
+            ``[NvS, H]`` bf16; rows past ``cu_seqlens[-1]`` are zero.
+        """
         return E.moonep_experts(
             hidden_states.astype(jnp.bfloat16),
             self.w_gate.get_value(),

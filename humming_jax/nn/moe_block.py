@@ -15,8 +15,22 @@ SCORING = ("softmax", "sigmoid")
 def check_routing(
     num_experts: int, top_k: int, scoring: str, num_groups: int, topk_groups: int | None, op: str = "route"
 ) -> int:
-    """Raise (naming ``op``) on routing arguments that cannot be met; returns
-    ``topk_groups`` (all groups when None)."""
+    """Check routing arguments (as :func:`route` takes them).
+
+    Args:
+        num_experts: E, global.
+        top_k: experts per token.
+        scoring: ``"softmax"`` or ``"sigmoid"``.
+        num_groups: expert groups (a divisor of E).
+        topk_groups: groups a token may choose from; None: all.
+        op: the caller's name, for the message.
+
+    Returns:
+        ``topk_groups`` (all groups when None).
+
+    Raises:
+        ValueError: naming ``op``, the argument and what was expected.
+    """
     if scoring not in SCORING:
         raise ValueError(f"{op}: scoring: expected one of {SCORING}, got {scoring!r}")
     topk_groups = num_groups if topk_groups is None else topk_groups
@@ -80,7 +94,14 @@ def route(
 
 
 class SharedExpert(nnx.Module):
-    """A gated SiLU MLP applied to every token (DeepSeek/Qwen2-MoE shared expert)."""
+    """A gated SiLU MLP applied to every token (DeepSeek/Qwen2-MoE shared expert).
+
+    Args:
+        hidden_size: H.
+        intermediate_size: the MLP's width.
+        rngs: its random weights.
+        dtype: the weights' and the computation's dtype.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
         linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)  # noqa: E731
@@ -89,6 +110,14 @@ class SharedExpert(nnx.Module):
         self.down = linear(intermediate_size, hidden_size)
 
     def __call__(self, x):
+        """Apply the MLP.
+
+        Args:
+            x: ``[..., H]``.
+
+        Returns:
+            ``[..., H]``.
+        """
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
@@ -123,17 +152,26 @@ def _moonep_experts(experts: MoonEPExperts, tokens, topk_weights, topk_ids):
 
 
 class MoEBlock(nnx.Module):
-    """Router + one of the expert modules + optional shared expert.
+    """A MoE block: router, one of the expert modules, optional shared expert.
+    The router is a linear ``[H, E_global]`` in f32; :func:`route` gives the
+    routing (DeepSeek-V3: ``scoring="sigmoid", correction_bias=True,
+    num_groups=8, topk_groups=4, routed_scaling_factor=2.5``).
 
-    ``experts`` is any expert module: the grouped and indexed ones take the
-    routing directly; for the batched one the block dispatches the tokens into
-    ``[E, max_tokens, H]`` and does the weighted reduce (vLLM's delegate); for
-    MoonEP it lays the tokens out in expert segments (``top_k`` is then
-    required). The router is a linear ``[H, E_global]`` in f32 (with a bias
-    for ``router_bias``, gpt-oss); :func:`route` gives the routing (DeepSeek-V3:
-    ``scoring="sigmoid", correction_bias=True, num_groups=8, topk_groups=4,
-    routed_scaling_factor=2.5``). Input ``[..., H]`` -> output of the same
-    shape and dtype.
+    Args:
+        experts: any expert module: the grouped and indexed ones take the
+            routing directly; for the batched one the block dispatches the
+            tokens into ``[E, max_tokens, H]`` and does the weighted reduce
+            (vLLM's delegate); for MoonEP it lays the tokens out in expert segments.
+        rngs: the router's (and the shared expert's) random weights.
+        scoring: ``"softmax"`` (Mixtral, Qwen3, gpt-oss) or ``"sigmoid"`` (DeepSeek-V3).
+        renormalize: make a token's k weights sum to one.
+        shared_intermediate_size: a shared expert of this width; None: none.
+        correction_bias: a learned ``[E]`` bias that shifts the choice, not the weights.
+        top_k: experts per token (required with MoonEP; default the config's).
+        router_bias: the router has a bias (gpt-oss).
+        num_groups: expert groups of the group-limited choice.
+        topk_groups: groups a token may choose from; None: all.
+        routed_scaling_factor: multiplies the final weights.
     """
 
     def __init__(
@@ -172,6 +210,15 @@ class MoEBlock(nnx.Module):
         )
 
     def __call__(self, x: jax.Array, expert_map: jax.Array | None = None) -> jax.Array:
+        """Route and run the experts.
+
+        Args:
+            x: ``[..., H]`` activations.
+            expert_map: optional int32 ``[E_global]`` → local expert or −1.
+
+        Returns:
+            ``[..., H]`` in ``x``'s dtype.
+        """
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         bias = None if self.correction_bias is None else self.correction_bias.get_value()
