@@ -26,9 +26,18 @@ import numpy as np
 
 from humming_jax import formats as F
 from humming_jax.configs import ExpertsConfig
-from humming_jax.experts import ExpertWeights, check_weights, to_kernel_order
+from humming_jax.experts import ExpertWeights, check_weights, quantize_experts, to_kernel_order
 
-__all__ = ["LAYOUTS", "HFMoE", "SafetensorsCheckpoint", "from_hf_config", "load_experts", "read_safetensors"]
+__all__ = [
+    "LAYOUTS",
+    "HFMoE",
+    "RouterWeights",
+    "SafetensorsCheckpoint",
+    "from_hf_config",
+    "load_experts",
+    "load_router",
+    "read_safetensors",
+]
 
 _DTYPES = {
     "F64": np.float64,
@@ -230,7 +239,9 @@ def load_experts(
         prefix: the layer's experts' prefix (``"model.layers.3.mlp.experts"``).
         config: the layer's :class:`ExpertsConfig`; its weight formats must be
             the ones ``layout`` converts to (:func:`from_hf_config` derives both).
-        layout: one of :data:`LAYOUTS` (``"gptq"``, ``"awq"``, ``"fp8_block"``, …).
+        layout: one of :data:`LAYOUTS` (``"gptq"``, ``"awq"``, ``"fp8_block"``, …),
+            or None for float weights (``{prefix}.{e}.{name}.weight``), quantized
+            here to the config's formats.
         names: the gate, up and down projections' names in the checkpoint.
 
     Returns:
@@ -240,8 +251,10 @@ def load_experts(
         ValueError: a missing tensor or one of the wrong shape or dtype (named),
             or formats the layout does not give (naming the preset to use).
     """
+    if layout is None:
+        return _load_float(_Tensors(tensors), prefix, config, names)
     if layout not in LAYOUTS:
-        raise ValueError(f"load_experts: layout: expected one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"load_experts: layout: expected one of {LAYOUTS} or None (float), got {layout!r}")
     t = _Tensors(tensors)
     e = config.num_experts
     rows = _rows_of(config)
@@ -267,6 +280,24 @@ def load_experts(
     for name in ("w13", "w2"):
         F.check_folded_scale_range(getattr(result, name), f"{prefix}.{name}")
     return to_kernel_order(result, config)
+
+
+def _load_float(t: _Tensors, prefix: str, config: ExpertsConfig, names) -> ExpertWeights:
+    """Float per-expert weights (``[N, K]`` each), quantized to the config's formats."""
+    rows = _rows_of(config)
+
+    def stack(proj: str, name: str) -> np.ndarray:
+        n, k = rows[proj]
+        return np.stack(
+            [
+                t.get(f"{prefix}.{x}.{name}.weight", (n, k), _FLOATS).astype(np.float32)
+                for x in range(config.num_experts)
+            ]
+        )
+
+    gate, up, down = (stack(proj, name) for proj, name in zip(("gate", "up", "down"), names, strict=True))
+    w13 = np.concatenate([gate, up], axis=1) if config.activation.is_gated else up
+    return quantize_experts(jnp.asarray(w13), jnp.asarray(down), config)
 
 
 def _group_index(projections, names: list[str], k: int, group: int):
@@ -439,6 +470,9 @@ class HFMoE:
         names: the gate, up and down tensor names of an expert.
         prefix: the experts' tensor prefix, ``{layer}`` to fill.
         block: the :class:`~humming_jax.nn.MoEBlock` router arguments.
+        router: the router's tensor prefix (``{prefix}.weight [E, H]``, a bias,
+            a correction bias), ``{layer}`` to fill.
+        shared: the shared expert's tensor prefix, ``{layer}`` to fill; None: none.
     """
 
     experts: ExpertsConfig
@@ -446,9 +480,18 @@ class HFMoE:
     names: tuple[str, str, str]
     prefix: str
     block: dict
+    router: str = ""
+    shared: str | None = None
 
 
 _GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+# model_type -> (router prefix, shared expert prefix)
+_HF_ROUTERS = {
+    "mixtral": ("model.layers.{layer}.block_sparse_moe.gate", None),
+    "qwen3_moe": ("model.layers.{layer}.mlp.gate", None),
+    "deepseek_v3": ("model.layers.{layer}.mlp.gate", "model.layers.{layer}.mlp.shared_experts"),
+    "gpt_oss": ("model.layers.{layer}.mlp.router", None),
+}
 # model_type -> (experts key, intermediate key, expert prefix, tensor names)
 _HF_MODELS = {
     "mixtral": (
@@ -519,7 +562,64 @@ def from_hf_config(config: Mapping | str | os.PathLike) -> HFMoE:
             shared_intermediate_size=config["moe_intermediate_size"] * config.get("n_shared_experts", 0) or None,
         )
     if model_type == "qwen3_moe" and config.get("shared_expert_intermediate_size"):
-        block["shared_intermediate_size"] = config["shared_expert_intermediate_size"]
+        raise ValueError(
+            "from_hf_config: shared_expert_intermediate_size: a Qwen2-MoE-style gated shared expert is not supported"
+        )
     if model_type == "gpt_oss":
         block["router_bias"] = True
-    return HFMoE(experts, layout, names, prefix, block)
+    router, shared = _HF_ROUTERS[model_type]
+    return HFMoE(
+        experts, layout, names, prefix, block, router, shared if block.get("shared_intermediate_size") else None
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterWeights:
+    """A MoE layer's router and shared expert as a checkpoint stores them
+    (PyTorch's ``[out, in]`` linear layout, f32).
+
+    Attributes:
+        weight: ``[E, H]``, logits = ``x @ weight.T``.
+        bias: ``[E]`` or None (gpt-oss).
+        correction_bias: ``[E]`` or None (DeepSeek-V3's ``e_score_correction_bias``).
+        shared: the shared expert's ``(gate [Is, H], up [Is, H], down [H, Is])`` or None.
+    """
+
+    weight: np.ndarray
+    bias: np.ndarray | None = None
+    correction_bias: np.ndarray | None = None
+    shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+def load_router(tensors: Mapping[str, np.ndarray], hf: HFMoE, layer: int) -> RouterWeights:
+    """The router (and shared expert) of one MoE layer.
+
+    Args:
+        tensors: ``{name: array}``, e.g. a :class:`SafetensorsCheckpoint`.
+        hf: the model's :class:`HFMoE` (:func:`from_hf_config`).
+        layer: the layer's index.
+
+    Returns:
+        The :class:`RouterWeights`, float32.
+
+    Raises:
+        ValueError: a missing tensor or one of the wrong shape or dtype (named).
+    """
+    t = _Tensors(tensors)
+    e, h = hf.experts.global_num_experts, hf.experts.hidden_size
+    prefix = hf.router.format(layer=layer)
+
+    def get(name, shape, optional=False):
+        array = t.get(name, shape, _FLOATS, optional=optional)
+        return None if array is None else array.astype(np.float32)
+
+    bias = get(f"{prefix}.bias", (e,)) if hf.block.get("router_bias") else None
+    correction = get(f"{prefix}.e_score_correction_bias", (e,)) if hf.block.get("correction_bias") else None
+    shared = None
+    if hf.shared is not None:
+        shared_prefix, width = hf.shared.format(layer=layer), hf.block["shared_intermediate_size"]
+        shared = tuple(
+            get(f"{shared_prefix}.{name}.weight", shape)
+            for name, shape in (("gate_proj", (width, h)), ("up_proj", (width, h)), ("down_proj", (h, width)))
+        )
+    return RouterWeights(get(f"{prefix}.weight", (e, h)), bias, correction, shared)

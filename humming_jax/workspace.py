@@ -21,7 +21,7 @@ from humming_jax import input_quant as Q
 from humming_jax.activations import ActivationSpec, get_activation
 from humming_jax.configs import ExpertsConfig
 
-PIPELINES = ("grouped", "indexed", "batched")
+PIPELINES = ("grouped", "indexed", "batched", "ep")
 CHAIN = ("quanted_gate_up_input", "gate_up_output", "quanted_down_input", "down_output", "output")
 
 
@@ -78,6 +78,9 @@ def plan_workspace(
     activation: ActivationSpec | str | None = None,
     max_num_tokens: int | None = None,
     num_dispatchers: int | None = None,
+    num_ranks: int | None = None,
+    redundant: int = 0,
+    capacity: int | None = None,
 ) -> WorkspacePlan:
     """Static shapes of every intermediate of an expert pipeline (vLLM's
     ``workspace_shapes``): gated activations halve the intermediate width,
@@ -88,17 +91,27 @@ def plan_workspace(
         num_tokens: M, the tokens of a call.
         top_k: the slots per token.
         pipeline: ``"grouped"`` (w13 reads the permuted ``[M·k, H]``),
-            ``"indexed"`` (w13 reads the unexpanded ``[M, H]``) or ``"batched"``
-            (``[E, max_num_tokens·num_dispatchers, H]``).
+            ``"indexed"`` (w13 reads the unexpanded ``[M, H]``), ``"batched"``
+            (``[E, max_num_tokens·num_dispatchers, H]``) or ``"ep"`` (one rank of
+            :func:`~humming_jax.parallel.ep_experts`: ``config`` and ``num_tokens``
+            the global layer's; the exchange's buffers, then the grouped
+            pipeline over the NvS received rows, one slot each).
         activation: overrides ``config.activation``.
         max_num_tokens: batched: the rows an expert holds.
         num_dispatchers: batched: the ranks dispatching into one buffer.
+        num_ranks: ep: R, the ranks of the mesh axis.
+        redundant: ep: B, the expert copies a rank holds.
+        capacity: ep: the rows a rank receives; None: the worst case R·S·k.
 
     Returns:
         The :class:`WorkspacePlan`.
     """
     if pipeline not in PIPELINES:
         raise ValueError(f"plan_workspace: pipeline: expected one of {PIPELINES}, got {pipeline!r}")
+    if pipeline == "ep":
+        if num_ranks is None:
+            raise ValueError("plan_workspace: the ep pipeline needs num_ranks")
+        return _plan_ep_workspace(config, num_tokens, top_k, activation, num_ranks, redundant, capacity)
     # num_tokens may be 0 (an idle rank's empty batch: every buffer has no rows).
     for name, value, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -148,3 +161,32 @@ def plan_workspace(
         workspace_of[name] = slot + 1
         sizes[slot] = max(sizes[slot], math.prod(buffers[name].shape) * buffers[name].dtype.itemsize)
     return WorkspacePlan(buffers, tuple(required), workspace_of, sizes[0], sizes[1])
+
+
+def _plan_ep_workspace(config, num_tokens, top_k, activation, num_ranks, redundant, capacity) -> WorkspacePlan:
+    """One rank's buffers of an expert-parallel step: the slots' rows sorted
+    for the send (quantized first when their scales belong to the row), the
+    NvS rows and weight-row ids received, the grouped pipeline over them (one
+    slot each), the rows returned by the combine and the rank's output."""
+    from humming_jax import parallel  # (parallel builds on the pipelines; the sizes are its plan's)
+
+    if top_k != config.top_k:
+        raise ValueError(f"plan_workspace: top_k: the ep pipeline routes config.top_k={config.top_k}, got {top_k}")
+    plan = parallel.plan_ep(config, num_tokens, num_ranks, capacity, redundant)
+    rows = plan.weight_rows
+    local = dataclasses.replace(config, num_experts=rows, top_k=1, global_num_experts=rows)
+    inner = plan_workspace(local, plan.receive_rows, 1, "grouped", activation)
+    hidden = config.hidden_size
+    quant = config.input_quant
+    sent = quant if quant.is_quantized and quant.mode in parallel.ROW_SCALED_MODES else None
+    row_dtype = activation_dtype(sent, config.compute_dtype) if sent else jnp.dtype(config.compute_dtype)
+    row_width = hidden // sent.packs_k if sent else hidden
+    exchange = {
+        "dispatch_rows": jax.ShapeDtypeStruct((plan.slots_per_rank, row_width), row_dtype),
+        "received_rows": jax.ShapeDtypeStruct((plan.receive_rows, row_width), row_dtype),
+        "received_ids": jax.ShapeDtypeStruct((plan.receive_rows,), jnp.int32),
+        "returned_rows": jax.ShapeDtypeStruct((plan.slots_per_rank, hidden), jnp.dtype(config.compute_dtype)),
+    }
+    buffers = {**exchange, **inner.buffers, "expert_output": inner.buffers["output"]}
+    buffers["output"] = jax.ShapeDtypeStruct((plan.tokens_per_rank, hidden), jnp.dtype(config.compute_dtype))
+    return dataclasses.replace(inner, buffers=buffers)

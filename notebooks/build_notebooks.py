@@ -18,8 +18,8 @@ QUICKSTART = [
         """# humming_jax quickstart
 
 Build each expert module on a small Qwen3-like layer, run it on the default
-backend (the Pallas kernels; interpreted on a CPU) and compare it with the
-pure-`jnp` reference.""",
+backend (the Pallas kernels on a GPU, the XLA reference elsewhere) and compare
+it with the pure-`jnp` reference.""",
     ),
     (
         "code",
@@ -247,7 +247,73 @@ for (problem, g, t, fmt), r in sorted(rows.items()):
     ),
 ]
 
-NOTEBOOKS = {"01_quickstart.ipynb": QUICKSTART, "02_formats.ipynb": FORMATS, "03_performance.ipynb": PERFORMANCE}
+CHECKPOINTS = [
+    (
+        "markdown",
+        """# Loading a MoE layer from a checkpoint
+
+A tiny Qwen3-MoE-shaped checkpoint written here in Hugging Face's layout (a
+`config.json`, the tensors in two safetensors shards and their index), then one
+call: `MoEBlock.from_checkpoint(folder, layer)` reads the config, the layer's
+experts (memory-mapped: only that layer's bytes), its router (PyTorch's
+`[E, H]` weight transposed to the NNX kernel) and builds the block.""",
+    ),
+    (
+        "code",
+        """import json, os, tempfile
+import jax, jax.numpy as jnp, ml_dtypes, numpy as np
+from safetensors.numpy import save_file
+import humming_jax as hj
+
+folder = tempfile.mkdtemp()
+E, H, I, K, LAYERS = 8, 128, 64, 2, 2
+config = dict(model_type="qwen3_moe", hidden_size=H, num_experts=E, moe_intermediate_size=I,
+              num_experts_per_tok=K, norm_topk_prob=True)
+json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+rng = np.random.default_rng(0)
+bf16 = lambda *shape: (rng.normal(0, 0.05, shape)).astype(ml_dtypes.bfloat16)
+shards = [{}, {}]
+for layer in range(LAYERS):  # one shard a layer
+    mlp = f"model.layers.{layer}.mlp"
+    shards[layer][f"{mlp}.gate.weight"] = bf16(E, H)
+    for e in range(E):
+        for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            shards[layer][f"{mlp}.experts.{e}.{name}.weight"] = bf16(*shape)
+weight_map = {}
+for n, tensors in enumerate(shards):
+    file = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_file(tensors, os.path.join(folder, file))
+    weight_map.update(dict.fromkeys(tensors, file))
+json.dump({"weight_map": weight_map}, open(os.path.join(folder, "model.safetensors.index.json"), "w"))
+print(sorted(os.listdir(folder)))""",
+    ),
+    (
+        "code",
+        """block = hj.nn.MoEBlock.from_checkpoint(folder, layer=1)
+cfg = block.experts.config
+print(f"layer 1: {cfg.num_experts} experts, H={cfg.hidden_size}, I={cfg.intermediate_size}, top_k={cfg.top_k}, "
+      f"weights {cfg.weight_format.name}; router kernel {block.router.kernel.get_value().shape}")
+x = jax.random.normal(jax.random.key(0), (4, H), jnp.bfloat16)
+y = block(x)
+print("output", y.shape, y.dtype)
+
+# The same layer by hand: the router is x @ gate.weight.T, the experts' weights as stored.
+mlp = "model.layers.1.mlp"
+ckpt = hj.checkpoints.SafetensorsCheckpoint(folder)
+logits = np.asarray(x, np.float32) @ np.asarray(ckpt[f"{mlp}.gate.weight"], np.float32).T
+weights, ids = hj.nn.route(jnp.asarray(logits), top_k=K)
+by_hand = hj.humming_grouped_experts(x, block.experts.weights, weights, ids, block.experts.config)
+print("from_checkpoint vs by hand:", float(jnp.max(jnp.abs(y.astype(jnp.float32) - by_hand.astype(jnp.float32)))))""",
+    ),
+]
+
+
+NOTEBOOKS = {
+    "01_quickstart.ipynb": QUICKSTART,
+    "02_formats.ipynb": FORMATS,
+    "03_performance.ipynb": PERFORMANCE,
+    "04_checkpoints.ipynb": CHECKPOINTS,
+}
 
 
 def build(name: str, cells) -> nbformat.NotebookNode:
@@ -265,8 +331,11 @@ def execute(nb: nbformat.NotebookNode, timeout: int = 600) -> nbformat.NotebookN
     return nb
 
 
-def main() -> int:
+def main(names: list[str]) -> int:
+    """Build and execute the notebooks named (default: every one)."""
     for name, cells in NOTEBOOKS.items():
+        if names and name not in names:
+            continue
         nb = execute(build(name, cells))
         nbformat.write(nb, os.path.join(HERE, name))
         print("wrote", name)
@@ -278,4 +347,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -345,6 +345,34 @@ def gemm(x64, w64, bias64, layout_kind, **layout):
     raise ValueError(layout_kind)
 
 
+def deepseek_v3_route(logits, bias, top_k, num_groups, topk_groups, scale):
+    """DeepSeek-V3's router, token by token in float64 (sigmoid scores; groups
+    scored by the sum of their two best biased scores; experts chosen by biased
+    score inside the best groups; weights from the unbiased scores,
+    renormalized, times the routed scaling factor)."""
+    scores = 1 / (1 + np.exp(-logits))
+    size = logits.shape[1] // num_groups
+    weights, ids = [], []
+    for row in scores + bias:
+        group_scores = [np.sort(row[g * size : (g + 1) * size])[-2:].sum() for g in range(num_groups)]
+        kept = np.argsort(group_scores)[::-1][:topk_groups]
+        allowed = np.concatenate([np.arange(g * size, (g + 1) * size) for g in kept])
+        chosen = allowed[np.argsort(row[allowed])[::-1][:top_k]]
+        ids.append(chosen)
+    ids = np.array(ids)
+    weights = np.take_along_axis(scores, ids, -1)
+    return weights / weights.sum(-1, keepdims=True) * scale, ids
+
+
+def softmax_route(logits, top_k: int, renormalize: bool):
+    """Softmax top-k routing in float64: (weights, ids)."""
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(p, ids, -1)
+    return (weights / weights.sum(-1, keepdims=True) if renormalize else weights), ids
+
+
 def layout_fields(layout) -> tuple[str, dict]:
     """(kind, fields) of a GEMM layout object for :func:`gemm`, read from its
     arrays by attribute name."""

@@ -388,3 +388,91 @@ def test_a_gptq_config_loads_its_checkpoint_bit_exact(tmp_path, rng):
         from_hf_config({**config, "quantization_config": {"quant_method": "bitsandbytes"}})
     with pytest.raises(ValueError, match="model_type"):
         from_hf_config({**config, "model_type": "llama"})
+
+
+def _bf16(rng, *shape, scale=0.05):
+    return rng.normal(0, scale, shape).astype(ml_dtypes.bfloat16)
+
+
+def _float_experts(rng, prefix, names, e, h, i):
+    """Per-expert bf16 weights as Mixtral / Qwen3 / DeepSeek-V3 store them; (tensors, w13 [E, 2I, H], w2 [E, H, I])."""
+    tensors, w13, w2 = {}, [], []
+    for x in range(e):
+        gate, up, down = _bf16(rng, i, h), _bf16(rng, i, h), _bf16(rng, h, i)
+        tensors.update({f"{prefix}.{x}.{name}.weight": w for name, w in zip(names, (gate, up, down), strict=True)})
+        w13.append(np.concatenate([gate, up]).astype(np.float64))
+        w2.append(down.astype(np.float64))
+    return tensors, np.stack(w13), np.stack(w2)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_a_moe_block_loads_from_a_checkpoint_folder(model_type, tmp_path, rng):
+    """``MoEBlock.from_checkpoint(folder, layer)``: config, experts, router (the
+    ``[E, H]`` weight transposed to NNX's kernel, gpt-oss's bias, DeepSeek-V3's
+    correction bias) and shared expert from a folder (Mixtral's in two shards
+    with an index) — the block's output against float64 math on the stored
+    weights, routed in NumPy as each model routes."""
+    e, h, i, k, layer = 8, 128, 128, 2, 1
+    config = dict(model_type=model_type, hidden_size=h, num_experts_per_tok=k)
+    config.update(
+        {
+            "mixtral": dict(num_local_experts=e, intermediate_size=i),
+            "qwen3_moe": dict(num_experts=e, moe_intermediate_size=i, norm_topk_prob=False),
+            "deepseek_v3": dict(
+                n_routed_experts=e, moe_intermediate_size=i, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                scoring_func="sigmoid", topk_method="noaux_tc", n_shared_experts=1, norm_topk_prob=True,
+            ),
+            "gpt_oss": dict(num_local_experts=e, intermediate_size=i, quantization_config={"quant_method": "mxfp4"}),
+        }[model_type]
+    )  # fmt: skip
+    mlp = f"model.layers.{layer}." + ("block_sparse_moe" if model_type == "mixtral" else "mlp")
+    b13 = b2 = None
+    if model_type == "gpt_oss":
+        t13, w13, b13 = write_gpt_oss(rng, e, 2 * i, h)
+        t2, w2, b2 = write_gpt_oss(rng, e, h, i)
+        tensors = {f"{mlp}.experts.gate_up_proj_{name}": v for name, v in t13.items()}
+        tensors.update({f"{mlp}.experts.down_proj_{name}": v for name, v in t2.items()})
+        b13, b2 = b13.astype(np.float64), b2.astype(np.float64)
+    else:
+        names = ("w1", "w3", "w2") if model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        tensors, w13, w2 = _float_experts(rng, f"{mlp}.experts", names, e, h, i)
+    router = "router" if model_type == "gpt_oss" else "gate"
+    tensors[f"{mlp}.{router}.weight"] = router_w = _bf16(rng, e, h, scale=0.3)
+    router_b = correction = shared = None
+    if model_type == "gpt_oss":
+        tensors[f"{mlp}.router.bias"] = router_b = _bf16(rng, e, scale=0.3)
+    if model_type == "deepseek_v3":
+        tensors[f"{mlp}.gate.e_score_correction_bias"] = correction = rng.normal(0, 0.1, e).astype(np.float32)
+        shared = [_bf16(rng, *shape) for shape in ((i, h), (i, h), (h, i))]
+        tensors.update({f"{mlp}.shared_experts.{n}.weight": w for n, w in zip(_GATE_UP_DOWN, shared, strict=True)})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    names_sorted = sorted(tensors)
+    shards = [names_sorted[::2], names_sorted[1::2]] if model_type == "mixtral" else [names_sorted]
+    index = {}
+    for n, shard in enumerate(shards):
+        file = f"model-{n:05d}.safetensors"
+        save_file({name: np.ascontiguousarray(tensors[name]) for name in shard}, str(tmp_path / file))
+        index.update(dict.fromkeys(shard, file))
+    if len(shards) > 1:
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+
+    block = hj.nn.MoEBlock.from_checkpoint(tmp_path, layer, backend="reference")
+    np.testing.assert_array_equal(np.asarray(block.router.kernel.get_value()), router_w.astype(np.float32).T)
+    x = rng.normal(size=(6, h)).astype(ml_dtypes.bfloat16)
+    out = np.asarray(block(jnp.asarray(x)), np.float64)
+
+    x64 = x.astype(np.float64)
+    logits = x64 @ router_w.astype(np.float64).T + (0 if router_b is None else router_b.astype(np.float64))
+    if model_type == "deepseek_v3":
+        weights, ids = np_ref.deepseek_v3_route(logits, correction.astype(np.float64), k, 4, 2, 2.5)
+    else:
+        weights, ids = np_ref.softmax_route(logits, k, renormalize=model_type != "qwen3_moe")
+    activation = "swigluoai" if model_type == "gpt_oss" else "silu"
+    expected = _moe_float(x64, w13, w2, ids, weights, activation, b13, b2)
+    if shared is not None:
+        gate, up, down = (w.astype(np.float64) for w in shared)
+        expected += np_ref.silu(x64 @ gate.T) * (x64 @ up.T) @ down.T
+    assert np_ref.relative_error(out, expected) < 2e-2
+
+
+_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")

@@ -10,6 +10,8 @@ from flax import nnx
 import humming_jax as hj
 from humming_jax import nn
 
+import np_ref
+
 CONFIG = hj.ExpertsConfig(8, 128, 128, 2, weight_format="int4_g128")
 
 
@@ -195,25 +197,6 @@ def test_moe_block_with_batched_and_moonep_experts():
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference, np.float32), rtol=2e-2, atol=2e-2)
 
 
-def _deepseek_v3_route(logits, bias, top_k, num_groups, topk_groups, scale):
-    """DeepSeek-V3's router, token by token in float64 (sigmoid scores; groups
-    scored by the sum of their two best biased scores; experts chosen by biased
-    score inside the best groups; weights from the unbiased scores,
-    renormalized, times the routed scaling factor)."""
-    scores = 1 / (1 + np.exp(-logits))
-    size = logits.shape[1] // num_groups
-    weights, ids = [], []
-    for row in scores + bias:
-        group_scores = [np.sort(row[g * size : (g + 1) * size])[-2:].sum() for g in range(num_groups)]
-        kept = np.argsort(group_scores)[::-1][:topk_groups]
-        allowed = np.concatenate([np.arange(g * size, (g + 1) * size) for g in kept])
-        chosen = allowed[np.argsort(row[allowed])[::-1][:top_k]]
-        ids.append(chosen)
-    ids = np.array(ids)
-    weights = np.take_along_axis(scores, ids, -1)
-    return weights / weights.sum(-1, keepdims=True) * scale, ids
-
-
 def test_group_limited_routing_and_router_bias(rng):
     """DeepSeek-V3's group-limited top-k with routed scaling against NumPy, the
     group arguments checked, and gpt-oss's router bias in the block."""
@@ -222,7 +205,7 @@ def test_group_limited_routing_and_router_bias(rng):
     got_w, got_ids = nn.route(
         jnp.asarray(logits, jnp.float32), 4, "sigmoid", True, jnp.asarray(bias, jnp.float32), 8, 3, 2.5
     )
-    want_w, want_ids = _deepseek_v3_route(logits, bias, 4, 8, 3, 2.5)
+    want_w, want_ids = np_ref.deepseek_v3_route(logits, bias, 4, 8, 3, 2.5)
     order = np.argsort(np.asarray(got_ids), -1)
     np.testing.assert_array_equal(np.take_along_axis(np.asarray(got_ids), order, -1), np.sort(want_ids, -1))
     np.testing.assert_allclose(

@@ -12,7 +12,9 @@ from nbclient import NotebookClient
 NOTEBOOKS = os.path.join(os.path.dirname(__file__), "..", "notebooks")
 
 
-@pytest.mark.parametrize("name", ["01_quickstart.ipynb", "02_formats.ipynb", "03_performance.ipynb"])
+@pytest.mark.parametrize(
+    "name", ["01_quickstart.ipynb", "02_formats.ipynb", "03_performance.ipynb", "04_checkpoints.ipynb"]
+)
 def test_notebook_runs(name, tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("HUMMING_JAX_BACKEND", "reference")

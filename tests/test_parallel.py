@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import humming_jax as hj
 from humming_jax import experts as X
 from humming_jax import parallel
 from humming_jax.configs import ExpertsConfig
@@ -51,7 +52,7 @@ def _mesh(ranks: int):
     "ranks,fmt,input_quant",
     [
         (1, "bf16", "none"),
-        pytest.param(2, "bf16", "none", marks=FULL),
+        (2, "bf16", "none"),
         (8, "int4_g32", "none"),
         (4, "fp8_channel", "fp8_dynamic_token"),
     ],
@@ -316,3 +317,31 @@ def test_the_gpu_exchange_warns_without_xlas_decomposer(monkeypatch):
         warnings.simplefilter("error")
         parallel._warn_without_decomposer()
     parallel._warn_without_decomposer.cache_clear()
+
+
+@pytest.mark.parametrize("input_quant", ["none", "fp8_dynamic_token"])
+def test_the_workspace_plan_gives_each_ranks_buffers(input_quant, rng):
+    """``plan_workspace(..., "ep", num_ranks=R, redundant=B)``: the dispatch's
+    send, receive and id buffers and the rank's output as the step makes them
+    (rows quantized before the send when their scales belong to the row), as
+    the dispatch stage traces them."""
+    ranks, redundant = 4, 1
+    config, weights = _layer(rng, "fp8_channel" if input_quant != "none" else "bf16", input_quant)
+    plan = hj.plan_workspace(config, T, TOP_K, "ep", num_ranks=ranks, redundant=redundant)
+    b = plan.buffers
+    slots, receive = T // ranks * TOP_K, T * TOP_K
+    assert b["dispatch_rows"].shape == (slots, H) and b["received_rows"].shape == (receive, H)
+    assert b["received_ids"].shape == (receive,) and b["output"].shape == (T // ranks, H)
+    assert b["quanted_gate_up_input"].shape[0] == receive and b["returned_rows"].shape == (slots, H)
+    quantized = input_quant != "none"
+    assert b["received_rows"].dtype == (jnp.float8_e4m3fn if quantized else jnp.bfloat16)
+    mesh = _mesh(ranks)
+    ids, topk_weights = _routing(rng, skewed=True)
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
+    placed = parallel.shard_weights(weights, config, mesh)
+    dispatch = parallel.ep_stages(config, mesh, placed, T, redundant_experts=redundant, backend="reference")[0]
+    state = jax.eval_shape(dispatch.run, dict(hidden_states=x, weights=placed, topk_weights=topk_weights, topk_ids=ids))
+    for name, key in (("received_rows", "recv_rows"), ("received_ids", "recv_ids")):  # laid end to end over the ranks
+        assert state[key].shape == (ranks * b[name].shape[0], *b[name].shape[1:]) and state[key].dtype == b[name].dtype
+    with pytest.raises(ValueError, match="num_ranks"):
+        hj.plan_workspace(config, T, TOP_K, "ep")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from humming_jax import routing
-from humming_jax.nn.experts import BatchedHummingGroupedExperts, MoonEPExperts
+from humming_jax import checkpoints, routing
+from humming_jax.nn.experts import BatchedHummingGroupedExperts, HummingGroupedExperts, MoonEPExperts
 
 SCORING = ("softmax", "sigmoid")
 
@@ -208,6 +210,52 @@ class MoEBlock(nnx.Module):
             if shared_intermediate_size
             else None
         )
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike,
+        layer: int,
+        *,
+        experts: type = HummingGroupedExperts,
+        backend: str | None = None,
+        **experts_kwargs,
+    ) -> MoEBlock:
+        """One MoE layer of a Hugging Face checkpoint folder, in one call: its
+        ``config.json`` gives the layer's config and layout
+        (:func:`~humming_jax.checkpoints.from_hf_config`), its safetensors the
+        experts (read lazily, one layer's bytes) and the router and shared
+        expert, placed in the Flax layout (PyTorch's ``[out, in]`` linear
+        weights transposed to NNX's ``[in, out]`` kernels).
+
+        Args:
+            path: the checkpoint folder (``config.json``, ``*.safetensors``,
+                optionally ``model.safetensors.index.json``).
+            layer: the decoder layer's index.
+            experts: the expert module class (the grouped, indexed or batched one).
+            backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+            **experts_kwargs: to the expert module (``max_num_tokens`` for the batched one).
+
+        Returns:
+            The :class:`MoEBlock`.
+        """
+        hf = checkpoints.from_hf_config(os.path.join(path, "config.json"))
+        tensors = checkpoints.SafetensorsCheckpoint(path)
+        weights = checkpoints.load_experts(tensors, hf.prefix.format(layer=layer), hf.experts, hf.layout, hf.names)
+        module = experts(hf.experts, weights=weights, backend=backend, **experts_kwargs)
+        block = cls(module, rngs=nnx.Rngs(0), **hf.block)
+        router = checkpoints.load_router(tensors, hf, layer)
+        block.router.kernel.set_value(jnp.asarray(router.weight.T))
+        if router.bias is not None:
+            block.router.bias.set_value(jnp.asarray(router.bias))
+        if router.correction_bias is not None:
+            block.correction_bias.set_value(jnp.asarray(router.correction_bias))
+        if router.shared is not None:
+            for linear, weight in zip(
+                (block.shared.gate, block.shared.up, block.shared.down), router.shared, strict=True
+            ):
+                linear.kernel.set_value(jnp.asarray(weight.T, linear.kernel.get_value().dtype))
+        return block
 
     def __call__(self, x: jax.Array, expert_map: jax.Array | None = None) -> jax.Array:
         """Route and run the experts.
