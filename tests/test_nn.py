@@ -92,8 +92,10 @@ def test_jit_compiles_once_across_routings():
     assert len(traces) == 1
 
 
+# The block's routing, dispatch and layer stacking on the reference backend: the
+# modules' kernel paths are the tests above and test_pipelines'.
 def test_moe_block_routing_and_shared_expert():
-    experts = nn.HummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0))
+    experts = nn.HummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0), backend="reference")
     for scoring in ("softmax", "sigmoid"):
         block = nn.MoEBlock(
             experts,
@@ -135,7 +137,7 @@ def test_scan_over_layers():
     @nnx.split_rngs(splits=layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def create(rngs):
-        return nn.MoEBlock(nn.HummingGroupedExperts(CONFIG, rngs=rngs), rngs=rngs)
+        return nn.MoEBlock(nn.HummingGroupedExperts(CONFIG, rngs=rngs, backend="reference"), rngs=rngs)
 
     stack = create(nnx.Rngs(0))
 
@@ -177,8 +179,11 @@ def test_module_errors():
 def test_moe_block_with_batched_and_moonep_experts():
     """Every expert module drops into MoEBlock: the batched and MoonEP ones give
     the grouped module's result on the same weights and routing."""
-    grouped = nn.HummingGroupedExperts(hj.ExpertsConfig(8, 128, 128, 2, weight_format="bf16"), rngs=nnx.Rngs(0))
-    batched = nn.BatchedHummingGroupedExperts.from_quantized(grouped.config, grouped.weights, max_num_tokens=6)
+    config = hj.ExpertsConfig(8, 128, 128, 2, weight_format="bf16")
+    grouped = nn.HummingGroupedExperts(config, rngs=nnx.Rngs(0), backend="reference")
+    batched = nn.BatchedHummingGroupedExperts.from_quantized(
+        config, grouped.weights, max_num_tokens=6, backend="reference"
+    )
     pad = lambda w: jnp.concatenate([w, w[:1]])  # noqa: E731  (one redundant row: a copy of expert 0)
     w13 = grouped.weights.w13.values
     moon = nn.MoonEPExperts(
@@ -189,6 +194,7 @@ def test_moe_block_with_batched_and_moonep_experts():
         w_gate=pad(w13[:, :128]),
         w_up=pad(w13[:, 128:]),
         w_down=pad(grouped.weights.w2.values),
+        backend="reference",
     )
     x = _tokens(8)
     reference = nn.MoEBlock(grouped, rngs=nnx.Rngs(1))(x)
@@ -216,7 +222,8 @@ def test_group_limited_routing_and_router_bias(rng):
     for groups, kept in ((5, 2), (8, 9), (8, 1)):  # 32 % 5; more kept groups than groups; 1 group of 4 < top_k=5
         with pytest.raises(ValueError, match="num_groups|topk_groups"):
             nn.route(jnp.zeros((2, 32)), 5, "sigmoid", num_groups=groups, topk_groups=kept)
-    block = nn.MoEBlock(nn.HummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1), router_bias=True)
+    experts = nn.HummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0), backend="reference")
+    block = nn.MoEBlock(experts, rngs=nnx.Rngs(1), router_bias=True)
     assert block.router.bias is not None and block.router.bias.get_value().shape == (CONFIG.global_num_experts,)
 
 
