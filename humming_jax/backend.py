@@ -4,8 +4,8 @@
 the same kernels in Pallas interpret mode (CPU), ``"reference"`` runs the pure
 ``jnp`` reference. With no explicit choice the environment variable
 ``HUMMING_JAX_BACKEND`` decides, else the platform: GPU -> ``pallas``,
-anything else -> ``reference`` (XLA runs it several times faster than the
-interpreted kernels; ``"interpret"`` is for testing the kernels off a GPU).
+anything else -> ``reference`` (faster there than the interpreted kernels;
+``"interpret"`` is for testing the kernels off a GPU).
 
 A call that no kernel takes (:func:`no_kernel`) raises on a GPU, naming the op
 and the reason, unless the user opted in to the reference

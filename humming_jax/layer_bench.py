@@ -70,7 +70,7 @@ def _sent_bytes(case: LayerCase, ranks: int) -> int:
     config = case.config()
     slots = case.tokens // ranks * config.top_k
     quant = config.input_quant
-    if quant.is_quantized and quant.mode in parallel.ROW_SCALED_MODES:
+    if parallel.sends_quantized(config):
         groups = 1 if quant.group_size == 0 else config.hidden_size // quant.group_size
         row = config.hidden_size * quant.dtype.bits // 8 + 4 * groups
     else:

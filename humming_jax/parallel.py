@@ -23,7 +23,7 @@ XLA's CPU backend has no ``ragged-all-to-all``: there (``backend`` other than
 an ``all_gather`` of every rank's rows from which each rank takes its own —
 the same result, R times the traffic (for tests on simulated devices). On
 GPUs start the process with ``XLA_FLAGS=`` :data:`RAGGED_DECOMPOSER_FLAG`
-(without it XLA's exchange costs ~1 µs a row; a warning says so once).
+(without it XLA's exchange is far slower; a warning says so once).
 Inputs whose scales belong to their row (dynamic per token or per group:
 fp8 per token, DeepSeek-V3's fp8 per 128) are quantized before the send and
 travel as their 8-bit values with their scales (half a bf16 row's bytes);
@@ -62,12 +62,17 @@ __all__ = [
     "weight_specs",
 ]
 
-# XLA's GPU ragged-all-to-all without this pass runs ~1 µs a row (a 4096-row
-# exchange: 4.5 ms on one H200 against 28 µs with it); XLA reads it at start-up.
+# Without this pass XLA's GPU ragged-all-to-all is slow (notes/layer.md v2);
+# XLA reads its flags at start-up, so the user sets it.
 RAGGED_DECOMPOSER_FLAG = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
 
 # Input modes whose scales belong to their row: quantized before the send.
 ROW_SCALED_MODES = (Q.InputQuantMode.DYNAMIC_TOKEN, Q.InputQuantMode.DYNAMIC_GROUP)
+
+
+def sends_quantized(config: ExpertsConfig) -> bool:
+    """Whether the dispatch sends w13's input quantized (its scales belong to the row)."""
+    return config.input_quant.is_quantized and config.input_quant.mode in ROW_SCALED_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +103,11 @@ class EPPlan:
     @property
     def worst_case_rows(self) -> int:
         return self.num_ranks * self.slots_per_rank
+
+    @property
+    def local(self) -> bool:
+        """One rank holding every expert and receiving every slot: no exchange."""
+        return self.num_ranks == 1 and self.receive_rows >= self.slots_per_rank
 
 
 def plan_ep(
@@ -400,7 +410,7 @@ def _dispatch(s: dict, ctx: _Ctx) -> dict:
 
     hidden_states = s["hidden_states"]
     out = dict(recv_ids=dispatch(row[order], -1))  # each slot's weight row on its destination
-    if config.input_quant.is_quantized and config.input_quant.mode in ROW_SCALED_MODES:
+    if sends_quantized(config):
         # Quantized on the source (the same rows the receiver would make), sent as bytes with their scales.
         q = process_input(
             hidden_states,
@@ -484,7 +494,7 @@ def _warn_without_decomposer() -> None:
     """Once a process: the exchange is slow unless XLA decomposes it."""
     if RAGGED_DECOMPOSER_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         warnings.warn(
-            f"ep_experts: XLA's GPU ragged-all-to-all is ~1 µs a row without its decomposer; start the "
+            f"ep_experts: XLA's GPU ragged-all-to-all is slow without its decomposer; start the "
             f"process with XLA_FLAGS={RAGGED_DECOMPOSER_FLAG}",
             stacklevel=4,
         )
@@ -590,7 +600,7 @@ def _ep(hidden_states, weights, topk_weights, topk_ids, config, mesh, axis_name,
         _warn_without_decomposer()
     ctx = _Ctx(config, plan, axis_name, backend, _exchange(backend == "pallas"), _per_expert(weights, config))
     step = functools.partial(_step, ctx=ctx)
-    if plan.num_ranks == 1 and plan.receive_rows >= plan.slots_per_rank:
+    if plan.local:
         # One rank holds every expert and receives every slot: the exchange is a
         # reordering, the copies are its own experts — the local layer, the same result.
         step = functools.partial(_local_step, config=config, backend=backend)
@@ -658,6 +668,6 @@ def ep_stages(
 
         return X.Stage(rank_stage.name, run)
 
-    if plan.num_ranks == 1:  # as ep_experts: the local layer
+    if plan.local:  # as ep_experts: the local layer
         return tuple(mapped(stage) for stage in X.grouped_stages(config, backend))
     return tuple(mapped(stage) for stage in _rank_stages(ctx))

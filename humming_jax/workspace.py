@@ -178,7 +178,7 @@ def _plan_ep_workspace(config, num_tokens, top_k, activation, num_ranks, redunda
     inner = plan_workspace(local, plan.receive_rows, 1, "grouped", activation)
     hidden = config.hidden_size
     quant = config.input_quant
-    sent = quant if quant.is_quantized and quant.mode in parallel.ROW_SCALED_MODES else None
+    sent = quant if parallel.sends_quantized(config) else None
     row_dtype = activation_dtype(sent, config.compute_dtype) if sent else jnp.dtype(config.compute_dtype)
     row_width = hidden // sent.packs_k if sent else hidden
     exchange = {
