@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 	  echo "using $$PYTHON ($$($$PYTHON --version))"; \
 	  $$PYTHON -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,dev,notebooks$(CUDA_EXTRA)]'
+	@# byte-compiled on first import instead (only the modules used): a faster install
+	$(PY) -m pip install -q --no-compile -e '.[test,dev,notebooks$(CUDA_EXTRA)]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -228,8 +228,7 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
     if outputs == "sorted":
         sorted_ref, expert_ids_ref = outs
         width = min(tiles.fill_bin_tile, g.bins_padded)
-        per_program = tiles.fill_positions
-        blocks_per_program = per_program // g.block_size
+        per_program, blocks_per_program = tiles.fill_positions, _fill_blocks(g, tiles)
 
         @pl.when(program >= num_chunks)
         def _fill():
@@ -260,6 +259,13 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
                 label,
                 mask=block < pl.cdiv(length, g.block_size),
             )
+
+
+def _fill_blocks(g: Grouping, tiles: GroupingTiles) -> int:
+    """Blocks labelled per fill program: a power of two (a Triton vector), about
+    as many as its positions span — apart from the positions, so that a block
+    size that is no power of two (24) leaves both vectors powers of two."""
+    return pl.next_power_of_2(max(1, tiles.fill_positions // g.block_size))
 
 
 def group_slots(
@@ -331,8 +337,10 @@ def group_slots(
             name="moe_bin_starts",
         )(bin_count)
     if outputs == "sorted":
-        tiles = dataclasses.replace(tiles, fill_positions=max(tiles.fill_positions, g.block_size))
-        grid = num_chunks + pl.cdiv(length, tiles.fill_positions)
+        fills = max(
+            pl.cdiv(length, tiles.fill_positions), pl.cdiv(pl.cdiv(length, g.block_size), _fill_blocks(g, tiles))
+        )
+        grid = num_chunks + fills
         out_shape = (i32((length,)), i32((pl.cdiv(length, g.block_size),)))
     else:
         grid = num_chunks

@@ -108,12 +108,13 @@ _FORMAT_LAYOUTS = [(f, "grouped_contiguous") for f in _GROUPED_FORMATS] + [
     (f, layout) for layout, formats in _OTHER_LAYOUTS.items() for f in formats
 ]
 # make test: a format of each value type, zero point and bias on the grouped
-# layout (f16, channel and tensor scales: in the tiling tests below); one or two
-# formats of different kinds on each other layout.
+# layout (f16, channel and tensor scales: in the tiling tests below; bf16 on the
+# indexed layout; MXFP8's e4m3 codes and e8m0 scales as fp8_block128's and
+# MXFP4's); one or two formats of different kinds on each other layout.
 _FORMAT_LAYOUTS_CI = [
     *[
         (f, "grouped_contiguous")
-        for f in ("bf16", "int4_g128", "uint4_zp_g128", "int8_g64", "fp8_block128", "mxfp4+bias", "nvfp4", "mxfp8")
+        for f in ("int4_g128", "uint4_zp_g128", "int8_g64", "fp8_block128", "mxfp4+bias", "nvfp4")
     ],
     ("int4_g128+bias", "dense"),
     ("uint4_zp_g128", "grouped_masked"),
@@ -171,7 +172,7 @@ def test_batch_invariance(rng):
     np.testing.assert_array_equal(np.asarray(full[5:9], np.float32), np.asarray(part, np.float32))
 
 
-@settings(max_examples=2)  # interpreted kernels: ~4-6 s an example
+@settings(max_examples=1)  # interpreted kernels: ~4-6 s an example (more: test_gemm_reference)
 @given(
     st.integers(1, 48),
     st.sampled_from([1, 2, 8]),
@@ -224,7 +225,7 @@ def test_kernel_backend_refuses_what_it_cannot_run(monkeypatch, rng):
         assert hj.gemm(x, weight, layout).shape == (M, N)
 
 
-@pytest.mark.parametrize("layout_kind", sweep(["dense", "grouped_contiguous", "indexed"], ["dense", "indexed"]))
+@pytest.mark.parametrize("layout_kind", sweep(["dense", "grouped_contiguous", "indexed"], ["indexed"]))
 def test_act_order_group_index(layout_kind, rng):
     """GPTQ act-order: column k uses group group_index[e, k] (per-element scales in the kernel)."""
     e = 1 if layout_kind == "dense" else E
@@ -253,12 +254,7 @@ def test_act_order_group_index(layout_kind, rng):
             for k in ("grouped_contiguous", "indexed")
         ]
         + [("int4_g128+bias", "dense"), ("mxfp4", "grouped_masked")],
-        [
-            ("bf16", "indexed"),
-            ("int4_g128+bias", "grouped_contiguous"),
-            ("nvfp4", "indexed"),
-            ("mxfp4", "grouped_masked"),
-        ],
+        [("int4_g128+bias", "grouped_contiguous"), ("nvfp4", "indexed")],
     ),
 )
 def test_swap_ab_tiles(layout_kind, fmt_name, rng):
@@ -308,7 +304,7 @@ def test_banded_program_order(group_m, layout_kind, rng):
         + [("int4_g128", "grouped_masked", 64), ("int4_g128", "indexed", 16)]
         + [("uint4_fzp_g128", "grouped_masked", 64), ("uint4_fzp_g128", "indexed", 16)]
         + [("mxfp4+bias", "dense", 64), ("mxfp4+bias", "grouped_contiguous", 16)],
-        [("int4_g128", "indexed", 16), ("uint4_fzp_g128", "grouped_masked", 64), ("mxfp4+bias", "dense", 64)],
+        [("int4_g128", "indexed", 16), ("mxfp4+bias", "dense", 64)],
     ),
 )
 def test_word_decode(block_m, layout_kind, fmt_name, rng):
@@ -317,7 +313,7 @@ def test_word_decode(block_m, layout_kind, fmt_name, rng):
     _check_tiling(rng, fmt_name, layout_kind, kernel.Tiles(block_m=block_m, block_n=32, block_k=128, word_decode=True))
 
 
-@pytest.mark.parametrize("fmt_name", sweep(["int4_g128", "uint4_zp_g128", "mxfp4"], ["uint4_zp_g128", "mxfp4"]))
+@pytest.mark.parametrize("fmt_name", sweep(["int4_g128", "uint4_zp_g128", "mxfp4"], ["mxfp4"]))
 def test_word_decode_swap_ab(fmt_name, rng):
     """Word-decoded weights as the MMA's A operand (decode tiles)."""
     tuning = kernel.Tiles(block_m=16, block_n=32, block_k=256, swap_ab=True, word_decode=True)
@@ -346,7 +342,7 @@ _PAIR_FORMATS = ("int4_g128", "uint4_zp_g128", "mxfp4+bias")
     "fmt_name,tiling",
     sweep(
         [(f, t) for f in _PAIR_FORMATS for t in _PAIR_TILINGS],
-        [("int4_g128", "grouped"), ("uint4_zp_g128", "indexed_fold"), ("mxfp4+bias", "prefill_swap_fold")],
+        [("uint4_zp_g128", "indexed_fold"), ("mxfp4+bias", "prefill_swap_fold")],
     ),
 )
 def test_pair_decode(fmt_name, tiling, rng):
@@ -418,10 +414,7 @@ def test_piece_column_order():
             for f, w in (("int4_g128", True), ("mxfp4", False), ("bf16", False))
             for b, k in ((1, "grouped_contiguous"), (8, "dense"))
         ],
-        [
-            ("int4_g128", True, 1, "grouped_contiguous"),
-            ("mxfp4", False, 8, "dense"),
-        ],
+        [("int4_g128", True, 1, "grouped_contiguous")],
     ),
 )
 def test_multiply_add_tiles(block_m, fmt_name, word, layout_kind, rng):
@@ -444,7 +437,7 @@ def test_indexed_blocks_under_16_rows(block_size, rng):
     _check(hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND), ref, bound=1e-5)
 
 
-@pytest.mark.parametrize("lists_dropped", [False, True])
+@pytest.mark.parametrize("lists_dropped", sweep([False, True], [True]))
 def test_indexed_rows_of_dead_blocks_are_zero(lists_dropped, rng):
     """Hand-made indexed layouts (16 slots, blocks of 16): slot 3 sits in a block
     of expert -1 and slot 7 past ``num_tokens_padded``; with ``lists_dropped``
@@ -509,7 +502,7 @@ _FOLDED_FORMATS = (
         [
             (f, list(_FOLDED_TILINGS)[i % 2])
             for i, f in enumerate(_FOLDED_FORMATS)
-            if f not in ("int4_channel", "uint4_fzp_g128", "int8_g64")
+            if f not in ("int4_channel", "uint4_fzp_g128", "int8_g64", "int4_g128+bias")
         ],
     ),
 )
@@ -550,7 +543,7 @@ _K_TAILS = [
 ]
 
 
-@pytest.mark.parametrize("fmt_name,k,tuning", sweep(_K_TAILS, [_K_TAILS[2], _K_TAILS[4]]))
+@pytest.mark.parametrize("fmt_name,k,tuning", sweep(_K_TAILS, [_K_TAILS[4]]))
 def test_k_not_a_multiple_of_the_tile(fmt_name, k, tuning, rng):
     """A last K tile that is partly past K (gpt-oss: K=2880 with 128-wide tiles)."""
     _check_tiling(rng, fmt_name, "grouped_contiguous", tuning, k=k)

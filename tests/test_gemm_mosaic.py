@@ -41,11 +41,12 @@ WIDE = mosaic.Tiles(128, 256, 64, stages=3, group_m=8)  # the H200 table's 16-bi
 @pytest.mark.parametrize(
     "counts,dtype,out_dtype,tuning",
     [
-        ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, TILES),  # an empty expert, ragged tiles
+        pytest.param((7, 0, 23, 3), jnp.bfloat16, jnp.float32, TILES, marks=FULL),  # an empty expert, ragged tiles
         pytest.param((0, 0, 40, 0), jnp.bfloat16, jnp.bfloat16, TILES, marks=FULL),  # all rows on one expert
         ((1, 70, 0, 30), jnp.float16, jnp.float32, TILES),  # tiles straddling the 8-row grid, two tiles on one expert
         pytest.param((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, WIDE, marks=FULL),  # 128-row tiles, the table's entry
-        # Clusters of two programs on adjacent column tiles of one row tile, x multicast to both.
+        # Clusters of two programs on adjacent column tiles of one row tile, x multicast to both
+        # (make test: the empty expert and ragged tiles of the first case).
         ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, block_n=128, cluster_n=2)),
     ],
 )
@@ -68,7 +69,11 @@ def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
 
 @pytest.mark.parametrize(
     "tuning",
-    [pytest.param(TILES, marks=FULL), WIDE, dataclasses.replace(TILES, block_n=128, cluster_n=2)],
+    [
+        pytest.param(TILES, marks=FULL),
+        pytest.param(WIDE, marks=FULL),
+        dataclasses.replace(TILES, block_n=128, cluster_n=2),
+    ],
     ids=["64-rows", "128-rows", "column-pairs"],
 )
 def test_grouped_masked_rows_against_numpy(tuning, rng):
@@ -100,7 +105,7 @@ def test_dense_and_t_equals_one(rng):
     assert np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want) < 1e-5
 
 
-@pytest.mark.parametrize("stored", ["k_order", "half_bits"])
+@pytest.mark.parametrize("stored", [pytest.param("k_order", marks=FULL), "half_bits"])
 def test_quantized_weights_through_dequantize_first(stored, rng):
     """W4A16 prefill on this kernel: the weight dequantized to bf16 once
     (``dequantize_first``), then the 16-bit product — equal to the folded
@@ -126,7 +131,8 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
 @pytest.mark.parametrize(
     "fmt,dtype,options",
     [
-        (F.INT4_G128, jnp.bfloat16, {}),
+        # (make test: int4 g128 on the expert pipelines below)
+        pytest.param(F.INT4_G128, jnp.bfloat16, {}, marks=FULL),
         pytest.param(F.UINT4_ZP_G128, jnp.bfloat16, {}, marks=FULL),  # zero points per group (and clustered below)
         (F.INT4_CHANNEL, jnp.bfloat16, {}),  # per-channel scales, repeated per 128 columns
         (INT4_G128_F16, jnp.float16, {}),  # f16: the code as 1024 + q
@@ -273,6 +279,7 @@ def test_row_tile_table_covers_every_row_once(block_m, rng):
     """Grouped-contiguous ranges (rows outside them: group E) and grouped-masked
     ones (each expert's rows past its count: group E), over random routings,
     empty and full."""
+    table_of = jax.jit(mosaic.row_tile_table, static_argnums=(2, 3, 4))  # one program a shape, not one an op
     for trial in range(9):  # few distinct shapes: each is traced anew
         e = int(rng.integers(1, 5))
         m = int(rng.choice([1, 7, 64, 130, 399]))
@@ -283,7 +290,7 @@ def test_row_tile_table_covers_every_row_once(block_m, rng):
         want = np.full(m, e)
         for g in range(e):
             want[cuts[g] : cuts[g + 1]] = g
-        table = np.asarray(mosaic.row_tile_table(starts, ends, e, m, block_m))
+        table = np.asarray(table_of(starts, ends, e, m, block_m))
         _check_table(table, want, m, block_m, e + 2)
     for _ in range(4):
         e, max_tokens = int(rng.integers(1, 5)), int(rng.choice([1, 13, 64, 200]))
@@ -292,7 +299,7 @@ def test_row_tile_table_covers_every_row_once(block_m, rng):
         want = np.full(e * max_tokens, e)
         for g in range(e):
             want[g * max_tokens : g * max_tokens + int(np.clip(counts[g], 0, max_tokens))] = g
-        table = np.asarray(mosaic.row_tile_table(starts, ends, e, e * max_tokens, block_m))
+        table = np.asarray(table_of(starts, ends, e, e * max_tokens, block_m))
         _check_table(table, want, e * max_tokens, block_m, 2 * e)
 
 

@@ -126,6 +126,16 @@ def test_grouping_lowers_for_sm90(tokens, launches):
     assert len(texts) == launches
 
 
+@pytest.mark.parametrize("block_size", [24, 384])
+def test_alignment_to_any_block_size_lowers_for_sm90(block_size):
+    """``moe_align_block_size`` to a block that is no power of two: Triton
+    vectors are, so the fill labels a power of two of blocks per program
+    apart from its 256 positions (found on the H200: blocks of 24 failed to
+    lower, 256 // 24 = 10 block labels)."""
+    ids = jax.ShapeDtypeStruct((40, 2), jnp.int32)
+    assert len(ttir_of(lambda ids: hj.moe_align_block_size(ids, block_size, 8, backend="pallas"), ids)) == 3
+
+
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16])
 def test_permute_lowers_for_sm90(dtype):
     """The row scatter of a pre-quantized (fp8) input and its f32 block scales:

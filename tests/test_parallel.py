@@ -53,7 +53,8 @@ def _mesh(ranks: int):
     [
         (1, "bf16", "none"),
         (2, "bf16", "none"),
-        (8, "int4_g32", "none"),
+        # (make test: int4 weights on four ranks in the balanced test below)
+        pytest.param(8, "int4_g32", "none", marks=FULL),
         (4, "fp8_channel", "fp8_dynamic_token"),
     ],
 )

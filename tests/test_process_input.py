@@ -310,7 +310,7 @@ def test_hadamard_without_activation(dtype, rng):
     "spec,k",
     sweep(
         [(Q.NONE, 256), (Q.NONE, 384), (Q.FP8_DYNAMIC_GROUP128, 384), (Q.NVFP4_DYNAMIC_TOKEN, 384)],
-        [(Q.FP8_DYNAMIC_GROUP128, 384), (Q.NVFP4_DYNAMIC_TOKEN, 384)],
+        [(Q.FP8_DYNAMIC_GROUP128, 384)],  # (NVFP4's two scales: test_nvfp4_against_float64_quantizer)
     ),
     ids=lambda v: getattr(v, "name", str(v)),
 )
@@ -408,7 +408,7 @@ def test_kernel_rows_in_power_of_two_column_blocks(spec, k_out, activation, bloc
     "tiles",
     sweep(
         ["block_rows=1,num_warps=1", "block_rows=8,num_warps=8", "block_rows=32,num_warps=2"],
-        ["block_rows=1,num_warps=1", "block_rows=32,num_warps=2"],
+        ["block_rows=32,num_warps=2"],
     ),
 )
 def test_tiles_change_only_the_tiling(tiles, rng):
@@ -430,7 +430,7 @@ _ROW_BLOCK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("tiles,case", sweep(_ROW_BLOCK_CASES, [_ROW_BLOCK_CASES[0], _ROW_BLOCK_CASES[3]]))
+@pytest.mark.parametrize("tiles,case", sweep(_ROW_BLOCK_CASES, [_ROW_BLOCK_CASES[3]]))
 def test_row_blocks_loop(tiles, case, rng):
     """``row_blocks``: each program loops over several row blocks (the next
     block's loads issued before this one is processed) — the same output bit
@@ -506,7 +506,7 @@ _BLOCK_OPERAND_CASES = [
 
 @pytest.mark.parametrize(
     "spec,k,block,layout",
-    sweep(_BLOCK_OPERAND_CASES, [_BLOCK_OPERAND_CASES[i] for i in (1, 3)]),
+    sweep(_BLOCK_OPERAND_CASES, [_BLOCK_OPERAND_CASES[i] for i in (2, 3)]),
     ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_hadamard_blocks_loaded_as_operands(spec, k, block, layout, rng):
@@ -565,10 +565,7 @@ LOOPED = "block_rows=16,num_warps=4,row_blocks=2"
             (Q.INT8_DYNAMIC_TOKEN, 256, 16, "", "normal"),
             (Q.FP8_STATIC_TENSOR, 384, 64, "", "scatter"),
         ],
-        [
-            (Q.FP8_DYNAMIC_TOKEN, 768, 32, "", "normal"),
-            (Q.FP8_DYNAMIC_TOKEN, 384, 64, LOOPED, "scatter"),
-        ],
+        [(Q.FP8_DYNAMIC_TOKEN, 384, 64, LOOPED, "scatter")],
     ),
     ids=lambda v: getattr(v, "name", str(v)),
 )
@@ -652,9 +649,7 @@ def test_hadamard_sub_refusals(rng):
         hj.process_input(x.astype(jnp.float32), hadamard_block_size=128, tiles=sub, backend=KERNEL_BACKEND)
 
 
-@pytest.mark.parametrize(
-    "spec", sweep([Q.NONE, Q.FP8_DYNAMIC_GROUP128, Q.MXFP4_DYNAMIC], [Q.FP8_DYNAMIC_GROUP128, Q.MXFP4_DYNAMIC])
-)
+@pytest.mark.parametrize("spec", sweep([Q.NONE, Q.FP8_DYNAMIC_GROUP128, Q.MXFP4_DYNAMIC], [Q.MXFP4_DYNAMIC]))
 def test_scatter_rows_nobody_targets_are_zeros(spec, rng):
     """A caller's ``scatter_idx`` need not be a permutation: destinations past
     the output are dropped and rows nobody targets are zeros (values and

@@ -87,6 +87,17 @@ def test_align_matches_loop(backend, routing, block_size, ignore_invalid):
     assert np.all(tail[len(dropped) :] == ids.size)
 
 
+@pytest.mark.parametrize("block_size", [24, 384])
+def test_align_to_a_block_size_that_is_no_power_of_two(block_size, rng):
+    """Blocks of 24 (10 per 256 fill positions) and 384 (past a fill program's
+    positions): every position and every block label written, as the loop says."""
+    ids = rng.integers(-1, 9, size=(300, 2)).astype(np.int32)  # E=8: -1 and 8 are invalid
+    got = hj.moe_align_block_size(jnp.asarray(ids), block_size, 8, backend=KERNEL_BACKEND)
+    want = np_ref.align(ids, block_size, 8, None, False, None)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a).reshape(-1), np.asarray(b).reshape(-1))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_align_example_by_hand(backend):
     ids = jnp.asarray([[2, 0], [2, 9], [0, 2]], jnp.int32)  # 9 is out of range for E=4
