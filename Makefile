@@ -9,7 +9,7 @@ FIND_PYTHON = for c in python3.12 python3 $$HOME/.pyenv/versions/3.1[2-9]*/bin/p
 	  if command -v $$c >/dev/null 2>&1 && $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
 	    echo $$c; exit 0; fi; done; exit 1
 
-.PHONY: demo test test-full lint clean
+.PHONY: demo test test-full test-interop lint clean
 
 # On a machine with an NVIDIA driver the CUDA build of JAX comes too (the `cuda` extra).
 CUDA_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ",cuda")
@@ -33,8 +33,19 @@ test: $(STAMP)
 test-full: $(STAMP)
 	$(PY) -m pytest -n 2 --dist worksteal -q --full
 
+# Parity with Hugging Face transformers (PyTorch, a few GB): its own virtualenv.
+INTEROP := .venv-interop
+$(INTEROP)/.installed: pyproject.toml
+	@PYTHON=$$($(FIND_PYTHON)) || { echo "error: need Python >= 3.12" >&2; exit 1; }; $$PYTHON -m venv $(INTEROP)
+	$(INTEROP)/bin/python -m pip install -q --upgrade pip
+	$(INTEROP)/bin/python -m pip install -q --no-compile -e '.[test,interop]'
+	@touch $@
+
+test-interop: $(INTEROP)/.installed
+	$(INTEROP)/bin/python -m pytest -q tests_interop
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check humming_jax pallas_kernels tests benchmarks
+	$(VENV)/bin/ruff check humming_jax pallas_kernels tests tests_interop benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(INTEROP) build *.egg-info

@@ -37,6 +37,7 @@ __all__ = [
     "load_experts",
     "load_router",
     "read_safetensors",
+    "with_weight_format",
 ]
 
 _DTYPES = {
@@ -53,7 +54,7 @@ _DTYPES = {
     "U8": np.uint8,
     "BOOL": np.bool_,
 }
-LAYOUTS = ("gptq", "awq", "compressed_tensors", "fp8_block", "modelopt_nvfp4", "gpt_oss_mxfp4")
+LAYOUTS = ("gptq", "awq", "compressed_tensors", "fp8_block", "modelopt_nvfp4", "gpt_oss_mxfp4", "gpt_oss_float")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ int32 holds column AWQ_ORDER[j]
 
 
@@ -253,6 +254,8 @@ def load_experts(
     """
     if layout is None:
         return _load_float(_Tensors(tensors), prefix, config, names)
+    if layout == "gpt_oss_float":
+        return _load_gpt_oss_float(_Tensors(tensors), prefix, config)
     if layout not in LAYOUTS:
         raise ValueError(f"load_experts: layout: expected one of {LAYOUTS} or None (float), got {layout!r}")
     t = _Tensors(tensors)
@@ -298,6 +301,28 @@ def _load_float(t: _Tensors, prefix: str, config: ExpertsConfig, names) -> Exper
     gate, up, down = (stack(proj, name) for proj, name in zip(("gate", "up", "down"), names, strict=True))
     w13 = np.concatenate([gate, up], axis=1) if config.activation.is_gated else up
     return quantize_experts(jnp.asarray(w13), jnp.asarray(down), config)
+
+
+def _load_gpt_oss_float(t: _Tensors, prefix: str, config: ExpertsConfig) -> ExpertWeights:
+    """gpt-oss's float experts, all experts in one tensor each and multiplied
+    from the left (``x @ gate_up_proj [E, H, 2I]``, gate and up interleaved
+    along 2I as ``swigluoai`` reads them; ``down_proj [E, I, H]``), with
+    biases; quantized to the config's formats."""
+    e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+    gate_up = t.get(f"{prefix}.gate_up_proj", (e, h, 2 * i), _FLOATS).astype(np.float32)
+    down = t.get(f"{prefix}.down_proj", (e, i, h), _FLOATS).astype(np.float32)
+    biases = {}
+    for key, name, n in (("w13_bias", "gate_up_proj_bias", 2 * i), ("w2_bias", "down_proj_bias", h)):
+        bias = t.get(f"{prefix}.{name}", (e, n), _FLOATS, optional=True)
+        if bias is not None:
+            biases[key] = jnp.asarray(bias.astype(np.float32))
+    if biases and not config.weight_format.has_bias:
+        raise ValueError(
+            f"load_experts: the checkpoint has expert biases but weight_format {config.weight_format.name!r} "
+            f"has none: use '{config.weight_format.name}+bias'"
+        )
+    w13, w2 = (jnp.asarray(np.swapaxes(w, 1, 2)) for w in (gate_up, down))
+    return quantize_experts(w13, w2, config, **biases)
 
 
 def _group_index(projections, names: list[str], k: int, group: int):
@@ -500,7 +525,13 @@ _HF_MODELS = {
         "model.layers.{layer}.block_sparse_moe.experts",
         ("w1", "w3", "w2"),
     ),
-    "qwen3_moe": ("num_experts", "moe_intermediate_size", "model.layers.{layer}.mlp.experts", _GATE_UP_DOWN),
+    # (transformers 5 writes num_local_experts where the released Qwen3 configs say num_experts)
+    "qwen3_moe": (
+        ("num_experts", "num_local_experts"),
+        "moe_intermediate_size",
+        "model.layers.{layer}.mlp.experts",
+        _GATE_UP_DOWN,
+    ),
     "deepseek_v3": ("n_routed_experts", "moe_intermediate_size", "model.layers.{layer}.mlp.experts", _GATE_UP_DOWN),
     "gpt_oss": ("num_local_experts", "intermediate_size", "model.layers.{layer}.mlp.experts", _GATE_UP_DOWN),
 }
@@ -528,6 +559,32 @@ def _hf_quantization(quant: dict | None, model_type: str) -> tuple[str | None, d
     )
 
 
+def with_weight_format(hf: HFMoE, weight_format: str) -> HFMoE:
+    """``hf`` with its float experts quantized on load to ``weight_format``
+    (a preset name; gpt-oss's expert biases kept: ``+bias`` added).
+
+    Args:
+        hf: a float checkpoint's :class:`HFMoE`.
+        weight_format: the format's name.
+
+    Returns:
+        The :class:`HFMoE` with both weights' formats replaced.
+
+    Raises:
+        ValueError: the checkpoint is quantized (its own layout fixes the format).
+    """
+    if hf.layout not in (None, "gpt_oss_float"):
+        raise ValueError(
+            f"weight_format: the checkpoint is quantized ({hf.layout!r}): it loads in its own format, "
+            f"{hf.experts.weight_format.name!r}"
+        )
+    fmt = F.get_format(weight_format)
+    if hf.experts.weight_format.has_bias and not fmt.has_bias:
+        fmt = F.get_format(f"{fmt.name}+bias")
+    experts = dataclasses.replace(hf.experts, weight_format=fmt, w2_weight_format=None)
+    return dataclasses.replace(hf, experts=experts)
+
+
 def from_hf_config(config: Mapping | str | os.PathLike) -> HFMoE:
     """The MoE layer of a Hugging Face model config (Mixtral, Qwen3-MoE,
     DeepSeek-V3, gpt-oss; float, GPTQ, AWQ, compressed-tensors, FP8, MXFP4, NVFP4).
@@ -548,8 +605,14 @@ def from_hf_config(config: Mapping | str | os.PathLike) -> HFMoE:
     layout, fields = _hf_quantization(config.get("quantization_config"), model_type)
     if model_type == "gpt_oss":
         fields["activation"] = "swigluoai"
+        if layout is None:  # its float experts: fused tensors with biases
+            layout, fields["weight_format"] = "gpt_oss_float", "bf16+bias"
+    keys = (experts_key,) if isinstance(experts_key, str) else experts_key
+    found = [key for key in keys if key in config]
+    if not found:
+        raise ValueError(f"from_hf_config: config.json has no {' or '.join(map(repr, keys))} (the number of experts)")
     experts = ExpertsConfig(
-        config[experts_key], config["hidden_size"], config[intermediate_key], config["num_experts_per_tok"], **fields
+        config[found[0]], config["hidden_size"], config[intermediate_key], config["num_experts_per_tok"], **fields
     )
     block: dict = dict(renormalize=bool(config.get("norm_topk_prob", True)))
     if model_type == "deepseek_v3":

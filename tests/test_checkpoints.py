@@ -15,6 +15,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import humming_jax as hj
+from humming_jax import checkpoints
 from humming_jax import formats as F
 from humming_jax.checkpoints import SafetensorsCheckpoint, load_experts, read_safetensors
 
@@ -384,6 +385,12 @@ def test_a_gptq_config_loads_its_checkpoint_bit_exact(tmp_path, rng):
     hf = from_hf_config(config)
     loaded = load_experts(_save(tmp_path, tensors), PREFIX, hf.experts, hf.layout, hf.names)
     np.testing.assert_allclose(np_ref.dequantize_weight(loaded.w13), w13, rtol=1e-6, atol=1e-12)
+    renamed = {("num_local_experts" if key == "num_experts" else key): v for key, v in config.items()}
+    assert from_hf_config(renamed).experts == hf.experts  # transformers 5 writes num_local_experts
+    with pytest.raises(ValueError, match="the number of experts"):
+        from_hf_config({key: v for key, v in config.items() if key != "num_experts"})
+    with pytest.raises(ValueError, match="weight_format: the checkpoint is quantized"):
+        checkpoints.with_weight_format(hf, "int4_g128")
     with pytest.raises(ValueError, match="no layout reads 'bitsandbytes'"):
         from_hf_config({**config, "quantization_config": {"quant_method": "bitsandbytes"}})
     with pytest.raises(ValueError, match="model_type"):
@@ -405,7 +412,7 @@ def _float_experts(rng, prefix, names, e, h, i):
     return tensors, np.stack(w13), np.stack(w2)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "gpt_oss_float"])
 def test_a_moe_block_loads_from_a_checkpoint_folder(model_type, tmp_path, rng):
     """``MoEBlock.from_checkpoint(folder, layer)``: config, experts, router (the
     ``[E, H]`` weight transposed to NNX's kernel, gpt-oss's bias, DeepSeek-V3's
@@ -413,6 +420,9 @@ def test_a_moe_block_loads_from_a_checkpoint_folder(model_type, tmp_path, rng):
     with an index) — the block's output against float64 math on the stored
     weights, routed in NumPy as each model routes."""
     e, h, i, k, layer = 8, 128, 128, 2, 1
+    # gpt_oss_float: gpt-oss's float experts, x @ gate_up_proj [E, H, 2I] (gate, up interleaved), with biases
+    fused = model_type == "gpt_oss_float"
+    model_type = "gpt_oss" if fused else model_type
     config = dict(model_type=model_type, hidden_size=h, num_experts_per_tok=k)
     config.update(
         {
@@ -422,12 +432,21 @@ def test_a_moe_block_loads_from_a_checkpoint_folder(model_type, tmp_path, rng):
                 n_routed_experts=e, moe_intermediate_size=i, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                 scoring_func="sigmoid", topk_method="noaux_tc", n_shared_experts=1, norm_topk_prob=True,
             ),
-            "gpt_oss": dict(num_local_experts=e, intermediate_size=i, quantization_config={"quant_method": "mxfp4"}),
+            "gpt_oss": dict(num_local_experts=e, intermediate_size=i)
+            | ({} if fused else dict(quantization_config={"quant_method": "mxfp4"})),
         }[model_type]
     )  # fmt: skip
     mlp = f"model.layers.{layer}." + ("block_sparse_moe" if model_type == "mixtral" else "mlp")
     b13 = b2 = None
-    if model_type == "gpt_oss":
+    if fused:
+        w13, w2, b13, b2 = _bf16(rng, e, 2 * i, h), _bf16(rng, e, h, i), _bf16(rng, e, 2 * i), _bf16(rng, e, h)
+        tensors = {
+            f"{mlp}.experts.gate_up_proj": np.swapaxes(w13, 1, 2),
+            f"{mlp}.experts.down_proj": np.swapaxes(w2, 1, 2),
+        }
+        tensors.update({f"{mlp}.experts.gate_up_proj_bias": b13, f"{mlp}.experts.down_proj_bias": b2})
+        w13, w2, b13, b2 = (a.astype(np.float64) for a in (w13, w2, b13, b2))
+    elif model_type == "gpt_oss":
         t13, w13, b13 = write_gpt_oss(rng, e, 2 * i, h)
         t2, w2, b2 = write_gpt_oss(rng, e, h, i)
         tensors = {f"{mlp}.experts.gate_up_proj_{name}": v for name, v in t13.items()}

@@ -219,6 +219,7 @@ class MoEBlock(nnx.Module):
         *,
         experts: type = HummingGroupedExperts,
         backend: str | None = None,
+        weight_format: str | None = None,
         **experts_kwargs,
     ) -> MoEBlock:
         """One MoE layer of a Hugging Face checkpoint folder, in one call: its
@@ -234,12 +235,17 @@ class MoEBlock(nnx.Module):
             layer: the decoder layer's index.
             experts: the expert module class (the grouped, indexed or batched one).
             backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+            weight_format: a float checkpoint's experts quantized on load to this
+                format (e.g. ``"int4_g128"``); None: bf16. A quantized checkpoint
+                keeps its own format.
             **experts_kwargs: to the expert module (``max_num_tokens`` for the batched one).
 
         Returns:
             The :class:`MoEBlock`.
         """
         hf = checkpoints.from_hf_config(os.path.join(path, "config.json"))
+        if weight_format is not None:
+            hf = checkpoints.with_weight_format(hf, weight_format)
         tensors = checkpoints.SafetensorsCheckpoint(path)
         weights = checkpoints.load_experts(tensors, hf.prefix.format(layer=layer), hf.experts, hf.layout, hf.names)
         module = experts(hf.experts, weights=weights, backend=backend, **experts_kwargs)
