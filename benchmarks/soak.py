@@ -5,10 +5,11 @@ cannot see (a rare race, a stray store, state left by an earlier call).
     python -m benchmarks.soak --seconds 300 --out soak.json
 
 Each case draws a format pair, a pipeline (grouped or indexed), T in
-[0, 300], hostile routing (ids outside [0, E), a hot expert, an
+[0, --max-tokens] (log-uniform past 2), hostile routing (ids outside [0, E), a hot expert, an
 ``expert_map`` with -1) and a few NaN tokens; it passes when the kernel path
 matches the reference (relative error under the pair's bound, NaN exactly on
-the NaN tokens' rows). On the CPU the kernels run in interpret mode.
+the NaN tokens' rows). The device's bytes in use are read after each case:
+memory must stay flat. On the CPU the kernels run in interpret mode.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ PAIRS = [
 E, H, INTER, TOP_K = 8, 256, 128, 2
 
 
-def _case(rng: np.random.Generator, index: int) -> dict:
+def _case(rng: np.random.Generator, index: int, max_tokens: int = 300) -> dict:
     fmt, quant, bound = PAIRS[rng.integers(len(PAIRS))]
-    tokens = int(rng.choice([0, 1, 2, int(rng.integers(3, 300))]))
+    tokens = int(rng.choice([0, 1, 2, int(np.exp(rng.uniform(np.log(3), np.log(max_tokens))))]))
     return dict(
         index=index,
         fmt=fmt,
@@ -101,21 +102,33 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--max-cases", type=int, default=100000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=300, help="the largest T a case draws (GPU: 8192)")
     parser.add_argument("--out", default="soak.json")
     args = parser.parse_args(argv)
     backend = "pallas" if jax.default_backend() == "gpu" else "interpret"
     rng = np.random.default_rng(args.seed)
     results, start = [], time.time()
     while len(results) < args.max_cases and (not results or time.time() - start < args.seconds):
-        result = run_case(_case(rng, len(results)), backend)
+        result = run_case(_case(rng, len(results), args.max_tokens), backend)
+        result["bytes_in_use"] = _bytes_in_use()
         results.append(result)
         if not result["ok"]:
             print("FAILED", json.dumps(result), flush=True)
     failed = sum(not r["ok"] for r in results)
+    memory = [r["bytes_in_use"] for r in results if r["bytes_in_use"] is not None]
     print(f"soak: {len(results)} cases in {time.time() - start:.0f} s on {backend}, {failed} failed", flush=True)
+    if memory:
+        print(f"device bytes in use after a case: first {memory[0]}, last {memory[-1]}, max {max(memory)}", flush=True)
+    summary = {"backend": backend, "seconds": time.time() - start, "failed": failed, "max_tokens": args.max_tokens}
     with open(args.out, "w") as f:
-        json.dump({"backend": backend, "seconds": time.time() - start, "failed": failed, "cases": results}, f, indent=1)
+        json.dump({**summary, "cases": results}, f, indent=1)
     return 1 if failed else 0
+
+
+def _bytes_in_use() -> int | None:
+    """The device allocator's bytes in use (None where the backend keeps no count)."""
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else int(stats.get("bytes_in_use", 0))
 
 
 if __name__ == "__main__":
