@@ -579,8 +579,8 @@ def with_weight_format(hf: HFMoE, weight_format: str) -> HFMoE:
             f"{hf.experts.weight_format.name!r}"
         )
     fmt = F.get_format(weight_format)
-    if hf.experts.weight_format.has_bias and not fmt.has_bias:
-        fmt = F.get_format(f"{fmt.name}+bias")
+    if hf.experts.weight_format.has_bias:
+        fmt = fmt.with_bias()
     experts = dataclasses.replace(hf.experts, weight_format=fmt, w2_weight_format=None)
     return dataclasses.replace(hf, experts=experts)
 
