@@ -1,6 +1,7 @@
 """Routing and data movement of the expert path: block alignment,
 scatter/permute, unpermute and the fused weighted top-k sum (kernels:
-``pallas_kernels/routing.py``; notes: ``benchmarks/notes/routing.md``).
+``pallas_kernels/routing.py``, and ``routing_one_launch.py`` for T·k ≤ 128;
+notes: ``benchmarks/notes/routing.md``).
 
 Conventions. ``topk_ids [T, k]`` holds global expert ids; the flattened slot
 index is ``s = t*k + j``. A slot is *valid* when its id is in ``[0, E)`` and,
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 
 from humming_jax.backend import reference_gradient, resolve_backend
 from pallas_kernels import routing as kernels
+from pallas_kernels import routing_one_launch as one_launch
 
 
 def align_length(num_slots: int, num_experts: int, block_size: int) -> int:
@@ -179,7 +181,7 @@ def moe_align_block_size(
         map_groups=map_groups,
         block_size=block_size,
     )
-    return kernels.group_slots(
+    return _grouping_kernel(grouping)(
         topk_ids,
         expert_map,
         grouping,
@@ -187,6 +189,12 @@ def moe_align_block_size(
         length=align_length(topk_ids.size, num_experts, block_size),
         interpret=chosen == "interpret",
     )
+
+
+def _grouping_kernel(grouping: kernels.Grouping):
+    """The first grouping kernel that takes these slots: one launch for few
+    slots (decode), else the three- or four-launch kernel (takes every call)."""
+    return one_launch.group_slots if one_launch.supports(grouping) is None else kernels.group_slots
 
 
 def _scatter_reference(topk_ids, num_experts, expert_map, num_local_experts):
@@ -209,7 +217,8 @@ def _scatter_kernel(topk_ids, num_experts, expert_map, num_local_experts, interp
         map_groups=expert_map is not None,
         invalid_bin=True,
     )
-    dest, inverse, bin_start = kernels.group_slots(topk_ids, expert_map, grouping, outputs="dest", interpret=interpret)
+    group_slots = _grouping_kernel(grouping)
+    dest, inverse, bin_start = group_slots(topk_ids, expert_map, grouping, outputs="dest", interpret=interpret)
     return bin_start[: num_local_experts + 1], dest, inverse
 
 

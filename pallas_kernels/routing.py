@@ -71,7 +71,7 @@ class GroupingTiles:
         return dataclasses.replace(self, chunk=chunk)
 
 
-def _slot_groups(ids_ref, map_ref, start, g: Grouping):
+def slot_groups(ids_ref, map_ref, start, g: Grouping):
     """Bins of the slots ``[start, start + SUB_TILE)``: (group, valid), int32/bool."""
     slots = start + jnp.arange(SUB_TILE, dtype=jnp.int32)
     in_slots = slots < g.num_slots
@@ -100,7 +100,7 @@ def _chunk_counts_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles):
     counts_ref, rank_ref = refs[-2:]
     chunk = pl.program_id(0)
     base = chunk * tiles.chunk
-    subtiles = [_slot_groups(ids_ref, map_ref, base + i * SUB_TILE, g) for i in range(tiles.chunk // SUB_TILE)]
+    subtiles = [slot_groups(ids_ref, map_ref, base + i * SUB_TILE, g) for i in range(tiles.chunk // SUB_TILE)]
     lane = jnp.arange(SUB_TILE, dtype=jnp.int32)
     scatter = _counts_by_scatter(g, tiles)
     for i, (group_i, valid_i) in enumerate(subtiles):
@@ -209,7 +209,7 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
             dropped = start_ref[g.bins_padded] + program * tiles.chunk - valid_before
         for i in range(tiles.chunk // SUB_TILE):
             start = program * tiles.chunk + i * SUB_TILE
-            group, valid = _slot_groups(ids_ref, map_ref, start, g)
+            group, valid = slot_groups(ids_ref, map_ref, start, g)
             slots = start + lane
             in_slots = slots < g.num_slots
             rank = plgpu.load(rank_ref.at[pl.ds(start, SUB_TILE)], mask=in_slots, other=0)

@@ -132,8 +132,24 @@ def test_alignment_to_any_block_size_lowers_for_sm90(block_size):
     vectors are, so the fill labels a power of two of blocks per program
     apart from its 256 positions (found on the H200: blocks of 24 failed to
     lower, 256 // 24 = 10 block labels)."""
-    ids = jax.ShapeDtypeStruct((40, 2), jnp.int32)
+    ids = jax.ShapeDtypeStruct((300, 2), jnp.int32)  # 600 slots: the three-launch grouping
     assert len(ttir_of(lambda ids: hj.moe_align_block_size(ids, block_size, 8, backend="pallas"), ids)) == 3
+
+
+@pytest.mark.parametrize("tokens,top_k,num_experts,block_size", [(16, 8, 128, 16), (1, 8, 256, 24), (40, 2, 8, 384)])
+def test_few_slots_group_in_one_launch_for_sm90(tokens, top_k, num_experts, block_size):
+    """At most 128 slots (decode) group in one launch, for the aligned layout
+    (with an expert map too) and the scatter destinations."""
+    ids = jax.ShapeDtypeStruct((tokens, top_k), jnp.int32)
+    expert_map = jax.ShapeDtypeStruct((num_experts,), jnp.int32)
+    calls = [
+        lambda ids, m: hj.moe_align_block_size(ids, block_size, num_experts, backend="pallas"),
+        lambda ids, m: hj.moe_align_block_size(ids, block_size, num_experts, expert_map=m, backend="pallas"),
+        lambda ids, m: hj.moe_prepare_scatter(ids, num_experts, expert_map=m, num_local_experts=8, backend="pallas"),
+    ]
+    for call in calls:
+        (text,) = ttir_of(call, ids, expert_map)
+        assert "moe_group_slots_one_launch" in text
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16])

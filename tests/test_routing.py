@@ -256,6 +256,89 @@ def test_grouping_chunk_sizes_agree(chunk, num_experts, rng):
         np.testing.assert_array_equal(np.asarray(g).reshape(-1), np.asarray(e).reshape(-1))
 
 
+# Few slots: (T, k, E, block, expert map, routing); make test: a chosen case of each kind.
+ONE_LAUNCH_CASES = [
+    (1, 8, 256, 16, False, "uniform"),  # T=1
+    (16, 8, 128, 16, True, "uniform"),  # qwen3 decode: 128 slots (the most one program takes), map with -1
+    (16, 8, 128, 64, False, "hot"),  # one hot expert, every other empty
+    (40, 2, 8, 24, True, "out_of_range"),  # a block that is no power of two; ids outside [0, E)
+    (3, 2, 64, 384, False, "out_of_range"),  # one block past a fill program's positions
+    (5, 1, 1, 16, False, "uniform"),  # one expert
+]
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,num_experts,block_size,with_map,shape", sweep(ONE_LAUNCH_CASES, ONE_LAUNCH_CASES[1:4])
+)
+def test_one_launch_grouping(tokens, top_k, num_experts, block_size, with_map, shape, rng):
+    """The one-launch grouping of at most 128 slots (what decode runs): the
+    aligned layout, with the expert map grouping local ids or labelling
+    blocks, equals the NumPy loop; the scatter destinations are the stable
+    order by bin, invalid slots in the bin after the last."""
+    from pallas_kernels import routing as kernels
+    from pallas_kernels import routing_one_launch as one_launch
+
+    ids = rng.integers(0, num_experts, size=(tokens, top_k))
+    if shape == "hot":
+        ids[:] = 5
+    elif shape == "out_of_range":
+        ids = np.where(rng.random(ids.shape) < 0.25, rng.choice([-1, num_experts, -100], size=ids.shape), ids)
+    ids = ids.astype(np.int32)
+    expert_map, num_local = None, num_experts
+    if with_map:
+        local = rng.random(num_experts) < 0.5
+        local[ids.reshape(-1)[0] % num_experts] = True
+        num_local = int(local.sum())
+        expert_map = np.full(num_experts, -1, np.int32)
+        expert_map[np.flatnonzero(local)] = np.arange(num_local)
+    interpret = KERNEL_BACKEND == "interpret"
+    maps = None if expert_map is None else jnp.asarray(expert_map)
+    length = align_length(ids.size, num_experts, block_size)
+    for map_groups in (False, True) if with_map else (False,):
+        grouping = kernels.Grouping(
+            ids.size,
+            num_experts,
+            num_local if map_groups else num_experts,
+            has_map=with_map,
+            map_groups=map_groups,
+            block_size=block_size,
+        )
+        assert one_launch.supports(grouping) is None
+        got = one_launch.group_slots(
+            jnp.asarray(ids), maps, grouping, outputs="sorted", length=length, interpret=interpret
+        )
+        expected = np_ref.align(ids, block_size, num_experts, expert_map, map_groups, num_local)
+        for g, e in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(np.asarray(g).reshape(-1), np.asarray(e).reshape(-1))
+
+    grouping = kernels.Grouping(
+        ids.size, num_experts, num_local, has_map=with_map, map_groups=with_map, invalid_bin=True
+    )
+    dest, inverse, starts = one_launch.group_slots(
+        jnp.asarray(ids), maps, grouping, outputs="dest", interpret=interpret
+    )
+    flat = ids.reshape(-1)
+    in_range = (flat >= 0) & (flat < num_experts)
+    key = np.where(in_range, flat, num_experts)
+    if with_map:
+        key = np.where(in_range, expert_map[np.where(in_range, flat, 0)], -1)
+        key = np.where(key >= 0, key, num_local)
+    order = np.argsort(key, kind="stable")  # row r holds slot order[r]
+    np.testing.assert_array_equal(np.asarray(inverse), order)
+    np.testing.assert_array_equal(np.asarray(dest)[order], np.arange(flat.size))
+    counts = np.bincount(key, minlength=num_local + 1)
+    np.testing.assert_array_equal(np.asarray(starts)[: num_local + 2], np.concatenate([[0], np.cumsum(counts)]))
+
+
+def test_one_launch_grouping_refuses_many_slots():
+    from pallas_kernels import routing as kernels
+    from pallas_kernels import routing_one_launch as one_launch
+
+    assert one_launch.supports(kernels.Grouping(129, 8, 8, block_size=16)) == "129 slots: one program ranks at most 128"
+    with pytest.raises(ValueError, match="at most 128"):
+        one_launch.group_slots(jnp.zeros((129, 1), jnp.int32), None, kernels.Grouping(129, 8, 8), outputs="dest")
+
+
 # make test: each output, bin count and expert count twice.
 @pytest.mark.parametrize(
     "prefix_bins,outputs,num_experts",
