@@ -32,7 +32,7 @@ class Tiles:
 
     bin_tile: int = 32
     fill_positions: int = 256
-    num_warps: int = 16
+    num_warps: int = 8
 
 
 def supports(g: Grouping, tiles: Tiles = Tiles()) -> str | None:
@@ -63,8 +63,10 @@ def _kernel(ids_ref, *refs, g: Grouping, tiles: Tiles, length: int, outputs: str
     lane = jnp.arange(SUB_TILE, dtype=jnp.int32)
     in_slots = lane < g.num_slots
     group, valid = slot_groups(ids_ref, map_ref, 0, g)
-    same = (group[:, None] == group[None, :]) & valid[None, :] & (lane[None, :] < lane[:, None])
-    rank = jnp.sum(same.astype(jnp.int32), axis=1)
+    # Every compare is [bins or earlier slots, slots] and reduced over axis 0, so that the
+    # per-slot and per-position results share one layout (no conversion between bin tiles).
+    earlier = (group[:, None] == group[None, :]) & valid[:, None] & (lane[:, None] < lane[None, :])
+    rank = jnp.sum(earlier.astype(jnp.int32), axis=0)
 
     # Each bin's count and padded start; each slot's row = the padded rows of the bins before its own + its rank.
     bins_starts_counts = []
@@ -74,7 +76,7 @@ def _kernel(ids_ref, *refs, g: Grouping, tiles: Tiles, length: int, outputs: str
         count = jnp.sum(((bins[:, None] == group[None, :]) & valid[None, :]).astype(jnp.int32), axis=1)
         padded = (count + g.block_size - 1) // g.block_size * g.block_size
         start = total + jnp.cumsum(padded) - padded
-        below += jnp.sum(jnp.where(bins[None, :] < group[:, None], padded[None, :], 0), axis=1)
+        below += jnp.sum(jnp.where(bins[:, None] < group[None, :], padded[:, None], 0), axis=0)
         total = total + jnp.sum(padded)
         bins_starts_counts.append((bins, start, count))
     dest = below + rank
@@ -104,8 +106,8 @@ def _kernel(ids_ref, *refs, g: Grouping, tiles: Tiles, length: int, outputs: str
     positions = program * tiles.fill_positions + jnp.arange(tiles.fill_positions, dtype=jnp.int32)
     held = (positions >= total) & (positions < total + num_lost)
     for _, start, count in bins_starts_counts:
-        inside = (start[None, :] <= positions[:, None]) & (positions[:, None] < (start + count)[None, :])
-        held = held | (jnp.sum(inside.astype(jnp.int32), axis=1) > 0)
+        inside = (start[:, None] <= positions[None, :]) & (positions[None, :] < (start + count)[:, None])
+        held = held | (jnp.sum(inside.astype(jnp.int32), axis=0) > 0)
     plgpu.store(
         sorted_ref.at[pl.ds(program * tiles.fill_positions, tiles.fill_positions)],
         jnp.full(tiles.fill_positions, g.num_slots, jnp.int32),
@@ -118,8 +120,8 @@ def _kernel(ids_ref, *refs, g: Grouping, tiles: Tiles, length: int, outputs: str
     block_start = blocks * g.block_size
     found = jnp.zeros(per_program, jnp.int32)
     for bins, start, _ in bins_starts_counts:
-        before = (start[None, :] <= block_start[:, None]) & (bins < g.total_bins)[None, :]
-        found += jnp.sum(before.astype(jnp.int32), axis=1)
+        before = (start[:, None] <= block_start[None, :]) & (bins < g.total_bins)[:, None]
+        found += jnp.sum(before.astype(jnp.int32), axis=0)
     label = jnp.maximum(found - 1, 0)
     in_use = block_start < total
     if g.has_map and not g.map_groups:
