@@ -60,15 +60,29 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
+# Memory mappings of a process past which the compiled executables are dropped (see below).
+MAX_MAPPINGS = 30000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # no procfs: drop them after every module
+        return MAX_MAPPINGS + 1
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_executables():
-    """Drop JAX's compiled executables after each test module. Every CPU
-    executable keeps ~6 memory mappings until it is freed; a test worker that
-    compiles through the whole suite (interpret-mode kernels compile many)
-    reaches the kernel's limit of 65530 mappings, and the next compilation
-    crashes with a segmentation fault. (Programs that recur come back from
-    the persistent cache above.)"""
+    """Drop JAX's compiled executables after a test module once the process
+    holds many memory mappings. Every CPU executable keeps ~6 until it is
+    freed; a test worker that compiles through the whole suite (interpret-mode
+    kernels compile many) would reach the kernel's limit of 65530, and the
+    next compilation crash with a segmentation fault. Kept until then, the
+    traced and compiled programs serve the next modules (most interpreted
+    kernels recur in several files)."""
     yield
-    import jax
+    if _mappings() > MAX_MAPPINGS:
+        import jax
 
-    jax.clear_caches()
+        jax.clear_caches()
