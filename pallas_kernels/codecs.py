@@ -138,11 +138,49 @@ def divide_rn(x: jax.Array, y: jax.Array) -> jax.Array:
     """``x / y`` in f32, correctly rounded (nearest, ties to even) whatever the
     compiler does with ``/``: XLA's f32 division on the GPU is not correctly
     rounded, so a reference there would differ from a kernel's ``div.rn`` by an
-    ulp. The significands are divided in int32 (26 quotient bits by shifts
-    and subtractions, then the remainder as the sticky bit); zeros, infinities,
-    NaN and quotients outside the normal range take the plain ``/``."""
+    ulp. Zeros, infinities, NaN and quotients outside the normal range take
+    the plain ``/``. On the CPU, whose division is IEEE's for normal operands,
+    subnormal operands are made normal first (XLA's CPU code treats them as
+    zeros); elsewhere the significands are divided in integers."""
     x = jnp.asarray(x, jnp.float32)
     y = jnp.broadcast_to(jnp.asarray(y, jnp.float32), x.shape)
+    # One branch is lowered for the platform compiled for (interpret-mode kernels: the CPU's).
+    return jax.lax.platform_dependent(x, y, cpu=_divide_normalized, default=_divide_in_integers)
+
+
+_NORMALIZE = 64  # subnormal operands are scaled by 2**64 (exact) before the division
+
+
+def _normalized(v: jax.Array):
+    """(v times 2**64 if subnormal else v, whether it was): the scaling built
+    from the bits, since the CPU's arithmetic reads a subnormal as zero."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+    mantissa = bits & 0x7FFFFF
+    subnormal = ((bits >> 23) & 0xFF == 0) & (mantissa != 0)
+    # A subnormal is mantissa * 2**-149; times 2**64 that is mantissa * 2**-85 (normal, exact).
+    scaled = mantissa.astype(jnp.float32) * np.float32(2.0 ** (-149 + _NORMALIZE))
+    return jnp.where(subnormal, jnp.where(bits < 0, -scaled, scaled), v), subnormal
+
+
+def _divide_normalized(x: jax.Array, y: jax.Array) -> jax.Array:
+    """Correctly rounded ``x / y`` on an IEEE division that flushes subnormals
+    (XLA's CPU code): with the operands normal, the quotient rounds once, and
+    the power of two that undoes their scaling is exact while it stays normal."""
+    xs, x_scaled = _normalized(x)
+    ys, y_scaled = _normalized(y)
+    shift = (y_scaled.astype(jnp.int32) - x_scaled.astype(jnp.int32)) * _NORMALIZE  # -64, 0 or 64
+    factor = jax.lax.bitcast_convert_type((shift + 127) << 23, jnp.float32)
+    # The barrier hides a constant divisor: XLA would multiply by its rounded reciprocal instead.
+    quotient = (xs / jax.lax.optimization_barrier(ys)) * factor
+    normal = (jnp.abs(quotient) >= np.float32(2.0**-126)) & (jnp.abs(quotient) < jnp.inf)
+    finite = (jnp.abs(x) < jnp.inf) & (jnp.abs(y) < jnp.inf) & (x != 0) & (y != 0)
+    return jnp.where(finite & normal, quotient, x / y)
+
+
+def _divide_in_integers(x: jax.Array, y: jax.Array) -> jax.Array:
+    """Correctly rounded ``x / y`` from integer operations only: the
+    significands divided in int32 (26 quotient bits by shifts and
+    subtractions, then the remainder as the sticky bit)."""
     bx, by = (jax.lax.bitcast_convert_type(v, jnp.int32) for v in (x, y))
 
     def significand(bits):  # (significand with bit 23 set, unbiased exponent), subnormals normalized

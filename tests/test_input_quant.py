@@ -213,12 +213,24 @@ def test_quantized_input_is_pytree():
     assert jax.jit(lambda a: a)(q).spec == Q.MXFP8_DYNAMIC
 
 
-def test_divide_is_correctly_rounded(rng):
+@pytest.mark.parametrize("form", ["as_compiled_here", "integers", "normalized"])
+def test_divide_is_correctly_rounded(form, rng):
     """``numerics.divide_rn`` (every scale and reciprocal of the reference and
     of interpret mode) equals the float64 quotient rounded to f32 — which is the
     correctly rounded f32 quotient — for normal results, subnormal operands and
-    quotients one bit past f32 (the hardest roundings); specials follow ``/``."""
+    quotients one bit past f32 (the hardest roundings); specials follow ``/``.
+    Both of its forms: the integer division the GPU compiles, the normalized
+    IEEE division the CPU compiles."""
     from humming_jax import numerics
+    from pallas_kernels import codecs
+
+    divide = {
+        "as_compiled_here": numerics.divide_rn,
+        "integers": codecs._divide_in_integers,
+        "normalized": codecs._divide_normalized,
+    }[form]
+    if form == "normalized" and jax.default_backend() != "cpu":
+        pytest.skip("the normalized form relies on the CPU's IEEE division (the GPU compiles the integer one)")
 
     n = 20000
     x = (rng.standard_normal(n) * np.exp(rng.uniform(-80, 80, n))).astype(np.float32)
@@ -229,7 +241,7 @@ def test_divide_is_correctly_rounded(rng):
     y[1000:5000] = rng.uniform(1, 2, 4000).astype(np.float32)
     x[1000:5000] = (q * y[1000:5000]).astype(np.float32)
     x[6000:6004], y[6004:6008] = [0.0, np.inf, np.nan, -0.0], [0.0, np.inf, np.nan, -np.inf]
-    got = np.asarray(jax.jit(numerics.divide_rn)(x, y))
+    got = np.asarray(jax.jit(divide)(x, y))
     with np.errstate(all="ignore"):
         want = (x.astype(np.float64) / y.astype(np.float64)).astype(np.float32)
     normal = (np.abs(want) >= np.finfo(np.float32).tiny) & np.isfinite(want)
