@@ -43,6 +43,12 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_configure(config):
+    import sweep
+
+    sweep.FULL_RUN = config.getoption("--full")
+
+
 def pytest_collection_modifyitems(config, items):
     """Leave out the sweep cases marked ``full`` unless ``--full``: each
     sweep keeps a chosen case for every path it covers (see ``sweep``)."""

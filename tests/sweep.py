@@ -22,3 +22,14 @@ def sweep(cases, keep) -> list:
 
 
 FULL = pytest.mark.full  # for a case written as pytest.param(..., marks=FULL)
+
+
+# Set by conftest.pytest_configure from ``--full`` (before the test modules are imported).
+FULL_RUN = False
+
+
+def examples(full: int, chosen: int) -> int:
+    """Hypothesis examples of a property test over interpreted kernels: ``full``
+    under ``--full``, ``chosen`` in ``make test`` (each example draws new shapes,
+    so new programs to compile; fixed edge cases are tested beside it)."""
+    return full if FULL_RUN else chosen

@@ -17,7 +17,7 @@ from humming_jax.configs import supported_input_specs
 from pallas_kernels.gemm import triton
 
 import np_ref
-from sweep import sweep
+from sweep import examples, sweep
 
 E, N, K = 4, 64, 256
 
@@ -108,7 +108,7 @@ def test_quantized_inputs(fmt_name, spec, rng):
     assert jax.eval_shape(lambda: hj.gemm(q, weight, layout)).dtype == jnp.bfloat16
 
 
-@settings(max_examples=3)  # two gemm calls an example
+@settings(max_examples=examples(3, 2))  # two interpreted gemm calls and the routing an example
 @given(
     st.integers(1, 40),
     st.sampled_from([1, 2, 8]),

@@ -15,7 +15,7 @@ from humming_jax.tiles_text import from_text, to_text
 from pallas_kernels.routing import RowTiles
 
 import np_ref
-from sweep import sweep
+from sweep import examples, sweep
 
 # The Pallas kernels: compiled on a GPU, in interpret mode on the CPU.
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
@@ -50,7 +50,7 @@ def routings(draw):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=3)  # three interpreted grouping kernels an example (x 2 backends)
+@settings(max_examples=examples(3, 2))  # up to three interpreted grouping kernels an example (x 2 backends)
 @given(routings(), st.sampled_from([16, 32, 64, 128]), st.booleans())
 def test_align_matches_loop(backend, routing, block_size, ignore_invalid):
     ids, num_experts, expert_map, num_local = routing
@@ -116,7 +116,7 @@ def test_align_caps_length_when_few_slots(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=3)  # five routing ops an example, interpreted
+@settings(max_examples=examples(3, 2))  # five routing ops an example, interpreted
 @given(routings())
 def test_prepare_scatter_and_permute_round_trip(backend, routing):
     ids, num_experts, expert_map, num_local = routing
