@@ -228,7 +228,7 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
     if outputs == "sorted":
         sorted_ref, expert_ids_ref = outs
         width = min(tiles.fill_bin_tile, g.bins_padded)
-        per_program, blocks_per_program = tiles.fill_positions, _fill_blocks(g, tiles)
+        per_program, blocks_per_program = tiles.fill_positions, fill_blocks(tiles.fill_positions, g.block_size)
 
         @pl.when(program >= num_chunks)
         def _fill():
@@ -261,11 +261,11 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
             )
 
 
-def _fill_blocks(g: Grouping, tiles: GroupingTiles) -> int:
+def fill_blocks(fill_positions: int, block_size: int) -> int:
     """Blocks labelled per fill program: a power of two (a Triton vector), about
-    as many as its positions span — apart from the positions, so that a block
-    size that is no power of two (24) leaves both vectors powers of two."""
-    return pl.next_power_of_2(max(1, tiles.fill_positions // g.block_size))
+    as many as its ``fill_positions`` span — apart from the positions, so that a
+    block size that is no power of two (24) leaves both vectors powers of two."""
+    return pl.next_power_of_2(max(1, fill_positions // block_size))
 
 
 def group_slots(
@@ -337,9 +337,8 @@ def group_slots(
             name="moe_bin_starts",
         )(bin_count)
     if outputs == "sorted":
-        fills = max(
-            pl.cdiv(length, tiles.fill_positions), pl.cdiv(pl.cdiv(length, g.block_size), _fill_blocks(g, tiles))
-        )
+        blocks = fill_blocks(tiles.fill_positions, g.block_size)
+        fills = max(pl.cdiv(length, tiles.fill_positions), pl.cdiv(pl.cdiv(length, g.block_size), blocks))
         grid = num_chunks + fills
         out_shape = (i32((length,)), i32((pl.cdiv(length, g.block_size),)))
     else:

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import codecs
-from pallas_kernels.routing import SUB_TILE, Grouping, slot_groups
+from pallas_kernels.routing import SUB_TILE, Grouping, fill_blocks, slot_groups
 
 MAX_SLOTS = SUB_TILE  # one pairwise-compared tile of slots
 
@@ -44,12 +44,6 @@ def supports(g: Grouping, tiles: Tiles = Tiles()) -> str | None:
         if value < 1 or value & (value - 1):
             return f"Tiles.{name}={value}: expected a power of two"
     return None
-
-
-def fill_blocks(g: Grouping, tiles: Tiles) -> int:
-    """Block labels per program: a power of two (a Triton vector) about as many
-    as its positions span."""
-    return pl.next_power_of_2(max(1, tiles.fill_positions // g.block_size))
 
 
 def _bin_tiles(g: Grouping, tiles: Tiles):
@@ -115,7 +109,7 @@ def _kernel(ids_ref, *refs, g: Grouping, tiles: Tiles, length: int, outputs: str
     )
 
     # Each block's label: the last bin starting at or before it (empty bins start where the next does).
-    per_program = fill_blocks(g, tiles)
+    per_program = fill_blocks(tiles.fill_positions, g.block_size)
     blocks = program * per_program + jnp.arange(per_program, dtype=jnp.int32)
     block_start = blocks * g.block_size
     found = jnp.zeros(per_program, jnp.int32)
@@ -153,7 +147,8 @@ def group_slots(
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     if outputs == "sorted":
         num_blocks = pl.cdiv(length, g.block_size)
-        grid = max(1, pl.cdiv(length, tiles.fill_positions), pl.cdiv(num_blocks, fill_blocks(g, tiles)))
+        blocks = fill_blocks(tiles.fill_positions, g.block_size)
+        grid = max(1, pl.cdiv(length, tiles.fill_positions), pl.cdiv(num_blocks, blocks))
         out_shape = (i32((length,)), i32((num_blocks,)), i32((1,)))
     else:
         grid = 1
