@@ -150,7 +150,7 @@ def gemm(
         use_f16_accum: accumulate in f16 (f16 inputs).
         batch_invariant: no split-K, so a row's result never depends on other rows.
         valid_shape_m: an estimate of the real rows, to pick the tuning entry.
-        tuning: a ``triton.Tiles`` or ``mosaic.Tiles`` (``pallas_kernels.gemm``):
+        tuning: a ``triton``, ``mosaic`` or ``mosaic_fp8`` ``Tiles`` (``pallas_kernels.gemm``):
             runs as given or raises with the kernel's reason; None: the table's
             entry, else the heuristic.
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
@@ -167,7 +167,8 @@ def gemm(
     out_dtype = _out_dtype(x, out_dtype)
     _validate(x, weight, layout, use_f16_accum, out_dtype)
     if tuning is not None and not isinstance(tuning, tuple(kernels.KERNELS)):
-        raise TypeError(f"gemm: tuning: expected triton.Tiles or mosaic.Tiles, got {type(tuning).__name__}")
+        names = ", ".join(f"{name}.Tiles" for name in kernels.IMPLS)
+        raise TypeError(f"gemm: tuning: expected one of {names} (pallas_kernels.gemm), got {type(tuning).__name__}")
     if batch_invariant and tuning is not None and getattr(tuning, "split_k", 1) > 1:
         raise ValueError(f"tuning.split_k: batch_invariant needs a fixed K order (split_k=1), got {tuning.split_k}")
     chosen = resolve_backend(backend, "gemm")

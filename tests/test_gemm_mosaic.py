@@ -254,7 +254,7 @@ def test_what_the_kernel_refuses(rng):
         mosaic.check_tiles(mosaic.Tiles(64, 256, 64, cluster_n=2), 768, 128, jnp.bfloat16)
     with pytest.raises(ValueError, match="word_decode with 16-bit weights"):
         hj.gemm(x, w, grouped, tuning=dataclasses.replace(TILES, word_decode=True), backend=KERNEL_BACKEND)
-    with pytest.raises(TypeError, match="triton.Tiles or mosaic.Tiles"):
+    with pytest.raises(TypeError, match="triton.Tiles, mosaic.Tiles, mosaic_fp8.Tiles"):
         hj.gemm(x, w, grouped, tuning=(64, 256, 64), backend=KERNEL_BACKEND)
 
 

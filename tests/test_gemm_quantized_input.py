@@ -28,7 +28,7 @@ from pallas_kernels.gemm import triton as kernel
 import gemm_layouts
 import np_ref
 from np_ref import relative_error
-from sweep import sweep
+from sweep import FULL, sweep
 
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
 E, N, K, M = 4, 64, 128, 40
@@ -309,3 +309,35 @@ def test_expert_gemm_checks_its_input_scale(rng):
     parts = (weight.values, weight.scale)
     with pytest.raises(ValueError, match="x_scale: the call's input scale is 'token'"):
         kernel.expert_gemm(call, kernel.Tiles(16, 64, 128), x.values, parts, None, (layout.expert_offsets,))
+
+
+@pytest.mark.parametrize(
+    "fmt_name,quant_name,layout_kind",
+    [
+        ("fp8_block128", "fp8_dynamic_group128", "grouped_contiguous"),  # e4m3 operands, pieces of 64 columns
+        ("int8_channel", "int8_dynamic_token", "indexed"),  # int8 operands
+        pytest.param("fp8_channel", "fp8_dynamic_token", "grouped_masked", marks=FULL),
+    ],
+)
+def test_eight_bit_weights_past_2_to_31_values_read_as_byte_pairs(fmt_name, quant_name, layout_kind, monkeypatch, rng):
+    """JAX 0.11's Triton lowering indexes an array of at most 2**32 bytes with
+    signed 32-bit element offsets, which wrap past 2**31 elements: a 3.8 GB
+    e4m3 weight (DeepSeek-V3's w2) read experts 146 and up from before its
+    start (relative error 0.75 on the H200). Such weights are read as uint16
+    byte pairs, the even and odd columns two pieces; here with the threshold
+    lowered to this weight's size (the shapes are this test's own: a kernel
+    compiled elsewhere with the same shapes would be reused). 8-bit inputs past
+    the threshold are refused with the reason."""
+    k = 384
+    monkeypatch.setattr(kernel, "WRAPPING_ELEMENTS", E * N * k - 1)
+    jax.clear_caches()
+    fmt, quant = F.get_format(fmt_name), Q.get_input_spec(quant_name)
+    weight, x = _weight(rng, fmt, k=k), _input(rng, quant, k=k)
+    layout = _layouts(rng)[layout_kind]
+    assert kernel.reads_byte_pairs(gemm_call(x, weight, layout, jnp.float32).weight)
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
+    _check(out, _reference(x, weight, layout), _bound(x, weight, layout))
+    monkeypatch.setattr(kernel, "WRAPPING_ELEMENTS", M * k - 1)
+    call = gemm_call(x, weight, layout, jnp.float32)
+    assert "the lowering's 32-bit offsets wrap" in kernel.supports(kernel.Tiles(16, 64, 128), call)
+    jax.clear_caches()

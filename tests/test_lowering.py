@@ -247,3 +247,19 @@ def test_four_bit_weights_with_fp8_inputs_chain_their_products():
     accumulators = [d.split("tt.dot ")[1].split(",")[2].strip() for d in dots]
     assert accumulators[1:] == results[:-1]
     assert text.count("packed_element = 4") == 4 and "prmt.b32" in text and "xf16>" not in text
+
+
+def test_byte_pairs_lower_to_e4m3_mmas(monkeypatch):
+    """e4m3 weights read as uint16 byte pairs (past 2**31 values, see
+    ``triton.reads_byte_pairs``) still meet fp8 inputs on e4m3 MMAs: the pair
+    words load as i16 and each 128-column span is two 64-deep products."""
+    from pallas_kernels.gemm import triton as kernel
+
+    monkeypatch.setattr(kernel, "WRAPPING_ELEMENTS", SHAPE[0] * SHAPE[1] * SHAPE[2] - 1)
+    jax.clear_caches()
+    config = parse_config("triton:block_m=16,block_n=64,block_k=256")
+    (text,) = gemm_ttir("fp8_block128@fp8_dynamic_group128", 64, config, SHAPE)
+    dots = [line for line in text.splitlines() if "= tt.dot " in line]
+    assert len(dots) == 4 and all("x64xf8E4M3FN> * tensor<64x" in d for d in dots)
+    assert any("tt.ptr<i16>" in line for line in text.splitlines() if "tt.load" in line)
+    jax.clear_caches()

@@ -41,4 +41,4 @@ def candidates(
     if block_size is not None:
         entries = [for_block(t, block_size) if isinstance(t, triton.Tiles) else t for t in entries]
     rows = rows_per_expert(layout, valid_shape_m, num_experts)
-    return entries + heuristic_candidates(rows, n, k, fmt, block_size, half_bits, input_dtype)
+    return entries + heuristic_candidates(rows, n, k, fmt, block_size, half_bits, input_dtype, num_experts)

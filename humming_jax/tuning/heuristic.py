@@ -10,12 +10,16 @@ import dataclasses
 
 from humming_jax import formats as F
 from humming_jax.tuning.table import format_class
-from pallas_kernels.gemm import mosaic, triton
+from pallas_kernels.gemm import mosaic, mosaic_fp8, triton
 
 LARGE_EXPERT_BYTES = 16 * 2**20
 # Rows an expert needs before a dequantize pass over every expert's weight pays
 # for the Mosaic kernel's 16-bit product (weights it cannot decode itself).
 DEQUANTIZE_MIN_ROWS = 512
+# Rows an expert from which e4m3 weights with fp8 inputs take the fp8 Mosaic
+# kernel (TMA-fed 8-bit wgmma) rather than the Triton tile; from one row where
+# the Triton kernel reads the weight as byte pairs (triton.reads_byte_pairs).
+FP8_MOSAIC_MIN_ROWS = 128
 
 
 def rows_per_expert(layout: str, valid_shape_m: int, num_experts: int) -> int:
@@ -118,18 +122,24 @@ def heuristic_candidates(
     block_size: int | None = None,
     half_bits: bool = False,
     input_dtype: str | None = None,
+    num_experts: int = 1,
 ) -> list:
     """In order: the Mosaic kernel after a dequantize pass (4-bit integer
     weights it does not decode itself — K order, float zero points, other
     groups —, at least :data:`DEQUANTIZE_MIN_ROWS` rows an expert; its
-    ``supports`` refuses what it cannot take), then the Triton tile (which
-    takes every call). ``block_size``: an indexed layout's block. ``half_bits``:
+    ``supports`` refuses what it cannot take), or the fp8 Mosaic kernel (8-bit
+    weights with e4m3/e5m2 inputs, :data:`FP8_MOSAIC_MIN_ROWS`), then the
+    Triton tile (which takes every call). ``block_size``: an indexed layout's block. ``half_bits``:
     weights the Triton decoder reads as nibble pairs only. ``input_dtype``: a
-    quantized input's values (:func:`quantized_input_tiles`)."""
+    quantized input's values (:func:`quantized_input_tiles`). ``num_experts``:
+    the weight's experts (its size)."""
     fmt_class = format_class(fmt, input_dtype)
     found = []
     if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and block_size is None:
         found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
+    byte_pairs = triton.offsets_wrap(num_experts * n * k, 1)
+    if fmt_class == "8bit-a8" and (rows >= FP8_MOSAIC_MIN_ROWS or byte_pairs) and block_size is None:
+        found.append(mosaic_fp8.Tiles(64, 256, stages=4, group_m=8))
     if input_dtype is None:
         tiles = triton_tiles(rows, n, k, fmt_class)
     else:

@@ -4,7 +4,7 @@ in benchmarks/notes/gemm.md (candidates that never won were pruned there)."""
 
 from __future__ import annotations
 
-from pallas_kernels.gemm import mosaic, triton
+from pallas_kernels.gemm import mosaic, mosaic_fp8, triton
 
 M_RANGES = ((0, 16), (16, 128), (128, 1024), (1024, 4096), (4096, 8192), (8192, 1 << 30))
 DECODE_MAX_ROWS = 32  # experts with up to this many rows sweep DECODE
@@ -65,6 +65,9 @@ PREFILL = (
     mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True),
     mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True, word_decode=True),
     mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=2),
+    mosaic_fp8.Tiles(64, 256, stages=4),
+    mosaic_fp8.Tiles(64, 256, stages=4, group_m=1),
+    mosaic_fp8.Tiles(128, 128, stages=4),
 )
 
 

@@ -28,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, vector
 
-from pallas_kernels.gemm.spec import GemmCall, WeightSpec, tile_order
+from pallas_kernels.gemm.spec import GemmCall, WeightSpec, check_positive, tile_order
 from pallas_kernels.word_decode import MAGIC  # (pattern, base): pattern | q is the float base + q
 
 # Compute warpgroups of a program. Not 4: JAX 0.11.2's warp-specialized pipeline then
@@ -70,10 +70,7 @@ class Tiles:
     dequantize_first: bool = False
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k", "stages", "group_m"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"mosaic.Tiles.{name}: expected a positive int, got {value!r}")
+        check_positive(self, ("block_m", "block_n", "block_k", "stages", "group_m"))
         if self.cluster_n not in (1, 2):
             raise ValueError(f"mosaic.Tiles.cluster_n: 1 or 2, got {self.cluster_n!r}")
 
@@ -246,6 +243,16 @@ def masked_ranges(counts: jax.Array, max_tokens: int) -> tuple[jax.Array, jax.Ar
     return jnp.concatenate([starts, ends]), jnp.concatenate([ends, starts + max_tokens])
 
 
+def row_ranges(offsets: jax.Array | None, counts: jax.Array | None, m: int, num_experts: int):
+    """``(starts, ends)`` of a call's layout: grouped-masked with ``counts``,
+    else grouped-contiguous with ``offsets`` (None: dense, one range)."""
+    if counts is not None:
+        if m % num_experts:
+            raise ValueError(f"mosaic GEMM: the grouped-masked x needs E*max_tokens rows (E={num_experts}), got {m}")
+        return masked_ranges(counts, m // num_experts)
+    return grouped_ranges(jnp.asarray([0, m], jnp.int32) if offsets is None else offsets, m)
+
+
 def row_tile_table(starts: jax.Array, ends: jax.Array, num_experts: int, m: int, block_m: int) -> jax.Array:
     """``[tiles, 4]`` int32 ``(group, load row, first row, rows)`` per row
     tile: the row ranges ``[starts[i], ends[i])`` (the first ``num_experts``
@@ -276,7 +283,7 @@ def padded_rows(m: int, block_m: int) -> int:
     return -(-max(m, block_m) // ROW_ALIGN) * ROW_ALIGN
 
 
-def _store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
+def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
     """Rows ``[offset, offset + rows)`` of the shared tile ``o_smem`` to
     gmem rows ``[first_row, first_row + rows)`` as a sum of power-of-two
     slices (static TMA boxes, dynamic starts)."""
@@ -292,6 +299,25 @@ def _store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
 
         done = done + (rows & size)
         size //= 2
+
+
+def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False):
+    """A compute warpgroup's ``[wg_m, wg_n]`` result (``transposed``: given as
+    ``[wg_n, wg_m]``) into ``o_gmem``'s columns from ``first_col`` through its
+    ``[wg_m, EPILOGUE_COLUMNS]`` shared slot, a chunk of columns at a time;
+    ``row_span = (first_row, offset, rows)``: its own rows only (store_rows)."""
+    first_row, offset, rows = row_span
+    wg_m, wg_n = (acc.shape[1], acc.shape[0]) if transposed else acc.shape
+    for chunk in range(wg_n // EPILOGUE_COLUMNS):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copies have read it
+        columns = slice(chunk * EPILOGUE_COLUMNS, (chunk + 1) * EPILOGUE_COLUMNS)
+        if transposed:  # stored through a transposed view of the slot
+            slot.transpose((1, 0))[...] = acc[columns]
+        else:
+            slot[...] = acc[:, columns]
+        plgpu.commit_smem()
+        cols = o_gmem.at[:, pl.ds(first_col + chunk * EPILOGUE_COLUMNS, EPILOGUE_COLUMNS)]
+        store_rows(slot, cols, first_row, offset, rows, wg_m)
 
 
 def persistent_programs(interpret: bool) -> int:
@@ -454,19 +480,7 @@ def _kernel(
             wg_cols = col_tile * tiles.block_n + wg * wg_n
 
             def store(acc, transposed: bool = False):
-                """The compute warpgroup's ``[wg_m, wg_n]`` result (``transposed``:
-                given as ``[wg_n, wg_m]``), its own rows only."""
-                for chunk in range(wg_n // EPILOGUE_COLUMNS):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copies have read it
-                    slot = o_smem.at[wg]
-                    columns = slice(chunk * EPILOGUE_COLUMNS, (chunk + 1) * EPILOGUE_COLUMNS)
-                    if transposed:  # stored through a transposed view of the slot
-                        slot.transpose((1, 0))[...] = acc[columns]
-                    else:
-                        slot[...] = acc[:, columns]
-                    plgpu.commit_smem()
-                    cols = o_gmem.at[:, pl.ds(wg_cols + chunk * EPILOGUE_COLUMNS, EPILOGUE_COLUMNS)]
-                    _store_rows(slot, cols, first_row, offset, rows, wg_m)
+                store_tile(acc, o_smem.at[wg], o_gmem, wg_cols, (first_row, offset, rows), transposed)
 
             swap = tiles.swap_ab
             acc_shape = (wg_n, wg_m) if swap else (wg_m, wg_n)
@@ -567,12 +581,7 @@ def expert_gemm_mosaic(
             if array is None or array.shape != want or array.dtype != x.dtype:
                 got = None if array is None else f"{array.dtype} {array.shape}"
                 raise ValueError(f"mosaic GEMM: {name} must be {x.dtype} {want}, got {got}")
-    if counts is not None:
-        if m % num_experts:
-            raise ValueError(f"mosaic GEMM: the grouped-masked x needs E*max_tokens rows (E={num_experts}), got {m}")
-        starts, ends = masked_ranges(counts, m // num_experts)
-    else:
-        starts, ends = grouped_ranges(jnp.asarray([0, m], jnp.int32) if offsets is None else offsets, m)
+    starts, ends = row_ranges(offsets, counts, m, num_experts)
     padded = padded_rows(m, tiles.block_m)  # a row tile's box fits inside x
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))

@@ -97,6 +97,16 @@ class GemmCall:
     interpret: bool = False
 
 
+def check_positive(tiles, names: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` naming the first of ``names`` that is not a positive
+    int on the frozen tile config ``tiles`` (``<module>.Tiles.<field>``)."""
+    for name in names:
+        value = getattr(tiles, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            kernel = type(tiles).__module__.rsplit(".", 1)[-1]
+            raise ValueError(f"{kernel}.Tiles.{name}: expected a positive int, got {value!r}")
+
+
 def tile_order(program, row_tiles: int, col_tiles: int, group_m: int):
     """(row tile, column tile) of a program. Programs run in bands of
     ``group_m`` row tiles; inside a band the row tile varies fastest, then the

@@ -123,6 +123,13 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return "half-bits e2m1 weights (read as nibble pairs: word_decode, pair_decode, fold_scales, block_k >= 128)"
     if w.half_bits and xs.mode == "group" and xs.group_size < 128:
         return f"half-bits e2m1 weights with input groups of {xs.group_size} (read in spans of 128+ columns)"
+    if call.x_dtype in QUANTIZED_INPUTS and offsets_wrap(layout.m_in * w.k, 1):
+        return f"8-bit inputs of {layout.m_in} x {w.k} (over 2**31 bytes: the lowering's 32-bit offsets wrap)"
+    ways = nibbles_per_unit(w, tiles, operand_dtype(call, tiles), xs.group_size if xs.mode == "group" else 0)
+    if w.packed and ways == 2 and offsets_wrap(w.num_experts * w.n * w.k // 2, 1):
+        return "4-bit codes read as bytes from over 2**31 of them (the lowering's 32-bit offsets wrap): word_decode"
+    if reads_byte_pairs(w) and w.k % 2:
+        return f"8-bit weights of over 2**31 values with an odd K={w.k} (read as byte pairs)"
     return None
 
 
@@ -160,11 +167,28 @@ def operand_dtype(call: GemmCall, tiles: Tiles):
     return operand
 
 
+# JAX 0.11's Triton lowering indexes an array of at most 2**32 bytes with signed
+# 32-bit element offsets: past 2**31 elements (8-bit arrays of 2-4 GiB) they wrap.
+WRAPPING_ELEMENTS = 2**31
+
+
+def offsets_wrap(elements: int, itemsize: int) -> bool:
+    """Whether the lowering's element offsets into an array of ``elements``
+    items of ``itemsize`` bytes wrap (see :data:`WRAPPING_ELEMENTS`)."""
+    return elements > WRAPPING_ELEMENTS and elements * itemsize <= 2**32
+
+
+def reads_byte_pairs(w: WeightSpec) -> bool:
+    """Whether unpacked 8-bit weight values are read as uint16 pairs (their
+    offsets wrap as bytes): the even and odd columns of a span are two pieces."""
+    return not w.packed and w.quantized and offsets_wrap(w.num_experts * w.n * w.k, 1)
+
+
 def _pieces_per_span(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> int:
-    """Weight pieces (products) per span: one unpacked, else one per nibble
-    position (pairs: per pair of positions)."""
+    """Weight pieces (products) per span: one unpacked (two read as byte
+    pairs), else one per nibble position (pairs: per pair of positions)."""
     if not w.packed:
-        return 1
+        return 2 if reads_byte_pairs(w) else 1
     ways = nibbles_per_unit(w, tiles, compute_dtype, x_group)
     return ways // 2 if decodes_pairs(w, tiles, compute_dtype, x_group) else ways
 
@@ -631,6 +655,7 @@ class _SpanPlan:
     # precision), which the f32 multiply and cast keep.
     scale_in_compute: bool = False
     pairs: bool = False  # word pieces pair nibbles j and j+4 (Tiles.pair_decode)
+    byte_pairs: bool = False  # unpacked 8-bit values read as uint16 pairs (reads_byte_pairs)
     folded_e2m1: bool = False  # see folds_e2m1
     e4m3_codes: bool = False  # see decodes_e4m3_codes
     shifted_e2m1: bool = False  # see shifts_e2m1
@@ -667,7 +692,9 @@ class _SpanPlan:
     def pieces(self) -> int:
         """Pieces per span: one per nibble position of the loaded elements
         (words or bytes; pairs load the words as 16-bit halves, 4 positions),
-        so also the nibbles per loaded element."""
+        so also the nibbles per loaded element; byte pairs: 2)."""
+        if self.byte_pairs:
+            return 2
         return self.ways // 2 if self.pairs else self.ways
 
 
@@ -811,16 +838,36 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
             x_cols = k_start + j * width + along if plan.x_split else cols
             yield finish(_Piece(cols, x_cols, values if plan.shifted_e2m1 else values.astype(compute_dtype)))
         return
+    if plan.byte_pairs:  # byte j of pair a holds column k_start + 2a + j
+        along = jnp.arange(span // 2, dtype=jnp.int32)
+        pair = _floor_div(k_start, 2) + along
+        pair_mask = None if k_limit is None else (pair < pl.cdiv(k_limit, 2))[None, :]
+        pairs = _load(values_ref.at[expert, n_col, pair[None, :]], _all(n_mask2, pair_mask))
+        for j in range(2):
+            raw = ((pairs >> (8 * j)) & 0xFF).astype(jnp.uint8)
+            piece = _byte_piece(raw, k_start + 2 * along + j, w, expert, n_idx, k_start, plan, refs, n_mask)
+            if plan.x_split:  # x's span stored even columns first
+                piece = dataclasses.replace(piece, x_cols=k_start + j * (span // 2) + along)
+            yield finish(piece)
+        return
     cols = k_start + jnp.arange(span, dtype=jnp.int32)
     k_mask = None if k_limit is None else (cols < k_limit)[None, :]
     raw = _load(values_ref.at[expert, n_col, cols[None, :]], _all(n_mask2, k_mask))
+    yield finish(_byte_piece(raw, cols, w, expert, n_idx, k_start, plan, refs, n_mask))
+
+
+def _byte_piece(raw, cols, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan, refs, n_mask) -> _Piece:
+    """The piece of unpacked values ``raw [bn, len(cols)]`` (8-bit bits or
+    16-bit floats) of columns ``cols``, less an integer zero point."""
     if w.value_type == "float8_e4m3" and raw.dtype == jnp.uint8:
         raw = _storage_bits(raw, jnp.float8_e4m3fn)
-    values = raw.astype(compute_dtype)
+    elif w.value_type == "int8" and raw.dtype == jnp.uint8:
+        raw = jax.lax.bitcast_convert_type(raw, jnp.int8)
+    values = raw.astype(plan.compute_dtype)
     if w.zero_point == "int" and not plan.in_weights:  # q - z is a small integer, exact
-        zero = _int_zero(zero_ref, expert, n_idx, _floor_div(k_start, w.group_size), n_mask)
-        values = (raw.astype(jnp.float32) - zero.astype(jnp.float32)[:, None]).astype(compute_dtype)
-    yield finish(_Piece(cols, cols, values))
+        zero = _int_zero(refs[2], expert, n_idx, _floor_div(k_start, w.group_size), n_mask)
+        values = (raw.astype(jnp.float32) - zero.astype(jnp.float32)[:, None]).astype(plan.compute_dtype)
+    return _Piece(cols, cols, values)
 
 
 def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start, n_mask):
@@ -894,6 +941,7 @@ def _gemm_kernel(
         on_gpu,
         scale_in_compute=_scales_exact_in(w, compute_dtype) and tiles.use_mma,
         pairs=decodes_pairs(w, tiles, compute_dtype, x_group),
+        byte_pairs=reads_byte_pairs(w),
         folded_e2m1=folds_e2m1(w, tiles, compute_dtype),
         e4m3_codes=decodes_e4m3_codes(w, tiles, compute_dtype, x_group),
         shifted_e2m1=shifts_e2m1(w, tiles, compute_dtype),
@@ -1118,6 +1166,8 @@ def splits_x(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> bo
     consecutive columns of x as it is."""
     if w.nibble_unit and decodes_pairs(w, tiles, compute_dtype, x_group):
         return False
+    if reads_byte_pairs(w):  # the even and odd columns: as bytes of 4-bit codes
+        return tiles.block_m >= 64
     return w.packed and (tiles.block_m >= 64 or tiles.word_decode)
 
 
@@ -1147,11 +1197,14 @@ def expert_gemm(
     # weight values read by fp8 MMAs with no mask: loaded as they are, they go
     # straight to shared memory for the MMA.
     direct = jnp.dtype(compute_dtype) == jnp.dtype(jnp.float8_e4m3fn) and w.k % tiles.block_k == 0
-    direct = direct and w.n % tiles.block_n == 0
+    direct = direct and w.n % tiles.block_n == 0 and not reads_byte_pairs(w)
     weight_arrays = tuple(
         jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype == jnp.float8_e4m3fn and not (direct and i == 0) else a
         for i, a in enumerate(weight_arrays)
     )
+    if reads_byte_pairs(w):  # little-endian: byte 0 of pair a is column 2a
+        values = jax.lax.bitcast_convert_type(weight_arrays[0], jnp.uint8).reshape(w.num_experts, w.n, w.k // 2, 2)
+        weight_arrays = (jax.lax.bitcast_convert_type(values, jnp.uint16), *weight_arrays[1:])
     out_shape = (tiles.split_k, layout.m_out, w.n) if tiles.split_k > 1 else (layout.m_out, w.n)
     out_type = jnp.float32 if tiles.split_k > 1 else out_dtype
     zero_filled = layout.zero_filled  # (see the module docstring)
@@ -1164,7 +1217,7 @@ def expert_gemm(
         order = piece_column_order(w.k, span, ways, w.nibble_unit)
         x = jnp.pad(x, ((0, 0), (0, len(order) - w.k)))[:, order]
     elif x_split:
-        x = split_packed_columns(x, span, ways, pairs)
+        x = split_packed_columns(x, span, 2 if reads_byte_pairs(w) else ways, pairs)
     scales = [] if x_scale is None else [x_scale.reshape(-1) if xs.mode in ("tensor", "token") else x_scale]
     inputs = [x, *scales, *route_arrays, *weight_arrays] + ([bias] if bias is not None else [])
     if zero_filled:

@@ -1,0 +1,189 @@
+"""The Mosaic GPU GEMM on the fp8 tensor cores (e4m3 weights, e4m3/e5m2
+inputs) in the Mosaic GPU interpreter on the CPU, compiled on a Hopper GPU:
+every input scale with every weight scale against a float64 NumPy product,
+the three layouts it takes with their edge cases, what it refuses, the plan's
+choice, and its lowering for the GPU.
+
+What we measure: interpreted, the kernel's f32 sums of exact 8-bit products
+against the float64 product of the dequantized operands, ~4e-8 (bound 1e-5);
+compiled, the tensor cores sum each 128-deep step in their own reduced
+precision (~1e-4 on the H200, bound 1e-3)."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import humming_jax as hj
+from humming_jax import formats as F
+from humming_jax import input_quant as Q
+from humming_jax import tuning as T
+from humming_jax.gemm import gemm_call, plan
+from pallas_kernels.gemm import mosaic_fp8 as kernel
+
+import gemm_layouts
+import np_ref
+from np_ref import relative_error
+from sweep import FULL
+
+KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
+BOUND = 1e-5 if KERNEL_BACKEND == "interpret" else 1e-3
+E, N, K, M = 4, 256, 256, 40
+TILES = kernel.Tiles(64, 256, stages=2, group_m=2)  # the heuristic's tile, fewer stages
+SQUARE = kernel.Tiles(128, 128, stages=2, group_m=2)  # 128-row tiles, 64 columns a warpgroup
+
+WEIGHT_OF = {"block": "fp8_block128", "channel": "fp8_channel", "tensor": "fp8_tensor"}
+INPUT_OF = {"group": "fp8_dynamic_group128", "token": "fp8_dynamic_token", "tensor": "fp8_static_tensor"}
+
+
+def _weight(rng, fmt_name: str, e: int = E, bias: bool = False):
+    w = jnp.asarray(rng.normal(0, 0.05, (e, N, K)), jnp.float32)
+    fmt = F.get_format(fmt_name)
+    b = jnp.asarray(rng.normal(size=(e, N)), jnp.float32) if bias else None
+    return F.quantize_weight(w, fmt.with_bias() if bias else fmt, bias=b)
+
+
+def _input(rng, quant_name: str, m: int = M):
+    quant = Q.get_input_spec(quant_name)
+    x = jnp.asarray(rng.normal(size=(m, K)), jnp.float32)
+    static = jnp.float32(np.abs(np.asarray(x)).max() / quant.dtype.max_value) if quant.mode.is_static else None
+    return Q.quantize_input(x, quant, static_scale=static)
+
+
+def _check(out, x, weight, layout):
+    want = np_ref.gemm_of(x, weight, layout)
+    got = np.asarray(out, np.float64)
+    assert np.all(np.isfinite(got)), "a row left unwritten reads as NaN in the interpreter"
+    assert relative_error(got, want) < BOUND
+    unowned = np.all(want == 0, axis=1)
+    assert np.all(got[unowned] == 0), "rows no expert owns must be zero"
+
+
+@pytest.mark.parametrize(
+    "x_mode,w_mode,tiles",
+    [
+        ("group", "block", TILES),  # DeepSeek-V3's W8A8: both scales per step
+        pytest.param("group", "block", SQUARE, marks=FULL),
+        ("token", "channel", TILES),  # every scale on the sum
+        pytest.param("token", "channel", SQUARE, marks=FULL),
+        ("tensor", "tensor", SQUARE),
+        pytest.param("group", "channel", TILES, marks=FULL),  # the input's scale per step, the weight's on the sum
+        pytest.param("token", "block", TILES, marks=FULL),  # the weight's per step, the input's on the sum
+        pytest.param("group", "tensor", TILES, marks=FULL),
+    ],
+)
+def test_every_scaling_against_numpy(x_mode, w_mode, tiles, rng):
+    """Expert ranges with an empty expert and rows past the last range."""
+    weight, x = _weight(rng, WEIGHT_OF[w_mode]), _input(rng, INPUT_OF[x_mode])
+    layout = gemm_layouts.layouts(rng, E, M)["grouped_contiguous"]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
+    _check(out, x, weight, layout)
+
+
+@pytest.mark.parametrize(
+    "layout_kind,quant_name,bias",
+    [
+        ("grouped_masked", "fp8_dynamic_group128", False),  # an empty and an over-full expert
+        ("dense", "fp8_dynamic_group128", True),
+        pytest.param("grouped_contiguous", "fp8_e5m2_dynamic_token", True, marks=FULL),  # e5m2 x e4m3
+        pytest.param("grouped_masked", "fp8_e5m2_dynamic_token", False, marks=FULL),
+    ],
+)
+def test_layouts_e5m2_and_bias(layout_kind, quant_name, bias, rng):
+    weight = _weight(
+        rng, "fp8_block128" if "group" in quant_name else "fp8_channel", 1 if layout_kind == "dense" else E, bias
+    )
+    x, layout = _input(rng, quant_name), gemm_layouts.layouts(rng, E, M)[layout_kind]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=TILES, backend=KERNEL_BACKEND)
+    _check(out, x, weight, layout)
+
+
+@pytest.mark.parametrize("counts", [(0, 0, 1, 0), (0, 130, 0, 0)], ids=["T=1", "one-hot-expert"])
+def test_one_row_and_one_hot_expert(counts, rng):
+    """One row (a tile of one row, the rest of its box not stored) and every
+    row on one expert (three row tiles of it), a bf16 output."""
+    m = sum(counts) + 3
+    offsets = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
+    weight, x = _weight(rng, "fp8_block128"), _input(rng, "fp8_dynamic_group128", m)
+    layout = hj.GroupedContiguous(offsets)
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.bfloat16, tuning=TILES, backend=KERNEL_BACKEND)
+    want = np_ref.gemm_of(x, weight, layout)
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    assert relative_error(got, want) < 1e-2  # a bf16 output
+    assert np.all(got[sum(counts) :] == 0)
+
+
+def test_what_the_kernel_refuses(rng):
+    """``supports`` names why; a tiling passed by the caller raises with it."""
+    x = _input(rng, "fp8_dynamic_group128")
+    layouts = gemm_layouts.layouts(rng, E, M)
+
+    def reason(weight, layout, tiles=TILES, x=x, **options):
+        call = gemm_call(x, weight, layout, jnp.bfloat16, interpret=True, **options)
+        return kernel.supports(tiles, call)
+
+    block = _weight(rng, "fp8_block128")
+    assert reason(block, layouts["grouped_contiguous"]) is None
+    assert "indexed layout" in reason(block, layouts["indexed"])
+    assert "int8 weights" in reason(_weight(rng, "int8_channel"), layouts["grouped_contiguous"])
+    assert "bfloat16 inputs" in reason(
+        block, layouts["dense"], x=Q.quantize_input(jnp.ones((M, K), jnp.bfloat16), Q.NONE)
+    )
+    assert "at most 8192 values twice" in reason(block, layouts["dense"], kernel.Tiles(128, 256))
+    token = _input(rng, "fp8_dynamic_token")
+    assert reason(_weight(rng, "fp8_channel"), layouts["dense"], kernel.Tiles(128, 256), x=token) is None  # one sum
+    assert "f16 accumulation" in reason(block, layouts["dense"], use_f16_accum=True)
+    with pytest.raises(ValueError, match="block_m=32"):
+        hj.gemm(x, block, layouts["grouped_contiguous"], tuning=kernel.Tiles(32, 256), backend="interpret")
+    with pytest.raises(ValueError, match="block_m"):
+        kernel.Tiles(block_m=0)
+
+
+def test_the_plan_takes_it_from_128_rows_an_expert():
+    """The heuristic lists the fp8 kernel first for e4m3 weights with fp8
+    inputs from 128 rows an expert, from one for weights of over 2**31 values
+    (not for an indexed layout, whose blocks TMA cannot gather), the Triton
+    tile after it."""
+    fmt = F.get_format("fp8_block128")
+    prefill = T.heuristic_candidates(128, 1536, 2048, fmt, input_dtype="float8_e4m3")
+    assert isinstance(prefill[0], kernel.Tiles) and len(prefill) == 2
+    assert not isinstance(T.heuristic_candidates(64, 1536, 2048, fmt, input_dtype="float8_e4m3")[0], kernel.Tiles)
+    indexed = T.heuristic_candidates(128, 1536, 2048, fmt, block_size=64, input_dtype="float8_e4m3")
+    assert not any(isinstance(t, kernel.Tiles) for t in indexed)
+    # DeepSeek-V3's w2 (2**31 e4m3 values and more: the Triton kernel reads them as byte pairs): from one row.
+    byte_pairs = T.heuristic_candidates(1, 7168, 2048, fmt, input_dtype="float8_e4m3", num_experts=256)
+    assert isinstance(byte_pairs[0], kernel.Tiles)
+    rng = np.random.default_rng(0)
+    weight, x = _weight(rng, "fp8_block128"), _input(rng, "fp8_dynamic_group128", E * 128)
+    offsets = jnp.arange(0, E * 128 + 1, 128, dtype=jnp.int32)
+    tiles, _ = plan(x, weight, hj.GroupedContiguous(offsets), valid_shape_m=E * 128, interpret=True)
+    assert isinstance(tiles, kernel.Tiles)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("scaling", [kernel.Scaling("group", "block"), kernel.Scaling("token", "channel")])
+def test_lowers_for_the_gpu(scaling):
+    """Both forms (a product scaled per step, one accumulator) lower to a
+    Mosaic GPU custom call on the CPU (layouts, TMA boxes, the 8-bit wgmma)."""
+    shapes = {"group": (300, 2), "token": (300, 1), "block": (3, 2, 2), "channel": (3, 512, 1)}
+    x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
+    w = jax.ShapeDtypeStruct((3, 512, 256), jnp.float8_e4m3fn)
+    x_scale = jax.ShapeDtypeStruct(shapes[scaling.x], jnp.float32)
+    w_scale = jax.ShapeDtypeStruct(shapes[scaling.w], jnp.float32)
+    offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
+    run = functools.partial(
+        kernel.expert_gemm_fp8, tiles=kernel.Tiles(64, 256), scaling=scaling, out_dtype=jnp.bfloat16
+    )
+    lowered = jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets)
+    assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_tiles_text_names_the_kernel():
+    from humming_jax import tiles_text
+
+    tiles = dataclasses.replace(TILES, group_m=8)
+    assert tiles_text.gemm_to_text(tiles) == "mosaic_fp8:block_m=64,block_n=256,stages=2"
+    assert tiles_text.gemm_from_text("mosaic_fp8:block_m=64,block_n=256,stages=2") == tiles
