@@ -153,7 +153,8 @@ class ComputeConfig:
     Attributes:
         layout: the :class:`GemmLayout`.
         use_f16_accum: accumulate in f16 (f16 compute only).
-        batch_invariant: a row's result never depends on the other rows (no split-K).
+        batch_invariant: a row's result never depends on the other rows or their
+            number (one tiling for every batch, no split-K).
     """
 
     layout: GemmLayout = GemmLayout.GROUPED_CONTIGUOUS

@@ -148,7 +148,8 @@ def gemm(
             :class:`Indexed` or :class:`Dense`.
         out_dtype: default ``x``'s dtype when unquantized, else bfloat16.
         use_f16_accum: accumulate in f16 (f16 inputs).
-        batch_invariant: no split-K, so a row's result never depends on other rows.
+        batch_invariant: one tiling whatever the batch (a decode tile) and no
+            split-K, so a row's result is bitwise the same alone or in any batch.
         valid_shape_m: an estimate of the real rows, to pick the tuning entry.
         tuning: a ``triton``, ``mosaic`` or ``mosaic_fp8`` ``Tiles`` (``pallas_kernels.gemm``):
             runs as given or raises with the kernel's reason; None: the table's
@@ -269,6 +270,8 @@ def plan(
         listed = [tuning]
     else:
         estimate = valid_shape_m or layout.output_rows(x.m)
+        if batch_invariant:  # one tiling for every batch (a row an expert's): a row's sums never change with it
+            estimate = 1 if isinstance(layout, L.Dense) else weight.shape[0]
         block_size = layout.block_size if isinstance(layout, L.Indexed) else None
         listed = T.candidates(
             layout.kind.value,

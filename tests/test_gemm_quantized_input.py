@@ -292,13 +292,19 @@ def test_f16_output_and_accumulation(rng):
 @pytest.mark.parametrize("fmt_name,quant_name", PATHS[:1])
 def test_batch_invariant_rows(fmt_name, quant_name, rng):
     """With ``batch_invariant`` a row's result is bitwise the same computed in
-    a batch of 40 rows or alone."""
+    a batch of 256 rows on one expert (which would otherwise take a prefill
+    tile: another order of sums) or alone — one tiling for every batch."""
     fmt, quant = F.get_format(fmt_name), Q.get_input_spec(quant_name)
-    weight, x = _weight(rng, fmt), _input(rng, quant)
-    layout = hj.GroupedContiguous(jnp.asarray([0, 0, 40, 40, 40], jnp.int32))
+    m = 256
+    weight, x = _weight(rng, fmt), _input(rng, quant, m=m)
+    layout = hj.GroupedContiguous(jnp.asarray([0, 0, m, m, m], jnp.int32))
+    free, _ = plan(x, weight, layout)
+    fixed, _ = plan(x, weight, layout, batch_invariant=True)
+    assert free != fixed  # the batch alone would have chosen another tiling
     batch = np.asarray(hj.gemm(x, weight, layout, batch_invariant=True, backend=KERNEL_BACKEND))
-    row = jax.tree.map(lambda a: a[5:6] if a.ndim == 2 and a.shape[0] == M else a, x)
-    alone = hj.gemm(row, weight, hj.GroupedContiguous(jnp.asarray([0, 0, 1, 1, 1], jnp.int32)), batch_invariant=True)
+    row = jax.tree.map(lambda a: a[5:6] if a.ndim == 2 and a.shape[0] == m else a, x)
+    one = hj.GroupedContiguous(jnp.asarray([0, 0, 1, 1, 1], jnp.int32))
+    alone = hj.gemm(row, weight, one, batch_invariant=True, backend=KERNEL_BACKEND)
     np.testing.assert_array_equal(np.asarray(alone)[0], batch[5])
 
 
