@@ -320,6 +320,22 @@ def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False)
         store_rows(slot, cols, first_row, offset, rows, wg_m)
 
 
+def k_pipeline(step, context, *, steps: int, in_specs, stages: int):
+    """The warp-specialized pipeline over ``steps`` K steps: the memory
+    warpgroup's TMA loads of ``in_specs``, ``stages`` in flight, ``step`` run by
+    the compute warpgroups with the carry ``context`` sets up."""
+    return plgpu.emit_pipeline_warp_specialized(
+        step,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=in_specs,
+        wg_axis="wg",
+        num_compute_wgs=COMPUTE_WGS,
+        max_concurrent_steps=stages,
+        compute_context=context,
+    )
+
+
 def persistent_programs(interpret: bool) -> int:
     """Programs of a persistent grid: one per SM (a few when interpreted: the
     loop over tiles covers every tile either way)."""
@@ -425,17 +441,7 @@ def _kernel(
             *(plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
         ]
 
-    def pipeline(step, context):
-        return plgpu.emit_pipeline_warp_specialized(
-            step,
-            grid=(k // bk,),
-            memory_registers=40,
-            in_specs=in_specs,
-            wg_axis="wg",
-            num_compute_wgs=COMPUTE_WGS,
-            max_concurrent_steps=tiles.stages,
-            compute_context=context,
-        )
+    pipeline = functools.partial(k_pipeline, steps=k // bk, in_specs=in_specs, stages=tiles.stages)
 
     def operands(group, col_tile, load_row):
         """The pipeline's gmem inputs for one output tile."""

@@ -146,17 +146,7 @@ def _kernel(
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
         in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
-    def pipeline(step, context):
-        return plgpu.emit_pipeline_warp_specialized(
-            step,
-            grid=(k // BLOCK_K,),
-            memory_registers=40,
-            in_specs=in_specs,
-            wg_axis="wg",
-            num_compute_wgs=mosaic.COMPUTE_WGS,
-            max_concurrent_steps=tiles.stages,
-            compute_context=context,
-        )
+    pipeline = functools.partial(mosaic.k_pipeline, steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages)
 
     def operands(group, col_tile, load_row):
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
