@@ -1,8 +1,8 @@
 """The Mosaic GPU GEMM on the fp8 tensor cores (e4m3 weights, e4m3/e5m2
-inputs) in the Mosaic GPU interpreter on the CPU, compiled on a Hopper GPU:
-every input scale with every weight scale against a float64 NumPy product,
-the three layouts it takes with their edge cases, what it refuses, the plan's
-choice, and its lowering for the GPU.
+inputs; MXFP4 weights decoded to e4m3, W4A8) in the Mosaic GPU interpreter on
+the CPU, compiled on a Hopper GPU: every input scale with every weight scale
+against a float64 NumPy product, the three layouts it takes with their edge
+cases, what it refuses, the plan's choice, and its lowering for the GPU.
 
 What we measure: interpreted, the kernel's f32 sums of exact 8-bit products
 against the float64 product of the dequantized operands, ~4e-8 (bound 1e-5);
@@ -44,6 +44,13 @@ def _weight(rng, fmt_name: str, e: int = E, bias: bool = False):
     fmt = F.get_format(fmt_name)
     b = jnp.asarray(rng.normal(size=(e, N)), jnp.float32) if bias else None
     return F.quantize_weight(w, fmt.with_bias() if bias else fmt, bias=b)
+
+
+def _mxfp4(rng, half_bits: bool, gaps: int = 12, e: int = E):
+    """Planar MXFP4 whose 32-column groups' scales differ by up to 2**gaps within a row."""
+    spread = np.exp2(rng.integers(-gaps, 1, (e, N, K // 32))).repeat(32, axis=-1)
+    w = jnp.asarray(rng.normal(0, 0.05, (e, N, K)) * spread, jnp.float32)
+    return F.to_planar(F.quantize_weight(w, F.get_format("mxfp4")), half_bits=half_bits)
 
 
 def _input(rng, quant_name: str, m: int = M):
@@ -116,6 +123,44 @@ def test_one_row_and_one_hot_expert(counts, rng):
     assert np.all(got[sum(counts) :] == 0)
 
 
+@pytest.mark.parametrize(
+    "half_bits,quant_name,tiles",
+    [
+        (True, "fp8_dynamic_group128", SQUARE),  # the anchor's W4A8, as the modules store it
+        (False, "fp8_dynamic_group128", TILES),
+        pytest.param(True, "fp8_dynamic_token", TILES, marks=FULL),
+        pytest.param(False, "fp8_e5m2_dynamic_token", SQUARE, marks=FULL),
+    ],
+)
+def test_mxfp4_decoded_to_e4m3(half_bits, quant_name, tiles, rng):
+    """W4A8: each group's e2m1 codes times 2**(6 - gap) are exact in e4m3 for
+    gaps up to 14 (here 12 and the quantizer's own spread), so interpreted
+    the result is the float64 product's within f32 sums."""
+    weight, x = _mxfp4(rng, half_bits), _input(rng, quant_name)
+    layout = gemm_layouts.layouts(rng, E, M)["grouped_contiguous"]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
+    _check(out, x, weight, layout)
+
+
+def test_mx_operands_against_numpy(rng):
+    """The factors 2**(12 - gap) (gaps clamped at MAX_GAP) and the step scales
+    2**(largest - 133) of random bytes, from their bits (f16 and f32
+    subnormals included); a byte 255 (e8m0 NaN) makes its step's scale NaN."""
+    e, n, k = 2, 8, 512
+    raw = rng.integers(0, 255, (e, n, k // 32)).astype(np.uint8)
+    raw[0, 0, :4] = (0, 40, 3, 1)  # gaps past MAX_GAP, a largest byte of 40
+    raw[1, 2, 5] = 255
+    values = jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8)
+    codes, factors, steps = kernel.mx_operands(values, jnp.asarray(raw))
+    assert codes.dtype == jnp.uint16 and codes.shape == (e, n, k // 4)
+    top = raw.astype(np.int64).reshape(e, n, k // 128, 4).max(-1)
+    gap = np.minimum(top[..., None] - raw.reshape(e, n, k // 128, 4), kernel.MAX_GAP).reshape(e, n, -1)
+    np.testing.assert_array_equal(np.asarray(factors, np.float64), np.swapaxes(np.exp2(12.0 - gap), 1, 2))
+    want = np.where(top == 255, np.nan, np.exp2(top - 133.0))
+    np.testing.assert_array_equal(np.asarray(steps, np.float64), np.swapaxes(want, 1, 2))
+    assert np.isnan(np.asarray(steps)[1, 1, 2]) and np.sum(np.isnan(np.asarray(steps))) == 1
+
+
 def test_what_the_kernel_refuses(rng):
     """``supports`` names why; a tiling passed by the caller raises with it."""
     x = _input(rng, "fp8_dynamic_group128")
@@ -136,6 +181,11 @@ def test_what_the_kernel_refuses(rng):
     token = _input(rng, "fp8_dynamic_token")
     assert reason(_weight(rng, "fp8_channel"), layouts["dense"], kernel.Tiles(128, 256), x=token) is None  # one sum
     assert "f16 accumulation" in reason(block, layouts["dense"], use_f16_accum=True)
+    k_order = F.quantize_weight(jnp.ones((E, N, K), jnp.float32), F.get_format("mxfp4"))
+    assert "K order" in reason(k_order, layouts["dense"])
+    assert reason(F.to_planar(k_order), layouts["dense"]) is None
+    nvfp4 = F.quantize_weight(jnp.ones((E, N, K), jnp.float32), F.get_format("nvfp4"))
+    assert "MXFP4: e8m0 per 32" in reason(F.to_planar(nvfp4), layouts["dense"])
     with pytest.raises(ValueError, match="block_m=32"):
         hj.gemm(x, block, layouts["grouped_contiguous"], tuning=kernel.Tiles(32, 256), backend="interpret")
     with pytest.raises(ValueError, match="block_m"):
@@ -156,6 +206,11 @@ def test_the_plan_takes_it_from_128_rows_an_expert():
     # DeepSeek-V3's w2 (2**31 e4m3 values and more: the Triton kernel reads them as byte pairs): from one row.
     byte_pairs = T.heuristic_candidates(1, 7168, 2048, fmt, input_dtype="float8_e4m3", num_experts=256)
     assert isinstance(byte_pairs[0], kernel.Tiles)
+    # W4A8 (planar MXFP4): 64-row tiles from 32 rows an expert, 128-row ones from 128.
+    mx = F.get_format("mxfp4")
+    assert T.heuristic_candidates(32, 1536, 2048, mx, input_dtype="float8_e4m3")[0] == kernel.Tiles(64, 256)
+    assert T.heuristic_candidates(128, 1536, 2048, mx, input_dtype="float8_e4m3")[0] == kernel.Tiles(128, 128)
+    assert not isinstance(T.heuristic_candidates(16, 1536, 2048, mx, input_dtype="float8_e4m3")[0], kernel.Tiles)
     rng = np.random.default_rng(0)
     weight, x = _weight(rng, "fp8_block128"), _input(rng, "fp8_dynamic_group128", E * 128)
     offsets = jnp.arange(0, E * 128 + 1, 128, dtype=jnp.int32)
@@ -177,6 +232,22 @@ def test_lowers_for_the_gpu(scaling):
     run = functools.partial(
         kernel.expert_gemm_fp8, tiles=kernel.Tiles(64, 256), scaling=scaling, out_dtype=jnp.bfloat16
     )
+    lowered = jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets)
+    assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("half_bits", [False, True])
+def test_mxfp4_lowers_for_the_gpu(half_bits):
+    """The compiled decoder (the e2m1 program on the WGMMA layout's 32-bit
+    registers, both bit orders) and the staged 32-column pieces lower."""
+    x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
+    w = jax.ShapeDtypeStruct((3, 512, 128), jnp.uint8)
+    x_scale = jax.ShapeDtypeStruct((300, 2), jnp.float32)
+    w_scale = jax.ShapeDtypeStruct((3, 512, 8), jnp.uint8)
+    offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
+    scaling = kernel.Scaling("group", "mx", half_bits)
+    run = functools.partial(kernel.expert_gemm_fp8, tiles=SQUARE, scaling=scaling, out_dtype=jnp.bfloat16)
     lowered = jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets)
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 

@@ -20,6 +20,11 @@ DEQUANTIZE_MIN_ROWS = 512
 # kernel (TMA-fed 8-bit wgmma) rather than the Triton tile; from one row where
 # the Triton kernel reads the weight as byte pairs (triton.reads_byte_pairs).
 FP8_MOSAIC_MIN_ROWS = 128
+# MXFP4 weights with fp8 inputs (W4A8): the fp8 Mosaic kernel decodes the codes to e4m3
+# from this many rows an expert (64-row tiles), with 128-row tiles (half the decoding
+# per product) from MX_SQUARE_MIN_ROWS.
+MX_MOSAIC_MIN_ROWS = 32
+MX_SQUARE_MIN_ROWS = 128
 
 
 def rows_per_expert(layout: str, valid_shape_m: int, num_experts: int) -> int:
@@ -128,7 +133,8 @@ def heuristic_candidates(
     weights it does not decode itself — K order, float zero points, other
     groups —, at least :data:`DEQUANTIZE_MIN_ROWS` rows an expert; its
     ``supports`` refuses what it cannot take), or the fp8 Mosaic kernel (8-bit
-    weights with e4m3/e5m2 inputs, :data:`FP8_MOSAIC_MIN_ROWS`), then the
+    weights with e4m3/e5m2 inputs, :data:`FP8_MOSAIC_MIN_ROWS`; planar MXFP4
+    weights with them, :data:`MX_MOSAIC_MIN_ROWS`), then the
     Triton tile (which takes every call). ``block_size``: an indexed layout's block. ``half_bits``:
     weights the Triton decoder reads as nibble pairs only. ``input_dtype``: a
     quantized input's values (:func:`quantized_input_tiles`). ``num_experts``:
@@ -140,6 +146,9 @@ def heuristic_candidates(
     byte_pairs = triton.offsets_wrap(num_experts * n * k, 1)
     if fmt_class == "8bit-a8" and (rows >= FP8_MOSAIC_MIN_ROWS or byte_pairs) and block_size is None:
         found.append(mosaic_fp8.Tiles(64, 256, stages=4, group_m=8))
+    if fmt_class == "fp4-a8" and rows >= MX_MOSAIC_MIN_ROWS and block_size is None:
+        square = rows >= MX_SQUARE_MIN_ROWS
+        found.append(mosaic_fp8.Tiles(128 if square else 64, 128 if square else 256, stages=4, group_m=8))
     if input_dtype is None:
         tiles = triton_tiles(rows, n, k, fmt_class)
     else:

@@ -1,12 +1,17 @@
 """The Mosaic GPU expert GEMM on the fp8 tensor cores (Hopper, sm_90): e4m3 or
-e5m2 inputs times e4m3 weights, wgmma with 8-bit operands and f32 sums, TMA
-loads into 128-byte swizzled shared memory, warp-specialized, persistent.
+e5m2 inputs times e4m3 weights — or MXFP4 weights decoded to e4m3 in the
+compute warpgroups (W4A8) —, wgmma with 8-bit operands and f32 sums, TMA
+loads into swizzled shared memory, warp-specialized, persistent.
 
 Scales: a 128 x 128 weight block's and a row's 128-column input group's
 multiply each K step's product — a fresh accumulator a step, added to the
 running f32 sum times the product of the two (the promotion of the CUDA fp8
 libraries); per-channel or per-tensor weight scales and per-row or per-tensor
-input scales multiply the sum. Layouts ``dense``, ``grouped_contiguous`` and
+input scales multiply the sum. MXFP4 (e2m1 codes, e8m0 scales per 32
+columns, planar units of 32): a K step's four groups enter the product as
+e2m1 times 2**(6 - gap) in e4m3 (gap: the step's largest scale byte of the
+column less the group's; exact up to a gap of 14), the step's product times
+2**(largest - 133) per column (:func:`mx_operands`). Layouts ``dense``, ``grouped_contiguous`` and
 ``grouped_masked``, cut into row tiles as the 16-bit kernel's
 (:func:`mosaic.row_tile_table`). Tiling :class:`Tiles`; what it cannot take
 :func:`supports`. Notes: benchmarks/notes/quantized_input.md.
@@ -19,17 +24,30 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import arith, vector
 
+from pallas_kernels import word_decode
 from pallas_kernels.gemm import mosaic
-from pallas_kernels.gemm.spec import GemmCall, check_positive, tile_order
+from pallas_kernels.gemm.spec import GemmCall, WeightSpec, check_positive, tile_order
 
 BLOCK_K = 128  # a K step: one 128-byte swizzled row of 8-bit values, one scale group
 FP8_INPUTS = ("float8_e4m3fn", "float8_e5m2")
 WEIGHT_SCALES = ("tensor", "channel", "block")
 INPUT_SCALES = ("tensor", "token", "group")
+MX_GROUP = 32  # MXFP4's scale group and planar unit: one decoded piece, one K=32 wgmma
+PIECES = BLOCK_K // MX_GROUP
+STAGE_SLOTS = 2  # decoded pieces waiting in shared memory for their wgmma, per compute warpgroup
+# Decoded e2m1 values are e2m1 x 2**(E2M1_EXPONENT - gap): the largest (6 x 64 = 384)
+# under e4m3's 448, the smallest of a gap of 14 (0.5 x 2**-8) e4m3's smallest subnormal.
+E2M1_EXPONENT = 6
+MAX_GAP = 24  # larger gaps are clamped here (their values round to zero in e4m3 either way)
+E8M0_NAN = 255
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +77,22 @@ class Tiles:
 @dataclasses.dataclass(frozen=True)
 class Scaling:
     """How the call's scales apply: ``x`` tensor / token / group (128 columns,
-    f32), ``w`` tensor / channel / block (128 x 128, f32)."""
+    f32), ``w`` tensor / channel / block (128 x 128, f32) / mx (MXFP4 codes
+    decoded in the kernel, a scale per column and step); ``half_bits``: mx
+    codes in the pair decoder's bit order (``word_decode.E2M1_HALF_BITS``)."""
 
     x: str
     w: str
+    half_bits: bool = False
 
     @property
     def per_step(self) -> bool:
         """A scale changes along K: each step's product is scaled on its own."""
-        return self.x == "group" or self.w == "block"
+        return self.x == "group" or self.w in ("block", "mx")
+
+    @property
+    def mx(self) -> bool:
+        return self.w == "mx"
 
 
 def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
@@ -96,13 +121,36 @@ def scaling_refusal(call: GemmCall) -> str | None:
         return f"{call.x_dtype} inputs ({call.input_quant}): e4m3/e5m2 values with a scale"
     if xs.mode == "group" and (xs.group_size != BLOCK_K or xs.scale_type != "float32"):
         return f"input groups of {xs.group_size} {xs.scale_type} scales (f32 per {BLOCK_K} columns)"
+    if w.value_type == "float4_e2m1":
+        return mx_refusal(w)
     if w.value_type != "float8_e4m3" or w.scale not in WEIGHT_SCALES or w.scale_type != "float32":
-        return f"{w.value_type} weights with {w.scale} {w.scale_type} scales (e4m3, f32 per tensor, channel or block)"
+        return (
+            f"{w.value_type} weights with {w.scale} {w.scale_type} scales "
+            "(e4m3, f32 per tensor, channel or block; or MXFP4)"
+        )
     if w.scale == "block" and (w.group_size, w.block_n) != (BLOCK_K, BLOCK_K):
         return f"{w.block_n} x {w.group_size} weight blocks ({BLOCK_K} x {BLOCK_K})"
     if w.zero_point != "none" or w.global_scale != "none" or w.has_group_index:
         return "weights with zero points, a global scale or a group index"
     return None
+
+
+def mx_refusal(w: WeightSpec) -> str | None:
+    """Why an e2m1 weight is not MXFP4 in the planar order this kernel decodes."""
+    if (w.scale, w.scale_type, w.group_size) != ("group", "e8m0", MX_GROUP):
+        return f"e2m1 weights with {w.scale} {w.scale_type} scales of {w.group_size} (MXFP4: e8m0 per {MX_GROUP})"
+    if w.zero_point != "none" or w.global_scale != "none" or w.has_group_index:
+        return "e2m1 weights with zero points, a global scale or a group index"
+    if w.nibble_unit != MX_GROUP:
+        return f"MXFP4 codes in K order (the planar order of {MX_GROUP}-column units: to_planar)"
+    return None
+
+
+def scaling_of(call: GemmCall) -> Scaling:
+    """How the kernel applies the call's scales."""
+    w = call.weight
+    mode = "mx" if w.value_type == "float4_e2m1" else w.scale
+    return Scaling(call.x_scale.mode, mode, w.half_bits)
 
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
@@ -118,7 +166,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return "f16 accumulation"
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
         return f"out_dtype={call.out_dtype}"
-    return tiles_refusal(tiles, call.weight.n, call.weight.k, Scaling(call.x_scale.mode, call.weight.scale))
+    return tiles_refusal(tiles, call.weight.n, call.weight.k, scaling_of(call))
 
 
 def _kernel(
@@ -132,17 +180,40 @@ def _kernel(
     scaling: Scaling,
     num_experts: int,
     row_tiles: int,
+    has_bias: bool,
+    interpret: bool,
 ):
-    bias_gmem, o_gmem = rest if len(rest) == 2 else (None, rest[0])
+    # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the step scales
+    # [E, K/128, N] and the first of rest the pieces' factors [E, K/32, N] (mx_operands).
+    factor_gmem = rest[0] if scaling.mx else None
+    bias_gmem = rest[-2] if has_bias else None
+    o_gmem = rest[-1]
     k = x_gmem.shape[1]
     n = w_gmem.shape[1]
     bm, wg_m, wg_n = tiles.block_m, tiles.wg_m, tiles.wg_n
     col_tiles = n // tiles.block_n
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    in_specs = [
-        plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype)),
-        plgpu.BlockSpec((tiles.block_n, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, w_gmem.dtype)),
-    ]
+    if scaling.mx:  # x as the step's 4 pieces, the step's codes, factors and column scales
+        in_specs = [
+            *(
+                plgpu.BlockSpec(
+                    (bm, MX_GROUP),
+                    lambda i, j=j: (0, PIECES * i + j),
+                    transforms=mosaic.swizzled(MX_GROUP, x_gmem.dtype),
+                )
+                for j in range(PIECES)
+            ),
+            plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
+            plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (i, 0)),
+            plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)),
+        ]
+    else:
+        in_specs = [
+            plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype)),
+            plgpu.BlockSpec(
+                (tiles.block_n, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, w_gmem.dtype)
+            ),
+        ]
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
         in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
@@ -150,20 +221,30 @@ def _kernel(
 
     def operands(group, col_tile, load_row):
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
-        found = [x_gmem.at[pl.ds(load_row, bm)], w_gmem.at[group, cols]]
+        rows = x_gmem.at[pl.ds(load_row, bm)]
+        if scaling.mx:
+            found = [*(rows for _ in range(PIECES)), w_gmem.at[group, cols]]
+            found += [factor_gmem.at[group, :, cols], w_scale_gmem.at[group, :, cols]]
+        else:
+            found = [rows, w_gmem.at[group, cols]]
         if scaling.x == "group":
             found.append(x_scale_gmem.at[:, pl.ds(load_row, bm)])
         return found
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
+    scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
+    if scaling.mx:  # decoded pieces (the interpreter cannot store through a swizzle: there plain)
+        transforms = () if interpret else mosaic.swizzled(MX_GROUP, jnp.float8_e4m3fn)
+        shape = (mosaic.COMPUTE_WGS, STAGE_SLOTS, wg_n, MX_GROUP)
+        scratch["stage"] = plgpu.SMEM(shape, jnp.float8_e4m3fn, transforms=transforms)
 
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(unused, unused).get_allocations(*operands(0, 0, 0)),
-        o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype),
+        **scratch,
         collective_axes="wg",
     )
-    def _(allocations, o_smem):
+    def _(allocations, o_smem, stage=None):
         wg = lax.axis_index("wg")
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
 
@@ -212,23 +293,42 @@ def _kernel(
             def promoted_context(run):
                 epilogue(run(jnp.zeros((wg_m, wg_n), jnp.float32)))
 
-            def promoted_step(indices, x_smem, w_smem, *rest):
-                *x_scale_smem, total = rest
+            def promoted_step(indices, *refs):
                 (step,) = indices
+                total = refs[-1]
+                x_scale_smem = refs[-2] if scaling.x == "group" else None
+                if scaling.mx:
+                    x_pieces, codes_smem, factor_smem, step_scale_smem = refs[:PIECES], *refs[PIECES : PIECES + 3]
+                else:
+                    x_smem, w_smem = refs[:2]
 
                 def product(acc_ref):
-                    plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
+                    if not scaling.mx:
+                        plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
+                        return acc_ref[...]
+                    codes = codes_smem[wg_slice]
+                    for piece in range(PIECES):
+                        slot = stage.at[wg, piece % STAGE_SLOTS]
+                        if piece >= STAGE_SLOTS:
+                            plgpu.wgmma_wait(1)  # the product that read this slot (piece - 2) is done
+                        factor = factor_smem[piece, wg_slice][:, None]
+                        slot[...] = _decode_mx_piece(codes, piece, factor, scaling.half_bits, interpret)
+                        plgpu.commit_smem()
+                        plgpu.wgmma(acc_ref, x_pieces[piece], slot.transpose((1, 0)))
                     return acc_ref[...]
 
                 part = pl.run_scoped(product, plgpu.ACC((wg_m, wg_n), jnp.float32))
+                if scaling.mx:
+                    col_scale = plgpu.load(step_scale_smem.at[0, wg_slice], layout=col_layout, optimized=False)
+                    part = part * col_scale[None, :]
                 if scaling.w == "block":
                     w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 if scaling.x == "group":
-                    row_scale = plgpu.load(x_scale_smem[0].at[0], layout=row_layout, optimized=False)
+                    row_scale = plgpu.load(x_scale_smem.at[0], layout=row_layout, optimized=False)
                     if scaling.w == "block":
                         row_scale = row_scale * w_scale
                     return total + part * row_scale[:, None]
-                return total + part * w_scale
+                return total + (part * w_scale if scaling.w == "block" else part)
 
             @pl.when((rows > 0) & (group < num_experts))
             def _():
@@ -246,10 +346,80 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
+def _decode_mx_piece(codes, piece: int, factor, half_bits: bool, interpret: bool):
+    """Columns ``[32 piece, 32 piece + 32)`` of a K step from its MXFP4 codes
+    ``uint16 [rows, 32]`` (planar units of 32: half h of unit u holds columns
+    ``32 u + h + 8 j`` at position j) as e4m3: e2m1 x 2**-6 (the decoder's
+    f16), times ``factor`` (f16 ``[rows, 1]``, 2**(12 - gap)). Position j of
+    the unit's 8 halves is its 8-column tile j: the tiles joined are the piece
+    in column order."""
+    halves = codes[:, MX_GROUP // 4 * piece : MX_GROUP // 4 * (piece + 1)]
+    bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
+    if interpret:  # f16 bits e2m1 x 2**-14, multiplied in f32 (XLA's CPU code misrounds some f16 products)
+        placed = []
+        for j in range(PIECES):
+            code = word_decode.half_code(halves, j, bits)
+            placed.append(((code & 8) << 12) | ((code & 7) << 9))
+        values = lax.bitcast_convert_type(jnp.concatenate(placed, axis=1).astype(jnp.uint16), jnp.float16)
+        scaled = values.astype(jnp.float32) * (2.0**14 * word_decode.E2M1_FACTOR) * factor.astype(jnp.float32)
+        return scaled.astype(jnp.float8_e4m3fn)
+    return (_e2m1_f16_words(codes, piece, bits) * factor).astype(jnp.float8_e4m3fn)
+
+
+def _e2m1_f16_words(codes, piece: int, bits: tuple):
+    """The compiled decoder: ``word_decode.e2m1_program`` (f16) on the 32-bit
+    registers of the WGMMA layout (halves 2t and 2t+1 of a unit in one: each
+    result half depends on its own half only); register tile ``piece`` of
+    ``codes [rows, 32]`` gives the 4 column tiles of an f16 ``[rows, 32]``."""
+    program = word_decode.e2m1_program("float16", normalized=True, bits=bits)
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.float16, layout=layout))
+    def decode(_, array):
+        word = ir.VectorType.get((1,), ir.IntegerType.get_signless(32))
+        pair = ir.VectorType.get((2,), ir.F16Type.get())
+
+        def splat(value: int):
+            attr = ir.IntegerAttr.get(word.element_type, value - (1 << 32) if value >= 1 << 31 else value)
+            return arith.constant(word, ir.DenseElementsAttr.get_splat(word, attr))
+
+        def run(register, output: str):
+            regs = {word_decode.WORD: vector.bitcast(word, register)}
+
+            def val(x):
+                return regs[x] if isinstance(x, str) else splat(x)
+
+            for op in word_decode.needed_ops(program, output):
+                a, b = val(op.a), val(op.b)
+                if op.op == "shl":
+                    regs[op.dst] = arith.shli(a, b)
+                elif op.op == "shr":
+                    regs[op.dst] = arith.shrui(a, b)
+                elif op.op == "and":
+                    regs[op.dst] = arith.andi(a, b)
+                elif op.op == "or_and":
+                    regs[op.dst] = arith.ori(arith.andi(a, b), val(op.c))
+                elif op.op == "mul2":
+                    product = arith.mulf(vector.bitcast(pair, a), vector.bitcast(pair, b))
+                    regs[op.dst] = vector.bitcast(word, product)
+                else:
+                    raise NotImplementedError(f"e2m1 decoder op {op.op}")
+            return vector.bitcast(pair, regs[output])
+
+        source = array.registers[:, piece]
+        registers = np.empty_like(array.registers)
+        for j, output in enumerate(program.outputs):
+            registers[:, j] = np.vectorize(lambda r, output=output: run(r, output), otypes=[object])(source)
+        return mgpu.FragmentedArray(_registers=registers, _layout=array.layout, _is_signed=None)
+
+    return decode(codes)
+
+
 def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows: int, m: int, k: int):
     """The scales as the kernel reads them: a row's per-step scales ``[K/128,
     rows]`` (``rows`` >= M, zero-padded), per-row ``[rows]`` or one ``[1]``;
-    weight blocks ``[E, N/128, K/128]``, channels ``[E, N]`` or ``[E]``."""
+    weight blocks ``[E, N/128, K/128]``, channels ``[E, N]`` or ``[E]`` (mx: as
+    :func:`mx_operands` gives them)."""
     x_scale = x_scale.astype(jnp.float32)
     if scaling.x == "group":
         x_scale = jnp.pad(x_scale.reshape(m, k // BLOCK_K).T, ((0, 0), (0, rows - m)))
@@ -257,12 +427,44 @@ def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows:
         x_scale = jnp.pad(x_scale.reshape(m), (0, rows - m))
     else:
         x_scale = x_scale.reshape(1)
+    if scaling.mx:
+        return x_scale, w_scale
     w_scale = w_scale.astype(jnp.float32)
     if scaling.w == "channel":
         w_scale = w_scale.reshape(w_scale.shape[:2])
     elif scaling.w == "tensor":
         w_scale = w_scale.reshape(-1)
     return x_scale, w_scale
+
+
+def _power_of_two(exponent: jax.Array, dtype) -> jax.Array:
+    """``2**exponent`` in ``dtype`` (f16 or f32) from its bits, exact down to the smallest subnormal."""
+    info = jnp.finfo(dtype)
+    mantissa, bias = info.nmant, -int(info.minexp) + 1
+    bits = jnp.where(
+        exponent >= 1 - bias, (exponent + bias) << mantissa, 1 << jnp.maximum(exponent + bias - 1 + mantissa, 0)
+    )
+    int_type = jnp.int16 if jnp.dtype(dtype).itemsize == 2 else jnp.int32
+    return lax.bitcast_convert_type(bits.astype(int_type), dtype)
+
+
+def mx_operands(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """MXFP4's stored parts (planar codes ``uint8 [E, N, K/2]``, e8m0 bytes
+    ``[E, N, K/32]``) as the kernel reads them: codes ``uint16 [E, N, K/4]``;
+    per piece f16 ``2**(12 - gap)`` ``[E, K/32, N]`` (the decoded e2m1 x 2**-6
+    times it: e2m1 x 2**(6 - gap), gap = the step's largest byte of the column
+    less the piece's, clamped at :data:`MAX_GAP`); per step f32
+    ``2**(largest - 133)`` ``[E, K/128, N]`` (NaN where a byte is 255)."""
+    e, n, half_k = values.shape
+    k = 2 * half_k
+    codes = lax.bitcast_convert_type(values.reshape(e, n, k // 4, 2), jnp.uint16)
+    raw = scale.astype(jnp.int32).reshape(e, n, k // BLOCK_K, PIECES)
+    top = jnp.max(raw, axis=-1)
+    gap = jnp.minimum(top[..., None] - raw, MAX_GAP)
+    factors = _power_of_two(2 * E2M1_EXPONENT - gap, jnp.float16).reshape(e, n, k // MX_GROUP)
+    steps = _power_of_two(top - 127 - E2M1_EXPONENT, jnp.float32)
+    steps = jnp.where(top == E8M0_NAN, jnp.nan, steps)
+    return codes, jnp.swapaxes(factors, 1, 2), jnp.swapaxes(steps, 1, 2)
 
 
 def expert_gemm_fp8(
@@ -281,8 +483,10 @@ def expert_gemm_fp8(
 ) -> jax.Array:
     """``x [M, K]`` (e4m3 / e5m2) times ``x_scale`` (``[M, K/128]``, ``[M, 1]``
     or ``[1]`` f32, as ``scaling.x``) by the e4m3 ``weight [E, N, K]`` times
-    ``w_scale`` (``[E, N/128, K/128]``, ``[E, N, 1]`` or ``[E, 1, 1]`` f32):
-    ``[M, N]`` in ``out_dtype``, row ``r`` through the expert whose range
+    ``w_scale`` (``[E, N/128, K/128]``, ``[E, N, 1]`` or ``[E, 1, 1]`` f32) —
+    with ``scaling.mx``, ``weight`` MXFP4's planar codes ``uint8 [E, N, K/2]``
+    and ``w_scale`` its e8m0 bytes ``[E, N, K/32]`` —: ``[M, N]`` in
+    ``out_dtype``, row ``r`` through the expert whose range
     ``[offsets[e], offsets[e+1])`` holds it (``offsets`` None: dense; with
     ``counts [E]``: grouped-masked, expert e's first ``counts[e]`` of its
     ``M / E`` rows); rows outside every range are zero. ``bias [E, N]`` is
@@ -292,11 +496,18 @@ def expert_gemm_fp8(
     reason = tiles_refusal(tiles, n, k, scaling)
     if reason:
         raise ValueError(f"mosaic_fp8 GEMM: {reason}")
-    if x.dtype.name not in FP8_INPUTS or weight.dtype != jnp.float8_e4m3fn or weight.shape[2] != k:
+    want_w = (jnp.uint8, (num_experts, n, k // 2)) if scaling.mx else (jnp.float8_e4m3fn, (num_experts, n, k))
+    if x.dtype.name not in FP8_INPUTS or weight.dtype != want_w[0] or weight.shape != want_w[1]:
         raise ValueError(
-            "mosaic_fp8 GEMM: x e4m3/e5m2 [M, K], weight e4m3 [E, N, K]; "
+            f"mosaic_fp8 GEMM: x e4m3/e5m2 [M, K], weight {jnp.dtype(want_w[0]).name} {want_w[1]}; "
             f"got {x.dtype} {x.shape}, {weight.dtype} {weight.shape}"
         )
+    extra = ()
+    if scaling.mx:
+        if w_scale.shape != (num_experts, n, k // MX_GROUP):
+            raise ValueError(f"mosaic_fp8 GEMM: MXFP4 scales must be [E, N, K/32], got {w_scale.shape}")
+        weight, factors, w_scale = mx_operands(weight, w_scale)
+        extra = (factors,)
     starts, ends = mosaic.row_ranges(offsets, counts, m, num_experts)
     padded = mosaic.padded_rows(m, tiles.block_m)
     x_scale, w_scale = _flat_scales(scaling, x_scale, w_scale, padded, m, k)
@@ -305,7 +516,15 @@ def expert_gemm_fp8(
     table = mosaic.row_tile_table(starts, ends, num_experts, m, tiles.block_m)
     if bias is not None and bias.shape != (num_experts, n):
         raise ValueError(f"mosaic_fp8 GEMM: bias must be [E, N] = {(num_experts, n)}, got {bias.shape}")
-    body = functools.partial(_kernel, tiles=tiles, scaling=scaling, num_experts=num_experts, row_tiles=table.shape[0])
+    body = functools.partial(
+        _kernel,
+        tiles=tiles,
+        scaling=scaling,
+        num_experts=num_experts,
+        row_tiles=table.shape[0],
+        has_bias=bias is not None,
+        interpret=interpret,
+    )
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -316,15 +535,16 @@ def expert_gemm_fp8(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
-    return kernel(table, x, weight, x_scale, w_scale, *(() if bias is None else (bias,)))
+    return kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
 
 
 def expert_gemm(
     call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias, route_arrays, x_scale: jax.Array | None = None
 ) -> jax.Array:
     """The family's entry point (as ``triton.expert_gemm``): ``[M, N]`` in
-    ``call.out_dtype``; ``weight_arrays = (e4m3 values, f32 scale)``,
-    ``route_arrays`` the layout's (offsets | counts | none)."""
+    ``call.out_dtype``; ``weight_arrays = (e4m3 values, f32 scale)`` or
+    MXFP4's (planar codes, e8m0 scales), ``route_arrays`` the layout's
+    (offsets | counts | none)."""
     if x_scale is None:
         raise ValueError("mosaic_fp8.expert_gemm: x_scale: the kernel takes scaled 8-bit inputs")
     layout = call.layout
@@ -337,7 +557,7 @@ def expert_gemm(
         weight_arrays[1],
         offsets,
         tiles,
-        Scaling(call.x_scale.mode, call.weight.scale),
+        scaling_of(call),
         out_dtype=jnp.dtype(call.out_dtype),
         counts=counts,
         bias=bias,
