@@ -42,7 +42,6 @@ WEIGHT_SCALES = ("tensor", "channel", "block")
 INPUT_SCALES = ("tensor", "token", "group")
 MX_GROUP = 32  # MXFP4's scale group and planar unit: one decoded piece, one K=32 wgmma
 PIECES = BLOCK_K // MX_GROUP
-STAGE_SLOTS = 2  # decoded pieces waiting in shared memory for their wgmma, per compute warpgroup
 # Decoded e2m1 values are e2m1 x 2**(E2M1_EXPONENT - gap): the largest (6 x 64 = 384)
 # under e4m3's 448, the smallest of a gap of 14 (0.5 x 2**-8) e4m3's smallest subnormal.
 E2M1_EXPONENT = 6
@@ -193,27 +192,19 @@ def _kernel(
     bm, wg_m, wg_n = tiles.block_m, tiles.wg_m, tiles.wg_n
     col_tiles = n // tiles.block_n
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    if scaling.mx:  # x as the step's 4 pieces, the step's codes, factors and column scales
-        in_specs = [
-            *(
-                plgpu.BlockSpec(
-                    (bm, MX_GROUP),
-                    lambda i, j=j: (0, PIECES * i + j),
-                    transforms=mosaic.swizzled(MX_GROUP, x_gmem.dtype),
-                )
-                for j in range(PIECES)
-            ),
+    in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))]
+    if scaling.mx:  # the step's codes, its pieces' factors, its column scales
+        in_specs += [
             plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
             plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (i, 0)),
             plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)),
         ]
     else:
-        in_specs = [
-            plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype)),
+        in_specs.append(
             plgpu.BlockSpec(
                 (tiles.block_n, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, w_gmem.dtype)
-            ),
-        ]
+            )
+        )
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
         in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
@@ -222,20 +213,18 @@ def _kernel(
     def operands(group, col_tile, load_row):
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
         rows = x_gmem.at[pl.ds(load_row, bm)]
+        found = [rows, w_gmem.at[group, cols]]
         if scaling.mx:
-            found = [*(rows for _ in range(PIECES)), w_gmem.at[group, cols]]
             found += [factor_gmem.at[group, :, cols], w_scale_gmem.at[group, :, cols]]
-        else:
-            found = [rows, w_gmem.at[group, cols]]
         if scaling.x == "group":
             found.append(x_scale_gmem.at[:, pl.ds(load_row, bm)])
         return found
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
     scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
-    if scaling.mx:  # decoded pieces (the interpreter cannot store through a swizzle: there plain)
-        transforms = () if interpret else mosaic.swizzled(MX_GROUP, jnp.float8_e4m3fn)
-        shape = (mosaic.COMPUTE_WGS, STAGE_SLOTS, wg_n, MX_GROUP)
+    if scaling.mx:  # the decoded step (the interpreter cannot store through a swizzle: there plain)
+        transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
+        shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
         scratch["stage"] = plgpu.SMEM(shape, jnp.float8_e4m3fn, transforms=transforms)
 
     @functools.partial(
@@ -297,24 +286,19 @@ def _kernel(
                 (step,) = indices
                 total = refs[-1]
                 x_scale_smem = refs[-2] if scaling.x == "group" else None
+                x_smem, w_smem = refs[:2]
                 if scaling.mx:
-                    x_pieces, codes_smem, factor_smem, step_scale_smem = refs[:PIECES], *refs[PIECES : PIECES + 3]
-                else:
-                    x_smem, w_smem = refs[:2]
+                    factor_smem, step_scale_smem = refs[2:4]
 
                 def product(acc_ref):
                     if not scaling.mx:
                         plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
                         return acc_ref[...]
-                    codes = codes_smem[wg_slice]
-                    for piece in range(PIECES):
-                        slot = stage.at[wg, piece % STAGE_SLOTS]
-                        if piece >= STAGE_SLOTS:
-                            plgpu.wgmma_wait(1)  # the product that read this slot (piece - 2) is done
-                        factor = factor_smem[piece, wg_slice][:, None]
-                        slot[...] = _decode_mx_piece(codes, piece, factor, scaling.half_bits, interpret)
-                        plgpu.commit_smem()
-                        plgpu.wgmma(acc_ref, x_pieces[piece], slot.transpose((1, 0)))
+                    # The last step's wgmma read the slot before its product was read back.
+                    slot = stage.at[wg]
+                    slot[...] = _decode_mx_step(w_smem[wg_slice], factor_smem, wg_slice, scaling.half_bits, interpret)
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, x_smem, slot.transpose((1, 0)))
                     return acc_ref[...]
 
                 part = pl.run_scoped(product, plgpu.ACC((wg_m, wg_n), jnp.float32))
@@ -346,24 +330,45 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def _decode_mx_piece(codes, piece: int, factor, half_bits: bool, interpret: bool):
-    """Columns ``[32 piece, 32 piece + 32)`` of a K step from its MXFP4 codes
-    ``uint16 [rows, 32]`` (planar units of 32: half h of unit u holds columns
-    ``32 u + h + 8 j`` at position j) as e4m3: e2m1 x 2**-6 (the decoder's
-    f16), times ``factor`` (f16 ``[rows, 1]``, 2**(12 - gap)). Position j of
-    the unit's 8 halves is its 8-column tile j: the tiles joined are the piece
-    in column order."""
-    halves = codes[:, MX_GROUP // 4 * piece : MX_GROUP // 4 * (piece + 1)]
+def _decode_mx_step(codes, factor_smem, wg_slice, half_bits: bool, interpret: bool):
+    """A K step's columns from its MXFP4 codes ``uint16 [rows, 32]`` (planar
+    units of 32: half h of unit u holds column ``32 u + h + 8 j`` at position
+    j) as e4m3 ``[rows, 128]``: per unit, e2m1 x 2**-6 (the decoder's f16)
+    times its factor (``factor_smem [4, block_n]`` f16, 2**(12 - gap)).
+    Position j of a unit's 8 halves is its 8-column tile j: the tiles joined
+    are the step in column order."""
     bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
-    if interpret:  # f16 bits e2m1 x 2**-14, multiplied in f32 (XLA's CPU code misrounds some f16 products)
+    pieces = []
+    for piece in range(PIECES):
+        factor = factor_smem[piece, wg_slice][:, None]
+        if not interpret:
+            pieces.append(_e2m1_f16_words(codes, piece, bits) * factor)
+            continue
+        # f16 bits e2m1 x 2**-14, multiplied in f32 (XLA's CPU code misrounds some f16 products)
+        halves = codes[:, MX_GROUP // 4 * piece : MX_GROUP // 4 * (piece + 1)]
         placed = []
         for j in range(PIECES):
             code = word_decode.half_code(halves, j, bits)
             placed.append(((code & 8) << 12) | ((code & 7) << 9))
         values = lax.bitcast_convert_type(jnp.concatenate(placed, axis=1).astype(jnp.uint16), jnp.float16)
-        scaled = values.astype(jnp.float32) * (2.0**14 * word_decode.E2M1_FACTOR) * factor.astype(jnp.float32)
-        return scaled.astype(jnp.float8_e4m3fn)
-    return (_e2m1_f16_words(codes, piece, bits) * factor).astype(jnp.float8_e4m3fn)
+        pieces.append(values.astype(jnp.float32) * (2.0**14 * word_decode.E2M1_FACTOR) * factor.astype(jnp.float32))
+    joined = jnp.concatenate(pieces, axis=1) if interpret else _join_columns(pieces)
+    return joined.astype(jnp.float8_e4m3fn)
+
+
+def _join_columns(arrays):
+    """WGMMA-layout arrays ``[rows, c]`` side by side: ``[rows, c * len(arrays)]``
+    (their column tiles' registers in order)."""
+    layout = plgpu.Layout.WGMMA
+    rows, columns = arrays[0].shape
+    out = plgpu.ShapeDtypeStruct((rows, columns * len(arrays)), arrays[0].dtype, layout=layout)
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * len(arrays), return_type=out)
+    def join(_, *parts):
+        registers = np.concatenate([part.registers for part in parts], axis=1)
+        return mgpu.FragmentedArray(_registers=registers, _layout=parts[0].layout, _is_signed=None)
+
+    return join(*arrays)
 
 
 def _e2m1_f16_words(codes, piece: int, bits: tuple):
