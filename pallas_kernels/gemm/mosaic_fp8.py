@@ -11,10 +11,12 @@ input scales multiply the sum. MXFP4 (e2m1 codes, e8m0 scales per 32
 columns, planar units of 32): a K step's four groups enter the product as
 e2m1 times 2**(6 - gap) in e4m3 (gap: the step's largest scale byte of the
 column less the group's; exact up to a gap of 14), the step's product times
-2**(largest - 133) per column (:func:`mx_operands`). Layouts ``dense``, ``grouped_contiguous`` and
-``grouped_masked``, cut into row tiles as the 16-bit kernel's
-(:func:`mosaic.row_tile_table`). Tiling :class:`Tiles`; what it cannot take
-:func:`supports`. Notes: benchmarks/notes/quantized_input.md.
+2**(largest - 133) per column (:func:`mx_operands`). Layouts ``dense``,
+``grouped_contiguous`` and ``grouped_masked``, cut into row tiles as the
+16-bit kernel's (:func:`mosaic.row_tile_table`); ``indexed`` through its rows
+gathered in block order, one tile a block, the results put back at their
+slots. Tiling :class:`Tiles`; what it cannot take :func:`supports`. Notes:
+benchmarks/notes/quantized_input.md.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ BLOCK_K = 128  # a K step: one 128-byte swizzled row of 8-bit values, one scale 
 FP8_INPUTS = ("float8_e4m3fn", "float8_e5m2")
 WEIGHT_SCALES = ("tensor", "channel", "block")
 INPUT_SCALES = ("tensor", "token", "group")
-MX_GROUP = 32  # MXFP4's scale group and planar unit: one decoded piece, one K=32 wgmma
+MX_GROUP = 32  # MXFP4's scale group and planar unit: one decoded piece (a factor each)
 PIECES = BLOCK_K // MX_GROUP
 # Decoded e2m1 values are e2m1 x 2**(E2M1_EXPONENT - gap): the largest (6 x 64 = 384)
 # under e4m3's 448, the smallest of a gap of 14 (0.5 x 2**-8) e4m3's smallest subnormal.
@@ -159,8 +161,8 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return reason
     if not call.interpret and not mosaic.hopper_gpu():
         return f"this device ({jax.devices()[0].device_kind}: the kernel needs a Hopper GPU, sm_90)"
-    if call.layout.kind == "indexed":
-        return "the indexed layout (TMA cannot gather rows)"
+    if call.layout.kind == "indexed" and call.layout.block_size != tiles.block_m:
+        return f"an indexed block_size of {call.layout.block_size} with block_m={tiles.block_m} (a tile is a block)"
     if call.use_f16_accum:
         return "f16 accumulation"
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
@@ -485,6 +487,7 @@ def expert_gemm_fp8(
     counts: jax.Array | None = None,
     bias: jax.Array | None = None,
     interpret: bool = False,
+    table: jax.Array | None = None,
 ) -> jax.Array:
     """``x [M, K]`` (e4m3 / e5m2) times ``x_scale`` (``[M, K/128]``, ``[M, 1]``
     or ``[1]`` f32, as ``scaling.x``) by the e4m3 ``weight [E, N, K]`` times
@@ -495,7 +498,8 @@ def expert_gemm_fp8(
     ``[offsets[e], offsets[e+1])`` holds it (``offsets`` None: dense; with
     ``counts [E]``: grouped-masked, expert e's first ``counts[e]`` of its
     ``M / E`` rows); rows outside every range are zero. ``bias [E, N]`` is
-    added in f32."""
+    added in f32. ``table``: the row tiles given (:func:`block_table`) in
+    place of the ranges."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     reason = tiles_refusal(tiles, n, k, scaling)
@@ -513,12 +517,13 @@ def expert_gemm_fp8(
             raise ValueError(f"mosaic_fp8 GEMM: MXFP4 scales must be [E, N, K/32], got {w_scale.shape}")
         weight, factors, w_scale = mx_operands(weight, w_scale)
         extra = (factors,)
-    starts, ends = mosaic.row_ranges(offsets, counts, m, num_experts)
     padded = mosaic.padded_rows(m, tiles.block_m)
     x_scale, w_scale = _flat_scales(scaling, x_scale, w_scale, padded, m, k)
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
-    table = mosaic.row_tile_table(starts, ends, num_experts, m, tiles.block_m)
+    if table is None:
+        starts, ends = mosaic.row_ranges(offsets, counts, m, num_experts)
+        table = mosaic.row_tile_table(starts, ends, num_experts, m, tiles.block_m)
     if bias is not None and bias.shape != (num_experts, n):
         raise ValueError(f"mosaic_fp8 GEMM: bias must be [E, N] = {(num_experts, n)}, got {bias.shape}")
     body = functools.partial(
@@ -543,16 +548,62 @@ def expert_gemm_fp8(
     return kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
 
 
+def block_table(expert_ids: jax.Array, num_tokens_padded: jax.Array, num_experts: int, block_size: int) -> jax.Array:
+    """The row tiles of an indexed layout's blocks gathered in order (one tile
+    a block: ``(expert, b * block_size, b * block_size, block_size)``); a
+    block past ``num_tokens_padded`` or of no expert (−1, or past E) stores
+    zeros (group E)."""
+    blocks = expert_ids.shape[0]
+    start = jnp.arange(blocks, dtype=jnp.int32) * block_size
+    expert = expert_ids.astype(jnp.int32)
+    live = (start < num_tokens_padded.reshape(-1)[0]) & (expert >= 0) & (expert < num_experts)
+    rows = jnp.full((blocks,), block_size, jnp.int32)
+    return jnp.stack([jnp.where(live, expert, num_experts), start, start, rows], axis=1)
+
+
+def _indexed(call: GemmCall, tiles: Tiles, x, x_scale, weight_arrays, bias, route_arrays, scaling: Scaling):
+    """The indexed layout through gathered rows: slot s's input row ``s // top_k``
+    (and its scale) copied in block order, one tile a block, each result row
+    put back at its slot (slots past ``m_out`` — padding — dropped; rows no
+    block lists stay zero)."""
+    layout = call.layout
+    sorted_ids, expert_ids, num_tokens_padded = route_arrays
+    block = layout.block_size
+    length = expert_ids.shape[0] * block
+    slots = jnp.pad(sorted_ids.astype(jnp.int32), (0, length - sorted_ids.shape[0]), constant_values=layout.m_out)
+    rows = jnp.clip(slots // layout.top_k, 0, x.shape[0] - 1)
+    if scaling.x != "tensor":
+        x_scale = jnp.take(x_scale, rows, axis=0)
+    table = block_table(expert_ids, num_tokens_padded, call.weight.num_experts, block)
+    out = expert_gemm_fp8(
+        jnp.take(x, rows, axis=0),
+        x_scale,
+        weight_arrays[0],
+        weight_arrays[1],
+        None,
+        tiles,
+        scaling,
+        out_dtype=jnp.dtype(call.out_dtype),
+        bias=bias,
+        interpret=call.interpret,
+        table=table,
+    )
+    placed = jnp.zeros((layout.m_out, out.shape[1]), out.dtype)
+    return placed.at[slots].set(out, mode="drop", unique_indices=False)
+
+
 def expert_gemm(
     call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias, route_arrays, x_scale: jax.Array | None = None
 ) -> jax.Array:
-    """The family's entry point (as ``triton.expert_gemm``): ``[M, N]`` in
+    """The family's entry point (as ``triton.expert_gemm``): ``[m_out, N]`` in
     ``call.out_dtype``; ``weight_arrays = (e4m3 values, f32 scale)`` or
     MXFP4's (planar codes, e8m0 scales), ``route_arrays`` the layout's
-    (offsets | counts | none)."""
+    (offsets | counts | sorted_ids, expert_ids, num_tokens_padded | none)."""
     if x_scale is None:
         raise ValueError("mosaic_fp8.expert_gemm: x_scale: the kernel takes scaled 8-bit inputs")
-    layout = call.layout
+    layout, scaling = call.layout, scaling_of(call)
+    if layout.kind == "indexed":
+        return _indexed(call, tiles, x, x_scale, weight_arrays, bias, route_arrays, scaling)
     offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
     counts = route_arrays[0] if layout.kind == "grouped_masked" else None
     return expert_gemm_fp8(
@@ -562,7 +613,7 @@ def expert_gemm(
         weight_arrays[1],
         offsets,
         tiles,
-        scaling_of(call),
+        scaling,
         out_dtype=jnp.dtype(call.out_dtype),
         counts=counts,
         bias=bias,
