@@ -467,3 +467,22 @@ def test_a_users_table_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(tuning.table.TABLE_ENV, str(tmp_path / "absent.json"))
     with pytest.raises(FileNotFoundError, match="HUMMING_JAX_TUNING"):
         tuning.load_table()
+
+
+def test_ab_tilings_writes_each_timing(tiny, compiled_once, tmp_path, capsys):
+    """``benchmarks.ab_tilings``: every tiling of every case in turn, each
+    checked in its first round; a tiling the kernel refuses is a row naming
+    why, not an abort."""
+    from benchmarks import ab_tilings
+
+    out = tmp_path / "ab.json"
+    tilings = ["default", "block_m=16,block_n=32,block_k=32", "mosaic_fp8:"]
+    argv = ["--formats", "bf16", "--problems", "tiny", "--gemms", "w13", "--tokens", "3", "--repeats", "2"]
+    assert ab_tilings.main([*argv, "--layouts", "grouped", "--tilings", *tilings, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["repeat"], r["tiling"]) for r in rows] == [(rep, t) for rep in range(2) for t in tilings]
+    for r in rows[:2]:
+        assert r["us"] > 0 and r["error"] < 1e-2
+    assert "e4m3/e5m2" in rows[2]["failed"]  # the fp8 kernel refuses bf16 inputs, with its reason
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        ab_tilings.main([*argv, "--tilings", "nope:block_m=16"])

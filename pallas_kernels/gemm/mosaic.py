@@ -301,11 +301,27 @@ def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
         size //= 2
 
 
-def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False):
+def store_slots(o_smem, o_gmem_cols, dest, first_row, rows, m_out: int):
+    """Row ``r < rows`` of the shared tile ``o_smem`` to gmem row
+    ``dest[first_row + r]`` (one-row TMA boxes; a destination of ``m_out`` or
+    more, padding, is skipped)."""
+
+    @pl.loop(0, rows)
+    def _(r):
+        row = dest[first_row + r]
+
+        @pl.when(row < m_out)
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r, 1)], o_gmem_cols.at[pl.ds(row, 1)])
+
+
+def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False, dest=None):
     """A compute warpgroup's ``[wg_m, wg_n]`` result (``transposed``: given as
     ``[wg_n, wg_m]``) into ``o_gmem``'s columns from ``first_col`` through its
     ``[wg_m, EPILOGUE_COLUMNS]`` shared slot, a chunk of columns at a time;
-    ``row_span = (first_row, offset, rows)``: its own rows only (store_rows)."""
+    ``row_span = (first_row, offset, rows)``: its own rows only (store_rows),
+    or with ``dest`` (the rows' destinations, int32 gmem) each row to its own
+    (store_slots, ``offset`` 0)."""
     first_row, offset, rows = row_span
     wg_m, wg_n = (acc.shape[1], acc.shape[0]) if transposed else acc.shape
     for chunk in range(wg_n // EPILOGUE_COLUMNS):
@@ -317,7 +333,10 @@ def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False)
             slot[...] = acc[:, columns]
         plgpu.commit_smem()
         cols = o_gmem.at[:, pl.ds(first_col + chunk * EPILOGUE_COLUMNS, EPILOGUE_COLUMNS)]
-        store_rows(slot, cols, first_row, offset, rows, wg_m)
+        if dest is None:
+            store_rows(slot, cols, first_row, offset, rows, wg_m)
+        else:
+            store_slots(slot, cols, dest, first_row, rows, o_gmem.shape[0])
 
 
 def k_pipeline(step, context, *, steps: int, in_specs, stages: int):

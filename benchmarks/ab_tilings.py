@@ -1,0 +1,69 @@
+"""A/B of GEMM tilings on the bench's cases, in one process, interleaved.
+
+    python -m benchmarks.ab_tilings --formats mxfp4@fp8_dynamic_group128 \
+        --problems qwen3-30b-a3b --tokens 512 4096 --layouts grouped indexed \
+        --tilings default "mosaic_fp8:block_m=64,block_n=256" "mosaic_fp8:" --out ab.json
+
+Each case's routing and inputs are made once; every tiling (``default``: what
+``gemm`` picks) is timed in turn, ``--repeats`` rounds, its output checked
+against the sampled float32 reference (``bench.sampled_error``) in the first.
+An indexed layout's block is the tiling's rows. Prints a row per timing and
+writes them as JSON (a tiling a kernel refuses is a row with its error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+
+from humming_jax import bench, tiles_text
+from humming_jax.timing import write_results
+
+
+def _tiling(text: str):
+    return None if text == "default" else tiles_text.gemm_from_text(text)
+
+
+def run(args) -> list[dict]:
+    rows = []
+    cases = itertools.product(args.formats, args.problems, args.gemms, args.layouts, args.tokens)
+    for fmt, problem, gemm, layout, tokens in cases:
+        prep = bench.prepare(bench.Case(problem, gemm, layout, tokens, fmt))
+        for repeat, text in itertools.product(range(args.repeats), args.tilings):
+            row = dict(fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens, tiling=text, repeat=repeat)
+            start = time.time()
+            try:
+                result, out, used = bench.time_prepared(prep, _tiling(text))
+                row.update(us=result["us"], tflops=result["tflops"], gbps=result["gbps"], tiles=result["tiles"])
+                if repeat == 0:
+                    row["error"] = bench.sampled_error(prep, used, out)
+            except Exception as error:  # a tiling the kernel refuses, or one that does not compile
+                row["failed"] = f"{type(error).__name__}: {str(error)[:300]}"
+            row["wall_s"] = round(time.time() - start, 1)
+            print(row, flush=True)
+            rows.append(row)
+        del prep
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--formats", nargs="+", required=True)
+    parser.add_argument("--problems", nargs="+", default=["qwen3-30b-a3b"], choices=list(bench.PROBLEMS))
+    parser.add_argument("--gemms", nargs="+", default=["w13", "w2"], choices=["w13", "w2"])
+    parser.add_argument("--layouts", nargs="+", default=["grouped"], choices=["grouped", "indexed"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[512, 4096])
+    parser.add_argument("--tilings", nargs="+", default=["default"], help="tiles text (tiles_text) or 'default'")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results/ab_tilings.json")
+    args = parser.parse_args(argv)
+    for text in args.tilings:
+        _tiling(text)  # a malformed tiling fails before anything runs
+    write_results(args.out, run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
