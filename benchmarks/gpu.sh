@@ -10,7 +10,9 @@
 #   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
 #   soak [SOAK ARGS]         benchmarks.soak: random hostile layers against the reference for --seconds
-# Logs and JSON go to OUT_DIR; the code runs from this checkout (PYTHONPATH), nothing is installed.
+# Logs and JSON go to OUT_DIR; the code runs from this checkout (PYTHONPATH), nothing is installed —
+# except Humming's wheel when one lies in .peers/ (ignored by git; the bench then times Humming's
+# kernels in the same process: benchmarks/anchors/README.md).
 # One-off experiments are not steps: their commands live in the notes entry that records them.
 set -u -o pipefail
 out=${1:?output directory}
@@ -22,6 +24,11 @@ cd "$(dirname "$0")/.."
 # The expert-parallel exchange needs XLA's ragged-all-to-all decomposer (humming_jax.parallel).
 export PYTHONPATH=$PWD JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
   PYTHONUNBUFFERED=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
+wheel=$(ls .peers/humming_kernels-*.whl 2>/dev/null | head -1)
+if [ -n "$wheel" ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/humming_site "$wheel" &&
+    export PYTHONPATH=$PYTHONPATH:/tmp/humming_site HUMMING_CACHE_DIR=/tmp/humming_cache && mkdir -p /tmp/humming_cache
+fi
 case $step in
   # A hung kernel fails its test after 120 s (pytest-timeout, on the GPU image) instead of holding a worker.
   tests) python3 -m pytest -q -n 6 --full -p no:cacheprovider -W ignore::DeprecationWarning --timeout 120 \

@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--gemms", nargs="+", default=["w13", "w2"], choices=["w13", "w2"])
     bench.add_argument("--no-compare", action="store_true", help="skip torch._grouped_mm and jax.lax.ragged_dot")
     bench.add_argument(
+        "--no-humming",
+        action="store_true",
+        help="do not time Humming's kernel in this process (when its package is importable); use --anchor only",
+    )
+    bench.add_argument(
         "--layer",
         action="store_true",
         help="time whole expert layers (each stage, host time, a torch bf16 layer) instead of the GEMMs",

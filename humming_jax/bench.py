@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from humming_jax import formats as F
+from humming_jax import humming_peer, tiles_text
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
-from humming_jax import tiles_text
 from humming_jax import tuning as T
 from humming_jax.gemm import GemmTiles, as_quantized_input, gemm, plan
 from humming_jax.process_input import process_input
@@ -465,6 +465,18 @@ def time_mgpu_ragged_dot(case: Case, ids: np.ndarray) -> float | None:
 COPY_REFERENCE_MAX_TOKENS = 128  # decode-sized rows also time a pass over the same bytes
 
 
+def _live_humming(case: Case, ids: np.ndarray) -> float | None:
+    """Humming's time on the case (:func:`humming_peer.time_humming`), None
+    where it cannot be timed; a failure is reported, not fatal."""
+    if not humming_peer.available():
+        return None
+    try:
+        return humming_peer.time_humming(PAIRS.get(case.fmt, case.fmt), case.layout, case.gemm, ids, case.shapes())
+    except Exception as error:  # its build, heuristic or launch refused the case
+        print(f"humming failed on {case}: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
+        return None
+
+
 def run_bench(
     problems,
     tokens,
@@ -475,17 +487,22 @@ def run_bench(
     on_row=None,
     k_order=False,
     anchor=None,
+    humming=True,
 ):
     """Time every case; ``on_row(rows)`` runs after each one (the JSON is kept
     current, so a run cut short keeps what it measured). ``k_order``: 4-bit
-    weights as quantized, not repacked (see :class:`Case`). ``anchor``
-    (:func:`load_anchor`): Humming's times, ``humming_us`` and ``x_humming``
-    (our time over Humming's) on the cases it has."""
+    weights as quantized, not repacked (see :class:`Case`). ``humming_us``
+    and ``x_humming`` (our time over Humming's): Humming's kernel timed on
+    the same problem in this process where it can be (``humming`` and
+    :func:`humming_peer.available`; ``humming_source`` "live"), else the
+    ``anchor`` table's (:func:`load_anchor`; "anchor"), kept as
+    ``anchor_humming_us`` beside a live time."""
     anchor = anchor or {}
     rows = []
     torch_us = {}  # (problem, gemm, T) -> torch._grouped_mm (bf16) time, the ratio's reference
     copy_us = {}  # bytes moved -> time of a pass that reads and writes as many bytes
     for problem in problems:
+        humming_peer.forget_layers()  # the last problem's Humming layers
         for t in tokens:
             for g in gemms:
                 for layout in layouts:
@@ -509,10 +526,15 @@ def run_bench(
                                 torch_us[problem, g, t] = result["torch_grouped_mm_us"]
                         if (problem, g, t) in torch_us:  # throughput relative to bf16 torch (>1: faster)
                             result["vs_torch"] = torch_us[problem, g, t] / result["us"]
-                        humming_us = anchor.get((problem, layout, g, t, PAIRS.get(fmt, fmt)))
+                        anchor_us = anchor.get((problem, layout, g, t, PAIRS.get(fmt, fmt)))
+                        live_us = _live_humming(case, ids) if humming else None
+                        humming_us = live_us if live_us is not None else anchor_us
                         if humming_us is not None:
                             result["humming_us"] = humming_us
                             result["x_humming"] = result["us"] / humming_us
+                            result["humming_source"] = "live" if live_us is not None else "anchor"
+                        if live_us is not None and anchor_us is not None:
+                            result["anchor_humming_us"] = anchor_us
                         if compare and t <= COPY_REFERENCE_MAX_TOKENS:
                             # Decode is judged on bandwidth: what a plain pass over as many bytes reaches.
                             if result["bytes"] not in copy_us:
@@ -568,6 +590,7 @@ def bench_main(args) -> int:
         on_row=save,
         k_order=args.k_order,
         anchor=load_anchor(args.anchor),
+        humming=not args.no_humming,
     )
     save(rows)
     print(f"wrote {args.out}")

@@ -486,3 +486,35 @@ def test_ab_tilings_writes_each_timing(tiny, compiled_once, tmp_path, capsys):
     assert "e4m3/e5m2" in rows[2]["failed"]  # the fp8 kernel refuses bf16 inputs, with its reason
     with pytest.raises(ValueError, match="kernel must be one of"):
         ab_tilings.main([*argv, "--tilings", "nope:block_m=16"])
+
+
+def test_humming_peer_routing_and_the_anchor_fallback(tiny, monkeypatch):
+    """Humming's grouped rows and its moe_align_block_size as its own
+    benchmark writes them (NumPy against a slot-by-slot model); without its
+    package the bench reads the anchor, with it the live time wins and the
+    anchor's stays beside it."""
+    from humming_jax import humming_peer
+
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.permutation(6)[:2] for _ in range(7)]).astype(np.int32)
+    counts, order, starts = humming_peer.routing_arrays(ids, 6)
+    flat = ids.reshape(-1)
+    assert list(flat[order]) == sorted(flat) and starts[-1] == flat.size
+    sorted_ids, expert_ids, padded = humming_peer.align(ids, 6, 4)
+    assert padded[0] == sorted_ids.size == 4 * expert_ids.size
+    for b, expert in enumerate(expert_ids):
+        block = sorted_ids[4 * b : 4 * b + 4]
+        real = block[block < flat.size]
+        assert np.all(flat[real] == expert) and len(real) > 0
+    assert sorted(sorted_ids[sorted_ids < flat.size]) == list(range(flat.size))
+
+    monkeypatch.setattr(bench, "KERNEL_BACKEND", "reference")
+    anchor = {("tiny", "grouped", "w13", 3, "bf16"): 2.0}
+    monkeypatch.setattr(humming_peer, "available", lambda: False)
+    (row,) = bench.run_bench(["tiny"], [3], ["bf16"], layouts=["grouped"], gemms=["w13"], compare=False, anchor=anchor)
+    assert row["humming_source"] == "anchor" and row["humming_us"] == 2.0 and "anchor_humming_us" not in row
+    monkeypatch.setattr(humming_peer, "available", lambda: True)
+    monkeypatch.setattr(humming_peer, "time_humming", lambda *a: 4.0)
+    (row,) = bench.run_bench(["tiny"], [3], ["bf16"], layouts=["grouped"], gemms=["w13"], compare=False, anchor=anchor)
+    assert (row["humming_source"], row["humming_us"], row["anchor_humming_us"]) == ("live", 4.0, 2.0)
+    assert row["x_humming"] == pytest.approx(row["us"] / 4.0)
