@@ -199,19 +199,12 @@ def _kernel(
     bm, wg_m, wg_n = tiles.block_m, tiles.wg_m, tiles.wg_n
     col_tiles = n // tiles.block_n
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    steps = k // BLOCK_K
-    # MXFP4: step i decodes the codes of K step i while the wgmma of step i - 1 (x, its
-    # scales, the slot decoded the step before) runs: x and the scales come one step late,
-    # over steps + 1 steps (the first step's product is the zeroed slot's, scaled by 0).
-    late = (lambda i: jnp.maximum(i - 1, 0)) if scaling.mx else (lambda i: i)
-    now = lambda i: jnp.minimum(i, steps - 1)  # noqa: E731
-    x_spec = plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, late(i)), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))
-    in_specs = [x_spec]
-    if scaling.mx:  # the step's codes, its pieces' factors, the late step's column scales
+    in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))]
+    if scaling.mx:  # the step's codes, its pieces' factors, its column scales
         in_specs += [
-            plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, now(i))),
-            plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (now(i), 0)),
-            plgpu.BlockSpec((1, tiles.block_n), lambda i: (late(i), 0)),
+            plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
+            plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (i, 0)),
+            plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)),
         ]
     else:
         in_specs.append(
@@ -220,11 +213,9 @@ def _kernel(
             )
         )
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
-        in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (late(i), 0)))
+        in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
-    pipeline = functools.partial(
-        mosaic.k_pipeline, steps=steps + int(scaling.mx), in_specs=in_specs, stages=tiles.stages
-    )
+    pipeline = functools.partial(mosaic.k_pipeline, steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages)
 
     def operands(group, col_tile, load_row):
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
@@ -238,9 +229,9 @@ def _kernel(
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
     scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
-    if scaling.mx:  # two decoded steps (the interpreter cannot store through a swizzle: there plain)
+    if scaling.mx:  # the decoded step (the interpreter cannot store through a swizzle: there plain)
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
-        shape = (mosaic.COMPUTE_WGS, 2, wg_n, BLOCK_K)
+        shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
         scratch["stage"] = plgpu.SMEM(shape, jnp.float8_e4m3fn, transforms=transforms)
 
     @functools.partial(
@@ -252,13 +243,6 @@ def _kernel(
     def _(allocations, o_smem, stage=None):
         wg = lax.axis_index("wg")
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
-        if scaling.mx:  # finite bytes in both slots: a tile's first product (times 0) reads one
-
-            @pl.when(wg < mosaic.COMPUTE_WGS)
-            def _():
-                for slot in range(2):
-                    stage.at[wg, slot][...] = jnp.zeros((wg_n, BLOCK_K), jnp.float8_e4m3fn)
-                plgpu.commit_smem()
 
         @plgpu.nd_loop((row_tiles * col_tiles,), collective_axes="sm")
         def _(loop):
@@ -317,18 +301,17 @@ def _kernel(
                     if not scaling.mx:
                         plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
                         return acc_ref[...]
-                    # The late step's product from the slot decoded the step before, while this
-                    # step's codes go to the other slot (whose last product was read back).
-                    plgpu.wgmma(acc_ref, x_smem, stage.at[wg, (step + 1) % 2].transpose((1, 0)))
-                    decoded = _decode_mx_step(w_smem[wg_slice], factor_smem, wg_slice, scaling.half_bits, interpret)
-                    stage.at[wg, step % 2][...] = decoded
+                    # The last step's wgmma read the slot before its product was read back.
+                    slot = stage.at[wg]
+                    slot[...] = _decode_mx_step(w_smem[wg_slice], factor_smem, wg_slice, scaling.half_bits, interpret)
                     plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, x_smem, slot.transpose((1, 0)))
                     return acc_ref[...]
 
                 part = pl.run_scoped(product, plgpu.ACC((wg_m, wg_n), jnp.float32))
-                if scaling.mx:  # (the first step's product, of a slot of no step, counts 0)
+                if scaling.mx:
                     col_scale = plgpu.load(step_scale_smem.at[0, wg_slice], layout=col_layout, optimized=False)
-                    part = part * (col_scale * (step > 0).astype(jnp.float32))[None, :]
+                    part = part * col_scale[None, :]
                 if scaling.w == "block":
                     w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 if scaling.x == "group":
