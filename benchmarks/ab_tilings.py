@@ -9,21 +9,39 @@ Each case's routing and inputs are made once; every tiling (``default``: what
 against the sampled float32 reference (``bench.sampled_error``) in the first.
 An indexed layout's block is the tiling's rows. Prints a row per timing and
 writes them as JSON (a tiling a kernel refuses is a row with its error).
+
+``--variant FILE`` loads another version of a kernel file (e.g. one from the
+history: ``git show COMMIT:pallas_kernels/gemm/mosaic_fp8.py > FILE``) beside
+the tree's; its tilings are written ``variant:FIELDS`` and run its code.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import sys
 import time
 
+import pallas_kernels.gemm as gemm_kernels
 from humming_jax import bench, tiles_text
 from humming_jax.timing import write_results
+
+VARIANT = "variant"  # the tiles-text name of a --variant file's kernel
 
 
 def _tiling(text: str):
     return None if text == "default" else tiles_text.gemm_from_text(text)
+
+
+def load_variant(path: str) -> None:
+    """Register the kernel module at ``path`` as :data:`VARIANT` (its ``Tiles`` run its ``expert_gemm``)."""
+    spec = importlib.util.spec_from_file_location(f"{VARIANT}_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up while the file runs)
+    spec.loader.exec_module(module)
+    gemm_kernels.KERNELS[module.Tiles] = module
+    gemm_kernels.IMPLS[VARIANT] = module.Tiles
 
 
 def run(args) -> list[dict]:
@@ -57,8 +75,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--tilings", nargs="+", default=["default"], help="tiles text (tiles_text) or 'default'")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--variant", help="another version of a kernel file, tiled as 'variant:FIELDS'")
     parser.add_argument("--out", default="benchmarks/results/ab_tilings.json")
     args = parser.parse_args(argv)
+    if args.variant:
+        load_variant(args.variant)
     for text in args.tilings:
         _tiling(text)  # a malformed tiling fails before anything runs
     write_results(args.out, run(args))

@@ -518,3 +518,24 @@ def test_humming_peer_routing_and_the_anchor_fallback(tiny, monkeypatch):
     (row,) = bench.run_bench(["tiny"], [3], ["bf16"], layouts=["grouped"], gemms=["w13"], compare=False, anchor=anchor)
     assert (row["humming_source"], row["humming_us"], row["anchor_humming_us"]) == ("live", 4.0, 2.0)
     assert row["x_humming"] == pytest.approx(row["us"] / 4.0)
+
+
+def test_ab_tilings_variant_file(tmp_path, monkeypatch):
+    """``--variant FILE``: another version of a kernel file, beside the tree's,
+    tiled as ``variant:FIELDS`` and planned with its own ``supports``."""
+    import pathlib
+
+    import pallas_kernels.gemm as gemm_kernels
+    from benchmarks import ab_tilings
+    from humming_jax import tiles_text
+    from pallas_kernels.gemm import mosaic_fp8
+
+    monkeypatch.setattr(gemm_kernels, "KERNELS", dict(gemm_kernels.KERNELS))
+    monkeypatch.setattr(gemm_kernels, "IMPLS", dict(gemm_kernels.IMPLS))
+    copy = tmp_path / "older_fp8.py"
+    copy.write_text(pathlib.Path(mosaic_fp8.__file__).read_text())
+    ab_tilings.load_variant(str(copy))
+    tiles = tiles_text.gemm_from_text("variant:block_m=64,block_n=256")
+    module = gemm_kernels.KERNELS[type(tiles)]
+    assert module is not mosaic_fp8 and module.__file__ == str(copy)
+    assert tiles_text.gemm_to_text(tiles).startswith("variant:")
