@@ -28,6 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, vector
 
+from pallas_kernels import word_decode
 from pallas_kernels.gemm.spec import GemmCall, WeightSpec, check_positive, tile_order
 from pallas_kernels.word_decode import MAGIC  # (pattern, base): pattern | q is the float base + q
 
@@ -410,6 +411,101 @@ def _decode_piece(codes, piece: int, offset, scale, dtype, words: bool = False):
     ``uint16 [rows, 32]``: ``(magic + q - offset) * scale`` in ``dtype`` (the
     subtraction exact, the product rounded once)."""
     return (_nibble_floats(codes, piece, dtype, words) - offset) * scale
+
+
+E2M1_UNIT = 32  # planar unit of e2m1 codes with group-32 scales: a decoded piece
+
+
+def e2m1_piece(codes, unit: int, bits: tuple, dtype, interpret: bool):
+    """Unit ``unit`` (columns ``[32 unit, 32 unit + 32)``) of a K step's planar
+    e2m1 codes ``uint16 [rows, 32]`` (half h of a unit holds column ``h + 8 j``
+    at position j, its bits where ``bits`` says) as e2m1 x 2**-6: compiled,
+    in ``dtype`` (f16 / bf16), by ``word_decode.e2m1_program`` on the WGMMA
+    layout's 32-bit registers (halves 2t and 2t+1 of the unit in one; each
+    result half depends on its own half only); interpreted, in f32. Position
+    j of the unit's 8 halves is its 8-column tile j: joined in order."""
+    halves = codes[:, E2M1_UNIT // 4 * unit : E2M1_UNIT // 4 * (unit + 1)]
+    if interpret:  # f16 bits e2m1 x 2**-14, exact in f32
+        placed = []
+        for j in range(4):
+            code = word_decode.half_code(halves, j, bits)
+            placed.append(((code & 8) << 12) | ((code & 7) << 9))
+        values = lax.bitcast_convert_type(jnp.concatenate(placed, axis=1).astype(jnp.uint16), jnp.float16)
+        return values.astype(jnp.float32) * 2.0**8
+    program = word_decode.e2m1_program(jnp.dtype(dtype).name, normalized=True, bits=bits)
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(codes.shape, dtype, layout=layout))
+    def decode(_, array):
+        word = ir.VectorType.get((1,), ir.IntegerType.get_signless(32))
+        pair = ir.VectorType.get((2,), mgpu.utils.dtype_to_ir_type(jnp.dtype(dtype)))
+
+        def splat(value: int):
+            attr = ir.IntegerAttr.get(word.element_type, value - (1 << 32) if value >= 1 << 31 else value)
+            return arith.constant(word, ir.DenseElementsAttr.get_splat(word, attr))
+
+        def run(register, output: str):
+            regs = {word_decode.WORD: vector.bitcast(word, register)}
+
+            def val(x):
+                return regs[x] if isinstance(x, str) else splat(x)
+
+            for op in word_decode.needed_ops(program, output):
+                a, b = val(op.a), val(op.b)
+                if op.op == "shl":
+                    regs[op.dst] = arith.shli(a, b)
+                elif op.op == "shr":
+                    regs[op.dst] = arith.shrui(a, b)
+                elif op.op == "and":
+                    regs[op.dst] = arith.andi(a, b)
+                elif op.op == "or_and":
+                    regs[op.dst] = arith.ori(arith.andi(a, b), val(op.c))
+                elif op.op == "mul2":
+                    product = arith.mulf(vector.bitcast(pair, a), vector.bitcast(pair, b))
+                    regs[op.dst] = vector.bitcast(word, product)
+                else:
+                    raise NotImplementedError(f"e2m1 decoder op {op.op}")
+            return vector.bitcast(pair, regs[output])
+
+        source = array.registers[:, unit]
+        registers = np.empty_like(array.registers)
+        for j, output in enumerate(program.outputs):
+            registers[:, j] = np.vectorize(lambda r, output=output: run(r, output), otypes=[object])(source)
+        return mgpu.FragmentedArray(_registers=registers, _layout=array.layout, _is_signed=None)
+
+    return decode(codes)
+
+
+def join_columns(arrays, interpret: bool):
+    """``[rows, c]`` arrays side by side: ``[rows, c * len(arrays)]`` (compiled:
+    their WGMMA-layout column tiles' registers in order)."""
+    if interpret:
+        return jnp.concatenate(arrays, axis=1)
+    layout = plgpu.Layout.WGMMA
+    rows, columns = arrays[0].shape
+    out = plgpu.ShapeDtypeStruct((rows, columns * len(arrays)), arrays[0].dtype, layout=layout)
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * len(arrays), return_type=out)
+    def join(_, *parts):
+        registers = np.concatenate([part.registers for part in parts], axis=1)
+        return mgpu.FragmentedArray(_registers=registers, _layout=parts[0].layout, _is_signed=None)
+
+    return join(*arrays)
+
+
+def power_of_two(exponent: jax.Array, dtype) -> jax.Array:
+    """``2**exponent`` (int32) in ``dtype`` (f16, bf16 or f32) from its bits:
+    exact down to the smallest subnormal, zero below it."""
+    info = jnp.finfo(dtype)
+    mantissa, bias = info.nmant, -int(info.minexp) + 1
+    subnormal = exponent + bias - 1 + mantissa
+    bits = jnp.where(
+        exponent >= 1 - bias,
+        (exponent + bias) << mantissa,
+        jnp.where(subnormal >= 0, 1 << jnp.maximum(subnormal, 0), 0),
+    )
+    int_type = jnp.int16 if jnp.dtype(dtype).itemsize == 2 else jnp.int32
+    return lax.bitcast_convert_type(bits.astype(int_type), dtype)
 
 
 def _kernel(

@@ -26,13 +26,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import arith, vector
 
 from pallas_kernels import word_decode
 from pallas_kernels.gemm import mosaic
@@ -338,93 +334,18 @@ def _kernel(
 
 
 def _decode_mx_step(codes, factor_smem, wg_slice, half_bits: bool, interpret: bool):
-    """A K step's columns from its MXFP4 codes ``uint16 [rows, 32]`` (planar
-    units of 32: half h of unit u holds column ``32 u + h + 8 j`` at position
-    j) as e4m3 ``[rows, 128]``: per unit, e2m1 x 2**-6 (the decoder's f16)
-    times its factor (``factor_smem [4, block_n]`` f16, 2**(12 - gap)).
-    Position j of a unit's 8 halves is its 8-column tile j: the tiles joined
-    are the step in column order."""
+    """A K step's columns from its MXFP4 codes ``uint16 [rows, 32]`` as e4m3
+    ``[rows, 128]``: each unit's e2m1 x 2**-6 (:func:`mosaic.e2m1_piece`)
+    times its factor (``factor_smem [4, block_n]`` f16, 2**(12 - gap)), the
+    units joined in column order."""
     bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
     pieces = []
     for piece in range(PIECES):
         factor = factor_smem[piece, wg_slice][:, None]
-        if not interpret:
-            pieces.append(_e2m1_f16_words(codes, piece, bits) * factor)
-            continue
-        # f16 bits e2m1 x 2**-14, multiplied in f32 (XLA's CPU code misrounds some f16 products)
-        halves = codes[:, MX_GROUP // 4 * piece : MX_GROUP // 4 * (piece + 1)]
-        placed = []
-        for j in range(PIECES):
-            code = word_decode.half_code(halves, j, bits)
-            placed.append(((code & 8) << 12) | ((code & 7) << 9))
-        values = lax.bitcast_convert_type(jnp.concatenate(placed, axis=1).astype(jnp.uint16), jnp.float16)
-        pieces.append(values.astype(jnp.float32) * (2.0**14 * word_decode.E2M1_FACTOR) * factor.astype(jnp.float32))
-    joined = jnp.concatenate(pieces, axis=1) if interpret else _join_columns(pieces)
-    return joined.astype(jnp.float8_e4m3fn)
-
-
-def _join_columns(arrays):
-    """WGMMA-layout arrays ``[rows, c]`` side by side: ``[rows, c * len(arrays)]``
-    (their column tiles' registers in order)."""
-    layout = plgpu.Layout.WGMMA
-    rows, columns = arrays[0].shape
-    out = plgpu.ShapeDtypeStruct((rows, columns * len(arrays)), arrays[0].dtype, layout=layout)
-
-    @plgpu.inline_mgpu(arg_types=(layout,) * len(arrays), return_type=out)
-    def join(_, *parts):
-        registers = np.concatenate([part.registers for part in parts], axis=1)
-        return mgpu.FragmentedArray(_registers=registers, _layout=parts[0].layout, _is_signed=None)
-
-    return join(*arrays)
-
-
-def _e2m1_f16_words(codes, piece: int, bits: tuple):
-    """The compiled decoder: ``word_decode.e2m1_program`` (f16) on the 32-bit
-    registers of the WGMMA layout (halves 2t and 2t+1 of a unit in one: each
-    result half depends on its own half only); register tile ``piece`` of
-    ``codes [rows, 32]`` gives the 4 column tiles of an f16 ``[rows, 32]``."""
-    program = word_decode.e2m1_program("float16", normalized=True, bits=bits)
-    layout = plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.float16, layout=layout))
-    def decode(_, array):
-        word = ir.VectorType.get((1,), ir.IntegerType.get_signless(32))
-        pair = ir.VectorType.get((2,), ir.F16Type.get())
-
-        def splat(value: int):
-            attr = ir.IntegerAttr.get(word.element_type, value - (1 << 32) if value >= 1 << 31 else value)
-            return arith.constant(word, ir.DenseElementsAttr.get_splat(word, attr))
-
-        def run(register, output: str):
-            regs = {word_decode.WORD: vector.bitcast(word, register)}
-
-            def val(x):
-                return regs[x] if isinstance(x, str) else splat(x)
-
-            for op in word_decode.needed_ops(program, output):
-                a, b = val(op.a), val(op.b)
-                if op.op == "shl":
-                    regs[op.dst] = arith.shli(a, b)
-                elif op.op == "shr":
-                    regs[op.dst] = arith.shrui(a, b)
-                elif op.op == "and":
-                    regs[op.dst] = arith.andi(a, b)
-                elif op.op == "or_and":
-                    regs[op.dst] = arith.ori(arith.andi(a, b), val(op.c))
-                elif op.op == "mul2":
-                    product = arith.mulf(vector.bitcast(pair, a), vector.bitcast(pair, b))
-                    regs[op.dst] = vector.bitcast(word, product)
-                else:
-                    raise NotImplementedError(f"e2m1 decoder op {op.op}")
-            return vector.bitcast(pair, regs[output])
-
-        source = array.registers[:, piece]
-        registers = np.empty_like(array.registers)
-        for j, output in enumerate(program.outputs):
-            registers[:, j] = np.vectorize(lambda r, output=output: run(r, output), otypes=[object])(source)
-        return mgpu.FragmentedArray(_registers=registers, _layout=array.layout, _is_signed=None)
-
-    return decode(codes)
+        # Interpreted in f32: XLA's CPU code misrounds some f16 products to e4m3.
+        factor = factor.astype(jnp.float32) if interpret else factor
+        pieces.append(mosaic.e2m1_piece(codes, piece, bits, jnp.float16, interpret) * factor)
+    return mosaic.join_columns(pieces, interpret).astype(jnp.float8_e4m3fn)
 
 
 def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows: int, m: int, k: int):
@@ -449,17 +370,6 @@ def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows:
     return x_scale, w_scale
 
 
-def _power_of_two(exponent: jax.Array, dtype) -> jax.Array:
-    """``2**exponent`` in ``dtype`` (f16 or f32) from its bits, exact down to the smallest subnormal."""
-    info = jnp.finfo(dtype)
-    mantissa, bias = info.nmant, -int(info.minexp) + 1
-    bits = jnp.where(
-        exponent >= 1 - bias, (exponent + bias) << mantissa, 1 << jnp.maximum(exponent + bias - 1 + mantissa, 0)
-    )
-    int_type = jnp.int16 if jnp.dtype(dtype).itemsize == 2 else jnp.int32
-    return lax.bitcast_convert_type(bits.astype(int_type), dtype)
-
-
 def mx_operands(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """MXFP4's stored parts (planar codes ``uint8 [E, N, K/2]``, e8m0 bytes
     ``[E, N, K/32]``) as the kernel reads them: codes ``uint16 [E, N, K/4]``;
@@ -473,8 +383,8 @@ def mx_operands(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Arr
     raw = scale.astype(jnp.int32).reshape(e, n, k // BLOCK_K, PIECES)
     top = jnp.max(raw, axis=-1)
     gap = jnp.minimum(top[..., None] - raw, MAX_GAP)
-    factors = _power_of_two(2 * E2M1_EXPONENT - gap, jnp.float16).reshape(e, n, k // MX_GROUP)
-    steps = _power_of_two(top - 127 - E2M1_EXPONENT, jnp.float32)
+    factors = mosaic.power_of_two(2 * E2M1_EXPONENT - gap, jnp.float16).reshape(e, n, k // MX_GROUP)
+    steps = mosaic.power_of_two(top - 127 - E2M1_EXPONENT, jnp.float32)
     steps = jnp.where(top == E8M0_NAN, jnp.nan, steps)
     return codes, jnp.swapaxes(factors, 1, 2), jnp.swapaxes(steps, 1, 2)
 
