@@ -283,42 +283,20 @@ def _kernel(
                 return acc_ref
 
             def promoted_context(run):
-                zeros = jnp.zeros((wg_m, wg_n), jnp.float32)
-                if scaling.mx:
-                    epilogue(run(zeros))
-                    return
-                # The carry: the sum, the last step's product and its row scales (added one step late).
-                no_scale = plgpu.layout_cast(jnp.zeros((wg_m,), jnp.float32), row_layout)
-                total, part, scale = run((zeros, zeros, no_scale))
-                epilogue(total + part * scale[:, None])
-
-            def step_row_scale(step, x_scale_smem):
-                """This step's scale of each row: the input group's times the weight block's."""
-                if scaling.w == "block":
-                    w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
-                if scaling.x != "group":
-                    return plgpu.layout_cast(jnp.full((wg_m,), w_scale, jnp.float32), row_layout)
-                row_scale = plgpu.load(x_scale_smem.at[0], layout=row_layout, optimized=False)
-                return row_scale * w_scale if scaling.w == "block" else row_scale
+                epilogue(run(jnp.zeros((wg_m, wg_n), jnp.float32)))
 
             def promoted_step(indices, *refs):
                 (step,) = indices
+                total = refs[-1]
                 x_scale_smem = refs[-2] if scaling.x == "group" else None
                 x_smem, w_smem = refs[:2]
-                if not scaling.mx:
-                    total, last_part, last_scale = refs[-1]
-
-                    def overlapped(acc_ref):  # the last step's product added while this one's runs
-                        plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
-                        added = total + last_part * last_scale[:, None]
-                        return added, acc_ref[...]
-
-                    added, part = pl.run_scoped(overlapped, plgpu.ACC((wg_m, wg_n), jnp.float32))
-                    return added, part, step_row_scale(step, x_scale_smem)
-                total = refs[-1]
-                factor_smem, step_scale_smem = refs[2:4]
+                if scaling.mx:
+                    factor_smem, step_scale_smem = refs[2:4]
 
                 def product(acc_ref):
+                    if not scaling.mx:
+                        plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
+                        return acc_ref[...]
                     # The last step's wgmma read the slot before its product was read back.
                     slot = stage.at[wg]
                     slot[...] = _decode_mx_step(w_smem[wg_slice], factor_smem, wg_slice, scaling.half_bits, interpret)
@@ -327,12 +305,17 @@ def _kernel(
                     return acc_ref[...]
 
                 part = pl.run_scoped(product, plgpu.ACC((wg_m, wg_n), jnp.float32))
-                col_scale = plgpu.load(step_scale_smem.at[0, wg_slice], layout=col_layout, optimized=False)
-                part = part * col_scale[None, :]
+                if scaling.mx:
+                    col_scale = plgpu.load(step_scale_smem.at[0, wg_slice], layout=col_layout, optimized=False)
+                    part = part * col_scale[None, :]
+                if scaling.w == "block":
+                    w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 if scaling.x == "group":
                     row_scale = plgpu.load(x_scale_smem.at[0], layout=row_layout, optimized=False)
+                    if scaling.w == "block":
+                        row_scale = row_scale * w_scale
                     return total + part * row_scale[:, None]
-                return total + part
+                return total + (part * w_scale if scaling.w == "block" else part)
 
             @pl.when((rows > 0) & (group < num_experts))
             def _():
