@@ -640,7 +640,9 @@ def tune_main(args) -> int:
                     continue
                 case = Case(args.problem, args.gemm, layout_name, max(1, min(high, 16384) // top_k), fmt, args.k_order)
                 shape = case.shapes()[:3] if args.per_shape else None
-                key = (T.table_key(kind, T.format_class(F.get_format(fmt)), shape), low, high)
+                weight_format, quant = split_format(fmt)
+                input_dtype = quant.dtype.value if quant.is_quantized else None
+                key = (T.table_key(kind, T.format_class(weight_format, input_dtype), shape), low, high)
                 members[key] = members.get(key, 0) + 1
                 prep = prepare(case)
                 for cand in search.candidates_for(case.tokens * top_k // num_experts):

@@ -539,3 +539,14 @@ def test_ab_tilings_variant_file(tmp_path, monkeypatch):
     module = gemm_kernels.KERNELS[type(tiles)]
     assert module is not mosaic_fp8 and module.__file__ == str(copy)
     assert tiles_text.gemm_to_text(tiles).startswith("variant:")
+
+
+def test_tune_keys_quantized_input_pairs_by_their_class(tiny, compiled_once, tmp_path, monkeypatch):
+    """``tune --formats WEIGHT@INPUT`` writes the pair's class (``4bit-a8``),
+    which the plan looks up for calls with that input."""
+    monkeypatch.setattr(search, "DECODE", (triton.Tiles(16, 32, 32),))
+    monkeypatch.setattr(search, "M_RANGES", ((0, 8),))
+    out = tmp_path / "table.json"
+    args = ["tune", "--problem", "tiny", "--formats", "int4_g32@fp8_dynamic_token", "--layouts", "grouped"]
+    assert cli.main([*args, "--out", str(out)]) == 0
+    assert set(json.loads(out.read_text())["entries"]) == {"grouped_contiguous/4bit-a8"}
