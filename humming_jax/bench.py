@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from humming_jax import bench_report, humming_peer, tiles_text
 from humming_jax import formats as F
-from humming_jax import humming_peer, tiles_text
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import tuning as T
@@ -592,8 +592,15 @@ def bench_main(args) -> int:
         anchor=load_anchor(args.anchor),
         humming=not args.no_humming,
     )
-    save(rows)
+    summary = bench_report.humming_summary(rows)
+    for line in bench_report.summary_lines(summary):
+        print(line)
+    write_results(
+        args.out, rows, quiet=True, copy_bandwidth=COPY_BANDWIDTH, matmul_rate=MATMUL_RATE, humming_summary=summary
+    )
     print(f"wrote {args.out}")
+    if bench_report.plot_humming(rows, args.out.removesuffix(".json") + ".png"):
+        print(f"wrote {args.out.removesuffix('.json')}.png")
     return 0
 
 

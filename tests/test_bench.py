@@ -550,3 +550,22 @@ def test_tune_keys_quantized_input_pairs_by_their_class(tiny, compiled_once, tmp
     args = ["tune", "--problem", "tiny", "--formats", "int4_g32@fp8_dynamic_token", "--layouts", "grouped"]
     assert cli.main([*args, "--out", str(out)]) == 0
     assert set(json.loads(out.read_text())["entries"]) == {"grouped_contiguous/4bit-a8"}
+
+
+def test_humming_summary_and_plot(tmp_path):
+    """Per format (and layout): the geometric mean and the largest of our time
+    over Humming's, with the worst case; a plot of the ratio against T."""
+    from humming_jax import bench_report
+
+    def row(fmt, layout, gemm, tokens, ratio):
+        return dict(fmt=fmt, problem="p", layout=layout, gemm=gemm, tokens=tokens, x_humming=ratio)
+
+    rows = [row("a", "grouped", "w13", 1, 0.5), row("a", "indexed", "w2", 16, 2.0), row("b", "grouped", "w13", 1, None)]
+    (both, grouped, indexed) = bench_report.humming_summary(rows)
+    assert (both["fmt"], both["layout"], both["cases"]) == ("a", "all", 2)
+    assert both["geomean"] == pytest.approx(1.0) and both["max"] == 2.0 and both["worst"] == ("p", "indexed", "w2", 16)
+    assert (grouped["layout"], grouped["geomean"], indexed["max"]) == ("grouped", 0.5, 2.0)
+    assert "geomean 1.00, max 2.00 (p indexed w2 16)" in bench_report.summary_lines([both])[0]
+    pytest.importorskip("matplotlib")
+    assert bench_report.plot_humming(rows, str(tmp_path / "x.png")) and (tmp_path / "x.png").stat().st_size > 0
+    assert not bench_report.plot_humming(rows[2:], str(tmp_path / "none.png"))
