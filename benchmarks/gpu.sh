@@ -7,6 +7,7 @@
 #   routing-bench [ARGS]     benchmarks.bench_routing
 #   tune [TUNE ARGS]         python -m humming_jax tune, written to OUT_DIR/tuning.json
 #   ab [AB ARGS]             benchmarks.ab_tilings: tilings of the bench's cases, interleaved in one process
+#                            (a later --out names its JSON: several ab steps in one call, one log)
 #   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
 #   soak [SOAK ARGS]         benchmarks.soak: random hostile layers against the reference for --seconds
@@ -40,7 +41,7 @@ case $step in
                    tee "$out/process_bench.log" | tail -30 ;;
   routing-bench) python3 -W ignore -m benchmarks.bench_routing --out "$out/routing.json" "$@" 2>&1 |
                    tee "$out/routing_bench.log" | tail -30 ;;
-  ab) python3 -W ignore -m benchmarks.ab_tilings --out "$out/ab.json" "$@" 2>&1 | tee "$out/ab.log" | tail -40 ;;
+  ab) python3 -W ignore -m benchmarks.ab_tilings --out "$out/ab.json" "$@" 2>&1 | tee -a "$out/ab.log" | tail -40 ;;
   tune) python3 -W ignore -m humming_jax tune --out "$out/tuning.json" "$@" 2>&1 | tee "$out/tune.log" | tail -30 ;;
   profile) ncu --clock-control none -k regex:gemm -c 1 --section SpeedOfLight --section Occupancy \
              --section LaunchStats --section WarpStateStats --section SchedulerStats \
