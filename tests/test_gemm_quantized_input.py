@@ -14,8 +14,6 @@ held to the reference on the bf16-rounded weight (as in test_gemm_kernel).
 Rows no tile owns must be exactly zero.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -350,40 +348,3 @@ def test_eight_bit_weights_past_2_to_31_values_read_as_byte_pairs(fmt_name, quan
     call = gemm_call(x, weight, layout, jnp.float32)
     assert "the lowering's 32-bit offsets wrap" in kernel.supports(kernel.Tiles(16, 64, 128), call)
     jax.clear_caches()
-
-
-@pytest.mark.parametrize(
-    "fmt_name,quant_name,layout_kind",
-    [
-        ("mxfp4", "fp8_dynamic_group128", "grouped_contiguous"),  # the anchor's W4A8 at decode
-        pytest.param("int4_g128", "fp8_dynamic_token", "indexed", marks=FULL),
-        pytest.param("mxfp4", "mxfp4_dynamic", "grouped_contiguous", marks=FULL),  # e2m1 inputs
-    ],
-)
-def test_input_dequantized_before_the_kernel(fmt_name, quant_name, layout_kind, rng):
-    """``Tiles.dequantize_input``: the op multiplies the input's values by its
-    scales into bf16 (one rounding an element) and runs the weight-only tile:
-    the product of the weight with that bf16 input, against float64 NumPy."""
-    weight = F.to_planar(_weight(rng, F.get_format(fmt_name)), half_bits=fmt_name == "mxfp4")
-    x = _input(rng, Q.get_input_spec(quant_name))
-    layout = _layouts(rng)[layout_kind]
-    tiles = kernel.Tiles(16, 64, 128, 4, 3, word_decode=True, fold_scales=True, pair_decode=True)
-    tiles = dataclasses.replace(tiles, dequantize_input=True)
-    call = gemm_call(x, weight, layout, jnp.float32, interpret=True)
-    assert kernel.supports(tiles, call) is None
-    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
-    rounded = Q.dequantize_input(x).astype(jnp.bfloat16)
-    exact = fmt_name == "mxfp4"  # e2m1 times e8m0 folds exactly; int4 codes times bf16 scales round once
-    _check(out, np_ref.gemm_of(rounded, weight, layout, bf16_weight=not exact))
-    # Against the unrounded input: within the bf16 rounding of each input value.
-    _check(out, np_ref.gemm_of(x, weight, layout, bf16_weight=not exact), bound=1e-2)
-
-
-def test_dequantize_input_needs_a_quantized_input(rng):
-    from humming_jax.gemm import as_quantized_input
-
-    weight = _weight(rng, F.get_format("int4_g128"))
-    x = as_quantized_input(jnp.ones((M, K), jnp.bfloat16))
-    tiles = kernel.Tiles(16, 64, 128, dequantize_input=True)
-    call = gemm_call(x, weight, _layouts(rng)["dense"], jnp.float32, interpret=True)
-    assert "nothing to dequantize" in kernel.supports(tiles, call)
