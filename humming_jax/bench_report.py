@@ -43,18 +43,24 @@ def summary_lines(summary: list[dict]) -> list[str]:
     ]
 
 
-def plot_humming(rows: list[dict], path: str) -> bool:
-    """Our time over Humming's against T, a panel per format, a line per
-    (problem, layout, gemm) (PNG); False without matplotlib or rows to plot."""
-    rows = [r for r in rows if r.get("x_humming")]
-    if not rows:
-        return False
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, or None without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_humming(rows: list[dict], path: str) -> bool:
+    """Our time over Humming's against T, a panel per format, a line per
+    (problem, layout, gemm) (PNG); False without matplotlib or rows to plot."""
+    rows = [r for r in rows if r.get("x_humming")]
+    plt = pyplot()
+    if not rows or plt is None:
         return False
     formats = sorted({r["fmt"] for r in rows})
     fig, axes = plt.subplots(1, len(formats), figsize=(5 * len(formats), 4), squeeze=False)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from humming_jax import bench, parallel
+from humming_jax import bench, bench_report, parallel
 from humming_jax import experts as X
 from humming_jax.configs import ExpertsConfig
 from humming_jax.timing import bandwidth_fields
@@ -358,12 +358,8 @@ def run_layers(problems, tokens, formats, pipelines=PIPELINES, on_row=None, with
 def plot(rows: list[dict], path: str) -> bool:
     """Layer time and the share outside the GEMMs against T, one panel per
     problem (PNG); False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = bench_report.pyplot()
+    if plt is None:
         return False
     problems = sorted({r["problem"] for r in rows})
     fig, axes = plt.subplots(2, len(problems), figsize=(5 * len(problems), 8), squeeze=False)
