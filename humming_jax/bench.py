@@ -205,7 +205,7 @@ def _block_size(case: Case, tiles: GemmTiles | None) -> int:
         e, n, k, _ = case.shapes()
         fmt, quant = split_format(case.fmt)
         dtype = quant.dtype.value if quant.is_quantized else None
-        tiles = T.candidates("indexed", fmt, _real_rows(case), e, n, k, input_dtype=dtype)[0]
+        return T.indexed_block_rows(T.candidates("indexed", fmt, _real_rows(case), e, n, k, input_dtype=dtype))
     return tiles.block_m
 
 

@@ -24,7 +24,6 @@ from humming_jax.configs import ExpertsConfig
 from humming_jax.gemm import FLOAT_INPUTS, as_weight, gemm
 from humming_jax.process_input import process_input
 from humming_jax.sharding import token_parallel
-from pallas_kernels.gemm import triton
 
 DEFAULT_BLOCK_SIZE = 64  # an indexed layout's block where no tiling names one
 
@@ -155,9 +154,10 @@ def estimate_valid_shape_m(num_tokens: int, top_k: int, config: ExpertsConfig) -
 
 
 def indexed_block_size(num_tokens: int, top_k: int, config: ExpertsConfig) -> int:
-    """The indexed pipeline's alignment block: the rows of the Triton tile the
-    tuning table or the heuristic gives its w13 call (a tile is one block, as
-    vLLM's ``BLOCK_SIZE_M`` is): 16 at decode, 64-128 at prefill;
+    """The indexed pipeline's alignment block: the rows of the tile the tuning
+    table or the heuristic gives its w13 call (a tile is one block, as vLLM's
+    ``BLOCK_SIZE_M`` is; :func:`~humming_jax.tuning.indexed_block_rows`): 16
+    at decode, 64-128 at prefill;
     :data:`DEFAULT_BLOCK_SIZE` if none is listed."""
     quant = config.input_quant
     listed = T.candidates(
@@ -169,8 +169,8 @@ def indexed_block_size(num_tokens: int, top_k: int, config: ExpertsConfig) -> in
         config.w13.shape_k,
         input_dtype=quant.dtype.value if quant.is_quantized else None,
     )
-    rows = [tiles.block_m for tiles in listed if isinstance(tiles, triton.Tiles)]
-    return rows[0] if rows else DEFAULT_BLOCK_SIZE
+    rows = T.indexed_block_rows(listed)
+    return DEFAULT_BLOCK_SIZE if rows is None else rows
 
 
 def check_float_input(hidden_states, op: str) -> None:

@@ -220,8 +220,12 @@ def test_nibble_weights_refused_with_the_reason(rng):
         hj.gemm(x, F.quantize_weight(w, F.INT4_G128), grouped, **run)
     with pytest.raises(ValueError, match="tuning.*128-column groups"):
         hj.gemm(x, hj.to_planar(F.quantize_weight(w, F.INT4_G64)), grouped, **run)
-    with pytest.raises(ValueError, match="tuning.*float4_e2m1.*dequantize_first"):
-        hj.gemm(x, hj.to_planar(F.quantize_weight(w, F.MXFP4)), grouped, **run)
+    with pytest.raises(ValueError, match="tuning.*MXFP4 codes in K order"):
+        hj.gemm(x, F.quantize_weight(w, F.MXFP4), grouped, **run)
+    with pytest.raises(ValueError, match="tuning.*MXFP4 weights with float16 inputs"):
+        hj.gemm(x.astype(jnp.float16), hj.to_planar(F.quantize_weight(w, F.MXFP4)), grouped, **run)
+    with pytest.raises(ValueError, match="tuning.*float8_e4m3 weights.*dequantize_first"):
+        hj.gemm(x, F.quantize_weight(w, F.get_format("fp8_channel")), grouped, **run)
     planar = hj.to_planar(F.quantize_weight(w, F.INT4_G128))
     with pytest.raises(ValueError, match="block_k=64 with 4-bit weights"):
         hj.gemm(x, planar, grouped, tuning=mosaic.Tiles(64, 256, 64), backend=KERNEL_BACKEND)
@@ -229,6 +233,54 @@ def test_nibble_weights_refused_with_the_reason(rng):
         with pytest.raises(ValueError, match="swap_ab runs compiled only"):
             swap = mosaic.Tiles(64, 256, 128, swap_ab=True)
             hj.gemm(x, planar, grouped, tuning=swap, backend=KERNEL_BACKEND)
+
+
+@pytest.mark.parametrize(
+    "half_bits,options",
+    [(True, {}), pytest.param(False, {}, marks=FULL), pytest.param(True, {"swap_ab": True}, marks=ON_GPU_ONLY)],
+    ids=["half-bits", "nibbles", "half-bits-swap"],
+)
+def test_mxfp4_decoded_in_the_kernel(half_bits, options, rng):
+    """Planar MXFP4 (bf16 inputs) decoded in the compute warpgroups, each
+    32-column unit times its folded factor 2**(s - 183) (exact: a power of
+    two), the sum times 2**62: the product with the dequantized weight,
+    against float64 NumPy; groups whose scales differ by up to 2**12, an
+    empty expert, rows no expert owns."""
+    m, n, k, e = 45, 256, 256, 3
+    spread = np.exp2(rng.integers(-12, 1, (e, n, k // 32))).repeat(32, axis=-1)
+    weights = rng.normal(0, 0.05, (e, n, k)) * spread
+    weight = hj.to_planar(F.quantize_weight(jnp.asarray(weights, jnp.float32), F.MXFP4), half_bits=half_bits)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    offsets = np.asarray([0, 17, 17, 40], np.int32)
+    tuning = mosaic.Tiles(64, 256, 128, stages=2, group_m=2, **options)
+    out_dtype, tolerance = (jnp.bfloat16, 5e-3) if options.get("swap_ab") else (jnp.float32, 1e-5)
+    layout = hj.GroupedContiguous(jnp.asarray(offsets))
+    out = hj.gemm(x, weight, layout, out_dtype=out_dtype, tuning=tuning, backend=KERNEL_BACKEND)
+    want = _expected(x, F.dequantize_weight(weight), offsets, m)  # e2m1 x 2**s: exact in bf16
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < tolerance
+    assert np.all(got[offsets[-1] :] == 0)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_mxfp4_decode_lowers_for_the_gpu(swap_ab):
+    """The e2m1 decoder on the WGMMA layout's registers, per 32-column unit, staged or as the register operand."""
+    e, n, k = 3, 512, 512
+    codes = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
+    factors = jax.ShapeDtypeStruct((e, k // 32, n), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
+    offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
+    tiles = mosaic.Tiles(128, 256, 128, stages=3, swap_ab=swap_ab)
+    decode = mosaic.NibbleDecode(k // 32, e2m1=True, half_bits=True)
+
+    def run(x, codes, offsets, factors):
+        return mosaic.expert_gemm_mosaic(
+            x, codes, offsets, tiles, out_dtype=jnp.bfloat16, decode=decode, scales=factors
+        )
+
+    text = jax.jit(run).trace(x, codes, offsets, factors).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 def test_what_the_kernel_refuses(rng):
@@ -375,7 +427,8 @@ def test_the_plan_takes_the_first_candidate_its_kernel_supports(monkeypatch, rng
     interpreted or off Hopper its kernel refuses and the heuristic's Triton
     tile runs; K-order int4 (which the kernel does not decode) takes the
     heuristic's dequantize-first candidate with rows enough an expert, else
-    its Triton tile; MXFP4 the Triton tile; a column-pair entry on an odd number of column tiles is refused. A
+    its Triton tile; planar MXFP4 the entry too (the kernel decodes it), K-order MXFP4 the Triton tile; a
+    column-pair entry on an odd number of column tiles is refused. A
     tiling passed by hand runs as given or raises with the kernel's reason."""
     entry = mosaic.Tiles(128, 256, 128, stages=3, group_m=8, swap_ab=True, word_decode=True)
     _table(monkeypatch, entry)
@@ -399,8 +452,9 @@ def test_the_plan_takes_the_first_candidate_its_kernel_supports(monkeypatch, rng
     ran, _ = plan(k_order)  # 32 rows an expert: the heuristic's Triton tile, which reads K order
     assert isinstance(ran, triton.Tiles) and ran.pair_decode
     mxfp4 = hj.to_planar(F.quantize_weight(w, F.MXFP4), half_bits=True)
-    ran, _ = plan(mxfp4, valid_shape_m=many)  # e2m1: the Triton decoder at any size
-    assert isinstance(ran, triton.Tiles) and ran.pair_decode and ran.fold_scales
+    assert plan(mxfp4, valid_shape_m=many) == (entry, [])
+    ran, reasons = plan(F.quantize_weight(w, F.MXFP4), valid_shape_m=many)  # K order: the Triton decoder
+    assert isinstance(ran, triton.Tiles) and ran.fold_scales and "K order" in reasons[0]
     monkeypatch.setattr(mosaic, "hopper_gpu", lambda: False)
     ran, reasons = plan()
     assert isinstance(ran, triton.Tiles) and "Hopper" in reasons[0]

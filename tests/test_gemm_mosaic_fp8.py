@@ -108,6 +108,40 @@ def test_layouts_e5m2_and_bias(layout_kind, quant_name, bias, rng):
     _check(out, x, weight, layout)
 
 
+@pytest.mark.parametrize(
+    "weight_name,quant_name,tiles",
+    [
+        ("fp8_block128", "fp8_dynamic_group128", TILES),
+        ("mxfp4", "fp8_dynamic_group128", SQUARE),
+        pytest.param("fp8_channel", "fp8_dynamic_token", SQUARE, marks=FULL),
+        pytest.param("mxfp4", "fp8_dynamic_token", TILES, marks=FULL),
+    ],
+)
+def test_indexed_through_gathered_rows(weight_name, quant_name, tiles, rng):
+    """The indexed layout (blocks of block_m rows): each slot's row and scale
+    gathered, a tile a block, each result row stored to its slot — a dropped
+    slot listed past the padded blocks gets zeros, padding is skipped, and no
+    row is left unwritten (the interpreter's NaN)."""
+    weight = _mxfp4(rng, True) if weight_name == "mxfp4" else _weight(rng, weight_name)
+    x = _input(rng, quant_name)
+    layout = gemm_layouts.layouts(rng, E, M, block_size=tiles.block_m)["indexed"]
+    call = gemm_call(x, weight, layout, jnp.float32, interpret=True)
+    assert kernel.supports(tiles, call) is None
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
+    assert out.shape == (2 * M, N)
+    _check(out, x, weight, layout)
+
+
+def test_block_table_of_dead_blocks():
+    """A block past num_tokens_padded, of expert −1 or of an expert past E
+    stores zeros (group E); the others their expert's rows."""
+    table = kernel.block_table(jnp.asarray([2, -1, 0, 7, 1]), jnp.asarray([256]), 4, 64)
+    np.testing.assert_array_equal(
+        np.asarray(table),
+        [[2, 0, 0, 64], [4, 64, 64, 64], [0, 128, 128, 64], [4, 192, 192, 64], [4, 256, 256, 64]],
+    )
+
+
 @pytest.mark.parametrize("counts", [(0, 0, 1, 0), (0, 130, 0, 0)], ids=["T=1", "one-hot-expert"])
 def test_one_row_and_one_hot_expert(counts, rng):
     """One row (a tile of one row, the rest of its box not stored) and every
@@ -172,7 +206,9 @@ def test_what_the_kernel_refuses(rng):
 
     block = _weight(rng, "fp8_block128")
     assert reason(block, layouts["grouped_contiguous"]) is None
-    assert "indexed layout" in reason(block, layouts["indexed"])
+    assert "a tile is a block" in reason(block, layouts["indexed"])  # blocks of 16
+    unlisted = dataclasses.replace(gemm_layouts.layouts(rng, E, M, block_size=64)["indexed"], lists_dropped=False)
+    assert "dropped slots" in reason(block, unlisted)
     assert "int8 weights" in reason(_weight(rng, "int8_channel"), layouts["grouped_contiguous"])
     assert "bfloat16 inputs" in reason(
         block, layouts["dense"], x=Q.quantize_input(jnp.ones((M, K), jnp.bfloat16), Q.NONE)
@@ -249,6 +285,27 @@ def test_mxfp4_lowers_for_the_gpu(half_bits):
     scaling = kernel.Scaling("group", "mx", half_bits)
     run = functools.partial(kernel.expert_gemm_fp8, tiles=SQUARE, scaling=scaling, out_dtype=jnp.bfloat16)
     lowered = jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets)
+    assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_row_by_row_stores_lower_for_the_gpu():
+    """The indexed form's epilogue (a one-row TMA box a row, to its slot) lowers."""
+    blocks = 5
+    x = jax.ShapeDtypeStruct((blocks * 64, 256), jnp.float8_e4m3fn)
+    w = jax.ShapeDtypeStruct((3, 512, 256), jnp.float8_e4m3fn)
+    x_scale = jax.ShapeDtypeStruct((blocks * 64, 2), jnp.float32)
+    w_scale = jax.ShapeDtypeStruct((3, 4, 2), jnp.float32)
+    table = jax.ShapeDtypeStruct((blocks, 4), jnp.int32)
+    dest = jax.ShapeDtypeStruct((blocks * 64,), jnp.int32)
+
+    def run(x, x_scale, w, w_scale, table, dest):
+        scaling = kernel.Scaling("group", "block")
+        return kernel.expert_gemm_fp8(
+            x, x_scale, w, w_scale, None, TILES, scaling, out_dtype=jnp.bfloat16, table=table, dest=dest, out_rows=200
+        )
+
+    lowered = jax.jit(run).trace(x, x_scale, w, w_scale, table, dest)
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 

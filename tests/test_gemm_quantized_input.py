@@ -14,6 +14,8 @@ held to the reference on the bf16-rounded weight (as in test_gemm_kernel).
 Rows no tile owns must be exactly zero.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,12 +90,15 @@ def _layouts(rng, block_size=16):
 def _reference(x, weight, layout, tuning=None):
     """The float64 NumPy product the kernel must match: with folded scales that
     round (integer weights, fp8 with f32 scales) the weight is rounded to bf16
-    once (test_reference_matches_numpy holds the ``jnp`` reference to it)."""
+    once, with ``dequantize_input`` the scaled input (test_reference_matches_numpy
+    holds the ``jnp`` reference to it)."""
     if tuning is None:
         tuning, _ = plan(x, weight, layout, out_dtype=jnp.float32, interpret=True)
     fmt = weight.format
     exact = fmt.value_type.value in ("float4_e2m1", "float8_e4m3") and fmt.scale_type.value in ("e8m0", "float8_e4m3")
     # (a bf16 weight takes no quantized input: no checks)
+    if getattr(tuning, "dequantize_input", False):  # the op rounds the scaled input to bf16 first
+        x = Q.dequantize_input(x).astype(jnp.bfloat16)
     return np_ref.gemm_of(x, weight, layout, bf16_weight=getattr(tuning, "fold_scales", False) and not exact)
 
 
@@ -348,3 +353,78 @@ def test_eight_bit_weights_past_2_to_31_values_read_as_byte_pairs(fmt_name, quan
     call = gemm_call(x, weight, layout, jnp.float32)
     assert "the lowering's 32-bit offsets wrap" in kernel.supports(kernel.Tiles(16, 64, 128), call)
     jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "fmt_name,quant_name,layout_kind",
+    [
+        ("mxfp4", "fp8_dynamic_group128", "grouped_contiguous"),  # the anchor's W4A8 at decode
+        pytest.param("int4_g128", "fp8_dynamic_token", "indexed", marks=FULL),
+        pytest.param("mxfp4", "mxfp4_dynamic", "grouped_contiguous", marks=FULL),  # e2m1 inputs
+    ],
+)
+def test_input_dequantized_before_the_kernel(fmt_name, quant_name, layout_kind, rng):
+    """``Tiles.dequantize_input``: the op multiplies the input's values by its
+    scales into bf16 (one rounding an element) and runs the weight-only tile:
+    the product of the weight with that bf16 input, against float64 NumPy."""
+    weight = F.to_planar(_weight(rng, F.get_format(fmt_name)), half_bits=fmt_name == "mxfp4")
+    x = _input(rng, Q.get_input_spec(quant_name))
+    layout = _layouts(rng)[layout_kind]
+    tiles = kernel.Tiles(16, 64, 128, 4, 3, word_decode=True, fold_scales=True, pair_decode=True)
+    tiles = dataclasses.replace(tiles, dequantize_input=True)
+    call = gemm_call(x, weight, layout, jnp.float32, interpret=True)
+    assert kernel.supports(tiles, call) is None
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
+    rounded = Q.dequantize_input(x).astype(jnp.bfloat16)
+    exact = fmt_name == "mxfp4"  # e2m1 times e8m0 folds exactly; int4 codes times bf16 scales round once
+    _check(out, np_ref.gemm_of(rounded, weight, layout, bf16_weight=not exact))
+    # Against the unrounded input: within the bf16 rounding of each input value.
+    _check(out, np_ref.gemm_of(x, weight, layout, bf16_weight=not exact), bound=1e-2)
+
+
+def test_dequantize_input_needs_a_quantized_input(rng):
+    from humming_jax.gemm import as_quantized_input
+
+    weight = _weight(rng, F.get_format("int4_g128"))
+    x = as_quantized_input(jnp.ones((M, K), jnp.bfloat16))
+    tiles = kernel.Tiles(16, 64, 128, dequantize_input=True)
+    call = gemm_call(x, weight, _layouts(rng)["dense"], jnp.float32, interpret=True)
+    assert "nothing to dequantize" in kernel.supports(tiles, call)
+
+
+def test_heuristic_choices_for_quantized_inputs():
+    """What the heuristic runs where the H200 A/Bs chose (quantized_input.md
+    v13, v16): 4-bit weights with e4m3 inputs at decode multiply the input out
+    to bf16 first (not with int8 inputs, not 8-bit weights); indexed W4A8 from
+    128 rows an expert and indexed W8A8 with long K from 512 on the fp8 Mosaic
+    kernel, its tile's rows the layout's block."""
+    from humming_jax import tuning as T
+    from humming_jax.tuning import heuristic
+    from pallas_kernels.gemm import mosaic_fp8
+
+    def first(layout, fmt, quant, shape_m, e, n, k, **kw):
+        return T.candidates(layout, fmt, shape_m, e, n, k, input_dtype=quant.dtype.value, **kw)
+
+    grouped, indexed = "grouped_contiguous", "indexed"
+    for fmt, quant in ((F.MXFP4, Q.FP8_DYNAMIC_GROUP128), (F.INT4_G128, Q.FP8_DYNAMIC_TOKEN)):
+        for layout in (grouped, indexed):
+            tiles = first(layout, fmt, quant, 16 * 8, 128, 1536, 2048, half_bits=True)[0]
+            assert isinstance(tiles, kernel.Tiles) and tiles.block_m == 16 and tiles.dequantize_input
+    assert not first(grouped, F.INT4_G128, Q.INT8_DYNAMIC_TOKEN, 16 * 8, 128, 1536, 2048)[0].dequantize_input
+    assert not first(grouped, F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128, 16 * 8, 128, 1536, 2048)[0].dequantize_input
+    # Indexed W4A8: 128-row tiles (the block), or 64 x 256 when the caller's block is 64.
+    listed = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
+    assert listed[0] == mosaic_fp8.Tiles(128, 128, stages=4, group_m=8) and T.indexed_block_rows(listed) == 128
+    wide = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, block_size=64, half_bits=True)
+    assert wide[0] == mosaic_fp8.Tiles(64, 256, stages=4, group_m=8)
+    few = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 8, 128, 1536, 2048, half_bits=True)
+    assert not any(isinstance(t, mosaic_fp8.Tiles) for t in few)
+    # Indexed W8A8: mixtral's long K at 1024 rows an expert, not qwen3's K=2048.
+    long_k = first(indexed, F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128, 4096 * 2, 8, 28672, 4096)
+    assert long_k[0] == mosaic_fp8.Tiles(64, 256, stages=4, group_m=8) and T.indexed_block_rows(long_k) == 64
+    short_k = first(indexed, F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048)
+    assert not any(isinstance(t, mosaic_fp8.Tiles) for t in short_k)
+    # W4A16 MXFP4 (bf16 inputs): the 16-bit Mosaic kernel decodes planar codes from 128 rows.
+    mx16 = T.candidates(grouped, F.MXFP4, 512 * 2, 8, 28672, 4096, half_bits=True)
+    assert mx16[0] == heuristic.MX_BF16_MOSAIC
+    assert T.candidates(grouped, F.MXFP4, 512 * 8, 128, 1536, 2048, half_bits=True)[0] != heuristic.MX_BF16_MOSAIC

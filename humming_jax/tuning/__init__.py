@@ -5,7 +5,7 @@ runs the first whose kernel ``supports`` it."""
 
 from humming_jax.tuning.heuristic import DEQUANTIZE_MIN_ROWS, for_block, heuristic_candidates, rows_per_expert
 from humming_jax.tuning.table import Entry, format_class, load_table, table_entries, table_key, table_path
-from pallas_kernels.gemm import triton
+from pallas_kernels.gemm import mosaic_fp8, triton
 
 __all__ = [
     "DEQUANTIZE_MIN_ROWS",
@@ -13,6 +13,7 @@ __all__ = [
     "candidates",
     "format_class",
     "heuristic_candidates",
+    "indexed_block_rows",
     "load_table",
     "rows_per_expert",
     "table_entries",
@@ -41,4 +42,14 @@ def candidates(
     if block_size is not None:
         entries = [for_block(t, block_size) if isinstance(t, triton.Tiles) else t for t in entries]
     rows = rows_per_expert(layout, valid_shape_m, num_experts)
-    return entries + heuristic_candidates(rows, n, k, fmt, block_size, half_bits, input_dtype, num_experts)
+    return entries + heuristic_candidates(
+        rows, n, k, fmt, block_size, half_bits, input_dtype, num_experts, indexed=layout == "indexed"
+    )
+
+
+def indexed_block_rows(listed: list) -> int | None:
+    """The rows of the first of ``listed`` whose kernel runs an indexed layout
+    one tile a block (the Triton tile, the fp8 Mosaic kernel): the layout's
+    alignment block (None if none does)."""
+    rows = [t.block_m for t in listed if isinstance(t, (triton.Tiles, mosaic_fp8.Tiles))]
+    return rows[0] if rows else None

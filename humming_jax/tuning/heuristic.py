@@ -25,6 +25,15 @@ FP8_MOSAIC_MIN_ROWS = 128
 # per product) from MX_SQUARE_MIN_ROWS.
 MX_MOSAIC_MIN_ROWS = 32
 MX_SQUARE_MIN_ROWS = 128
+# Indexed layouts on the fp8 Mosaic kernel (rows gathered, each result row stored to its
+# slot by a one-row TMA box): W4A8 from MX_SQUARE_MIN_ROWS rows an expert; W8A8, whose
+# Triton tile is faster, only where K is long enough to hide the row stores.
+FP8_INDEXED_MIN_ROWS = 512
+FP8_INDEXED_MIN_K = 4096
+# MXFP4 weights with bf16 inputs: the 16-bit Mosaic kernel decodes the planar codes itself
+# (the table's int4 prefill tile) from this many rows an expert.
+MX_BF16_MOSAIC_MIN_ROWS = 128
+MX_BF16_MOSAIC = mosaic.Tiles(128, 256, 128, stages=3, group_m=8, swap_ab=True, word_decode=True, cluster_n=2)
 
 
 def rows_per_expert(layout: str, valid_shape_m: int, num_experts: int) -> int:
@@ -90,7 +99,11 @@ def quantized_input_tiles(rows: int, n: int, k: int, fmt_class: str) -> triton.T
     four_bit = weight_class in ("4bit", "fp4")
     float_product = fmt_class == "4bit-a8"  # integer codes x e4m3/e5m2 on 8-bit operands
     if four_bit and block_m < (32 if float_product else 64):
-        return _four_bit_tiles(block_m, cap_n, cap_k, 1, weight_class)
+        tiles = _four_bit_tiles(block_m, cap_n, cap_k, 1, weight_class)
+        # 16 rows with e4m3/e5m2 inputs: the input multiplied out to bf16 first (a few rows),
+        # then the weight-only product, with no promotion per input-scale span.
+        float_input = fmt_class.endswith("-a8")
+        return dataclasses.replace(tiles, dequantize_input=True) if float_input and block_m == 16 else tiles
     if block_m < 32:
         return triton.Tiles(block_m, min(64, cap_n), min(256, cap_k), 4, 3)
     pairs = dict(word_decode=True, pair_decode=True)
@@ -119,6 +132,20 @@ def for_block(tiles: triton.Tiles, block_size: int) -> triton.Tiles:
     )
 
 
+def indexed_fp8_tiles(fmt_class: str, rows: int, k: int, block_size: int | None) -> list:
+    """The fp8 Mosaic kernel's tiling for an indexed layout (a tile is one
+    block: ``block_size`` rows, None: its choice), or none: W4A8 from
+    :data:`MX_SQUARE_MIN_ROWS` rows an expert (128-row blocks, 64-row ones as
+    64 x 256); W8A8 from :data:`FP8_INDEXED_MIN_ROWS` with K of at least
+    :data:`FP8_INDEXED_MIN_K` (64-row blocks)."""
+    if fmt_class == "fp4-a8" and rows >= MX_SQUARE_MIN_ROWS and block_size in (None, 64, 128):
+        wide = block_size == 64
+        return [mosaic_fp8.Tiles(64 if wide else 128, 256 if wide else 128, stages=4, group_m=8)]
+    if fmt_class == "8bit-a8" and rows >= FP8_INDEXED_MIN_ROWS and k >= FP8_INDEXED_MIN_K and block_size in (None, 64):
+        return [mosaic_fp8.Tiles(64, 256, stages=4, group_m=8)]
+    return []
+
+
 def heuristic_candidates(
     rows: int,
     n: int,
@@ -128,27 +155,36 @@ def heuristic_candidates(
     half_bits: bool = False,
     input_dtype: str | None = None,
     num_experts: int = 1,
+    indexed: bool = False,
 ) -> list:
     """In order: the Mosaic kernel after a dequantize pass (4-bit integer
     weights it does not decode itself — K order, float zero points, other
     groups —, at least :data:`DEQUANTIZE_MIN_ROWS` rows an expert; its
     ``supports`` refuses what it cannot take), or the fp8 Mosaic kernel (8-bit
     weights with e4m3/e5m2 inputs, :data:`FP8_MOSAIC_MIN_ROWS`; planar MXFP4
-    weights with them, :data:`MX_MOSAIC_MIN_ROWS`), then the
-    Triton tile (which takes every call). ``block_size``: an indexed layout's block. ``half_bits``:
-    weights the Triton decoder reads as nibble pairs only. ``input_dtype``: a
-    quantized input's values (:func:`quantized_input_tiles`). ``num_experts``:
-    the weight's experts (its size)."""
+    weights with them, :data:`MX_MOSAIC_MIN_ROWS`; indexed layouts:
+    :func:`indexed_fp8_tiles`), or the 16-bit Mosaic kernel decoding planar
+    MXFP4 (:data:`MX_BF16_MOSAIC_MIN_ROWS`), then the Triton tile (which takes
+    every call). ``block_size``: an indexed layout's block (None with
+    ``indexed``: the block is to be chosen from the first candidate).
+    ``half_bits``: weights the Triton decoder reads as nibble pairs only.
+    ``input_dtype``: a quantized input's values (:func:`quantized_input_tiles`).
+    ``num_experts``: the weight's experts (its size)."""
     fmt_class = format_class(fmt, input_dtype)
+    indexed = indexed or block_size is not None
     found = []
-    if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and block_size is None:
+    if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and not indexed:
         found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
+    if fmt_class == "fp4" and rows >= MX_BF16_MOSAIC_MIN_ROWS and not indexed:
+        found.append(MX_BF16_MOSAIC)
     byte_pairs = triton.offsets_wrap(num_experts * n * k, 1)
-    if fmt_class == "8bit-a8" and (rows >= FP8_MOSAIC_MIN_ROWS or byte_pairs) and block_size is None:
+    if fmt_class == "8bit-a8" and (rows >= FP8_MOSAIC_MIN_ROWS or byte_pairs) and not indexed:
         found.append(mosaic_fp8.Tiles(64, 256, stages=4, group_m=8))
-    if fmt_class == "fp4-a8" and rows >= MX_MOSAIC_MIN_ROWS and block_size is None:
+    if fmt_class == "fp4-a8" and rows >= MX_MOSAIC_MIN_ROWS and not indexed:
         square = rows >= MX_SQUARE_MIN_ROWS
         found.append(mosaic_fp8.Tiles(128 if square else 64, 128 if square else 256, stages=4, group_m=8))
+    if indexed:
+        found += indexed_fp8_tiles(fmt_class, rows, k, block_size)
     if input_dtype is None:
         tiles = triton_tiles(rows, n, k, fmt_class)
     else:

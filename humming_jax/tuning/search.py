@@ -37,6 +37,9 @@ DECODE = (
     _t(16, 64, 256, 4, 3, split_k=4, **_SWAP_PAIRS),
     _t(16, 64, 256, 4, 3, split_k=8, **_SWAP_PAIRS),
     _t(16, 256, 256, 8, 3, **_PAIRS),
+    # Scaled inputs multiplied out to bf16 first: the weight-only tiles (refused for 16-bit inputs).
+    _t(16, 128, 256, 4, 3, dequantize_input=True, **_PAIRS),
+    _t(16, 64, 256, 4, 3, dequantize_input=True, **_SWAP_PAIRS),
 )
 # Experts of 17-32 rows on average: one 64-row tile decodes the weight once.
 MID = (

@@ -30,6 +30,9 @@ from jax.extend.mlir.dialects import arith, vector
 
 from pallas_kernels import word_decode
 from pallas_kernels.gemm.spec import GemmCall, WeightSpec, check_positive, tile_order
+
+# Folded e2m1 weights are the true ones times 2**-E2M1_FOLDED_EXPONENT, the sum multiplied back.
+from pallas_kernels.gemm.triton import E2M1_FOLDED_EXPONENT
 from pallas_kernels.word_decode import MAGIC  # (pattern, base): pattern | q is the float base + q
 
 # Compute warpgroups of a program. Not 4: JAX 0.11.2's warp-specialized pipeline then
@@ -89,6 +92,7 @@ class Tiles:
 UNIT = 128  # columns of one planar unit: a K step of the 4-bit path
 PIECES = 4  # a unit's 16-bit half h holds columns h + 32 j at bits 4j..4j+3
 PIECE = UNIT // PIECES
+E2M1_UNIT = 32  # planar unit of e2m1 codes with group-32 scales: a decoded piece
 STAGE_SLOTS = 2  # staged 4-bit path: decoded pieces in shared memory per compute warpgroup
 
 
@@ -100,11 +104,21 @@ class NibbleDecode:
     K/128 groups; per-channel scales repeated G times: a pipelined input
     follows the K step), and either a constant code offset
     (``code_offset``: int4's 8) or per-group zero points ``[E, G, N]`` in the
-    compute dtype (``zero_points``: uint4)."""
+    compute dtype (``zero_points``: uint4). ``e2m1``: MXFP4 codes instead
+    (planar units of 32 columns, one group each; ``half_bits``: the pair
+    decoder's bit order), each unit times its factor ``[E, K/32, N]`` (bf16
+    ``2**(s - 183)``: the weight times ``2**-E2M1_FOLDED_EXPONENT``, the sum
+    multiplied back)."""
 
     groups: int
     code_offset: int = 8
     zero_points: bool = False
+    e2m1: bool = False
+    half_bits: bool = False
+
+    @property
+    def group_columns(self) -> int:
+        return E2M1_UNIT if self.e2m1 else UNIT
 
 
 def tiles_refusal(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | None = None) -> str | None:
@@ -138,8 +152,10 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | No
             return f"block_k={tiles.block_k} with 4-bit weights (one planar unit: {UNIT})"
         if jnp.dtype(dtype).name not in MAGIC:
             return f"{jnp.dtype(dtype)} inputs with 4-bit weights (bf16 or f16)"
-        if decode.groups != k // UNIT:
-            return f"{decode.groups} scale groups over K={k} (a scale per {UNIT} columns, per-channel ones repeated)"
+        if decode.groups != k // decode.group_columns:
+            return f"{decode.groups} scale groups over K={k} (a scale per {decode.group_columns} columns)"
+        if decode.e2m1 and jnp.dtype(dtype) != jnp.bfloat16:
+            return f"{jnp.dtype(dtype)} inputs with e2m1 weights (bf16: the folded weight's exponent range)"
     return None
 
 
@@ -162,6 +178,8 @@ def swap_ab_refusal(out_dtype, interpret: bool) -> str | None:
 def decode_refusal(w: WeightSpec, x_dtype: str) -> str | None:
     """Why the kernel cannot decode this quantized weight itself (None if it can)."""
     name = f"{w.value_type} weights"
+    if w.value_type == "float4_e2m1":
+        return e2m1_refusal(w, x_dtype)
     if w.value_type not in ("int4", "uint4") or w.zero_point == "float":
         return f"{name} (int4, or uint4 with integer zero points; others through dequantize_first)"
     if not (w.scale == "channel" or (w.scale == "group" and w.group_size == UNIT)) or w.global_scale != "none":
@@ -172,6 +190,18 @@ def decode_refusal(w: WeightSpec, x_dtype: str) -> str | None:
         return f"{w.scale_type} scales with {x_dtype} inputs (scales in the input dtype)"
     if w.has_group_index:
         return "a group index (act order)"
+    return None
+
+
+def e2m1_refusal(w: WeightSpec, x_dtype: str) -> str | None:
+    """Why the kernel cannot decode this e2m1 weight (None if it can: MXFP4,
+    planar, with bf16 inputs)."""
+    if (w.scale, w.scale_type, w.group_size) != ("group", "e8m0", E2M1_UNIT) or w.global_scale != "none":
+        return f"e2m1 weights with {w.scale} {w.scale_type} scales of {w.group_size} (MXFP4: e8m0 per {E2M1_UNIT})"
+    if w.nibble_unit != E2M1_UNIT:
+        return f"MXFP4 codes in K order (the planar order of {E2M1_UNIT}-column units: to_planar)"
+    if x_dtype != "bfloat16":
+        return f"MXFP4 weights with {x_dtype} inputs (bf16)"
     return None
 
 
@@ -200,7 +230,8 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         reason = decode_refusal(w, call.x_dtype)
         if reason:
             return reason
-        decode = NibbleDecode(w.k // UNIT)
+        e2m1 = w.value_type == "float4_e2m1"
+        decode = NibbleDecode(w.k // (E2M1_UNIT if e2m1 else UNIT), e2m1=e2m1, half_bits=w.half_bits)
     elif w.value_type != call.x_dtype:
         return f"{w.value_type} weights with {call.x_dtype} inputs (the same 16-bit dtype)"
     if tiles.dequantize_first and not call.weight.quantized:
@@ -302,11 +333,27 @@ def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
         size //= 2
 
 
-def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False):
+def store_slots(o_smem, o_gmem_cols, dest, first_row, rows, m_out: int):
+    """Row ``r < rows`` of the shared tile ``o_smem`` to gmem row
+    ``dest[first_row + r]`` (one-row TMA boxes; a destination of ``m_out`` or
+    more, padding, is skipped)."""
+
+    @pl.loop(0, rows)
+    def _(r):
+        row = dest[first_row + r]
+
+        @pl.when(row < m_out)
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r, 1)], o_gmem_cols.at[pl.ds(row, 1)])
+
+
+def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False, dest=None):
     """A compute warpgroup's ``[wg_m, wg_n]`` result (``transposed``: given as
     ``[wg_n, wg_m]``) into ``o_gmem``'s columns from ``first_col`` through its
     ``[wg_m, EPILOGUE_COLUMNS]`` shared slot, a chunk of columns at a time;
-    ``row_span = (first_row, offset, rows)``: its own rows only (store_rows)."""
+    ``row_span = (first_row, offset, rows)``: its own rows only (store_rows),
+    or with ``dest`` (the rows' destinations, int32 gmem) each row to its own
+    (store_slots, ``offset`` 0)."""
     first_row, offset, rows = row_span
     wg_m, wg_n = (acc.shape[1], acc.shape[0]) if transposed else acc.shape
     for chunk in range(wg_n // EPILOGUE_COLUMNS):
@@ -318,7 +365,10 @@ def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False)
             slot[...] = acc[:, columns]
         plgpu.commit_smem()
         cols = o_gmem.at[:, pl.ds(first_col + chunk * EPILOGUE_COLUMNS, EPILOGUE_COLUMNS)]
-        store_rows(slot, cols, first_row, offset, rows, wg_m)
+        if dest is None:
+            store_rows(slot, cols, first_row, offset, rows, wg_m)
+        else:
+            store_slots(slot, cols, dest, first_row, rows, o_gmem.shape[0])
 
 
 def k_pipeline(step, context, *, steps: int, in_specs, stages: int):
@@ -392,9 +442,6 @@ def _decode_piece(codes, piece: int, offset, scale, dtype, words: bool = False):
     ``uint16 [rows, 32]``: ``(magic + q - offset) * scale`` in ``dtype`` (the
     subtraction exact, the product rounded once)."""
     return (_nibble_floats(codes, piece, dtype, words) - offset) * scale
-
-
-E2M1_UNIT = 32  # planar unit of e2m1 codes with group-32 scales: a decoded piece
 
 
 def e2m1_piece(codes, unit: int, bits: tuple, dtype, interpret: bool):
@@ -534,7 +581,8 @@ def _kernel(
                 for j in range(PIECES)
             ),
             plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i)),
-            *(plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
+            # a step's scale (and zero point) row, or its 4 units' e2m1 factor rows
+            *(plgpu.BlockSpec((PIECES if decode.e2m1 else 1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
         ]
 
     pipeline = functools.partial(k_pipeline, steps=k // bk, in_specs=in_specs, stages=tiles.stages)
@@ -592,6 +640,8 @@ def _kernel(
                 def _(acc_ref):
                     run(acc_ref)
                     acc = acc_ref[...]
+                    if decoding and decode.e2m1:  # the folded weight's factor
+                        acc = acc * 2.0**E2M1_FOLDED_EXPONENT
                     if has_bias:  # the expert's [wg_n] bias, broadcast over the rows
                         bias_ref = bias_gmem.at[group, pl.ds(wg_cols, wg_n)]
                         layout = plgpu.Layout.WGMMA.reduce(1 if swap else 0)
@@ -607,22 +657,37 @@ def _kernel(
             def decode_step(indices, *refs):
                 x_pieces, codes_smem, quant, acc_ref = refs[:PIECES], refs[PIECES], refs[PIECES + 1 : -1], refs[-1]
                 codes = codes_smem[wg_slice]
-                scale = quant[0][0, wg_slice][:, None]
-                if decode.zero_points:
-                    code_offset = quant[1][0, wg_slice][:, None]
+                if decode.e2m1:
+                    bits = word_decode.E2M1_HALF_BITS if decode.half_bits else word_decode.NIBBLE_BITS
+
+                    def piece_values(piece):  # unit `piece`: e2m1 x 2**-6 times its factor
+                        factor = quant[0][piece, wg_slice][:, None]
+                        if interpret:  # exact in f32, rounded once (the factors are powers of two)
+                            return (e2m1_piece(codes, piece, bits, dtype, True) * factor.astype(jnp.float32)).astype(
+                                dtype
+                            )
+                        return e2m1_piece(codes, piece, bits, dtype, False) * factor
+
                 else:
-                    code_offset = jnp.asarray(MAGIC[jnp.dtype(dtype).name][1] + decode.code_offset, dtype)
+                    scale = quant[0][0, wg_slice][:, None]
+                    if decode.zero_points:
+                        code_offset = quant[1][0, wg_slice][:, None]
+                    else:
+                        code_offset = jnp.asarray(MAGIC[jnp.dtype(dtype).name][1] + decode.code_offset, dtype)
+
+                    def piece_values(piece):
+                        return _decode_piece(codes, piece, code_offset, scale, dtype, words)
+
                 if swap:  # out.T += w_piece @ x_piece.T, the decoded piece as the register operand
                     for piece in range(PIECES):
-                        w_piece = _decode_piece(codes, piece, code_offset, scale, dtype, words)
-                        plgpu.wgmma(acc_ref, w_piece, x_pieces[piece].transpose((1, 0)))
+                        plgpu.wgmma(acc_ref, piece_values(piece), x_pieces[piece].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
                     return acc_ref
                 for piece in range(PIECES):
                     slot = stage.at[wg, piece % STAGE_SLOTS]
                     if piece >= STAGE_SLOTS:
                         plgpu.wgmma_wait(1)  # the product that read this slot (piece - 2) is done
-                    slot[...] = _decode_piece(codes, piece, code_offset, scale, dtype, words)
+                    slot[...] = piece_values(piece)
                     plgpu.commit_smem()
                     plgpu.wgmma(acc_ref, x_pieces[piece], slot.transpose((1, 0)))
                 plgpu.wgmma_wait(0)
@@ -674,6 +739,8 @@ def expert_gemm_mosaic(
     if decode is not None:
         want = (num_experts, decode.groups, n)
         quant = (scales,) + ((zero_points,) if decode.zero_points else ())
+        if decode.e2m1 and decode.zero_points:
+            raise ValueError("mosaic GEMM: e2m1 codes take no zero points")
         if weight.shape != (num_experts, n, k // PIECES) or weight.dtype != jnp.uint16:
             raise ValueError(
                 f"mosaic GEMM: 4-bit codes must be uint16 {(num_experts, n, k // PIECES)}, got "
@@ -722,11 +789,17 @@ def _nibble_operands(w: WeightSpec, weight_arrays: tuple[jax.Array, ...], dtype)
     """A planar 4-bit weight's stored parts (packed codes ``uint8 [E, N, K/2]``,
     scales ``[E, N, G]`` or ``[E, N, 1]``, packed integer zero points) as the
     kernel reads them: codes ``uint16 [E, N, K/4]``, scales (and code offsets
-    ``magic + zero``) ``[E, K/128, N]`` in ``dtype``, and the decode spec."""
+    ``magic + zero``) ``[E, K/128, N]`` in ``dtype`` — MXFP4: its factors
+    ``[E, K/32, N]`` (bf16, NaN for an e8m0 byte 255) —, and the decode spec."""
     values, scale = weight_arrays[:2]
     e, n, k = w.num_experts, w.n, w.k
-    groups = k // UNIT
     codes = lax.bitcast_convert_type(values.reshape(e, n, k // 4, 2), jnp.uint16)
+    if w.value_type == "float4_e2m1":  # a unit's factor 2**(s - 127 - E2M1_FOLDED_EXPONENT) / 2**-6
+        raw = jnp.swapaxes(scale.astype(jnp.int32), 1, 2)
+        factors = power_of_two(raw - 127 - E2M1_FOLDED_EXPONENT + 6, jnp.bfloat16)
+        factors = jnp.where(raw == 255, jnp.nan, factors).astype(jnp.bfloat16)
+        return codes, factors, None, NibbleDecode(k // E2M1_UNIT, e2m1=True, half_bits=w.half_bits)
+    groups = k // UNIT
     scales = jnp.broadcast_to(jnp.swapaxes(scale, 1, 2), (e, groups, n)).astype(dtype)
     zero_points = None
     if w.zero_point == "int":  # byte j holds group 2j in its low nibble, 2j + 1 in its high one

@@ -13,7 +13,9 @@ e2m1 times 2**(6 - gap) in e4m3 (gap: the step's largest scale byte of the
 column less the group's; exact up to a gap of 14), the step's product times
 2**(largest - 133) per column (:func:`mx_operands`). Layouts ``dense``,
 ``grouped_contiguous`` and ``grouped_masked``, cut into row tiles as the
-16-bit kernel's (:func:`mosaic.row_tile_table`). Tiling :class:`Tiles`; what it cannot take :func:`supports`. Notes:
+16-bit kernel's (:func:`mosaic.row_tile_table`); ``indexed`` through its rows
+gathered in block order, one tile a block, each result row stored to its
+slot. Tiling :class:`Tiles`; what it cannot take :func:`supports`. Notes:
 benchmarks/notes/quantized_input.md.
 """
 
@@ -156,7 +158,10 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if not call.interpret and not mosaic.hopper_gpu():
         return f"this device ({jax.devices()[0].device_kind}: the kernel needs a Hopper GPU, sm_90)"
     if call.layout.kind == "indexed":
-        return "the indexed layout (TMA cannot gather rows)"
+        if call.layout.block_size != tiles.block_m:
+            return f"an indexed block_size of {call.layout.block_size} with block_m={tiles.block_m} (a tile is a block)"
+        if not call.layout.lists_dropped:
+            return "an indexed layout that does not list its dropped slots (its rows are stored slot by slot)"
     if call.use_f16_accum:
         return "f16 accumulation"
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
@@ -176,11 +181,13 @@ def _kernel(
     num_experts: int,
     row_tiles: int,
     has_bias: bool,
+    has_dest: bool,
     interpret: bool,
 ):
     # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the step scales
     # [E, K/128, N] and the first of rest the pieces' factors [E, K/32, N] (mx_operands).
     factor_gmem = rest[0] if scaling.mx else None
+    dest_gmem = rest[int(scaling.mx)] if has_dest else None  # an indexed layout's slots, in block order
     bias_gmem = rest[-2] if has_bias else None
     o_gmem = rest[-1]
     k = x_gmem.shape[1]
@@ -243,7 +250,7 @@ def _kernel(
             wg_cols = col_tile * tiles.block_n + wg * wg_n
 
             def store(acc):
-                mosaic.store_tile(acc, o_smem.at[wg], o_gmem, wg_cols, (first_row, offset, rows))
+                mosaic.store_tile(acc, o_smem.at[wg], o_gmem, wg_cols, (first_row, offset, rows), dest=dest_gmem)
 
             def epilogue(acc):
                 """The sum times the scales that do not change along K, plus the bias."""
@@ -395,6 +402,9 @@ def expert_gemm_fp8(
     counts: jax.Array | None = None,
     bias: jax.Array | None = None,
     interpret: bool = False,
+    table: jax.Array | None = None,
+    dest: jax.Array | None = None,
+    out_rows: int | None = None,
 ) -> jax.Array:
     """``x [M, K]`` (e4m3 / e5m2) times ``x_scale`` (``[M, K/128]``, ``[M, 1]``
     or ``[1]`` f32, as ``scaling.x``) by the e4m3 ``weight [E, N, K]`` times
@@ -405,7 +415,11 @@ def expert_gemm_fp8(
     ``[offsets[e], offsets[e+1])`` holds it (``offsets`` None: dense; with
     ``counts [E]``: grouped-masked, expert e's first ``counts[e]`` of its
     ``M / E`` rows); rows outside every range are zero. ``bias [E, N]`` is
-    added in f32."""
+    added in f32. ``table``: the row tiles given (:func:`block_table`) in
+    place of the ranges; ``dest`` (int32 ``[M]``, with ``table``): row r of
+    the result goes to row ``dest[r]`` of an ``[out_rows, N]`` output, or
+    nowhere if ``dest[r] >= out_rows`` (rows no ``dest`` names are not
+    written)."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     reason = tiles_refusal(tiles, n, k, scaling)
@@ -427,8 +441,9 @@ def expert_gemm_fp8(
     x_scale, w_scale = _flat_scales(scaling, x_scale, w_scale, padded, m, k)
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
-    starts, ends = mosaic.row_ranges(offsets, counts, m, num_experts)
-    table = mosaic.row_tile_table(starts, ends, num_experts, m, tiles.block_m)
+    if table is None:
+        starts, ends = mosaic.row_ranges(offsets, counts, m, num_experts)
+        table = mosaic.row_tile_table(starts, ends, num_experts, m, tiles.block_m)
     if bias is not None and bias.shape != (num_experts, n):
         raise ValueError(f"mosaic_fp8 GEMM: bias must be [E, N] = {(num_experts, n)}, got {bias.shape}")
     body = functools.partial(
@@ -438,11 +453,12 @@ def expert_gemm_fp8(
         num_experts=num_experts,
         row_tiles=table.shape[0],
         has_bias=bias is not None,
+        has_dest=dest is not None,
         interpret=interpret,
     )
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((m if dest is None else out_rows, n), out_dtype),
         grid=(mosaic.persistent_programs(interpret),),
         grid_names=("sm",),
         num_threads=mosaic.COMPUTE_WGS + 1,
@@ -450,19 +466,68 @@ def expert_gemm_fp8(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
+    if dest is not None:
+        if table is None or dest.shape != (m,) or out_rows is None:
+            raise ValueError(f"mosaic_fp8 GEMM: dest needs a table, out_rows and [M]={m} rows, got {dest.shape}")
+        extra += (dest.astype(jnp.int32),)
     return kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
+
+
+def block_table(expert_ids: jax.Array, num_tokens_padded: jax.Array, num_experts: int, block_size: int) -> jax.Array:
+    """The row tiles of an indexed layout's blocks gathered in order (one tile
+    a block: ``(expert, b * block_size, b * block_size, block_size)``); a
+    block past ``num_tokens_padded`` or of no expert (−1, or past E) stores
+    zeros (group E)."""
+    blocks = expert_ids.shape[0]
+    start = jnp.arange(blocks, dtype=jnp.int32) * block_size
+    expert = expert_ids.astype(jnp.int32)
+    live = (start < num_tokens_padded.reshape(-1)[0]) & (expert >= 0) & (expert < num_experts)
+    rows = jnp.full((blocks,), block_size, jnp.int32)
+    return jnp.stack([jnp.where(live, expert, num_experts), start, start, rows], axis=1)
+
+
+def _indexed(call: GemmCall, tiles: Tiles, x, x_scale, weight_arrays, bias, route_arrays, scaling: Scaling):
+    """The indexed layout through gathered rows: slot s's input row ``s // top_k``
+    (and its scale) copied in block order (padding reads the last row), one
+    tile a block, each result row stored to its slot by the epilogue
+    (padding skipped). Every output row is a listed slot (``lists_dropped``):
+    the dropped ones, in dead blocks, get zeros."""
+    layout = call.layout
+    sorted_ids, expert_ids, num_tokens_padded = route_arrays
+    length = expert_ids.shape[0] * layout.block_size
+    slots = jnp.pad(sorted_ids.astype(jnp.int32), (0, length - sorted_ids.shape[0]), constant_values=layout.m_out)
+    rows = jnp.clip(slots // layout.top_k, 0, x.shape[0] - 1)
+    if scaling.x != "tensor":
+        x_scale = jnp.take(x_scale, rows, axis=0)
+    return expert_gemm_fp8(
+        jnp.take(x, rows, axis=0),
+        x_scale,
+        weight_arrays[0],
+        weight_arrays[1],
+        None,
+        tiles,
+        scaling,
+        out_dtype=jnp.dtype(call.out_dtype),
+        bias=bias,
+        interpret=call.interpret,
+        table=block_table(expert_ids, num_tokens_padded, call.weight.num_experts, layout.block_size),
+        dest=slots,
+        out_rows=layout.m_out,
+    )
 
 
 def expert_gemm(
     call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias, route_arrays, x_scale: jax.Array | None = None
 ) -> jax.Array:
-    """The family's entry point (as ``triton.expert_gemm``): ``[M, N]`` in
+    """The family's entry point (as ``triton.expert_gemm``): ``[m_out, N]`` in
     ``call.out_dtype``; ``weight_arrays = (e4m3 values, f32 scale)`` or
     MXFP4's (planar codes, e8m0 scales), ``route_arrays`` the layout's
-    (offsets | counts | none)."""
+    (offsets | counts | sorted_ids, expert_ids, num_tokens_padded | none)."""
     if x_scale is None:
         raise ValueError("mosaic_fp8.expert_gemm: x_scale: the kernel takes scaled 8-bit inputs")
-    layout = call.layout
+    layout, scaling = call.layout, scaling_of(call)
+    if layout.kind == "indexed":
+        return _indexed(call, tiles, x, x_scale, weight_arrays, bias, route_arrays, scaling)
     offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
     counts = route_arrays[0] if layout.kind == "grouped_masked" else None
     return expert_gemm_fp8(
@@ -472,7 +537,7 @@ def expert_gemm(
         weight_arrays[1],
         offsets,
         tiles,
-        scaling_of(call),
+        scaling,
         out_dtype=jnp.dtype(call.out_dtype),
         counts=counts,
         bias=bias,

@@ -62,6 +62,10 @@ class Tiles:
     # Word-decoded pieces pair nibbles j and j+4 of a word as consecutive K (4
     # pieces of span/4 columns): each decoded register is an MMA k-pair as it is.
     pair_decode: bool = False
+    # A scaled input (fp8, int8, fp4 values with their scales) is multiplied out to bf16
+    # (one rounding an element) by the op before this kernel, which then runs the
+    # weight-only product: at decode, no promotion per input-scale span.
+    dequantize_input: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "num_warps", "split_k"):
@@ -95,6 +99,10 @@ X_SHIFT = {"float8_e4m3fn": 8, "float8_e5m2": 15, "int8": 7}  # shifted, each dt
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
     """Why this kernel cannot run ``call`` with ``tiles`` (None if it can)."""
+    if tiles.dequantize_input:
+        if call.input_quant == "none":
+            return "dequantize_input with an unquantized input (nothing to dequantize)"
+        call = dequantized_input_call(call)
     w, layout, xs = call.weight, call.layout, call.x_scale
     if call.x_dtype not in FLOAT_INPUTS + QUANTIZED_INPUTS:
         return f"{call.x_dtype} inputs (bfloat16, float16, or e4m3/e5m2/int8 values with a scale)"
@@ -131,6 +139,11 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if reads_byte_pairs(w) and w.k % 2:
         return f"8-bit weights of over 2**31 values with an odd K={w.k} (read as byte pairs)"
     return None
+
+
+def dequantized_input_call(call: GemmCall) -> GemmCall:
+    """The call as the kernel sees it after ``Tiles.dequantize_input``: bf16 inputs, no scale."""
+    return dataclasses.replace(call, x_dtype="bfloat16", input_quant="none", x_scale=XScale())
 
 
 def _sixteen_bits(call: GemmCall):
