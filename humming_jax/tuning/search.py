@@ -68,6 +68,8 @@ PREFILL = (
     mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True),
     mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True, word_decode=True),
     mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=2),
+    # 64-row tiles decoding the weight in the kernel, for experts of 33-127 rows.
+    mosaic.Tiles(64, 256, 128, stages=3, swap_ab=True, word_decode=True),
     mosaic_fp8.Tiles(64, 256, stages=4),
     mosaic_fp8.Tiles(64, 256, stages=4, group_m=1),
     mosaic_fp8.Tiles(128, 128, stages=4),
