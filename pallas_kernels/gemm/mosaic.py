@@ -785,6 +785,13 @@ def expert_gemm_mosaic(
     return kernel(table, x, weight, *quant, *extra)
 
 
+def planar_words(values: jax.Array) -> jax.Array:
+    """Packed planar 4-bit codes ``uint8 [E, N, K/2]`` as the 16-bit halves the
+    kernels decode: ``uint16 [E, N, K/4]``."""
+    e, n, half_k = values.shape
+    return lax.bitcast_convert_type(values.reshape(e, n, half_k // 2, 2), jnp.uint16)
+
+
 def _nibble_operands(w: WeightSpec, weight_arrays: tuple[jax.Array, ...], dtype):
     """A planar 4-bit weight's stored parts (packed codes ``uint8 [E, N, K/2]``,
     scales ``[E, N, G]`` or ``[E, N, 1]``, packed integer zero points) as the
@@ -793,7 +800,7 @@ def _nibble_operands(w: WeightSpec, weight_arrays: tuple[jax.Array, ...], dtype)
     ``[E, K/32, N]`` (bf16, NaN for an e8m0 byte 255) —, and the decode spec."""
     values, scale = weight_arrays[:2]
     e, n, k = w.num_experts, w.n, w.k
-    codes = lax.bitcast_convert_type(values.reshape(e, n, k // 4, 2), jnp.uint16)
+    codes = planar_words(values)
     if w.value_type == "float4_e2m1":  # a unit's factor 2**(s - 127 - E2M1_FOLDED_EXPONENT) / 2**-6
         raw = jnp.swapaxes(scale.astype(jnp.int32), 1, 2)
         factors = power_of_two(raw - 127 - E2M1_FOLDED_EXPONENT + 6, jnp.bfloat16)

@@ -379,7 +379,7 @@ def mx_operands(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Arr
     ``2**(largest - 133)`` ``[E, K/128, N]`` (NaN where a byte is 255)."""
     e, n, half_k = values.shape
     k = 2 * half_k
-    codes = lax.bitcast_convert_type(values.reshape(e, n, k // 4, 2), jnp.uint16)
+    codes = mosaic.planar_words(values)
     raw = scale.astype(jnp.int32).reshape(e, n, k // BLOCK_K, PIECES)
     top = jnp.max(raw, axis=-1)
     gap = jnp.minimum(top[..., None] - raw, MAX_GAP)
@@ -486,10 +486,10 @@ def block_table(expert_ids: jax.Array, num_tokens_padded: jax.Array, num_experts
     return jnp.stack([jnp.where(live, expert, num_experts), start, start, rows], axis=1)
 
 
-def _indexed(call: GemmCall, tiles: Tiles, x, x_scale, weight_arrays, bias, route_arrays, scaling: Scaling):
-    """The indexed layout through gathered rows: slot s's input row ``s // top_k``
-    (and its scale) copied in block order (padding reads the last row), one
-    tile a block, each result row stored to its slot by the epilogue
+def _gathered(call: GemmCall, x, x_scale, route_arrays, scaling: Scaling):
+    """An indexed layout through gathered rows: slot s's input row ``s // top_k``
+    (and its scale) copied in block order (padding reads the last row), and the
+    routing that runs one tile a block and stores each result row to its slot
     (padding skipped). Every output row is a listed slot (``lists_dropped``):
     the dropped ones, in dead blocks, get zeros."""
     layout = call.layout
@@ -499,21 +499,8 @@ def _indexed(call: GemmCall, tiles: Tiles, x, x_scale, weight_arrays, bias, rout
     rows = jnp.clip(slots // layout.top_k, 0, x.shape[0] - 1)
     if scaling.x != "tensor":
         x_scale = jnp.take(x_scale, rows, axis=0)
-    return expert_gemm_fp8(
-        jnp.take(x, rows, axis=0),
-        x_scale,
-        weight_arrays[0],
-        weight_arrays[1],
-        None,
-        tiles,
-        scaling,
-        out_dtype=jnp.dtype(call.out_dtype),
-        bias=bias,
-        interpret=call.interpret,
-        table=block_table(expert_ids, num_tokens_padded, call.weight.num_experts, layout.block_size),
-        dest=slots,
-        out_rows=layout.m_out,
-    )
+    table = block_table(expert_ids, num_tokens_padded, call.weight.num_experts, layout.block_size)
+    return jnp.take(x, rows, axis=0), x_scale, dict(table=table, dest=slots, out_rows=layout.m_out)
 
 
 def expert_gemm(
@@ -526,10 +513,10 @@ def expert_gemm(
     if x_scale is None:
         raise ValueError("mosaic_fp8.expert_gemm: x_scale: the kernel takes scaled 8-bit inputs")
     layout, scaling = call.layout, scaling_of(call)
-    if layout.kind == "indexed":
-        return _indexed(call, tiles, x, x_scale, weight_arrays, bias, route_arrays, scaling)
     offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
-    counts = route_arrays[0] if layout.kind == "grouped_masked" else None
+    routing = dict(counts=route_arrays[0]) if layout.kind == "grouped_masked" else {}
+    if layout.kind == "indexed":
+        x, x_scale, routing = _gathered(call, x, x_scale, route_arrays, scaling)
     return expert_gemm_fp8(
         x,
         x_scale,
@@ -539,7 +526,7 @@ def expert_gemm(
         tiles,
         scaling,
         out_dtype=jnp.dtype(call.out_dtype),
-        counts=counts,
         bias=bias,
         interpret=call.interpret,
+        **routing,
     )
