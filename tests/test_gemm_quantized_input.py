@@ -25,6 +25,7 @@ import humming_jax as hj
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax.gemm import gemm_call, plan
+from pallas_kernels.gemm import mosaic
 from pallas_kernels.gemm import triton as kernel
 
 import gemm_layouts
@@ -72,8 +73,8 @@ PATHS = [
 ]
 
 
-def _weight(rng, fmt, e=E, k=K):
-    w = jnp.asarray(rng.normal(0, 0.05, (e, N, k)), jnp.float32)
+def _weight(rng, fmt, e=E, k=K, n=N):
+    w = jnp.asarray(rng.normal(0, 0.05, (e, n, k)), jnp.float32)
     return F.quantize_weight(w, fmt)
 
 
@@ -355,25 +356,39 @@ def test_eight_bit_weights_past_2_to_31_values_read_as_byte_pairs(fmt_name, quan
     jax.clear_caches()
 
 
+# The weight-only tiles an op runs after multiplying the input out: Triton's at
+# decode, the 16-bit Mosaic kernel's decoded MXFP4 at prefill (its interpreted
+# form: no register operand).
+TRITON_DEQUANTIZED = kernel.Tiles(16, 64, 128, 4, 3, word_decode=True, fold_scales=True, pair_decode=True)
+MOSAIC_DEQUANTIZED = mosaic.Tiles(64, 128, 128, stages=2, group_m=2)
+
+
 @pytest.mark.parametrize(
-    "fmt_name,quant_name,layout_kind",
+    "fmt_name,quant_name,layout_kind,tiles",
     [
-        ("mxfp4", "fp8_dynamic_group128", "grouped_contiguous"),  # the anchor's W4A8 at decode
-        pytest.param("int4_g128", "fp8_dynamic_token", "indexed", marks=FULL),
-        pytest.param("mxfp4", "mxfp4_dynamic", "grouped_contiguous", marks=FULL),  # e2m1 inputs
+        ("mxfp4", "fp8_dynamic_group128", "grouped_contiguous", TRITON_DEQUANTIZED),  # the anchor's W4A8 at decode
+        ("mxfp4", "fp8_dynamic_group128", "grouped_contiguous", MOSAIC_DEQUANTIZED),  # and at prefill
+        pytest.param("mxfp4", "fp8_dynamic_token", "grouped_masked", MOSAIC_DEQUANTIZED, marks=FULL),
+        pytest.param("int4_g128", "fp8_dynamic_token", "indexed", TRITON_DEQUANTIZED, marks=FULL),
+        pytest.param("mxfp4", "mxfp4_dynamic", "grouped_contiguous", TRITON_DEQUANTIZED, marks=FULL),  # e2m1 inputs
     ],
 )
-def test_input_dequantized_before_the_kernel(fmt_name, quant_name, layout_kind, rng):
+def test_input_dequantized_before_the_kernel(fmt_name, quant_name, layout_kind, tiles, rng):
     """``Tiles.dequantize_input``: the op multiplies the input's values by its
     scales into bf16 (one rounding an element) and runs the weight-only tile:
     the product of the weight with that bf16 input, against float64 NumPy."""
-    weight = F.to_planar(_weight(rng, F.get_format(fmt_name)), half_bits=fmt_name == "mxfp4")
+    mosaic_kernel = isinstance(tiles, mosaic.Tiles)
+    # The Mosaic kernel reads MXFP4 as planar 32-column units; Triton's pair decoder as nibble pairs.
+    weight = _weight(rng, F.get_format(fmt_name), n=2 * N if mosaic_kernel else N)  # Mosaic: 128-column tiles
+    weight = F.to_planar(weight, half_bits=fmt_name == "mxfp4" and not mosaic_kernel)
     x = _input(rng, Q.get_input_spec(quant_name))
     layout = _layouts(rng)[layout_kind]
-    tiles = kernel.Tiles(16, 64, 128, 4, 3, word_decode=True, fold_scales=True, pair_decode=True)
     tiles = dataclasses.replace(tiles, dequantize_input=True)
     call = gemm_call(x, weight, layout, jnp.float32, interpret=True)
-    assert kernel.supports(tiles, call) is None
+    supports = mosaic.supports if mosaic_kernel else kernel.supports
+    assert supports(tiles, call) is None
+    if mosaic_kernel:  # without the field the 16-bit kernel refuses the scaled input
+        assert "quantized inputs" in supports(dataclasses.replace(tiles, dequantize_input=False), call)
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
     rounded = Q.dequantize_input(x).astype(jnp.bfloat16)
     exact = fmt_name == "mxfp4"  # e2m1 times e8m0 folds exactly; int4 codes times bf16 scales round once
@@ -428,3 +443,10 @@ def test_heuristic_choices_for_quantized_inputs():
     mx16 = T.candidates(grouped, F.MXFP4, 512 * 2, 8, 28672, 4096, half_bits=True)
     assert mx16[0] == heuristic.MX_BF16_MOSAIC
     assert T.candidates(grouped, F.MXFP4, 512 * 8, 128, 1536, 2048, half_bits=True)[0] != heuristic.MX_BF16_MOSAIC
+    # qwen3's W4A8 from 32 rows an expert (the table, quantized_input.md v19): the input multiplied
+    # out to bf16 for the weight-only tiles — Triton's 32-row tile, the 16-bit Mosaic kernel at prefill.
+    for k_in, n_out in ((2048, 1536), (768, 2048)):
+        mid = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 8, 128, n_out, k_in, half_bits=True)[0]
+        assert isinstance(mid, kernel.Tiles) and mid.block_m == 32 and mid.dequantize_input
+    prefill = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)[0]
+    assert prefill == dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)

@@ -40,6 +40,7 @@ DECODE = (
     # Scaled inputs multiplied out to bf16 first: the weight-only tiles (refused for 16-bit inputs).
     _t(16, 128, 256, 4, 3, dequantize_input=True, **_PAIRS),
     _t(16, 64, 256, 4, 3, dequantize_input=True, **_SWAP_PAIRS),
+    _t(32, 128, 256, 4, 3, dequantize_input=True, **_PAIRS),
 )
 # Experts of 17-32 rows on average: one 64-row tile decodes the weight once.
 MID = (
@@ -70,6 +71,8 @@ PREFILL = (
     mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=2),
     # 64-row tiles decoding the weight in the kernel, for experts of 33-127 rows.
     mosaic.Tiles(64, 256, 128, stages=3, swap_ab=True, word_decode=True),
+    # Scaled 8-bit inputs multiplied out to bf16 first, MXFP4 decoded on the 16-bit product.
+    mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=2, dequantize_input=True),
     mosaic_fp8.Tiles(64, 256, stages=4),
     mosaic_fp8.Tiles(64, 256, stages=4, group_m=1),
     mosaic_fp8.Tiles(128, 128, stages=4),

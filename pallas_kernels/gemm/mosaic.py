@@ -72,6 +72,10 @@ class Tiles:
     # kernel runs its 16-bit path (formats it does not decode itself; prefill only:
     # the pass reads every expert's weight).
     dequantize_first: bool = False
+    # A scaled 8-bit input is multiplied out to bf16 by the op before this kernel
+    # (one rounding an element), which then runs its 16-bit product: the decoded
+    # MXFP4 weight on bf16 wgmma instead of the fp8 kernel's staged one.
+    dequantize_input: bool = False
 
     def __post_init__(self):
         check_positive(self, ("block_m", "block_n", "block_k", "stages", "group_m"))
@@ -214,9 +218,13 @@ def hopper_gpu() -> bool:
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
     """Why this kernel cannot run ``call`` with ``tiles`` (None if it can)."""
+    if tiles.dequantize_input:
+        if call.input_quant == "none":
+            return "dequantize_input with an unquantized input (nothing to dequantize)"
+        call = call.with_dequantized_input()
     w, layout = call.weight, call.layout
     if call.input_quant != "none":
-        return f"quantized inputs ({call.input_quant}): the kernel takes 16-bit float inputs"
+        return f"quantized inputs ({call.input_quant}): the kernel takes 16-bit float inputs (or dequantize_input)"
     if not call.interpret and not hopper_gpu():
         return f"this device ({jax.devices()[0].device_kind}: the kernel needs a Hopper GPU, sm_90)"
     if layout.kind == "indexed":

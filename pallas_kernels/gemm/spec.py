@@ -96,6 +96,11 @@ class GemmCall:
     batch_invariant: bool = False
     interpret: bool = False
 
+    def with_dequantized_input(self) -> GemmCall:
+        """The call as a kernel sees it after its tiles' ``dequantize_input``
+        (the op multiplies the input out first): bf16 inputs, no scale."""
+        return dataclasses.replace(self, x_dtype="bfloat16", input_quant="none", x_scale=XScale())
+
 
 def check_positive(tiles, names: tuple[str, ...]) -> None:
     """Raise ``ValueError`` naming the first of ``names`` that is not a positive

@@ -102,7 +102,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if tiles.dequantize_input:
         if call.input_quant == "none":
             return "dequantize_input with an unquantized input (nothing to dequantize)"
-        call = dequantized_input_call(call)
+        call = call.with_dequantized_input()
     w, layout, xs = call.weight, call.layout, call.x_scale
     if call.x_dtype not in FLOAT_INPUTS + QUANTIZED_INPUTS:
         return f"{call.x_dtype} inputs (bfloat16, float16, or e4m3/e5m2/int8 values with a scale)"
@@ -139,11 +139,6 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if reads_byte_pairs(w) and w.k % 2:
         return f"8-bit weights of over 2**31 values with an odd K={w.k} (read as byte pairs)"
     return None
-
-
-def dequantized_input_call(call: GemmCall) -> GemmCall:
-    """The call as the kernel sees it after ``Tiles.dequantize_input``: bf16 inputs, no scale."""
-    return dataclasses.replace(call, x_dtype="bfloat16", input_quant="none", x_scale=XScale())
 
 
 def _sixteen_bits(call: GemmCall):
