@@ -58,9 +58,6 @@ class Tiles:
     block_n: int = 128
     stages: int = 4
     group_m: int = 8
-    # Indexed layouts: the results stored in block order by whole-tile TMA stores, then
-    # moved to their slots by one gather (XLA) — not a one-row store per slot.
-    gather_output: bool = False
 
     def __post_init__(self):
         check_positive(self, ("block_m", "block_n", "stages", "group_m"))
@@ -163,10 +160,8 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if call.layout.kind == "indexed":
         if call.layout.block_size != tiles.block_m:
             return f"an indexed block_size of {call.layout.block_size} with block_m={tiles.block_m} (a tile is a block)"
-        if not call.layout.lists_dropped and not tiles.gather_output:
+        if not call.layout.lists_dropped:
             return "an indexed layout that does not list its dropped slots (its rows are stored slot by slot)"
-    elif tiles.gather_output:
-        return f"gather_output with a {call.layout.kind} layout (indexed layouts only)"
     if call.use_f16_accum:
         return "f16 accumulation"
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
@@ -493,9 +488,10 @@ def block_table(expert_ids: jax.Array, num_tokens_padded: jax.Array, num_experts
 
 def _gathered(call: GemmCall, x, x_scale, route_arrays, scaling: Scaling):
     """An indexed layout through gathered rows: slot s's input row ``s // top_k``
-    (and its scale) copied in block order (padding reads the last row), the
-    table that runs one tile a block, and each block-order row's slot
-    (``layout.m_out`` for padding)."""
+    (and its scale) copied in block order (padding reads the last row), and the
+    routing that runs one tile a block and stores each result row to its slot
+    (padding skipped). Every output row is a listed slot (``lists_dropped``):
+    the dropped ones, in dead blocks, get zeros."""
     layout = call.layout
     sorted_ids, expert_ids, num_tokens_padded = route_arrays
     length = expert_ids.shape[0] * layout.block_size
@@ -504,16 +500,7 @@ def _gathered(call: GemmCall, x, x_scale, route_arrays, scaling: Scaling):
     if scaling.x != "tensor":
         x_scale = jnp.take(x_scale, rows, axis=0)
     table = block_table(expert_ids, num_tokens_padded, call.weight.num_experts, layout.block_size)
-    return jnp.take(x, rows, axis=0), x_scale, table, slots
-
-
-def to_slots(block_rows: jax.Array, slots: jax.Array, m_out: int) -> jax.Array:
-    """``[m_out, N]``: row s is the block-order row whose slot is s
-    (``block_rows [L, N]``, ``slots [L]``, a slot past ``m_out`` is padding);
-    slots no row names are zero."""
-    length = block_rows.shape[0]
-    source = jnp.full((m_out,), length, jnp.int32).at[slots].set(jnp.arange(length, dtype=jnp.int32), mode="drop")
-    return jnp.take(block_rows, source, axis=0, mode="fill", fill_value=0)
+    return jnp.take(x, rows, axis=0), x_scale, dict(table=table, dest=slots, out_rows=layout.m_out)
 
 
 def expert_gemm(
@@ -529,11 +516,8 @@ def expert_gemm(
     offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
     routing = dict(counts=route_arrays[0]) if layout.kind == "grouped_masked" else {}
     if layout.kind == "indexed":
-        # Every output row a listed slot (lists_dropped): the dropped ones, in dead blocks, get zeros;
-        # with gather_output the unlisted ones too.
-        x, x_scale, table, slots = _gathered(call, x, x_scale, route_arrays, scaling)
-        routing = dict(table=table) if tiles.gather_output else dict(table=table, dest=slots, out_rows=layout.m_out)
-    out = expert_gemm_fp8(
+        x, x_scale, routing = _gathered(call, x, x_scale, route_arrays, scaling)
+    return expert_gemm_fp8(
         x,
         x_scale,
         weight_arrays[0],
@@ -546,4 +530,3 @@ def expert_gemm(
         interpret=call.interpret,
         **routing,
     )
-    return to_slots(out, slots, layout.m_out) if layout.kind == "indexed" and tiles.gather_output else out
