@@ -26,6 +26,10 @@ from humming_jax.process_input import process_input
 from humming_jax.sharding import token_parallel
 
 DEFAULT_BLOCK_SIZE = 64  # an indexed layout's block where no tiling names one
+# Quantized inputs from this many rows an expert: the indexed pipeline (block left to it) runs
+# its layer on the grouped-contiguous layout, whose GEMMs beat the indexed ones there
+# (each indexed result row is stored to its slot; quantized_input.md, the 120-case bench).
+INDEXED_AS_GROUPED_MIN_ROWS = 32
 
 
 @jax.tree_util.register_dataclass
@@ -173,6 +177,15 @@ def indexed_block_size(num_tokens: int, top_k: int, config: ExpertsConfig) -> in
     return DEFAULT_BLOCK_SIZE if rows is None else rows
 
 
+def indexed_runs_grouped(num_tokens: int, top_k: int, config: ExpertsConfig) -> bool:
+    """Whether the indexed pipeline, its blocks left to it, runs the grouped
+    stages: quantized inputs from :data:`INDEXED_AS_GROUPED_MIN_ROWS` rows an
+    expert, not ``batch_invariant`` (one layout for every batch size)."""
+    rows = estimate_valid_shape_m(num_tokens, top_k, config) / max(config.num_experts, 1)
+    quantized = config.input_quant.is_quantized
+    return quantized and not config.batch_invariant and rows >= INDEXED_AS_GROUPED_MIN_ROWS
+
+
 def check_float_input(hidden_states, op: str) -> None:
     """Raise unless ``hidden_states`` are float activations: quantized values
     (fp8, int8 codes) come with their scale (``a1q_scale``), or they would be
@@ -261,16 +274,17 @@ def grouped_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[S
 
     def route(s):
         map_kwargs = _expert_map_kwargs(config, s["expert_map"])
+        topk_ids = _valid_token_ids(s["topk_ids"], s.get("num_valid_tokens"), config)
         if s.get("a1q_scale") is not None:
             permuted = routing.moe_permute(
-                s["hidden_states"], s["topk_ids"], a1q_scale=s["a1q_scale"], backend=backend, **map_kwargs
+                s["hidden_states"], topk_ids, a1q_scale=s["a1q_scale"], backend=backend, **map_kwargs
             )
             return dict(
                 offsets=permuted.expert_first_token_offset,
                 inv_perm=permuted.inv_permuted_idx,
                 permuted=(permuted.permuted_hidden_states, permuted.permuted_scale),
             )
-        offsets, scatter_idx = routing.moe_prepare_scatter(s["topk_ids"], backend=backend, **map_kwargs)
+        offsets, scatter_idx = routing.moe_prepare_scatter(topk_ids, backend=backend, **map_kwargs)
         return dict(offsets=offsets, scatter_idx=scatter_idx, inv_perm=scatter_idx.reshape(-1))
 
     def scatter_input(s):
@@ -315,6 +329,15 @@ def grouped_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[S
         Stage("w2", w2),
         Stage("combine", combine),
     )
+
+
+def _valid_token_ids(topk_ids: jax.Array, num_valid_tokens: jax.Array | None, config: ExpertsConfig) -> jax.Array:
+    """``topk_ids`` with the slots of tokens past ``num_valid_tokens`` (int32
+    ``[1]``; None: every token) on no expert (id E: dropped, zero output rows)."""
+    if num_valid_tokens is None:
+        return topk_ids
+    token = jnp.arange(topk_ids.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.where(token < num_valid_tokens.reshape(-1)[0], topk_ids, config.global_num_experts)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"))
@@ -382,7 +405,9 @@ def humming_indexed_experts(
     ``humming_indexed_experts``): align the slots into blocks of one expert,
     w13 reading ``[T, H]`` rows by index and writing ``[T·k, N13]``,
     activation and quantization, w2 (``top_k=1``, re-aligned when its block
-    size differs), fused weighted top-k sum. Jitted.
+    size differs), fused weighted top-k sum. Jitted. With quantized inputs
+    from 32 rows an expert and no block given, the layer runs on the grouped
+    layout instead (:func:`indexed_runs_grouped`: the same result, faster).
 
     Args:
         hidden_states: ``[T, H]`` activations, or pre-quantized values with ``a1q_scale``.
@@ -430,7 +455,27 @@ def indexed_stages(
     ``topk_weights``, ``topk_ids [T, k]``, ``expert_map``, ``a1q_scale`` and
     ``num_valid_tokens`` (each possibly None); the last adds ``out [T, H]``.
     ``block_size`` None: :func:`indexed_block_size`; ``w2_block_size`` None:
-    ``block_size`` (one alignment serves both GEMMs)."""
+    ``block_size`` (one alignment serves both GEMMs). With both None, a call
+    :func:`indexed_runs_grouped` takes runs the grouped stages instead (the
+    same result, the tokens past ``num_valid_tokens`` on no expert)."""
+    indexed = _indexed_layout_stages(config, block_size, w2_block_size, backend)
+    if block_size is not None or w2_block_size is not None:
+        return indexed
+
+    def either(grouped_stage: Stage, indexed_stage: Stage) -> Stage:
+        def run(s):
+            as_grouped = indexed_runs_grouped(*s["topk_ids"].shape, config)
+            return (grouped_stage if as_grouped else indexed_stage).run(s)
+
+        return Stage(indexed_stage.name, run)
+
+    return tuple(either(g, i) for g, i in zip(grouped_stages(config, backend), indexed, strict=True))
+
+
+def _indexed_layout_stages(
+    config: ExpertsConfig, block_size: int | None, w2_block_size: int | None, backend: str | None
+) -> tuple[Stage, ...]:
+    """The stages on the indexed layout (:func:`indexed_stages`)."""
 
     def blocks(s) -> tuple[int, int]:
         """(w13's block, w2's block) of this call."""

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import humming_jax as hj
+from humming_jax import experts as X
 from humming_jax import input_quant as Q
 
 import np_ref
@@ -199,6 +200,27 @@ def test_block_fp8_activations_and_prequantized_input(pipeline, rng):
         outs.append(fn(q.values, weights, jnp.asarray(tw), jnp.asarray(ids), config, a1q_scale=q.scale))
     for out in outs:
         assert np_ref.relative_error(out, expected) < 6e-2  # fp8 e4m3 activations and weights
+
+
+def test_indexed_runs_grouped_with_quantized_inputs_at_prefill(rng):
+    """From 32 rows an expert with quantized inputs the indexed pipeline (no
+    block given) runs the grouped stages: the grouped pipeline's result, the
+    tokens past ``num_valid_tokens`` zero; below that, or with a block given,
+    the indexed layout."""
+    config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
+    assert not X.indexed_runs_grouped(63, 2, config) and X.indexed_runs_grouped(64, 2, config)
+    assert not X.indexed_runs_grouped(64, 2, hj.ExpertsConfig(4, 256, 128, 2, weight_format="int4_g128"))
+    x, w13, w2, ids, tw = _problem(rng, config, 64)
+    ids[5] = [1, 9]  # an id outside [0, E): nothing
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    grouped = np.asarray(_run("grouped", x, weights, tw, ids, config), np.float64)
+    np.testing.assert_array_equal(np.asarray(_run("indexed", x, weights, tw, ids, config), np.float64), grouped)
+    x[40:] = np.nan  # padding tokens: nothing of theirs reaches a valid token
+    padded = np.asarray(_run("indexed", x, weights, tw, ids, config, num_valid_tokens=jnp.asarray([40])), np.float64)
+    assert np.all(padded[40:] == 0) and np.all(np.isfinite(padded))
+    assert np_ref.relative_error(padded[:40], grouped[:40]) < 1e-6
+    blocked = _run("indexed", x[:40], weights, tw[:40], ids[:40], config, block_size=16)
+    assert np_ref.relative_error(np.asarray(blocked, np.float64), grouped[:40]) < 2e-2  # another layout's tiles
 
 
 def test_batched_matches_numpy_and_zeroes_padding(rng):
