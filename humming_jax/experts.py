@@ -24,12 +24,14 @@ from humming_jax.configs import ExpertsConfig
 from humming_jax.gemm import FLOAT_INPUTS, as_weight, gemm
 from humming_jax.process_input import process_input
 from humming_jax.sharding import token_parallel
+from pallas_kernels.gemm import triton
 
 DEFAULT_BLOCK_SIZE = 64  # an indexed layout's block where no tiling names one
 # Quantized inputs from this many rows an expert: the indexed pipeline (block left to it) runs
 # its layer on the grouped-contiguous layout, whose GEMMs beat the indexed ones there
 # (each indexed result row is stored to its slot; quantized_input.md, the 120-case bench).
 INDEXED_AS_GROUPED_MIN_ROWS = 32
+INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M = 128  # rows in all where a weight is read as byte pairs (layer.md v3)
 
 
 @jax.tree_util.register_dataclass
@@ -180,10 +182,27 @@ def indexed_block_size(num_tokens: int, top_k: int, config: ExpertsConfig) -> in
 def indexed_runs_grouped(num_tokens: int, top_k: int, config: ExpertsConfig) -> bool:
     """Whether the indexed pipeline, its blocks left to it, runs the grouped
     stages: quantized inputs from :data:`INDEXED_AS_GROUPED_MIN_ROWS` rows an
-    expert, not ``batch_invariant`` (one layout for every batch size)."""
-    rows = estimate_valid_shape_m(num_tokens, top_k, config) / max(config.num_experts, 1)
-    quantized = config.input_quant.is_quantized
-    return quantized and not config.batch_invariant and rows >= INDEXED_AS_GROUPED_MIN_ROWS
+    expert — or, where an 8-bit weight is read as byte pairs (over 2**31
+    values: the indexed GEMM stays on the Triton tile while the grouped one
+    takes the fp8 Mosaic kernel), from :data:`INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M`
+    rows —, not ``batch_invariant`` (one layout for every batch size)."""
+    if not config.input_quant.is_quantized or config.batch_invariant:
+        return False
+    valid_m = estimate_valid_shape_m(num_tokens, top_k, config)
+    if valid_m >= INDEXED_AS_GROUPED_MIN_ROWS * max(config.num_experts, 1):
+        return True
+    return valid_m >= INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M and _reads_byte_pairs(config)
+
+
+def _reads_byte_pairs(config: ExpertsConfig) -> bool:
+    """Whether either weight holds over 2**31 unpacked 8-bit values (``triton.reads_byte_pairs``)."""
+    layers = ((config.weight_format, config.w13), (config.w2_weight_format, config.w2))
+    return any(
+        fmt.is_quantized
+        and not fmt.value_type.is_packed
+        and triton.offsets_wrap(layer.num_experts * layer.shape_n * layer.shape_k, 1)
+        for fmt, layer in layers
+    )
 
 
 def check_float_input(hidden_states, op: str) -> None:
