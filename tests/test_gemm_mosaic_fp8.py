@@ -22,7 +22,6 @@ from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import tuning as T
 from humming_jax.gemm import gemm_call, plan
-from pallas_kernels.gemm import mosaic
 from pallas_kernels.gemm import mosaic_fp8 as kernel
 
 import gemm_layouts
@@ -133,32 +132,10 @@ def test_indexed_through_gathered_rows(weight_name, quant_name, tiles, rng):
     _check(out, x, weight, layout)
 
 
-@pytest.mark.parametrize(
-    "weight_name,lists_dropped",
-    [("mxfp4", True), pytest.param("fp8_block128", False, marks=FULL)],
-)
-def test_indexed_results_gathered_to_their_slots(weight_name, lists_dropped, rng):
-    """``Tiles.gather_output``: the results stored in block order by whole tiles,
-    then moved to their slots by one gather — the same rows as the slot stores;
-    slots the layout does not list (``lists_dropped=False``) are zeros."""
-    tiles = dataclasses.replace(SQUARE, gather_output=True)
-    weight = _mxfp4(rng, True) if weight_name == "mxfp4" else _weight(rng, weight_name)
-    x = _input(rng, "fp8_dynamic_group128")
-    layout = gemm_layouts.layouts(rng, E, M, block_size=tiles.block_m)["indexed"]
-    layout = dataclasses.replace(layout, lists_dropped=lists_dropped)
-    call = gemm_call(x, weight, layout, jnp.float32, interpret=True)
-    assert kernel.supports(tiles, call) is None
-    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
-    _check(out, x, weight, layout)
-    if lists_dropped:
-        rows = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=SQUARE, backend=KERNEL_BACKEND)
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(rows))
-
-
 def test_block_table_of_dead_blocks():
     """A block past num_tokens_padded, of expert −1 or of an expert past E
     stores zeros (group E); the others their expert's rows."""
-    table = mosaic.block_table(jnp.asarray([2, -1, 0, 7, 1]), jnp.asarray([256]), 4, 64)
+    table = kernel.block_table(jnp.asarray([2, -1, 0, 7, 1]), jnp.asarray([256]), 4, 64)
     np.testing.assert_array_equal(
         np.asarray(table),
         [[2, 0, 0, 64], [4, 64, 64, 64], [0, 128, 128, 64], [4, 192, 192, 64], [4, 256, 256, 64]],
@@ -232,9 +209,6 @@ def test_what_the_kernel_refuses(rng):
     assert "a tile is a block" in reason(block, layouts["indexed"])  # blocks of 16
     unlisted = dataclasses.replace(gemm_layouts.layouts(rng, E, M, block_size=64)["indexed"], lists_dropped=False)
     assert "dropped slots" in reason(block, unlisted)
-    gathered = kernel.Tiles(64, 256, stages=2, group_m=2, gather_output=True)
-    assert reason(block, unlisted, tiles=gathered) is None
-    assert "indexed layouts only" in reason(block, layouts["grouped_contiguous"], tiles=gathered)
     assert "int8 weights" in reason(_weight(rng, "int8_channel"), layouts["grouped_contiguous"])
     assert "bfloat16 inputs" in reason(
         block, layouts["dense"], x=Q.quantize_input(jnp.ones((M, K), jnp.bfloat16), Q.NONE)
@@ -315,10 +289,8 @@ def test_mxfp4_lowers_for_the_gpu(half_bits):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("to_slots", [True, False], ids=["row-stores", "block-order"])
-def test_row_by_row_stores_lower_for_the_gpu(to_slots):
-    """The indexed form's epilogue (a one-row TMA box a row, to its slot) lowers;
-    so does its block-order form (whole tiles, for ``gather_output``)."""
+def test_row_by_row_stores_lower_for_the_gpu():
+    """The indexed form's epilogue (a one-row TMA box a row, to its slot) lowers."""
     blocks = 5
     x = jax.ShapeDtypeStruct((blocks * 64, 256), jnp.float8_e4m3fn)
     w = jax.ShapeDtypeStruct((3, 512, 256), jnp.float8_e4m3fn)
@@ -329,9 +301,8 @@ def test_row_by_row_stores_lower_for_the_gpu(to_slots):
 
     def run(x, x_scale, w, w_scale, table, dest):
         scaling = kernel.Scaling("group", "block")
-        stores = dict(dest=dest, out_rows=200) if to_slots else {}
         return kernel.expert_gemm_fp8(
-            x, x_scale, w, w_scale, None, TILES, scaling, out_dtype=jnp.bfloat16, table=table, **stores
+            x, x_scale, w, w_scale, None, TILES, scaling, out_dtype=jnp.bfloat16, table=table, dest=dest, out_rows=200
         )
 
     lowered = jax.jit(run).trace(x, x_scale, w, w_scale, table, dest)

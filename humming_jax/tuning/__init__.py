@@ -5,7 +5,7 @@ runs the first whose kernel ``supports`` it."""
 
 from humming_jax.tuning.heuristic import DEQUANTIZE_MIN_ROWS, for_block, heuristic_candidates, rows_per_expert
 from humming_jax.tuning.table import Entry, format_class, load_table, table_entries, table_key, table_path
-from pallas_kernels.gemm import mosaic, mosaic_fp8, triton
+from pallas_kernels.gemm import mosaic_fp8, triton
 
 __all__ = [
     "DEQUANTIZE_MIN_ROWS",
@@ -49,7 +49,7 @@ def candidates(
 
 def indexed_block_rows(listed: list) -> int | None:
     """The rows of the first of ``listed`` whose kernel runs an indexed layout
-    one tile a block (every kernel: the Mosaic ones on rows gathered in block
-    order): the layout's alignment block (None if none does)."""
-    rows = [t.block_m for t in listed if isinstance(t, (triton.Tiles, mosaic.Tiles, mosaic_fp8.Tiles))]
+    one tile a block (the Triton tile, the fp8 Mosaic kernel): the layout's
+    alignment block (None if none does)."""
+    rows = [t.block_m for t in listed if isinstance(t, (triton.Tiles, mosaic_fp8.Tiles))]
     return rows[0] if rows else None

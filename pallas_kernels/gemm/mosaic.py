@@ -227,9 +227,8 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return f"quantized inputs ({call.input_quant}): the kernel takes 16-bit float inputs (or dequantize_input)"
     if not call.interpret and not hopper_gpu():
         return f"this device ({jax.devices()[0].device_kind}: the kernel needs a Hopper GPU, sm_90)"
-    if layout.kind == "indexed" and layout.block_size != tiles.block_m:
-        # Rows are gathered in block order first (TMA cannot gather them): a tile is a block.
-        return f"an indexed block_size of {layout.block_size} with block_m={tiles.block_m} (a tile is a block)"
+    if layout.kind == "indexed":
+        return "the indexed layout (TMA cannot gather rows)"
     if call.use_f16_accum:
         return "f16 accumulation"
     decode = None
@@ -317,41 +316,6 @@ def row_tile_table(starts: jax.Array, ends: jax.Array, num_experts: int, m: int,
     rows = jnp.where(tile < tile_ends[-1], rows, 0)
     load = jnp.clip(tile_start, 0, padded_rows(m, block_m) - block_m)
     return jnp.stack([group, load, first, rows], axis=1)
-
-
-def block_table(expert_ids: jax.Array, num_tokens_padded: jax.Array, num_experts: int, block_size: int) -> jax.Array:
-    """The row tiles (:func:`row_tile_table`'s form) of an indexed layout's
-    blocks gathered in order (one tile a block: ``(expert, b * block_size,
-    b * block_size, block_size)``); a block past ``num_tokens_padded`` or of
-    no expert (−1, or past E) stores zeros (group E)."""
-    blocks = expert_ids.shape[0]
-    start = jnp.arange(blocks, dtype=jnp.int32) * block_size
-    expert = expert_ids.astype(jnp.int32)
-    live = (start < num_tokens_padded.reshape(-1)[0]) & (expert >= 0) & (expert < num_experts)
-    rows = jnp.full((blocks,), block_size, jnp.int32)
-    return jnp.stack([jnp.where(live, expert, num_experts), start, start, rows], axis=1)
-
-
-def block_order(layout, route_arrays, num_experts: int, m_in: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """An indexed layout (``route_arrays``: sorted_ids, expert_ids,
-    num_tokens_padded) in block order: ``(rows, slots, table)`` — for each of
-    the ``blocks × block_size`` positions the input row it reads (slot
-    ``s // top_k``; padding reads the last row) and its slot (``layout.m_out``
-    for padding), and :func:`block_table`'s tiles."""
-    sorted_ids, expert_ids, num_tokens_padded = route_arrays
-    length = expert_ids.shape[0] * layout.block_size
-    slots = jnp.pad(sorted_ids.astype(jnp.int32), (0, length - sorted_ids.shape[0]), constant_values=layout.m_out)
-    rows = jnp.clip(slots // layout.top_k, 0, m_in - 1)
-    return rows, slots, block_table(expert_ids, num_tokens_padded, num_experts, layout.block_size)
-
-
-def to_slots(block_rows: jax.Array, slots: jax.Array, m_out: int) -> jax.Array:
-    """``[m_out, N]``: row s is the block-order row whose slot is s
-    (``block_rows [L, N]``, ``slots [L]``, a slot past ``m_out`` is padding);
-    slots no row names are zero."""
-    length = block_rows.shape[0]
-    source = jnp.full((m_out,), length, jnp.int32).at[slots].set(jnp.arange(length, dtype=jnp.int32), mode="drop")
-    return jnp.take(block_rows, source, axis=0, mode="fill", fill_value=0)
 
 
 def padded_rows(m: int, block_m: int) -> int:
@@ -762,7 +726,6 @@ def expert_gemm_mosaic(
     scales: jax.Array | None = None,
     zero_points: jax.Array | None = None,
     interpret: bool = False,
-    table: jax.Array | None = None,
 ) -> jax.Array:
     """``x [M, K]`` (bf16/f16) times ``weight``: row ``r`` of the ``[M, N]``
     result (``out_dtype``) uses the expert whose range ``[offsets[e],
@@ -773,8 +736,7 @@ def expert_gemm_mosaic(
     ``weight`` is ``[E, N, K]`` in
     x's dtype, or with ``decode`` the 4-bit codes ``uint16 [E, N, K/4]`` with
     ``scales`` (and ``zero_points``) ``[E, G, N]`` in x's dtype (see
-    :class:`NibbleDecode`). ``table``: the row tiles given
-    (:func:`block_table`) in place of the ranges."""
+    :class:`NibbleDecode`)."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     check_tiles(tiles, n, k, x.dtype, decode)
@@ -796,11 +758,11 @@ def expert_gemm_mosaic(
             if array is None or array.shape != want or array.dtype != x.dtype:
                 got = None if array is None else f"{array.dtype} {array.shape}"
                 raise ValueError(f"mosaic GEMM: {name} must be {x.dtype} {want}, got {got}")
+    starts, ends = row_ranges(offsets, counts, m, num_experts)
     padded = padded_rows(m, tiles.block_m)  # a row tile's box fits inside x
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
-    if table is None:
-        table = row_tile_table(*row_ranges(offsets, counts, m, num_experts), num_experts, m, tiles.block_m)
+    table = row_tile_table(starts, ends, num_experts, m, tiles.block_m)
     row_tiles = table.shape[0]
     sms = persistent_programs(interpret)
     if bias is not None and bias.shape != (num_experts, n):
@@ -881,14 +843,8 @@ def expert_gemm(
         expert_gemm_mosaic, tiles=tiles, out_dtype=jnp.dtype(call.out_dtype), bias=bias, interpret=call.interpret
     )
     offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
-    routing = dict(counts=route_arrays[0]) if layout.kind == "grouped_masked" else {}
-    slots = None
-    if layout.kind == "indexed":  # rows gathered in block order, results moved to their slots
-        rows, slots, table = block_order(layout, route_arrays, w.num_experts, x.shape[0])
-        x, routing = jnp.take(x, rows, axis=0), dict(table=table)
+    counts = route_arrays[0] if layout.kind == "grouped_masked" else None
     if not w.quantized:
-        out = run(x, weight_arrays[0], offsets, **routing)
-    else:
-        codes, scales, zero_points, decode = _nibble_operands(w, weight_arrays, x.dtype)
-        out = run(x, codes, offsets, decode=decode, scales=scales, zero_points=zero_points, **routing)
-    return out if slots is None else to_slots(out, slots, layout.m_out)
+        return run(x, weight_arrays[0], offsets, counts=counts)
+    codes, scales, zero_points, decode = _nibble_operands(w, weight_arrays, x.dtype)
+    return run(x, codes, offsets, counts=counts, decode=decode, scales=scales, zero_points=zero_points)

@@ -58,9 +58,6 @@ class Tiles:
     block_n: int = 128
     stages: int = 4
     group_m: int = 8
-    # Indexed layouts: the results stored in block order by whole-tile TMA stores, then
-    # moved to their slots by one gather (XLA) — not a one-row store per slot.
-    gather_output: bool = False
 
     def __post_init__(self):
         check_positive(self, ("block_m", "block_n", "stages", "group_m"))
@@ -163,10 +160,8 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if call.layout.kind == "indexed":
         if call.layout.block_size != tiles.block_m:
             return f"an indexed block_size of {call.layout.block_size} with block_m={tiles.block_m} (a tile is a block)"
-        if not call.layout.lists_dropped and not tiles.gather_output:
+        if not call.layout.lists_dropped:
             return "an indexed layout that does not list its dropped slots (its rows are stored slot by slot)"
-    elif tiles.gather_output:
-        return f"gather_output with a {call.layout.kind} layout (indexed layouts only)"
     if call.use_f16_accum:
         return "f16 accumulation"
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
@@ -420,7 +415,7 @@ def expert_gemm_fp8(
     ``[offsets[e], offsets[e+1])`` holds it (``offsets`` None: dense; with
     ``counts [E]``: grouped-masked, expert e's first ``counts[e]`` of its
     ``M / E`` rows); rows outside every range are zero. ``bias [E, N]`` is
-    added in f32. ``table``: the row tiles given (:func:`mosaic.block_table`) in
+    added in f32. ``table``: the row tiles given (:func:`block_table`) in
     place of the ranges; ``dest`` (int32 ``[M]``, with ``table``): row r of
     the result goes to row ``dest[r]`` of an ``[out_rows, N]`` output, or
     nowhere if ``dest[r] >= out_rows`` (rows no ``dest`` names are not
@@ -478,14 +473,34 @@ def expert_gemm_fp8(
     return kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
 
 
+def block_table(expert_ids: jax.Array, num_tokens_padded: jax.Array, num_experts: int, block_size: int) -> jax.Array:
+    """The row tiles of an indexed layout's blocks gathered in order (one tile
+    a block: ``(expert, b * block_size, b * block_size, block_size)``); a
+    block past ``num_tokens_padded`` or of no expert (−1, or past E) stores
+    zeros (group E)."""
+    blocks = expert_ids.shape[0]
+    start = jnp.arange(blocks, dtype=jnp.int32) * block_size
+    expert = expert_ids.astype(jnp.int32)
+    live = (start < num_tokens_padded.reshape(-1)[0]) & (expert >= 0) & (expert < num_experts)
+    rows = jnp.full((blocks,), block_size, jnp.int32)
+    return jnp.stack([jnp.where(live, expert, num_experts), start, start, rows], axis=1)
+
+
 def _gathered(call: GemmCall, x, x_scale, route_arrays, scaling: Scaling):
-    """An indexed layout through gathered rows (:func:`mosaic.block_order`):
-    slot s's input row and its scale copied in block order, the table that runs
-    one tile a block, and each block-order row's slot."""
-    rows, slots, table = mosaic.block_order(call.layout, route_arrays, call.weight.num_experts, x.shape[0])
+    """An indexed layout through gathered rows: slot s's input row ``s // top_k``
+    (and its scale) copied in block order (padding reads the last row), and the
+    routing that runs one tile a block and stores each result row to its slot
+    (padding skipped). Every output row is a listed slot (``lists_dropped``):
+    the dropped ones, in dead blocks, get zeros."""
+    layout = call.layout
+    sorted_ids, expert_ids, num_tokens_padded = route_arrays
+    length = expert_ids.shape[0] * layout.block_size
+    slots = jnp.pad(sorted_ids.astype(jnp.int32), (0, length - sorted_ids.shape[0]), constant_values=layout.m_out)
+    rows = jnp.clip(slots // layout.top_k, 0, x.shape[0] - 1)
     if scaling.x != "tensor":
         x_scale = jnp.take(x_scale, rows, axis=0)
-    return jnp.take(x, rows, axis=0), x_scale, table, slots
+    table = block_table(expert_ids, num_tokens_padded, call.weight.num_experts, layout.block_size)
+    return jnp.take(x, rows, axis=0), x_scale, dict(table=table, dest=slots, out_rows=layout.m_out)
 
 
 def expert_gemm(
@@ -501,11 +516,8 @@ def expert_gemm(
     offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
     routing = dict(counts=route_arrays[0]) if layout.kind == "grouped_masked" else {}
     if layout.kind == "indexed":
-        # Every output row a listed slot (lists_dropped): the dropped ones, in dead blocks, get zeros;
-        # with gather_output the unlisted ones too.
-        x, x_scale, table, slots = _gathered(call, x, x_scale, route_arrays, scaling)
-        routing = dict(table=table) if tiles.gather_output else dict(table=table, dest=slots, out_rows=layout.m_out)
-    out = expert_gemm_fp8(
+        x, x_scale, routing = _gathered(call, x, x_scale, route_arrays, scaling)
+    return expert_gemm_fp8(
         x,
         x_scale,
         weight_arrays[0],
@@ -518,4 +530,3 @@ def expert_gemm(
         interpret=call.interpret,
         **routing,
     )
-    return mosaic.to_slots(out, slots, layout.m_out) if layout.kind == "indexed" and tiles.gather_output else out
