@@ -425,8 +425,9 @@ def humming_indexed_experts(
     w13 reading ``[T, H]`` rows by index and writing ``[T·k, N13]``,
     activation and quantization, w2 (``top_k=1``, re-aligned when its block
     size differs), fused weighted top-k sum. Jitted. With quantized inputs
-    from 32 rows an expert and no block given, the layer runs on the grouped
-    layout instead (:func:`indexed_runs_grouped`: the same result, faster).
+    from 32 rows an expert (:func:`indexed_runs_grouped` says where) and no
+    block given, the layer runs on the grouped layout instead: the same
+    result, faster.
 
     Args:
         hidden_states: ``[T, H]`` activations, or pre-quantized values with ``a1q_scale``.
