@@ -23,6 +23,9 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 # deepseek-v3 keeps two 15 GB bf16 weights per case: let JAX grow past its default 75 %.
 # The expert-parallel exchange needs XLA's ragged-all-to-all decomposer (humming_jax.parallel).
+# Compiled executables kept on the machine's disk: a later step on the same warm machine
+# (bench, then ab of the same cases) loads them instead of compiling again.
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 export PYTHONPATH=$PWD JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
   PYTHONUNBUFFERED=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
 wheel=$(ls .peers/humming_kernels-*.whl 2>/dev/null | head -1)
