@@ -8,7 +8,8 @@
 #   tune [TUNE ARGS]         python -m humming_jax tune, written to OUT_DIR/tuning.json
 #   ab [AB ARGS]             benchmarks.ab_tilings: tilings of the bench's cases, interleaved in one process
 #                            (a later --out names its JSON: several ab steps in one call, one log)
-#   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call
+#   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call (kernels matching
+#                            NCU_KERNEL, default "gemm|mosaic": the Triton GEMMs and the Mosaic ones, anonymous_mosaic_gpu)
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
 #   soak [SOAK ARGS]         benchmarks.soak: random hostile layers against the reference for --seconds
 # Logs and JSON go to OUT_DIR; the code runs from this checkout (PYTHONPATH), nothing is installed —
@@ -46,7 +47,7 @@ case $step in
                    tee "$out/routing_bench.log" | tail -30 ;;
   ab) python3 -W ignore -m benchmarks.ab_tilings --out "$out/ab.json" "$@" 2>&1 | tee -a "$out/ab.log" | tail -40 ;;
   tune) python3 -W ignore -m humming_jax tune --out "$out/tuning.json" "$@" 2>&1 | tee "$out/tune.log" | tail -30 ;;
-  profile) ncu --clock-control none -k regex:gemm -c 1 --section SpeedOfLight --section Occupancy \
+  profile) ncu --clock-control none -k "regex:${NCU_KERNEL:-gemm|mosaic}" -c 1 --section SpeedOfLight --section Occupancy \
              --section LaunchStats --section WarpStateStats --section SchedulerStats \
              python3 -W ignore -m benchmarks.inspect_gemm "$@" 2>&1 | tee "$out/profile.log" | tail -60 ;;
   # One cudaMalloc per buffer (no XLA pool), so that a store past a buffer is an error, not another buffer's bytes.
