@@ -9,7 +9,7 @@
 #   ab [AB ARGS]             benchmarks.ab_tilings: tilings of the bench's cases, interleaved in one process
 #                            (a later --out names its JSON: several ab steps in one call, one log)
 #   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call (kernels matching
-#                            NCU_KERNEL, default "gemm|mosaic": the Triton GEMMs and the Mosaic ones, anonymous_mosaic_gpu)
+#                            NCU_KERNEL, default "gemm|mosaic": moe_gemm_* of both kernel families)
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
 #   soak [SOAK ARGS]         benchmarks.soak: random hostile layers against the reference for --seconds
 # Logs and JSON go to OUT_DIR; the code runs from this checkout (PYTHONPATH), nothing is installed —

@@ -786,6 +786,7 @@ def expert_gemm_mosaic(
         **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
+        kernel_name="moe_gemm_mosaic",  # what profilers show
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         # Interpreted, fresh memory reads as NaN: a row the kernel failed to store shows.
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,

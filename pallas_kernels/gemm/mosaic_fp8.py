@@ -463,6 +463,7 @@ def expert_gemm_fp8(
         grid_names=("sm",),
         num_threads=mosaic.COMPUTE_WGS + 1,
         thread_name="wg",
+        kernel_name="moe_gemm_mosaic_fp8",  # what profilers show
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
