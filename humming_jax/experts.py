@@ -32,6 +32,9 @@ DEFAULT_BLOCK_SIZE = 64  # an indexed layout's block where no tiling names one
 # (each indexed result row is stored to its slot; quantized_input.md, the 120-case bench).
 INDEXED_AS_GROUPED_MIN_ROWS = 32
 INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M = 128  # rows in all where a weight is read as byte pairs (layer.md v3)
+# Float inputs (bf16, W4A16): from this many rows an expert, where the grouped layer's
+# Mosaic GEMMs outrun the indexed layer's Triton tiles (layer.md v3).
+INDEXED_AS_GROUPED_FLOAT_MIN_ROWS = 1024
 
 
 @jax.tree_util.register_dataclass
@@ -185,11 +188,15 @@ def indexed_runs_grouped(num_tokens: int, top_k: int, config: ExpertsConfig) -> 
     expert — or, where an 8-bit weight is read as byte pairs (over 2**31
     values: the indexed GEMM stays on the Triton tile while the grouped one
     takes the fp8 Mosaic kernel), from :data:`INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M`
-    rows —, not ``batch_invariant`` (one layout for every batch size)."""
-    if not config.input_quant.is_quantized or config.batch_invariant:
+    rows —, float inputs from :data:`INDEXED_AS_GROUPED_FLOAT_MIN_ROWS`; never
+    with ``batch_invariant`` (one layout for every batch size)."""
+    if config.batch_invariant:
         return False
     valid_m = estimate_valid_shape_m(num_tokens, top_k, config)
-    if valid_m >= INDEXED_AS_GROUPED_MIN_ROWS * max(config.num_experts, 1):
+    experts = max(config.num_experts, 1)
+    if not config.input_quant.is_quantized:
+        return valid_m >= INDEXED_AS_GROUPED_FLOAT_MIN_ROWS * experts
+    if valid_m >= INDEXED_AS_GROUPED_MIN_ROWS * experts:
         return True
     return valid_m >= INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M and _reads_byte_pairs(config)
 
@@ -425,9 +432,9 @@ def humming_indexed_experts(
     w13 reading ``[T, H]`` rows by index and writing ``[T·k, N13]``,
     activation and quantization, w2 (``top_k=1``, re-aligned when its block
     size differs), fused weighted top-k sum. Jitted. With quantized inputs
-    from 32 rows an expert (:func:`indexed_runs_grouped` says where) and no
-    block given, the layer runs on the grouped layout instead: the same
-    result, faster.
+    from 32 rows an expert, float ones from 1024 (:func:`indexed_runs_grouped`
+    says where), and no block given, the layer runs on the grouped layout
+    instead: the same result, faster.
 
     Args:
         hidden_states: ``[T, H]`` activations, or pre-quantized values with ``a1q_scale``.
