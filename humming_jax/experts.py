@@ -20,9 +20,10 @@ from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import routing
 from humming_jax import tuning as T
+from humming_jax.backend import resolve_backend
 from humming_jax.configs import ExpertsConfig
-from humming_jax.gemm import FLOAT_INPUTS, as_weight, gemm
-from humming_jax.process_input import process_input
+from humming_jax.gemm import FLOAT_INPUTS, as_weight, gemm, plan
+from humming_jax.process_input import check_dequantize, process_input
 from humming_jax.sharding import token_parallel
 from pallas_kernels.gemm import triton
 
@@ -249,8 +250,9 @@ def _gemm_kwargs(config: ExpertsConfig, valid_shape_m: int, backend):
     )
 
 
-def _down_input(gate_up, config: ExpertsConfig, weights: ExpertWeights, backend, **layout_kwargs):
-    """Activation + Hadamard + quantization of the w2 input."""
+def _down_input(gate_up, config: ExpertsConfig, weights: ExpertWeights, backend, dequantize=False, **layout_kwargs):
+    """Activation + Hadamard + quantization of the w2 input (multiplied back
+    out with ``dequantize``: :func:`multiplied_out_tiles`)."""
     return process_input(
         gate_up,
         config.w2_input_quant,
@@ -259,8 +261,44 @@ def _down_input(gate_up, config: ExpertsConfig, weights: ExpertWeights, backend,
         static_scale=weights.w2_input_scale,
         compute_dtype=jnp.dtype(config.compute_dtype),
         backend=backend,
+        dequantize=dequantize,
         **layout_kwargs,
     )
+
+
+def multiplied_out_tiles(config: ExpertsConfig, name: str, weight, layout, rows: int, valid_m: int, backend):
+    """Where the ``name`` GEMM (``"w13"``/``"w2"``) would multiply its quantized
+    input of ``rows`` rows out to bf16 first (its tiling's ``dequantize_input``),
+    that tiling for the multiplied-out input — ``process_input(dequantize=True)``
+    then writes that input itself, saving the GEMM's pass —; else None (float
+    or non-fp8 inputs, the reference backend, other tilings)."""
+    spec = config.input_quant if name == "w13" else config.w2_input_quant
+    chosen = resolve_backend(backend, "gemm")
+    if chosen == "reference" or not spec.is_quantized:
+        return None
+    try:
+        check_dequantize(spec)
+    except ValueError:
+        return None
+    width = getattr(config, name).shape_k
+    static = jnp.ones((), jnp.float32) if spec.mode.is_static else None
+    x = jax.eval_shape(
+        lambda v: Q.quantize_input(v, spec, static_scale=static), jax.ShapeDtypeStruct((rows, width), jnp.float32)
+    )
+    kwargs = _gemm_kwargs(config, valid_m, None)
+    tiles, _ = plan(
+        x,
+        weight,
+        layout,
+        kwargs["out_dtype"],
+        config.use_f16_accum,
+        config.batch_invariant,
+        valid_m,
+        interpret=chosen == "interpret",
+    )
+    if tiles is None or not getattr(tiles, "dequantize_input", False):
+        return None
+    return dataclasses.replace(tiles, dequantize_input=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,6 +351,13 @@ def grouped_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[S
         offsets, scatter_idx = routing.moe_prepare_scatter(topk_ids, backend=backend, **map_kwargs)
         return dict(offsets=offsets, scatter_idx=scatter_idx, inv_perm=scatter_idx.reshape(-1))
 
+    def multiplied_out(s, name: str):
+        """:func:`multiplied_out_tiles` of this call's ``name`` GEMM."""
+        weight = getattr(s["weights"], name)
+        rows = s["topk_ids"].size
+        valid_m = gemm_kwargs(s)["valid_shape_m"]
+        return multiplied_out_tiles(config, name, weight, L.GroupedContiguous(s["offsets"]), rows, valid_m, backend)
+
     def scatter_input(s):
         if s.get("a1q_scale") is not None:
             values, scale = s["permuted"]
@@ -328,20 +373,27 @@ def grouped_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[S
             static_scale=s["weights"].w13_input_scale,
             compute_dtype=jnp.dtype(config.compute_dtype),
             backend=backend,
+            dequantize=s.get("a1q_scale") is None and multiplied_out(s, "w13") is not None,
         )
         return dict(gate_up_input=gate_up_input)
 
-    def w13(s):
+    def grouped_gemm(s, name: str, x):
         layout = L.GroupedContiguous(s["offsets"])
-        return dict(gate_up=gemm(s["gate_up_input"], s["weights"].w13, layout, **gemm_kwargs(s)))
+        tiles = multiplied_out(s, name) if not x.spec.is_quantized else None
+        return gemm(x, getattr(s["weights"], name), layout, **gemm_kwargs(s), tuning=tiles)
+
+    def w13(s):
+        return dict(gate_up=grouped_gemm(s, "w13", s["gate_up_input"]))
 
     def activation(s):
-        down_input = _down_input(s["gate_up"], config, s["weights"], backend, num_valid_tokens=s["offsets"][-1:])
+        dequantize = multiplied_out(s, "w2") is not None
+        down_input = _down_input(
+            s["gate_up"], config, s["weights"], backend, dequantize=dequantize, num_valid_tokens=s["offsets"][-1:]
+        )
         return dict(down_input=down_input)
 
     def w2(s):
-        layout = L.GroupedContiguous(s["offsets"])
-        return dict(down=gemm(s["down_input"], s["weights"].w2, layout, **gemm_kwargs(s)))
+        return dict(down=grouped_gemm(s, "w2", s["down_input"]))
 
     def combine(s):
         out = routing.moe_unpermute(s["down"], s["topk_weights"], s["inv_perm"], s["offsets"], backend=backend)
@@ -526,6 +578,19 @@ def _indexed_layout_stages(
         aligned = align(block)
         return dict(aligned=aligned, aligned_w2=aligned if w2_block == block else align(w2_block))
 
+    def layout_of(s, name: str) -> L.Indexed:
+        if name == "w13":
+            top_k = s["topk_ids"].shape[1]
+            return L.Indexed(*s["aligned"], top_k=top_k, block_size=blocks(s)[0], lists_dropped=True)
+        return L.Indexed(*s["aligned_w2"], top_k=1, block_size=blocks(s)[1], lists_dropped=True)
+
+    def multiplied_out(s, name: str):
+        """:func:`multiplied_out_tiles` of this call's ``name`` GEMM."""
+        rows = s["topk_ids"].shape[0] if name == "w13" else s["topk_ids"].size
+        valid_m = gemm_kwargs(s)["valid_shape_m"]
+        weight = getattr(s["weights"], name)
+        return multiplied_out_tiles(config, name, weight, layout_of(s, name), rows, valid_m, backend)
+
     def quantize_input(s):
         a1q_scale = s["a1q_scale"]
         gate_up_input = process_input(
@@ -536,20 +601,23 @@ def _indexed_layout_stages(
             static_scale=None if a1q_scale is not None else s["weights"].w13_input_scale,
             compute_dtype=jnp.dtype(config.compute_dtype),
             backend=backend,
+            dequantize=a1q_scale is None and multiplied_out(s, "w13") is not None,
         )
         return dict(gate_up_input=gate_up_input)
 
+    def indexed_gemm(s, name: str, x):
+        tiles = multiplied_out(s, name) if not x.spec.is_quantized else None
+        return gemm(x, getattr(s["weights"], name), layout_of(s, name), **gemm_kwargs(s), tuning=tiles)
+
     def w13(s):
-        top_k = s["topk_ids"].shape[1]
-        layout = L.Indexed(*s["aligned"], top_k=top_k, block_size=blocks(s)[0], lists_dropped=True)
-        return dict(gate_up=gemm(s["gate_up_input"], s["weights"].w13, layout, **gemm_kwargs(s)))
+        return dict(gate_up=indexed_gemm(s, "w13", s["gate_up_input"]))
 
     def activation(s):
-        return dict(down_input=_down_input(s["gate_up"], config, s["weights"], backend))
+        dequantize = multiplied_out(s, "w2") is not None
+        return dict(down_input=_down_input(s["gate_up"], config, s["weights"], backend, dequantize=dequantize))
 
     def w2(s):
-        layout = L.Indexed(*s["aligned_w2"], top_k=1, block_size=blocks(s)[1], lists_dropped=True)
-        return dict(down=gemm(s["down_input"], s["weights"].w2, layout, **gemm_kwargs(s)))
+        return dict(down=indexed_gemm(s, "w2", s["down_input"]))
 
     def combine(s):
         num_tokens, top_k = s["topk_ids"].shape

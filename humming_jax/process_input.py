@@ -88,6 +88,25 @@ class ProcessSteps:
     layout: str
     compute_dtype: jnp.dtype
     scatter_is_permutation: bool = False
+    dequantize: bool = False  # the quantized values times their scales, in compute_dtype
+
+
+def check_dequantize(spec: Q.InputQuantSpec) -> None:
+    """Raise unless ``spec``'s values times its scales can be returned in place
+    of them (``process_input(dequantize=True)``): e4m3/e5m2 with f32 scales
+    per tensor (static), token or group."""
+    modes = (Q.InputQuantMode.STATIC_TENSOR, Q.InputQuantMode.DYNAMIC_TOKEN, Q.InputQuantMode.DYNAMIC_GROUP)
+    fp8 = spec.dtype is not None and spec.dtype.value in ("float8_e4m3", "float8_e5m2")
+    if not (fp8 and spec.mode in modes and spec.scale_type.value == "float32"):
+        raise ValueError(
+            f"process_input: dequantize: {spec.name} (e4m3/e5m2 values with f32 scales per tensor, token or group)"
+        )
+
+
+def _dequantized_output(q: Q.QuantizedInput, compute_dtype) -> Q.QuantizedInput:
+    """The values of ``q`` times its scales as an unquantized input (one rounding to ``compute_dtype``)."""
+    values = Q.dequantize_input(q).astype(compute_dtype)
+    return Q.QuantizedInput(values=values, scale=None, scale_2=None, spec=Q.NONE, k=q.k)
 
 
 class ProcessArrays(NamedTuple):
@@ -129,7 +148,8 @@ def process_input_reference(x: jax.Array, steps: ProcessSteps, arrays: ProcessAr
     if num_valid_tokens is not None:
         keep = keep & (jnp.arange(keep.shape[0]) < num_valid_tokens.reshape(-1)[0])
     values, scale, scale_2 = (_zero_rows(a, keep) for a in (values, scale, scale_2))
-    return Q.QuantizedInput(values=values, scale=scale, scale_2=scale_2, spec=spec, k=k)
+    q = Q.QuantizedInput(values=values, scale=scale, scale_2=scale_2, spec=spec, k=k)
+    return _dequantized_output(q, steps.compute_dtype) if steps.dequantize else q
 
 
 _STATIC = (
@@ -141,6 +161,7 @@ _STATIC = (
     "tiles",
     "backend",
     "scatter_is_permutation",
+    "dequantize",
 )
 
 
@@ -163,6 +184,7 @@ def process_input(
     tiles: kernel.Tiles | None = None,
     backend: str | None = None,
     scatter_is_permutation: bool = False,
+    dequantize: bool = False,
 ) -> Q.QuantizedInput:
     """Prepare a GEMM input (Humming's ``process_input``): activation →
     Hadamard rotation → quantization → layout, in one kernel.
@@ -187,6 +209,10 @@ def process_input(
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
         scatter_is_permutation: the caller guarantees ``scatter_idx`` is a
             permutation (the pipelines'): no zero fill of untargeted rows.
+        dequantize: return the quantized values times their scales in
+            ``compute_dtype`` (an unquantized input: what a GEMM tile with
+            ``dequantize_input`` reads) instead of the values and scales;
+            e4m3/e5m2 with f32 scales per tensor, token or group.
 
     Returns:
         A :class:`QuantizedInput` with values ``[M_out, K]`` (``K/2`` bytes for
@@ -224,8 +250,16 @@ def process_input(
     if spec.mode.is_static != (static_scale is not None):
         need = "needs" if spec.mode.is_static else "takes no"
         raise ValueError(f"process_input: static_scale: mode {spec.mode.value!r} {need} a static tensor scale")
+    if dequantize:
+        check_dequantize(spec)
     steps = ProcessSteps(
-        spec, activation, hadamard_block_size, layout, jnp.dtype(compute_dtype), bool(scatter_is_permutation)
+        spec,
+        activation,
+        hadamard_block_size,
+        layout,
+        jnp.dtype(compute_dtype),
+        bool(scatter_is_permutation),
+        bool(dequantize),
     )
     arrays = ProcessArrays(expert_num_tokens, scatter_idx, num_valid_tokens, static_scale)
     # An empty batch (T=0) has nothing to compute: the reference builds its empty outputs.
@@ -263,6 +297,7 @@ def _process_input_kernel(
         max_tokens=m_in // expert_num_tokens.shape[0] if expert_num_tokens is not None else 0,
         tiles=tiles,
         gpu=not interpret,
+        dequantize=steps.dequantize,
     )
     reason = kernel.supports(tiles, cfg, x.dtype)
     if reason:
@@ -279,6 +314,8 @@ def _process_input_kernel(
         zero_filled=layout == "scatter" and not steps.scatter_is_permutation,
         interpret=interpret,
     )
+    if steps.dequantize:
+        return Q.QuantizedInput(values=values, scale=None, scale_2=None, spec=Q.NONE, k=k_out)
     static = None if static_scale is None else jnp.asarray(static_scale, jnp.float32).reshape(1)
     if spec.mode == Q.InputQuantMode.STATIC_TENSOR:
         scale = static

@@ -82,6 +82,9 @@ class ProcessConfig:
     max_tokens: int = 0  # grouped_mask: rows per expert
     tiles: Tiles = Tiles()
     gpu: bool = False  # compiled for the GPU (not interpreted): use exact division
+    # fp8 values multiplied back by their f32 scales and stored in out_dtype (no scales):
+    # the input a GEMM that multiplies it out reads, without a pass of its own.
+    dequantize: bool = False
 
     @property
     def width(self) -> int:
@@ -288,6 +291,26 @@ def _token_scale(scale, cfg: ProcessConfig):
 
 
 def _quantize(ys, static_ref, cfg: ProcessConfig, row_amax=None):
+    """:func:`_quantized`, or with ``cfg.dequantize`` its values multiplied
+    back by their scales in ``out_dtype`` (and no scales)."""
+    values, scales, second = _quantized(ys, static_ref, cfg, row_amax)
+    if not cfg.dequantize:
+        return values, scales, second
+    out = []
+    for index, codes in enumerate(values):
+        rows = codes.shape[0]
+        if cfg.mode == "static_tensor":
+            product = codes.astype(jnp.float32) * static_ref[0]
+        elif cfg.mode == "dynamic_token":
+            product = codes.astype(jnp.float32) * scales[:, None]
+        else:
+            grouped = codes.astype(jnp.float32).reshape(rows, -1, cfg.group_size)
+            product = (grouped * scales[index][:, :, None]).reshape(rows, -1)
+        out.append(product.astype(jnp.dtype(cfg.out_dtype)))
+    return out, None, None
+
+
+def _quantized(ys, static_ref, cfg: ProcessConfig, row_amax=None):
     """Quantize a row's column blocks ``ys`` (list of ``[rows, c]`` f32).
     ``row_amax`` ``[rows]``: the max of ``|y|`` over the whole row when ``ys``
     is only part of it (two passes). Returns (values per block, scale per
@@ -506,7 +529,7 @@ def _process_rotated_rows(block, ins: _Inputs, out_refs, cfg: ProcessConfig, m_i
                     _zero_rows(tile_values, block_keep),
                     mask=mask & (cols < cfg.k_out) if cfg.padded else mask,
                 )
-        if scale is not None:
+        if scale is not None and not cfg.dequantize:
             plgpu.store(scale_ref.at[out_rows, 0], _zero_rows(scale, keep), mask=written)
 
 
@@ -669,7 +692,7 @@ def process_input(
         inputs.append(scatter_idx.reshape(-1).astype(jnp.int32))
     inputs.append(num_valid_tokens.reshape(-1)[:1].astype(jnp.int32))
 
-    if cfg.mode == "none":
+    if cfg.mode == "none" or cfg.dequantize:
         out_shape = [jax.ShapeDtypeStruct((m_out, cfg.k_out), jnp.dtype(cfg.out_dtype))]
     else:
         storage = {
@@ -707,6 +730,15 @@ def supports(tiles: Tiles, cfg: ProcessConfig, x_dtype) -> str | None:
     Hadamard products need 16 rows (the MMA minimum); sub-block products are
     for the operand-blocks rotation (:func:`rotates_blocks`), under the
     Hadamard block (or the block itself: one product a block)."""
+    if cfg.dequantize and (
+        cfg.act_dtype not in ("float8_e4m3", "float8_e5m2")
+        or cfg.mode not in ("static_tensor", "dynamic_token", "dynamic_group")
+        or cfg.scale_type != "float32"
+    ):
+        return (
+            f"dequantize with {cfg.act_dtype} {cfg.mode} {cfg.scale_type} scales "
+            "(e4m3/e5m2 with f32 scales per tensor, token or group)"
+        )
     sub = tiles.hadamard_sub
     cfg = dataclasses.replace(cfg, tiles=tiles)
     if sub and not (cfg.hadamard and (sub == cfg.hadamard or (sub < cfg.hadamard and rotates_blocks(cfg, x_dtype)))):

@@ -354,3 +354,37 @@ def test_weights_come_in_the_kernels_order(fmt, rng):
         k_order = hj.ExpertWeights(hj.to_k_order(weights.w13), hj.to_k_order(weights.w2))
         planar, k_ordered = (_run("grouped", x, w, tw, ids, config, backend="interpret") for w in (weights, k_order))
         np.testing.assert_array_equal(np.asarray(planar, np.float32), np.asarray(k_ordered, np.float32))
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_w4a8_inputs_written_multiplied_out(pipeline, rng):
+    """W4A8 at decode: the GEMMs' tiles multiply the fp8 input out to bf16
+    (``dequantize_input``), so the pipeline has ``process_input`` write those
+    values itself (``dequantize=True``, no pass of the GEMM's own) — the
+    same layer, against float64 NumPy."""
+    config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="mxfp4", input_quant="fp8_dynamic_group128")
+    x, w13, w2, ids, tw = _problem(rng, config, 8)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    layout = hj.GroupedContiguous(jnp.asarray([0, 4, 8, 12, 16], jnp.int32))
+    tiles = X.multiplied_out_tiles(config, "w13", weights.w13, layout, 16, 16, "interpret")
+    assert tiles is not None and not tiles.dequantize_input  # the fused path runs
+    assert X.multiplied_out_tiles(config, "w13", weights.w13, layout, 16, 16, "reference") is None
+    out = np.asarray(_run(pipeline, x, weights, tw, ids, config), np.float64)
+    expected = _numpy_moe(
+        np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64),
+        np_ref.dequantize_weight(weights.w13),
+        np_ref.dequantize_weight(weights.w2),
+        ids,
+        tw,
+        config.activation,
+    )
+    assert np_ref.relative_error(out, expected) < 6e-2  # fp8 e4m3 activations and e2m1 weights
+    reference = np.asarray(_run(pipeline, x, weights, tw, ids, config, backend="reference"), np.float64)
+    assert np_ref.relative_error(out, reference) < 3e-2  # (the reference keeps the scaled input in f32)
+    # The GEMM on the input written multiplied out is bit for bit the GEMM multiplying it out itself.
+    rows = jnp.asarray(rng.normal(size=(16, 256)), jnp.bfloat16)
+    quantized = hj.process_input(rows, config.input_quant, backend="interpret")
+    written = hj.process_input(rows, config.input_quant, backend="interpret", dequantize=True)
+    itself = hj.gemm(quantized, weights.w13, layout, backend="interpret", valid_shape_m=16)
+    fused = hj.gemm(written, weights.w13, layout, backend="interpret", tuning=tiles)
+    np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(itself, np.float32))

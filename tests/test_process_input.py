@@ -731,3 +731,45 @@ def test_fp8_token_scales_have_vllms_floor(spec, rng):
     else:
         assert scale[2] == 0 and scale[1] == np.float32(amax[1]) / np.float32(qmax)
     assert scale[0] == np.float32(amax[0]) / np.float32(qmax) and np.isnan(scale[3])
+
+
+@pytest.mark.parametrize(
+    "spec,layout,block",
+    sweep(
+        [
+            (Q.FP8_DYNAMIC_GROUP128, "scatter", None),  # the grouped pipeline's w13 input
+            (Q.FP8_DYNAMIC_TOKEN, "normal", 128),  # Hadamard blocks loaded as the product's operands
+            (Q.FP8_STATIC_TENSOR, "normal", None),
+            (Q.get_input_spec("fp8_e5m2_dynamic_token"), "scatter", None),
+        ],
+        [(Q.FP8_DYNAMIC_GROUP128, "scatter", None), (Q.FP8_DYNAMIC_TOKEN, "normal", 128)],
+    ),
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+def test_dequantized_output(spec, layout, block, rng):
+    """``dequantize=True``: the quantized values times their scales in the
+    compute dtype, as an unquantized input — bit for bit what multiplying the
+    quantized result out gives (a GEMM tile's ``dequantize_input``), on every
+    backend; rows past ``num_valid_tokens`` zero, NaN confined to its token."""
+    t, k, top_k = 9, 384, 2
+    x = _inputs(rng, t, k)
+    x[4, 7] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    kw = dict(hadamard_block_size=block, static_scale=jnp.asarray([0.03], jnp.float32) if spec.mode.is_static else None)
+    if layout == "scatter":
+        ids = rng.integers(0, 4, size=(t, top_k)).astype(np.int32)
+        ids[0, 1] = -1
+        offsets, scatter_idx = hj.moe_prepare_scatter(jnp.asarray(ids), 4)
+        kw.update(layout="scatter", scatter_idx=scatter_idx, scatter_is_permutation=True, num_valid_tokens=offsets[-1:])
+    else:
+        kw.update(num_valid_tokens=jnp.asarray([7], jnp.int32))
+    for backend in (KERNEL_BACKEND, "reference"):
+        q = hj.process_input(x, spec, backend=backend, **kw)
+        want = np.asarray(Q.dequantize_input(q).astype(jnp.bfloat16).astype(jnp.float32))
+        got = hj.process_input(x, spec, backend=backend, dequantize=True, **kw)
+        assert got.spec == Q.NONE and got.scale is None and got.values.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got.values.astype(jnp.float32)), want)
+        nan_rows = np.any(np.isnan(want), axis=1)
+        assert 0 < nan_rows.sum() <= top_k  # token 4's rows only
+    with pytest.raises(ValueError, match="dequantize: int8_dynamic_token"):
+        hj.process_input(x, Q.INT8_DYNAMIC_TOKEN, dequantize=True)
