@@ -228,10 +228,11 @@ def test_indexed_runs_grouped_with_quantized_inputs_at_prefill(rng):
     assert np_ref.relative_error(np.asarray(blocked, np.float64), grouped[:40]) < 2e-2  # another layout's tiles
     # Expert parallelism's map (4 of 8 global experts local): 128 tokens x 2 give 32 rows a local expert.
     local = hj.ExpertsConfig(
-        4, 256, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128", global_num_experts=8
+        4, 128, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128", global_num_experts=8
     )
     assert X.indexed_runs_grouped(128, 2, local)
-    x, _, _, ids, tw = _problem(rng, local, 128)
+    x, w13, w2, ids, tw = _problem(rng, local, 128)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), local)
     emap = jnp.asarray([-1, 0, -1, 1, 2, -1, 3, -1], jnp.int32)
     outs = [np.asarray(_run(p, x, weights, tw, ids, local, expert_map=emap), np.float64) for p in PIPELINES]
     np.testing.assert_array_equal(outs[1], outs[0])
