@@ -22,7 +22,7 @@ from humming_jax import routing
 from humming_jax import tuning as T
 from humming_jax.backend import resolve_backend
 from humming_jax.configs import ExpertsConfig
-from humming_jax.gemm import FLOAT_INPUTS, as_weight, gemm, plan
+from humming_jax.gemm import FLOAT_INPUTS, as_weight, format_spec, gemm, plan
 from humming_jax.process_input import check_dequantize, process_input
 from humming_jax.sharding import token_parallel
 from pallas_kernels.gemm import triton
@@ -203,12 +203,10 @@ def indexed_runs_grouped(num_tokens: int, top_k: int, config: ExpertsConfig) -> 
 
 
 def _reads_byte_pairs(config: ExpertsConfig) -> bool:
-    """Whether either weight holds over 2**31 unpacked 8-bit values (``triton.reads_byte_pairs``)."""
+    """Whether the Triton GEMM reads either weight as byte pairs (``triton.reads_byte_pairs``)."""
     layers = ((config.weight_format, config.w13), (config.w2_weight_format, config.w2))
     return any(
-        fmt.is_quantized
-        and not fmt.value_type.is_packed
-        and triton.offsets_wrap(layer.num_experts * layer.shape_n * layer.shape_k, 1)
+        triton.reads_byte_pairs(format_spec(fmt, (layer.num_experts, layer.shape_n, layer.shape_k)))
         for fmt, layer in layers
     )
 
@@ -373,7 +371,7 @@ def grouped_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[S
             static_scale=s["weights"].w13_input_scale,
             compute_dtype=jnp.dtype(config.compute_dtype),
             backend=backend,
-            dequantize=s.get("a1q_scale") is None and multiplied_out(s, "w13") is not None,
+            dequantize=multiplied_out(s, "w13") is not None,
         )
         return dict(gate_up_input=gate_up_input)
 

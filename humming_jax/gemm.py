@@ -198,7 +198,7 @@ def kernel_input_specs(fmt: F.WeightFormat) -> tuple[Q.InputQuantSpec, ...]:
     Returns:
         A tuple of :class:`InputQuantSpec`.
     """
-    weight = _format_spec(fmt, (1, 256, 256))
+    weight = format_spec(fmt, (1, 256, 256))
     layout = spec.LayoutSpec("grouped_contiguous", 16, 16)
     found = []
     for quant in configs.supported_input_specs(fmt):
@@ -317,7 +317,7 @@ def _dequantized(weight: F.QuantizedWeight, dtype) -> F.QuantizedWeight:
     )
 
 
-def _format_spec(fmt: F.WeightFormat, shape: tuple[int, int, int], **stored) -> spec.WeightSpec:
+def format_spec(fmt: F.WeightFormat, shape: tuple[int, int, int], **stored) -> spec.WeightSpec:
     """The kernels' view of an ``[E, N, K]`` weight in ``fmt``; ``stored``: how
     this weight is stored (group index, planar order)."""
     return spec.WeightSpec(
@@ -335,7 +335,7 @@ def _format_spec(fmt: F.WeightFormat, shape: tuple[int, int, int], **stored) -> 
 
 
 def _weight_spec(weight: F.QuantizedWeight) -> spec.WeightSpec:
-    return _format_spec(
+    return format_spec(
         weight.format,
         weight.shape,
         has_group_index=weight.group_index is not None,

@@ -105,8 +105,12 @@ def check_dequantize(spec: Q.InputQuantSpec) -> None:
 
 def _dequantized_output(q: Q.QuantizedInput, compute_dtype) -> Q.QuantizedInput:
     """The values of ``q`` times its scales as an unquantized input (one rounding to ``compute_dtype``)."""
-    values = Q.dequantize_input(q).astype(compute_dtype)
-    return Q.QuantizedInput(values=values, scale=None, scale_2=None, spec=Q.NONE, k=q.k)
+    return _unquantized(Q.dequantize_input(q).astype(compute_dtype))
+
+
+def _unquantized(values: jax.Array) -> Q.QuantizedInput:
+    """``values [M, K]`` as an unquantized input (``dequantize=True``'s result)."""
+    return Q.QuantizedInput(values=values, scale=None, scale_2=None, spec=Q.NONE, k=values.shape[1])
 
 
 class ProcessArrays(NamedTuple):
@@ -315,7 +319,7 @@ def _process_input_kernel(
         interpret=interpret,
     )
     if steps.dequantize:
-        return Q.QuantizedInput(values=values, scale=None, scale_2=None, spec=Q.NONE, k=k_out)
+        return _unquantized(values)
     static = None if static_scale is None else jnp.asarray(static_scale, jnp.float32).reshape(1)
     if spec.mode == Q.InputQuantMode.STATIC_TENSOR:
         scale = static

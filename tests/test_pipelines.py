@@ -42,6 +42,13 @@ def _numpy_moe(x, w13, w2, ids, weights, activation, expert_map=None, num_expert
     return out
 
 
+def _expected_layer(x, weights, ids, tw, config, expert_map=None, num_experts=None):
+    """:func:`_numpy_moe` of the bf16-rounded input through the layer's dequantized weights."""
+    x64 = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    w13d, w2d = np_ref.dequantize_weight(weights.w13), np_ref.dequantize_weight(weights.w2)
+    return _numpy_moe(x64, w13d, w2d, ids, tw, config.activation, expert_map, num_experts)
+
+
 PIPELINES = ["grouped", "indexed"]
 
 
@@ -120,16 +127,7 @@ def test_pipeline_routing_edge_cases(pipeline, case, rng):
     weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
     emap = None if expert_map is None else jnp.asarray(expert_map, jnp.int32)
     out = _run(pipeline, x, weights, tw, ids, config, expert_map=emap)
-    expected = _numpy_moe(
-        np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64),
-        np_ref.dequantize_weight(weights.w13),
-        np_ref.dequantize_weight(weights.w2),
-        ids,
-        tw,
-        config.activation,
-        expert_map,
-        global_experts,
-    )
+    expected = _expected_layer(x, weights, ids, tw, config, expert_map, global_experts)
     assert np_ref.relative_error(out, expected) < 1e-2
 
 
@@ -380,14 +378,7 @@ def test_w4a8_inputs_written_multiplied_out(pipeline, rng):
     assert tiles is not None and not tiles.dequantize_input  # the fused path runs
     assert X.multiplied_out_tiles(config, "w13", weights.w13, layout, 16, 16, "reference") is None
     out = np.asarray(_run(pipeline, x, weights, tw, ids, config), np.float64)
-    expected = _numpy_moe(
-        np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64),
-        np_ref.dequantize_weight(weights.w13),
-        np_ref.dequantize_weight(weights.w2),
-        ids,
-        tw,
-        config.activation,
-    )
+    expected = _expected_layer(x, weights, ids, tw, config)
     assert np_ref.relative_error(out, expected) < 6e-2  # fp8 e4m3 activations and e2m1 weights
     reference = np.asarray(_run(pipeline, x, weights, tw, ids, config, backend="reference"), np.float64)
     assert np_ref.relative_error(out, reference) < 3e-2  # (the reference keeps the scaled input in f32)
