@@ -67,6 +67,45 @@ def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
     assert np.all(got[offsets[-1] :] == 0), "rows no expert owns must be zero"
 
 
+@pytest.mark.parametrize("weight_kind", ["bf16", "int4", pytest.param("mxfp4", marks=FULL)])
+def test_indexed_rows_gathered_in_block_order(weight_kind, rng):
+    """The indexed layout: slot s's row ``s // top_k`` gathered in block order,
+    one tile a block (the dead blocks' tiles store zeros), each result moved to
+    its slot by one gather; the dropped slot's row (listed past the padded
+    blocks) and the slots no block lists are zeros; a block other than the
+    tile's rows is refused with the reason."""
+    import gemm_layouts
+    import np_ref
+
+    m, n, k = 40, 256, 256
+    weights = jnp.asarray(rng.normal(0, 0.1, (4, n, k)), jnp.float32)
+    if weight_kind == "bf16":
+        weight = weights.astype(jnp.bfloat16)
+    else:
+        fmt = F.INT4_G128 if weight_kind == "int4" else F.MXFP4
+        weight = hj.to_planar(F.quantize_weight(weights, fmt))
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    tiles = mosaic.Tiles(64, 256, 64 if weight_kind == "bf16" else 128, stages=2, group_m=2)
+    layout = gemm_layouts.layouts(rng, 4, m, block_size=64)["indexed"]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
+    want = np_ref.gemm_of(x, G.as_weight(weight), layout, bf16_weight=weight_kind == "int4")
+    got = np.asarray(out, np.float64)
+    assert got.shape == want.shape and np.all(np.isfinite(got))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    assert np.all(got[np.all(want == 0, axis=1)] == 0)
+    with pytest.raises(ValueError, match="a tile is a block"):
+        hj.gemm(
+            x, weight, gemm_layouts.layouts(rng, 4, m, block_size=16)["indexed"], tuning=tiles, backend=KERNEL_BACKEND
+        )
+
+
+def test_block_order_to_slots():
+    """Block-order rows to slot order: padding (slot m_out) dropped, an unnamed slot zero."""
+    rows = jnp.arange(5 * 2, dtype=jnp.float32).reshape(5, 2) + 1
+    got = mosaic.to_slots(rows, jnp.asarray([3, 0, 4, 4, 1]), 4)
+    np.testing.assert_array_equal(np.asarray(got), [[3, 4], [9, 10], [0, 0], [1, 2]])
+
+
 @pytest.mark.parametrize(
     "tuning",
     [

@@ -22,6 +22,8 @@ from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import tuning as T
 from humming_jax.gemm import gemm_call, plan
+from humming_jax.tuning import heuristic
+from pallas_kernels.gemm import mosaic
 from pallas_kernels.gemm import mosaic_fp8 as kernel
 
 import gemm_layouts
@@ -119,9 +121,9 @@ def test_layouts_e5m2_and_bias(layout_kind, quant_name, bias, rng):
 )
 def test_indexed_through_gathered_rows(weight_name, quant_name, tiles, rng):
     """The indexed layout (blocks of block_m rows): each slot's row and scale
-    gathered, a tile a block, each result row stored to its slot — a dropped
-    slot listed past the padded blocks gets zeros, padding is skipped, and no
-    row is left unwritten (the interpreter's NaN)."""
+    gathered, a tile a block, the results stored in block order and gathered
+    to their slots — a dropped slot listed past the padded blocks gets zeros,
+    padding is skipped, and no row is left unwritten (the interpreter's NaN)."""
     weight = _mxfp4(rng, True) if weight_name == "mxfp4" else _weight(rng, weight_name)
     x = _input(rng, quant_name)
     layout = gemm_layouts.layouts(rng, E, M, block_size=tiles.block_m)["indexed"]
@@ -132,10 +134,25 @@ def test_indexed_through_gathered_rows(weight_name, quant_name, tiles, rng):
     _check(out, x, weight, layout)
 
 
+@pytest.mark.parametrize("weight_name", ["mxfp4", pytest.param("fp8_block128", marks=FULL)])
+def test_indexed_slots_the_layout_does_not_list_are_zeros(weight_name, rng):
+    """A layout that does not list its dropped slots (``lists_dropped=False``):
+    the slots no block holds are zeros, the others the slot's product."""
+    weight = _mxfp4(rng, True) if weight_name == "mxfp4" else _weight(rng, weight_name)
+    x = _input(rng, "fp8_dynamic_group128")
+    layout = gemm_layouts.layouts(rng, E, M, block_size=SQUARE.block_m)["indexed"]
+    unlisted = dataclasses.replace(layout, lists_dropped=False)
+    assert kernel.supports(SQUARE, gemm_call(x, weight, unlisted, jnp.float32, interpret=True)) is None
+    out = hj.gemm(x, weight, unlisted, out_dtype=jnp.float32, tuning=SQUARE, backend=KERNEL_BACKEND)
+    _check(out, x, weight, unlisted)
+    listed = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=SQUARE, backend=KERNEL_BACKEND)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(listed))
+
+
 def test_block_table_of_dead_blocks():
     """A block past num_tokens_padded, of expert −1 or of an expert past E
     stores zeros (group E); the others their expert's rows."""
-    table = kernel.block_table(jnp.asarray([2, -1, 0, 7, 1]), jnp.asarray([256]), 4, 64)
+    table = mosaic.block_table(jnp.asarray([2, -1, 0, 7, 1]), jnp.asarray([256]), 4, 64)
     np.testing.assert_array_equal(
         np.asarray(table),
         [[2, 0, 0, 64], [4, 64, 64, 64], [0, 128, 128, 64], [4, 192, 192, 64], [4, 256, 256, 64]],
@@ -207,8 +224,6 @@ def test_what_the_kernel_refuses(rng):
     block = _weight(rng, "fp8_block128")
     assert reason(block, layouts["grouped_contiguous"]) is None
     assert "a tile is a block" in reason(block, layouts["indexed"])  # blocks of 16
-    unlisted = dataclasses.replace(gemm_layouts.layouts(rng, E, M, block_size=64)["indexed"], lists_dropped=False)
-    assert "dropped slots" in reason(block, unlisted)
     assert "int8 weights" in reason(_weight(rng, "int8_channel"), layouts["grouped_contiguous"])
     assert "bfloat16 inputs" in reason(
         block, layouts["dense"], x=Q.quantize_input(jnp.ones((M, K), jnp.bfloat16), Q.NONE)
@@ -230,22 +245,35 @@ def test_what_the_kernel_refuses(rng):
 
 def test_the_plan_takes_it_from_128_rows_an_expert():
     """The heuristic lists the fp8 kernel first for e4m3 weights with fp8
-    inputs from 128 rows an expert, from one for weights of over 2**31 values
-    (not for an indexed layout, whose blocks TMA cannot gather), the Triton
-    tile after it."""
+    inputs from 128 rows an expert, from 128 rows in all for weights of over
+    2**31 values (an indexed layout: with K of 4096 or more, or those weights),
+    the Triton tile after it; W4A8 from 128 rows an expert on the 16-bit kernel."""
     fmt = F.get_format("fp8_block128")
     prefill = T.heuristic_candidates(128, 1536, 2048, fmt, input_dtype="float8_e4m3")
     assert isinstance(prefill[0], kernel.Tiles) and len(prefill) == 2
     assert not isinstance(T.heuristic_candidates(64, 1536, 2048, fmt, input_dtype="float8_e4m3")[0], kernel.Tiles)
     indexed = T.heuristic_candidates(128, 1536, 2048, fmt, block_size=64, input_dtype="float8_e4m3")
     assert not any(isinstance(t, kernel.Tiles) for t in indexed)
-    # DeepSeek-V3's w2 (2**31 e4m3 values and more: the Triton kernel reads them as byte pairs): from one row.
-    byte_pairs = T.heuristic_candidates(1, 7168, 2048, fmt, input_dtype="float8_e4m3", num_experts=256)
-    assert isinstance(byte_pairs[0], kernel.Tiles)
-    # W4A8 (planar MXFP4): 64-row tiles from 32 rows an expert, 128-row ones from 128.
+    long_k = T.heuristic_candidates(128, 4096, 4096, fmt, block_size=64, input_dtype="float8_e4m3")
+    assert long_k[0] == kernel.Tiles(64, 256)
+    # DeepSeek-V3's w2 (2**31 e4m3 values and more: the Triton kernel reads them as byte pairs):
+    # from 128 rows in all (T=16 at top-8), grouped or indexed; at 8 (T=1) the Triton tile.
+    for block in (None, 64):
+        byte_pairs = T.heuristic_candidates(
+            1, 7168, 2048, fmt, block, input_dtype="float8_e4m3", num_experts=256, total_rows=128
+        )
+        assert byte_pairs[0] == kernel.Tiles(64, 256)
+        one_token = T.heuristic_candidates(
+            1, 7168, 2048, fmt, block, input_dtype="float8_e4m3", num_experts=256, total_rows=8
+        )
+        assert not isinstance(one_token[0], kernel.Tiles)
+    # W4A8 (planar MXFP4): 64-row tiles from 32 rows an expert; from 128 the input multiplied
+    # out and the 16-bit kernel decoding the codes (indexed layouts too).
     mx = F.get_format("mxfp4")
     assert T.heuristic_candidates(32, 1536, 2048, mx, input_dtype="float8_e4m3")[0] == kernel.Tiles(64, 256)
-    assert T.heuristic_candidates(128, 1536, 2048, mx, input_dtype="float8_e4m3")[0] == kernel.Tiles(128, 128)
+    for block in (None, 128):
+        square = T.heuristic_candidates(128, 1536, 2048, mx, block, input_dtype="float8_e4m3")[0]
+        assert square == dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)
     assert not isinstance(T.heuristic_candidates(16, 1536, 2048, mx, input_dtype="float8_e4m3")[0], kernel.Tiles)
     rng = np.random.default_rng(0)
     weight, x = _weight(rng, "fp8_block128"), _input(rng, "fp8_dynamic_group128", E * 128)
@@ -289,23 +317,20 @@ def test_mxfp4_lowers_for_the_gpu(half_bits):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_row_by_row_stores_lower_for_the_gpu():
-    """The indexed form's epilogue (a one-row TMA box a row, to its slot) lowers."""
+def test_block_order_form_lowers_for_the_gpu():
+    """The indexed form's kernel (row tiles given as a table, whole-tile stores in block order) lowers."""
     blocks = 5
     x = jax.ShapeDtypeStruct((blocks * 64, 256), jnp.float8_e4m3fn)
     w = jax.ShapeDtypeStruct((3, 512, 256), jnp.float8_e4m3fn)
     x_scale = jax.ShapeDtypeStruct((blocks * 64, 2), jnp.float32)
     w_scale = jax.ShapeDtypeStruct((3, 4, 2), jnp.float32)
     table = jax.ShapeDtypeStruct((blocks, 4), jnp.int32)
-    dest = jax.ShapeDtypeStruct((blocks * 64,), jnp.int32)
 
-    def run(x, x_scale, w, w_scale, table, dest):
+    def run(x, x_scale, w, w_scale, table):
         scaling = kernel.Scaling("group", "block")
-        return kernel.expert_gemm_fp8(
-            x, x_scale, w, w_scale, None, TILES, scaling, out_dtype=jnp.bfloat16, table=table, dest=dest, out_rows=200
-        )
+        return kernel.expert_gemm_fp8(x, x_scale, w, w_scale, None, TILES, scaling, out_dtype=jnp.bfloat16, table=table)
 
-    lowered = jax.jit(run).trace(x, x_scale, w, w_scale, table, dest)
+    lowered = jax.jit(run).trace(x, x_scale, w, w_scale, table)
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 

@@ -411,8 +411,9 @@ def test_heuristic_choices_for_quantized_inputs():
     """What the heuristic runs where the H200 A/Bs chose (quantized_input.md
     v13, v16): 4-bit weights with e4m3 inputs at decode multiply the input out
     to bf16 first (not with int8 inputs, not 8-bit weights); indexed W4A8 from
-    128 rows an expert and indexed W8A8 with long K from 512 on the fp8 Mosaic
-    kernel, its tile's rows the layout's block."""
+    128 rows an expert on the 16-bit Mosaic kernel, the input multiplied out
+    (v19, v21), and indexed W8A8 with long K from 128 on the fp8 one (v20), its
+    tile's rows the layout's block."""
     from humming_jax import tuning as T
     from humming_jax.tuning import heuristic
     from pallas_kernels.gemm import mosaic_fp8
@@ -427,18 +428,32 @@ def test_heuristic_choices_for_quantized_inputs():
             assert isinstance(tiles, kernel.Tiles) and tiles.block_m == 16 and tiles.dequantize_input
     assert not first(grouped, F.INT4_G128, Q.INT8_DYNAMIC_TOKEN, 16 * 8, 128, 1536, 2048)[0].dequantize_input
     assert not first(grouped, F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128, 16 * 8, 128, 1536, 2048)[0].dequantize_input
-    # Indexed W4A8: 128-row tiles (the block), or 64 x 256 when the caller's block is 64.
+    # Indexed W4A8: the 16-bit kernel's 128-row tiles (the block), or the fp8 one's 64 x 256
+    # when the caller's block is 64.
     listed = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
-    assert listed[0] == mosaic_fp8.Tiles(128, 128, stages=4, group_m=8) and T.indexed_block_rows(listed) == 128
+    multiplied_out = dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)
+    assert listed[0] == multiplied_out and T.indexed_block_rows(listed) == 128
     wide = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, block_size=64, half_bits=True)
     assert wide[0] == mosaic_fp8.Tiles(64, 256, stages=4, group_m=8)
     few = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 8, 128, 1536, 2048, half_bits=True)
     assert not any(isinstance(t, mosaic_fp8.Tiles) for t in few)
+    assert few[0].block_m == 32 and few[0].dequantize_input  # 32 rows: the input multiplied out
     # Indexed W8A8: mixtral's long K at 1024 rows an expert, not qwen3's K=2048.
     long_k = first(indexed, F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128, 4096 * 2, 8, 28672, 4096)
     assert long_k[0] == mosaic_fp8.Tiles(64, 256, stages=4, group_m=8) and T.indexed_block_rows(long_k) == 64
     short_k = first(indexed, F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048)
     assert not any(isinstance(t, mosaic_fp8.Tiles) for t in short_k)
+    # At decode, 4-bit weights with fp8 inputs run the weight-only format's table entry with the
+    # input multiplied out (mixtral's w2 at T=1: its split-K tile).
+    w2 = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 2, 8, 4096, 14336, half_bits=True)[0]
+    weight_only = T.candidates(grouped, F.MXFP4, 2, 8, 4096, 14336, half_bits=True)[0]
+    assert w2 == dataclasses.replace(weight_only, dequantize_input=True) and w2.split_k > 1
+    # W4A16 MXFP4 indexed at prefill: the 16-bit Mosaic kernel on rows gathered in block order
+    # (the table's class entry, the heuristic below it), but for qwen3's short-K w2.
+    for shape_m, e, n, k in ((4096 * 8, 128, 1536, 2048), (4096 * 2, 8, 28672, 4096)):
+        gathered = T.candidates(indexed, F.MXFP4, shape_m, e, n, k, half_bits=True)
+        assert isinstance(gathered[0], mosaic.Tiles) and T.indexed_block_rows(gathered) == 128
+    assert isinstance(T.candidates(indexed, F.MXFP4, 4096 * 8, 128, 2048, 768, half_bits=True)[0], kernel.Tiles)
     # W4A16 MXFP4 (bf16 inputs): the 16-bit Mosaic kernel decodes planar codes from 128 rows.
     mx16 = T.candidates(grouped, F.MXFP4, 512 * 2, 8, 28672, 4096, half_bits=True)
     assert mx16[0] == heuristic.MX_BF16_MOSAIC

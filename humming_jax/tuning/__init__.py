@@ -3,11 +3,18 @@ this file), the heuristic, and the search space ``python -m humming_jax tune``
 sweeps. :func:`candidates` lists, in order, the tilings a call may run; the op
 runs the first whose kernel ``supports`` it."""
 
+import dataclasses
+
 from humming_jax.tuning.heuristic import DEQUANTIZE_MIN_ROWS, for_block, heuristic_candidates, rows_per_expert
 from humming_jax.tuning.table import Entry, format_class, load_table, table_entries, table_key, table_path
-from pallas_kernels.gemm import mosaic_fp8, triton
+from pallas_kernels.gemm import mosaic, mosaic_fp8, triton
+
+# Rows an expert under which 4-bit weights with fp8 inputs run as the weight-only
+# format (a few rows multiplied out cost less than a promotion per input-scale span).
+DEQUANTIZE_INPUT_MAX_ROWS = 32
 
 __all__ = [
+    "DEQUANTIZE_INPUT_MAX_ROWS",
     "DEQUANTIZE_MIN_ROWS",
     "Entry",
     "candidates",
@@ -37,19 +44,25 @@ def candidates(
     class's), then the heuristic's tilings. ``block_size``: an indexed
     layout's alignment block — a tile is one block, so an entry's Triton tile
     runs with that many rows (:func:`for_block`); ``half_bits``: see
-    :func:`heuristic_candidates`; ``input_dtype``: a quantized input's values (:func:`format_class`)."""
+    :func:`heuristic_candidates`; ``input_dtype``: a quantized input's values (:func:`format_class`).
+    4-bit weights with fp8 inputs at decode (under :data:`DEQUANTIZE_INPUT_MAX_ROWS`
+    rows an expert) take, after their own entries, the weight-only format's
+    entries with the input multiplied out first (``dequantize_input``)."""
     entries = [e.tiles for e in table_entries(layout, fmt, valid_shape_m, num_experts, n, k, input_dtype)]
+    rows = rows_per_expert(layout, valid_shape_m, num_experts)
+    if format_class(fmt, input_dtype) in ("4bit-a8", "fp4-a8") and rows < DEQUANTIZE_INPUT_MAX_ROWS:
+        weight_only = table_entries(layout, fmt, valid_shape_m, num_experts, n, k)
+        entries += [dataclasses.replace(e.tiles, dequantize_input=True) for e in weight_only]
     if block_size is not None:
         entries = [for_block(t, block_size) if isinstance(t, triton.Tiles) else t for t in entries]
-    rows = rows_per_expert(layout, valid_shape_m, num_experts)
     return entries + heuristic_candidates(
-        rows, n, k, fmt, block_size, half_bits, input_dtype, num_experts, indexed=layout == "indexed"
+        rows, n, k, fmt, block_size, half_bits, input_dtype, num_experts, layout == "indexed", valid_shape_m
     )
 
 
 def indexed_block_rows(listed: list) -> int | None:
     """The rows of the first of ``listed`` whose kernel runs an indexed layout
-    one tile a block (the Triton tile, the fp8 Mosaic kernel): the layout's
-    alignment block (None if none does)."""
-    rows = [t.block_m for t in listed if isinstance(t, (triton.Tiles, mosaic_fp8.Tiles))]
+    one tile a block (every kernel: the Mosaic ones on rows gathered in block
+    order): the layout's alignment block (None if none does)."""
+    rows = [t.block_m for t in listed if isinstance(t, (triton.Tiles, mosaic.Tiles, mosaic_fp8.Tiles))]
     return rows[0] if rows else None

@@ -17,21 +17,21 @@ LARGE_EXPERT_BYTES = 16 * 2**20
 # for the Mosaic kernel's 16-bit product (weights it cannot decode itself).
 DEQUANTIZE_MIN_ROWS = 512
 # Rows an expert from which e4m3 weights with fp8 inputs take the fp8 Mosaic
-# kernel (TMA-fed 8-bit wgmma) rather than the Triton tile; from one row where
-# the Triton kernel reads the weight as byte pairs (triton.reads_byte_pairs).
+# kernel (TMA-fed 8-bit wgmma) rather than the Triton tile; where the Triton
+# kernel reads the weight as byte pairs (triton.reads_byte_pairs), from
+# BYTE_PAIRS_MOSAIC_MIN_M rows in all (fewer fill too few of the Mosaic tiles).
 FP8_MOSAIC_MIN_ROWS = 128
+BYTE_PAIRS_MOSAIC_MIN_M = 128
 # MXFP4 weights with fp8 inputs (W4A8): the fp8 Mosaic kernel decodes the codes to e4m3
-# from this many rows an expert (64-row tiles), with 128-row tiles (half the decoding
-# per product) from MX_SQUARE_MIN_ROWS.
+# from this many rows an expert (64-row tiles); from MX_BF16_MOSAIC_MIN_ROWS the input is
+# multiplied out to bf16 and the 16-bit Mosaic kernel decodes the codes (MX_BF16_MOSAIC).
 MX_MOSAIC_MIN_ROWS = 32
-MX_SQUARE_MIN_ROWS = 128
-# Indexed layouts on the fp8 Mosaic kernel (rows gathered, each result row stored to its
-# slot by a one-row TMA box): W4A8 from MX_SQUARE_MIN_ROWS rows an expert; W8A8, whose
-# Triton tile is faster, only where K is long enough to hide the row stores.
-FP8_INDEXED_MIN_ROWS = 512
+# Indexed layouts on the fp8 Mosaic kernel (rows gathered in block order): W8A8, whose
+# Triton tile is faster at short K, where K is long — or where Triton reads byte pairs.
+FP8_INDEXED_MIN_ROWS = 128
 FP8_INDEXED_MIN_K = 4096
 # MXFP4 weights with bf16 inputs: the 16-bit Mosaic kernel decodes the planar codes itself
-# (the table's int4 prefill tile) from this many rows an expert.
+# (the table's int4 prefill tile) from this many rows an expert, indexed layouts included.
 MX_BF16_MOSAIC_MIN_ROWS = 128
 MX_BF16_MOSAIC = mosaic.Tiles(128, 256, 128, stages=3, group_m=8, swap_ab=True, word_decode=True, cluster_n=2)
 
@@ -92,7 +92,8 @@ def quantized_input_tiles(rows: int, n: int, k: int, fmt_class: str) -> triton.T
     e5m2 inputs, integer codes keep their scales out of the tile so that the
     product runs on the input's 8-bit operands (folded scales put it on 16-bit
     ones); with int8 inputs (whose integer products lose to the folded 16-bit
-    ones) and for e2m1 codes (read as nibble pairs, which fold) the folded tile."""
+    ones) and for e2m1 codes (read as nibble pairs, which fold) the folded tile
+    — e2m1 codes at 32 rows with e4m3 / e5m2 inputs multiplied out too."""
     block_m = _pow2_at_most(max(rows, 16), 64)
     cap_n, cap_k = _caps(n, k)
     weight_class = fmt_class.split("-")[0]
@@ -100,10 +101,9 @@ def quantized_input_tiles(rows: int, n: int, k: int, fmt_class: str) -> triton.T
     float_product = fmt_class == "4bit-a8"  # integer codes x e4m3/e5m2 on 8-bit operands
     if four_bit and block_m < (32 if float_product else 64):
         tiles = _four_bit_tiles(block_m, cap_n, cap_k, 1, weight_class)
-        # 16 rows with e4m3/e5m2 inputs: the input multiplied out to bf16 first (a few rows),
+        # e4m3/e5m2 inputs (16 rows; e2m1 codes 32 too): the input multiplied out to bf16 first,
         # then the weight-only product, with no promotion per input-scale span.
-        float_input = fmt_class.endswith("-a8")
-        return dataclasses.replace(tiles, dequantize_input=True) if float_input and block_m == 16 else tiles
+        return dataclasses.replace(tiles, dequantize_input=True) if fmt_class.endswith("-a8") else tiles
     if block_m < 32:
         return triton.Tiles(block_m, min(64, cap_n), min(256, cap_k), 4, 3)
     pairs = dict(word_decode=True, pair_decode=True)
@@ -132,16 +132,17 @@ def for_block(tiles: triton.Tiles, block_size: int) -> triton.Tiles:
     )
 
 
-def indexed_fp8_tiles(fmt_class: str, rows: int, k: int, block_size: int | None) -> list:
+def indexed_fp8_tiles(fmt_class: str, rows: int, k: int, block_size: int | None, byte_pairs: bool) -> list:
     """The fp8 Mosaic kernel's tiling for an indexed layout (a tile is one
-    block: ``block_size`` rows, None: its choice), or none: W4A8 from
-    :data:`MX_SQUARE_MIN_ROWS` rows an expert (128-row blocks, 64-row ones as
-    64 x 256); W8A8 from :data:`FP8_INDEXED_MIN_ROWS` with K of at least
-    :data:`FP8_INDEXED_MIN_K` (64-row blocks)."""
-    if fmt_class == "fp4-a8" and rows >= MX_SQUARE_MIN_ROWS and block_size in (None, 64, 128):
-        wide = block_size == 64
-        return [mosaic_fp8.Tiles(64 if wide else 128, 256 if wide else 128, stages=4, group_m=8)]
-    if fmt_class == "8bit-a8" and rows >= FP8_INDEXED_MIN_ROWS and k >= FP8_INDEXED_MIN_K and block_size in (None, 64):
+    block: ``block_size`` rows, None: its choice), or none: W8A8 from
+    :data:`FP8_INDEXED_MIN_ROWS` with K of at least :data:`FP8_INDEXED_MIN_K`,
+    or where the Triton tile would read the weight as ``byte_pairs`` (64-row
+    blocks); W4A8 from :data:`MX_BF16_MOSAIC_MIN_ROWS` where the caller's
+    block is 64 rows (:data:`MX_BF16_MOSAIC`'s tile is 128)."""
+    if fmt_class == "fp4-a8" and rows >= MX_BF16_MOSAIC_MIN_ROWS and block_size == 64:
+        return [mosaic_fp8.Tiles(64, 256, stages=4, group_m=8)]
+    long_k = rows >= FP8_INDEXED_MIN_ROWS and k >= FP8_INDEXED_MIN_K
+    if fmt_class == "8bit-a8" and (long_k or byte_pairs) and block_size in (None, 64):
         return [mosaic_fp8.Tiles(64, 256, stages=4, group_m=8)]
     return []
 
@@ -156,6 +157,7 @@ def heuristic_candidates(
     input_dtype: str | None = None,
     num_experts: int = 1,
     indexed: bool = False,
+    total_rows: int | None = None,
 ) -> list:
     """In order: the Mosaic kernel after a dequantize pass (4-bit integer
     weights it does not decode itself — K order, float zero points, other
@@ -164,27 +166,32 @@ def heuristic_candidates(
     weights with e4m3/e5m2 inputs, :data:`FP8_MOSAIC_MIN_ROWS`; planar MXFP4
     weights with them, :data:`MX_MOSAIC_MIN_ROWS`; indexed layouts:
     :func:`indexed_fp8_tiles`), or the 16-bit Mosaic kernel decoding planar
-    MXFP4 (:data:`MX_BF16_MOSAIC_MIN_ROWS`), then the Triton tile (which takes
-    every call). ``block_size``: an indexed layout's block (None with
+    MXFP4 (:data:`MX_BF16_MOSAIC_MIN_ROWS`; W4A8 there too, its input
+    multiplied out, indexed layouts included), then the Triton tile (which
+    takes every call). ``block_size``: an indexed layout's block (None with
     ``indexed``: the block is to be chosen from the first candidate).
     ``half_bits``: weights the Triton decoder reads as nibble pairs only.
     ``input_dtype``: a quantized input's values (:func:`quantized_input_tiles`).
-    ``num_experts``: the weight's experts (its size)."""
+    ``num_experts``: the weight's experts (its size); ``total_rows``: the
+    call's rows in all (None: ``rows`` times ``num_experts``)."""
     fmt_class = format_class(fmt, input_dtype)
     indexed = indexed or block_size is not None
     found = []
     if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and not indexed:
         found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
-    if fmt_class == "fp4" and rows >= MX_BF16_MOSAIC_MIN_ROWS and not indexed:
+    mx_mosaic = rows >= MX_BF16_MOSAIC_MIN_ROWS and block_size in (None, MX_BF16_MOSAIC.block_m)
+    if fmt_class == "fp4" and mx_mosaic:
         found.append(MX_BF16_MOSAIC)
-    byte_pairs = triton.offsets_wrap(num_experts * n * k, 1)
+    total_rows = rows * num_experts if total_rows is None else total_rows
+    byte_pairs = triton.offsets_wrap(num_experts * n * k, 1) and total_rows >= BYTE_PAIRS_MOSAIC_MIN_M
     if fmt_class == "8bit-a8" and (rows >= FP8_MOSAIC_MIN_ROWS or byte_pairs) and not indexed:
         found.append(mosaic_fp8.Tiles(64, 256, stages=4, group_m=8))
-    if fmt_class == "fp4-a8" and rows >= MX_MOSAIC_MIN_ROWS and not indexed:
-        square = rows >= MX_SQUARE_MIN_ROWS
-        found.append(mosaic_fp8.Tiles(128 if square else 64, 128 if square else 256, stages=4, group_m=8))
+    if fmt_class == "fp4-a8" and mx_mosaic:
+        found.append(dataclasses.replace(MX_BF16_MOSAIC, dequantize_input=True))
+    elif fmt_class == "fp4-a8" and rows >= MX_MOSAIC_MIN_ROWS and not indexed:
+        found.append(mosaic_fp8.Tiles(64, 256, stages=4, group_m=8))
     if indexed:
-        found += indexed_fp8_tiles(fmt_class, rows, k, block_size)
+        found += indexed_fp8_tiles(fmt_class, rows, k, block_size, byte_pairs)
     if input_dtype is None:
         tiles = triton_tiles(rows, n, k, fmt_class)
     else:

@@ -58,6 +58,7 @@ PREFILL = (
     _t(128, 128, 128, 8, 3, group_m=8, **_SWAP_PAIRS),
     _t(256, 128, 128, 8, 3, group_m=8, **_SWAP_PAIRS),
     _t(128, 256, 128, 8, 3, group_m=8, **_SWAP_PAIRS),
+    _t(128, 256, 128, 8, 3, group_m=8, dequantize_input=True, **_SWAP_PAIRS),
     mosaic.Tiles(128, 256, 64, stages=4),
     mosaic.Tiles(128, 256, 64, stages=3),
     mosaic.Tiles(128, 256, 64, stages=3, group_m=1),

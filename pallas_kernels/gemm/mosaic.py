@@ -227,8 +227,9 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return f"quantized inputs ({call.input_quant}): the kernel takes 16-bit float inputs (or dequantize_input)"
     if not call.interpret and not hopper_gpu():
         return f"this device ({jax.devices()[0].device_kind}: the kernel needs a Hopper GPU, sm_90)"
-    if layout.kind == "indexed":
-        return "the indexed layout (TMA cannot gather rows)"
+    if layout.kind == "indexed" and layout.block_size != tiles.block_m:
+        # Rows are gathered in block order first (TMA cannot gather them): a tile is a block.
+        return f"an indexed block_size of {layout.block_size} with block_m={tiles.block_m} (a tile is a block)"
     if call.use_f16_accum:
         return "f16 accumulation"
     decode = None
@@ -318,6 +319,41 @@ def row_tile_table(starts: jax.Array, ends: jax.Array, num_experts: int, m: int,
     return jnp.stack([group, load, first, rows], axis=1)
 
 
+def block_table(expert_ids: jax.Array, num_tokens_padded: jax.Array, num_experts: int, block_size: int) -> jax.Array:
+    """The row tiles (:func:`row_tile_table`'s form) of an indexed layout's
+    blocks gathered in order (one tile a block: ``(expert, b * block_size,
+    b * block_size, block_size)``); a block past ``num_tokens_padded`` or of
+    no expert (−1, or past E) stores zeros (group E)."""
+    blocks = expert_ids.shape[0]
+    start = jnp.arange(blocks, dtype=jnp.int32) * block_size
+    expert = expert_ids.astype(jnp.int32)
+    live = (start < num_tokens_padded.reshape(-1)[0]) & (expert >= 0) & (expert < num_experts)
+    rows = jnp.full((blocks,), block_size, jnp.int32)
+    return jnp.stack([jnp.where(live, expert, num_experts), start, start, rows], axis=1)
+
+
+def block_order(layout, route_arrays, num_experts: int, m_in: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """An indexed layout (``route_arrays``: sorted_ids, expert_ids,
+    num_tokens_padded) in block order: ``(rows, slots, table)`` — for each of
+    the ``blocks × block_size`` positions the input row it reads (slot
+    ``s // top_k``; padding reads the last row) and its slot (``layout.m_out``
+    for padding), and :func:`block_table`'s tiles."""
+    sorted_ids, expert_ids, num_tokens_padded = route_arrays
+    length = expert_ids.shape[0] * layout.block_size
+    slots = jnp.pad(sorted_ids.astype(jnp.int32), (0, length - sorted_ids.shape[0]), constant_values=layout.m_out)
+    rows = jnp.clip(slots // layout.top_k, 0, m_in - 1)
+    return rows, slots, block_table(expert_ids, num_tokens_padded, num_experts, layout.block_size)
+
+
+def to_slots(block_rows: jax.Array, slots: jax.Array, m_out: int) -> jax.Array:
+    """``[m_out, N]``: row s is the block-order row whose slot is s
+    (``block_rows [L, N]``, ``slots [L]``, a slot past ``m_out`` is padding);
+    slots no row names are zero."""
+    length = block_rows.shape[0]
+    source = jnp.full((m_out,), length, jnp.int32).at[slots].set(jnp.arange(length, dtype=jnp.int32), mode="drop")
+    return jnp.take(block_rows, source, axis=0, mode="fill", fill_value=0)
+
+
 def padded_rows(m: int, block_m: int) -> int:
     """Rows of x the kernel reads: at least one tile, a multiple of 8."""
     return -(-max(m, block_m) // ROW_ALIGN) * ROW_ALIGN
@@ -341,27 +377,11 @@ def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
         size //= 2
 
 
-def store_slots(o_smem, o_gmem_cols, dest, first_row, rows, m_out: int):
-    """Row ``r < rows`` of the shared tile ``o_smem`` to gmem row
-    ``dest[first_row + r]`` (one-row TMA boxes; a destination of ``m_out`` or
-    more, padding, is skipped)."""
-
-    @pl.loop(0, rows)
-    def _(r):
-        row = dest[first_row + r]
-
-        @pl.when(row < m_out)
-        def _():
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r, 1)], o_gmem_cols.at[pl.ds(row, 1)])
-
-
-def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False, dest=None):
+def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False):
     """A compute warpgroup's ``[wg_m, wg_n]`` result (``transposed``: given as
     ``[wg_n, wg_m]``) into ``o_gmem``'s columns from ``first_col`` through its
     ``[wg_m, EPILOGUE_COLUMNS]`` shared slot, a chunk of columns at a time;
-    ``row_span = (first_row, offset, rows)``: its own rows only (store_rows),
-    or with ``dest`` (the rows' destinations, int32 gmem) each row to its own
-    (store_slots, ``offset`` 0)."""
+    ``row_span = (first_row, offset, rows)``: its own rows only (store_rows)."""
     first_row, offset, rows = row_span
     wg_m, wg_n = (acc.shape[1], acc.shape[0]) if transposed else acc.shape
     for chunk in range(wg_n // EPILOGUE_COLUMNS):
@@ -373,10 +393,7 @@ def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False,
             slot[...] = acc[:, columns]
         plgpu.commit_smem()
         cols = o_gmem.at[:, pl.ds(first_col + chunk * EPILOGUE_COLUMNS, EPILOGUE_COLUMNS)]
-        if dest is None:
-            store_rows(slot, cols, first_row, offset, rows, wg_m)
-        else:
-            store_slots(slot, cols, dest, first_row, rows, o_gmem.shape[0])
+        store_rows(slot, cols, first_row, offset, rows, wg_m)
 
 
 def k_pipeline(step, context, *, steps: int, in_specs, stages: int):
@@ -726,6 +743,7 @@ def expert_gemm_mosaic(
     scales: jax.Array | None = None,
     zero_points: jax.Array | None = None,
     interpret: bool = False,
+    table: jax.Array | None = None,
 ) -> jax.Array:
     """``x [M, K]`` (bf16/f16) times ``weight``: row ``r`` of the ``[M, N]``
     result (``out_dtype``) uses the expert whose range ``[offsets[e],
@@ -736,7 +754,8 @@ def expert_gemm_mosaic(
     ``weight`` is ``[E, N, K]`` in
     x's dtype, or with ``decode`` the 4-bit codes ``uint16 [E, N, K/4]`` with
     ``scales`` (and ``zero_points``) ``[E, G, N]`` in x's dtype (see
-    :class:`NibbleDecode`)."""
+    :class:`NibbleDecode`). ``table``: the row tiles given
+    (:func:`block_table`) in place of the ranges."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     check_tiles(tiles, n, k, x.dtype, decode)
@@ -758,11 +777,11 @@ def expert_gemm_mosaic(
             if array is None or array.shape != want or array.dtype != x.dtype:
                 got = None if array is None else f"{array.dtype} {array.shape}"
                 raise ValueError(f"mosaic GEMM: {name} must be {x.dtype} {want}, got {got}")
-    starts, ends = row_ranges(offsets, counts, m, num_experts)
     padded = padded_rows(m, tiles.block_m)  # a row tile's box fits inside x
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
-    table = row_tile_table(starts, ends, num_experts, m, tiles.block_m)
+    if table is None:
+        table = row_tile_table(*row_ranges(offsets, counts, m, num_experts), num_experts, m, tiles.block_m)
     row_tiles = table.shape[0]
     sms = persistent_programs(interpret)
     if bias is not None and bias.shape != (num_experts, n):
@@ -844,8 +863,14 @@ def expert_gemm(
         expert_gemm_mosaic, tiles=tiles, out_dtype=jnp.dtype(call.out_dtype), bias=bias, interpret=call.interpret
     )
     offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
-    counts = route_arrays[0] if layout.kind == "grouped_masked" else None
+    routing = dict(counts=route_arrays[0]) if layout.kind == "grouped_masked" else {}
+    slots = None
+    if layout.kind == "indexed":  # rows gathered in block order, results moved to their slots
+        rows, slots, table = block_order(layout, route_arrays, w.num_experts, x.shape[0])
+        x, routing = jnp.take(x, rows, axis=0), dict(table=table)
     if not w.quantized:
-        return run(x, weight_arrays[0], offsets, counts=counts)
-    codes, scales, zero_points, decode = _nibble_operands(w, weight_arrays, x.dtype)
-    return run(x, codes, offsets, counts=counts, decode=decode, scales=scales, zero_points=zero_points)
+        out = run(x, weight_arrays[0], offsets, **routing)
+    else:
+        codes, scales, zero_points, decode = _nibble_operands(w, weight_arrays, x.dtype)
+        out = run(x, codes, offsets, decode=decode, scales=scales, zero_points=zero_points, **routing)
+    return out if slots is None else to_slots(out, slots, layout.m_out)

@@ -157,11 +157,8 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return reason
     if not call.interpret and not mosaic.hopper_gpu():
         return f"this device ({jax.devices()[0].device_kind}: the kernel needs a Hopper GPU, sm_90)"
-    if call.layout.kind == "indexed":
-        if call.layout.block_size != tiles.block_m:
-            return f"an indexed block_size of {call.layout.block_size} with block_m={tiles.block_m} (a tile is a block)"
-        if not call.layout.lists_dropped:
-            return "an indexed layout that does not list its dropped slots (its rows are stored slot by slot)"
+    if call.layout.kind == "indexed" and call.layout.block_size != tiles.block_m:
+        return f"an indexed block_size of {call.layout.block_size} with block_m={tiles.block_m} (a tile is a block)"
     if call.use_f16_accum:
         return "f16 accumulation"
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
@@ -181,13 +178,11 @@ def _kernel(
     num_experts: int,
     row_tiles: int,
     has_bias: bool,
-    has_dest: bool,
     interpret: bool,
 ):
     # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the step scales
     # [E, K/128, N] and the first of rest the pieces' factors [E, K/32, N] (mx_operands).
     factor_gmem = rest[0] if scaling.mx else None
-    dest_gmem = rest[int(scaling.mx)] if has_dest else None  # an indexed layout's slots, in block order
     bias_gmem = rest[-2] if has_bias else None
     o_gmem = rest[-1]
     k = x_gmem.shape[1]
@@ -250,7 +245,7 @@ def _kernel(
             wg_cols = col_tile * tiles.block_n + wg * wg_n
 
             def store(acc):
-                mosaic.store_tile(acc, o_smem.at[wg], o_gmem, wg_cols, (first_row, offset, rows), dest=dest_gmem)
+                mosaic.store_tile(acc, o_smem.at[wg], o_gmem, wg_cols, (first_row, offset, rows))
 
             def epilogue(acc):
                 """The sum times the scales that do not change along K, plus the bias."""
@@ -403,8 +398,6 @@ def expert_gemm_fp8(
     bias: jax.Array | None = None,
     interpret: bool = False,
     table: jax.Array | None = None,
-    dest: jax.Array | None = None,
-    out_rows: int | None = None,
 ) -> jax.Array:
     """``x [M, K]`` (e4m3 / e5m2) times ``x_scale`` (``[M, K/128]``, ``[M, 1]``
     or ``[1]`` f32, as ``scaling.x``) by the e4m3 ``weight [E, N, K]`` times
@@ -415,11 +408,8 @@ def expert_gemm_fp8(
     ``[offsets[e], offsets[e+1])`` holds it (``offsets`` None: dense; with
     ``counts [E]``: grouped-masked, expert e's first ``counts[e]`` of its
     ``M / E`` rows); rows outside every range are zero. ``bias [E, N]`` is
-    added in f32. ``table``: the row tiles given (:func:`block_table`) in
-    place of the ranges; ``dest`` (int32 ``[M]``, with ``table``): row r of
-    the result goes to row ``dest[r]`` of an ``[out_rows, N]`` output, or
-    nowhere if ``dest[r] >= out_rows`` (rows no ``dest`` names are not
-    written)."""
+    added in f32. ``table``: the row tiles given (:func:`mosaic.block_table`) in
+    place of the ranges."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     reason = tiles_refusal(tiles, n, k, scaling)
@@ -453,12 +443,11 @@ def expert_gemm_fp8(
         num_experts=num_experts,
         row_tiles=table.shape[0],
         has_bias=bias is not None,
-        has_dest=dest is not None,
         interpret=interpret,
     )
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m if dest is None else out_rows, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(mosaic.persistent_programs(interpret),),
         grid_names=("sm",),
         num_threads=mosaic.COMPUTE_WGS + 1,
@@ -467,41 +456,17 @@ def expert_gemm_fp8(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
-    if dest is not None:
-        if table is None or dest.shape != (m,) or out_rows is None:
-            raise ValueError(f"mosaic_fp8 GEMM: dest needs a table, out_rows and [M]={m} rows, got {dest.shape}")
-        extra += (dest.astype(jnp.int32),)
     return kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
 
 
-def block_table(expert_ids: jax.Array, num_tokens_padded: jax.Array, num_experts: int, block_size: int) -> jax.Array:
-    """The row tiles of an indexed layout's blocks gathered in order (one tile
-    a block: ``(expert, b * block_size, b * block_size, block_size)``); a
-    block past ``num_tokens_padded`` or of no expert (−1, or past E) stores
-    zeros (group E)."""
-    blocks = expert_ids.shape[0]
-    start = jnp.arange(blocks, dtype=jnp.int32) * block_size
-    expert = expert_ids.astype(jnp.int32)
-    live = (start < num_tokens_padded.reshape(-1)[0]) & (expert >= 0) & (expert < num_experts)
-    rows = jnp.full((blocks,), block_size, jnp.int32)
-    return jnp.stack([jnp.where(live, expert, num_experts), start, start, rows], axis=1)
-
-
 def _gathered(call: GemmCall, x, x_scale, route_arrays, scaling: Scaling):
-    """An indexed layout through gathered rows: slot s's input row ``s // top_k``
-    (and its scale) copied in block order (padding reads the last row), and the
-    routing that runs one tile a block and stores each result row to its slot
-    (padding skipped). Every output row is a listed slot (``lists_dropped``):
-    the dropped ones, in dead blocks, get zeros."""
-    layout = call.layout
-    sorted_ids, expert_ids, num_tokens_padded = route_arrays
-    length = expert_ids.shape[0] * layout.block_size
-    slots = jnp.pad(sorted_ids.astype(jnp.int32), (0, length - sorted_ids.shape[0]), constant_values=layout.m_out)
-    rows = jnp.clip(slots // layout.top_k, 0, x.shape[0] - 1)
+    """An indexed layout through gathered rows (:func:`mosaic.block_order`):
+    slot s's input row and its scale copied in block order, the table that runs
+    one tile a block, and each block-order row's slot."""
+    rows, slots, table = mosaic.block_order(call.layout, route_arrays, call.weight.num_experts, x.shape[0])
     if scaling.x != "tensor":
         x_scale = jnp.take(x_scale, rows, axis=0)
-    table = block_table(expert_ids, num_tokens_padded, call.weight.num_experts, layout.block_size)
-    return jnp.take(x, rows, axis=0), x_scale, dict(table=table, dest=slots, out_rows=layout.m_out)
+    return jnp.take(x, rows, axis=0), x_scale, table, slots
 
 
 def expert_gemm(
@@ -516,9 +481,11 @@ def expert_gemm(
     layout, scaling = call.layout, scaling_of(call)
     offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
     routing = dict(counts=route_arrays[0]) if layout.kind == "grouped_masked" else {}
-    if layout.kind == "indexed":
-        x, x_scale, routing = _gathered(call, x, x_scale, route_arrays, scaling)
-    return expert_gemm_fp8(
+    slots = None
+    if layout.kind == "indexed":  # results in block order (whole-tile stores), then one gather to the slots
+        x, x_scale, table, slots = _gathered(call, x, x_scale, route_arrays, scaling)
+        routing = dict(table=table)
+    out = expert_gemm_fp8(
         x,
         x_scale,
         weight_arrays[0],
@@ -531,3 +498,4 @@ def expert_gemm(
         interpret=call.interpret,
         **routing,
     )
+    return out if slots is None else mosaic.to_slots(out, slots, layout.m_out)
