@@ -7,9 +7,11 @@ scales) decoded in the compute warpgroups' registers each K step
 (:class:`NibbleDecode`: ``magic | q`` is the float ``magic + q``, minus the
 offset, times the scale: one rounding). Other quantized weights take it after
 one dequantize pass (``Tiles.dequantize_first``). Layouts ``dense``,
-``grouped_contiguous`` and ``grouped_masked``: TMA cannot gather, so the
-launcher cuts each expert's rows into row tiles (``row_tile_table``) and a
-tile stores only its own rows. Tiling: :class:`Tiles`; what it cannot take:
+``grouped_contiguous`` and ``grouped_masked``: the launcher cuts each
+expert's rows into row tiles (``row_tile_table``) and a tile stores only its
+own rows; ``indexed``: TMA cannot gather, so x's rows are gathered in block
+order first (``block_order``), a tile is a block, and the results are
+gathered to their slots (``to_slots``). Tiling: :class:`Tiles`; what it cannot take:
 :func:`supports`. Design and measurements: docs/DESIGN.md, benchmarks/notes/gemm.md.
 """
 
