@@ -14,7 +14,9 @@
 #   soak [SOAK ARGS]         benchmarks.soak: random hostile layers against the reference for --seconds
 # Logs and JSON go to OUT_DIR; the code runs from this checkout (PYTHONPATH), nothing is installed —
 # except Humming's wheel when one lies in .peers/ (ignored by git; the bench then times Humming's
-# kernels in the same process: benchmarks/anchors/README.md).
+# kernels in the same process: benchmarks/anchors/README.md). A bench step returns Humming's
+# compiled kernels as OUT_DIR/humming_cache.tgz; kept as .peers/humming_cache.tgz, later steps
+# start from it.
 # One-off experiments are not steps: their commands live in the notes entry that records them.
 set -u -o pipefail
 out=${1:?output directory}
@@ -31,14 +33,23 @@ export PYTHONPATH=$PWD JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XL
   PYTHONUNBUFFERED=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
 wheel=$(ls .peers/humming_kernels-*.whl 2>/dev/null | head -1)
 if [ -n "$wheel" ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/humming_site "$wheel" &&
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/humming_site "$wheel" &&
     export PYTHONPATH=$PYTHONPATH:/tmp/humming_site HUMMING_CACHE_DIR=/tmp/humming_cache && mkdir -p /tmp/humming_cache
+  # Humming's kernels compiled in earlier steps (its code never changes: ~2-3 s a kernel saved).
+  [ -f .peers/humming_cache.tgz ] && tar xzf .peers/humming_cache.tgz -C /tmp/humming_cache
 fi
+# Humming's compiled kernels back with the step's output (to keep in .peers/ for later steps).
+keep_humming_cache() {
+  if [ -n "${HUMMING_CACHE_DIR:-}" ] && [ -n "$(ls -A "$HUMMING_CACHE_DIR" 2>/dev/null)" ]; then
+    tar czf "$out/humming_cache.tgz" -C "$HUMMING_CACHE_DIR" .
+  fi
+}
 case $step in
   # A hung kernel fails its test after 120 s (pytest-timeout, on the GPU image) instead of holding a worker.
   tests) python3 -m pytest -q -n 6 --full -p no:cacheprovider -W ignore::DeprecationWarning --timeout 120 \
            --timeout-method thread "${@:-tests}" 2>&1 | tee "$out/tests.log" | tail -15 ;;
-  bench) python3 -W ignore -m humming_jax bench --out "$out/gemm.json" "$@" 2>&1 | tee "$out/gemm_bench.log" ;;
+  bench) python3 -W ignore -m humming_jax bench --out "$out/gemm.json" "$@" 2>&1 | tee "$out/gemm_bench.log"
+         keep_humming_cache ;;
   layer-bench) python3 -W ignore -m humming_jax bench --layer --out "$out/layer.json" "$@" 2>&1 |
                  tee "$out/layer_bench.log" | tail -40 ;;
   process-bench) python3 -W ignore -m benchmarks.bench_process_input --out "$out/process_input.json" "$@" 2>&1 |
