@@ -133,13 +133,10 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | No
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize != 2:
         return f"{jnp.dtype(dtype)} operands (16-bit inputs and weights)"
-    # x's rows are the wgmma's M (multiples of 64), or with swap_ab its N (decode-sized tiles
-    # up to 256: a weight tile decoded once for as many rows as a wgmma takes).
-    row_choices = (16, 32, 64, 128, 256) if tiles.swap_ab else (64, 128)
+    # x's rows are the wgmma's M (multiples of 64), or with swap_ab its N (decode-sized tiles).
+    row_choices = (16, 32, 64, 128) if tiles.swap_ab else (64, 128)
     if tiles.wg_m not in row_choices:
         return f"block_m={tiles.block_m} (one of {row_choices})"
-    if tiles.block_m == 256 and tiles.stages > 2:  # 64 KB of x a stage, 64 KB of epilogue slots
-        return f"stages={tiles.stages} with block_m=256 (at most 2 fit in shared memory)"
     if tiles.wg_n % EPILOGUE_COLUMNS or tiles.wg_n > 256:
         return f"block_n={tiles.block_n} (a multiple of {COMPUTE_WGS * EPILOGUE_COLUMNS}, at most {COMPUTE_WGS * 256})"
     if tiles.wg_m * tiles.wg_n > 128 * 128:  # 128 f32 registers a thread for the accumulator
