@@ -45,9 +45,6 @@ WIDE = mosaic.Tiles(128, 256, 64, stages=3, group_m=8)  # the H200 table's 16-bi
         pytest.param((0, 0, 40, 0), jnp.bfloat16, jnp.bfloat16, TILES, marks=FULL),  # all rows on one expert
         ((1, 70, 0, 30), jnp.float16, jnp.float32, TILES),  # tiles straddling the 8-row grid, two tiles on one expert
         pytest.param((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, WIDE, marks=FULL),  # 128-row tiles, the table's entry
-        # 128-row tiles whose rows fit in their first 64 (1 row; the 2-row tail past a full tile)
-        # multiply that half only; the others (rows from offset 1 and 7) both halves.
-        ((1, 70, 0, 130), jnp.bfloat16, jnp.float32, WIDE),
         # Clusters of two programs on adjacent column tiles of one row tile, x multicast to both
         # (make test: the empty expert and ragged tiles of the first case).
         ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, block_n=128, cluster_n=2)),

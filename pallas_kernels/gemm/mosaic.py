@@ -100,7 +100,6 @@ PIECES = 4  # a unit's 16-bit half h holds columns h + 32 j at bits 4j..4j+3
 PIECE = UNIT // PIECES
 E2M1_UNIT = 32  # planar unit of e2m1 codes with group-32 scales: a decoded piece
 STAGE_SLOTS = 2  # staged 4-bit path: decoded pieces in shared memory per compute warpgroup
-HALF_ROWS = 64  # one wgmma block of rows: a 128-row tile's tail may need only the first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -678,19 +677,7 @@ def _kernel(
                     store(acc.astype(o_gmem.dtype), transposed=swap)
 
             def step(indices, x_smem, w_smem, acc_ref):
-                w = w_smem.at[wg_slice].transpose((1, 0))
-                if bm == 2 * HALF_ROWS:  # a tile whose rows fit in the first half multiplies that half only
-
-                    @pl.when(offset + rows > HALF_ROWS)
-                    def _():
-                        plgpu.wgmma(acc_ref, x_smem, w)
-
-                    @pl.when(offset + rows <= HALF_ROWS)
-                    def _():
-                        plgpu.wgmma(acc_ref.at[:HALF_ROWS], x_smem.at[:HALF_ROWS], w)
-
-                else:
-                    plgpu.wgmma(acc_ref, x_smem, w)
+                plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
