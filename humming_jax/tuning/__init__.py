@@ -51,13 +51,18 @@ def candidates(
     entries = [e.tiles for e in table_entries(layout, fmt, valid_shape_m, num_experts, n, k, input_dtype)]
     rows = rows_per_expert(layout, valid_shape_m, num_experts)
     if format_class(fmt, input_dtype) in ("4bit-a8", "fp4-a8") and rows < DEQUANTIZE_INPUT_MAX_ROWS:
-        weight_only = table_entries(layout, fmt, valid_shape_m, num_experts, n, k)
-        entries += [dataclasses.replace(e.tiles, dequantize_input=True) for e in weight_only]
+        weight_only = [e.tiles for e in table_entries(layout, fmt, valid_shape_m, num_experts, n, k)]
+        entries += [dataclasses.replace(t, dequantize_input=True) for t in weight_only if _multiplies_out(t)]
     if block_size is not None:
         entries = [for_block(t, block_size) if isinstance(t, triton.Tiles) else t for t in entries]
     return entries + heuristic_candidates(
         rows, n, k, fmt, block_size, half_bits, input_dtype, num_experts, layout == "indexed", valid_shape_m
     )
+
+
+def _multiplies_out(tiles) -> bool:
+    """Whether ``tiles``' kernel can multiply a scaled input out before its product."""
+    return any(f.name == "dequantize_input" for f in dataclasses.fields(tiles))
 
 
 def indexed_block_rows(listed: list) -> int | None:
