@@ -70,10 +70,11 @@ def test_grouped_rows_against_numpy(counts, dtype, out_dtype, tuning, rng):
 @pytest.mark.parametrize("weight_kind", ["bf16", "int4", pytest.param("mxfp4", marks=FULL)])
 def test_indexed_rows_gathered_in_block_order(weight_kind, rng):
     """The indexed layout: slot s's row ``s // top_k`` gathered in block order,
-    one tile a block (the dead blocks' tiles store zeros), each result moved to
-    its slot by one gather; the dropped slot's row (listed past the padded
-    blocks) and the slots no block lists are zeros; a block other than the
-    tile's rows is refused with the reason."""
+    one tile a block (dead blocks are no tile: nothing computed or stored),
+    each result moved to its slot by one gather; the dropped slot's row
+    (listed past the padded blocks), the slots of a block of expert −1 (an
+    expert map's) and the slots no block lists are zeros; a block other than
+    the tile's rows is refused with the reason."""
     import gemm_layouts
     import np_ref
 
@@ -87,6 +88,7 @@ def test_indexed_rows_gathered_in_block_order(weight_kind, rng):
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
     tiles = mosaic.Tiles(64, 256, 64 if weight_kind == "bf16" else 128, stages=2, group_m=2)
     layout = gemm_layouts.layouts(rng, 4, m, block_size=64)["indexed"]
+    layout = dataclasses.replace(layout, expert_ids=layout.expert_ids.at[1].set(-1))  # a live block of no expert
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
     want = np_ref.gemm_of(x, G.as_weight(weight), layout, bf16_weight=weight_kind == "int4")
     got = np.asarray(out, np.float64)

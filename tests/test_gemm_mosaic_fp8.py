@@ -150,12 +150,12 @@ def test_indexed_slots_the_layout_does_not_list_are_zeros(weight_name, rng):
 
 
 def test_block_table_of_dead_blocks():
-    """A block past num_tokens_padded, of expert −1 or of an expert past E
-    stores zeros (group E); the others their expert's rows."""
+    """A block past num_tokens_padded, of expert −1 or of an expert past E is
+    no tile (group E, 0 rows); the others their expert's rows."""
     table = mosaic.block_table(jnp.asarray([2, -1, 0, 7, 1]), jnp.asarray([256]), 4, 64)
     np.testing.assert_array_equal(
         np.asarray(table),
-        [[2, 0, 0, 64], [4, 64, 64, 64], [0, 128, 128, 64], [4, 192, 192, 64], [4, 256, 256, 64]],
+        [[2, 0, 0, 64], [4, 64, 64, 0], [0, 128, 128, 64], [4, 192, 192, 0], [4, 256, 256, 0]],
     )
 
 

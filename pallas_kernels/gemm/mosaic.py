@@ -325,12 +325,13 @@ def block_table(expert_ids: jax.Array, num_tokens_padded: jax.Array, num_experts
     """The row tiles (:func:`row_tile_table`'s form) of an indexed layout's
     blocks gathered in order (one tile a block: ``(expert, b * block_size,
     b * block_size, block_size)``); a block past ``num_tokens_padded`` or of
-    no expert (−1, or past E) stores zeros (group E)."""
+    no expert (−1, or past E) is no tile (group E, 0 rows: nothing computed or
+    stored; :func:`block_order` sends its slots to zeros)."""
     blocks = expert_ids.shape[0]
     start = jnp.arange(blocks, dtype=jnp.int32) * block_size
     expert = expert_ids.astype(jnp.int32)
     live = (start < num_tokens_padded.reshape(-1)[0]) & (expert >= 0) & (expert < num_experts)
-    rows = jnp.full((blocks,), block_size, jnp.int32)
+    rows = jnp.where(live, block_size, 0).astype(jnp.int32)
     return jnp.stack([jnp.where(live, expert, num_experts), start, start, rows], axis=1)
 
 
@@ -339,12 +340,16 @@ def block_order(layout, route_arrays, num_experts: int, m_in: int) -> tuple[jax.
     num_tokens_padded) in block order: ``(rows, slots, table)`` — for each of
     the ``blocks × block_size`` positions the input row it reads (slot
     ``s // top_k``; padding reads the last row) and its slot (``layout.m_out``
-    for padding), and :func:`block_table`'s tiles."""
+    for padding and for every position of a dead block: no row of the result
+    is read from a tile not computed, the slots it lists read zeros), and
+    :func:`block_table`'s tiles."""
     sorted_ids, expert_ids, num_tokens_padded = route_arrays
     length = expert_ids.shape[0] * layout.block_size
     slots = jnp.pad(sorted_ids.astype(jnp.int32), (0, length - sorted_ids.shape[0]), constant_values=layout.m_out)
+    table = block_table(expert_ids, num_tokens_padded, num_experts, layout.block_size)
+    slots = jnp.where(jnp.repeat(table[:, 3] > 0, layout.block_size), slots, layout.m_out)
     rows = jnp.clip(slots // layout.top_k, 0, m_in - 1)
-    return rows, slots, block_table(expert_ids, num_tokens_padded, num_experts, layout.block_size)
+    return rows, slots, table
 
 
 def to_slots(block_rows: jax.Array, slots: jax.Array, m_out: int) -> jax.Array:
