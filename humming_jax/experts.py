@@ -25,6 +25,7 @@ from humming_jax.configs import ExpertsConfig
 from humming_jax.gemm import FLOAT_INPUTS, as_weight, format_spec, gemm, plan
 from humming_jax.process_input import check_dequantize, process_input
 from humming_jax.sharding import token_parallel
+from humming_jax.tuning.heuristic import BYTE_PAIRS_MOSAIC_MIN_M
 from pallas_kernels.gemm import triton
 
 DEFAULT_BLOCK_SIZE = 64  # an indexed layout's block where no tiling names one
@@ -32,7 +33,8 @@ DEFAULT_BLOCK_SIZE = 64  # an indexed layout's block where no tiling names one
 # its layer on the grouped-contiguous layout, whose GEMMs beat the indexed ones there
 # (each indexed result row is stored to its slot; quantized_input.md, the 120-case bench).
 INDEXED_AS_GROUPED_MIN_ROWS = 32
-INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M = 128  # rows in all where a weight is read as byte pairs (layer.md v3)
+# Rows in all where a weight is read as byte pairs: where the grouped GEMM takes the fp8 Mosaic kernel (layer.md v3).
+INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M = BYTE_PAIRS_MOSAIC_MIN_M
 # Float inputs (bf16, W4A16): from this many rows an expert, where the grouped layer's
 # Mosaic GEMMs outrun the indexed layer's Triton tiles (layer.md v3).
 INDEXED_AS_GROUPED_FLOAT_MIN_ROWS = 1024

@@ -56,7 +56,16 @@ def candidates(
     if block_size is not None:
         entries = [for_block(t, block_size) if isinstance(t, triton.Tiles) else t for t in entries]
     return entries + heuristic_candidates(
-        rows, n, k, fmt, block_size, half_bits, input_dtype, num_experts, layout == "indexed", valid_shape_m
+        rows,
+        n,
+        k,
+        fmt,
+        block_size,
+        half_bits,
+        input_dtype,
+        num_experts,
+        indexed=layout == "indexed",
+        total_rows=valid_shape_m,
     )
 
 
