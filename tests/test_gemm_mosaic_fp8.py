@@ -193,6 +193,73 @@ def test_mxfp4_decoded_to_e4m3(half_bits, quant_name, tiles, rng):
     _check(out, x, weight, layout)
 
 
+SWAP = kernel.Tiles(128, 128, stages=2, group_m=2, swap_ab=True)  # out.T, the decoded step the A operand
+SWAP_WIDE = kernel.Tiles(64, 256, stages=2, group_m=2, swap_ab=True)
+
+
+@pytest.mark.parametrize(
+    "half_bits,quant_name,tiles,layout_kind,bias",
+    [
+        (True, "fp8_dynamic_group128", SWAP, "grouped_contiguous", False),
+        (False, "fp8_dynamic_token", SWAP_WIDE, "grouped_contiguous", True),
+        (True, "fp8_dynamic_group128", SWAP, "indexed", False),
+        pytest.param(True, "fp8_dynamic_token", SWAP_WIDE, "grouped_masked", True, marks=FULL),
+        pytest.param(False, "fp8_e5m2_dynamic_token", SWAP, "dense", False, marks=FULL),
+    ],
+)
+def test_mxfp4_swap_ab(half_bits, quant_name, tiles, layout_kind, bias, rng):
+    """W4A8 with the decoded step as the wgmma's A operand (out.T): the codes
+    repacked in the fragment order, the per-step and epilogue scales along the
+    transposed accumulator's rows and columns, the transposed store (and the
+    indexed form's row stores). Interpreted, the product runs from shared
+    memory (the register operand is compiled only)."""
+    e = 1 if layout_kind == "dense" else E
+    weight = _mxfp4(rng, half_bits, e=e)
+    if bias:
+        b = jnp.asarray(rng.normal(size=(e, N)), jnp.float32)
+        weight = dataclasses.replace(weight, bias=b, format=weight.format.with_bias())
+    x = _input(rng, quant_name)
+    layout = gemm_layouts.layouts(rng, E, M, block_size=tiles.block_m)[layout_kind]
+    # out.T is stored through a 16-bit transposed view: bf16 outputs (f32 ones fail layout inference).
+    assert "16-bit transposed view" in kernel.supports(tiles, gemm_call(x, weight, layout, jnp.float32, interpret=True))
+    call = gemm_call(x, weight, layout, jnp.bfloat16, interpret=True)
+    assert kernel.supports(tiles, call) is None
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.bfloat16, tuning=tiles, backend=KERNEL_BACKEND)
+    want = np_ref.gemm_of(x, weight, layout)
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(got)) and relative_error(got, want) < 1e-2  # one bf16 rounding of the result
+    assert np.all(got[np.all(want == 0, axis=1)] == 0)
+
+
+def test_fragment_columns_against_numpy(rng):
+    """The register operand's column order: thread q of a row's quad holds
+    halves 2q and 2q + 1 of a unit, whose positions land in the columns the
+    8-bit WGMMA layout gives thread q (4q .. 4q + 3 and 16 + 4q .. 16 + 4q + 3);
+    x permuted by ``fragment_columns`` puts planar column h + 8 j (half h,
+    position j) at column ``fragment_column(h, j)`` of each unit, so the
+    product with planar codes is the planar product."""
+    assert sorted(kernel.fragment_column(h, j) for h in range(8) for j in range(4)) == list(range(32))
+    for q in range(4):
+        held = {kernel.fragment_column(2 * q + p, j) for p in range(2) for j in range(4)}
+        assert held == {4 * q + c for c in range(4)} | {16 + 4 * q + c for c in range(4)}
+    x = rng.normal(size=(5, 128)).astype(np.float32)
+    permuted = np.asarray(kernel.fragment_columns(jnp.asarray(x)))
+    for u in range(4):
+        for h in range(8):
+            for j in range(4):
+                np.testing.assert_array_equal(
+                    permuted[:, 32 * u + kernel.fragment_column(h, j)], x[:, 32 * u + h + 8 * j]
+                )
+    # Codes placed by the fragment map times the permuted x: the planar product.
+    w = rng.normal(size=(3, 128)).astype(np.float32)
+    placed = np.zeros_like(w)
+    for u in range(4):
+        for h in range(8):
+            for j in range(4):
+                placed[:, 32 * u + kernel.fragment_column(h, j)] = w[:, 32 * u + h + 8 * j]
+    np.testing.assert_allclose(permuted @ placed.T, x @ w.T, rtol=1e-5)
+
+
 def test_mx_operands_against_numpy(rng):
     """The factors 2**(12 - gap) (gaps clamped at MAX_GAP) and the step scales
     2**(largest - 133) of random bytes, from their bits (f16 and f32
@@ -267,10 +334,15 @@ def test_the_plan_takes_it_from_128_rows_an_expert():
             1, 7168, 2048, fmt, block, input_dtype="float8_e4m3", num_experts=256, total_rows=8
         )
         assert not isinstance(one_token[0], kernel.Tiles)
-    # W4A8 (planar MXFP4): 64-row tiles from 32 rows an expert; from 128 the input multiplied
-    # out and the 16-bit kernel decoding the codes (indexed layouts too).
+    # W4A8 (planar MXFP4): 64-row tiles from 32 rows an expert, the decoded step the register
+    # operand (the staged form after it where a call refuses that; indexed: the Triton tile);
+    # from 128 the input multiplied out and the 16-bit kernel decoding the codes (indexed too).
     mx = F.get_format("mxfp4")
-    assert T.heuristic_candidates(32, 1536, 2048, mx, input_dtype="float8_e4m3")[0] == kernel.Tiles(64, 256)
+    mid = T.heuristic_candidates(32, 1536, 2048, mx, input_dtype="float8_e4m3")
+    assert mid[:2] == [heuristic.MX_FP8_SWAP, dataclasses.replace(heuristic.MX_FP8_SWAP, swap_ab=False)]
+    for block in (None, 64):
+        assert T.heuristic_candidates(64, 1536, 2048, mx, block, input_dtype="float8_e4m3")[0] == heuristic.MX_FP8_SWAP
+    assert not isinstance(T.heuristic_candidates(32, 1536, 2048, mx, 32, input_dtype="float8_e4m3")[0], kernel.Tiles)
     for block in (None, 128):
         square = T.heuristic_candidates(128, 1536, 2048, mx, block, input_dtype="float8_e4m3")[0]
         assert square == dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)
@@ -280,6 +352,13 @@ def test_the_plan_takes_it_from_128_rows_an_expert():
     offsets = jnp.arange(0, E * 128 + 1, 128, dtype=jnp.int32)
     tiles, _ = plan(x, weight, hj.GroupedContiguous(offsets), valid_shape_m=E * 128, interpret=True)
     assert isinstance(tiles, kernel.Tiles)
+    # W4A8 at 32 rows an expert with f32 outputs: the register form refuses them (out.T is
+    # stored through a 16-bit view), the staged form runs.
+    mx_weight, mx_x = _mxfp4(rng, half_bits=True), _input(rng, "fp8_dynamic_group128", E * 32)
+    layout = hj.GroupedContiguous(jnp.arange(0, E * 32 + 1, 32, dtype=jnp.int32))
+    for out_dtype, swap in ((jnp.bfloat16, True), (jnp.float32, False)):
+        tiles, _ = plan(mx_x, mx_weight, layout, out_dtype, valid_shape_m=E * 32, interpret=True)
+        assert isinstance(tiles, kernel.Tiles) and tiles.swap_ab == swap
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -301,17 +380,37 @@ def test_lowers_for_the_gpu(scaling):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("half_bits", [False, True])
-def test_mxfp4_lowers_for_the_gpu(half_bits):
+@pytest.mark.parametrize("tiles", [SWAP, SWAP_WIDE], ids=["128x128", "64x256"])
+def test_swap_ab_lowers_for_the_gpu(tiles):
+    """The register-operand form lowers (layout inference included, which the
+    interpreter never runs) with bf16 outputs, for group and token inputs."""
+    for scaling, x_groups in ((kernel.Scaling("group", "mx", True), 2), (kernel.Scaling("token", "mx", False), 1)):
+        args = (
+            jax.ShapeDtypeStruct((40, 256), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((40, x_groups), jnp.float32),
+            jax.ShapeDtypeStruct((4, 256, 128), jnp.uint8),
+            jax.ShapeDtypeStruct((4, 256, 8), jnp.uint8),
+            jax.ShapeDtypeStruct((5,), jnp.int32),
+        )
+        run = functools.partial(kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16)
+        lowered = jax.jit(lambda *a, run=run: run(*a)).trace(*args)
+        assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("tiles,half_bits", [(SQUARE, False), (SQUARE, True), (SWAP, True), (SWAP_WIDE, True)], ids=str)
+def test_mxfp4_lowers_for_the_gpu(tiles, half_bits):
     """The compiled decoder (the e2m1 program on the WGMMA layout's 32-bit
-    registers, both bit orders) and the staged 32-column pieces lower."""
+    registers, both bit orders) with the staged 32-column pieces, and the
+    register form (the decoded step regrouped into the 8-bit WGMMA layout,
+    the register operand's wgmma, the transposed epilogue) lower."""
     x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
     w = jax.ShapeDtypeStruct((3, 512, 128), jnp.uint8)
     x_scale = jax.ShapeDtypeStruct((300, 2), jnp.float32)
     w_scale = jax.ShapeDtypeStruct((3, 512, 8), jnp.uint8)
     offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
     scaling = kernel.Scaling("group", "mx", half_bits)
-    run = functools.partial(kernel.expert_gemm_fp8, tiles=SQUARE, scaling=scaling, out_dtype=jnp.bfloat16)
+    run = functools.partial(kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16)
     lowered = jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets)
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 

@@ -435,9 +435,16 @@ def test_heuristic_choices_for_quantized_inputs():
     assert listed[0] == multiplied_out and T.indexed_block_rows(listed) == 128
     wide = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, block_size=64, half_bits=True)
     assert wide[0] == mosaic_fp8.Tiles(64, 256, stages=4, group_m=8)
-    few = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 8, 128, 1536, 2048, half_bits=True)
-    assert not any(isinstance(t, mosaic_fp8.Tiles) for t in few)
-    assert few[0].block_m == 32 and few[0].dequantize_input  # 32 rows: the input multiplied out
+    # 32 rows an expert: the fp8 kernel's register-operand 64 x 256 (mixtral, v24), but qwen3's
+    # table entries keep Triton's 32-row tile with the input multiplied out.
+    mid = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 128 * 2, 8, 28672, 4096, half_bits=True)
+    assert mid[0] == heuristic.MX_FP8_SWAP and T.indexed_block_rows(mid) == 64
+    for n_out, k_in in ((1536, 2048), (2048, 768)):
+        few = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 8, 128, n_out, k_in, half_bits=True)
+        assert isinstance(few[0], kernel.Tiles) and few[0].block_m == 32 and few[0].dequantize_input
+    # Mixtral's w2 at 128 rows an expert (T=512): the register-operand 128 x 128 (the table).
+    w2_mid = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 2, 8, 4096, 14336, half_bits=True)[0]
+    assert w2_mid == mosaic_fp8.Tiles(128, 128, swap_ab=True)
     # Indexed W8A8: mixtral's long K at 1024 rows an expert, not qwen3's K=2048.
     long_k = first(indexed, F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128, 4096 * 2, 8, 28672, 4096)
     assert long_k[0] == mosaic_fp8.Tiles(64, 256, stages=4, group_m=8) and T.indexed_block_rows(long_k) == 64

@@ -23,9 +23,12 @@ DEQUANTIZE_MIN_ROWS = 512
 FP8_MOSAIC_MIN_ROWS = 128
 BYTE_PAIRS_MOSAIC_MIN_M = 128
 # MXFP4 weights with fp8 inputs (W4A8): the fp8 Mosaic kernel decodes the codes to e4m3
-# from this many rows an expert (64-row tiles); from MX_BF16_MOSAIC_MIN_ROWS the input is
-# multiplied out to bf16 and the 16-bit Mosaic kernel decodes the codes (MX_BF16_MOSAIC).
+# from this many rows an expert (64-row tiles, the decoded step as the register operand:
+# MX_FP8_SWAP; the staged form where a call refuses it), grouped and indexed; from
+# MX_BF16_MOSAIC_MIN_ROWS the input is multiplied out to bf16 and the 16-bit Mosaic
+# kernel decodes the codes (MX_BF16_MOSAIC).
 MX_MOSAIC_MIN_ROWS = 32
+MX_FP8_SWAP = mosaic_fp8.Tiles(64, 256, stages=4, group_m=8, swap_ab=True)
 # Indexed layouts on the fp8 Mosaic kernel (rows gathered in block order): W8A8, whose
 # Triton tile is faster at short K, where K is long — or where Triton reads byte pairs.
 FP8_INDEXED_MIN_ROWS = 128
@@ -137,8 +140,11 @@ def indexed_fp8_tiles(fmt_class: str, rows: int, k: int, block_size: int | None,
     block: ``block_size`` rows, None: its choice), or none: W8A8 from
     :data:`FP8_INDEXED_MIN_ROWS` with K of at least :data:`FP8_INDEXED_MIN_K`,
     or where the Triton tile would read the weight as ``byte_pairs`` (64-row
-    blocks); W4A8 from :data:`MX_BF16_MOSAIC_MIN_ROWS` where the caller's
-    block is 64 rows (:data:`MX_BF16_MOSAIC`'s tile is 128)."""
+    blocks); W4A8 from :data:`MX_MOSAIC_MIN_ROWS` below
+    :data:`MX_BF16_MOSAIC_MIN_ROWS` (:data:`MX_FP8_SWAP`), and above it where
+    the caller's block is 64 rows (:data:`MX_BF16_MOSAIC`'s tile is 128)."""
+    if fmt_class == "fp4-a8" and MX_MOSAIC_MIN_ROWS <= rows < MX_BF16_MOSAIC_MIN_ROWS and block_size in (None, 64):
+        return [MX_FP8_SWAP]
     if fmt_class == "fp4-a8" and rows >= MX_BF16_MOSAIC_MIN_ROWS and block_size == 64:
         return [mosaic_fp8.Tiles(64, 256, stages=4, group_m=8)]
     long_k = rows >= FP8_INDEXED_MIN_ROWS and k >= FP8_INDEXED_MIN_K
@@ -189,7 +195,7 @@ def heuristic_candidates(
     if fmt_class == "fp4-a8" and mx_mosaic:
         found.append(dataclasses.replace(MX_BF16_MOSAIC, dequantize_input=True))
     elif fmt_class == "fp4-a8" and rows >= MX_MOSAIC_MIN_ROWS and not indexed:
-        found.append(mosaic_fp8.Tiles(64, 256, stages=4, group_m=8))
+        found += [MX_FP8_SWAP, dataclasses.replace(MX_FP8_SWAP, swap_ab=False)]
     if indexed:
         found += indexed_fp8_tiles(fmt_class, rows, k, block_size, byte_pairs)
     if input_dtype is None:

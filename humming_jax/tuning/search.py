@@ -49,6 +49,8 @@ MID = (
     _t(64, 128, 256, 4, 3, **_SWAP_PAIRS),
     _t(64, 128, 128, 4, 3, **_SWAP_PAIRS),
     _t(64, 256, 128, 8, 3, **_SWAP_PAIRS),
+    # MXFP4 with fp8 inputs: the fp8 kernel's decoded step as the register operand.
+    mosaic_fp8.Tiles(64, 256, stages=4, swap_ab=True),
 )
 PREFILL = (
     _t(128, 256, 64, 8, 4),
@@ -77,6 +79,8 @@ PREFILL = (
     mosaic_fp8.Tiles(64, 256, stages=4),
     mosaic_fp8.Tiles(64, 256, stages=4, group_m=1),
     mosaic_fp8.Tiles(128, 128, stages=4),
+    mosaic_fp8.Tiles(64, 256, stages=4, swap_ab=True),
+    mosaic_fp8.Tiles(128, 128, stages=4, swap_ab=True),
 )
 
 

@@ -553,6 +553,28 @@ def join_columns(arrays, interpret: bool):
     return join(*arrays)
 
 
+def eight_bit_fragments(array):
+    """An 8-bit ``[rows, cols]`` array in the WGMMA layout as the same values in
+    the 8-bit WGMMA layout (an 8-bit wgmma's register operand), when each
+    thread's column tiles 2T and 2T + 1 hold the four consecutive columns the
+    8-bit layout gives it in tile T (``mosaic_fp8.fragment_column``): the
+    registers regrouped in pairs, no value moves between threads. Compiled only."""
+    rows, columns = array.shape
+    out = plgpu.ShapeDtypeStruct((rows, columns), array.dtype, layout=plgpu.Layout.WGMMA_8BIT)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=out)
+    def regroup(_, pairs):
+        registers = pairs.registers
+        tiles = registers.shape[1]
+        quads = np.empty((registers.shape[0], tiles // 2, *registers.shape[2:]), dtype=object)
+        for index in np.ndindex(quads.shape):
+            low, high = (registers[(index[0], 2 * index[1] + i, *index[2:])] for i in range(2))
+            quads[index] = mgpu.utils.vector_concat([low, high])
+        return mgpu.FragmentedArray(_registers=quads, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
+
+    return regroup(array)
+
+
 def power_of_two(exponent: jax.Array, dtype) -> jax.Array:
     """``2**exponent`` (int32) in ``dtype`` (f16, bf16 or f32) from its bits:
     exact down to the smallest subnormal, zero below it."""

@@ -58,6 +58,13 @@ class Tiles:
     block_n: int = 128
     stages: int = 4
     group_m: int = 8
+    # MXFP4 (W4A8): the decoded step is the wgmma's A operand straight from registers
+    # (out.T = w @ x.T, stored transposed): no shared-memory stores of the decoded
+    # weight. A thread's decoded codes land in its 8-bit WGMMA fragment in another
+    # column order within each 32-column unit; x's columns are permuted to match
+    # (fragment_columns: a pass over x, not over every expert's codes).
+    # Compiled only: the interpreter runs the product from shared memory.
+    swap_ab: bool = False
 
     def __post_init__(self):
         check_positive(self, ("block_m", "block_n", "stages", "group_m"))
@@ -104,6 +111,10 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     if tiles.wg_m * tiles.wg_n > most:
         twice = " twice" if scaling.per_step else ""
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {most} values{twice})"
+    if tiles.swap_ab and not scaling.mx:
+        return "swap_ab with e4m3 weights (the decoded MXFP4 step only)"
+    if tiles.swap_ab and tiles.wg_n % 64:
+        return f"swap_ab with block_n={tiles.block_n} (a warpgroup's columns are the wgmma's rows: multiples of 64)"
     if n % tiles.block_n:
         return f"N={n}, not a multiple of block_n={tiles.block_n}"
     if k % BLOCK_K:
@@ -163,6 +174,8 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return "f16 accumulation"
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
         return f"out_dtype={call.out_dtype}"
+    if tiles.swap_ab and jnp.dtype(call.out_dtype).itemsize != 2:
+        return f"swap_ab with out_dtype={call.out_dtype} (out.T is stored through a 16-bit transposed view)"
     return tiles_refusal(tiles, call.weight.n, call.weight.k, scaling_of(call))
 
 
@@ -189,7 +202,17 @@ def _kernel(
     n = w_gmem.shape[1]
     bm, wg_m, wg_n = tiles.block_m, tiles.wg_m, tiles.wg_n
     col_tiles = n // tiles.block_n
+    swap = tiles.swap_ab  # accumulators out.T [wg_n, wg_m]: x's rows along their columns
+    acc_shape = (wg_n, wg_m) if swap else (wg_m, wg_n)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    m_layout, n_layout = (col_layout, row_layout) if swap else (row_layout, col_layout)
+
+    def per_m(acc, values):  # values [wg_m] (x's rows) times the accumulator
+        return acc * (values[None, :] if swap else values[:, None])
+
+    def per_n(acc, values):  # values [wg_n] (the weight's columns)
+        return acc * (values[:, None] if swap else values[None, :])
+
     in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))]
     if scaling.mx:  # the step's codes, its pieces' factors, its column scales
         in_specs += [
@@ -220,7 +243,7 @@ def _kernel(
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
     scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
-    if scaling.mx:  # the decoded step (the interpreter cannot store through a swizzle: there plain)
+    if scaling.mx and not (swap and not interpret):  # the decoded step (interpreted: unswizzled)
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
         shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
         scratch["stage"] = plgpu.SMEM(shape, jnp.float8_e4m3fn, transforms=transforms)
@@ -244,27 +267,27 @@ def _kernel(
             offset = first_row - load_row
             wg_cols = col_tile * tiles.block_n + wg * wg_n
 
-            def store(acc):
-                mosaic.store_tile(acc, o_smem.at[wg], o_gmem, wg_cols, (first_row, offset, rows))
+            def store(acc, transposed=False):
+                span = (first_row, offset, rows)
+                mosaic.store_tile(acc, o_smem.at[wg], o_gmem, wg_cols, span, transposed=transposed)
 
             def epilogue(acc):
                 """The sum times the scales that do not change along K, plus the bias."""
                 if scaling.x == "token":
-                    row_scale = plgpu.load(x_scale_gmem.at[pl.ds(load_row, bm)], layout=row_layout, optimized=False)
-                    acc = acc * row_scale[:, None]
+                    row_scale = plgpu.load(x_scale_gmem.at[pl.ds(load_row, bm)], layout=m_layout, optimized=False)
+                    acc = per_m(acc, row_scale)
                 elif scaling.x == "tensor":
                     acc = acc * x_scale_gmem[0]
                 if scaling.w == "channel":
-                    col_scale = plgpu.load(
-                        w_scale_gmem.at[group, pl.ds(wg_cols, wg_n)], layout=col_layout, optimized=False
-                    )
-                    acc = acc * col_scale[None, :]
+                    col_scale = w_scale_gmem.at[group, pl.ds(wg_cols, wg_n)]
+                    acc = per_n(acc, plgpu.load(col_scale, layout=n_layout, optimized=False))
                 elif scaling.w == "tensor":
                     acc = acc * w_scale_gmem[group]
                 if bias_gmem is not None:
-                    bias_ref = bias_gmem.at[group, pl.ds(wg_cols, wg_n)]
-                    acc = acc + plgpu.load(bias_ref, layout=col_layout, optimized=False).astype(jnp.float32)[None, :]
-                store(acc.astype(o_gmem.dtype))
+                    bias = plgpu.load(bias_gmem.at[group, pl.ds(wg_cols, wg_n)], layout=n_layout, optimized=False)
+                    bias = bias.astype(jnp.float32)
+                    acc = acc + (bias[:, None] if swap else bias[None, :])
+                store(acc.astype(o_gmem.dtype), transposed=swap)
 
             def summed_context(run):  # every scale on the sum: one accumulator through K
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
@@ -278,7 +301,7 @@ def _kernel(
                 return acc_ref
 
             def promoted_context(run):
-                epilogue(run(jnp.zeros((wg_m, wg_n), jnp.float32)))
+                epilogue(run(jnp.zeros(acc_shape, jnp.float32)))
 
             def promoted_step(indices, *refs):
                 (step,) = indices
@@ -292,24 +315,31 @@ def _kernel(
                     if not scaling.mx:
                         plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
                         return acc_ref[...]
+                    codes = w_smem[wg_slice]
+                    if swap and not interpret:  # the decoded step as the register operand
+                        decoded = _decode_mx_step(codes, factor_smem, wg_slice, scaling.half_bits, False, True)
+                        plgpu.wgmma(acc_ref, decoded, x_smem.transpose((1, 0)))
+                        return acc_ref[...]
                     # The last step's wgmma read the slot before its product was read back.
                     slot = stage.at[wg]
-                    slot[...] = _decode_mx_step(w_smem[wg_slice], factor_smem, wg_slice, scaling.half_bits, interpret)
+                    slot[...] = _decode_mx_step(codes, factor_smem, wg_slice, scaling.half_bits, interpret)
                     plgpu.commit_smem()
-                    plgpu.wgmma(acc_ref, x_smem, slot.transpose((1, 0)))
+                    if swap:
+                        plgpu.wgmma(acc_ref, slot, x_smem.transpose((1, 0)))
+                    else:
+                        plgpu.wgmma(acc_ref, x_smem, slot.transpose((1, 0)))
                     return acc_ref[...]
 
-                part = pl.run_scoped(product, plgpu.ACC((wg_m, wg_n), jnp.float32))
+                part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
                 if scaling.mx:
-                    col_scale = plgpu.load(step_scale_smem.at[0, wg_slice], layout=col_layout, optimized=False)
-                    part = part * col_scale[None, :]
+                    part = per_n(part, plgpu.load(step_scale_smem.at[0, wg_slice], layout=n_layout, optimized=False))
                 if scaling.w == "block":
                     w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 if scaling.x == "group":
-                    row_scale = plgpu.load(x_scale_smem.at[0], layout=row_layout, optimized=False)
+                    row_scale = plgpu.load(x_scale_smem.at[0], layout=m_layout, optimized=False)
                     if scaling.w == "block":
                         row_scale = row_scale * w_scale
-                    return total + part * row_scale[:, None]
+                    return total + per_m(part, row_scale)
                 return total + (part * w_scale if scaling.w == "block" else part)
 
             @pl.when((rows > 0) & (group < num_experts))
@@ -328,11 +358,13 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def _decode_mx_step(codes, factor_smem, wg_slice, half_bits: bool, interpret: bool):
+def _decode_mx_step(codes, factor_smem, wg_slice, half_bits: bool, interpret: bool, fragment: bool = False):
     """A K step's columns from its MXFP4 codes ``uint16 [rows, 32]`` as e4m3
     ``[rows, 128]``: each unit's e2m1 x 2**-6 (:func:`mosaic.e2m1_piece`)
     times its factor (``factor_smem [4, block_n]`` f16, 2**(12 - gap)), the
-    units joined in column order."""
+    units joined in column order. ``fragment`` (compiled only): the result in
+    the 8-bit WGMMA layout (the register operand), a unit's code at half h,
+    position j landing in column :func:`fragment_column` (h, j)."""
     bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
     pieces = []
     for piece in range(PIECES):
@@ -340,7 +372,8 @@ def _decode_mx_step(codes, factor_smem, wg_slice, half_bits: bool, interpret: bo
         # Interpreted in f32: XLA's CPU code misrounds some f16 products to e4m3.
         factor = factor.astype(jnp.float32) if interpret else factor
         pieces.append(mosaic.e2m1_piece(codes, piece, bits, jnp.float16, interpret) * factor)
-    return mosaic.join_columns(pieces, interpret).astype(jnp.float8_e4m3fn)
+    decoded = mosaic.join_columns(pieces, interpret).astype(jnp.float8_e4m3fn)
+    return mosaic.eight_bit_fragments(decoded) if fragment else decoded
 
 
 def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows: int, m: int, k: int):
@@ -363,6 +396,26 @@ def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows:
     elif scaling.w == "tensor":
         w_scale = w_scale.reshape(-1)
     return x_scale, w_scale
+
+
+def fragment_column(half: int, position: int) -> int:
+    """The column (0-31) of a unit's code at ``position`` of half ``half`` in
+    the fragment order: thread q of a row's quad holds halves 2q and 2q + 1 (the
+    16-bit WGMMA layout), whose positions j hold columns 16 (j // 2) + 4q +
+    2 (j % 2) + (half % 2) — the four consecutive columns of each 16-column
+    tile the 8-bit WGMMA layout gives thread q, two a decoded pair."""
+    return 16 * (position // 2) + 4 * (half // 2) + 2 * (position % 2) + half % 2
+
+
+def fragment_columns(x: jax.Array) -> jax.Array:
+    """``x [M, K]`` with the columns of each 32-column unit permuted so that
+    column :func:`fragment_column` (h, j) holds the planar column ``h + 8 j``
+    (half h, position j): the register operand's product of planar codes
+    with it is the planar product. In bits, column (j1 h2 h1 j0 h0) takes
+    column (j1 j0 h2 h1 h0)."""
+    m, k = x.shape
+    units = x.reshape(m, k // MX_GROUP, 2, 2, 2, 2, 2)  # j1, j0, h2, h1, h0
+    return units.transpose(0, 1, 2, 4, 5, 3, 6).reshape(m, k)
 
 
 def mx_operands(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -427,6 +480,8 @@ def expert_gemm_fp8(
             raise ValueError(f"mosaic_fp8 GEMM: MXFP4 scales must be [E, N, K/32], got {w_scale.shape}")
         weight, factors, w_scale = mx_operands(weight, w_scale)
         extra = (factors,)
+        if tiles.swap_ab and not interpret:  # the register operand's column order
+            x = fragment_columns(x)
     padded = mosaic.padded_rows(m, tiles.block_m)
     x_scale, w_scale = _flat_scales(scaling, x_scale, w_scale, padded, m, k)
     if padded > m:
