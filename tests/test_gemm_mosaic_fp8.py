@@ -36,7 +36,6 @@ BOUND = 1e-5 if KERNEL_BACKEND == "interpret" else 1e-3
 E, N, K, M = 4, 256, 256, 40
 TILES = kernel.Tiles(64, 256, stages=2, group_m=2)  # the heuristic's tile, fewer stages
 SQUARE = kernel.Tiles(128, 128, stages=2, group_m=2)  # 128-row tiles, 64 columns a warpgroup
-STEP_SCALES = dataclasses.replace(TILES, step_scales=True)  # block scales a column and step
 
 WEIGHT_OF = {"block": "fp8_block128", "channel": "fp8_channel", "tensor": "fp8_tensor"}
 INPUT_OF = {"group": "fp8_dynamic_group128", "token": "fp8_dynamic_token", "tensor": "fp8_static_tensor"}
@@ -54,16 +53,6 @@ def _mxfp4(rng, half_bits: bool, gaps: int = 12, e: int = E):
     spread = np.exp2(rng.integers(-gaps, 1, (e, N, K // 32))).repeat(32, axis=-1)
     w = jnp.asarray(rng.normal(0, 0.05, (e, N, K)) * spread, jnp.float32)
     return F.to_planar(F.quantize_weight(w, F.get_format("mxfp4")), half_bits=half_bits)
-
-
-def _mxfp4_for(rng, half_bits: bool, layout_kind: str, bias: bool):
-    """Planar MXFP4 for a layout (one expert for ``dense``), with a bias if asked."""
-    e = 1 if layout_kind == "dense" else E
-    weight = _mxfp4(rng, half_bits, e=e)
-    if not bias:
-        return weight
-    b = jnp.asarray(rng.normal(size=(e, N)), jnp.float32)
-    return dataclasses.replace(weight, bias=b, format=weight.format.with_bias())
 
 
 def _input(rng, quant_name: str, m: int = M):
@@ -86,8 +75,6 @@ def _check(out, x, weight, layout):
     "x_mode,w_mode,tiles",
     [
         ("group", "block", TILES),  # DeepSeek-V3's W8A8: both scales per step
-        ("group", "block", STEP_SCALES),
-        pytest.param("token", "block", STEP_SCALES, marks=FULL),
         pytest.param("group", "block", SQUARE, marks=FULL),
         ("token", "channel", TILES),  # every scale on the sum
         pytest.param("token", "channel", SQUARE, marks=FULL),
@@ -127,7 +114,6 @@ def test_layouts_e5m2_and_bias(layout_kind, quant_name, bias, rng):
     "weight_name,quant_name,tiles",
     [
         ("fp8_block128", "fp8_dynamic_group128", TILES),
-        ("fp8_block128", "fp8_dynamic_group128", STEP_SCALES),
         ("mxfp4", "fp8_dynamic_group128", SQUARE),
         pytest.param("fp8_channel", "fp8_dynamic_token", SQUARE, marks=FULL),
         pytest.param("mxfp4", "fp8_dynamic_token", TILES, marks=FULL),
@@ -227,7 +213,11 @@ def test_mxfp4_swap_ab(half_bits, quant_name, tiles, layout_kind, bias, rng):
     transposed accumulator's rows and columns, the transposed store (and the
     indexed form's row stores). Interpreted, the product runs from shared
     memory (the register operand is compiled only)."""
-    weight = _mxfp4_for(rng, half_bits, layout_kind, bias)
+    e = 1 if layout_kind == "dense" else E
+    weight = _mxfp4(rng, half_bits, e=e)
+    if bias:
+        b = jnp.asarray(rng.normal(size=(e, N)), jnp.float32)
+        weight = dataclasses.replace(weight, bias=b, format=weight.format.with_bias())
     x = _input(rng, quant_name)
     layout = gemm_layouts.layouts(rng, E, M, block_size=tiles.block_m)[layout_kind]
     # out.T is stored through a 16-bit transposed view: bf16 outputs (f32 ones fail layout inference).
@@ -239,61 +229,6 @@ def test_mxfp4_swap_ab(half_bits, quant_name, tiles, layout_kind, bias, rng):
     got = np.asarray(out.astype(jnp.float32), np.float64)
     assert np.all(np.isfinite(got)) and relative_error(got, want) < 1e-2  # one bf16 rounding of the result
     assert np.all(got[np.all(want == 0, axis=1)] == 0)
-
-
-DECODED_FIRST = kernel.Tiles(128, 128, stages=2, group_m=2, dequantize_first=True)
-
-
-@pytest.mark.parametrize(
-    "half_bits,quant_name,layout_kind,bias",
-    [
-        (True, "fp8_dynamic_group128", "grouped_contiguous", False),
-        (False, "fp8_dynamic_token", "indexed", True),
-        pytest.param(True, "fp8_dynamic_group128", "grouped_masked", False, marks=FULL),
-        pytest.param(False, "fp8_e5m2_dynamic_token", "dense", True, marks=FULL),
-    ],
-)
-def test_mxfp4_decoded_first(half_bits, quant_name, layout_kind, bias, rng):
-    """W4A8 with the codes decoded to e4m3 by a pass before the kernel (the
-    bytes the in-kernel decode makes, a scale per column and step): the float64
-    product within f32 sums, f32 outputs included, every layout."""
-    weight = _mxfp4_for(rng, half_bits, layout_kind, bias)
-    x = _input(rng, quant_name)
-    layout = gemm_layouts.layouts(rng, E, M, block_size=DECODED_FIRST.block_m)[layout_kind]
-    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=DECODED_FIRST, backend=KERNEL_BACKEND)
-    _check(out, x, weight, layout)
-
-
-@pytest.mark.parametrize("half_bits", [False, True])
-def test_decoded_operands_against_numpy(half_bits, rng):
-    """The pass's e4m3 bytes times their step's column scale are the MXFP4
-    weight (gaps up to 12 here: exact), in column order; the bytes are those
-    of e2m1 x 2**(6 - gap) (every code, both signs of zero included)."""
-    weight = _mxfp4(rng, half_bits)
-    values, steps = kernel.decoded_operands(weight.values, weight.scale, half_bits)
-    assert values.dtype == jnp.float8_e4m3fn and values.shape == (E, N, K)
-    scale_per_column = np.repeat(np.swapaxes(np.asarray(steps, np.float64), 1, 2), 128, axis=-1)
-    want = np_ref.dequantize_weight(weight)
-    np.testing.assert_array_equal(np.asarray(values, np.float64) * scale_per_column, want)
-
-
-@pytest.mark.parametrize("half_bits", [False, True])
-def test_decoded_bytes_round_to_nearest_even(half_bits):
-    """Every e2m1 code at every gap up to MAX_GAP: the pass's byte is e4m3's
-    rounding to nearest even of e2m1 x 2**(6 - gap) (exact to a gap of 14,
-    subnormals, ties and zeros past it)."""
-    import ml_dtypes
-
-    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
-    gaps = np.arange(kernel.MAX_GAP + 1)
-    w = np.full((1, len(gaps), 128), 6.0)  # pieces 0, 2, 3 at the step's largest scale
-    w[0, :, 32:64] = np.tile(grid, 2)[None, :] * np.exp2(-gaps)[:, None]
-    weight = F.to_planar(F.quantize_weight(jnp.asarray(w, jnp.float32), F.get_format("mxfp4")), half_bits=half_bits)
-    values, steps = kernel.decoded_operands(weight.values, weight.scale, half_bits)
-    got = np.asarray(values)[0, :, 32:64].view(np.uint8)
-    want = (np.tile(grid, 2)[None, :] * np.exp2(6.0 - gaps)[:, None]).astype(ml_dtypes.float8_e4m3fn)
-    np.testing.assert_array_equal(got, want.view(np.uint8))
-    assert np.all(np.asarray(steps) == 2.0**-6)
 
 
 def test_fragment_columns_against_numpy(rng):
@@ -361,11 +296,6 @@ def test_what_the_kernel_refuses(rng):
         block, layouts["dense"], x=Q.quantize_input(jnp.ones((M, K), jnp.bfloat16), Q.NONE)
     )
     assert "at most 8192 values twice" in reason(block, layouts["dense"], kernel.Tiles(128, 256))
-    assert "MXFP4 only" in reason(block, layouts["dense"], DECODED_FIRST)
-    channel, token = _weight(rng, "fp8_channel"), _input(rng, "fp8_dynamic_token")
-    assert "blocks only" in reason(channel, layouts["dense"], STEP_SCALES, x=token)
-    both = dataclasses.replace(DECODED_FIRST, swap_ab=True)
-    assert "read from shared memory" in reason(_mxfp4(rng, True), layouts["dense"], both)
     token = _input(rng, "fp8_dynamic_token")
     assert reason(_weight(rng, "fp8_channel"), layouts["dense"], kernel.Tiles(128, 256), x=token) is None  # one sum
     assert "f16 accumulation" in reason(block, layouts["dense"], use_f16_accum=True)
@@ -468,17 +398,12 @@ def test_swap_ab_lowers_for_the_gpu(tiles):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize(
-    "tiles,half_bits",
-    [(SQUARE, False), (SQUARE, True), (SWAP, True), (SWAP_WIDE, True), (DECODED_FIRST, True)],
-    ids=str,
-)
+@pytest.mark.parametrize("tiles,half_bits", [(SQUARE, False), (SQUARE, True), (SWAP, True), (SWAP_WIDE, True)], ids=str)
 def test_mxfp4_lowers_for_the_gpu(tiles, half_bits):
     """The compiled decoder (the e2m1 program on the WGMMA layout's 32-bit
     registers, both bit orders) with the staged 32-column pieces, and the
     register form (the decoded step regrouped into the 8-bit WGMMA layout,
-    the register operand's wgmma, the transposed epilogue) and the decoded-first
-    form (e4m3 with per-step column scales) lower."""
+    the register operand's wgmma, the transposed epilogue) lower."""
     x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
     w = jax.ShapeDtypeStruct((3, 512, 128), jnp.uint8)
     x_scale = jax.ShapeDtypeStruct((300, 2), jnp.float32)

@@ -11,10 +11,7 @@ input scales multiply the sum. MXFP4 (e2m1 codes, e8m0 scales per 32
 columns, planar units of 32): a K step's four groups enter the product as
 e2m1 times 2**(6 - gap) in e4m3 (gap: the step's largest scale byte of the
 column less the group's; exact up to a gap of 14), the step's product times
-2**(largest - 133) per column (:func:`mx_operands`) — or, with
-``Tiles.dequantize_first``, the same e4m3 bytes made by one XLA pass before
-the kernel (:func:`decoded_operands`) and multiplied as e4m3 weights with a
-scale per column and step (``Scaling(w="step")``). Layouts ``dense``,
+2**(largest - 133) per column (:func:`mx_operands`). Layouts ``dense``,
 ``grouped_contiguous`` and ``grouped_masked``, cut into row tiles as the
 16-bit kernel's (:func:`mosaic.row_tile_table`); ``indexed`` through its rows
 gathered in block order, one tile a block, each result row stored to its
@@ -68,14 +65,6 @@ class Tiles:
     # (fragment_columns: a pass over x, not over every expert's codes).
     # Compiled only: the interpreter runs the product from shared memory.
     swap_ab: bool = False
-    # MXFP4 (W4A8): the codes decoded to e4m3 by one XLA pass before the kernel (the
-    # bytes the in-kernel decode makes, with their per-step column scales) and the
-    # product on plain TMA-fed 8-bit operands: the fp8 MMAs' rate for a pass over
-    # every expert's weight — for experts of many rows.
-    dequantize_first: bool = False
-    # 128 x 128 block weight scales expanded to a scale per column and step, read through
-    # the K pipeline with the step's operands instead of one global load a step.
-    step_scales: bool = False
 
     def __post_init__(self):
         check_positive(self, ("block_m", "block_n", "stages", "group_m"))
@@ -93,8 +82,7 @@ class Tiles:
 class Scaling:
     """How the call's scales apply: ``x`` tensor / token / group (128 columns,
     f32), ``w`` tensor / channel / block (128 x 128, f32) / mx (MXFP4 codes
-    decoded in the kernel, a scale per column and step) / step (e4m3 values
-    with a scale per column and step: MXFP4 decoded first); ``half_bits``: mx
+    decoded in the kernel, a scale per column and step); ``half_bits``: mx
     codes in the pair decoder's bit order (``word_decode.E2M1_HALF_BITS``)."""
 
     x: str
@@ -104,20 +92,11 @@ class Scaling:
     @property
     def per_step(self) -> bool:
         """A scale changes along K: each step's product is scaled on its own."""
-        return self.x == "group" or self.w in ("block", "mx", "step")
+        return self.x == "group" or self.w in ("block", "mx")
 
     @property
     def mx(self) -> bool:
         return self.w == "mx"
-
-    @property
-    def column_steps(self) -> bool:
-        """A weight scale per column and K step (f32 ``[E, K/128, N]``)."""
-        return self.w in ("mx", "step")
-
-    def decoded_first(self) -> Scaling:
-        """The scaling of MXFP4 decoded to e4m3 before the kernel."""
-        return dataclasses.replace(self, w="step", half_bits=False) if self.mx else self
 
 
 def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
@@ -132,12 +111,6 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     if tiles.wg_m * tiles.wg_n > most:
         twice = " twice" if scaling.per_step else ""
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {most} values{twice})"
-    if tiles.step_scales and scaling.w != "block":
-        return f"step_scales with {scaling.w} weight scales (128 x 128 blocks only)"
-    if tiles.dequantize_first and not scaling.mx:
-        return "dequantize_first with e4m3 weights (MXFP4 only: e4m3 needs no decoding)"
-    if tiles.dequantize_first and tiles.swap_ab:
-        return "dequantize_first with swap_ab (the decoded weight is read from shared memory)"
     if tiles.swap_ab and not scaling.mx:
         return "swap_ab with e4m3 weights (the decoded MXFP4 step only)"
     if tiles.swap_ab and tiles.wg_n % 64:
@@ -253,8 +226,6 @@ def _kernel(
                 (tiles.block_n, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, w_gmem.dtype)
             )
         )
-    if scaling.w == "step":  # the step's column scales
-        in_specs.append(plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)))
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
         in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
@@ -266,8 +237,6 @@ def _kernel(
         found = [rows, w_gmem.at[group, cols]]
         if scaling.mx:
             found += [factor_gmem.at[group, :, cols], w_scale_gmem.at[group, :, cols]]
-        elif scaling.w == "step":
-            found.append(w_scale_gmem.at[group, :, cols])
         if scaling.x == "group":
             found.append(x_scale_gmem.at[:, pl.ds(load_row, bm)])
         return found
@@ -341,8 +310,6 @@ def _kernel(
                 x_smem, w_smem = refs[:2]
                 if scaling.mx:
                     factor_smem, step_scale_smem = refs[2:4]
-                elif scaling.w == "step":
-                    step_scale_smem = refs[2]
 
                 def product(acc_ref):
                     if not scaling.mx:
@@ -364,7 +331,7 @@ def _kernel(
                     return acc_ref[...]
 
                 part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-                if scaling.column_steps:
+                if scaling.mx:
                     part = per_n(part, plgpu.load(step_scale_smem.at[0, wg_slice], layout=n_layout, optimized=False))
                 if scaling.w == "block":
                     w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
@@ -412,8 +379,8 @@ def _decode_mx_step(codes, factor_smem, wg_slice, half_bits: bool, interpret: bo
 def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows: int, m: int, k: int):
     """The scales as the kernel reads them: a row's per-step scales ``[K/128,
     rows]`` (``rows`` >= M, zero-padded), per-row ``[rows]`` or one ``[1]``;
-    weight blocks ``[E, N/128, K/128]``, channels ``[E, N]`` or ``[E]`` (mx,
-    step: as :func:`mx_operands` gives them)."""
+    weight blocks ``[E, N/128, K/128]``, channels ``[E, N]`` or ``[E]`` (mx: as
+    :func:`mx_operands` gives them)."""
     x_scale = x_scale.astype(jnp.float32)
     if scaling.x == "group":
         x_scale = jnp.pad(x_scale.reshape(m, k // BLOCK_K).T, ((0, 0), (0, rows - m)))
@@ -421,7 +388,7 @@ def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows:
         x_scale = jnp.pad(x_scale.reshape(m), (0, rows - m))
     else:
         x_scale = x_scale.reshape(1)
-    if scaling.column_steps:
+    if scaling.mx:
         return x_scale, w_scale
     w_scale = w_scale.astype(jnp.float32)
     if scaling.w == "channel":
@@ -451,20 +418,6 @@ def fragment_columns(x: jax.Array) -> jax.Array:
     return units.transpose(0, 1, 2, 4, 5, 3, 6).reshape(m, k)
 
 
-def _gaps_and_steps(scale: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """From MXFP4's e8m0 bytes ``[E, N, K/32]``: each piece's gap below its
-    step's largest byte of the column (clamped at :data:`MAX_GAP`), int32
-    ``[E, N, K/32]``, and the per-step column scales f32 ``2**(largest - 133)``
-    ``[E, K/128, N]`` (NaN where a byte is 255)."""
-    e, n = scale.shape[:2]
-    raw = scale.astype(jnp.int32).reshape(e, n, k // BLOCK_K, PIECES)
-    top = jnp.max(raw, axis=-1)
-    gap = jnp.minimum(top[..., None] - raw, MAX_GAP).reshape(e, n, k // MX_GROUP)
-    steps = mosaic.power_of_two(top - 127 - E2M1_EXPONENT, jnp.float32)
-    steps = jnp.where(top == E8M0_NAN, jnp.nan, steps)
-    return gap, jnp.swapaxes(steps, 1, 2)
-
-
 def mx_operands(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """MXFP4's stored parts (planar codes ``uint8 [E, N, K/2]``, e8m0 bytes
     ``[E, N, K/32]``) as the kernel reads them: codes ``uint16 [E, N, K/4]``;
@@ -472,40 +425,16 @@ def mx_operands(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Arr
     times it: e2m1 x 2**(6 - gap), gap = the step's largest byte of the column
     less the piece's, clamped at :data:`MAX_GAP`); per step f32
     ``2**(largest - 133)`` ``[E, K/128, N]`` (NaN where a byte is 255)."""
-    gap, steps = _gaps_and_steps(scale, 2 * values.shape[-1])
-    factors = mosaic.power_of_two(2 * E2M1_EXPONENT - gap, jnp.float16)
-    return mosaic.planar_words(values), jnp.swapaxes(factors, 1, 2), steps
-
-
-def decoded_operands(values: jax.Array, scale: jax.Array, half_bits: bool) -> tuple[jax.Array, jax.Array]:
-    """MXFP4's stored parts (as :func:`mx_operands` takes them; ``half_bits``:
-    the codes' bit order) decoded before the kernel: e4m3 ``[E, N, K]`` in
-    column order, each code e2m1 x 2**(6 - gap) rounded to nearest even — the
-    bytes the in-kernel decode makes (exact up to a gap of 14) —, and the
-    per-step column scales of :func:`mx_operands`. One XLA pass of int32
-    arithmetic that writes the e4m3 bytes themselves (no float conversion)."""
     e, n, half_k = values.shape
     k = 2 * half_k
-    gap, steps = _gaps_and_steps(scale, k)
-    bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
-    # Half h of a 32-column unit (bytes 2h, 2h + 1) holds column h + 8 j at position j:
-    # the codes in column order are [unit, j, h], position j's bits picked by constant shifts.
-    pairs = values.reshape(e, n, k // MX_GROUP, 1, MX_GROUP // 4, 2).astype(jnp.int32)
-    halves = pairs[..., 0] | (pairs[..., 1] << 8)
-    sources = jnp.asarray(bits, jnp.int32)  # [position, bit]
-    codes = sum(((halves >> sources[:, b, None]) & 1) << b for b in range(4)).reshape(e, n, k)
-    shift = jnp.repeat(E2M1_EXPONENT - gap, MX_GROUP, axis=-1)
-    # A code s E E M is 2**t (1 + M / 2) with t = E - 1 + shift (E >= 1; 0.5: t = shift - 1,
-    # M = 0). e4m3: normal from t = -6 (exponent t + 7); below, subnormal units of 2**-9:
-    # (2 + M) 2**(t + 8) for t = -7, -8; rounded to nearest even for t = -9 (1 + M), -10 (M).
-    magnitude, man = codes & 7, jnp.where((codes & 7) >= 2, codes & 1, 0)
-    t = jnp.where(magnitude >= 2, ((codes >> 1) & 3) - 1, -1) + shift
-    normal = ((t + 7) << 3) | (man << 2)
-    subnormal = jnp.where(
-        t >= -8, (2 + man) << jnp.clip(t + 8, 0, 1), jnp.where(t == -9, 1 + man, jnp.where(t == -10, man, 0))
-    )
-    byte = jnp.where(magnitude == 0, 0, jnp.where(t >= -6, normal, subnormal)) | ((codes & 8) << 4)
-    return lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn), steps
+    codes = mosaic.planar_words(values)
+    raw = scale.astype(jnp.int32).reshape(e, n, k // BLOCK_K, PIECES)
+    top = jnp.max(raw, axis=-1)
+    gap = jnp.minimum(top[..., None] - raw, MAX_GAP)
+    factors = mosaic.power_of_two(2 * E2M1_EXPONENT - gap, jnp.float16).reshape(e, n, k // MX_GROUP)
+    steps = mosaic.power_of_two(top - 127 - E2M1_EXPONENT, jnp.float32)
+    steps = jnp.where(top == E8M0_NAN, jnp.nan, steps)
+    return codes, jnp.swapaxes(factors, 1, 2), jnp.swapaxes(steps, 1, 2)
 
 
 def expert_gemm_fp8(
@@ -546,15 +475,9 @@ def expert_gemm_fp8(
             f"got {x.dtype} {x.shape}, {weight.dtype} {weight.shape}"
         )
     extra = ()
-    if scaling.mx and w_scale.shape != (num_experts, n, k // MX_GROUP):
-        raise ValueError(f"mosaic_fp8 GEMM: MXFP4 scales must be [E, N, K/32], got {w_scale.shape}")
-    if scaling.mx and tiles.dequantize_first:
-        weight, w_scale = decoded_operands(weight, w_scale, scaling.half_bits)
-        scaling = scaling.decoded_first()
-    elif scaling.w == "block" and tiles.step_scales:
-        w_scale = jnp.swapaxes(jnp.repeat(w_scale.astype(jnp.float32), BLOCK_K, axis=1), 1, 2)
-        scaling = dataclasses.replace(scaling, w="step")
-    elif scaling.mx:
+    if scaling.mx:
+        if w_scale.shape != (num_experts, n, k // MX_GROUP):
+            raise ValueError(f"mosaic_fp8 GEMM: MXFP4 scales must be [E, N, K/32], got {w_scale.shape}")
         weight, factors, w_scale = mx_operands(weight, w_scale)
         extra = (factors,)
         if tiles.swap_ab and not interpret:  # the register operand's column order
