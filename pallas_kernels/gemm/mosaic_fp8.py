@@ -330,11 +330,11 @@ def _kernel(
                         plgpu.wgmma(acc_ref, x_smem, slot.transpose((1, 0)))
                     return acc_ref[...]
 
-                if scaling.w == "block":  # a global load: issued before the product, its latency hidden
-                    w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
                 if scaling.mx:
                     part = per_n(part, plgpu.load(step_scale_smem.at[0, wg_slice], layout=n_layout, optimized=False))
+                if scaling.w == "block":
+                    w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 if scaling.x == "group":
                     row_scale = plgpu.load(x_scale_smem.at[0], layout=m_layout, optimized=False)
                     if scaling.w == "block":
