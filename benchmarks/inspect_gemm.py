@@ -40,6 +40,7 @@ def main(argv=None) -> int:
         "--nibble-halves", action="store_true", help="planar e2m1 codes in nibble order (default: the decoder's bits)"
     )
     parser.add_argument("--hlo", action="store_true", help="also list what one call launches (the optimized module)")
+    parser.add_argument("--hlo-out", help="with --hlo: write each config's optimized module here (a suffix per config)")
     args = parser.parse_args(argv)
     configs = [parse_config(text) for text in args.config]  # bad configs fail before the GPU work
     import jax
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         return 2
     case = bench.Case(args.problem, args.gemm, args.layout, args.tokens, args.fmt, args.k_order, not args.nibble_halves)
     prep = bench.prepare(case)
-    for text, tuning in zip(args.config, configs, strict=True):
+    for number, (text, tuning) in enumerate(zip(args.config, configs, strict=True)):
         try:
             row, out, layout = bench.time_prepared(prep, tuning)
         except Exception as error:  # e.g. a tile past the shared memory: report it, time the next one
@@ -59,8 +60,11 @@ def main(argv=None) -> int:
             continue
         if args.hlo:
             fn, _ = bench.gemm_call(prep, tuning)
-            compiled = jax.jit(fn).lower(prep.xs[0], prep.weights[0]).compile()
-            print(f"{text}: launches " + "; ".join(bench.launched_ops(compiled.as_text())), flush=True)
+            module = jax.jit(fn).lower(prep.xs[0], prep.weights[0]).compile().as_text()
+            print(f"{text}: launches " + "; ".join(bench.launched_ops(module)), flush=True)
+            if args.hlo_out:  # what each launch reads and writes: the fusions' own computations
+                with open(f"{args.hlo_out}.{number}.txt", "w") as f:
+                    f.write(module)
         error = bench.sampled_error(prep, layout, out)
         copy = f"{100 * row['copy_fraction']:.0f} % of copy"  # of the bytes that must move, at the copy bandwidth
         print(f"{text}: {row['us']:.1f} us, {row['gbps']:.0f} GB/s, err {error:.1e}, {copy}", flush=True)
