@@ -352,6 +352,21 @@ def block_order(layout, route_arrays, num_experts: int, m_in: int) -> tuple[jax.
     return rows, slots, table
 
 
+def routed(layout, route_arrays, num_experts: int, *row_arrays: jax.Array):
+    """How a Mosaic kernel takes ``layout``: ``(row_arrays, offsets, routing,
+    slots)`` — ``offsets`` for grouped-contiguous, ``routing`` the launcher's
+    keyword (``counts`` for grouped-masked, the block ``table`` for indexed),
+    and for an indexed layout ``row_arrays`` (x and any per-row array) gathered
+    in block order with ``slots`` for :func:`to_slots` (else None)."""
+    offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
+    if layout.kind == "grouped_masked":
+        return row_arrays, offsets, dict(counts=route_arrays[0]), None
+    if layout.kind != "indexed":
+        return row_arrays, offsets, {}, None
+    rows, slots, table = block_order(layout, route_arrays, num_experts, row_arrays[0].shape[0])
+    return tuple(jnp.take(a, rows, axis=0) for a in row_arrays), offsets, dict(table=table), slots
+
+
 def to_slots(block_rows: jax.Array, slots: jax.Array, m_out: int) -> jax.Array:
     """``[m_out, N]``: row s is the block-order row whose slot is s
     (``block_rows [L, N]``, ``slots [L]``, a slot past ``m_out`` is padding);
@@ -891,12 +906,7 @@ def expert_gemm(
     run = functools.partial(
         expert_gemm_mosaic, tiles=tiles, out_dtype=jnp.dtype(call.out_dtype), bias=bias, interpret=call.interpret
     )
-    offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
-    routing = dict(counts=route_arrays[0]) if layout.kind == "grouped_masked" else {}
-    slots = None
-    if layout.kind == "indexed":  # rows gathered in block order, results moved to their slots
-        rows, slots, table = block_order(layout, route_arrays, w.num_experts, x.shape[0])
-        x, routing = jnp.take(x, rows, axis=0), dict(table=table)
+    (x,), offsets, routing, slots = routed(layout, route_arrays, w.num_experts, x)
     if not w.quantized:
         out = run(x, weight_arrays[0], offsets, **routing)
     else:

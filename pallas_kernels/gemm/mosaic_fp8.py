@@ -514,16 +514,6 @@ def expert_gemm_fp8(
     return kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
 
 
-def _gathered(call: GemmCall, x, x_scale, route_arrays, scaling: Scaling):
-    """An indexed layout through gathered rows (:func:`mosaic.block_order`):
-    slot s's input row and its scale copied in block order, the table that runs
-    one tile a block, and each block-order row's slot."""
-    rows, slots, table = mosaic.block_order(call.layout, route_arrays, call.weight.num_experts, x.shape[0])
-    if scaling.x != "tensor":
-        x_scale = jnp.take(x_scale, rows, axis=0)
-    return jnp.take(x, rows, axis=0), x_scale, table, slots
-
-
 def expert_gemm(
     call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias, route_arrays, x_scale: jax.Array | None = None
 ) -> jax.Array:
@@ -534,12 +524,9 @@ def expert_gemm(
     if x_scale is None:
         raise ValueError("mosaic_fp8.expert_gemm: x_scale: the kernel takes scaled 8-bit inputs")
     layout, scaling = call.layout, scaling_of(call)
-    offsets = route_arrays[0] if layout.kind == "grouped_contiguous" else None
-    routing = dict(counts=route_arrays[0]) if layout.kind == "grouped_masked" else {}
-    slots = None
-    if layout.kind == "indexed":  # results in block order (whole-tile stores), then one gather to the slots
-        x, x_scale, table, slots = _gathered(call, x, x_scale, route_arrays, scaling)
-        routing = dict(table=table)
+    per_row = (x,) if scaling.x == "tensor" else (x, x_scale)  # an indexed layout gathers a row's scale with it
+    (x, *row_scale), offsets, routing, slots = mosaic.routed(layout, route_arrays, call.weight.num_experts, *per_row)
+    x_scale = row_scale[0] if row_scale else x_scale
     out = expert_gemm_fp8(
         x,
         x_scale,
