@@ -10,6 +10,7 @@
 #                            (a later --out names its JSON: several ab steps in one call, one log)
 #   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call (kernels matching
 #                            NCU_KERNEL, default "gemm|mosaic": moe_gemm_* of both kernel families)
+#   sass [INSPECT ARGS]      one benchmarks.inspect_gemm call with its kernels' PTX and SASS written to OUT_DIR
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
 #   soak [SOAK ARGS]         benchmarks.soak: random hostile layers against the reference for --seconds
 # Logs and JSON go to OUT_DIR; the code runs from this checkout (PYTHONPATH), nothing is installed —
@@ -58,9 +59,18 @@ case $step in
                    tee "$out/routing_bench.log" | tail -30 ;;
   ab) python3 -W ignore -m benchmarks.ab_tilings --out "$out/ab.json" "$@" 2>&1 | tee -a "$out/ab.log" | tail -40 ;;
   tune) python3 -W ignore -m humming_jax tune --out "$out/tuning.json" "$@" 2>&1 | tee "$out/tune.log" | tail -30 ;;
+  # The pipes' use, the instruction mix and each stall reason per issued instruction: what bounds a kernel.
   profile) ncu --clock-control none -k "regex:${NCU_KERNEL:-gemm|mosaic}" -c 1 --section SpeedOfLight --section Occupancy \
              --section LaunchStats --section WarpStateStats --section SchedulerStats \
+             --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis \
+             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \
              python3 -W ignore -m benchmarks.inspect_gemm "$@" 2>&1 | tee "$out/profile.log" | tail -60 ;;
+  # The kernels' PTX, ptxas report and SASS for one call (Mosaic's own dump; XLA's module dump beside it),
+  # compiled afresh (a cached executable would skip the dump).
+  sass) mkdir -p "$out/mosaic" "$out/xla"
+        JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_TO="$out/mosaic" \
+          XLA_FLAGS="$XLA_FLAGS --xla_dump_to=$out/xla" python3 -W ignore -m benchmarks.inspect_gemm "$@" \
+          2>&1 | tee "$out/sass.log" | tail -20 ;;
   # One cudaMalloc per buffer (no XLA pool), so that a store past a buffer is an error, not another buffer's bytes.
   sanitize) tool=${1:?memcheck, racecheck, initcheck or synccheck}; shift
     XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
