@@ -213,20 +213,12 @@ def _kernel(
     def per_n(acc, values):  # values [wg_n] (the weight's columns)
         return acc * (values[:, None] if swap else values[None, :])
 
-    steps = k // BLOCK_K
-    # The register form decodes step i while the wgmma of step i - 1 (its decoded registers
-    # carried over) runs: x and every scale come one step late, over steps + 1 steps; the
-    # first step's product (of zeros) counts 0.
-    lag = scaling.mx and swap
-    late = (lambda i: jnp.maximum(i - 1, 0)) if lag else (lambda i: i)
-    now = (lambda i: jnp.minimum(i, steps - 1)) if lag else (lambda i: i)
-    x_spec = plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, late(i)), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))
-    in_specs = [x_spec]
+    in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))]
     if scaling.mx:  # the step's codes, its pieces' factors, its column scales
         in_specs += [
-            plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, now(i))),
-            plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (now(i), 0)),
-            plgpu.BlockSpec((1, tiles.block_n), lambda i: (late(i), 0)),
+            plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
+            plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (i, 0)),
+            plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)),
         ]
     else:
         in_specs.append(
@@ -235,9 +227,9 @@ def _kernel(
             )
         )
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
-        in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (late(i), 0)))
+        in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
-    pipeline = functools.partial(mosaic.k_pipeline, steps=steps + int(lag), in_specs=in_specs, stages=tiles.stages)
+    pipeline = functools.partial(mosaic.k_pipeline, steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages)
 
     def operands(group, col_tile, load_row):
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
@@ -309,12 +301,11 @@ def _kernel(
                 return acc_ref
 
             def promoted_context(run):
-                total = jnp.zeros(acc_shape, jnp.float32)
-                epilogue(run((total, _zero_step(wg_n, interpret)))[0] if lag else run(total))
+                epilogue(run(jnp.zeros(acc_shape, jnp.float32)))
 
             def promoted_step(indices, *refs):
                 (step,) = indices
-                total, held = refs[-1] if lag else (refs[-1], None)
+                total = refs[-1]
                 x_scale_smem = refs[-2] if scaling.x == "group" else None
                 x_smem, w_smem = refs[:2]
                 if scaling.mx:
@@ -325,15 +316,10 @@ def _kernel(
                         plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
                         return acc_ref[...]
                     codes = w_smem[wg_slice]
-                    if lag:  # the last step's decoded registers times x (interpreted: through the slot)
-                        if interpret:
-                            stage.at[wg][...] = held
-                            plgpu.commit_smem()
-                        plgpu.wgmma(acc_ref, stage.at[wg] if interpret else held, x_smem.transpose((1, 0)))
-                        decoded = _decode_mx_step(
-                            codes, factor_smem, wg_slice, scaling.half_bits, interpret, not interpret
-                        )
-                        return acc_ref[...], decoded
+                    if swap and not interpret:  # the decoded step as the register operand
+                        decoded = _decode_mx_step(codes, factor_smem, wg_slice, scaling.half_bits, False, True)
+                        plgpu.wgmma(acc_ref, decoded, x_smem.transpose((1, 0)))
+                        return acc_ref[...]
                     # The last step's wgmma read the slot before its product was read back.
                     slot = stage.at[wg]
                     slot[...] = _decode_mx_step(codes, factor_smem, wg_slice, scaling.half_bits, interpret)
@@ -345,9 +331,6 @@ def _kernel(
                     return acc_ref[...]
 
                 part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-                if lag:
-                    part, held = part
-                    part = part * (step > 0).astype(jnp.float32)
                 if scaling.mx:
                     part = per_n(part, plgpu.load(step_scale_smem.at[0, wg_slice], layout=n_layout, optimized=False))
                 if scaling.w == "block":
@@ -356,10 +339,8 @@ def _kernel(
                     row_scale = plgpu.load(x_scale_smem.at[0], layout=m_layout, optimized=False)
                     if scaling.w == "block":
                         row_scale = row_scale * w_scale
-                    total = total + per_m(part, row_scale)
-                else:
-                    total = total + (part * w_scale if scaling.w == "block" else part)
-                return (total, held) if lag else total
+                    return total + per_m(part, row_scale)
+                return total + (part * w_scale if scaling.w == "block" else part)
 
             @pl.when((rows > 0) & (group < num_experts))
             def _():
@@ -375,13 +356,6 @@ def _kernel(
                 store(jnp.zeros((wg_m, wg_n), o_gmem.dtype))
 
     plgpu.wait_smem_to_gmem(0)
-
-
-def _zero_step(rows: int, interpret: bool):
-    """The decoded step the register form's first product reads: zeros ``[rows, 128]``
-    e4m3, in the register operand's layout when compiled."""
-    zeros = jnp.zeros((rows, BLOCK_K), jnp.float8_e4m3fn)
-    return zeros if interpret else mosaic.eight_bit_fragments(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
 
 
 def _decode_mx_step(codes, factor_smem, wg_slice, half_bits: bool, interpret: bool, fragment: bool = False):
