@@ -12,6 +12,7 @@
 #                            NCU_KERNEL, default "gemm|mosaic": moe_gemm_* of both kernel families)
 #   sass [INSPECT ARGS]      one benchmarks.inspect_gemm call with its kernels' PTX and SASS written to OUT_DIR
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
+#   hostile [ARGS]           benchmarks.hostile_gemms (large GEMMs, hostile layouts) under compute-sanitizer
 #   soak [SOAK ARGS]         benchmarks.soak: random hostile layers against the reference for --seconds
 # Logs and JSON go to OUT_DIR; the code runs from this checkout (PYTHONPATH), nothing is installed —
 # except Humming's wheel when one lies in .peers/ (ignored by git; the bench then times Humming's
@@ -76,6 +77,11 @@ case $step in
     XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
       python3 -m pytest -q -p no:cacheprovider -p no:xdist -W ignore::DeprecationWarning \
       "${@:-tests/test_process_input.py}" 2>&1 | tee "$out/sanitize_$tool.log" | tail -30 ;;
+  # benchmarks.hostile_gemms under a sanitizer (SANITIZER, default memcheck): every GEMM family at
+  # 65,536 rows on hostile layouts, each checked against the reference.
+  hostile) XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "${SANITIZER:-memcheck}" --error-exitcode 3 \
+             --print-limit 20 python3 -W ignore -m benchmarks.hostile_gemms --out "$out/hostile.json" "$@" 2>&1 |
+             tee "$out/hostile.log" | tail -30 ;;
   soak) python3 -W ignore -m benchmarks.soak --out "$out/soak.json" "$@" 2>&1 | tee "$out/soak.log" | tail -20 ;;
   *) echo "unknown step: $step" >&2; exit 2 ;;
 esac
