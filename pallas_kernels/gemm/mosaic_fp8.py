@@ -8,12 +8,10 @@ multiply each K step's product — a fresh accumulator a step, added to the
 running f32 sum times the product of the two (the promotion of the CUDA fp8
 libraries); per-channel or per-tensor weight scales and per-row or per-tensor
 input scales multiply the sum. MXFP4 (e2m1 codes, e8m0 scales per 32
-columns, planar units of 32): each group enters the product as e2m1 times
-2**(6 - gap) in e4m3 (gap: the column's largest scale byte less the group's;
-exact up to a gap of 14, groups further below round towards zero as
-Humming's load-time clip at 11 does), the sum times 2**(largest - 133) per
-column in the epilogue (:func:`mx_operands`): a step's promotion is then the
-input's alone, as for e4m3 weights. Layouts ``dense``,
+columns, planar units of 32): a K step's four groups enter the product as
+e2m1 times 2**(6 - gap) in e4m3 (gap: the step's largest scale byte of the
+column less the group's; exact up to a gap of 14), the step's product times
+2**(largest - 133) per column (:func:`mx_operands`). Layouts ``dense``,
 ``grouped_contiguous`` and ``grouped_masked``, cut into row tiles as the
 16-bit kernel's (:func:`mosaic.row_tile_table`); ``indexed`` through its rows
 gathered in block order, one tile a block, each result row stored to its
@@ -84,7 +82,7 @@ class Tiles:
 class Scaling:
     """How the call's scales apply: ``x`` tensor / token / group (128 columns,
     f32), ``w`` tensor / channel / block (128 x 128, f32) / mx (MXFP4 codes
-    decoded in the kernel, a scale per column); ``half_bits``: mx
+    decoded in the kernel, a scale per column and step); ``half_bits``: mx
     codes in the pair decoder's bit order (``word_decode.E2M1_HALF_BITS``)."""
 
     x: str
@@ -195,8 +193,8 @@ def _kernel(
     has_bias: bool,
     interpret: bool,
 ):
-    # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the column scales
-    # [E, N] and the first of rest the pieces' factors [E, K/32, N] (mx_operands).
+    # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the step scales
+    # [E, K/128, N] and the first of rest the pieces' factors [E, K/32, N] (mx_operands).
     factor_gmem = rest[0] if scaling.mx else None
     bias_gmem = rest[-2] if has_bias else None
     o_gmem = rest[-1]
@@ -215,19 +213,12 @@ def _kernel(
     def per_n(acc, values):  # values [wg_n] (the weight's columns)
         return acc * (values[:, None] if swap else values[None, :])
 
-    steps = k // BLOCK_K
-    # The register form decodes step i while the wgmma of step i - 1 (its decoded registers
-    # carried over) runs: x and every scale come one step late, over steps + 1 steps; the
-    # first step's product (of zeros) counts 0.
-    lag = scaling.mx and swap
-    late = (lambda i: jnp.maximum(i - 1, 0)) if lag else (lambda i: i)
-    now = (lambda i: jnp.minimum(i, steps - 1)) if lag else (lambda i: i)
-    x_spec = plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, late(i)), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))
-    in_specs = [x_spec]
-    if scaling.mx:  # the step's codes and its pieces' factors
+    in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))]
+    if scaling.mx:  # the step's codes, its pieces' factors, its column scales
         in_specs += [
-            plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, now(i))),
-            plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (now(i), 0)),
+            plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
+            plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (i, 0)),
+            plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)),
         ]
     else:
         in_specs.append(
@@ -236,16 +227,16 @@ def _kernel(
             )
         )
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
-        in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (late(i), 0)))
+        in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
-    pipeline = functools.partial(mosaic.k_pipeline, steps=steps + int(lag), in_specs=in_specs, stages=tiles.stages)
+    pipeline = functools.partial(mosaic.k_pipeline, steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages)
 
     def operands(group, col_tile, load_row):
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
         rows = x_gmem.at[pl.ds(load_row, bm)]
         found = [rows, w_gmem.at[group, cols]]
         if scaling.mx:
-            found.append(factor_gmem.at[group, :, cols])
+            found += [factor_gmem.at[group, :, cols], w_scale_gmem.at[group, :, cols]]
         if scaling.x == "group":
             found.append(x_scale_gmem.at[:, pl.ds(load_row, bm)])
         return found
@@ -287,7 +278,7 @@ def _kernel(
                     acc = per_m(acc, row_scale)
                 elif scaling.x == "tensor":
                     acc = acc * x_scale_gmem[0]
-                if scaling.w == "channel" or scaling.mx:
+                if scaling.w == "channel":
                     col_scale = w_scale_gmem.at[group, pl.ds(wg_cols, wg_n)]
                     acc = per_n(acc, plgpu.load(col_scale, layout=n_layout, optimized=False))
                 elif scaling.w == "tensor":
@@ -310,30 +301,25 @@ def _kernel(
                 return acc_ref
 
             def promoted_context(run):
-                total = jnp.zeros(acc_shape, jnp.float32)
-                epilogue(run((total, _zero_step(wg_n, interpret)))[0] if lag else run(total))
+                epilogue(run(jnp.zeros(acc_shape, jnp.float32)))
 
             def promoted_step(indices, *refs):
                 (step,) = indices
-                total, held = refs[-1] if lag else (refs[-1], None)
+                total = refs[-1]
                 x_scale_smem = refs[-2] if scaling.x == "group" else None
                 x_smem, w_smem = refs[:2]
-                factor_smem = refs[2] if scaling.mx else None
+                if scaling.mx:
+                    factor_smem, step_scale_smem = refs[2:4]
 
                 def product(acc_ref):
                     if not scaling.mx:
                         plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
                         return acc_ref[...]
                     codes = w_smem[wg_slice]
-                    if lag:  # the last step's decoded registers times x (interpreted: through the slot)
-                        if interpret:
-                            stage.at[wg][...] = held
-                            plgpu.commit_smem()
-                        plgpu.wgmma(acc_ref, stage.at[wg] if interpret else held, x_smem.transpose((1, 0)))
-                        decoded = _decode_mx_step(
-                            codes, factor_smem, wg_slice, scaling.half_bits, interpret, not interpret
-                        )
-                        return acc_ref[...], decoded
+                    if swap and not interpret:  # the decoded step as the register operand
+                        decoded = _decode_mx_step(codes, factor_smem, wg_slice, scaling.half_bits, False, True)
+                        plgpu.wgmma(acc_ref, decoded, x_smem.transpose((1, 0)))
+                        return acc_ref[...]
                     # The last step's wgmma read the slot before its product was read back.
                     slot = stage.at[wg]
                     slot[...] = _decode_mx_step(codes, factor_smem, wg_slice, scaling.half_bits, interpret)
@@ -345,19 +331,16 @@ def _kernel(
                     return acc_ref[...]
 
                 part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-                if lag:
-                    part, held = part
-                    part = part * (step > 0).astype(jnp.float32)
+                if scaling.mx:
+                    part = per_n(part, plgpu.load(step_scale_smem.at[0, wg_slice], layout=n_layout, optimized=False))
                 if scaling.w == "block":
                     w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 if scaling.x == "group":
                     row_scale = plgpu.load(x_scale_smem.at[0], layout=m_layout, optimized=False)
                     if scaling.w == "block":
                         row_scale = row_scale * w_scale
-                    total = total + per_m(part, row_scale)
-                else:
-                    total = total + (part * w_scale if scaling.w == "block" else part)
-                return (total, held) if lag else total
+                    return total + per_m(part, row_scale)
+                return total + (part * w_scale if scaling.w == "block" else part)
 
             @pl.when((rows > 0) & (group < num_experts))
             def _():
@@ -373,13 +356,6 @@ def _kernel(
                 store(jnp.zeros((wg_m, wg_n), o_gmem.dtype))
 
     plgpu.wait_smem_to_gmem(0)
-
-
-def _zero_step(rows: int, interpret: bool):
-    """The decoded step the register form's first product reads: zeros ``[rows, 128]``
-    e4m3, in the register operand's layout when compiled."""
-    zeros = jnp.zeros((rows, BLOCK_K), jnp.float8_e4m3fn)
-    return zeros if interpret else mosaic.eight_bit_fragments(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
 
 
 def _decode_mx_step(codes, factor_smem, wg_slice, half_bits: bool, interpret: bool, fragment: bool = False):
@@ -446,18 +422,19 @@ def mx_operands(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Arr
     """MXFP4's stored parts (planar codes ``uint8 [E, N, K/2]``, e8m0 bytes
     ``[E, N, K/32]``) as the kernel reads them: codes ``uint16 [E, N, K/4]``;
     per piece f16 ``2**(12 - gap)`` ``[E, K/32, N]`` (the decoded e2m1 x 2**-6
-    times it: e2m1 x 2**(6 - gap), gap = the column's largest byte less the
-    piece's, clamped at :data:`MAX_GAP`); per column f32 ``2**(largest - 133)``
-    ``[E, N]`` (NaN where a byte is 255)."""
+    times it: e2m1 x 2**(6 - gap), gap = the step's largest byte of the column
+    less the piece's, clamped at :data:`MAX_GAP`); per step f32
+    ``2**(largest - 133)`` ``[E, K/128, N]`` (NaN where a byte is 255)."""
     e, n, half_k = values.shape
+    k = 2 * half_k
     codes = mosaic.planar_words(values)
-    raw = scale.astype(jnp.int32)
+    raw = scale.astype(jnp.int32).reshape(e, n, k // BLOCK_K, PIECES)
     top = jnp.max(raw, axis=-1)
     gap = jnp.minimum(top[..., None] - raw, MAX_GAP)
-    factors = mosaic.power_of_two(2 * E2M1_EXPONENT - gap, jnp.float16)
-    columns = mosaic.power_of_two(top - 127 - E2M1_EXPONENT, jnp.float32)
-    columns = jnp.where(top == E8M0_NAN, jnp.nan, columns)
-    return codes, jnp.swapaxes(factors, 1, 2), columns
+    factors = mosaic.power_of_two(2 * E2M1_EXPONENT - gap, jnp.float16).reshape(e, n, k // MX_GROUP)
+    steps = mosaic.power_of_two(top - 127 - E2M1_EXPONENT, jnp.float32)
+    steps = jnp.where(top == E8M0_NAN, jnp.nan, steps)
+    return codes, jnp.swapaxes(factors, 1, 2), jnp.swapaxes(steps, 1, 2)
 
 
 def expert_gemm_fp8(
