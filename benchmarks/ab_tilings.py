@@ -13,6 +13,8 @@ writes them as JSON (a tiling a kernel refuses is a row with its error).
 ``--variant FILE`` loads another version of a kernel file (e.g. one from the
 history: ``git show COMMIT:pallas_kernels/gemm/mosaic_fp8.py > FILE``) beside
 the tree's; its tilings are written ``variant:FIELDS`` and run its code.
+Several at once: ``--variant v28=FILE v29=FILE``, tiled ``v28:FIELDS`` and
+``v29:FIELDS``.
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ def _tiling(text: str):
     return None if text == "default" else tiles_text.gemm_from_text(text)
 
 
-def load_variant(path: str) -> None:
-    """Register the kernel module at ``path`` as :data:`VARIANT` (its ``Tiles`` run its ``expert_gemm``)."""
-    spec = importlib.util.spec_from_file_location(f"{VARIANT}_kernel", path)
+def load_variant(path: str, name: str = VARIANT) -> None:
+    """Register the kernel module at ``path`` as ``name`` (its ``Tiles`` run its ``expert_gemm``)."""
+    if name in gemm_kernels.IMPLS and name != VARIANT:
+        raise ValueError(f"--variant: {name!r} names a kernel of the tree")
+    spec = importlib.util.spec_from_file_location(f"{name}_kernel", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # (dataclasses look their module up while the file runs)
     spec.loader.exec_module(module)
     gemm_kernels.KERNELS[module.Tiles] = module
-    gemm_kernels.IMPLS[VARIANT] = module.Tiles
+    gemm_kernels.IMPLS[name] = module.Tiles
 
 
 def run(args) -> list[dict]:
@@ -75,11 +79,14 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--tilings", nargs="+", default=["default"], help="tiles text (tiles_text) or 'default'")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--variant", help="another version of a kernel file, tiled as 'variant:FIELDS'")
+    parser.add_argument(
+        "--variant", nargs="+", default=[], help="other versions of a kernel file: FILE (tiled 'variant:'), NAME=FILE"
+    )
     parser.add_argument("--out", default="benchmarks/results/ab_tilings.json")
     args = parser.parse_args(argv)
-    if args.variant:
-        load_variant(args.variant)
+    for text in args.variant:
+        name, _, path = text.rpartition("=")
+        load_variant(path, name or VARIANT)
     for text in args.tilings:
         _tiling(text)  # a malformed tiling fails before anything runs
     write_results(args.out, run(args))

@@ -558,6 +558,11 @@ def test_ab_tilings_variant_file(tmp_path, monkeypatch):
     module = gemm_kernels.KERNELS[type(tiles)]
     assert module is not mosaic_fp8 and module.__file__ == str(copy)
     assert tiles_text.gemm_to_text(tiles).startswith("variant:")
+    ab_tilings.load_variant(str(copy), "v2")  # a second one by name, beside the first
+    second = tiles_text.gemm_from_text("v2:block_m=64,block_n=256")
+    assert gemm_kernels.KERNELS[type(second)] is not module and tiles_text.gemm_to_text(second).startswith("v2:")
+    with pytest.raises(ValueError, match="kernel of the tree"):
+        ab_tilings.load_variant(str(copy), "mosaic_fp8")
 
 
 def test_tune_keys_quantized_input_pairs_by_their_class(tiny, compiled_once, tmp_path, monkeypatch):
