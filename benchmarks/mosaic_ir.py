@@ -74,7 +74,7 @@ def mosaic_ir(fmt: str, shape: tuple[int, int, int], rows: int, tuning) -> str:
         weight, quant, decode = jax.ShapeDtypeStruct((e, n, k), jnp.bfloat16), (), None
     else:
         decode = mosaic.NibbleDecode(k // mosaic.UNIT, zero_points=fmt.startswith("uint4"))
-        weight = jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8)
+        weight = jax.ShapeDtypeStruct((e, n, k // mosaic.PIECES), jnp.uint16)
         quant = (jax.ShapeDtypeStruct((e, k // mosaic.UNIT, n), jnp.bfloat16),) * (1 + decode.zero_points)
 
     def run(x, weight, offsets, *quant):

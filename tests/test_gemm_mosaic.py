@@ -308,7 +308,7 @@ def test_mxfp4_decoded_in_the_kernel(half_bits, options, rng):
 def test_mxfp4_decode_lowers_for_the_gpu(swap_ab):
     """The e2m1 decoder on the WGMMA layout's registers, per 32-column unit, staged or as the register operand."""
     e, n, k = 3, 512, 512
-    codes = jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8)
+    codes = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
     factors = jax.ShapeDtypeStruct((e, k // 32, n), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
@@ -423,7 +423,7 @@ def test_nibble_decode_lowers_for_the_gpu(zero_points, swap_ab):
     the codes per pipeline step) lowers for the GPU on the CPU; the swap_ab form
     with a bias (broadcast along out.T's rows)."""
     e, n, k = 3, 512, 512
-    codes = jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8)
+    codes = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
     scales = jax.ShapeDtypeStruct((e, k // 128, n), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
@@ -516,7 +516,7 @@ def test_swap_ab_refuses_32_bit_outputs():
     e, n, k = 2, 256, 256
     tiles = mosaic.Tiles(128, 256, 128, stages=3, swap_ab=True)
     decode = mosaic.NibbleDecode(k // 128)
-    codes = jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8)
+    codes = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
     scales = jax.ShapeDtypeStruct((e, k // 128, n), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((64, k), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)

@@ -104,10 +104,9 @@ STAGE_SLOTS = 2  # staged 4-bit path: decoded pieces in shared memory per comput
 
 @dataclasses.dataclass(frozen=True)
 class NibbleDecode:
-    """4-bit integer weights the kernel decodes: packed codes ``uint8 [E, N, K/2]``
-    read as 16-bit halves (the planar order of 128-column units: bits
-    ``4j..4j+3`` of half ``h`` hold column ``32 j + h``; :func:`bytes_as_words`),
-    scales ``[E, G, N]`` in the compute dtype (G =
+    """4-bit integer weights the kernel decodes: codes ``uint16 [E, N, K/4]``
+    (the planar order of 128-column units: bits ``4j..4j+3`` of half ``h``
+    hold column ``32 j + h``), scales ``[E, G, N]`` in the compute dtype (G =
     K/128 groups; per-channel scales repeated G times: a pipelined input
     follows the K step), and either a constant code offset
     (``code_offset``: int4's 8) or per-group zero points ``[E, G, N]`` in the
@@ -650,7 +649,7 @@ def _kernel(
                 )
                 for j in range(PIECES)
             ),
-            plgpu.BlockSpec((tiles.block_n, 2 * PIECE), lambda i: (0, i)),  # the unit's code bytes
+            plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i)),
             # a step's scale (and zero point) row, or its 4 units' e2m1 factor rows
             *(plgpu.BlockSpec((PIECES if decode.e2m1 else 1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
         ]
@@ -726,7 +725,7 @@ def _kernel(
 
             def decode_step(indices, *refs):
                 x_pieces, codes_smem, quant, acc_ref = refs[:PIECES], refs[PIECES], refs[PIECES + 1 : -1], refs[-1]
-                codes = bytes_as_words(codes_smem[wg_slice], interpret)
+                codes = codes_smem[wg_slice]
                 if decode.e2m1:
                     bits = word_decode.E2M1_HALF_BITS if decode.half_bits else word_decode.NIBBLE_BITS
 
@@ -797,7 +796,7 @@ def expert_gemm_mosaic(
     ``counts[e]`` of its ``M / E`` rows); rows outside every range are zero.
     ``bias [E, N]`` (any float dtype) is added in f32 to the expert's rows.
     ``weight`` is ``[E, N, K]`` in
-    x's dtype, or with ``decode`` the packed planar 4-bit codes ``uint8 [E, N, K/2]`` with
+    x's dtype, or with ``decode`` the 4-bit codes ``uint16 [E, N, K/4]`` with
     ``scales`` (and ``zero_points``) ``[E, G, N]`` in x's dtype (see
     :class:`NibbleDecode`). ``table``: the row tiles given
     (:func:`block_table`) in place of the ranges."""
@@ -813,9 +812,10 @@ def expert_gemm_mosaic(
         quant = (scales,) + ((zero_points,) if decode.zero_points else ())
         if decode.e2m1 and decode.zero_points:
             raise ValueError("mosaic GEMM: e2m1 codes take no zero points")
-        if weight.shape != (num_experts, n, k // 2) or weight.dtype != jnp.uint8:
+        if weight.shape != (num_experts, n, k // PIECES) or weight.dtype != jnp.uint16:
             raise ValueError(
-                f"mosaic GEMM: 4-bit codes must be uint8 {(num_experts, n, k // 2)}, got {weight.dtype} {weight.shape}"
+                f"mosaic GEMM: 4-bit codes must be uint16 {(num_experts, n, k // PIECES)}, got "
+                f"{weight.dtype} {weight.shape}"
             )
         for name, array in zip(("scales", "zero_points")[: len(quant)], quant, strict=True):
             if array is None or array.shape != want or array.dtype != x.dtype:
@@ -857,32 +857,9 @@ def expert_gemm_mosaic(
     return kernel(table, x, weight, *quant, *extra)
 
 
-def bytes_as_words(codes, interpret: bool):
-    """A shared-memory tile of packed codes ``uint8 [rows, 2c]`` as the
-    ``uint16 [rows, c]`` words the decoders read (byte 2j low, 2j + 1 high),
-    in the WGMMA layout. Compiled: loaded in the 8-bit WGMMA layout, whose
-    32-bit register of each 16-byte column tile holds the four bytes the 16-bit
-    layout's register of the same 8-word tile holds — each register
-    reinterpreted, nothing moves. (A ``uint8 → uint16`` bitcast of the whole
-    weight before the kernel is a copy: XLA expands it into a loop fusion.)"""
-    rows, columns = codes.shape
-    if interpret:
-        return lax.bitcast_convert_type(codes.reshape(rows, columns // 2, 2), jnp.uint16)
-    out = plgpu.ShapeDtypeStruct((rows, columns // 2), jnp.uint16, layout=plgpu.Layout.WGMMA)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,), return_type=out)
-    def as_words(_, array):
-        pair = ir.VectorType.get((2,), ir.IntegerType.get_signless(16))
-        registers = np.vectorize(lambda r: vector.bitcast(pair, r), otypes=[object])(array.registers)
-        return mgpu.FragmentedArray(_registers=registers, _layout=mgpu.WGMMA_LAYOUT, _is_signed=False)
-
-    return as_words(codes)
-
-
 def planar_words(values: jax.Array) -> jax.Array:
-    """Packed planar 4-bit codes ``uint8 [E, N, K/2]`` as 16-bit halves
-    ``uint16 [E, N, K/4]`` — what the kernels read before they took the bytes;
-    kept only so that older kernel files load as A/B variants beside this one."""
+    """Packed planar 4-bit codes ``uint8 [E, N, K/2]`` as the 16-bit halves the
+    kernels decode: ``uint16 [E, N, K/4]``."""
     e, n, half_k = values.shape
     return lax.bitcast_convert_type(values.reshape(e, n, half_k // 2, 2), jnp.uint16)
 
@@ -890,12 +867,12 @@ def planar_words(values: jax.Array) -> jax.Array:
 def _nibble_operands(w: WeightSpec, weight_arrays: tuple[jax.Array, ...], dtype):
     """A planar 4-bit weight's stored parts (packed codes ``uint8 [E, N, K/2]``,
     scales ``[E, N, G]`` or ``[E, N, 1]``, packed integer zero points) as the
-    kernel reads them: the codes as stored, scales (and code offsets
+    kernel reads them: codes ``uint16 [E, N, K/4]``, scales (and code offsets
     ``magic + zero``) ``[E, K/128, N]`` in ``dtype`` — MXFP4: its factors
     ``[E, K/32, N]`` (bf16, NaN for an e8m0 byte 255) —, and the decode spec."""
     values, scale = weight_arrays[:2]
     e, n, k = w.num_experts, w.n, w.k
-    codes = values
+    codes = planar_words(values)
     if w.value_type == "float4_e2m1":  # a unit's factor 2**(s - 127 - E2M1_FOLDED_EXPONENT) / 2**-6
         raw = jnp.swapaxes(scale.astype(jnp.int32), 1, 2)
         factors = power_of_two(raw - 127 - E2M1_FOLDED_EXPONENT + 6, jnp.bfloat16)

@@ -193,7 +193,7 @@ def _kernel(
     has_bias: bool,
     interpret: bool,
 ):
-    # mx: w_gmem holds the codes' bytes uint8 [E, N, K/2], w_scale_gmem the step scales
+    # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the step scales
     # [E, K/128, N] and the first of rest the pieces' factors [E, K/32, N] (mx_operands).
     factor_gmem = rest[0] if scaling.mx else None
     bias_gmem = rest[-2] if has_bias else None
@@ -216,7 +216,7 @@ def _kernel(
     in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))]
     if scaling.mx:  # the step's codes, its pieces' factors, its column scales
         in_specs += [
-            plgpu.BlockSpec((tiles.block_n, BLOCK_K // 2), lambda i: (0, i)),
+            plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
             plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (i, 0)),
             plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)),
         ]
@@ -315,7 +315,7 @@ def _kernel(
                     if not scaling.mx:
                         plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
                         return acc_ref[...]
-                    codes = mosaic.bytes_as_words(w_smem[wg_slice], interpret)
+                    codes = w_smem[wg_slice]
                     if swap and not interpret:  # the decoded step as the register operand
                         decoded = _decode_mx_step(codes, factor_smem, wg_slice, scaling.half_bits, False, True)
                         plgpu.wgmma(acc_ref, decoded, x_smem.transpose((1, 0)))
@@ -420,15 +420,14 @@ def fragment_columns(x: jax.Array) -> jax.Array:
 
 def mx_operands(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """MXFP4's stored parts (planar codes ``uint8 [E, N, K/2]``, e8m0 bytes
-    ``[E, N, K/32]``) as the kernel reads them: the codes as stored (the
-    kernel makes its 16-bit words in registers: :func:`mosaic.bytes_as_words`);
+    ``[E, N, K/32]``) as the kernel reads them: codes ``uint16 [E, N, K/4]``;
     per piece f16 ``2**(12 - gap)`` ``[E, K/32, N]`` (the decoded e2m1 x 2**-6
     times it: e2m1 x 2**(6 - gap), gap = the step's largest byte of the column
     less the piece's, clamped at :data:`MAX_GAP`); per step f32
     ``2**(largest - 133)`` ``[E, K/128, N]`` (NaN where a byte is 255)."""
     e, n, half_k = values.shape
     k = 2 * half_k
-    codes = values
+    codes = mosaic.planar_words(values)
     raw = scale.astype(jnp.int32).reshape(e, n, k // BLOCK_K, PIECES)
     top = jnp.max(raw, axis=-1)
     gap = jnp.minimum(top[..., None] - raw, MAX_GAP)
