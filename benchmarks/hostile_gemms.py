@@ -83,12 +83,13 @@ def check(out, ref) -> dict:
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     unowned = np.all(ref == 0, axis=1)
     error = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+    finite, unowned_zero = bool(np.all(np.isfinite(out))), bool(np.all(out[unowned] == 0))
     return dict(
-        finite=bool(np.all(np.isfinite(out))),
+        finite=finite,
         unowned_rows=int(unowned.sum()),
-        unowned_zero=bool(np.all(out[unowned] == 0)),
+        unowned_zero=unowned_zero,
         error=error,
-        ok=bool(np.all(np.isfinite(out)) and np.all(out[unowned] == 0) and error < BOUND),
+        ok=finite and unowned_zero and error < BOUND,
     )
 
 
