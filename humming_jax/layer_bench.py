@@ -6,7 +6,8 @@ of its stages' (:func:`humming_jax.experts.grouped_stages` /
 quantization, w2, combine; ``parallel.ep_stages``: dispatch, experts,
 combine — the same functions the pipeline runs, each timed on the state the
 previous ones left; EP rows add the ranks' loads without and with copies), the share of the stages outside the two
-GEMMs, the host time of one call above its device time, and, in the same
+GEMMs, the host time of one call above its device time (waited for; its
+enqueue alone; a call's share of calls issued back to back), and, in the same
 process when torch is importable on a GPU, a bf16 PyTorch layer
 (``torch._grouped_mm``, permute and unpermute with torch ops). Inputs rotate
 over several routings (so the experts a decode step reads are not the previous
@@ -165,17 +166,30 @@ def _layer_fn(case: LayerCase, backend: str | None):
     return fn
 
 
-def _host_us(fn, state, device_us: float) -> float:
-    """Median wall time of one jitted call waited for, minus its device time:
-    what a step that calls the layer pays on the host."""
+def _host_times(fn, state, device_us: float) -> dict:
+    """Host costs of the jitted layer, µs: ``host_us`` — one call waited for,
+    less its device time (a step that syncs every call); ``dispatch_us`` — the
+    call's return without waiting (the host's enqueue, hidden behind the device
+    when shorter); ``pipelined_us`` — wall time a call of ``HOST_CALLS`` issued
+    back to back (what a decode loop that does not sync pays a step)."""
     jitted = jax.jit(fn)
     jax.block_until_ready(jitted(state))
-    times = []
+    waited, returned = [], []
     for _ in range(HOST_CALLS):
         start = time.perf_counter()
-        jax.block_until_ready(jitted(state))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6 - device_us
+        out = jitted(state)
+        returned.append(time.perf_counter() - start)
+        jax.block_until_ready(out)
+        waited.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    outs = [jitted(state) for _ in range(HOST_CALLS)]
+    jax.block_until_ready(outs)
+    pipelined = (time.perf_counter() - start) / HOST_CALLS
+    return dict(
+        host_us=statistics.median(waited) * 1e6 - device_us,
+        dispatch_us=statistics.median(returned) * 1e6,
+        pipelined_us=pipelined * 1e6,
+    )
 
 
 def _reference_error(case: LayerCase, state: dict, out: jax.Array) -> float | None:
@@ -226,7 +240,7 @@ def time_layer(case: LayerCase, seed: int = 0, with_stages: bool = True) -> dict
         gemm_us=gemm_us,
         outside_share=None if gemm_us is None else 1.0 - gemm_us / staged_us,
         **(_ep_fields(case, np.asarray(sets[0]["topk_ids"])) if case.pipeline.startswith("ep") else {}),
-        host_us=_host_us(fn, sets[0], layer_s * 1e6),
+        **_host_times(fn, sets[0], layer_s * 1e6),
         torch_layer_us=time_torch_layer(case, np.asarray(sets[0]["topk_ids"])),
         error=_reference_error(case, sets[0], out),
     )
@@ -308,7 +322,7 @@ def _torch_layer_us(torch, case: LayerCase, ids: np.ndarray) -> float:
 
 HEADER = (
     f"{'problem':<15}{'pipeline':<9}{'T':>6}{'format':>20}{'us':>10}{'GB/s':>7}{'TFLOP/s':>9}"
-    f"{'gemms us':>10}{'outside':>8}{'host us':>9}{'torch us':>10}{'error':>9}"
+    f"{'gemms us':>10}{'outside':>8}{'host us':>9}{'enqueue':>9}{'piped us':>9}{'torch us':>10}{'error':>9}"
 )
 
 
@@ -325,7 +339,8 @@ def format_row(r: dict) -> str:
     outside = "" if r["outside_share"] is None else f"{100 * r['outside_share']:.0f}%"
     return (
         f"{r['problem']:<15}{r['pipeline']:<9}{r['tokens']:>6}{r['fmt']:>20}{r['us']:>10.1f}{r['gbps']:>7.0f}"
-        f"{r['tflops']:>9.1f}{gemm:>10}{outside:>8}{r['host_us']:>9.1f}"
+        f"{r['tflops']:>9.1f}{gemm:>10}{outside:>8}{r['host_us']:>9.1f}{r.get('dispatch_us', float('nan')):>9.1f}"
+        f"{r.get('pipelined_us', float('nan')):>9.1f}"
         f"{torch_us:>10}{error:>9}  [{stage_text}]"
     )
 

@@ -94,6 +94,7 @@ def test_layer_bench_writes_json(tiny, compiled_once, tmp_path, monkeypatch, cap
         assert all(us > 0 for us in r["stage_us"].values()) and r["us"] > 0 and r["gbps"] > 0
         assert r["gemm_us"] == pytest.approx(r["stage_us"]["w13"] + r["stage_us"]["w2"])
         assert 0 < r["outside_share"] < 1 and isinstance(r["host_us"], float)
+        assert 0 < r["dispatch_us"] and 0 < r["pipelined_us"]
         assert r["error"] < 1e-2, r
         assert r["torch_layer_us"] is None  # no GPU here
     assert (tmp_path / "layer.png").stat().st_size > 0
