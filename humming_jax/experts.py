@@ -566,6 +566,8 @@ def _indexed_layout_stages(
 
     def route(s):
         def align(size):
+            if size == 1:  # blocks of one row: slot order, no grouping launch
+                return routing.slot_blocks(s["topk_ids"], **_expert_map_kwargs(config, s["expert_map"]))
             return routing.moe_align_block_size(
                 s["topk_ids"],
                 size,

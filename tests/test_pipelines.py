@@ -131,6 +131,34 @@ def test_pipeline_routing_edge_cases(pipeline, case, rng):
     assert np_ref.relative_error(out, expected) < 1e-2
 
 
+def test_indexed_blocks_of_one_row(rng):
+    """Blocks of one row take the slots in order with no grouping
+    (``routing.slot_blocks``): under ``jit`` (traced ids, one outside ``[0, E)``
+    and ``expert_map`` −1 among them) the layer is the float64 one; w2 on
+    blocks of 16 re-aligns."""
+    config = hj.ExpertsConfig(4, 128, 64, 3, weight_format="int4_g32", global_num_experts=8)
+    expert_map = np.array([-1, 0, -1, 1, 2, -1, 3, -1])
+    x, w13, w2, ids, tw = _problem(rng, config, 5)
+    ids[1, 0], ids[4, 2] = 8, -3
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    expected = _expected_layer(x, weights, ids, tw, config, expert_map, 8)
+    emap = jnp.asarray(expert_map, jnp.int32)
+    for w2_block in (None, 16):
+        run = jax.jit(
+            lambda x, tw, ids, w2_block=w2_block: hj.humming_indexed_experts(
+                x, weights, tw, ids, config, expert_map=emap, block_size=1, w2_block_size=w2_block
+            )
+        )
+        out = run(jnp.asarray(x, jnp.bfloat16), jnp.asarray(tw), jnp.asarray(ids))
+        assert np_ref.relative_error(out, expected) < 1e-2, w2_block
+    sorted_ids, expert_ids, padded = hj.routing.slot_blocks(jnp.asarray(ids), 8, emap, num_local_experts=4)
+    flat = ids.reshape(-1)
+    want = np.where((flat >= 0) & (flat < 8), expert_map[np.clip(flat, 0, 7)], -1)
+    np.testing.assert_array_equal(np.asarray(expert_ids), want)
+    np.testing.assert_array_equal(np.asarray(sorted_ids), np.arange(15))
+    assert np.asarray(padded).tolist() == [15]
+
+
 def test_indexed_with_different_w2_block_size_and_hadamard(rng):
     config = hj.ExpertsConfig(
         4, 256, 128, 2, weight_format="int4_g32", hadamard_block_size=64, w2_hadamard_block_size=128
