@@ -301,6 +301,29 @@ def multiplied_out_tiles(config: ExpertsConfig, name: str, weight, layout, rows:
     return dataclasses.replace(tiles, dequantize_input=False)
 
 
+def fused_activation_tiles(config: ExpertsConfig, weight, layout, gate_up, valid_m: int, backend):
+    """The w2 GEMM's tiling when it is a Triton tile that applies the
+    activation as it loads ``gate_up`` (``gemm(input_activation=...)``: the
+    activation stage then has no pass of its own), else None — quantized or
+    rotated w2 inputs, the reference backend, a Mosaic tiling (which the
+    activation pass feeds)."""
+    chosen = resolve_backend(backend, "gemm")
+    if chosen == "reference" or config.w2_input_quant.is_quantized or config.w2_hadamard_block_size is not None:
+        return None
+    if jnp.dtype(gate_up.dtype) != jnp.dtype(config.compute_dtype):
+        return None
+    width = config.w2.shape_k
+    x = Q.QuantizedInput(values=jax.ShapeDtypeStruct((gate_up.shape[0], width), gate_up.dtype), k=width)
+    kwargs = _gemm_kwargs(config, valid_m, None)
+    common = (kwargs["out_dtype"], config.use_f16_accum, config.batch_invariant, valid_m)
+    interpret = chosen == "interpret"
+    tiles, _ = plan(x, weight, layout, *common, interpret=interpret)
+    if not isinstance(tiles, triton.Tiles):
+        return None
+    fused, _ = plan(x, weight, layout, *common, tiles, interpret, config.activation)
+    return fused
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One step of a pipeline: ``run(state)`` reads entries of the state (a
@@ -385,7 +408,15 @@ def grouped_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[S
     def w13(s):
         return dict(gate_up=grouped_gemm(s, "w13", s["gate_up_input"]))
 
+    def fused(s):
+        """The w2 tiling that applies the activation itself (:func:`fused_activation_tiles`)."""
+        layout = L.GroupedContiguous(s["offsets"])
+        valid_m = gemm_kwargs(s)["valid_shape_m"]
+        return fused_activation_tiles(config, s["weights"].w2, layout, s["gate_up"], valid_m, backend)
+
     def activation(s):
+        if fused(s) is not None:
+            return {}
         dequantize = multiplied_out(s, "w2") is not None
         down_input = _down_input(
             s["gate_up"], config, s["weights"], backend, dequantize=dequantize, num_valid_tokens=s["offsets"][-1:]
@@ -393,6 +424,11 @@ def grouped_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[S
         return dict(down_input=down_input)
 
     def w2(s):
+        tiles = fused(s)
+        if tiles is not None:
+            layout = L.GroupedContiguous(s["offsets"])
+            kwargs = dict(gemm_kwargs(s), tuning=tiles, input_activation=config.activation)
+            return dict(down=gemm(s["gate_up"], s["weights"].w2, layout, **kwargs))
         return dict(down=grouped_gemm(s, "w2", s["down_input"]))
 
     def combine(s):
@@ -614,11 +650,22 @@ def _indexed_layout_stages(
     def w13(s):
         return dict(gate_up=indexed_gemm(s, "w13", s["gate_up_input"]))
 
+    def fused(s):
+        """The w2 tiling that applies the activation itself (:func:`fused_activation_tiles`)."""
+        valid_m = gemm_kwargs(s)["valid_shape_m"]
+        return fused_activation_tiles(config, s["weights"].w2, layout_of(s, "w2"), s["gate_up"], valid_m, backend)
+
     def activation(s):
+        if fused(s) is not None:
+            return {}
         dequantize = multiplied_out(s, "w2") is not None
         return dict(down_input=_down_input(s["gate_up"], config, s["weights"], backend, dequantize=dequantize))
 
     def w2(s):
+        tiles = fused(s)
+        if tiles is not None:
+            kwargs = dict(gemm_kwargs(s), tuning=tiles, input_activation=config.activation)
+            return dict(down=gemm(s["gate_up"], s["weights"].w2, layout_of(s, "w2"), **kwargs))
         return dict(down=indexed_gemm(s, "w2", s["down_input"]))
 
     def combine(s):
