@@ -123,6 +123,20 @@ def test_prequantized_input_passes_through(rng):
         hj.process_input(q.values, Q.FP8_DYNAMIC_GROUP128, input_scale=q.scale, activation="silu")
 
 
+def test_nothing_to_do_launches_nothing(rng):
+    """An unquantized input in the compute dtype with no activation, rotation,
+    layout or row bound comes back as it is, NaN included, with no kernel in
+    the lowered program; with any step, the kernel runs."""
+    from benchmarks.lower_sm90 import ttir_of
+
+    x = jnp.asarray(rng.normal(size=(8, 256)), jnp.bfloat16).at[3, 5].set(jnp.nan)
+    out = hj.process_input(x, Q.NONE)
+    assert out.scale is None and out.k == 256 and out.values.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(out.values).view(np.uint16), np.asarray(x).view(np.uint16))
+    assert ttir_of(lambda v: hj.process_input(v, Q.NONE, backend="pallas").values, x) == []
+    assert len(ttir_of(lambda v: hj.process_input(v, Q.NONE, activation="silu", backend="pallas").values, x)) == 1
+
+
 def test_process_input_bad_arguments():
     x = jnp.ones((8, 256))
     with pytest.raises(ValueError, match="layout"):
