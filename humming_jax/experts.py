@@ -38,6 +38,9 @@ INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M = BYTE_PAIRS_MOSAIC_MIN_M
 # Float inputs (bf16, W4A16): from this many rows an expert, where the grouped layer's
 # Mosaic GEMMs outrun the indexed layer's Triton tiles (layer.md v3).
 INDEXED_AS_GROUPED_FLOAT_MIN_ROWS = 1024
+# The decode tiles (16 rows or fewer) apply the activation as they load the w2 input; a
+# larger tile would compute it once per column tile (not yet measured against the pass).
+FUSED_ACTIVATION_MAX_BLOCK_M = 16
 
 
 @jax.tree_util.register_dataclass
@@ -306,7 +309,8 @@ def fused_activation_tiles(config: ExpertsConfig, weight, layout, gate_up, valid
     activation as it loads ``gate_up`` (``gemm(input_activation=...)``: the
     activation stage then has no pass of its own), else None — quantized or
     rotated w2 inputs, the reference backend, a Mosaic tiling (which the
-    activation pass feeds)."""
+    activation pass feeds), tiles of more than
+    :data:`FUSED_ACTIVATION_MAX_BLOCK_M` rows."""
     chosen = resolve_backend(backend, "gemm")
     if chosen == "reference" or config.w2_input_quant.is_quantized or config.w2_hadamard_block_size is not None:
         return None
@@ -318,7 +322,7 @@ def fused_activation_tiles(config: ExpertsConfig, weight, layout, gate_up, valid
     common = (kwargs["out_dtype"], config.use_f16_accum, config.batch_invariant, valid_m)
     interpret = chosen == "interpret"
     tiles, _ = plan(x, weight, layout, *common, interpret=interpret)
-    if not isinstance(tiles, triton.Tiles):
+    if not isinstance(tiles, triton.Tiles) or tiles.block_m > FUSED_ACTIVATION_MAX_BLOCK_M:
         return None
     fused, _ = plan(x, weight, layout, *common, tiles, interpret, config.activation)
     return fused
