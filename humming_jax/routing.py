@@ -198,25 +198,27 @@ def slot_blocks(
     num_local_experts: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The indexed layout of blocks of one row, sorting nothing: slot ``s`` is
-    block ``s`` through its local expert (−1 where the id is outside ``[0,
-    num_experts)`` or ``expert_map`` drops it). The same GEMM rows as
+    block ``s`` through its expert. The same GEMM rows as
     :func:`moe_align_block_size` with ``block_size=1`` and
-    ``ignore_invalid_experts=True``, in slot order; a few fused element-wise
-    ops, no launch of its own where XLA fuses them into their consumers.
+    ``ignore_invalid_experts=True``, in slot order, with no launch of its own:
+    without ``expert_map`` the ids are the blocks' experts as they are (a
+    block whose id is outside ``[0, num_experts)`` is dead: the GEMM zeroes
+    its row); with one, the local expert (−1 where it drops the slot), a
+    gather XLA fuses.
 
     Returns:
-        ``sorted_ids [T·k]`` (``arange``), ``expert_ids [T·k]`` int32 and
-        ``num_tokens_post_pad [1]`` int32 (``T·k``).
+        ``sorted_ids [T·k]`` (``arange``), ``expert_ids [T·k]``
+        int32 and ``num_tokens_post_pad [1]`` int32 (``T·k``).
     """
     _check_routing(topk_ids, num_experts, expert_map, "slot_blocks")
-    num_local = num_experts if num_local_experts is None else num_local_experts
-    group, valid = _local_ids(topk_ids, num_experts, expert_map, num_local)
     slots = topk_ids.size
-    return (
-        jnp.arange(slots, dtype=jnp.int32),
-        jnp.where(valid, group, -1).astype(jnp.int32),
-        jnp.full((1,), slots, jnp.int32),
-    )
+    if expert_map is None:
+        expert_ids = topk_ids.reshape(-1).astype(jnp.int32)
+    else:
+        num_local = num_experts if num_local_experts is None else num_local_experts
+        group, valid = _local_ids(topk_ids, num_experts, expert_map, num_local)
+        expert_ids = jnp.where(valid, group, -1).astype(jnp.int32)
+    return jnp.arange(slots, dtype=jnp.int32), expert_ids, jnp.full((1,), slots, jnp.int32)
 
 
 def _grouping_kernel(grouping: kernels.Grouping):

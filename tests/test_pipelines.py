@@ -157,6 +157,8 @@ def test_indexed_blocks_of_one_row(rng):
     np.testing.assert_array_equal(np.asarray(expert_ids), want)
     np.testing.assert_array_equal(np.asarray(sorted_ids), np.arange(15))
     assert np.asarray(padded).tolist() == [15]
+    # No map: the ids themselves, those outside [0, E) dead blocks the GEMM zeroes.
+    np.testing.assert_array_equal(np.asarray(hj.routing.slot_blocks(jnp.asarray(ids), 8)[1]), flat)
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
