@@ -38,8 +38,12 @@ INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M = BYTE_PAIRS_MOSAIC_MIN_M
 # Float inputs (bf16, W4A16): from this many rows an expert, where the grouped layer's
 # Mosaic GEMMs outrun the indexed layer's Triton tiles (layer.md v3).
 INDEXED_AS_GROUPED_FLOAT_MIN_ROWS = 1024
-# The decode tiles (16 rows or fewer) apply the activation as they load the w2 input; a
-# larger tile would compute it once per column tile (not yet measured against the pass).
+# The w2 tile applies the activation as it loads its input in calls of at most this
+# many rows (T=1, k up to 16), on tiles of at most FUSED_ACTIVATION_MAX_BLOCK_M rows: a
+# tile computes the activation of all its rows once per column tile, padding included
+# (a 16-row decode tile about triples the ALU work of its step), so past the smallest
+# calls the pass may be cheaper — to measure (layer.md v7).
+FUSED_ACTIVATION_MAX_ROWS = 16
 FUSED_ACTIVATION_MAX_BLOCK_M = 16
 
 
@@ -309,12 +313,13 @@ def fused_activation_tiles(config: ExpertsConfig, weight, layout, gate_up, valid
     activation as it loads ``gate_up`` (``gemm(input_activation=...)``: the
     activation stage then has no pass of its own), else None — quantized or
     rotated w2 inputs, the reference backend, a Mosaic tiling (which the
-    activation pass feeds), tiles of more than
-    :data:`FUSED_ACTIVATION_MAX_BLOCK_M` rows."""
+    activation pass feeds), calls of more than
+    :data:`FUSED_ACTIVATION_MAX_ROWS` rows (``valid_m``) or tiles of more
+    than :data:`FUSED_ACTIVATION_MAX_BLOCK_M`."""
     chosen = resolve_backend(backend, "gemm")
     if chosen == "reference" or config.w2_input_quant.is_quantized or config.w2_hadamard_block_size is not None:
         return None
-    if jnp.dtype(gate_up.dtype) != jnp.dtype(config.compute_dtype):
+    if valid_m > FUSED_ACTIVATION_MAX_ROWS or jnp.dtype(gate_up.dtype) != jnp.dtype(config.compute_dtype):
         return None
     width = config.w2.shape_k
     x = Q.QuantizedInput(values=jax.ShapeDtypeStruct((gate_up.shape[0], width), gate_up.dtype), k=width)

@@ -163,10 +163,10 @@ def test_indexed_blocks_of_one_row(rng):
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_activation_inside_the_w2_tile(pipeline, rng):
-    """Where w2 runs a Triton tile on an unquantized input, the tile applies
-    the activation as it loads the w13 output (the activation stage adds
-    nothing): the layer is the float64 one. Quantized w2 inputs and the
-    reference backend keep the activation pass."""
+    """Where w2 runs a Triton tile on an unquantized input in a call of few
+    rows, the tile applies the activation as it loads the w13 output (the
+    activation stage adds nothing): the layer is the float64 one. Quantized
+    w2 inputs, more rows and the reference backend keep the activation pass."""
     config = hj.ExpertsConfig(4, 128, 128, 2, activation="swigluoai", weight_format="int4_g32")
     x, w13, w2, ids, tw = _problem(rng, config, 6)
     weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
@@ -191,6 +191,8 @@ def test_activation_inside_the_w2_tile(pipeline, rng):
     layout = hj.GroupedContiguous(jnp.asarray([0, 3, 6, 9, 12], jnp.int32))
     assert X.fused_activation_tiles(config, weights.w2, layout, gate_up, 12, None) is not None
     assert X.fused_activation_tiles(config, weights.w2, layout, gate_up, 12, "reference") is None
+    many = jax.ShapeDtypeStruct((X.FUSED_ACTIVATION_MAX_ROWS + 4, config.w13_n), jnp.bfloat16)
+    assert X.fused_activation_tiles(config, weights.w2, layout, many, X.FUSED_ACTIVATION_MAX_ROWS + 4, None) is None
     w8a8 = hj.ExpertsConfig(4, 128, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
     fp8 = hj.quantize_experts(jnp.asarray(w13[:, :256]), jnp.asarray(w2), w8a8)
     assert X.fused_activation_tiles(w8a8, fp8.w2, layout, gate_up, 12, None) is None
