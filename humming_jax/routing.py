@@ -191,36 +191,6 @@ def moe_align_block_size(
     )
 
 
-def slot_blocks(
-    topk_ids: jax.Array,
-    num_experts: int,
-    expert_map: jax.Array | None = None,
-    num_local_experts: int | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The indexed layout of blocks of one row, sorting nothing: slot ``s`` is
-    block ``s`` through its expert. The same GEMM rows as
-    :func:`moe_align_block_size` with ``block_size=1`` and
-    ``ignore_invalid_experts=True``, in slot order, with no launch of its own:
-    without ``expert_map`` the ids are the blocks' experts as they are (a
-    block whose id is outside ``[0, num_experts)`` is dead: the GEMM zeroes
-    its row); with one, the local expert (−1 where it drops the slot), a
-    gather XLA fuses.
-
-    Returns:
-        ``sorted_ids [T·k]`` (``arange``), ``expert_ids [T·k]``
-        int32 and ``num_tokens_post_pad [1]`` int32 (``T·k``).
-    """
-    _check_routing(topk_ids, num_experts, expert_map, "slot_blocks")
-    slots = topk_ids.size
-    if expert_map is None:
-        expert_ids = topk_ids.reshape(-1).astype(jnp.int32)
-    else:
-        num_local = num_experts if num_local_experts is None else num_local_experts
-        group, valid = _local_ids(topk_ids, num_experts, expert_map, num_local)
-        expert_ids = jnp.where(valid, group, -1).astype(jnp.int32)
-    return jnp.arange(slots, dtype=jnp.int32), expert_ids, jnp.full((1,), slots, jnp.int32)
-
-
 def _grouping_kernel(grouping: kernels.Grouping):
     """The first grouping kernel that takes these slots: one launch for few
     slots (decode), else the three- or four-launch kernel (takes every call)."""

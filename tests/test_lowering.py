@@ -263,34 +263,3 @@ def test_byte_pairs_lower_to_e4m3_mmas(monkeypatch):
     assert len(dots) == 4 and all("x64xf8E4M3FN> * tensor<64x" in d for d in dots)
     assert any("tt.ptr<i16>" in line for line in text.splitlines() if "tt.load" in line)
     jax.clear_caches()
-
-
-@pytest.mark.parametrize(
-    "activation,config",
-    [
-        ("silu", "triton:block_m=1,block_n=64,block_k=256,num_warps=4,num_stages=3,use_mma=0,word_decode=1"),
-        ("gelu", "triton:block_m=16,block_n=64,block_k=256,num_warps=4,num_stages=3,word_decode=1,fold_scales=1"),
-        (
-            "swigluoai",
-            "triton:block_m=16,block_n=64,block_k=256,num_warps=4,num_stages=3,swap_ab=1,word_decode=1,"
-            "fold_scales=1,pair_decode=1",
-        ),
-    ],
-)
-def test_input_activation_lowers_for_sm90(activation, config):
-    """The w2 tile that applies the activation as it loads x: one kernel, the
-    activation's exponential in it (libdevice's, an extern element-wise op),
-    on the indexed layout the decode layer runs (blocks of one row included)."""
-    tiles = parse_config(config)
-    e, n, k = SHAPE
-    weight = hj.quantize_experts(
-        jnp.zeros((e, 2 * k, n), jnp.float32) + 0.01,
-        jnp.zeros((e, n, k), jnp.float32) + 0.01,
-        hj.ExpertsConfig(e, n, k, 2, weight_format="int4_g128"),
-    ).w2
-    ids = jnp.asarray([[0, 1], [2, 3], [1, 2]], jnp.int32)
-    layout = hj.Indexed(*hj.moe_align_block_size(ids, tiles.block_m, e), top_k=1, block_size=tiles.block_m)
-    x = jax.ShapeDtypeStruct((6, 2 * k), jnp.bfloat16)
-    run = lambda x: hj.gemm(x, weight, layout, tuning=tiles, input_activation=activation, backend="pallas")  # noqa: E731
-    (text,) = ttir_of(run, x)
-    assert "tt.extern_elementwise" in text
