@@ -38,6 +38,9 @@ INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M = BYTE_PAIRS_MOSAIC_MIN_M
 # Float inputs (bf16, W4A16): from this many rows an expert, where the grouped layer's
 # Mosaic GEMMs outrun the indexed layer's Triton tiles (layer.md v3).
 INDEXED_AS_GROUPED_FLOAT_MIN_ROWS = 1024
+# Up to this many rows an expert the grouped pipeline runs the indexed stages: at decode its
+# grouping and its per-expert tiles cost more than the indexed layer's aligned blocks (layer.md v7).
+GROUPED_AS_INDEXED_MAX_ROWS = 1
 
 
 @jax.tree_util.register_dataclass
@@ -204,6 +207,17 @@ def indexed_runs_grouped(num_tokens: int, top_k: int, config: ExpertsConfig) -> 
     return valid_m >= INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M and _reads_byte_pairs(config)
 
 
+def grouped_runs_indexed(num_tokens: int, top_k: int, config: ExpertsConfig) -> bool:
+    """Whether the grouped pipeline runs the indexed stages (their blocks from
+    the tuning): up to :data:`GROUPED_AS_INDEXED_MAX_ROWS` rows an expert,
+    where :func:`indexed_runs_grouped` does not hold; never with
+    ``batch_invariant`` (one layout for every batch size)."""
+    if config.batch_invariant or indexed_runs_grouped(num_tokens, top_k, config):
+        return False
+    valid_m = estimate_valid_shape_m(num_tokens, top_k, config)
+    return valid_m <= GROUPED_AS_INDEXED_MAX_ROWS * max(config.num_experts, 1)
+
+
 def _reads_byte_pairs(config: ExpertsConfig) -> bool:
     """Whether the Triton GEMM reads either weight as byte pairs (``triton.reads_byte_pairs``)."""
     layers = ((config.weight_format, config.w13), (config.w2_weight_format, config.w2))
@@ -325,13 +339,36 @@ def _stage_gemm_kwargs(config: ExpertsConfig, state: dict, backend: str | None) 
     return _gemm_kwargs(config, estimate_valid_shape_m(num_tokens, top_k, config), backend)
 
 
+def _either(config: ExpertsConfig, switch, mine: tuple[Stage, ...], other: tuple[Stage, ...]) -> tuple[Stage, ...]:
+    """Stages that run ``other``'s where ``switch(T, k, config)`` holds for
+    the call's routing, ``mine`` elsewhere (the two pipelines name their
+    stages alike; one call runs one pipeline's throughout)."""
+
+    def either(own: Stage, alternative: Stage) -> Stage:
+        def run(s):
+            return (alternative if switch(*s["topk_ids"].shape, config) else own).run(s)
+
+        return Stage(own.name, run)
+
+    return tuple(either(m, o) for m, o in zip(mine, other, strict=True))
+
+
 def grouped_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[Stage, ...]:
     """The grouped pipeline as stages over the state ``hidden_states [T, H]``
     (or pre-quantized values with ``a1q_scale``), ``weights``,
     ``topk_weights``, ``topk_ids [T, k]``, ``expert_map`` and ``a1q_scale``
-    (each possibly None); the last adds ``out [T, H]``. Float activations are
-    scattered by ``process_input``; pre-quantized ones are permuted with
-    their scales."""
+    (each possibly None; ``num_valid_tokens`` optional); the last adds
+    ``out [T, H]``. Float activations are scattered by ``process_input``;
+    pre-quantized ones are permuted with their scales. A call
+    :func:`grouped_runs_indexed` takes (decode) runs the indexed stages
+    instead, the same result."""
+    grouped = _grouped_layout_stages(config, backend)
+    indexed = _indexed_layout_stages(config, None, None, backend)
+    return _either(config, grouped_runs_indexed, grouped, indexed)
+
+
+def _grouped_layout_stages(config: ExpertsConfig, backend: str | None) -> tuple[Stage, ...]:
+    """The stages on the grouped-contiguous layout (:func:`grouped_stages`)."""
 
     def gemm_kwargs(s):
         return _stage_gemm_kwargs(config, s, backend)
@@ -432,7 +469,9 @@ def humming_grouped_experts(
     """The expert layer on the grouped-contiguous layout (vLLM's
     ``humming_grouped_experts``): scatter each token's k slots into expert
     order (quantizing them), w13, activation and quantization, w2, weighted
-    unpermute. Jitted; token-sharded inputs keep their sharding.
+    unpermute. Jitted; token-sharded inputs keep their sharding. Up to one
+    row an expert (decode; :func:`grouped_runs_indexed` says where) it runs
+    the indexed pipeline's stages instead: the same result, faster.
 
     Args:
         hidden_states: ``[T, H]`` bf16/f16/f32 activations, or values already
@@ -540,15 +579,7 @@ def indexed_stages(
     indexed = _indexed_layout_stages(config, block_size, w2_block_size, backend)
     if block_size is not None or w2_block_size is not None:
         return indexed
-
-    def either(grouped_stage: Stage, indexed_stage: Stage) -> Stage:
-        def run(s):
-            as_grouped = indexed_runs_grouped(*s["topk_ids"].shape, config)
-            return (grouped_stage if as_grouped else indexed_stage).run(s)
-
-        return Stage(indexed_stage.name, run)
-
-    return tuple(either(g, i) for g, i in zip(grouped_stages(config, backend), indexed, strict=True))
+    return _either(config, indexed_runs_grouped, indexed, _grouped_layout_stages(config, backend))
 
 
 def _indexed_layout_stages(
@@ -627,7 +658,7 @@ def _indexed_layout_stages(
             s["topk_ids"],
             num_experts=config.global_num_experts,
             expert_map=s["expert_map"],
-            num_valid_tokens=s["num_valid_tokens"],
+            num_valid_tokens=s.get("num_valid_tokens"),
             backend=backend,
         )
         return dict(out=out)

@@ -1,6 +1,8 @@
 """The expert pipelines (grouped, indexed, batched, MoonEP) against per-token
 float64 NumPy math on the dequantized weights."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,6 +236,51 @@ def test_indexed_runs_grouped_with_quantized_inputs_at_prefill(rng):
     emap = jnp.asarray([-1, 0, -1, 1, 2, -1, 3, -1], jnp.int32)
     outs = [np.asarray(_run(p, x, weights, tw, ids, local, expert_map=emap), np.float64) for p in PIPELINES]
     np.testing.assert_array_equal(outs[1], outs[0])
+
+
+def test_grouped_runs_indexed_at_decode(rng, monkeypatch):
+    """Up to one row an expert the grouped pipeline runs the indexed stages
+    (no grouping scatter): the indexed pipeline's result bit for bit, float
+    and pre-quantized inputs, ids outside [0, E) contributing nothing; above
+    it, with ``batch_invariant`` or where the indexed pipeline runs the
+    grouped stages, the grouped layout."""
+    config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
+    assert [X.grouped_runs_indexed(t, 2, config) for t in (1, 2, 3)] == [True, True, False]
+    assert not X.grouped_runs_indexed(1, 2, dataclasses.replace(config, batch_invariant=True))
+    # DeepSeek-V3's fp8 w2 read as byte pairs: the indexed pipeline runs grouped from 128 rows, so neither switches.
+    deepseek = hj.ExpertsConfig(256, 7168, 2048, 8, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
+    assert [X.grouped_runs_indexed(t, 8, deepseek) for t in (1, 16, 32)] == [True, False, False]
+    int4 = hj.ExpertsConfig(256, 7168, 2048, 8, weight_format="int4_g128")
+    assert [X.grouped_runs_indexed(t, 8, int4) for t in (16, 32, 33)] == [True, True, False]
+    x, w13, w2, ids, tw = _problem(rng, config, 2)
+    ids[1] = [3, 7]  # an id outside [0, E): nothing
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    indexed = np.asarray(_run("indexed", x, weights, tw, ids, config), np.float64)
+
+    def no_scatter(*args, **kwargs):
+        raise AssertionError("the grouped pipeline scattered at decode")
+
+    monkeypatch.setattr(X.routing, "moe_prepare_scatter", no_scatter)
+    monkeypatch.setattr(X.routing, "moe_permute", no_scatter)
+    hj.humming_grouped_experts.clear_cache()
+    grouped = np.asarray(_run("grouped", x, weights, tw, ids, config), np.float64)
+    np.testing.assert_array_equal(grouped, indexed)
+    q = Q.quantize_input(jnp.asarray(x), Q.FP8_DYNAMIC_GROUP128)
+    args = (weights, jnp.asarray(tw), jnp.asarray(ids), config)
+    prequantized = [
+        fn(q.values, *args, a1q_scale=q.scale) for fn in (hj.humming_grouped_experts, hj.humming_indexed_experts)
+    ]
+    np.testing.assert_array_equal(np.asarray(prequantized[0]), np.asarray(prequantized[1]))
+    expected = _numpy_moe(
+        x.astype(np.float64),
+        np_ref.dequantize_weight(weights.w13),
+        np_ref.dequantize_weight(weights.w2),
+        ids,
+        tw,
+        config.activation,
+    )
+    assert np_ref.relative_error(grouped, expected) < 6e-2  # fp8 e4m3 activations and weights
+    hj.humming_grouped_experts.clear_cache()
 
 
 def test_batched_matches_numpy_and_zeroes_padding(rng):
