@@ -71,11 +71,11 @@ class GroupingTiles:
         return dataclasses.replace(self, chunk=chunk)
 
 
-def slot_groups(ids_ref, map_ref, start, g: Grouping, width: int = SUB_TILE):
-    """Bins of the slots ``[start, start + width)``: (group, valid), int32/bool."""
-    slots = start + jnp.arange(width, dtype=jnp.int32)
+def slot_groups(ids_ref, map_ref, start, g: Grouping):
+    """Bins of the slots ``[start, start + SUB_TILE)``: (group, valid), int32/bool."""
+    slots = start + jnp.arange(SUB_TILE, dtype=jnp.int32)
     in_slots = slots < g.num_slots
-    ids = plgpu.load(ids_ref.at[pl.ds(start, width)], mask=in_slots, other=-1)
+    ids = plgpu.load(ids_ref.at[pl.ds(start, SUB_TILE)], mask=in_slots, other=-1)
     valid = in_slots & (ids >= 0) & (ids < g.num_experts)
     group = jnp.where(valid, ids, 0)
     if g.map_groups:

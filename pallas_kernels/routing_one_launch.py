@@ -3,13 +3,9 @@
 The same results as :func:`pallas_kernels.routing.group_slots` (the aligned
 layout or each slot's destination, deterministic, no atomics) for the decode
 case, where the three launches of the general kernel cost more than their
-work. Everything is reckoned in slot space: one pairwise compare of the
-slots (padded to a power of two, not to 128) gives each slot's rank in its
-bin and its bin's count; a bin's padded rows sit on its first slot, so the
-rows of the bins below a slot are one more masked sum — a few reductions in
-all, where counting every bin took a chain of them per tile of bins. The
-bins' padding and block labels are then stores from the bins' first slots;
-the tail past the used rows is a plain fill, spread over the programs.
+work: every program ranks all slots by one pairwise compare and counts the
+bins itself, so no prefix pass is needed between launches. Program 0 places
+the slots; the programs share the aligned layout's padding and block labels.
 Notes: benchmarks/notes/routing.md.
 """
 
@@ -27,17 +23,15 @@ from pallas_kernels import codecs
 from pallas_kernels.routing import SUB_TILE, Grouping, fill_blocks, slot_groups
 
 MAX_SLOTS = SUB_TILE  # one pairwise-compared tile of slots
-MIN_SLOT_TILE = 16  # the smallest Triton vector of slots compared
-PAD_TILE = 128  # padding rows a bin's first slot stores at a time
-BIN_TILE_LANES = 4096  # bins x slots compared at a time for the scatter's bin starts
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """``fill_positions`` aligned positions each program fills past the used
-    rows (a power of two)."""
+    """``bin_tile`` bins compared with the slots (or fill positions) at a time;
+    ``fill_positions`` aligned positions per program (powers of two)."""
 
-    fill_positions: int = 1024
+    bin_tile: int = 32
+    fill_positions: int = 256
     num_warps: int = 8
 
 
@@ -45,65 +39,55 @@ def supports(g: Grouping, tiles: Tiles = Tiles()) -> str | None:
     """None when one launch groups these slots, else why not."""
     if g.num_slots > MAX_SLOTS:
         return f"{g.num_slots} slots: one program ranks at most {MAX_SLOTS}"
-    for name in ("fill_positions", "num_warps"):
+    for name in ("bin_tile", "fill_positions", "num_warps"):
         value = getattr(tiles, name)
         if value < 1 or value & (value - 1):
             return f"Tiles.{name}={value}: expected a power of two"
     return None
 
 
-def slot_tile(g: Grouping) -> int:
-    """Slots compared pairwise: the slots padded to a power of two."""
-    return max(MIN_SLOT_TILE, pl.next_power_of_2(g.num_slots))
-
-
-def _bins_of_slots(ids_ref, map_ref, g: Grouping):
-    """Each slot's bin, whether it is grouped, its rank among its bin's earlier
-    slots, and on each bin's first slot the bin's count and padded rows (0
-    elsewhere); each slot's row (the padded rows of the bins below + rank);
-    the padded rows of all bins. Vectors of :func:`slot_tile` lanes."""
-    width = slot_tile(g)
-    lane = jnp.arange(width, dtype=jnp.int32)
-    group, valid = slot_groups(ids_ref, map_ref, 0, g, width=width)
-    # Compares are [other slot j, slot i], reduced over j: every per-slot vector shares one layout.
-    same = (group[:, None] == group[None, :]) & valid[:, None]
-    rank = jnp.sum((same & (lane[:, None] < lane[None, :])).astype(jnp.int32), axis=0)
-    count = jnp.sum(same.astype(jnp.int32), axis=0)
-    first = valid & (rank == 0)
-    count = jnp.where(first, count, 0)
-    padded = (count + g.block_size - 1) // g.block_size * g.block_size
-    below = jnp.sum(jnp.where(group[:, None] < group[None, :], padded[:, None], 0), axis=0)
-    return group, valid, rank, first, count, padded, below + rank, jnp.sum(padded)
+def _bin_tiles(g: Grouping, tiles: Tiles):
+    width = min(tiles.bin_tile, g.bins_padded)
+    return [t * width + jnp.arange(width, dtype=jnp.int32) for t in range(g.bins_padded // width)]
 
 
 def _kernel(ids_ref, *refs, g: Grouping, tiles: Tiles, length: int, outputs: str):
     map_ref = refs[0] if g.has_map else None
     outs = refs[int(g.has_map) :]
-    width = slot_tile(g)
-    lane = jnp.arange(width, dtype=jnp.int32)
+    lane = jnp.arange(SUB_TILE, dtype=jnp.int32)
     in_slots = lane < g.num_slots
-    group, valid, rank, first, count, padded, dest, total = _bins_of_slots(ids_ref, map_ref, g)
-    below = dest - rank  # each slot's bin's first row
+    group, valid = slot_groups(ids_ref, map_ref, 0, g)
+    # Every compare is [bins or earlier slots, slots] and reduced over axis 0, so that the
+    # per-slot and per-position results share one layout (no conversion between bin tiles).
+    earlier = (group[:, None] == group[None, :]) & valid[:, None] & (lane[:, None] < lane[None, :])
+    rank = jnp.sum(earlier.astype(jnp.int32), axis=0)
+
+    # Each bin's count and padded start; each slot's row = the padded rows of the bins before its own + its rank.
+    bins_starts_counts = []
+    below = jnp.zeros(SUB_TILE, jnp.int32)
+    total = jnp.int32(0)
+    for bins in _bin_tiles(g, tiles):
+        count = jnp.sum(((bins[:, None] == group[None, :]) & valid[None, :]).astype(jnp.int32), axis=1)
+        padded = (count + g.block_size - 1) // g.block_size * g.block_size
+        start = total + jnp.cumsum(padded) - padded
+        below += jnp.sum(jnp.where(bins[:, None] < group[None, :], padded[:, None], 0), axis=0)
+        total = total + jnp.sum(padded)
+        bins_starts_counts.append((bins, start, count))
+    dest = below + rank
     program = pl.program_id(0)
 
     if outputs == "dest":
         dest_ref, inverse_ref, start_ref = outs
-        plgpu.store(dest_ref.at[pl.ds(0, width)], dest, mask=in_slots)
+        plgpu.store(dest_ref.at[pl.ds(0, SUB_TILE)], dest, mask=in_slots)
         plgpu.store(inverse_ref.at[codecs.scatter_index(dest, in_slots, g.num_slots)], lane, mask=in_slots)
-        # Each bin's start: the padded rows of the bins below it (empty bins too).
-        bin_tile = min(g.bins_padded, max(16, BIN_TILE_LANES // width))
-        for t in range(g.bins_padded // bin_tile):
-            bins = t * bin_tile + jnp.arange(bin_tile, dtype=jnp.int32)
-            start = jnp.sum(jnp.where(group[None, :] < bins[:, None], padded[None, :], 0), axis=1)
-            start_ref[pl.ds(t * bin_tile, bin_tile)] = start
+        for t, (bins, start, _) in enumerate(bins_starts_counts):
+            start_ref[pl.ds(t * bins.shape[0], bins.shape[0])] = start
         start_ref[g.bins_padded] = total
         return
 
     sorted_ref, expert_ids_ref, post_pad_ref = outs
     lost = in_slots & ~valid  # dropped slots: listed in slot order after the padded bins
     num_lost = jnp.sum(lost.astype(jnp.int32))
-    sentinel = g.num_slots
-    block = g.block_size
 
     @pl.when(program == 0)
     def _place():
@@ -111,44 +95,35 @@ def _kernel(ids_ref, *refs, g: Grouping, tiles: Tiles, length: int, outputs: str
         order = total + jnp.cumsum(lost.astype(jnp.int32)) - 1
         plgpu.store(sorted_ref.at[codecs.scatter_index(order, lost, length)], lane, mask=lost)
         post_pad_ref[0] = total
-        # Each bin's padding (at most block - 1 rows after its slots), stored by its first slot.
-        pads = padded - count
-        for r0 in range(0, pl.next_power_of_2(block), PAD_TILE):
-            r = r0 + jnp.arange(min(PAD_TILE, pl.next_power_of_2(block)), dtype=jnp.int32)
-            mask = first[:, None] & (r[None, :] < pads[:, None])
-            at = (below + count)[:, None] + r[None, :]
-            plgpu.store(
-                sorted_ref.at[codecs.scatter_index(at, mask, length)],
-                jnp.full(at.shape, sentinel, jnp.int32),
-                mask=mask,
-            )
-        # Each bin's blocks labelled by its first slot.
-        label = group
-        if g.has_map and not g.map_groups:
-            label = plgpu.load(map_ref.at[group], mask=first, other=-1)
-        per_bin = jnp.arange(pl.next_power_of_2(pl.cdiv(width, block)), dtype=jnp.int32)
-        mask = first[:, None] & (per_bin[None, :] < (padded // block)[:, None])
-        at = (below // block)[:, None] + per_bin[None, :]
-        num_blocks = pl.cdiv(length, block)
-        plgpu.store(
-            expert_ids_ref.at[codecs.scatter_index(at, mask, num_blocks)],
-            jnp.broadcast_to(label[:, None], at.shape),
-            mask=mask,
-        )
 
-    # Past the padded bins and the dropped slots: the sentinel, and blocks of no expert.
+    # Padding: positions no bin's slots fill and past the listed dropped slots.
     positions = program * tiles.fill_positions + jnp.arange(tiles.fill_positions, dtype=jnp.int32)
+    held = (positions >= total) & (positions < total + num_lost)
+    for _, start, count in bins_starts_counts:
+        inside = (start[:, None] <= positions[None, :]) & (positions[None, :] < (start + count)[:, None])
+        held = held | (jnp.sum(inside.astype(jnp.int32), axis=0) > 0)
     plgpu.store(
         sorted_ref.at[pl.ds(program * tiles.fill_positions, tiles.fill_positions)],
-        jnp.full(tiles.fill_positions, sentinel, jnp.int32),
-        mask=(positions >= total + num_lost) & (positions < length),
+        jnp.full(tiles.fill_positions, g.num_slots, jnp.int32),
+        mask=~held & (positions < length),
     )
-    per_program = fill_blocks(tiles.fill_positions, block)
+
+    # Each block's label: the last bin starting at or before it (empty bins start where the next does).
+    per_program = fill_blocks(tiles.fill_positions, g.block_size)
     blocks = program * per_program + jnp.arange(per_program, dtype=jnp.int32)
+    block_start = blocks * g.block_size
+    found = jnp.zeros(per_program, jnp.int32)
+    for bins, start, _ in bins_starts_counts:
+        before = (start[:, None] <= block_start[None, :]) & (bins < g.total_bins)[:, None]
+        found += jnp.sum(before.astype(jnp.int32), axis=0)
+    label = jnp.maximum(found - 1, 0)
+    in_use = block_start < total
+    if g.has_map and not g.map_groups:
+        label = plgpu.load(map_ref.at[label], mask=in_use, other=-1)
     plgpu.store(
         expert_ids_ref.at[pl.ds(program * per_program, per_program)],
-        jnp.full(per_program, -1, jnp.int32),
-        mask=(blocks * block >= total) & (blocks < pl.cdiv(length, block)),
+        jnp.where(in_use, label, -1),
+        mask=blocks < pl.cdiv(length, g.block_size),
     )
 
 
