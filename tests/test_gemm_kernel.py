@@ -776,3 +776,58 @@ def test_grouped_offsets_outside_the_rows(offsets, rng):
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=kernel.Tiles(16, 32, 128), backend=KERNEL_BACKEND)
     assert np.all(np.isfinite(np.asarray(out)))
     _check(out, _reference(x, weight, layout), bound=1e-5)
+
+
+# (format, activation, layout, tiling): gated halves and interleaved pairs, block scales
+# over contiguous and strided columns, a bias, swapped tiles; None: the plan's tile.
+_OUT_ACTIVATIONS = [
+    ("int4_g128", "silu", "indexed", None),
+    ("mxfp4+bias", "swigluoai", "indexed", None),
+    ("fp8_block128", "swigluoai", "grouped_contiguous", None),
+    ("fp8_block128", "gelu", "grouped_contiguous", None),
+    ("bf16", "relu2_no_mul", "grouped_contiguous", None),
+    ("int4_g128", "silu", "grouped_contiguous", "triton:block_m=16,block_n=16,block_k=128,swap_ab=1,word_decode=1"),
+]
+
+
+@pytest.mark.parametrize(
+    "fmt_name,act,layout_kind,tiling", sweep(_OUT_ACTIVATIONS, [_OUT_ACTIVATIONS[i] for i in (1, 2, 5)])
+)
+def test_output_activation_against_numpy(fmt_name, act, layout_kind, tiling, rng):
+    """``gemm(out_activation=)``: the Triton tile's epilogue applies the
+    activation to its f32 sums (gate and up columns of one output column in
+    one program) — the float64 product's activation; rows no tile owns zero."""
+    from humming_jax import tiles_text
+
+    weight = _weight(rng, F.get_format(fmt_name), E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    tuning = None if tiling is None else tiles_text.gemm_from_text(tiling)
+    layout = _layouts(rng, 16)[layout_kind]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, out_activation=act, backend=KERNEL_BACKEND)
+    product = _kernel_reference(x, weight, layout) if tuning is None else _reference_for(tuning, x, weight, layout)
+    expected = np_ref.activation(product, act, 7.0 if act == "swigluoai" else None)
+    assert out.shape == expected.shape == (layout.output_rows(M), N // 2 if act != "relu2_no_mul" else N)
+    _check(out, expected, bound=1e-4)
+    reference = hj.gemm(x, weight, layout, out_dtype=jnp.float32, out_activation=act, backend="reference")
+    exact = np_ref.activation(_reference(x, weight, layout), act, 7.0 if act == "swigluoai" else None)
+    assert relative_error(np.asarray(reference, np.float64), exact) < 1e-5
+
+
+def test_output_activation_refusals(rng):
+    """Only the Triton tile applies an output activation, with the whole sum
+    (no split K); a gated one needs an even N."""
+    from pallas_kernels.gemm import mosaic
+
+    weight = _weight(rng, F.get_format("int4_g128"), E)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = _layouts(rng, 16)["grouped_contiguous"]
+    with pytest.raises(ValueError, match="split_k"):
+        hj.gemm(x, weight, layout, tuning=kernel.Tiles(split_k=2), out_activation="silu", backend="interpret")
+    from humming_jax import activations as A
+    from humming_jax.gemm import gemm_call
+
+    call = gemm_call(as_quantized_input(x), weight, layout, jnp.bfloat16, out_activation=A.get_activation("silu"))
+    assert mosaic.supports(mosaic.Tiles(), call) == "an output activation (the Triton tile applies one)"
+    odd = F.quantize_weight(jnp.asarray(rng.normal(size=(E, 48 + 1, K)), jnp.float32), "bf16")
+    with pytest.raises(ValueError, match="even N"):
+        hj.gemm(x, odd, layout, out_activation="silu", backend="interpret")
