@@ -22,7 +22,7 @@ from humming_jax import routing
 from humming_jax import tuning as T
 from humming_jax.backend import resolve_backend
 from humming_jax.configs import ExpertsConfig
-from humming_jax.gemm import FLOAT_INPUTS, as_quantized_input, as_weight, format_spec, gemm, plan
+from humming_jax.gemm import FLOAT_INPUTS, as_weight, format_spec, gemm, plan
 from humming_jax.process_input import check_dequantize, process_input
 from humming_jax.sharding import token_parallel
 from humming_jax.tuning.heuristic import BYTE_PAIRS_MOSAIC_MIN_M
@@ -313,31 +313,6 @@ def multiplied_out_tiles(config: ExpertsConfig, name: str, weight, layout, rows:
     if tiles is None or not getattr(tiles, "dequantize_input", False):
         return None
     return dataclasses.replace(tiles, dequantize_input=False)
-
-
-def fused_activation_tiles(
-    config: ExpertsConfig, x, weight, layout, valid_m: int, backend, tuning=None
-) -> triton.Tiles | None:
-    """The w13 tile that applies the layer's activation in its epilogue — the
-    call's Triton tile with half its columns (each program then reads the
-    gate and the up columns of its half: the weight bytes and the grid of the
-    tile as planned) — or None: a w2 input quantized or rotated (the
-    activation's pass does more than the activation), the reference backend,
-    a planned tile of another kernel, or one the fused call does not fit.
-    ``x``: w13's input as the GEMM takes it; ``tuning``: its tiling, if given."""
-    chosen = resolve_backend(backend, "gemm")
-    if chosen == "reference" or config.w2_input_quant.is_quantized or config.w2_hadamard_block_size:
-        return None
-    x = as_quantized_input(x)
-    kwargs = _gemm_kwargs(config, valid_m, None)
-    args = (kwargs["out_dtype"], config.use_f16_accum, config.batch_invariant, valid_m)
-    tiles, _ = plan(x, weight, layout, *args, tuning, interpret=chosen == "interpret")
-    if not isinstance(tiles, triton.Tiles) or tiles.block_n < 32:
-        return None
-    fused = dataclasses.replace(tiles, block_n=tiles.block_n // 2)
-    act = config.activation
-    taken, _ = plan(x, weight, layout, *args, fused, interpret=chosen == "interpret", out_activation=act)
-    return taken
 
 
 @dataclasses.dataclass(frozen=True)
@@ -666,20 +641,9 @@ def _indexed_layout_stages(
         return gemm(x, getattr(s["weights"], name), layout_of(s, name), **gemm_kwargs(s), tuning=tiles)
 
     def w13(s):
-        x = s["gate_up_input"]
-        unquantized = not as_quantized_input(x).spec.is_quantized
-        tuning = multiplied_out(s, "w13") if unquantized else None
-        valid_m = gemm_kwargs(s)["valid_shape_m"]
-        fused = fused_activation_tiles(config, x, s["weights"].w13, layout_of(s, "w13"), valid_m, backend, tuning)
-        if fused is None:
-            return dict(gate_up=indexed_gemm(s, "w13", x))
-        layout = layout_of(s, "w13")
-        out = gemm(x, s["weights"].w13, layout, **gemm_kwargs(s), tuning=fused, out_activation=config.activation)
-        return dict(down_input=as_quantized_input(out))
+        return dict(gate_up=indexed_gemm(s, "w13", s["gate_up_input"]))
 
     def activation(s):
-        if "gate_up" not in s:  # applied by the w13 tile
-            return {}
         dequantize = multiplied_out(s, "w2") is not None
         return dict(down_input=_down_input(s["gate_up"], config, s["weights"], backend, dequantize=dequantize))
 

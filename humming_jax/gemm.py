@@ -16,14 +16,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from humming_jax import activations as A
 from humming_jax import configs, tiles_text
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import tuning as T
 from humming_jax.backend import no_kernel, reference_gradient, resolve_backend
-from pallas_kernels import activation as kernel_activation
 from pallas_kernels import gemm as kernels
 from pallas_kernels.gemm import mosaic, spec, triton
 
@@ -123,7 +121,7 @@ def gemm_reference(x: Q.QuantizedInput, weight: F.QuantizedWeight, layout: L.Lay
 GemmTiles = triton.Tiles | mosaic.Tiles
 
 
-_GEMM_STATIC = ("out_dtype", "use_f16_accum", "batch_invariant", "valid_shape_m", "tuning", "out_activation", "backend")
+_GEMM_STATIC = ("out_dtype", "use_f16_accum", "batch_invariant", "valid_shape_m", "tuning", "backend")
 
 
 @functools.partial(jax.jit, static_argnames=_GEMM_STATIC)
@@ -138,7 +136,6 @@ def gemm(
     batch_invariant: bool = False,
     valid_shape_m: int | None = None,
     tuning: GemmTiles | None = None,
-    out_activation: A.ActivationSpec | str | None = None,
     backend: str | None = None,
 ) -> jax.Array:
     """The expert GEMM (Humming's grouped / indexed GEMM): ``x`` times each
@@ -157,15 +154,11 @@ def gemm(
         tuning: a ``triton``, ``mosaic`` or ``mosaic_fp8`` ``Tiles`` (``pallas_kernels.gemm``):
             runs as given or raises with the kernel's reason; None: the table's
             entry, else the heuristic.
-        out_activation: the output is this activation of the f32 product
-            (w13's: a gated one of its gate and up columns, ``[M_out, N/2]``),
-            rounded once to ``out_dtype`` — the Triton tile applies it in its
-            epilogue (the other kernels refuse it).
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
 
     Returns:
-        ``[M_out, N]`` (``N/2`` with a gated ``out_activation``) in ``out_dtype``
-        (``M_out = M·top_k`` for :class:`Indexed`); rows no expert owns are zero.
+        ``[M_out, N]`` in ``out_dtype`` (``M_out = M·top_k`` for :class:`Indexed`);
+        rows no expert owns are zero.
 
     Raises:
         NoKernelError: on a GPU, when no kernel takes the call (naming why).
@@ -174,9 +167,6 @@ def gemm(
     weight = as_weight(weight)
     out_dtype = _out_dtype(x, out_dtype)
     _validate(x, weight, layout, use_f16_accum, out_dtype)
-    act = A.get_activation(out_activation)
-    if act is not None and act.is_gated and weight.n % 2:
-        raise ValueError(f"out_activation: {act.kind.value} takes gate and up columns (an even N), got N={weight.n}")
     if tuning is not None and not isinstance(tuning, tuple(kernels.KERNELS)):
         names = ", ".join(f"{name}.Tiles" for name in kernels.IMPLS)
         raise TypeError(f"gemm: tuning: expected one of {names} (pallas_kernels.gemm), got {type(tuning).__name__}")
@@ -184,31 +174,17 @@ def gemm(
         raise ValueError(f"tuning.split_k: batch_invariant needs a fixed K order (split_k=1), got {tuning.split_k}")
     chosen = resolve_backend(backend, "gemm")
     if chosen == "reference" or x.m == 0:  # an empty batch (T=0): nothing to compute, an empty output
-        return _activated_reference(x, weight, layout, out_dtype, act)
+        return gemm_reference(x, weight, layout, out_dtype)
     interpret = chosen == "interpret"
     tiles, reasons = plan(
-        x, weight, layout, out_dtype, use_f16_accum, batch_invariant, valid_shape_m, tuning, interpret, act
+        x, weight, layout, out_dtype, use_f16_accum, batch_invariant, valid_shape_m, tuning, interpret
     )
     if tiles is None:
         if tuning is not None:
             raise ValueError(f"gemm: tuning: the kernel does not take this call with {reasons[0]}")
         no_kernel("gemm", reasons[-1], backend)
-        return _activated_reference(x, weight, layout, out_dtype, act)
-    return _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, act)
-
-
-def _activated_reference(x, weight, layout, out_dtype, act: A.ActivationSpec | None) -> jax.Array:
-    """:func:`gemm_reference`, then ``act`` of its f32 product (zero rows stay zero)."""
-    if act is None:
         return gemm_reference(x, weight, layout, out_dtype)
-    return A.apply_activation(gemm_reference(x, weight, layout, jnp.float32), act).astype(out_dtype)
-
-
-def kernel_activation_of(act: A.ActivationSpec | None) -> kernel_activation.Activation | None:
-    """The kernels' static description of ``act``."""
-    if act is None:
-        return None
-    return kernel_activation.Activation(act.kind.value, act.clamp_limit, act.alpha, act.beta)
+    return _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret)
 
 
 def kernel_input_specs(fmt: F.WeightFormat) -> tuple[Q.InputQuantSpec, ...]:
@@ -285,12 +261,11 @@ def plan(
     valid_shape_m: int | None = None,
     tuning: GemmTiles | None = None,
     interpret: bool = False,
-    out_activation: A.ActivationSpec | None = None,
 ) -> tuple[GemmTiles | None, list[str]]:
     """(the tiling the call runs — None if no kernel takes it —, each refused
     candidate's reason). Candidates: ``tuning`` alone if given, else the
     table's entries then the heuristic's (:func:`humming_jax.tuning.candidates`)."""
-    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, batch_invariant, interpret, out_activation)
+    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, batch_invariant, interpret)
     if tuning is not None:
         listed = [tuning]
     else:
@@ -316,9 +291,7 @@ def plan(
     return None, reasons
 
 
-def gemm_call(
-    x, weight, layout, out_dtype, use_f16_accum=False, batch_invariant=False, interpret=False, out_activation=None
-):
+def gemm_call(x, weight, layout, out_dtype, use_f16_accum=False, batch_invariant=False, interpret=False):
     """The :class:`~pallas_kernels.gemm.spec.GemmCall` the kernels' ``supports`` answer."""
     x_dtype, x_scale = kernel_input_spec(x.spec, x.values.dtype)
     return spec.GemmCall(
@@ -331,7 +304,6 @@ def gemm_call(
         use_f16_accum,
         batch_invariant,
         interpret,
-        kernel_activation_of(out_activation),
     )
 
 
@@ -399,14 +371,14 @@ def _layout_spec(layout, m_in: int) -> tuple[spec.LayoutSpec, tuple[jax.Array, .
     return layout_spec, arrays
 
 
-def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, out_activation=None):
+def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret):
     if isinstance(tiles, mosaic.Tiles) and tiles.dequantize_first and weight.format.is_quantized:
         weight = _dequantized(weight, x.values.dtype)
     if isinstance(tiles, (triton.Tiles, mosaic.Tiles)) and tiles.dequantize_input and x.spec.is_quantized:
         # The op's step: the kernel then runs the weight-only tile on bf16 values.
         x = as_quantized_input(Q.dequantize_input(x).astype(jnp.bfloat16))
         tiles = dataclasses.replace(tiles, dequantize_input=False)
-    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, interpret=interpret, out_activation=out_activation)
+    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, interpret=interpret)
     parts = tuple(
         a
         for a in (weight.values, weight.scale, weight.zero_point, weight.second_scale, weight.group_index)

@@ -263,25 +263,3 @@ def test_byte_pairs_lower_to_e4m3_mmas(monkeypatch):
     assert len(dots) == 4 and all("x64xf8E4M3FN> * tensor<64x" in d for d in dots)
     assert any("tt.ptr<i16>" in line for line in text.splitlines() if "tt.load" in line)
     jax.clear_caches()
-
-
-def test_decode_layer_applies_the_activation_in_the_w13_tile_for_sm90():
-    """The indexed int4 layer at T=1: grouping, w13 (the activation's sigmoid
-    in its epilogue), w2, fused sum — no activation launch."""
-    import re
-
-    import numpy as np
-
-    config = hj.ExpertsConfig(8, 256, 128, 2, weight_format="int4_g128")
-    rng = np.random.default_rng(0)
-    w13 = jnp.asarray(rng.normal(size=(8, 256, 256)) * 0.02, jnp.float32)
-    w2 = jnp.asarray(rng.normal(size=(8, 256, 128)) * 0.02, jnp.float32)
-    weights = hj.quantize_experts(w13, w2, config)
-    x, ids, tw = (jax.ShapeDtypeStruct((1, n), d) for n, d in ((256, jnp.bfloat16), (2, jnp.int32), (2, jnp.float32)))
-    texts = ttir_of(
-        lambda x, w, tw, ids: hj.humming_indexed_experts(x, w, tw, ids, config, backend="pallas"), x, weights, tw, ids
-    )
-    names = [re.search(r"tt.func public @(\w+)", t).group(1) for t in texts]
-    gemms = ["moe_gemm_indexed_int4"] * 2
-    assert names == ["moe_group_slots_one_launch", *gemms, "moe_fused_mul_sum"]
-    assert "__nv_expf" in texts[1] and "__nv_expf" not in texts[2]

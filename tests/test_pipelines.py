@@ -283,33 +283,6 @@ def test_grouped_runs_indexed_at_decode(rng, monkeypatch):
     hj.humming_grouped_experts.clear_cache()
 
 
-@pytest.mark.parametrize("fmt,activation", [("int4_g128", "silu"), ("mxfp4", "swigluoai")])
-def test_indexed_w13_tile_applies_the_activation(fmt, activation, rng, monkeypatch):
-    """Where the indexed w13 runs a Triton tile and w2 takes a float input,
-    the tile applies the activation in its epilogue: no activation pass (its
-    stage adds nothing), the layer still the float64 one; a quantized w2
-    input keeps the pass (it quantizes too)."""
-    config = hj.ExpertsConfig(4, 128, 128, 2, weight_format=fmt, activation=activation)
-    x, w13, w2, ids, tw = _problem(rng, config, 3)
-    ids[2] = [1, 4]  # an id outside [0, E): nothing
-    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
-    expected = _expected_layer(x, weights, ids, tw, config)
-    passes = []
-    real = X._down_input
-    monkeypatch.setattr(X, "_down_input", lambda *a, **k: passes.append(1) or real(*a, **k))
-    hj.humming_indexed_experts.clear_cache()
-    out = np.asarray(_run("indexed", x, weights, tw, ids, config), np.float64)
-    assert passes == []
-    assert np_ref.relative_error(out, expected) < 2e-2
-    quantized = hj.ExpertsConfig(
-        4, 128, 128, 2, weight_format=fmt, activation=activation, w2_input_quant="fp8_dynamic_token"
-    )
-    hj.humming_indexed_experts.clear_cache()
-    _run("indexed", x, hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), quantized), tw, ids, quantized)
-    assert passes
-    hj.humming_indexed_experts.clear_cache()
-
-
 def test_batched_matches_numpy_and_zeroes_padding(rng):
     config = hj.ExpertsConfig(4, 128, 128, 1, weight_format="uint4_zp_g128", activation="gelu_tanh")
     max_tokens = 5

@@ -220,8 +220,6 @@ def hopper_gpu() -> bool:
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
     """Why this kernel cannot run ``call`` with ``tiles`` (None if it can)."""
-    if call.out_activation is not None:
-        return "an output activation (the Triton tile applies one)"
     if tiles.dequantize_input:
         if call.input_quant == "none":
             return "dequantize_input with an unquantized input (nothing to dequantize)"

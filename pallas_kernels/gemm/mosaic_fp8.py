@@ -163,8 +163,6 @@ def scaling_of(call: GemmCall) -> Scaling:
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
     """Why this kernel cannot run ``call`` with ``tiles`` (None if it can)."""
-    if call.out_activation is not None:
-        return "an output activation (the Triton tile applies one)"
     reason = scaling_refusal(call)
     if reason:
         return reason

@@ -9,8 +9,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.activation import Activation
-
 
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
@@ -86,10 +84,7 @@ class XScale:
 class GemmCall:
     """One GEMM call as a kernel's ``supports`` sees it. ``x_dtype`` is the
     stored input dtype; ``input_quant`` the name of its quantization ("none":
-    a float input) and ``x_scale`` how the kernel scales its values.
-    ``out_activation``: the output is this activation of the product (a gated
-    one of its gate and up columns, ``[M, N/2]``; else ``[M, N]``), computed in
-    f32 from the sums and rounded once to ``out_dtype``."""
+    a float input) and ``x_scale`` how the kernel scales its values."""
 
     weight: WeightSpec
     layout: LayoutSpec
@@ -100,13 +95,6 @@ class GemmCall:
     use_f16_accum: bool = False
     batch_invariant: bool = False
     interpret: bool = False
-    out_activation: Activation | None = None
-
-    @property
-    def n_out(self) -> int:
-        """The output's columns: half the weight's for a gated output activation."""
-        gated = self.out_activation is not None and self.out_activation.gated
-        return self.weight.n // 2 if gated else self.weight.n
 
     def with_dequantized_input(self) -> GemmCall:
         """The call as a kernel sees it after its tiles' ``dequantize_input``

@@ -29,7 +29,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import activation, codecs, word_decode
+from pallas_kernels import codecs, word_decode
 from pallas_kernels.gemm.fp8_dot import fp8_dot
 from pallas_kernels.gemm.spec import GemmCall, LayoutSpec, WeightSpec, XScale, tile_order
 
@@ -127,11 +127,6 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
             return "blocks under 16 rows: use_mma, swap_ab, fold_scales and pair_decode off (f32 multiply-adds)"
     if call.batch_invariant and tiles.split_k > 1:
         return f"split_k={tiles.split_k} with batch_invariant (a fixed K order needs split_k=1)"
-    if call.out_activation is not None:
-        if tiles.split_k > 1:
-            return f"an output activation with split_k={tiles.split_k} (it needs the whole sum)"
-        if call.out_activation.gated and w.n % 2:
-            return f"a gated output activation of N={w.n} columns (gate and up: an even N)"
     if w.half_bits and not (tiles.word_decode and tiles.pair_decode and tiles.fold_scales and tiles.block_k >= 128):
         return "half-bits e2m1 weights (read as nibble pairs: word_decode, pair_decode, fold_scales, block_k >= 128)"
     if w.half_bits and xs.mode == "group" and xs.group_size < 128:
@@ -904,7 +899,7 @@ def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, 
         scale = _decode_scale(
             _load(scale_ref.at[expert, n_idx, _floor_div(k_start, w.group_size)], n_mask), w.scale_type
         )
-    elif n_start is not None and w.block_n % n_idx.shape[0] == 0:  # block: the tile inside one block of rows
+    elif w.block_n % n_idx.shape[0] == 0:  # block: the tile inside one block of rows
         scale = _decode_scale(scale_ref[expert, n_start // w.block_n, _floor_div(k_start, w.group_size)], w.scale_type)
     else:  # block
         raw = _load(scale_ref.at[expert, n_idx // w.block_n, _floor_div(k_start, w.group_size)], n_mask)
@@ -930,7 +925,6 @@ def _gemm_kernel(
     on_gpu: bool,
     x_scale: XScale,
     x_float8=None,
-    out_activation: activation.Activation | None = None,
 ):
     x_ref = refs[0]
     x_scale_ref = refs[1] if x_scale.mode != "none" else None
@@ -960,30 +954,16 @@ def _gemm_kernel(
         e4m3_codes=decodes_e4m3_codes(w, tiles, compute_dtype, x_group),
         shifted_e2m1=shifts_e2m1(w, tiles, compute_dtype),
     )
-    gated = out_activation is not None and out_activation.gated
-    n_out = w.n // 2 if gated else w.n  # the output's columns
     row_tile, col_group = tile_order(
-        pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), num_col_groups(n_out, tiles), tiles.group_m
+        pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), num_col_groups(w.n, tiles), tiles.group_m
     )
     rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
-    columns_masked = n_out % bn != 0  # static: no column mask when the tiles divide the output
+    columns_masked = w.n % bn != 0  # static: no column mask when the tiles divide N
 
     def columns(c):
-        """(n_idx [bn], n_mask [bn] or None) of the program's output column tile ``c``."""
+        """(n_idx [bn], n_mask [bn] or None) of the program's column tile ``c``."""
         n_idx = (col_group + c) * bn + jnp.arange(bn, dtype=jnp.int32)
-        return n_idx, (n_idx < n_out if columns_masked else None)
-
-    def weight_columns(n_idx):
-        """The weight's columns behind output columns ``n_idx``, each with the
-        first column of its tile when the tile's columns are contiguous (else
-        None): the column itself, or a gated activation's gate and up columns
-        (halves, or interleaved ``[g0, u0, g1, u1, ...]``)."""
-        start = col_group * bn
-        if not gated:
-            return [(n_idx, start)]
-        if out_activation.interleaved:
-            return [(2 * n_idx, None), (2 * n_idx + 1, None)]
-        return [(n_idx, start), (n_idx + n_out, start + n_out)]
+        return n_idx, (n_idx < w.n if columns_masked else None)
 
     k_limit = None if w.k % bk == 0 else w.k
     split = pl.program_id(1)
@@ -1024,10 +1004,10 @@ def _gemm_kernel(
             ).astype(accum_dtype)
         return (dot if acc is None else acc + dot), row_sum
 
-    def k_tile_step(k_limit, n_idx, n_mask, n_start):
-        """One K tile's products of weight columns ``n_idx`` (contiguous from
-        ``n_start``, or None) added to ``acc``; ``k_limit`` masks the columns at
-        and past K (only a partial tile needs it)."""
+    def k_tile_step(k_limit, n_idx, n_mask):
+        """One K tile's products of column tile ``n_idx`` added to ``acc``;
+        ``k_limit`` masks the columns at and past K (only a partial tile needs it)."""
+        n_start = col_group * bn
 
         def step(i, acc):
             k_tile = (split * per_split + i) * bk
@@ -1091,8 +1071,8 @@ def _gemm_kernel(
     x_shift = X_SHIFT.get(jnp.dtype(x_stored).name, 0) if accum_dtype == jnp.float16 else 0
     span_factor = factor / end_factor
 
-    def finished(acc, w_idx, n_mask):
-        """One sum of weight columns ``w_idx`` in f32: end factor, input scale, bias."""
+    def finish(acc, n_idx, n_mask):
+        """The epilogue of one column tile: end factor, bias, store."""
         acc = acc.astype(jnp.float32)
         if end_factor != 1.0:
             acc = acc * end_factor
@@ -1103,22 +1083,10 @@ def _gemm_kernel(
         elif x_scale.mode == "tensor":
             acc = acc * x_scale_ref[0]
         if bias_ref is not None:
-            bias = _load(bias_ref.at[expert, w_idx], n_mask).astype(jnp.float32)
+            bias = _load(bias_ref.at[expert, n_idx], n_mask).astype(jnp.float32)
             acc = acc + along_n(jnp.where(split == 0, bias, 0.0))
-        return acc
-
-    def finish(accs, n_idx, n_mask):
-        """The epilogue of one output column tile: each sum finished, the output
-        activation (of the gate and up sums when gated), store."""
-        sums = [finished(acc, w_idx, n_mask) for acc, (w_idx, _) in zip(accs, weight_columns(n_idx), strict=True)]
-        if gated:
-            out = activation.gated(*sums, out_activation)
-        elif out_activation is not None:
-            out = activation.ungated(sums[0], out_activation)
-        else:
-            out = sums[0]
         mask = _all(along_m(row_mask), None if n_mask is None else along_n(n_mask))
-        store_out(along_m(codecs.scatter_index(rows_out, row_mask, layout.m_out)), along_n(n_idx), out, mask)
+        store_out(along_m(codecs.scatter_index(rows_out, row_mask, layout.m_out)), along_n(n_idx), acc, mask)
 
     def store_out(out_rows, cols, values, mask):
         """``values`` into output rows and columns (broadcast index arrays): this split's partial with split K."""
@@ -1144,23 +1112,18 @@ def _gemm_kernel(
     def one_column_tile():
         n_idx, n_mask = columns(0)
         first = split * per_split
-
-        def steps(k_limit):  # one K tile of every sum the tile keeps (gate and up: two)
-            each = [k_tile_step(k_limit, w_idx, n_mask, start) for w_idx, start in weight_columns(n_idx)]
-            return lambda i, accs: tuple(step(i, acc) for step, acc in zip(each, accs, strict=True))
-
         # Whole K tiles run unmasked; a partial last tile (gpt-oss: K=2880) runs
         # once after them, in the split that owns it, with the column mask.
         full_steps = jnp.clip(w.k // bk - first, 0, per_split)
-        accs = jax.lax.fori_loop(0, full_steps, steps(None), (zeros,) * len(weight_columns(n_idx)))
+        acc = jax.lax.fori_loop(0, full_steps, k_tile_step(None, n_idx, n_mask), zeros)
         if k_limit is not None:
-            tail = functools.partial(steps(k_limit), w.k // bk - first)
+            tail = functools.partial(k_tile_step(k_limit, n_idx, n_mask), w.k // bk - first)
             if tiles.split_k == 1:
-                accs = tail(accs)
+                acc = tail(acc)
             else:
                 owns_tail = (first <= w.k // bk) & (w.k // bk < first + per_split)
-                accs = jax.lax.cond(owns_tail, tail, lambda a: a, accs)
-        finish(accs, n_idx, n_mask)
+                acc = jax.lax.cond(owns_tail, tail, lambda a: a, acc)
+        finish(acc, n_idx, n_mask)
 
     pl.when(live)(one_column_tile)
 
@@ -1219,8 +1182,7 @@ def splits_x(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> bo
 def expert_gemm(
     call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias, route_arrays, x_scale: jax.Array | None = None
 ) -> jax.Array:
-    """``[m_out, N]`` (``[m_out, N/2]`` with a gated ``call.out_activation``)
-    in ``call.out_dtype`` for ``x [M, K]`` (16-bit floats,
+    """``[m_out, N]`` in ``call.out_dtype`` for ``x [M, K]`` (16-bit floats,
     or 8-bit values times ``x_scale`` as ``call.x_scale`` says: f32 ``[1]``,
     ``[M, 1]``, or ``[M, K / group]`` f32 or e8m0 bytes). ``weight_arrays``
     are the stored parts in order (values, scale, zero point, global scale,
@@ -1238,8 +1200,7 @@ def expert_gemm(
     if x_float8 is not None:
         x = jax.lax.bitcast_convert_type(x, jnp.uint8)
     accum_dtype = jnp.float16 if use_f16_accum else jnp.float32
-    n_out = call.n_out
-    grid = (num_col_groups(n_out, tiles) * num_row_tiles(layout, w.num_experts, tiles.block_m), tiles.split_k)
+    grid = (num_col_groups(w.n, tiles) * num_row_tiles(layout, w.num_experts, tiles.block_m), tiles.split_k)
     # 8-bit floats travel as their uint8 bits (see _storage_bits), but for e4m3
     # weight values read by fp8 MMAs with no mask: loaded as they are, they go
     # straight to shared memory for the MMA.
@@ -1252,7 +1213,7 @@ def expert_gemm(
     if reads_byte_pairs(w):  # little-endian: byte 0 of pair a is column 2a
         values = jax.lax.bitcast_convert_type(weight_arrays[0], jnp.uint8).reshape(w.num_experts, w.n, w.k // 2, 2)
         weight_arrays = (jax.lax.bitcast_convert_type(values, jnp.uint16), *weight_arrays[1:])
-    out_shape = (tiles.split_k, layout.m_out, n_out) if tiles.split_k > 1 else (layout.m_out, n_out)
+    out_shape = (tiles.split_k, layout.m_out, w.n) if tiles.split_k > 1 else (layout.m_out, w.n)
     out_type = jnp.float32 if tiles.split_k > 1 else out_dtype
     zero_filled = layout.zero_filled  # (see the module docstring)
     ways = nibbles_per_unit(w, tiles, compute_dtype, x_group)
@@ -1283,7 +1244,6 @@ def expert_gemm(
             on_gpu=not interpret,
             x_scale=xs,
             x_float8=x_float8,
-            out_activation=call.out_activation,
         ),
         grid=grid,
         out_shape=jax.ShapeDtypeStruct(out_shape, out_type),
