@@ -198,6 +198,34 @@ def test_fused_mul_sum(backend, routing, bound_rows):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_map", [False, True])
+def test_fused_mul_sum_keeps_what_it_drops_out(backend, with_map):
+    """Slots that contribute nothing — ids outside [0, E), mapped to -1, tokens
+    past ``num_valid_tokens`` — may hold NaN rows and NaN weights: the sum of
+    the others stays finite and exact (they are selected away, not multiplied by 0)."""
+    rng = np.random.default_rng(3)
+    t, k, e = 5, 3, 4
+    ids = np.array([[0, 1, 9], [2, -1, 3], [1, 1, 0], [3, 2, 1], [0, 0, 0]], np.int32)
+    emap = np.array([0, -1, 1, 2], np.int32) if with_map else None
+    x = rng.normal(size=(t, k, 32)).astype(np.float32)
+    weights = rng.random((t, k)).astype(np.float32)
+    local = np.asarray(np_ref.slot_local_expert(ids, e, emap)).reshape(t, k) >= 0
+    local[4:] = False  # past num_valid_tokens
+    x[~local], weights[~local] = np.nan, np.nan
+    out = hj.moe_fused_mul_sum(
+        jnp.asarray(x),
+        jnp.asarray(weights),
+        jnp.asarray(ids),
+        e,
+        None if emap is None else jnp.asarray(emap),
+        jnp.asarray([4], jnp.int32),
+        backend=backend,
+    )
+    expected = np.einsum("tj,tjh->th", np.where(local, weights, 0.0), np.where(local[..., None], x, 0.0))
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_align_with_expert_map_marks_nonlocal_blocks(backend):
     ids = jnp.asarray([[0, 1], [1, 2]], jnp.int32)
     emap = jnp.asarray([-1, 0, -1], jnp.int32)
