@@ -44,9 +44,9 @@ def _numpy_moe(x, w13, w2, ids, weights, activation, expert_map=None, num_expert
     return out
 
 
-def _expected_layer(x, weights, ids, tw, config, expert_map=None, num_experts=None):
-    """:func:`_numpy_moe` of the bf16-rounded input through the layer's dequantized weights."""
-    x64 = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+def _expected_layer(x, weights, ids, tw, config, expert_map=None, num_experts=None, bf16_input=True):
+    """:func:`_numpy_moe` of the input (bf16-rounded with ``bf16_input``) through the layer's dequantized weights."""
+    x64 = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64) if bf16_input else np.asarray(x, np.float64)
     w13d, w2d = np_ref.dequantize_weight(weights.w13), np_ref.dequantize_weight(weights.w2)
     return _numpy_moe(x64, w13d, w2d, ids, tw, config.activation, expert_map, num_experts)
 
@@ -170,14 +170,7 @@ def test_block_fp8_activations_and_prequantized_input(pipeline, rng):
     config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
     x, w13, w2, ids, tw = _problem(rng, config, 8)
     weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
-    expected = _numpy_moe(
-        x.astype(np.float64),
-        np_ref.dequantize_weight(weights.w13),
-        np_ref.dequantize_weight(weights.w2),
-        ids,
-        tw,
-        config.activation,
-    )
+    expected = _expected_layer(x, weights, ids, tw, config, bf16_input=False)
     if pipeline == "batched":
         offsets, scatter_idx = hj.moe_prepare_scatter(jnp.asarray(ids), 4)
         counts = offsets[1:] - offsets[:-1]
@@ -271,14 +264,7 @@ def test_grouped_runs_indexed_at_decode(rng, monkeypatch):
         fn(q.values, *args, a1q_scale=q.scale) for fn in (hj.humming_grouped_experts, hj.humming_indexed_experts)
     ]
     np.testing.assert_array_equal(np.asarray(prequantized[0]), np.asarray(prequantized[1]))
-    expected = _numpy_moe(
-        x.astype(np.float64),
-        np_ref.dequantize_weight(weights.w13),
-        np_ref.dequantize_weight(weights.w2),
-        ids,
-        tw,
-        config.activation,
-    )
+    expected = _expected_layer(x, weights, ids, tw, config, bf16_input=False)
     assert np_ref.relative_error(grouped, expected) < 6e-2  # fp8 e4m3 activations and weights
     hj.humming_grouped_experts.clear_cache()
 
