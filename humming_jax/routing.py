@@ -1,7 +1,7 @@
 """Routing and data movement of the expert path: block alignment,
 scatter/permute, unpermute and the fused weighted top-k sum (kernels:
-``pallas_kernels/routing.py``, and ``routing_one_launch.py`` for T·k ≤ 128;
-notes: ``benchmarks/notes/routing.md``).
+``pallas_kernels/routing.py``, and ``routing_slot_space.py`` or
+``routing_one_launch.py`` for T·k ≤ 128; notes: ``benchmarks/notes/routing.md``).
 
 Conventions. ``topk_ids [T, k]`` holds global expert ids; the flattened slot
 index is ``s = t*k + j``. A slot is *valid* when its id is in ``[0, E)`` and,
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from humming_jax.backend import reference_gradient, resolve_backend
 from pallas_kernels import routing as kernels
 from pallas_kernels import routing_one_launch as one_launch
+from pallas_kernels import routing_slot_space as slot_space
 
 
 def align_length(num_slots: int, num_experts: int, block_size: int) -> int:
@@ -191,9 +192,17 @@ def moe_align_block_size(
     )
 
 
+# The slot-space kernel's work grows with slots², the bin-space one's with the bins.
+SLOT_SPACE_MAX_SLOTS = 32  # slots it takes whatever the bins; beyond, while the slots are no more than the bins
+
+
 def _grouping_kernel(grouping: kernels.Grouping):
-    """The first grouping kernel that takes these slots: one launch for few
-    slots (decode), else the three- or four-launch kernel (takes every call)."""
+    """The grouping kernel for these slots: one launch for few slots (decode) —
+    in slot space when the slots are few against the bins, else counting every
+    bin — else the three- or four-launch kernel (takes every call)."""
+    few = grouping.num_slots <= max(SLOT_SPACE_MAX_SLOTS, grouping.total_bins)
+    if few and slot_space.supports(grouping) is None:
+        return slot_space.group_slots
     return one_launch.group_slots if one_launch.supports(grouping) is None else kernels.group_slots
 
 

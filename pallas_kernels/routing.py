@@ -71,11 +71,11 @@ class GroupingTiles:
         return dataclasses.replace(self, chunk=chunk)
 
 
-def slot_groups(ids_ref, map_ref, start, g: Grouping):
-    """Bins of the slots ``[start, start + SUB_TILE)``: (group, valid), int32/bool."""
-    slots = start + jnp.arange(SUB_TILE, dtype=jnp.int32)
+def slot_groups(ids_ref, map_ref, start, g: Grouping, width: int = SUB_TILE):
+    """Bins of the slots ``[start, start + width)``: (group, valid), int32/bool."""
+    slots = start + jnp.arange(width, dtype=jnp.int32)
     in_slots = slots < g.num_slots
-    ids = plgpu.load(ids_ref.at[pl.ds(start, SUB_TILE)], mask=in_slots, other=-1)
+    ids = plgpu.load(ids_ref.at[pl.ds(start, width)], mask=in_slots, other=-1)
     valid = in_slots & (ids >= 0) & (ids < g.num_experts)
     group = jnp.where(valid, ids, 0)
     if g.map_groups:
@@ -475,14 +475,24 @@ def _weighted_gather_kernel(
         if mode == "unpermute":  # index is the permuted row; rows past bound are not local
             valid = token_mask & (index >= 0) & (index < bound)
             source = x_ref.at[jnp.where(valid, index, 0)[:, None], cols]
-        else:  # index is the expert id; bound limits the token rows
-            valid = token_mask & (index >= 0) & (index < num_experts) & (tokens < bound)
-            if has_map:
-                local = plgpu.load(map_ref.at[jnp.where(valid, index, 0)], mask=valid, other=-1)
-                valid = valid & (local >= 0)
-            source = x_ref.at[tokens[:, None], j, cols]
-        rows = plgpu.load(source, mask=valid[:, None] & col_mask, other=0).astype(jnp.float32)
-        acc += rows * jnp.where(valid, weight, 0.0)[:, None]
+            rows = plgpu.load(source, mask=valid[:, None] & col_mask, other=0).astype(jnp.float32)
+            acc += rows * jnp.where(valid, weight, 0.0)[:, None]
+            continue
+        # index is the expert id; bound limits the token rows. Without a map
+        # nearly every slot is valid: its row is loaded whatever its id (the
+        # address does not depend on it, so the loads of the ids and of the rows
+        # overlap) and selected, not multiplied, away (an invalid slot's row may
+        # hold anything, NaN included). With one, most slots may be another
+        # rank's: their rows are not read.
+        source = x_ref.at[tokens[:, None], j, cols]
+        valid = token_mask & (index >= 0) & (index < num_experts) & (tokens < bound)
+        if has_map:
+            local = plgpu.load(map_ref.at[jnp.where(valid, index, 0)], mask=valid, other=-1)
+            valid = valid & (local >= 0)
+            rows = plgpu.load(source, mask=valid[:, None] & col_mask, other=0)
+        else:
+            rows = plgpu.load(source, mask=token_mask[:, None] & col_mask, other=0)
+        acc += jnp.where(valid[:, None], rows.astype(jnp.float32) * weight[:, None], 0.0)
     plgpu.store(out_ref.at[tokens[:, None], cols], acc.astype(out_ref.dtype), mask=token_mask[:, None] & col_mask)
 
 

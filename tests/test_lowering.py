@@ -136,10 +136,18 @@ def test_alignment_to_any_block_size_lowers_for_sm90(block_size):
     assert len(ttir_of(lambda ids: hj.moe_align_block_size(ids, block_size, 8, backend="pallas"), ids)) == 3
 
 
-@pytest.mark.parametrize("tokens,top_k,num_experts,block_size", [(16, 8, 128, 16), (1, 8, 256, 24), (40, 2, 8, 384)])
-def test_few_slots_group_in_one_launch_for_sm90(tokens, top_k, num_experts, block_size):
+@pytest.mark.parametrize(
+    "tokens,top_k,num_experts,block_size,kernels",
+    [
+        (16, 8, 128, 16, ("slot_space", "slot_space", "one_launch")),  # the scatter: 128 slots, 8 local bins
+        (1, 8, 256, 24, ("slot_space",) * 3),
+        (40, 2, 8, 384, ("one_launch",) * 3),
+    ],
+)
+def test_few_slots_group_in_one_launch_for_sm90(tokens, top_k, num_experts, block_size, kernels):
     """At most 128 slots (decode) group in one launch, for the aligned layout
-    (with an expert map too) and the scatter destinations."""
+    (with an expert map too) and the scatter destinations: in slot space when
+    the slots are few against the bins, else counting every bin."""
     ids = jax.ShapeDtypeStruct((tokens, top_k), jnp.int32)
     expert_map = jax.ShapeDtypeStruct((num_experts,), jnp.int32)
     calls = [
@@ -147,9 +155,9 @@ def test_few_slots_group_in_one_launch_for_sm90(tokens, top_k, num_experts, bloc
         lambda ids, m: hj.moe_align_block_size(ids, block_size, num_experts, expert_map=m, backend="pallas"),
         lambda ids, m: hj.moe_prepare_scatter(ids, num_experts, expert_map=m, num_local_experts=8, backend="pallas"),
     ]
-    for call in calls:
+    for call, kernel in zip(calls, kernels, strict=True):
         (text,) = ttir_of(call, ids, expert_map)
-        assert "moe_group_slots_one_launch" in text
+        assert f"moe_group_slots_{kernel}" in text
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16])

@@ -295,16 +295,20 @@ ONE_LAUNCH_CASES = [
 ]
 
 
+@pytest.mark.parametrize("kernel_name", ["routing_slot_space", "routing_one_launch"])
 @pytest.mark.parametrize(
     "tokens,top_k,num_experts,block_size,with_map,shape", sweep(ONE_LAUNCH_CASES, ONE_LAUNCH_CASES[1:4])
 )
-def test_one_launch_grouping(tokens, top_k, num_experts, block_size, with_map, shape, rng):
-    """The one-launch grouping of at most 128 slots (what decode runs): the
+def test_one_launch_grouping(kernel_name, tokens, top_k, num_experts, block_size, with_map, shape, rng):
+    """Both one-launch groupings of at most 128 slots (what decode runs): the
     aligned layout, with the expert map grouping local ids or labelling
     blocks, equals the NumPy loop; the scatter destinations are the stable
     order by bin, invalid slots in the bin after the last."""
+    import importlib
+
     from pallas_kernels import routing as kernels
-    from pallas_kernels import routing_one_launch as one_launch
+
+    one_launch = importlib.import_module(f"pallas_kernels.{kernel_name}")
 
     ids = rng.integers(0, num_experts, size=(tokens, top_k))
     if shape == "hot":
@@ -358,13 +362,34 @@ def test_one_launch_grouping(tokens, top_k, num_experts, block_size, with_map, s
     np.testing.assert_array_equal(np.asarray(starts)[: num_local + 2], np.concatenate([[0], np.cumsum(counts)]))
 
 
-def test_one_launch_grouping_refuses_many_slots():
-    from pallas_kernels import routing as kernels
-    from pallas_kernels import routing_one_launch as one_launch
+@pytest.mark.parametrize("kernel_name", ["routing_slot_space", "routing_one_launch"])
+def test_one_launch_grouping_refuses_many_slots(kernel_name):
+    import importlib
 
+    from pallas_kernels import routing as kernels
+
+    one_launch = importlib.import_module(f"pallas_kernels.{kernel_name}")
     assert one_launch.supports(kernels.Grouping(129, 8, 8, block_size=16)) == "129 slots: one program ranks at most 128"
-    with pytest.raises(ValueError, match="at most 128"):
+    with pytest.raises(ValueError, match=f"{kernel_name}.group_slots: 129 slots"):
         one_launch.group_slots(jnp.zeros((129, 1), jnp.int32), None, kernels.Grouping(129, 8, 8), outputs="dest")
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,num_experts,expected",
+    [
+        (1, 8, 128, "routing_slot_space"),  # qwen3 T=1: 8 slots against 128 bins
+        (16, 8, 256, "routing_slot_space"),  # deepseek-v3 T=16: 128 slots, 256 bins
+        (16, 2, 8, "routing_slot_space"),  # 32 slots: few whatever the bins
+        (64, 2, 8, "routing_one_launch"),  # mixtral T=64: 128 slots against 8 bins
+        (65, 2, 8, "routing"),  # 130 slots: the general kernel
+    ],
+)
+def test_the_op_picks_the_grouping_kernel(tokens, top_k, num_experts, expected):
+    from humming_jax import routing as R
+    from pallas_kernels import routing as kernels
+
+    grouping = kernels.Grouping(tokens * top_k, num_experts, num_experts, block_size=16)
+    assert R._grouping_kernel(grouping).__module__ == f"pallas_kernels.{expected}"
 
 
 # make test: each output, bin count and expert count twice.
