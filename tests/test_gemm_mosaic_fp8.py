@@ -261,22 +261,23 @@ def test_fragment_columns_against_numpy(rng):
 
 
 def test_mx_operands_against_numpy(rng):
-    """The factors 2**(12 - gap) (gaps clamped at MAX_GAP) and the step scales
-    2**(largest - 133) of random bytes, from their bits (f16 and f32
-    subnormals included); a byte 255 (e8m0 NaN) makes its step's scale NaN."""
+    """The factors 2**(12 - gap) (gaps from the column's largest byte, clamped
+    at MAX_GAP) and the column scales 2**(largest - 133) of random bytes, from
+    their bits (f16 and f32 subnormals included); a byte 255 (e8m0 NaN) makes
+    its column's scale NaN."""
     e, n, k = 2, 8, 512
-    raw = rng.integers(0, 255, (e, n, k // 32)).astype(np.uint8)
-    raw[0, 0, :4] = (0, 40, 3, 1)  # gaps past MAX_GAP, a largest byte of 40
+    raw = rng.integers(100, 130, (e, n, k // 32)).astype(np.uint8)
+    raw[0, 0, :4] = (0, 140, 3, 1)  # gaps past MAX_GAP, a largest byte of 140
     raw[1, 2, 5] = 255
     values = jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8)
-    codes, factors, steps = kernel.mx_operands(values, jnp.asarray(raw))
+    codes, factors, columns = kernel.mx_operands(values, jnp.asarray(raw))
     assert codes.dtype == jnp.uint16 and codes.shape == (e, n, k // 4)
-    top = raw.astype(np.int64).reshape(e, n, k // 128, 4).max(-1)
-    gap = np.minimum(top[..., None] - raw.reshape(e, n, k // 128, 4), kernel.MAX_GAP).reshape(e, n, -1)
+    top = raw.astype(np.int64).max(-1)
+    gap = np.minimum(top[..., None] - raw, kernel.MAX_GAP)
     np.testing.assert_array_equal(np.asarray(factors, np.float64), np.swapaxes(np.exp2(12.0 - gap), 1, 2))
     want = np.where(top == 255, np.nan, np.exp2(top - 133.0))
-    np.testing.assert_array_equal(np.asarray(steps, np.float64), np.swapaxes(want, 1, 2))
-    assert np.isnan(np.asarray(steps)[1, 1, 2]) and np.sum(np.isnan(np.asarray(steps))) == 1
+    np.testing.assert_array_equal(np.asarray(columns, np.float64), want)
+    assert np.isnan(np.asarray(columns)[1, 2]) and np.sum(np.isnan(np.asarray(columns))) == 1
 
 
 def test_what_the_kernel_refuses(rng):

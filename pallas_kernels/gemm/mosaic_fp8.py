@@ -8,10 +8,12 @@ multiply each K step's product — a fresh accumulator a step, added to the
 running f32 sum times the product of the two (the promotion of the CUDA fp8
 libraries); per-channel or per-tensor weight scales and per-row or per-tensor
 input scales multiply the sum. MXFP4 (e2m1 codes, e8m0 scales per 32
-columns, planar units of 32): a K step's four groups enter the product as
-e2m1 times 2**(6 - gap) in e4m3 (gap: the step's largest scale byte of the
-column less the group's; exact up to a gap of 14), the step's product times
-2**(largest - 133) per column (:func:`mx_operands`). Layouts ``dense``,
+columns, planar units of 32): each group enters the product as e2m1 times
+2**(6 - gap) in e4m3 (gap: the column's largest scale byte less the group's;
+exact up to a gap of 14, groups further below round towards zero as
+Humming's load-time clip at 11 does), the sum times 2**(largest - 133) per
+column in the epilogue (:func:`mx_operands`): a step's promotion is then the
+input's alone, as for e4m3 weights. Layouts ``dense``,
 ``grouped_contiguous`` and ``grouped_masked``, cut into row tiles as the
 16-bit kernel's (:func:`mosaic.row_tile_table`); ``indexed`` through its rows
 gathered in block order, one tile a block, each result row stored to its
@@ -82,7 +84,7 @@ class Tiles:
 class Scaling:
     """How the call's scales apply: ``x`` tensor / token / group (128 columns,
     f32), ``w`` tensor / channel / block (128 x 128, f32) / mx (MXFP4 codes
-    decoded in the kernel, a scale per column and step); ``half_bits``: mx
+    decoded in the kernel, a scale per column); ``half_bits``: mx
     codes in the pair decoder's bit order (``word_decode.E2M1_HALF_BITS``)."""
 
     x: str
@@ -193,8 +195,8 @@ def _kernel(
     has_bias: bool,
     interpret: bool,
 ):
-    # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the step scales
-    # [E, K/128, N] and the first of rest the pieces' factors [E, K/32, N] (mx_operands).
+    # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the column scales
+    # [E, N] and the first of rest the pieces' factors [E, K/32, N] (mx_operands).
     factor_gmem = rest[0] if scaling.mx else None
     bias_gmem = rest[-2] if has_bias else None
     o_gmem = rest[-1]
@@ -214,11 +216,10 @@ def _kernel(
         return acc * (values[:, None] if swap else values[None, :])
 
     in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))]
-    if scaling.mx:  # the step's codes, its pieces' factors, its column scales
+    if scaling.mx:  # the step's codes and its pieces' factors
         in_specs += [
             plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
             plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (i, 0)),
-            plgpu.BlockSpec((1, tiles.block_n), lambda i: (i, 0)),
         ]
     else:
         in_specs.append(
@@ -236,7 +237,7 @@ def _kernel(
         rows = x_gmem.at[pl.ds(load_row, bm)]
         found = [rows, w_gmem.at[group, cols]]
         if scaling.mx:
-            found += [factor_gmem.at[group, :, cols], w_scale_gmem.at[group, :, cols]]
+            found.append(factor_gmem.at[group, :, cols])
         if scaling.x == "group":
             found.append(x_scale_gmem.at[:, pl.ds(load_row, bm)])
         return found
@@ -278,7 +279,7 @@ def _kernel(
                     acc = per_m(acc, row_scale)
                 elif scaling.x == "tensor":
                     acc = acc * x_scale_gmem[0]
-                if scaling.w == "channel":
+                if scaling.w == "channel" or scaling.mx:
                     col_scale = w_scale_gmem.at[group, pl.ds(wg_cols, wg_n)]
                     acc = per_n(acc, plgpu.load(col_scale, layout=n_layout, optimized=False))
                 elif scaling.w == "tensor":
@@ -308,8 +309,7 @@ def _kernel(
                 total = refs[-1]
                 x_scale_smem = refs[-2] if scaling.x == "group" else None
                 x_smem, w_smem = refs[:2]
-                if scaling.mx:
-                    factor_smem, step_scale_smem = refs[2:4]
+                factor_smem = refs[2] if scaling.mx else None
 
                 def product(acc_ref):
                     if not scaling.mx:
@@ -331,8 +331,6 @@ def _kernel(
                     return acc_ref[...]
 
                 part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-                if scaling.mx:
-                    part = per_n(part, plgpu.load(step_scale_smem.at[0, wg_slice], layout=n_layout, optimized=False))
                 if scaling.w == "block":
                     w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 if scaling.x == "group":
@@ -422,19 +420,17 @@ def mx_operands(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Arr
     """MXFP4's stored parts (planar codes ``uint8 [E, N, K/2]``, e8m0 bytes
     ``[E, N, K/32]``) as the kernel reads them: codes ``uint16 [E, N, K/4]``;
     per piece f16 ``2**(12 - gap)`` ``[E, K/32, N]`` (the decoded e2m1 x 2**-6
-    times it: e2m1 x 2**(6 - gap), gap = the step's largest byte of the column
-    less the piece's, clamped at :data:`MAX_GAP`); per step f32
-    ``2**(largest - 133)`` ``[E, K/128, N]`` (NaN where a byte is 255)."""
-    e, n, half_k = values.shape
-    k = 2 * half_k
+    times it: e2m1 x 2**(6 - gap), gap = the column's largest byte less the
+    piece's, clamped at :data:`MAX_GAP`); per column f32 ``2**(largest - 133)``
+    ``[E, N]`` (NaN where a byte is 255)."""
     codes = mosaic.planar_words(values)
-    raw = scale.astype(jnp.int32).reshape(e, n, k // BLOCK_K, PIECES)
+    raw = scale.astype(jnp.int32)
     top = jnp.max(raw, axis=-1)
     gap = jnp.minimum(top[..., None] - raw, MAX_GAP)
-    factors = mosaic.power_of_two(2 * E2M1_EXPONENT - gap, jnp.float16).reshape(e, n, k // MX_GROUP)
-    steps = mosaic.power_of_two(top - 127 - E2M1_EXPONENT, jnp.float32)
-    steps = jnp.where(top == E8M0_NAN, jnp.nan, steps)
-    return codes, jnp.swapaxes(factors, 1, 2), jnp.swapaxes(steps, 1, 2)
+    factors = mosaic.power_of_two(2 * E2M1_EXPONENT - gap, jnp.float16)
+    columns = mosaic.power_of_two(top - 127 - E2M1_EXPONENT, jnp.float32)
+    columns = jnp.where(top == E8M0_NAN, jnp.nan, columns)
+    return codes, jnp.swapaxes(factors, 1, 2), columns
 
 
 def expert_gemm_fp8(
