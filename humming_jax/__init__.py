@@ -53,6 +53,7 @@ from humming_jax.routing import (
     moe_fused_mul_sum,
     moe_permute,
     moe_prepare_scatter,
+    moe_slot_blocks,
     moe_unpermute,
 )
 from humming_jax.workspace import WorkspacePlan, plan_workspace
@@ -97,6 +98,7 @@ __all__ = [
     "moe_fused_mul_sum",
     "moe_permute",
     "moe_prepare_scatter",
+    "moe_slot_blocks",
     "moe_unpermute",
     "moonep_experts",
     "to_k_order",

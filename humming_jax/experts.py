@@ -41,6 +41,9 @@ INDEXED_AS_GROUPED_FLOAT_MIN_ROWS = 1024
 # Up to this many rows an expert the grouped pipeline runs the indexed stages: at decode its
 # grouping and its per-expert tiles cost more than the indexed layer's aligned blocks (layer.md v7).
 GROUPED_AS_INDEXED_MAX_ROWS = 1
+# The indexed stages give each slot its own block, ungrouped, up to one slot per this many experts
+# (and at T=1): where few slots share an expert, grouping costs a launch and saves little weight.
+SLOT_BLOCKS_EXPERTS_PER_SLOT = 8
 
 
 @jax.tree_util.register_dataclass
@@ -216,6 +219,17 @@ def grouped_runs_indexed(num_tokens: int, top_k: int, config: ExpertsConfig) -> 
         return False
     valid_m = estimate_valid_shape_m(num_tokens, top_k, config)
     return valid_m <= GROUPED_AS_INDEXED_MAX_ROWS * max(config.num_experts, 1)
+
+
+def slot_blocks_apply(num_tokens: int, top_k: int, config: ExpertsConfig, has_map: bool) -> bool:
+    """Whether the indexed stages lay out each slot as its own block
+    (:func:`routing.moe_slot_blocks`, no grouping): at T=1 or up to one slot
+    per :data:`SLOT_BLOCKS_EXPERTS_PER_SLOT` experts; not with an expert map
+    (the ids would need mapping) nor ``batch_invariant``."""
+    if has_map or config.batch_invariant:
+        return False
+    slots = num_tokens * top_k
+    return num_tokens == 1 or slots * SLOT_BLOCKS_EXPERTS_PER_SLOT <= config.num_experts
 
 
 def _reads_byte_pairs(config: ExpertsConfig) -> bool:
@@ -595,8 +609,13 @@ def _indexed_layout_stages(
     def gemm_kwargs(s):
         return _stage_gemm_kwargs(config, s, backend)
 
+    def in_slot_order(s) -> bool:
+        return slot_blocks_apply(*s["topk_ids"].shape, config, s["expert_map"] is not None)
+
     def route(s):
         def align(size):
+            if in_slot_order(s):
+                return routing.moe_slot_blocks(s["topk_ids"], size)
             return routing.moe_align_block_size(
                 s["topk_ids"],
                 size,
@@ -611,9 +630,10 @@ def _indexed_layout_stages(
 
     def layout_of(s, name: str) -> L.Indexed:
         if name == "w13":
-            top_k = s["topk_ids"].shape[1]
-            return L.Indexed(*s["aligned"], top_k=top_k, block_size=blocks(s)[0], lists_dropped=True)
-        return L.Indexed(*s["aligned_w2"], top_k=1, block_size=blocks(s)[1], lists_dropped=True)
+            aligned, top_k, block = s["aligned"], s["topk_ids"].shape[1], blocks(s)[0]
+        else:
+            aligned, top_k, block = s["aligned_w2"], 1, blocks(s)[1]
+        return L.Indexed(*aligned, top_k=top_k, block_size=block, lists_dropped=True, slot_order=in_slot_order(s))
 
     def multiplied_out(s, name: str):
         """:func:`multiplied_out_tiles` of this call's ``name`` GEMM."""

@@ -362,6 +362,7 @@ def _layout_spec(layout, m_in: int) -> tuple[spec.LayoutSpec, tuple[jax.Array, .
         num_blocks=layout.expert_ids.shape[0],
         block_size=layout.block_size,
         lists_dropped=layout.lists_dropped,
+        slot_order=layout.slot_order,
     )
     arrays = (
         layout.sorted_ids.astype(jnp.int32),

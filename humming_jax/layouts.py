@@ -11,7 +11,10 @@ arrays and whose static part is what shapes depend on.
   are skipped; output rows nobody writes are zero. Output has
   ``M_in * top_k`` rows. ``lists_dropped=True`` says the rows no live block
   writes are all listed (past ``num_tokens_padded`` or in blocks of expert
-  -1), as :func:`humming_jax.moe_align_block_size` lists them.
+  -1), as :func:`humming_jax.moe_align_block_size` lists them;
+  ``slot_order=True`` that the arrays are :func:`humming_jax.moe_slot_blocks`'s
+  (slot s alone in block s), so a kernel may take each block's slot from its
+  index instead of reading ``sorted_ids``.
 * :class:`Dense` — ``x [M, K] @ w[0].T`` (a weight with one expert).
 """
 
@@ -105,6 +108,9 @@ class Indexed:
         block_size: the rows of a block (static).
         lists_dropped: the slots no live block holds are listed past
             ``num_tokens_padded`` (static; the GEMM then skips its zero fill).
+        slot_order: the arrays are :func:`humming_jax.moe_slot_blocks`'s —
+            block ``s`` holds slot ``s`` alone (static; a kernel may skip
+            ``sorted_ids``; other arrays under it are a wrong answer).
     """
 
     sorted_ids: jax.Array  # int32 [L]
@@ -116,6 +122,7 @@ class Indexed:
     # num_tokens_padded or in a block of expert -1 (moe_align_block_size's
     # layout): the GEMM then finds every row to zero and skips the zero fill.
     lists_dropped: bool = _static(default=False)
+    slot_order: bool = _static(default=False)
     kind = GemmLayout.INDEXED
 
     def output_rows(self, m_in: int) -> int:
@@ -135,6 +142,15 @@ class Indexed:
             )
         if not isinstance(self.lists_dropped, bool):
             raise ValueError(f"layout.lists_dropped: expected a bool, got {self.lists_dropped!r}")
+        if not isinstance(self.slot_order, bool):
+            raise ValueError(f"layout.slot_order: expected a bool, got {self.slot_order!r}")
+        if self.slot_order and self.expert_ids.shape != (m_in * self.top_k,):
+            raise ValueError(
+                f"layout.expert_ids: slot_order puts each of the M·top_k={m_in * self.top_k} slots in its own "
+                f"block, got shape {self.expert_ids.shape}"
+            )
+        if self.slot_order and not self.lists_dropped:
+            raise ValueError("layout.lists_dropped: slot_order lists every slot in a block; expected True")
         if self.num_tokens_padded.size != 1:
             raise ValueError(
                 f"layout.num_tokens_padded: expected one element, got shape {self.num_tokens_padded.shape}"

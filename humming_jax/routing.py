@@ -196,6 +196,40 @@ def moe_align_block_size(
 SLOT_SPACE_MAX_SLOTS = 32  # slots it takes whatever the bins; beyond, while the slots are no more than the bins
 
 
+def moe_slot_blocks(topk_ids: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each slot its own block, in slot order: the arrays of an indexed layout
+    that needs no grouping (decode, where a token's top-k experts differ, so
+    grouping would find one slot an expert anyway). No grouping: the ids
+    become the blocks' experts as they are (a GEMM finds a block whose expert
+    is outside ``[0, E)`` dead and zeroes its row); the other two arrays follow
+    from the shape, and a GEMM over ``slot_order=True`` on the Triton tile
+    does not read them.
+
+    Args:
+        topk_ids: int ``[T, k]`` expert ids.
+        block_size: the rows of a block (a GEMM tile's rows).
+
+    Returns:
+        ``sorted_ids [T·k·block_size]`` int32 (slot ``s`` first in block ``s``,
+        the sentinel ``T·k`` after it), ``expert_ids [T·k]`` int32 (the ids)
+        and ``num_tokens_post_pad [1]`` int32 ``= T·k·block_size``: the
+        arguments of ``Indexed(..., lists_dropped=True, slot_order=True)``, as
+        :func:`moe_align_block_size`'s are.
+    """
+    if topk_ids.ndim != 2:
+        raise ValueError(f"moe_slot_blocks: topk_ids must be [T, k], got shape {topk_ids.shape}")
+    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+        raise TypeError(f"moe_slot_blocks: topk_ids must be an integer array, got {topk_ids.dtype}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"moe_slot_blocks: block_size must be a positive int, got {block_size!r}")
+    slots = topk_ids.size
+    # From an iota, not a NumPy constant: the compiler folds it, and a pipeline
+    # under custom partitioning may close over no constant.
+    position = jnp.arange(slots * block_size, dtype=jnp.int32)
+    sorted_ids = jnp.where(position % block_size == 0, position // block_size, slots)
+    return sorted_ids, topk_ids.reshape(-1).astype(jnp.int32), jnp.full((1,), slots * block_size, jnp.int32)
+
+
 def _grouping_kernel(grouping: kernels.Grouping):
     """The grouping kernel for these slots: one launch for few slots (decode) —
     in slot space when the slots are few against the bins, else counting every

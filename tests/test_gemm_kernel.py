@@ -466,6 +466,46 @@ def test_indexed_rows_of_dead_blocks_are_zero(lists_dropped, rng):
     _check(jnp.asarray(out), _kernel_reference(x, weight, layout), bound=1e-5)
 
 
+@pytest.mark.parametrize("fmt_name,top_k", sweep([("int4_g128", 4), ("bf16", 1), ("mxfp4", 2)], [("int4_g128", 4)]))
+def test_indexed_in_slot_order(fmt_name, top_k, rng):
+    """Each slot its own block (``moe_slot_blocks``, ``slot_order``: decode's
+    layout, the kernel reading expert_ids alone): ids outside ``[0, E)``, −1 and
+    a repeated expert; equals the same arrays read as a plain indexed layout
+    bit for bit, and the float64 product; the rows of invalid slots are zero
+    in an output the kernel alone writes (NaN-poisoned when interpreted)."""
+    from humming_jax.gemm import _layout_spec
+
+    weight = _weight(rng, F.get_format(fmt_name), E)
+    tokens = 3
+    x = jnp.asarray(rng.normal(size=(tokens, K)), jnp.bfloat16)
+    ids = rng.integers(0, E, size=(tokens, top_k)).astype(np.int32)
+    ids.reshape(-1)[[0, -1]] = (-1, E)  # a dropped slot each end
+    ids.reshape(-1)[1] = ids.reshape(-1)[2]  # an expert twice
+    arrays = hj.moe_slot_blocks(jnp.asarray(ids), 16)
+    ordered = hj.Indexed(*arrays, top_k=top_k, block_size=16, lists_dropped=True, slot_order=True)
+    plain = dataclasses.replace(ordered, slot_order=False)
+    assert _layout_spec(ordered, tokens)[0].slot_order and not _layout_spec(ordered, tokens)[0].zero_filled
+    got, want = (
+        np.asarray(hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND))
+        for layout in (ordered, plain)
+    )
+    np.testing.assert_array_equal(got, want)
+    assert np.all(got[[0, tokens * top_k - 1]] == 0)
+    _check(jnp.asarray(got), _kernel_reference(x, weight, plain), bound=1e-5)
+
+
+def test_slot_order_layout_validation():
+    ids = jnp.asarray([[1, 2], [3, 0]], jnp.int32)
+    arrays = hj.moe_slot_blocks(ids, 16)
+    x = jnp.ones((2, K), jnp.bfloat16)
+    weight = _weight(np.random.default_rng(0), F.INT4_G128, E)
+    with pytest.raises(ValueError, match="layout.lists_dropped: slot_order"):
+        hj.gemm(x, weight, hj.Indexed(*arrays, top_k=2, block_size=16, slot_order=True), backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match=r"layout.expert_ids: slot_order .* M·top_k=2"):
+        layout = hj.Indexed(*arrays, top_k=1, block_size=16, lists_dropped=True, slot_order=True)
+        hj.gemm(x, weight, layout, backend=KERNEL_BACKEND)
+
+
 def test_multiply_add_config_validation():
     with pytest.raises(ValueError, match="use_mma"):
         kernel.Tiles(block_m=16, use_mma=False)

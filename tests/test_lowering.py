@@ -271,3 +271,24 @@ def test_byte_pairs_lower_to_e4m3_mmas(monkeypatch):
     assert len(dots) == 4 and all("x64xf8E4M3FN> * tensor<64x" in d for d in dots)
     assert any("tt.ptr<i16>" in line for line in text.splitlines() if "tt.load" in line)
     jax.clear_caches()
+
+
+@pytest.mark.parametrize("pipeline", ["grouped", "indexed"])
+def test_decode_layer_launches_for_sm90(pipeline):
+    """The int4 layer at T=1 lowers to four Triton launches — w13, the
+    activation, w2, the fused sum — and no grouping: each slot its own block,
+    the GEMMs reading the blocks' experts (the ids) alone."""
+    config = hj.ExpertsConfig(128, 256, 128, 8, weight_format="int4_g128")
+    e, n, k = config.num_experts, config.w13_n, config.hidden_size
+    weights = hj.quantize_experts(
+        jnp.ones((e, n, k), jnp.float32), jnp.ones((e, k, config.intermediate_size), jnp.float32), config
+    )
+    fn = hj.humming_grouped_experts if pipeline == "grouped" else hj.humming_indexed_experts
+    x = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)
+    tw = jax.ShapeDtypeStruct((1, 8), jnp.float32)
+    ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    texts = ttir_of(lambda x, tw, ids: fn(x, weights, tw, ids, config, backend="pallas"), x, tw, ids)
+    assert len(texts) == 4
+    assert not any("moe_group_slots" in text for text in texts)
+    gemms = [text for text in texts if "moe_gemm_indexed" in text]
+    assert len(gemms) == 2

@@ -269,6 +269,45 @@ def test_grouped_runs_indexed_at_decode(rng, monkeypatch):
     hj.humming_grouped_experts.clear_cache()
 
 
+def test_decode_slots_in_their_own_blocks(rng, monkeypatch):
+    """At T=1, or up to one slot per 8 experts, the indexed stages give each
+    slot its own block (no grouping; not with an expert map or
+    ``batch_invariant``): the aligned layout's result bit for bit, ids outside
+    [0, E) and an expert twice in a token as the float64 layer says."""
+    config = hj.ExpertsConfig(64, 128, 128, 2, weight_format="int4_g128")
+    assert [X.slot_blocks_apply(t, 2, config, False) for t in (1, 4, 5)] == [True, True, False]
+    assert not X.slot_blocks_apply(1, 2, config, True)
+    assert not X.slot_blocks_apply(1, 2, dataclasses.replace(config, batch_invariant=True), False)
+    mixtral = hj.ExpertsConfig(8, 4096, 14336, 2, weight_format="int4_g128")
+    assert [X.slot_blocks_apply(t, 2, mixtral, False) for t in (1, 2)] == [True, False]
+    x, w13, w2, ids, tw = _problem(rng, config, 4)
+    ids[1] = [3, 64]  # an id outside [0, E)
+    ids[2] = [-1, 5]
+    ids[3] = [5, 5]  # an expert twice in one token
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    expected = _expected_layer(x, weights, np.where((ids >= 0) & (ids < 64), ids, -1), tw, config)
+
+    def clear():
+        for fn in (hj.humming_grouped_experts, hj.humming_indexed_experts):
+            fn.clear_cache()
+
+    def no_grouping(*args, **kwargs):
+        raise AssertionError("the decode layer grouped its slots")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(X.routing, "moe_align_block_size", no_grouping)
+        clear()
+        got = {p: np.asarray(_run(p, x, weights, tw, ids, config), np.float64) for p in PIPELINES}
+    with monkeypatch.context() as patch:
+        patch.setattr(X, "slot_blocks_apply", lambda *a: False)
+        clear()
+        aligned = np.asarray(_run("indexed", x, weights, tw, ids, config), np.float64)
+    clear()
+    for pipeline in PIPELINES:
+        np.testing.assert_array_equal(got[pipeline], aligned)
+    assert np_ref.relative_error(aligned, expected) < 2e-2
+
+
 def test_batched_matches_numpy_and_zeroes_padding(rng):
     config = hj.ExpertsConfig(4, 128, 128, 1, weight_format="uint4_zp_g128", activation="gelu_tanh")
     max_tokens = 5

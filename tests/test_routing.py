@@ -549,3 +549,25 @@ def test_row_tiles_config_rejects_bad_tiles():
     assert to_text(from_text(RowTiles, "block_tokens=8,block_cols=1024,num_warps=8")) == (
         "block_tokens=8,block_cols=1024,num_warps=8"
     )
+
+
+def test_slot_blocks_against_numpy(rng):
+    """``moe_slot_blocks``: slot s first in block s, the sentinel T·k after it,
+    the ids as the blocks' experts (invalid ones included: the GEMM finds their
+    blocks dead), every entry in use; T=0 gives empty arrays; bad arguments
+    name themselves."""
+    ids = rng.integers(-2, 10, size=(3, 4)).astype(np.int32)
+    sorted_ids, expert_ids, padded = hj.moe_slot_blocks(jnp.asarray(ids), 16)
+    want = np.full((12, 16), 12, np.int32)
+    want[:, 0] = np.arange(12)
+    np.testing.assert_array_equal(np.asarray(sorted_ids), want.reshape(-1))
+    np.testing.assert_array_equal(np.asarray(expert_ids), ids.reshape(-1))
+    np.testing.assert_array_equal(np.asarray(padded), [12 * 16])
+    empty = hj.moe_slot_blocks(jnp.zeros((0, 4), jnp.int32), 16)
+    assert [a.shape for a in empty] == [(0,), (0,), (1,)] and int(empty[2][0]) == 0
+    with pytest.raises(ValueError, match=r"moe_slot_blocks: topk_ids must be \[T, k\]"):
+        hj.moe_slot_blocks(jnp.zeros(4, jnp.int32), 16)
+    with pytest.raises(TypeError, match="moe_slot_blocks: topk_ids must be an integer array"):
+        hj.moe_slot_blocks(jnp.zeros((1, 4), jnp.float32), 16)
+    with pytest.raises(ValueError, match="moe_slot_blocks: block_size must be a positive int"):
+        hj.moe_slot_blocks(jnp.zeros((1, 4), jnp.int32), 0)

@@ -59,6 +59,9 @@ class LayoutSpec:
     # (past num_tokens_padded or of expert -1), so the kernel zeroes every row
     # it must and needs no zero-filled output.
     lists_dropped: bool = False
+    # indexed: block b holds slot b alone (routing's slot blocks): the kernel
+    # takes the slot from the block's index and gets expert_ids alone.
+    slot_order: bool = False
 
     @property
     def zero_filled(self) -> bool:

@@ -266,6 +266,12 @@ def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, t
         count = jnp.clip(counts_ref[expert], 0, layout.max_tokens)
         rows = expert * layout.max_tokens + local
         return rows, rows, local < count, expert, (tile % per_expert) * block_m < count
+    if layout.slot_order:  # block b holds slot b alone
+        (experts_ref,) = route_refs
+        expert = experts_ref[tile]
+        entries = jnp.where(lane == 0, tile, layout.m_out)
+        live = (expert >= 0) & (expert < num_experts)
+        return entries // layout.top_k, entries, lane == 0, jnp.clip(expert, 0, num_experts - 1), live
     sorted_ref, experts_ref, padded_ref = route_refs
     positions = tile * block_m + lane
     entries = plgpu.load(sorted_ref.at[positions], mask=positions < sorted_ref.shape[0], other=layout.m_out)
@@ -1188,7 +1194,7 @@ def expert_gemm(
     are the stored parts in order (values, scale, zero point, global scale,
     group index), only those the weight has; ``bias [E, N]`` or None;
     ``route_arrays`` the layout's (offsets | counts | sorted_ids, expert_ids,
-    num_tokens_padded)."""
+    num_tokens_padded; of a slot-ordered layout the kernel reads expert_ids alone)."""
     w, layout, out_dtype, interpret = call.weight, call.layout, jnp.dtype(call.out_dtype), call.interpret
     use_f16_accum = call.use_f16_accum
     compute_dtype = operand_dtype(call, tiles)
@@ -1227,6 +1233,8 @@ def expert_gemm(
     elif x_split:
         x = split_packed_columns(x, span, 2 if reads_byte_pairs(w) else ways, pairs)
     scales = [] if x_scale is None else [x_scale.reshape(-1) if xs.mode in ("tensor", "token") else x_scale]
+    if layout.slot_order:  # expert_ids alone (see _tile_rows)
+        route_arrays = route_arrays[1:2]
     inputs = [x, *scales, *route_arrays, *weight_arrays] + ([bias] if bias is not None else [])
     if zero_filled:
         inputs.append(jnp.zeros(out_shape, out_type))
