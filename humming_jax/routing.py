@@ -48,11 +48,15 @@ def _empty_or(chosen: str, size: int) -> str:
     return "reference" if size == 0 else chosen
 
 
-def _check_routing(topk_ids: jax.Array, num_experts: int, expert_map: jax.Array | None, op: str) -> None:
+def _check_ids(topk_ids: jax.Array, op: str) -> None:
     if topk_ids.ndim != 2:
         raise ValueError(f"{op}: topk_ids must be [T, k], got shape {topk_ids.shape}")
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
         raise TypeError(f"{op}: topk_ids must be an integer array, got {topk_ids.dtype}")
+
+
+def _check_routing(topk_ids: jax.Array, num_experts: int, expert_map: jax.Array | None, op: str) -> None:
+    _check_ids(topk_ids, op)
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"{op}: num_experts must be a positive int, got {num_experts!r}")
     if expert_map is not None:
@@ -216,10 +220,7 @@ def moe_slot_blocks(topk_ids: jax.Array, block_size: int) -> tuple[jax.Array, ja
         arguments of ``Indexed(..., lists_dropped=True, slot_order=True)``, as
         :func:`moe_align_block_size`'s are.
     """
-    if topk_ids.ndim != 2:
-        raise ValueError(f"moe_slot_blocks: topk_ids must be [T, k], got shape {topk_ids.shape}")
-    if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
-        raise TypeError(f"moe_slot_blocks: topk_ids must be an integer array, got {topk_ids.dtype}")
+    _check_ids(topk_ids, "moe_slot_blocks")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"moe_slot_blocks: block_size must be a positive int, got {block_size!r}")
     slots = topk_ids.size
