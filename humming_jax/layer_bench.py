@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import statistics
 import time
@@ -420,8 +419,3 @@ def layer_main(args) -> int:
     if plot(rows, args.out.removesuffix(".json") + ".png"):
         print(f"wrote {args.out.removesuffix('.json')}.png")
     return 0
-
-
-def load_rows(path: str) -> list[dict]:
-    with open(path) as f:
-        return json.load(f)["rows"]

@@ -101,10 +101,6 @@ class EPPlan:
         return self.local_experts + self.redundant
 
     @property
-    def worst_case_rows(self) -> int:
-        return self.num_ranks * self.slots_per_rank
-
-    @property
     def local(self) -> bool:
         """One rank holding every expert and receiving every slot: no exchange."""
         return self.num_ranks == 1 and self.receive_rows >= self.slots_per_rank

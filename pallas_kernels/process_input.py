@@ -191,12 +191,6 @@ def _load_inputs(x_ref, rows, row_mask, padded: bool, cfg: ProcessConfig, segmen
     return tiles
 
 
-def _activated(x_ref, rows, row_mask, start: int, size: int, padded: bool, cfg: ProcessConfig):
-    """Activation output of columns ``[start, start + size)``: ``[rows, size]``
-    in f32, zero past ``k_out`` (only a ``padded`` block reaches past it)."""
-    return _activate(_load_inputs(x_ref, rows, row_mask, padded, cfg, ((start, size),)), size, cfg)
-
-
 def _activate(tiles: list, size: int, cfg: ProcessConfig):
     """The activation of one column block from its input tiles (:func:`_input_columns`)."""
     tiles = [tile.astype(jnp.float32) for tile in tiles]
