@@ -14,12 +14,14 @@ writes them as JSON (a tiling a kernel refuses is a row with its error).
 history: ``git show COMMIT:pallas_kernels/gemm/mosaic_fp8.py > FILE``) beside
 the tree's; its tilings are written ``variant:FIELDS`` and run its code.
 Several at once: ``--variant v28=FILE v29=FILE``, tiled ``v28:FIELDS`` and
-``v29:FIELDS``.
+``v29:FIELDS``; ``v28:default`` runs the tiles ``default`` ran (listed
+before it) on the variant's kernel.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import itertools
 import sys
@@ -32,8 +34,17 @@ from humming_jax.timing import write_results
 VARIANT = "variant"  # the tiles-text name of a --variant file's kernel
 
 
-def _tiling(text: str):
-    return None if text == "default" else tiles_text.gemm_from_text(text)
+def _tiling(text: str, default=None):
+    """The tiles of ``text``; ``NAME:default`` is ``default`` (the tiles the
+    case's ``default`` ran) on the variant ``NAME``'s kernel, field for field."""
+    if text == "default":
+        return None
+    name, _, fields = text.partition(":")
+    if fields == "default":
+        if default is None:
+            raise ValueError(f"--tilings: {text!r} needs 'default' listed before it")
+        return gemm_kernels.IMPLS[name](**dataclasses.asdict(default))
+    return tiles_text.gemm_from_text(text)
 
 
 def load_variant(path: str, name: str = VARIANT) -> None:
@@ -53,11 +64,14 @@ def run(args) -> list[dict]:
     cases = itertools.product(args.formats, args.problems, args.gemms, args.layouts, args.tokens)
     for fmt, problem, gemm, layout, tokens in cases:
         prep = bench.prepare(bench.Case(problem, gemm, layout, tokens, fmt))
+        default = None
         for repeat, text in itertools.product(range(args.repeats), args.tilings):
             row = dict(fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens, tiling=text, repeat=repeat)
             start = time.time()
             try:
-                result, out, used = bench.time_prepared(prep, _tiling(text))
+                result, out, used = bench.time_prepared(prep, _tiling(text, default))
+                if text == "default" and result["tiles"]:
+                    default = tiles_text.gemm_from_text(result["tiles"])
                 row.update(us=result["us"], tflops=result["tflops"], gbps=result["gbps"], tiles=result["tiles"])
                 if repeat == 0:
                     row["error"] = bench.sampled_error(prep, used, out)
@@ -88,7 +102,8 @@ def main(argv=None) -> int:
         name, _, path = text.rpartition("=")
         load_variant(path, name or VARIANT)
     for text in args.tilings:
-        _tiling(text)  # a malformed tiling fails before anything runs
+        if not text.endswith(":default"):
+            _tiling(text)  # a malformed tiling fails before anything runs
     write_results(args.out, run(args))
     return 0
 

@@ -594,3 +594,27 @@ def test_humming_summary_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     assert bench_report.plot_humming(rows, str(tmp_path / "x.png")) and (tmp_path / "x.png").stat().st_size > 0
     assert not bench_report.plot_humming(rows[2:], str(tmp_path / "none.png"))
+
+
+def test_ab_tilings_variant_runs_the_default_tiles(tiny, compiled_once, tmp_path, monkeypatch):
+    """``variant:default``: the tiles the case's ``default`` ran, field for
+    field, on the variant file's kernel (an A/B of a kernel change at the
+    table's own choice); listed before ``default`` it is a failed row."""
+    import pathlib
+
+    import pallas_kernels.gemm as gemm_kernels
+    from benchmarks import ab_tilings
+    from pallas_kernels.gemm import triton as tree_triton
+
+    monkeypatch.setattr(gemm_kernels, "KERNELS", dict(gemm_kernels.KERNELS))
+    monkeypatch.setattr(gemm_kernels, "IMPLS", dict(gemm_kernels.IMPLS))
+    copy = tmp_path / "older_triton.py"
+    copy.write_text(pathlib.Path(tree_triton.__file__).read_text())
+    out = tmp_path / "ab.json"
+    argv = ["--formats", "bf16", "--problems", "tiny", "--gemms", "w13", "--tokens", "3", "--repeats", "1"]
+    tilings = ["variant:default", "default", "variant:default"]
+    assert ab_tilings.main([*argv, "--variant", str(copy), "--tilings", *tilings, "--out", str(out)]) == 0
+    first, default, variant = json.loads(out.read_text())["rows"]
+    assert "needs 'default' listed before it" in first["failed"]
+    assert default["tiles"].startswith("triton:") and variant["tiles"] == "variant:" + default["tiles"].split(":", 1)[1]
+    assert variant["us"] > 0 and variant["error"] < 1e-2
