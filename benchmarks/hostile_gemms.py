@@ -2,7 +2,8 @@
 family the op reaches — 16-bit, 4-bit weight-only, W8A8, W4A8, int8 × int8 —
 at tens of thousands of rows, with grouped offsets far outside ``[0, M]``
 (−2³¹ first, ends past M and at 2³¹ − 1, every row on one expert, empty
-groups) and an indexed layout over ids in ``[−1, E]``.
+groups), an indexed layout over ids in ``[−1, E]`` and a slot-ordered one
+(decode's: a block a slot) over ids with int32's extremes.
 
 Each call is checked against the reference (``backend="reference"``): every
 value finite, rows no expert owns exactly zero, the relative error under a
@@ -63,6 +64,16 @@ def indexed_layout(rng: np.random.Generator, tokens: int, e: int, top_k: int, bl
     return hj.Indexed(*aligned, top_k=top_k, block_size=block, lists_dropped=True)
 
 
+def slot_layout(rng: np.random.Generator, tokens: int, e: int, top_k: int, block: int) -> hj.Indexed:
+    """Each slot its own block (decode's layout), ids with int32's extremes, −1 and ``e`` among them."""
+    ids = rng.integers(0, e, size=(tokens, top_k)).astype(np.int32)
+    ids[::7, 0] = np.iinfo(np.int32).min
+    ids[::11, 1] = np.iinfo(np.int32).max
+    ids[::13, 0], ids[::17, 1] = -1, e
+    arrays = hj.moe_slot_blocks(jnp.asarray(ids), block)
+    return hj.Indexed(*arrays, top_k=top_k, block_size=block, lists_dropped=True, slot_order=True)
+
+
 def _input(rng: np.random.Generator, quant_name: str | None, m: int, k: int):
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
     if quant_name is None:
@@ -106,8 +117,11 @@ def run(
         layouts = {name: hj.GroupedContiguous(jnp.asarray(o, jnp.int32)) for name, o in offsets.items()}
         tokens = rows // 8
         layouts["indexed"] = indexed_layout(rng, tokens, e, 8, 64)
+        slot_tokens = max(1, min(64, rows // 256))  # decode-sized: a block a slot
+        layouts["slot_order"] = slot_layout(rng, slot_tokens, e, 8, 16)
         for name, layout in layouts.items():
-            xs = jax.tree.map(lambda a, t=tokens: a[:t], x) if name == "indexed" else x
+            t = {"indexed": tokens, "slot_order": slot_tokens}.get(name)
+            xs = jax.tree.map(lambda a, t=t: a[:t], x) if t else x
             for text in [None, *tilings]:
                 tuning = None if text is None else tiles_text.gemm_from_text(text)
                 row = dict(fmt=fmt_name, input=quant_name, layout=name, rows=rows, tiling=text or "default")
