@@ -186,7 +186,7 @@ def moe_align_block_size(
         map_groups=map_groups,
         block_size=block_size,
     )
-    return _grouping_kernel(grouping)(
+    return _grouping_kernel(grouping, "sorted")(
         topk_ids,
         expert_map,
         grouping,
@@ -198,6 +198,7 @@ def moe_align_block_size(
 
 # The slot-space kernel's work grows with slots², the bin-space one's with the bins.
 SLOT_SPACE_MAX_SLOTS = 32  # slots it takes whatever the bins; beyond, while the slots are no more than the bins
+# (half the bins for the scatter's destinations)
 
 
 def moe_slot_blocks(topk_ids: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -231,11 +232,14 @@ def moe_slot_blocks(topk_ids: jax.Array, block_size: int) -> tuple[jax.Array, ja
     return sorted_ids, topk_ids.reshape(-1).astype(jnp.int32), jnp.full((1,), slots * block_size, jnp.int32)
 
 
-def _grouping_kernel(grouping: kernels.Grouping):
+def _grouping_kernel(grouping: kernels.Grouping, outputs: str):
     """The grouping kernel for these slots: one launch for few slots (decode) —
     in slot space when the slots are few against the bins, else counting every
-    bin — else the three- or four-launch kernel (takes every call)."""
-    few = grouping.num_slots <= max(SLOT_SPACE_MAX_SLOTS, grouping.total_bins)
+    bin — else the three- or four-launch kernel (takes every call). The
+    scatter's ``dest`` outputs add every bin's start to the slot-space work:
+    there it needs twice the bins."""
+    bins = grouping.total_bins // (2 if outputs == "dest" else 1)
+    few = grouping.num_slots <= max(SLOT_SPACE_MAX_SLOTS, bins)
     if few and slot_space.supports(grouping) is None:
         return slot_space.group_slots
     return one_launch.group_slots if one_launch.supports(grouping) is None else kernels.group_slots
@@ -261,7 +265,7 @@ def _scatter_kernel(topk_ids, num_experts, expert_map, num_local_experts, interp
         map_groups=expert_map is not None,
         invalid_bin=True,
     )
-    group_slots = _grouping_kernel(grouping)
+    group_slots = _grouping_kernel(grouping, "dest")
     dest, inverse, bin_start = group_slots(topk_ids, expert_map, grouping, outputs="dest", interpret=interpret)
     return bin_start[: num_local_experts + 1], dest, inverse
 

@@ -375,21 +375,26 @@ def test_one_launch_grouping_refuses_many_slots(kernel_name):
 
 
 @pytest.mark.parametrize(
-    "tokens,top_k,num_experts,expected",
+    "tokens,top_k,num_experts,outputs,expected",
     [
-        (1, 8, 128, "routing_slot_space"),  # qwen3 T=1: 8 slots against 128 bins
-        (16, 8, 256, "routing_slot_space"),  # deepseek-v3 T=16: 128 slots, 256 bins
-        (16, 2, 8, "routing_slot_space"),  # 32 slots: few whatever the bins
-        (64, 2, 8, "routing_one_launch"),  # mixtral T=64: 128 slots against 8 bins
-        (65, 2, 8, "routing"),  # 130 slots: the general kernel
+        (1, 8, 128, "sorted", "routing_slot_space"),  # qwen3 T=1: 8 slots against 128 bins
+        (1, 8, 128, "dest", "routing_slot_space"),
+        (16, 8, 128, "sorted", "routing_slot_space"),  # qwen3 T=16: 128 slots, 128 bins
+        (16, 8, 128, "dest", "routing_one_launch"),  # the scatter: 129 bins (the invalid one), not twice 128
+        (16, 8, 256, "dest", "routing_slot_space"),  # deepseek-v3 T=16: 128 slots, 257 bins
+        (16, 2, 8, "dest", "routing_slot_space"),  # 32 slots: few whatever the bins
+        (64, 2, 8, "sorted", "routing_one_launch"),  # mixtral T=64: 128 slots against 8 bins
+        (65, 2, 8, "sorted", "routing"),  # 130 slots: the general kernel
     ],
 )
-def test_the_op_picks_the_grouping_kernel(tokens, top_k, num_experts, expected):
+def test_the_op_picks_the_grouping_kernel(tokens, top_k, num_experts, outputs, expected):
+    """Each measured case (routing.md, v3 measured) to its faster kernel."""
     from humming_jax import routing as R
     from pallas_kernels import routing as kernels
 
-    grouping = kernels.Grouping(tokens * top_k, num_experts, num_experts, block_size=16)
-    assert R._grouping_kernel(grouping).__module__ == f"pallas_kernels.{expected}"
+    dest = outputs == "dest"
+    grouping = kernels.Grouping(tokens * top_k, num_experts, num_experts, block_size=16, invalid_bin=dest)
+    assert R._grouping_kernel(grouping, outputs).__module__ == f"pallas_kernels.{expected}"
 
 
 # make test: each output, bin count and expert count twice.
