@@ -237,6 +237,19 @@ class ExpertsConfig:
         # Building both layer configs validates shapes, formats and modes.
         self.w13, self.w2  # noqa: B018
 
+    def __hash__(self) -> int:
+        # A jitted layer hashes its static config on every call: the nested
+        # formats' hashes once, not each time (the generated hash, cached).
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, field.name) for field in dataclasses.fields(self)))
+
+    def __getstate__(self) -> dict:
+        # String hashes differ between processes: a pickled config hashes anew where it lands.
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
+
     @property
     def w13_n(self) -> int:
         return 2 * self.intermediate_size if self.activation.is_gated else self.intermediate_size

@@ -1,6 +1,7 @@
 """Configs (validation, hashing), backend choice, and plan_workspace against
 vLLM's buffer rules."""
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -168,3 +169,18 @@ def test_plan_errors():
     with pytest.raises(ValueError, match="num_tokens: expected a non-negative int"):
         hj.plan_workspace(config, -1, 2, "grouped")
     assert hj.plan_workspace(config, 0, 2, "grouped").buffers["output"].shape == (0, 256)  # an empty batch
+
+
+def test_experts_config_hash_is_cached_and_travels():
+    """A jitted layer hashes its static config every call: the hash is computed
+    once and equals an equal config's; a pickled config (string hashes differ
+    between processes) carries no hash and hashes anew."""
+    import pickle
+
+    a = hj.ExpertsConfig(8, 256, 128, 2, weight_format="int4_g128")
+    b = hj.ExpertsConfig(8, 256, 128, 2, weight_format="int4_g128")
+    c = dataclasses.replace(a, batch_invariant=True)
+    assert hash(a) == hash(b) and a == b and a != c and hash(a) != hash(c)
+    assert "_hash" in a.__dict__  # cached after the first hash
+    restored = pickle.loads(pickle.dumps(a))
+    assert "_hash" not in restored.__dict__ and restored == a and hash(restored) == hash(a)
