@@ -44,13 +44,6 @@ GROUPED_AS_INDEXED_MAX_ROWS = 1
 # The indexed stages give each slot its own block, ungrouped, up to one slot per this many experts
 # (and at T=1): where few slots share an expert, grouping costs a launch and saves little weight.
 SLOT_BLOCKS_EXPERTS_PER_SLOT = 8
-# The w2 tile applies the activation as it loads its input in calls of at most this
-# many rows (T=1, k up to 16), on tiles of at most FUSED_ACTIVATION_MAX_BLOCK_M rows: a
-# tile computes the activation of all its rows once per column tile, padding included
-# (a 16-row decode tile about triples the ALU work of its step), so past the smallest
-# calls the pass may be cheaper — to measure (layer.md v7).
-FUSED_ACTIVATION_MAX_ROWS = 16
-FUSED_ACTIVATION_MAX_BLOCK_M = 16
 
 
 @jax.tree_util.register_dataclass
@@ -336,31 +329,6 @@ def multiplied_out_tiles(config: ExpertsConfig, name: str, weight, layout, rows:
     return dataclasses.replace(tiles, dequantize_input=False)
 
 
-def fused_activation_tiles(config: ExpertsConfig, weight, layout, gate_up, valid_m: int, backend):
-    """The w2 GEMM's tiling when it is a Triton tile that applies the
-    activation as it loads ``gate_up`` (``gemm(input_activation=...)``: the
-    activation stage then has no pass of its own), else None — quantized or
-    rotated w2 inputs, the reference backend, a Mosaic tiling (which the
-    activation pass feeds), calls of more than
-    :data:`FUSED_ACTIVATION_MAX_ROWS` rows (``valid_m``) or tiles of more
-    than :data:`FUSED_ACTIVATION_MAX_BLOCK_M`."""
-    chosen = resolve_backend(backend, "gemm")
-    if chosen == "reference" or config.w2_input_quant.is_quantized or config.w2_hadamard_block_size is not None:
-        return None
-    if valid_m > FUSED_ACTIVATION_MAX_ROWS or jnp.dtype(gate_up.dtype) != jnp.dtype(config.compute_dtype):
-        return None
-    width = config.w2.shape_k
-    x = Q.QuantizedInput(values=jax.ShapeDtypeStruct((gate_up.shape[0], width), gate_up.dtype), k=width)
-    kwargs = _gemm_kwargs(config, valid_m, None)
-    common = (kwargs["out_dtype"], config.use_f16_accum, config.batch_invariant, valid_m)
-    interpret = chosen == "interpret"
-    tiles, _ = plan(x, weight, layout, *common, interpret=interpret)
-    if not isinstance(tiles, triton.Tiles) or tiles.block_m > FUSED_ACTIVATION_MAX_BLOCK_M:
-        return None
-    fused, _ = plan(x, weight, layout, *common, tiles, interpret, config.activation)
-    return fused
-
-
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One step of a pipeline: ``run(state)`` reads entries of the state (a
@@ -468,15 +436,7 @@ def _grouped_layout_stages(config: ExpertsConfig, backend: str | None) -> tuple[
     def w13(s):
         return dict(gate_up=grouped_gemm(s, "w13", s["gate_up_input"]))
 
-    def fused(s):
-        """The w2 tiling that applies the activation itself (:func:`fused_activation_tiles`)."""
-        layout = L.GroupedContiguous(s["offsets"])
-        valid_m = gemm_kwargs(s)["valid_shape_m"]
-        return fused_activation_tiles(config, s["weights"].w2, layout, s["gate_up"], valid_m, backend)
-
     def activation(s):
-        if fused(s) is not None:
-            return {}
         dequantize = multiplied_out(s, "w2") is not None
         down_input = _down_input(
             s["gate_up"], config, s["weights"], backend, dequantize=dequantize, num_valid_tokens=s["offsets"][-1:]
@@ -484,11 +444,6 @@ def _grouped_layout_stages(config: ExpertsConfig, backend: str | None) -> tuple[
         return dict(down_input=down_input)
 
     def w2(s):
-        tiles = fused(s)
-        if tiles is not None:
-            layout = L.GroupedContiguous(s["offsets"])
-            kwargs = dict(gemm_kwargs(s), tuning=tiles, input_activation=config.activation)
-            return dict(down=gemm(s["gate_up"], s["weights"].w2, layout, **kwargs))
         return dict(down=grouped_gemm(s, "w2", s["down_input"]))
 
     def combine(s):
@@ -708,22 +663,11 @@ def _indexed_layout_stages(
     def w13(s):
         return dict(gate_up=indexed_gemm(s, "w13", s["gate_up_input"]))
 
-    def fused(s):
-        """The w2 tiling that applies the activation itself (:func:`fused_activation_tiles`)."""
-        valid_m = gemm_kwargs(s)["valid_shape_m"]
-        return fused_activation_tiles(config, s["weights"].w2, layout_of(s, "w2"), s["gate_up"], valid_m, backend)
-
     def activation(s):
-        if fused(s) is not None:
-            return {}
         dequantize = multiplied_out(s, "w2") is not None
         return dict(down_input=_down_input(s["gate_up"], config, s["weights"], backend, dequantize=dequantize))
 
     def w2(s):
-        tiles = fused(s)
-        if tiles is not None:
-            kwargs = dict(gemm_kwargs(s), tuning=tiles, input_activation=config.activation)
-            return dict(down=gemm(s["gate_up"], s["weights"].w2, layout_of(s, "w2"), **kwargs))
         return dict(down=indexed_gemm(s, "w2", s["down_input"]))
 
     def combine(s):

@@ -16,14 +16,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from humming_jax import activations as A
 from humming_jax import configs, tiles_text
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import tuning as T
 from humming_jax.backend import no_kernel, reference_gradient, resolve_backend
-from pallas_kernels import activation as kernel_activation
 from pallas_kernels import gemm as kernels
 from pallas_kernels.gemm import mosaic, spec, triton
 
@@ -123,15 +121,7 @@ def gemm_reference(x: Q.QuantizedInput, weight: F.QuantizedWeight, layout: L.Lay
 GemmTiles = triton.Tiles | mosaic.Tiles
 
 
-_GEMM_STATIC = (
-    "out_dtype",
-    "use_f16_accum",
-    "batch_invariant",
-    "valid_shape_m",
-    "tuning",
-    "input_activation",
-    "backend",
-)
+_GEMM_STATIC = ("out_dtype", "use_f16_accum", "batch_invariant", "valid_shape_m", "tuning", "backend")
 
 
 @functools.partial(jax.jit, static_argnames=_GEMM_STATIC)
@@ -146,7 +136,6 @@ def gemm(
     batch_invariant: bool = False,
     valid_shape_m: int | None = None,
     tuning: GemmTiles | None = None,
-    input_activation: A.ActivationSpec | str | None = None,
     backend: str | None = None,
 ) -> jax.Array:
     """The expert GEMM (Humming's grouped / indexed GEMM): ``x`` times each
@@ -165,10 +154,6 @@ def gemm(
         tuning: a ``triton``, ``mosaic`` or ``mosaic_fp8`` ``Tiles`` (``pallas_kernels.gemm``):
             runs as given or raises with the kernel's reason; None: the table's
             entry, else the heuristic.
-        input_activation: the product's input is this activation of ``x``
-            (an unquantized ``[M, 2K]`` for a gated one, ``[M, K]`` else),
-            rounded to ``x``'s dtype — ``process_input``'s activation without
-            its pass: the Triton tile applies it as it loads ``x``.
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
 
     Returns:
@@ -181,10 +166,6 @@ def gemm(
     x = as_quantized_input(x)
     weight = as_weight(weight)
     out_dtype = _out_dtype(x, out_dtype)
-    act = A.get_activation(input_activation)
-    pre_activation = x
-    if act is not None:
-        x = _activated_shape(x, act)
     _validate(x, weight, layout, use_f16_accum, out_dtype)
     if tuning is not None and not isinstance(tuning, tuple(kernels.KERNELS)):
         names = ", ".join(f"{name}.Tiles" for name in kernels.IMPLS)
@@ -193,42 +174,17 @@ def gemm(
         raise ValueError(f"tuning.split_k: batch_invariant needs a fixed K order (split_k=1), got {tuning.split_k}")
     chosen = resolve_backend(backend, "gemm")
     if chosen == "reference" or x.m == 0:  # an empty batch (T=0): nothing to compute, an empty output
-        return gemm_reference(_activated(pre_activation, act), weight, layout, out_dtype)
+        return gemm_reference(x, weight, layout, out_dtype)
     interpret = chosen == "interpret"
     tiles, reasons = plan(
-        x, weight, layout, out_dtype, use_f16_accum, batch_invariant, valid_shape_m, tuning, interpret, act
+        x, weight, layout, out_dtype, use_f16_accum, batch_invariant, valid_shape_m, tuning, interpret
     )
     if tiles is None:
         if tuning is not None:
             raise ValueError(f"gemm: tuning: the kernel does not take this call with {reasons[0]}")
         no_kernel("gemm", reasons[-1], backend)
-        return gemm_reference(_activated(pre_activation, act), weight, layout, out_dtype)
-    if act is not None:
-        return _run_kernel(pre_activation, weight, layout, tiles, out_dtype, use_f16_accum, interpret, act)
+        return gemm_reference(x, weight, layout, out_dtype)
     return _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret)
-
-
-def _activated_shape(x: Q.QuantizedInput, act: A.ActivationSpec) -> Q.QuantizedInput:
-    """``x`` as the product sees it after ``act`` (for validation and planning:
-    the values keep their dtype, the width is the activation's output)."""
-    if x.spec.is_quantized:
-        raise ValueError(f"x: input_activation takes an unquantized input, got {x.spec.name}")
-    width = act.output_width(x.k)
-    return Q.QuantizedInput(values=jax.ShapeDtypeStruct((x.m, width), x.values.dtype), spec=Q.NONE, k=width)
-
-
-def _activated(x: Q.QuantizedInput, act: A.ActivationSpec | None) -> Q.QuantizedInput:
-    """The product's input: ``x``, or its activation rounded to its dtype."""
-    if act is None:
-        return x
-    return as_quantized_input(A.apply_activation(x.values, act).astype(x.values.dtype))
-
-
-def kernel_activation_of(act: A.ActivationSpec | None) -> kernel_activation.Activation | None:
-    """The kernels' static description of ``act``."""
-    if act is None:
-        return None
-    return kernel_activation.Activation(act.kind.value, act.clamp_limit, act.alpha, act.beta)
 
 
 def kernel_input_specs(fmt: F.WeightFormat) -> tuple[Q.InputQuantSpec, ...]:
@@ -305,12 +261,11 @@ def plan(
     valid_shape_m: int | None = None,
     tuning: GemmTiles | None = None,
     interpret: bool = False,
-    input_activation: A.ActivationSpec | None = None,
 ) -> tuple[GemmTiles | None, list[str]]:
     """(the tiling the call runs — None if no kernel takes it —, each refused
     candidate's reason). Candidates: ``tuning`` alone if given, else the
     table's entries then the heuristic's (:func:`humming_jax.tuning.candidates`)."""
-    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, batch_invariant, interpret, input_activation)
+    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, batch_invariant, interpret)
     if tuning is not None:
         listed = [tuning]
     else:
@@ -336,11 +291,8 @@ def plan(
     return None, reasons
 
 
-def gemm_call(
-    x, weight, layout, out_dtype, use_f16_accum=False, batch_invariant=False, interpret=False, input_activation=None
-):
-    """The :class:`~pallas_kernels.gemm.spec.GemmCall` the kernels' ``supports``
-    answer (``x`` as the product sees it, after ``input_activation``)."""
+def gemm_call(x, weight, layout, out_dtype, use_f16_accum=False, batch_invariant=False, interpret=False):
+    """The :class:`~pallas_kernels.gemm.spec.GemmCall` the kernels' ``supports`` answer."""
     x_dtype, x_scale = kernel_input_spec(x.spec, x.values.dtype)
     return spec.GemmCall(
         _weight_spec(weight),
@@ -352,7 +304,6 @@ def gemm_call(
         use_f16_accum,
         batch_invariant,
         interpret,
-        kernel_activation_of(input_activation),
     )
 
 
@@ -421,8 +372,7 @@ def _layout_spec(layout, m_in: int) -> tuple[spec.LayoutSpec, tuple[jax.Array, .
     return layout_spec, arrays
 
 
-def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, input_activation=None):
-    """``tiles``' kernel on ``x`` (before ``input_activation``, which the kernel applies)."""
+def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret):
     if isinstance(tiles, mosaic.Tiles) and tiles.dequantize_first and weight.format.is_quantized:
         weight = _dequantized(weight, x.values.dtype)
     call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, interpret=interpret)
@@ -432,10 +382,7 @@ def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, i
         # The op's step: the kernel then runs the weight-only tile on bf16 values.
         x = as_quantized_input(Q.dequantize_input(x).astype(jnp.bfloat16))
         tiles = dataclasses.replace(tiles, dequantize_input=False)
-    seen = x if input_activation is None else _activated_shape(x, input_activation)
-    call = gemm_call(
-        seen, weight, layout, out_dtype, use_f16_accum, interpret=interpret, input_activation=input_activation
-    )
+        call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, interpret=interpret)
     parts = tuple(
         a
         for a in (weight.values, weight.scale, weight.zero_point, weight.second_scale, weight.group_index)

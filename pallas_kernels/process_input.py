@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import activation, codecs
+from pallas_kernels import codecs
 
 FLOAT8_E4M3_MAX = 448.0
 
@@ -156,6 +156,18 @@ class ProcessConfig:
         return self.k_out // self.group_size if self.group_size else 0
 
 
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _gelu(x):
+    return 0.5 * x * (1.0 + codecs.erf(x * (1.0 / math.sqrt(2.0))))
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
 def _input_columns(start: int, size: int, cfg: ProcessConfig) -> list[tuple[int, int, int]]:
     """The input loads behind activation columns ``[start, start + size)``:
     ``(first column, count, row width)`` each, in the order :func:`_activate` takes them."""
@@ -182,16 +194,34 @@ def _load_inputs(x_ref, rows, row_mask, padded: bool, cfg: ProcessConfig, segmen
 def _activate(tiles: list, size: int, cfg: ProcessConfig):
     """The activation of one column block from its input tiles (:func:`_input_columns`)."""
     tiles = [tile.astype(jnp.float32) for tile in tiles]
-    if cfg.activation is None:
+    kind, limit = cfg.activation, cfg.clamp_limit
+    if kind is None:
         return tiles[0]
-    act = activation.Activation(cfg.activation, cfg.clamp_limit, cfg.alpha, cfg.beta)
-    if not act.gated:
-        return activation.ungated(tiles[0], act)
-    if act.interleaved:
+    if kind.endswith("_no_mul"):
+        x = tiles[0]
+        return {
+            "silu_no_mul": lambda v: v * _sigmoid(v),
+            "gelu_no_mul": _gelu,
+            "gelu_tanh_no_mul": _gelu_tanh,
+            "relu2_no_mul": lambda v: jnp.square(jnp.maximum(v, 0.0)),
+        }[kind](x)
+    if kind == "swigluoai":
         pairs = tiles[0]
         gate, up = (half.reshape(pairs.shape[0], size) for half in jax.lax.split(pairs.reshape(-1, size, 2), (1, 1), 2))
-        return activation.gated(gate, up, act)
-    return activation.gated(*tiles, act)
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return gate * _sigmoid(cfg.alpha * gate) * (up + cfg.beta)
+    gate, up = tiles
+    if kind == "silu":
+        if limit is not None:
+            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return gate * _sigmoid(gate) * up
+    if kind == "gelu":
+        return _gelu(gate) * up
+    if kind == "gelu_tanh":
+        return _gelu_tanh(gate) * up
+    if kind == "swiglustep":
+        return jnp.minimum(gate * _sigmoid(gate), limit) * jnp.clip(up, -limit, limit)
+    raise ValueError(f"unknown activation {kind!r}")
 
 
 def _hadamard_product(blocks, h, bf16_exact: bool):

@@ -12,7 +12,6 @@ to bf16 first (~1.7e-3; bound 5e-3). A bf16 output adds its own rounding
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -820,47 +819,3 @@ def test_grouped_offsets_outside_the_rows(offsets, rng):
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=kernel.Tiles(16, 32, 128), backend=KERNEL_BACKEND)
     assert np.all(np.isfinite(np.asarray(out)))
     _check(out, _reference(x, weight, layout), bound=1e-5)
-
-
-# (activation, weight format, layout, tiling): the decode tile (16-row blocks), blocks
-# of one row (f32 multiply-adds), a tile that splits x (prefill, words decoded):
-# gate and up each split, swigluoai's pairs de-interleaved first.
-_ACT_TILES = {
-    "default": None,
-    "one_row": kernel.Tiles(1, 64, 128, 4, 3, use_mma=False),
-    "split": kernel.Tiles(64, 64, 128, 4, 3, swap_ab=True, word_decode=True),
-}
-_ACT_CASES = [
-    ("silu", "int4_g128", "indexed", "one_row"),
-    ("swigluoai", "int4_g128", "grouped_contiguous", "split"),
-    ("swigluoai", "bf16", "indexed", "default"),
-    ("relu2_no_mul", "bf16", "grouped_contiguous", "default"),
-    ("gelu_tanh", "mxfp4", "grouped_masked", "default"),
-    ("swiglustep", "fp8_block128", "dense", "default"),
-    ("silu_clamped", "int4_g128", "grouped_contiguous", "split"),
-]
-
-
-@pytest.mark.parametrize("kind,fmt_name,layout_kind,tiling", sweep(_ACT_CASES, _ACT_CASES[:2]))
-def test_input_activation(kind, fmt_name, layout_kind, tiling, rng):
-    """``input_activation``: the product's input is the activation of ``x``
-    rounded to bf16, applied by the kernel as it loads ``x`` — the float64
-    product of NumPy's activation; rows no tile owns zero; the op's reference
-    alike; a quantized input is refused by name."""
-    limit = 7.0 if kind == "silu_clamped" else None
-    act = hj.ActivationSpec("silu", clamp_limit=limit) if limit else hj.ActivationSpec(kind)
-    tuning = _ACT_TILES[tiling]
-    weight = _weight(rng, F.get_format(fmt_name), 1 if layout_kind == "dense" else E)
-    width = 2 * K if act.is_gated else K
-    x = jnp.asarray(rng.normal(size=(M, width)) * 3, jnp.bfloat16)
-    layout = _layouts(rng, 16 if tuning is None else tuning.block_m)[layout_kind]
-    activated = np_ref.activation(np.asarray(x, np.float64), act.kind.value, limit)
-    # The kernel rounds the f32 activation to x's dtype, as process_input writes it
-    # (an element where f32 and float64 round apart: about 1e-4 of the product).
-    activated = jnp.asarray(activated.astype(np.float32), jnp.bfloat16)
-    ref = _reference_for(tuning, activated, weight, layout) if tuning else _kernel_reference(activated, weight, layout)
-    run = functools.partial(hj.gemm, x, weight, layout, out_dtype=jnp.float32, input_activation=act)
-    _check(run(tuning=tuning, backend=KERNEL_BACKEND), ref, bound=5e-4)
-    _check(run(backend="reference"), _reference(activated, weight, layout), bound=5e-4)
-    with pytest.raises(ValueError, match="input_activation"):
-        hj.gemm(hj.quantize_input(x[:, :K], "fp8_dynamic_token"), weight, layout, input_activation=act)

@@ -275,9 +275,9 @@ def test_byte_pairs_lower_to_e4m3_mmas(monkeypatch):
 
 @pytest.mark.parametrize("pipeline", ["grouped", "indexed"])
 def test_decode_layer_launches_for_sm90(pipeline):
-    """The int4 layer at T=1 lowers to three Triton launches — w13, w2 applying
-    the activation as it loads its input, the fused sum — and no grouping: each
-    slot its own block, the GEMMs reading the blocks' experts (the ids) alone."""
+    """The int4 layer at T=1 lowers to four Triton launches — w13, the
+    activation, w2, the fused sum — and no grouping: each slot its own block,
+    the GEMMs reading the blocks' experts (the ids) alone."""
     config = hj.ExpertsConfig(128, 256, 128, 8, weight_format="int4_g128")
     e, n, k = config.num_experts, config.w13_n, config.hidden_size
     weights = hj.quantize_experts(
@@ -288,7 +288,7 @@ def test_decode_layer_launches_for_sm90(pipeline):
     tw = jax.ShapeDtypeStruct((1, 8), jnp.float32)
     ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     texts = ttir_of(lambda x, tw, ids: fn(x, weights, tw, ids, config, backend="pallas"), x, tw, ids)
-    assert len(texts) == 3
+    assert len(texts) == 4
     assert not any("moe_group_slots" in text for text in texts)
     gemms = [text for text in texts if "moe_gemm_indexed" in text]
     assert len(gemms) == 2
@@ -316,34 +316,3 @@ def test_w4a8_decode_tile_multiplies_its_input_out_for_sm90():
     dots = [line for line in text.splitlines() if "= tt.dot " in line]
     assert dots and all("xbf16> * tensor<" in d for d in dots)
     assert any("!tt.ptr<f32>" in line for line in text.splitlines() if "tt.load" in line)  # the group scales
-
-
-@pytest.mark.parametrize(
-    "activation,config",
-    [
-        ("silu", "triton:block_m=16,block_n=64,block_k=256,num_warps=4,num_stages=3,word_decode=1"),
-        ("gelu", "triton:block_m=16,block_n=64,block_k=256,num_warps=4,num_stages=3,word_decode=1,fold_scales=1"),
-        (
-            "swigluoai",
-            "triton:block_m=16,block_n=64,block_k=256,num_warps=4,num_stages=3,swap_ab=1,word_decode=1,"
-            "fold_scales=1,pair_decode=1",
-        ),
-    ],
-)
-def test_input_activation_lowers_for_sm90(activation, config):
-    """The w2 tile that applies the activation as it loads x: one kernel, the
-    activation's exponential in it (libdevice's, an extern element-wise op),
-    on the indexed layout the decode layer runs ."""
-    tiles = parse_config(config)
-    e, n, k = SHAPE
-    weight = hj.quantize_experts(
-        jnp.zeros((e, 2 * k, n), jnp.float32) + 0.01,
-        jnp.zeros((e, n, k), jnp.float32) + 0.01,
-        hj.ExpertsConfig(e, n, k, 2, weight_format="int4_g128"),
-    ).w2
-    ids = jnp.asarray([[0, 1], [2, 3], [1, 2]], jnp.int32)
-    layout = hj.Indexed(*hj.moe_align_block_size(ids, tiles.block_m, e), top_k=1, block_size=tiles.block_m)
-    x = jax.ShapeDtypeStruct((6, 2 * k), jnp.bfloat16)
-    run = lambda x: hj.gemm(x, weight, layout, tuning=tiles, input_activation=activation, backend="pallas")  # noqa: E731
-    (text,) = ttir_of(run, x)
-    assert "tt.extern_elementwise" in text

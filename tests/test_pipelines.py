@@ -133,43 +133,6 @@ def test_pipeline_routing_edge_cases(pipeline, case, rng):
     assert np_ref.relative_error(out, expected) < 1e-2
 
 
-@pytest.mark.parametrize("pipeline", PIPELINES)
-def test_activation_inside_the_w2_tile(pipeline, rng):
-    """Where w2 runs a Triton tile on an unquantized input in a call of few
-    rows, the tile applies the activation as it loads the w13 output (the
-    activation stage adds nothing): the layer is the float64 one. Quantized
-    w2 inputs, more rows and the reference backend keep the activation pass."""
-    config = hj.ExpertsConfig(4, 128, 128, 2, activation="swigluoai", weight_format="int4_g32")
-    x, w13, w2, ids, tw = _problem(rng, config, 6)
-    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
-    stages = X.grouped_stages(config) if pipeline == "grouped" else X.indexed_stages(config)
-    state = dict(
-        hidden_states=jnp.asarray(x, jnp.bfloat16),
-        weights=weights,
-        topk_weights=jnp.asarray(tw),
-        topk_ids=jnp.asarray(ids),
-        expert_map=None,
-        a1q_scale=None,
-        num_valid_tokens=None,
-    )
-    for stage in stages:
-        added = stage.run(state)
-        if stage.name == "activation":
-            assert added == {}
-        state = {**state, **added}
-    expected = _expected_layer(x, weights, ids, tw, config)
-    assert np_ref.relative_error(state["out"], expected) < 1e-2
-    gate_up = jax.ShapeDtypeStruct((12, config.w13_n), jnp.bfloat16)
-    layout = hj.GroupedContiguous(jnp.asarray([0, 3, 6, 9, 12], jnp.int32))
-    assert X.fused_activation_tiles(config, weights.w2, layout, gate_up, 12, None) is not None
-    assert X.fused_activation_tiles(config, weights.w2, layout, gate_up, 12, "reference") is None
-    many = jax.ShapeDtypeStruct((X.FUSED_ACTIVATION_MAX_ROWS + 4, config.w13_n), jnp.bfloat16)
-    assert X.fused_activation_tiles(config, weights.w2, layout, many, X.FUSED_ACTIVATION_MAX_ROWS + 4, None) is None
-    w8a8 = hj.ExpertsConfig(4, 128, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
-    fp8 = hj.quantize_experts(jnp.asarray(w13[:, :256]), jnp.asarray(w2), w8a8)
-    assert X.fused_activation_tiles(w8a8, fp8.w2, layout, gate_up, 12, None) is None
-
-
 def test_indexed_with_different_w2_block_size_and_hadamard(rng):
     config = hj.ExpertsConfig(
         4, 256, 128, 2, weight_format="int4_g32", hadamard_block_size=64, w2_hadamard_block_size=128

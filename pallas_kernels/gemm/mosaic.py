@@ -220,8 +220,6 @@ def hopper_gpu() -> bool:
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
     """Why this kernel cannot run ``call`` with ``tiles`` (None if it can)."""
-    if call.x_activation is not None:
-        return "an input activation (the Triton tile applies it as it loads x)"
     if tiles.dequantize_input:
         if call.input_quant == "none":
             return "dequantize_input with an unquantized input (nothing to dequantize)"

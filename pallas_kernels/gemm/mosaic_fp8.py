@@ -165,8 +165,6 @@ def scaling_of(call: GemmCall) -> Scaling:
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
     """Why this kernel cannot run ``call`` with ``tiles`` (None if it can)."""
-    if call.x_activation is not None:
-        return "an input activation (the Triton tile applies it as it loads x)"
     reason = scaling_refusal(call)
     if reason:
         return reason

@@ -9,8 +9,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.activation import Activation
-
 
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
@@ -89,9 +87,7 @@ class XScale:
 class GemmCall:
     """One GEMM call as a kernel's ``supports`` sees it. ``x_dtype`` is the
     stored input dtype; ``input_quant`` the name of its quantization ("none":
-    a float input) and ``x_scale`` how the kernel scales its values.
-    ``x_activation``: the product's input is this activation of ``x`` (``[M,
-    2K]`` gated, ``[M, K]`` not), rounded to ``x_dtype``, applied as x loads."""
+    a float input) and ``x_scale`` how the kernel scales its values."""
 
     weight: WeightSpec
     layout: LayoutSpec
@@ -102,7 +98,6 @@ class GemmCall:
     use_f16_accum: bool = False
     batch_invariant: bool = False
     interpret: bool = False
-    x_activation: Activation | None = None
 
     def with_dequantized_input(self) -> GemmCall:
         """The call as a kernel sees it after its tiles' ``dequantize_input``

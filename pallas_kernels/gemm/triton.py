@@ -29,7 +29,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import activation, codecs, word_decode
+from pallas_kernels import codecs, word_decode
 from pallas_kernels.gemm.fp8_dot import fp8_dot
 from pallas_kernels.gemm.spec import GemmCall, LayoutSpec, WeightSpec, XScale, tile_order
 
@@ -104,8 +104,6 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
             return "dequantize_input with an unquantized input (nothing to dequantize)"
         call = call.with_dequantized_input()
     w, layout, xs = call.weight, call.layout, call.x_scale
-    if call.x_activation is not None and (call.input_quant != "none" or call.x_dtype not in FLOAT_INPUTS):
-        return f"an input activation on a {call.input_quant} {call.x_dtype} input (16-bit float inputs only)"
     if call.x_dtype not in FLOAT_INPUTS + QUANTIZED_INPUTS:
         return f"{call.x_dtype} inputs (bfloat16, float16, or e4m3/e5m2/int8 values with a scale)"
     if call.x_dtype in QUANTIZED_INPUTS and xs.mode == "none":
@@ -947,9 +945,6 @@ def _gemm_kernel(
     on_gpu: bool,
     x_scale: XScale,
     x_float8=None,
-    x_activation: activation.Activation | None = None,
-    up_offset: int = 0,
-    x_stride: int = 1,
     x_multiply: XScale | None = None,
 ):
     x_ref = refs[0]
@@ -1018,24 +1013,11 @@ def _gemm_kernel(
         groups = _floor_div(piece.x_cols, x_multiply.group_size)
         return _decode_scale(_load(x_scale_ref.at[rows_in[:, None], groups[None, :]], mask), x_multiply.scale_type)
 
-    def load_x(cols, mask):
-        """The input at columns ``cols`` of the tile's rows; with an input
-        activation, the activation of its gate (and up) columns rounded to x's
-        dtype, as ``process_input`` writes it (0 where masked: every
-        activation of zeros is zero)."""
-        if x_activation is None:
-            return _load(x_ref.at[rows_in[:, None], cols[None, :]], mask)
-        gate = _load(x_ref.at[rows_in[:, None], x_stride * cols[None, :]], mask).astype(jnp.float32)
-        if not x_activation.gated:
-            return activation.ungated(gate, x_activation).astype(x_ref.dtype)
-        up = _load(x_ref.at[rows_in[:, None], x_stride * cols[None, :] + up_offset], mask).astype(jnp.float32)
-        return activation.gated(gate, up, x_activation).astype(x_ref.dtype)
-
     def product(piece, k_limit, acc=None):
         """(``acc`` + the piece's product, or the product alone; the piece's row sums)."""
         k_mask = None if k_limit is None else (piece.cols < k_limit)[None, :]
         mask = _all(row_mask[:, None], k_mask)
-        x = load_x(piece.x_cols, mask)
+        x = _load(x_ref.at[rows_in[:, None], piece.x_cols[None, :]], mask)
         if x_float8 is not None:  # 8-bit floats travel as uint8 (see _storage_bits)
             x = _storage_bits(x, x_float8)
         if x_multiply.mode != "none":  # the op's pass: each value times its scale in f32, rounded once
@@ -1279,29 +1261,11 @@ def expert_gemm(
     if w.packed:  # pairs read words as their 16-bit halves
         weight_arrays = (_as_units(weight_arrays[0], ways // 2 if pairs else ways), *weight_arrays[1:])
     x_split = splits_x(w, tiles, compute_dtype, x_group)
-
-    def split(x):
-        if x_split and w.nibble_unit:  # planar words or bytes (never pairs): gather each piece's columns
-            order = piece_column_order(w.k, span, ways, w.nibble_unit)
-            return jnp.pad(x, ((0, 0), (0, len(order) - w.k)))[:, order]
-        if x_split:
-            return split_packed_columns(x, span, 2 if reads_byte_pairs(w) else ways, pairs)
-        return x
-
-    # Gate column c at x_stride * c, its up column up_offset further.
-    act, up_offset, x_stride = call.x_activation, 0, 1
-    if act is not None and act.gated:
-        width = 2 * w.k
-        if x.shape[1] != width:
-            raise ValueError(f"expert_gemm: x: {act.kind} reads [M, 2K]=[M, {width}], got {x.shape}")
-        if act.interleaved and not x_split:  # [g0, u0, g1, u1, ...] read in place
-            up_offset, x_stride = 1, 2
-        else:  # gate and up as halves, each split as a plain input would be
-            gate, up = (x[:, 0::2], x[:, 1::2]) if act.interleaved else (x[:, : w.k], x[:, w.k :])
-            gate, up = split(gate), split(up)
-            x, up_offset = jnp.concatenate([gate, up], axis=1), gate.shape[1]
-    else:
-        x = split(x)
+    if x_split and w.nibble_unit:  # planar words or bytes (never pairs): gather each piece's columns
+        order = piece_column_order(w.k, span, ways, w.nibble_unit)
+        x = jnp.pad(x, ((0, 0), (0, len(order) - w.k)))[:, order]
+    elif x_split:
+        x = split_packed_columns(x, span, 2 if reads_byte_pairs(w) else ways, pairs)
     scale_mode = x_multiply.mode if x_multiply.mode != "none" else xs.mode
     scales = [] if x_scale is None else [x_scale.reshape(-1) if scale_mode in ("tensor", "token") else x_scale]
     if layout.slot_order:  # expert_ids alone (see _tile_rows)
@@ -1323,9 +1287,6 @@ def expert_gemm(
             on_gpu=not interpret,
             x_scale=xs,
             x_float8=x_float8,
-            x_activation=act,
-            up_offset=up_offset,
-            x_stride=x_stride,
             x_multiply=x_multiply,
         ),
         grid=grid,
