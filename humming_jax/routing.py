@@ -225,8 +225,8 @@ def moe_slot_blocks(topk_ids: jax.Array, block_size: int) -> tuple[jax.Array, ja
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"moe_slot_blocks: block_size must be a positive int, got {block_size!r}")
     slots = topk_ids.size
-    # From an iota, not a NumPy constant: the compiler folds it, and a pipeline
-    # under custom partitioning may close over no constant.
+    # From an iota, not a NumPy constant: a pipeline under custom partitioning may close
+    # over no constant. (XLA does not fold iotas; the Triton tile does not read these two.)
     position = jnp.arange(slots * block_size, dtype=jnp.int32)
     sorted_ids = jnp.where(position % block_size == 0, position // block_size, slots)
     return sorted_ids, topk_ids.reshape(-1).astype(jnp.int32), jnp.full((1,), slots * block_size, jnp.int32)

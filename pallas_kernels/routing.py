@@ -268,6 +268,33 @@ def fill_blocks(fill_positions: int, block_size: int) -> int:
     return pl.next_power_of_2(max(1, fill_positions // block_size))
 
 
+def launch_one(kernel, name: str, topk_ids, expert_map, g: Grouping, outputs: str, length: int, tiles, interpret: bool):
+    """A one-launch grouping kernel (``routing_one_launch``, ``routing_slot_space``)
+    over the flattened ids: ``kernel(ids_ref, [map_ref], *outs, g, tiles,
+    length, outputs)`` on a grid of fill programs (``sorted``) or one program
+    (``dest``); the outputs of :func:`group_slots`. ``tiles`` has
+    ``fill_positions`` and ``num_warps``."""
+    ids = topk_ids.reshape(-1).astype(jnp.int32)
+    maps = [expert_map.astype(jnp.int32)] if g.has_map else []
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    if outputs == "sorted":
+        num_blocks = pl.cdiv(length, g.block_size)
+        blocks = fill_blocks(tiles.fill_positions, g.block_size)
+        grid = max(1, pl.cdiv(length, tiles.fill_positions), pl.cdiv(num_blocks, blocks))
+        out_shape = (i32((length,)), i32((num_blocks,)), i32((1,)))
+    else:
+        grid = 1
+        out_shape = (i32((g.num_slots,)), i32((g.num_slots,)), i32((g.bins_padded + 1,)))
+    return pl.pallas_call(
+        functools.partial(kernel, g=g, tiles=tiles, length=length, outputs=outputs),
+        grid=(grid,),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )(ids, *maps)
+
+
 def group_slots(
     topk_ids: jax.Array,
     expert_map: jax.Array | None,

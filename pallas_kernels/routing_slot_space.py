@@ -18,7 +18,6 @@ Notes: benchmarks/notes/routing.md.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import codecs
-from pallas_kernels.routing import SUB_TILE, Grouping, fill_blocks, slot_groups
+from pallas_kernels.routing import SUB_TILE, Grouping, fill_blocks, launch_one, slot_groups
 
 MAX_SLOTS = SUB_TILE  # one pairwise-compared tile of slots
 MIN_SLOT_TILE = 16  # the smallest Triton vector of slots compared
@@ -169,22 +168,4 @@ def group_slots(
     reason = supports(g, tiles)
     if reason is not None:
         raise ValueError(f"routing_slot_space.group_slots: {reason}")
-    ids = topk_ids.reshape(-1).astype(jnp.int32)
-    maps = [expert_map.astype(jnp.int32)] if g.has_map else []
-    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    if outputs == "sorted":
-        num_blocks = pl.cdiv(length, g.block_size)
-        blocks = fill_blocks(tiles.fill_positions, g.block_size)
-        grid = max(1, pl.cdiv(length, tiles.fill_positions), pl.cdiv(num_blocks, blocks))
-        out_shape = (i32((length,)), i32((num_blocks,)), i32((1,)))
-    else:
-        grid = 1
-        out_shape = (i32((g.num_slots,)), i32((g.num_slots,)), i32((g.bins_padded + 1,)))
-    return pl.pallas_call(
-        functools.partial(_kernel, g=g, tiles=tiles, length=length, outputs=outputs),
-        grid=(grid,),
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
-        interpret=interpret,
-        name="moe_group_slots_slot_space",
-    )(ids, *maps)
+    return launch_one(_kernel, "moe_group_slots_slot_space", topk_ids, expert_map, g, outputs, length, tiles, interpret)
