@@ -375,14 +375,11 @@ def _layout_spec(layout, m_in: int) -> tuple[spec.LayoutSpec, tuple[jax.Array, .
 def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret):
     if isinstance(tiles, mosaic.Tiles) and tiles.dequantize_first and weight.format.is_quantized:
         weight = _dequantized(weight, x.values.dtype)
-    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, interpret=interpret)
-    in_kernel = isinstance(tiles, triton.Tiles) and triton.multiplies_out(call, tiles)
-    multiply_first = isinstance(tiles, (triton.Tiles, mosaic.Tiles)) and tiles.dequantize_input and not in_kernel
-    if multiply_first and x.spec.is_quantized:
+    if isinstance(tiles, (triton.Tiles, mosaic.Tiles)) and tiles.dequantize_input and x.spec.is_quantized:
         # The op's step: the kernel then runs the weight-only tile on bf16 values.
         x = as_quantized_input(Q.dequantize_input(x).astype(jnp.bfloat16))
         tiles = dataclasses.replace(tiles, dequantize_input=False)
-        call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, interpret=interpret)
+    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, interpret=interpret)
     parts = tuple(
         a
         for a in (weight.values, weight.scale, weight.zero_point, weight.second_scale, weight.group_index)

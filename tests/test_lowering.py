@@ -292,27 +292,3 @@ def test_decode_layer_launches_for_sm90(pipeline):
     assert not any("moe_group_slots" in text for text in texts)
     gemms = [text for text in texts if "moe_gemm_indexed" in text]
     assert len(gemms) == 2
-
-
-def test_w4a8_decode_tile_multiplies_its_input_out_for_sm90():
-    """W4A8 at decode (MXFP4 weights, fp8 inputs per group of 128) on the
-    weight-only tile with ``dequantize_input``: the call is one launch, the
-    Triton tile reading the e4m3 values (as bytes) and their f32 scales and
-    multiplying them out as it loads them — no pass before it — into bf16
-    ``tt.dot`` operands."""
-    from humming_jax import formats as F
-    from humming_jax import layouts as L
-    from pallas_kernels.gemm import triton as kernel
-
-    e, n, k = SHAPE
-    w = F.to_planar(F.quantize_weight(jnp.ones((e, n, k), jnp.float32) * 0.02, F.MXFP4), half_bits=True)
-    x = Q.quantize_input(jnp.ones((16, k), jnp.float32), Q.FP8_DYNAMIC_GROUP128)
-    layout = L.GroupedContiguous(jnp.asarray([0, 4, 8, 12, 16], jnp.int32))
-    tiles = kernel.Tiles(16, 64, 128, 4, 3, word_decode=True, fold_scales=True, pair_decode=True, dequantize_input=True)
-    run = lambda x, w, lay: hj.gemm(x, w, lay, tuning=tiles, backend="pallas")  # noqa: E731
-    (text,) = ttir_of(run, x, w, layout)
-    lowered = jax.jit(run).trace(x, w, layout).lower(lowering_platforms=("cuda",)).as_text()
-    assert "stablehlo.multiply" not in lowered  # nothing multiplied out before the kernel
-    dots = [line for line in text.splitlines() if "= tt.dot " in line]
-    assert dots and all("xbf16> * tensor<" in d for d in dots)
-    assert any("!tt.ptr<f32>" in line for line in text.splitlines() if "tt.load" in line)  # the group scales

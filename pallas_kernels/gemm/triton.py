@@ -149,20 +149,6 @@ def _sixteen_bits(call: GemmCall):
     return jnp.dtype(jnp.float16 if call.out_dtype == "float16" else jnp.bfloat16)
 
 
-def multiplies_out(call: GemmCall, tiles: Tiles) -> bool:
-    """Whether the tile multiplies a quantized input out itself as it loads
-    it (``dequantize_input`` on 8-bit values with a tensor, row or group
-    scale: each value times its scale in f32, rounded to bf16 — the op's pass
-    without its launch); else the op multiplies it out first (4-bit inputs,
-    f16 sums, a tile that reads x split into pieces)."""
-    if not tiles.dequantize_input or call.x_dtype not in QUANTIZED_INPUTS or call.use_f16_accum:
-        return False
-    if call.x_scale.mode not in ("tensor", "token", "group"):
-        return False
-    plain = call.with_dequantized_input()
-    return not splits_x(plain.weight, tiles, operand_dtype(plain, tiles))
-
-
 def operand_dtype(call: GemmCall, tiles: Tiles):
     """The dtype both MMA operands take: e4m3 (the fp8 tensor cores, f32
     promotions: :mod:`fp8_dot`) for e4m3 inputs with weights whose values are
@@ -945,12 +931,9 @@ def _gemm_kernel(
     on_gpu: bool,
     x_scale: XScale,
     x_float8=None,
-    x_multiply: XScale | None = None,
 ):
     x_ref = refs[0]
-    # x_multiply: the input's scale, applied to each value as it loads (multiplies_out)
-    x_multiply = x_multiply or XScale()
-    x_scale_ref = refs[1] if x_scale.mode != "none" or x_multiply.mode != "none" else None
+    x_scale_ref = refs[1] if x_scale.mode != "none" else None
     refs = refs[1:] if x_scale_ref is not None else refs
     route_refs = refs[1 : 1 + num_route]
     values_ref, scale_ref, zero_ref, global_ref, group_ref = _weight_parts(
@@ -1004,24 +987,12 @@ def _gemm_kernel(
     def along_m(row):  # a [bm] vector broadcast against the accumulator
         return row[None, :] if swap else row[:, None]
 
-    def multiplier(piece, mask):
-        """The scales of the loaded input values (``x_multiply``), broadcast against them."""
-        if x_multiply.mode == "tensor":
-            return _decode_scale(x_scale_ref[0], x_multiply.scale_type)
-        if x_multiply.mode == "token":
-            return _decode_scale(_load(x_scale_ref.at[rows_in], row_mask), x_multiply.scale_type)[:, None]
-        groups = _floor_div(piece.x_cols, x_multiply.group_size)
-        return _decode_scale(_load(x_scale_ref.at[rows_in[:, None], groups[None, :]], mask), x_multiply.scale_type)
-
     def product(piece, k_limit, acc=None):
         """(``acc`` + the piece's product, or the product alone; the piece's row sums)."""
         k_mask = None if k_limit is None else (piece.cols < k_limit)[None, :]
-        mask = _all(row_mask[:, None], k_mask)
-        x = _load(x_ref.at[rows_in[:, None], piece.x_cols[None, :]], mask)
+        x = _load(x_ref.at[rows_in[:, None], piece.x_cols[None, :]], _all(row_mask[:, None], k_mask))
         if x_float8 is not None:  # 8-bit floats travel as uint8 (see _storage_bits)
             x = _storage_bits(x, x_float8)
-        if x_multiply.mode != "none":  # the op's pass: each value times its scale in f32, rounded once
-            x = (x.astype(jnp.float32) * multiplier(piece, mask)).astype(jnp.bfloat16)
         x = x.astype(compute_dtype)
         if x_shift:
             x = x * jnp.asarray(2.0**-x_shift, compute_dtype)
@@ -1224,17 +1195,12 @@ def expert_gemm(
     group index), only those the weight has; ``bias [E, N]`` or None;
     ``route_arrays`` the layout's (offsets | counts | sorted_ids, expert_ids,
     num_tokens_padded; of a slot-ordered layout the kernel reads expert_ids alone)."""
-    x_multiply = XScale()
-    if tiles.dequantize_input:
-        if not multiplies_out(call, tiles):
-            raise ValueError("expert_gemm: tiles.dequantize_input: the op multiplies this input out before the call")
-        x_multiply, call = call.x_scale, call.with_dequantized_input()
     w, layout, out_dtype, interpret = call.weight, call.layout, jnp.dtype(call.out_dtype), call.interpret
     use_f16_accum = call.use_f16_accum
     compute_dtype = operand_dtype(call, tiles)
     xs = call.x_scale
     x_group = xs.group_size if xs.mode == "group" else 0
-    if (x_scale is None) != (xs.mode == "none" and x_multiply.mode == "none"):
+    if (x_scale is None) != (xs.mode == "none"):
         raise ValueError(f"expert_gemm: x_scale: the call's input scale is {xs.mode!r}, got {x_scale!r}")
     x_float8 = x.dtype if x.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2) else None
     if x_float8 is not None:
@@ -1266,8 +1232,7 @@ def expert_gemm(
         x = jnp.pad(x, ((0, 0), (0, len(order) - w.k)))[:, order]
     elif x_split:
         x = split_packed_columns(x, span, 2 if reads_byte_pairs(w) else ways, pairs)
-    scale_mode = x_multiply.mode if x_multiply.mode != "none" else xs.mode
-    scales = [] if x_scale is None else [x_scale.reshape(-1) if scale_mode in ("tensor", "token") else x_scale]
+    scales = [] if x_scale is None else [x_scale.reshape(-1) if xs.mode in ("tensor", "token") else x_scale]
     if layout.slot_order:  # expert_ids alone (see _tile_rows)
         route_arrays = route_arrays[1:2]
     inputs = [x, *scales, *route_arrays, *weight_arrays] + ([bias] if bias is not None else [])
@@ -1287,7 +1252,6 @@ def expert_gemm(
             on_gpu=not interpret,
             x_scale=xs,
             x_float8=x_float8,
-            x_multiply=x_multiply,
         ),
         grid=grid,
         out_shape=jax.ShapeDtypeStruct(out_shape, out_type),
