@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import humming_jax as hj
 from humming_jax import input_quant as Q
 from humming_jax import tiles_text
+from humming_jax.bench import random_bf16
 from humming_jax.timing import (
     COPY_BANDWIDTH,
     bandwidth_fields,
@@ -113,7 +114,7 @@ def bench(tokens_list=TOKENS, widths=WIDTHS, cases=DEFAULT_CASES, seed=0, tiles_
                     continue  # e.g. K=2880 with groups or Hadamard blocks of 128: not a valid shape (pad K)
                 copies = 2 if moved > 2**26 else 4
                 keys = jax.random.split(jax.random.key(seed), copies)
-                sets = [(jax.random.normal(key, (rows, in_width), jnp.bfloat16),) for key in keys]
+                sets = [(random_bf16(key, (rows, in_width)),) for key in keys]
                 common = dict(activation=activation, hadamard_block_size=block)
                 runs = [(KERNEL, spec, dict(common, backend=KERNEL, tiles=tiles)) for tiles in tiles_list]
                 runs.append(("reference", spec, dict(common, backend="reference")))

@@ -18,6 +18,7 @@ import numpy as np
 
 import humming_jax as hj
 from humming_jax import tiles_text
+from humming_jax.bench import random_bf16
 from humming_jax.routing import align_length
 from humming_jax.timing import COPY_BANDWIDTH, bandwidth_fields, comparison_cells, device_seconds, write_results
 from pallas_kernels.routing import RowTiles
@@ -76,9 +77,9 @@ def bench(tokens_list, experts_list, hidden_list, seed=0, on_rows=None, row_tile
                 sets = []
                 for i, (ids, weights) in enumerate(routings[:copies]):
                     key_x, key_e = jax.random.split(jax.random.key(seed * 1000 + i))
-                    x = jax.random.normal(key_x, (tokens, hidden), jnp.bfloat16)
+                    x = random_bf16(key_x, (tokens, hidden))
                     permuted = hj.moe_permute(x, ids, experts)
-                    expanded = jax.random.normal(key_e, (tokens, top_k, hidden), jnp.bfloat16)
+                    expanded = random_bf16(key_e, (tokens, top_k, hidden))
                     sets.append((x, ids, weights, permuted, expanded))
                 runs = [(KERNEL, tiles) for tiles in row_tiles] + [("reference", None)]
                 for backend, tiles in runs:

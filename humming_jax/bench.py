@@ -144,6 +144,23 @@ def _costs(case: Case, ids: np.ndarray) -> tuple[int, int]:
 QUANTIZE_CHUNK_BYTES = 2**31  # float32 bytes of weights quantized at a time
 
 
+def random_bf16(key, shape: tuple[int, ...], scale: float = 1.0) -> jax.Array:
+    """Normal values times ``scale`` in bf16 ``shape``, drawn in float32 a
+    chunk of the leading axis at a time and rounded once. ``jax.random.normal``
+    in bf16 yields 128 distinct values; data of so few bit patterns draws less
+    power in the tensor cores than real activations and weights (or the peers'
+    ``torch.randn``), and a power-limited GEMM runs faster on it."""
+    row = max(1, math.prod(shape[1:]))
+    chunk = max(1, QUANTIZE_CHUNK_BYTES // (4 * row))
+    parts = [
+        (jax.random.normal(jax.random.fold_in(key, start), (min(chunk, shape[0] - start), *shape[1:])) * scale).astype(
+            jnp.bfloat16
+        )
+        for start in range(0, shape[0], chunk)
+    ]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
 def _random_weight(key, fmt: F.WeightFormat, e: int, n: int, k: int) -> F.QuantizedWeight:
     """A random ``[E, N, K]`` weight in ``fmt``, drawn and quantized a few experts
     at a time: the float32 copy of a whole deepseek-v3 weight alone is 30 GB."""
@@ -151,7 +168,7 @@ def _random_weight(key, fmt: F.WeightFormat, e: int, n: int, k: int) -> F.Quanti
     parts = []
     for start in range(0, e, chunk):
         size = min(chunk, e - start)
-        w = jax.random.normal(jax.random.fold_in(key, start), (size, n, k), jnp.bfloat16) * 0.02
+        w = random_bf16(jax.random.fold_in(key, start), (size, n, k), 0.02)
         # The static shape is set to the whole weight's so the chunks' pytrees match.
         parts.append(dataclasses.replace(F.quantize_weight(w, fmt), shape=(e, n, k)))
     return jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *parts)
@@ -166,7 +183,7 @@ def _arrays(case: Case, sets: int, seed: int):
         kw, kx = jax.random.split(jax.random.fold_in(jax.random.key(seed), s))
         weight = _random_weight(kw, fmt, e, n, k)
         weights.append(weight if case.k_order else F.to_planar(weight, half_bits=_half_bits(case, quant)))
-        xs.append(_quantized(jax.random.normal(kx, (_input_rows(case), k), jnp.bfloat16), quant))
+        xs.append(_quantized(random_bf16(kx, (_input_rows(case), k)), quant))
     return weights, xs
 
 
@@ -368,7 +385,7 @@ def time_quantization(case: Case, seed: int = 0) -> float | None:
         return None
     _, _, k, _ = case.shapes()
     keys = jax.random.split(jax.random.key(seed + 1), 2)
-    sets = [(jax.random.normal(key, (_input_rows(case), k), jnp.bfloat16),) for key in keys]
+    sets = [(random_bf16(key, (_input_rows(case), k)),) for key in keys]
     return device_seconds(lambda x: _quantized(x, quant), sets) * 1e6
 
 
@@ -416,8 +433,8 @@ def time_ragged_dot(case: Case, ids: np.ndarray) -> float | None:
     e, n, k, _ = case.shapes()
     counts = np.bincount(ids.reshape(-1), minlength=e).astype(np.int32)
     try:
-        a = jax.random.normal(jax.random.key(1), (int(counts.sum()), k), jnp.bfloat16)
-        b = jax.random.normal(jax.random.key(2), (e, k, n), jnp.bfloat16)
+        a = random_bf16(jax.random.key(1), (int(counts.sum()), k))
+        b = random_bf16(jax.random.key(2), (e, k, n))
         fn = lambda x, w, g: jax.lax.ragged_dot(x, w, g)  # noqa: E731
         return device_seconds(fn, [(a, b, jnp.asarray(counts))], repeats=3) * 1e6
     except Exception as error:  # e.g. out of memory: recorded, not fatal
@@ -445,8 +462,8 @@ def time_mgpu_ragged_dot(case: Case, ids: np.ndarray) -> float | None:
         return None
     e, n, k, _ = case.shapes()
     counts = jnp.asarray(np.bincount(ids.reshape(-1), minlength=e).astype(np.int32))
-    a = jax.random.normal(jax.random.key(1), (int(counts.sum()), k), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (e, k, n), jnp.bfloat16)
+    a = random_bf16(jax.random.key(1), (int(counts.sum()), k))
+    b = random_bf16(jax.random.key(2), (e, k, n))
     best = None
     for bm, bn, bk, steps, grid_n in MGPU_CONFIGS:
         if k % bk or n % (bn * grid_n):

@@ -619,3 +619,21 @@ def test_ab_tilings_variant_runs_the_default_tiles(tiny, compiled_once, tmp_path
     assert "needs 'default' listed before it" in first["failed"]
     assert default["tiles"].startswith("triton:") and variant["tiles"] == "variant:" + default["tiles"].split(":", 1)[1]
     assert variant["us"] > 0 and variant["error"] < 1e-2
+
+
+def test_random_bf16_has_the_bit_patterns_of_real_data(monkeypatch):
+    """The benchmarks' data: normal values rounded once from float32 (thousands
+    of distinct bf16 patterns, as ``torch.randn`` gives the peers), not
+    ``jax.random.normal`` in bf16 (128 values, which a power-limited GEMM
+    runs faster on); drawn a chunk of the leading axis at a time."""
+    import jax.numpy as jnp
+
+    x = bench.random_bf16(jax.random.key(0), (64, 1024), 0.5)
+    assert x.shape == (64, 1024) and x.dtype == jnp.bfloat16
+    values = np.asarray(x, np.float32)
+    assert len(np.unique(values)) > 2000
+    assert 0.45 < values.std() < 0.55 and abs(values.mean()) < 0.02
+    monkeypatch.setattr(bench, "QUANTIZE_CHUNK_BYTES", 4 * 1024 * 5)  # five rows a chunk
+    chunked = bench.random_bf16(jax.random.key(0), (12, 32, 32))
+    assert chunked.shape == (12, 32, 32)
+    assert not np.array_equal(np.asarray(chunked[:5], np.float32), np.asarray(chunked[5:10], np.float32))
