@@ -274,7 +274,7 @@ def test_random_weight_in_expert_chunks(monkeypatch):
     weight = bench._random_weight(key, F.INT4_G32, e, n, k)
     weight.validate()
     assert weight.shape == (e, n, k) and weight.values.shape[0] == e
-    last = F.quantize_weight(jax.random.normal(jax.random.fold_in(key, 4), (1, n, k), jnp.bfloat16) * 0.02, F.INT4_G32)
+    last = F.quantize_weight(bench.random_bf16(jax.random.fold_in(key, 4), (1, n, k), 0.02), F.INT4_G32)
     np.testing.assert_array_equal(np.asarray(F.dequantize_weight(weight)[4:]), np.asarray(F.dequantize_weight(last)))
     assert len({float(jnp.std(F.dequantize_weight(weight)[i])) for i in range(e)}) == e  # no chunk repeated
 
