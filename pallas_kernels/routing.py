@@ -268,6 +268,16 @@ def fill_blocks(fill_positions: int, block_size: int) -> int:
     return pl.next_power_of_2(max(1, fill_positions // block_size))
 
 
+def place_listed(sorted_ref, post_pad_ref, lane, dest, valid, lost, total, length: int) -> None:
+    """A one-launch grouping's listing (program 0): each valid slot ``lane`` at
+    its position ``dest``, the dropped ones in slot order after the ``total``
+    padded-bin rows, and ``num_tokens_post_pad = total``."""
+    plgpu.store(sorted_ref.at[codecs.scatter_index(dest, valid, length)], lane, mask=valid)
+    order = total + jnp.cumsum(lost.astype(jnp.int32)) - 1
+    plgpu.store(sorted_ref.at[codecs.scatter_index(order, lost, length)], lane, mask=lost)
+    post_pad_ref[0] = total
+
+
 def launch_one(kernel, name: str, topk_ids, expert_map, g: Grouping, outputs: str, length: int, tiles, interpret: bool):
     """A one-launch grouping kernel (``routing_one_launch``, ``routing_slot_space``)
     over the flattened ids: ``kernel(ids_ref, [map_ref], *outs, g, tiles,

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import codecs
-from pallas_kernels.routing import SUB_TILE, Grouping, fill_blocks, launch_one, slot_groups
+from pallas_kernels.routing import SUB_TILE, Grouping, fill_blocks, launch_one, place_listed, slot_groups
 
 MAX_SLOTS = SUB_TILE  # one pairwise-compared tile of slots
 
@@ -90,10 +90,7 @@ def _kernel(ids_ref, *refs, g: Grouping, tiles: Tiles, length: int, outputs: str
 
     @pl.when(program == 0)
     def _place():
-        plgpu.store(sorted_ref.at[codecs.scatter_index(dest, valid, length)], lane, mask=valid)
-        order = total + jnp.cumsum(lost.astype(jnp.int32)) - 1
-        plgpu.store(sorted_ref.at[codecs.scatter_index(order, lost, length)], lane, mask=lost)
-        post_pad_ref[0] = total
+        place_listed(sorted_ref, post_pad_ref, lane, dest, valid, lost, total, length)
 
     # Padding: positions no bin's slots fill and past the listed dropped slots.
     positions = program * tiles.fill_positions + jnp.arange(tiles.fill_positions, dtype=jnp.int32)
