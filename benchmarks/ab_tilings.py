@@ -15,7 +15,9 @@ history: ``git show COMMIT:pallas_kernels/gemm/mosaic_fp8.py > FILE``) beside
 the tree's; its tilings are written ``variant:FIELDS`` and run its code.
 Several at once: ``--variant v28=FILE v29=FILE``, tiled ``v28:FIELDS`` and
 ``v29:FIELDS``; ``v28:default`` runs the tiles ``default`` ran (listed
-before it) on the variant's kernel.
+before it) on the variant's kernel. ``--scale-orders kernel n_major`` times
+each tiling on weights whose group scales are stored as ``to_kernel_order``
+stores them and as ``[E, N, K/g]``, interleaved.
 """
 
 from __future__ import annotations
@@ -63,10 +65,16 @@ def run(args) -> list[dict]:
     rows = []
     cases = itertools.product(args.formats, args.problems, args.gemms, args.layouts, args.tokens)
     for fmt, problem, gemm, layout, tokens in cases:
-        prep = bench.prepare(bench.Case(problem, gemm, layout, tokens, fmt))
+        preps = {
+            order: bench.prepare(bench.Case(problem, gemm, layout, tokens, fmt, kernel_scale_order=order == "kernel"))
+            for order in args.scale_orders
+        }
         default = None
-        for repeat, text in itertools.product(range(args.repeats), args.tilings):
+        for repeat, text, order in itertools.product(range(args.repeats), args.tilings, args.scale_orders):
+            prep = preps[order]
             row = dict(fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens, tiling=text, repeat=repeat)
+            if len(args.scale_orders) > 1:
+                row["scale_order"] = order
             start = time.time()
             try:
                 result, out, used = bench.time_prepared(prep, _tiling(text, default))
@@ -80,7 +88,7 @@ def run(args) -> list[dict]:
             row["wall_s"] = round(time.time() - start, 1)
             print(row, flush=True)
             rows.append(row)
-        del prep
+        del preps, prep
     return rows
 
 
@@ -93,6 +101,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--tilings", nargs="+", default=["default"], help="tiles text (tiles_text) or 'default'")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--scale-orders",
+        nargs="+",
+        default=["kernel"],
+        choices=["kernel", "n_major"],
+        help="the weights' group scales as to_kernel_order stores them, or [E, N, K/g] (both: interleaved)",
+    )
     parser.add_argument(
         "--variant", nargs="+", default=[], help="other versions of a kernel file: FILE (tiled 'variant:'), NAME=FILE"
     )

@@ -104,22 +104,27 @@ def process_ttir(case: str, width: int, tokens: int, tiles: str | None) -> list[
     return ttir_with_launch(lambda x: hj.process_input(x, spec, **kw), x)
 
 
-def gemm_ttir(
-    fmt: str, tokens: int, tuning, shape: tuple[int, int, int], planar: bool = False, half_bits: bool = False
-) -> list[str]:
+def gemm_ttir(*args, **kwargs) -> list[str]:
     """TTIR of :func:`gemm_launches` (the same arguments)."""
-    return [text for text, _, _ in gemm_launches(fmt, tokens, tuning, shape, planar, half_bits)]
+    return [text for text, _, _ in gemm_launches(*args, **kwargs)]
 
 
 def gemm_launches(
-    fmt: str, tokens: int, tuning, shape: tuple[int, int, int], planar: bool = False, half_bits: bool = False
+    fmt: str,
+    tokens: int,
+    tuning,
+    shape: tuple[int, int, int],
+    planar: bool = False,
+    half_bits: bool = False,
+    k_major_scales: bool = False,
 ) -> list[tuple[str, int, int]]:
     """TTIR of the grouped GEMM kernels of ``tokens`` tokens (top-8 of ``E``
     experts, or top-2 below 8) on an ``[E, N, K]`` weight of format ``fmt``
     (``WEIGHT`` or ``WEIGHT@INPUT`` as the bench takes it; in the planar
     nibble order with ``planar``; e2m1 codes in the decoder's bit order with
-    ``half_bits``; ``tuning`` None: what the op chooses on an H200), with
-    each launch's warps and stages."""
+    ``half_bits``; group scales ``[E, K/g, N]`` with ``k_major_scales``;
+    ``tuning`` None: what the op chooses on an H200), with each launch's
+    warps and stages."""
     import jax.numpy as jnp
 
     from humming_jax import formats as F
@@ -136,7 +141,7 @@ def gemm_launches(
     weight_format, quant = split_format(fmt)
     weight = F.quantize_weight(jnp.asarray(rng.normal(size=shape).astype(np.float32) * 0.02), weight_format)
     if planar:
-        weight = F.to_planar(weight, half_bits=half_bits)
+        weight = F.to_planar(weight, half_bits=half_bits, k_major_scales=k_major_scales)
     x = jnp.asarray(rng.normal(size=(tokens * top_k, k)), jnp.bfloat16)
     if quant.is_quantized:
         x = Q.quantize_input(x, quant, static_scale=jnp.float32(0.02) if quant.mode.is_static else None)

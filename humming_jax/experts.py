@@ -110,7 +110,8 @@ def quantize_experts(
 def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeights:
     """Repack 4-bit codes in the order the GEMM kernels read without a split
     copy of the activations (:func:`formats.to_planar`, the same values); e2m1
-    codes with bf16 compute also in the pair decoder's bit order. What
+    codes with bf16 compute also in the pair decoder's bit order; MXFP4's
+    e8m0 scales in the order the Mosaic kernels read them. What
     :func:`quantize_experts`, ``load_experts`` and the NNX modules give; weights
     in K order still run, slower.
 
@@ -120,14 +121,16 @@ def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeig
             choose the bit order).
 
     Returns:
-        The same weights, 4-bit codes planar; 16- and 8-bit ones unchanged.
+        The same weights, 4-bit codes planar, MXFP4's scales ``[E, K/32, N]``
+        (:func:`formats.k_major_scales_preferred`); 16- and 8-bit ones unchanged.
     """
     half_bits = F.planar_half_bits(config.compute_dtype, config.input_quant)
-    return dataclasses.replace(
-        weights,
-        w13=F.to_planar(weights.w13, half_bits=half_bits),
-        w2=F.to_planar(weights.w2, half_bits=half_bits),
-    )
+
+    def ordered(weight: F.QuantizedWeight) -> F.QuantizedWeight:
+        k_major = F.k_major_scales_preferred(weight.format)
+        return F.to_planar(weight, half_bits=half_bits, k_major_scales=k_major)
+
+    return dataclasses.replace(weights, w13=ordered(weights.w13), w2=ordered(weights.w2))
 
 
 def check_weights(weights: ExpertWeights, config: ExpertsConfig) -> None:

@@ -304,7 +304,8 @@ class QuantizedWeight:
 
     Attributes:
         values: the stored values ``[E, N, K]`` (4-bit codes packed two a byte: ``K/2``).
-        scale: the scales, shaped by the format's granularity (groups: ``[E, K/g, N]``).
+        scale: the scales, shaped by the format's granularity (groups: ``[E, N, K/g]``,
+            or ``[E, K/g, N]`` with ``k_major_scales``).
         zero_point: uint4 formats: the zero points per group.
         second_scale: NVFP4: f32 ``[E]``, the global scale.
         bias: ``[E, N]`` for formats with a bias.
@@ -313,6 +314,7 @@ class QuantizedWeight:
         shape: the logical ``(E, N, K)`` (static).
         nibble_unit: 0 for codes in K order, else the planar order's unit (:func:`to_planar`).
         half_bits: planar e2m1 codes with each 16-bit half in the pair decoder's bit order.
+        k_major_scales: group scales stored ``[E, K/g, N]`` (:func:`to_planar`).
     """
 
     values: jax.Array
@@ -330,6 +332,9 @@ class QuantizedWeight:
     # (E2M1_HALF_BITS: 11 integer ops per 8 codes instead of 15); the GEMM
     # reads such weights as nibble pairs only (see to_planar).
     half_bits: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # Group scales stored [E, K/g, N]: the order the Mosaic kernels' TMA reads
+    # them in, so no call transposes them (see to_planar).
+    k_major_scales: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def num_experts(self) -> int:
@@ -355,9 +360,16 @@ class QuantizedWeight:
                 f"{argument}.nibble_unit: expected 0 (K order) or {planar_unit(fmt, k)} (planar) for format "
                 f"{fmt.name!r} and K={k}, got {self.nibble_unit}"
             )
+        if self.k_major_scales and not (fmt.scale_granularity == ScaleGranularity.GROUP and self.group_index is None):
+            raise ValueError(
+                f"{argument}.k_major_scales: only per-group scales without a group index have it, not {fmt.name!r}"
+            )
+        scale_shape = fmt.scale_shape(e, n, k)
+        if self.k_major_scales:
+            scale_shape = (e, scale_shape[2], n)
         expected = {
             "values": (fmt.values_shape(e, n, k), fmt.values_dtype),
-            "scale": (fmt.scale_shape(e, n, k), fmt.scale_dtype),
+            "scale": (scale_shape, fmt.scale_dtype),
             "zero_point": (
                 fmt.zero_point_shape(e, n, k),
                 jnp.uint8 if fmt.zero_point == ZeroPoint.INT else fmt.scale_dtype,
@@ -647,7 +659,30 @@ def planar_half_bits(compute_dtype, input_quant=None) -> bool:
     return jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16) and not narrow
 
 
-def to_planar(weight: QuantizedWeight, half_bits: bool = False) -> QuantizedWeight:
+def k_major_scales_preferred(fmt: WeightFormat) -> bool:
+    """Whether :func:`to_kernel_order <humming_jax.experts.to_kernel_order>`
+    stores the format's group scales ``[E, K/g, N]``: MXFP4's e8m0 bytes, which
+    the Mosaic kernels read along N a K step at a time."""
+    return fmt.scale_granularity == ScaleGranularity.GROUP and fmt.scale_type == ScaleType.E8M0
+
+
+def with_scale_order(weight: QuantizedWeight, k_major: bool) -> QuantizedWeight:
+    """``weight`` with its group scales ``[E, K/g, N]`` (``k_major``) or
+    ``[E, N, K/g]``; weights without per-group scales (or with a group index)
+    as they are."""
+    if weight.k_major_scales == k_major:
+        return weight
+    if k_major and (weight.format.scale_granularity != ScaleGranularity.GROUP or weight.group_index is not None):
+        return weight
+    return dataclasses.replace(weight, scale=jnp.swapaxes(weight.scale, 1, 2), k_major_scales=k_major)
+
+
+def n_major_scale(weight: QuantizedWeight) -> jax.Array | None:
+    """The stored scales in the format's own shape (groups ``[E, N, K/g]``), whatever the order."""
+    return jnp.swapaxes(weight.scale, 1, 2) if weight.k_major_scales else weight.scale
+
+
+def to_planar(weight: QuantizedWeight, half_bits: bool = False, k_major_scales: bool = False) -> QuantizedWeight:
     """Repack 4-bit codes in the planar order the GEMM kernel reads without
     splitting x (a load-time repack: the same values, a permutation of nibbles
     within each unit of :func:`planar_unit` columns).
@@ -657,12 +692,17 @@ def to_planar(weight: QuantizedWeight, half_bits: bool = False) -> QuantizedWeig
         half_bits: e2m1 formats (ignored for the others): each 16-bit half's
             bits also in the pair decoder's order — for bf16 compute, where the
             GEMM then always decodes nibble pairs.
+        k_major_scales: per-group scales also stored ``[E, K/g, N]``
+            (:func:`with_scale_order`; ignored for other scales).
 
     Returns:
         The planar weight; weights that cannot be planar (unpacked formats, K
-        not a whole number of units) and planar ones as they are.
+        not a whole number of units) and planar ones as they are, but for the
+        scales' order.
     """
     check_folded_scale_range(weight)
+    if k_major_scales:
+        weight = with_scale_order(weight, True)
     unit = planar_unit(weight.format, weight.k)
     if weight.nibble_unit or not unit:
         return weight
@@ -682,8 +722,9 @@ def to_k_order(weight: QuantizedWeight) -> QuantizedWeight:
         weight: a :class:`QuantizedWeight`, planar or not.
 
     Returns:
-        The weight with its codes in column (K) order.
+        The weight with its codes in column (K) order and its scales ``[E, N, K/g]``.
     """
+    weight = with_scale_order(weight, False)
     if not weight.nibble_unit:
         return weight
     values = numerics.pack_nibbles(_codes_in_k_order(weight))
@@ -732,7 +773,7 @@ def _dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
     zero = decode_zero_point(weight)
     if zero is not None:
         values = values - _along_k(zero, weight)
-    scale = _decode_scale(weight.scale, fmt)
+    scale = _decode_scale(n_major_scale(weight), fmt)
     out = values * (
         _along_k(scale, weight)
         if fmt.scale_granularity == ScaleGranularity.GROUP

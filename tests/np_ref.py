@@ -91,6 +91,8 @@ def dequantize_weight(weight) -> np.ndarray:
     elif fmt.zero_point.value == "float":
         v = v - along_k(to64(weight.zero_point))
     scale = np.asarray(weight.scale)
+    if weight.k_major_scales:  # stored [E, K/g, N]
+        scale = np.swapaxes(scale, 1, 2)
     scale = 2.0 ** (scale.astype(np.float64) - 127) if fmt.scale_type.value == "e8m0" else to64(scale)
     out = v * (along_k(scale) if fmt.scale_granularity.value == "group" else expand(scale, v.shape))
     if weight.second_scale is not None:
@@ -118,7 +120,7 @@ def shifted_mxfp4(weight, span: int = 128) -> np.ndarray:
     in each span of ``span`` columns, the e2m1 values of group g times
     ``2**(s_g - s_max + 6)`` rounded to e4m3 (nearest, ties to even), times
     ``2**(s_max - 127 - 6)``."""
-    if weight.nibble_unit:
+    if weight.nibble_unit or weight.k_major_scales:
         from humming_jax.formats import to_k_order
 
         weight = to_k_order(weight)

@@ -338,6 +338,49 @@ def test_mxfp4_scales_past_the_folded_range_are_refused(rng):
     jax.jit(F.check_folded_scale_range)(big)  # traced: unchecked
 
 
+@pytest.mark.parametrize("fmt_name", ["mxfp4", "int4_g128", "uint4_zp_g128"])
+def test_k_major_scales_round_trip(fmt_name, rng):
+    """``to_planar(k_major_scales=True)``: per-group scales stored ``[E, K/g,
+    N]``, the same dequantized weight (against float64 NumPy on the scales
+    transposed back), back to ``[E, N, K/g]`` exactly by ``to_k_order``;
+    zero points keep their order."""
+    fmt = F.get_format(fmt_name)
+    weight = F.quantize_weight(jnp.asarray(rng.normal(size=(3, 16, 256)), jnp.float32), fmt)
+    groups = 256 // fmt.group_size
+    major = F.to_planar(weight, k_major_scales=True)
+    assert major.k_major_scales and major.nibble_unit
+    assert major.scale.shape == (3, groups, 16)
+    np.testing.assert_array_equal(np.asarray(major.scale), np.swapaxes(np.asarray(weight.scale), 1, 2))
+    assert major.zero_point is weight.zero_point
+    major.validate()
+    np.testing.assert_array_equal(np.asarray(F.dequantize_weight(major)), np.asarray(F.dequantize_weight(weight)))
+    np.testing.assert_allclose(np.asarray(F.dequantize_weight(major)), np_ref.dequantize_weight(weight), rtol=1e-6)
+    back = F.to_k_order(major)
+    assert not back.k_major_scales and back.nibble_unit == 0
+    for part in ("values", "scale"):
+        np.testing.assert_array_equal(np.asarray(getattr(back, part)), np.asarray(getattr(weight, part)))
+    assert F.with_scale_order(major, True) is major
+    # a planar weight still takes the other order; the flag without the transposed array is refused
+    assert F.to_planar(F.to_planar(weight), k_major_scales=True).scale.shape == (3, groups, 16)
+    with pytest.raises(ValueError, match=rf"weight\.scale: expected shape \(3, {groups}, 16\)"):
+        dataclasses.replace(weight, k_major_scales=True).validate()
+
+
+def test_k_major_scales_only_for_group_scales(rng):
+    """Scales that are not per group (channel, tensor, blocks) and act-order
+    weights keep their order; a weight claiming the flag is refused naming it;
+    the layer's kernel order takes it for MXFP4's e8m0 scales only."""
+    w = jnp.asarray(rng.normal(size=(2, 8, 256)), jnp.float32)
+    for name in ("int8_channel", "fp8_block128", "bf16"):
+        weight = F.quantize_weight(w, F.get_format(name))
+        assert F.with_scale_order(weight, True) is weight
+    channel = F.quantize_weight(w, F.get_format("int8_channel"))
+    with pytest.raises(ValueError, match="k_major_scales: only per-group scales"):
+        dataclasses.replace(channel, k_major_scales=True).validate()
+    assert F.k_major_scales_preferred(F.MXFP4)
+    assert not F.k_major_scales_preferred(F.INT4_G128) and not F.k_major_scales_preferred(F.get_format("nvfp4"))
+
+
 @pytest.mark.parametrize("fmt_name", ["mxfp4", "nvfp4"])
 def test_planar_half_bits_round_trip(fmt_name, rng):
     """``to_planar(half_bits=True)``: e2m1 codes in the pair decoder's bit order,

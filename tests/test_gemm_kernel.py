@@ -630,7 +630,8 @@ def test_planar_weights(fmt_name, layout_kind, tiling, rng):
     """Weights repacked at load time (``to_planar``: each unit's nibbles in the
     order the pair decoder reads, x used as it is) give the same output as in
     K order under every kind of tiling: byte, word and pair decode, 64-row
-    tiles, swap_ab, folded scales, multiply-add tiles, split-K."""
+    tiles, swap_ab, folded scales, multiply-add tiles, split-K; bit-equal
+    with the group scales stored ``[E, K/g, N]`` (``k_major_scales``)."""
     tuning = _PLANAR_TILINGS[tiling]
     if not tuning.use_mma and layout_kind == "indexed":  # indexed tiles are 16-row blocks: no multiply-add tiles
         layout_kind = "grouped_masked"
@@ -645,6 +646,10 @@ def test_planar_weights(fmt_name, layout_kind, tiling, rng):
     out = hj.gemm(x, planar, layout, **run)
     _check(out, ref, bound=1e-5)
     np.testing.assert_allclose(np.asarray(out), np.asarray(hj.gemm(x, weight, layout, **run)), rtol=1e-6, atol=1e-6)
+    # group scales stored [E, K/g, N] (what to_kernel_order gives MXFP4): the same loads, transposed
+    major = hj.to_planar(weight, k_major_scales=True)
+    assert major.k_major_scales
+    np.testing.assert_array_equal(np.asarray(hj.gemm(x, major, layout, **run)), np.asarray(out))
     if fmt.value_type == F.ValueType.FLOAT4_E2M1 and tiling in _HALF_BITS_TILINGS:
         # the decoder's bit order is read as pairs + fold only (bytes, multiply-adds, split K refused)
         bits = hj.to_planar(weight, half_bits=True)

@@ -84,7 +84,8 @@ def test_indexed_rows_gathered_in_block_order(weight_kind, rng):
         weight = weights.astype(jnp.bfloat16)
     else:
         fmt = F.INT4_G128 if weight_kind == "int4" else F.MXFP4
-        weight = hj.to_planar(F.quantize_weight(weights, fmt))
+        # int4's scales [E, K/128, N] here (the other tests store them [E, N, K/128])
+        weight = hj.to_planar(F.quantize_weight(weights, fmt), k_major_scales=weight_kind == "int4")
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
     tiles = mosaic.Tiles(64, 256, 64 if weight_kind == "bf16" else 128, stages=2, group_m=2)
     layout = gemm_layouts.layouts(rng, 4, m, block_size=64)["indexed"]
@@ -277,20 +278,26 @@ def test_nibble_weights_refused_with_the_reason(rng):
 
 
 @pytest.mark.parametrize(
-    "half_bits,options",
-    [(True, {}), pytest.param(False, {}, marks=FULL), pytest.param(True, {"swap_ab": True}, marks=ON_GPU_ONLY)],
+    "half_bits,options,k_major",
+    [
+        (True, {}, True),
+        pytest.param(False, {}, False, marks=FULL),
+        pytest.param(True, {"swap_ab": True}, True, marks=ON_GPU_ONLY),
+    ],
     ids=["half-bits", "nibbles", "half-bits-swap"],
 )
-def test_mxfp4_decoded_in_the_kernel(half_bits, options, rng):
+def test_mxfp4_decoded_in_the_kernel(half_bits, options, k_major, rng):
     """Planar MXFP4 (bf16 inputs) decoded in the compute warpgroups, each
     32-column unit times its folded factor 2**(s - 183) (exact: a power of
     two), the sum times 2**62: the product with the dequantized weight,
     against float64 NumPy; groups whose scales differ by up to 2**12, an
-    empty expert, rows no expert owns."""
+    empty expert, rows no expert owns; scales ``[E, K/32, N]`` (as the
+    modules store them) or ``[E, N, K/32]``."""
     m, n, k, e = 45, 256, 256, 3
     spread = np.exp2(rng.integers(-12, 1, (e, n, k // 32))).repeat(32, axis=-1)
     weights = rng.normal(0, 0.05, (e, n, k)) * spread
-    weight = hj.to_planar(F.quantize_weight(jnp.asarray(weights, jnp.float32), F.MXFP4), half_bits=half_bits)
+    quantized = F.quantize_weight(jnp.asarray(weights, jnp.float32), F.MXFP4)
+    weight = hj.to_planar(quantized, half_bits=half_bits, k_major_scales=k_major)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
     offsets = np.asarray([0, 17, 17, 40], np.int32)
     tuning = mosaic.Tiles(64, 256, 128, stages=2, group_m=2, **options)

@@ -48,11 +48,13 @@ def _weight(rng, fmt_name: str, e: int = E, bias: bool = False):
     return F.quantize_weight(w, fmt.with_bias() if bias else fmt, bias=b)
 
 
-def _mxfp4(rng, half_bits: bool, gaps: int = 12, e: int = E):
-    """Planar MXFP4 whose 32-column groups' scales differ by up to 2**gaps within a row."""
+def _mxfp4(rng, half_bits: bool, gaps: int = 12, e: int = E, k_major: bool = True):
+    """Planar MXFP4 whose 32-column groups' scales differ by up to 2**gaps
+    within a row; its scales ``[E, K/32, N]`` as the modules store them
+    (``k_major``) or ``[E, N, K/32]``."""
     spread = np.exp2(rng.integers(-gaps, 1, (e, N, K // 32))).repeat(32, axis=-1)
     w = jnp.asarray(rng.normal(0, 0.05, (e, N, K)) * spread, jnp.float32)
-    return F.to_planar(F.quantize_weight(w, F.get_format("mxfp4")), half_bits=half_bits)
+    return F.to_planar(F.quantize_weight(w, F.get_format("mxfp4")), half_bits=half_bits, k_major_scales=k_major)
 
 
 def _input(rng, quant_name: str, m: int = M):
@@ -175,19 +177,20 @@ def test_one_row_and_one_hot_expert(counts, rng):
 
 
 @pytest.mark.parametrize(
-    "half_bits,quant_name,tiles",
+    "half_bits,quant_name,tiles,k_major",
     [
-        (True, "fp8_dynamic_group128", SQUARE),  # the anchor's W4A8, as the modules store it
-        (False, "fp8_dynamic_group128", TILES),
-        pytest.param(True, "fp8_dynamic_token", TILES, marks=FULL),
-        pytest.param(False, "fp8_e5m2_dynamic_token", SQUARE, marks=FULL),
+        (True, "fp8_dynamic_group128", SQUARE, True),  # the anchor's W4A8, as the modules store it
+        (False, "fp8_dynamic_group128", TILES, False),
+        pytest.param(True, "fp8_dynamic_token", TILES, True, marks=FULL),
+        pytest.param(False, "fp8_e5m2_dynamic_token", SQUARE, False, marks=FULL),
     ],
 )
-def test_mxfp4_decoded_to_e4m3(half_bits, quant_name, tiles, rng):
+def test_mxfp4_decoded_to_e4m3(half_bits, quant_name, tiles, k_major, rng):
     """W4A8: each group's e2m1 codes times 2**(6 - gap) are exact in e4m3 for
     gaps up to 14 (here 12 and the quantizer's own spread), so interpreted
-    the result is the float64 product's within f32 sums."""
-    weight, x = _mxfp4(rng, half_bits), _input(rng, quant_name)
+    the result is the float64 product's within f32 sums; scales in either
+    stored order."""
+    weight, x = _mxfp4(rng, half_bits, k_major=k_major), _input(rng, quant_name)
     layout = gemm_layouts.layouts(rng, E, M)["grouped_contiguous"]
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
     _check(out, x, weight, layout)
@@ -278,6 +281,10 @@ def test_mx_operands_against_numpy(rng):
     want = np.where(top == 255, np.nan, np.exp2(top - 133.0))
     np.testing.assert_array_equal(np.asarray(columns, np.float64), want)
     assert np.isnan(np.asarray(columns)[1, 2]) and np.sum(np.isnan(np.asarray(columns))) == 1
+    # the bytes stored [E, K/32, N] (k_major): the same operands
+    major = kernel.mx_operands(values, jnp.asarray(np.swapaxes(raw, 1, 2)), k_major=True)
+    for got, expected in zip(major, (codes, factors, columns), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
 def test_what_the_kernel_refuses(rng):

@@ -224,17 +224,19 @@ def test_int4_codes_on_fp8_operands_prefill_tile(planar, rng):
     _check(out, _reference(x, weight, layout, tiles), _bound(x, weight, layout, tiles))
 
 
-@pytest.mark.parametrize("planar", [False, True])
-def test_mxfp4_on_fp8_operands_prefill_tile(planar, rng):
+@pytest.mark.parametrize("stored", ["k_order", "planar", "kernel_order"])
+def test_mxfp4_on_fp8_operands_prefill_tile(stored, rng):
     """MXFP4 weights with fp8 inputs on the heuristic's 64-row tile: the group
     scales folded relative to each span's largest (``shifts_e2m1``), the
-    product on e4m3 operands, on K-order and half-bits planar codes (what the
-    modules store)."""
+    product on e4m3 operands, on K-order and half-bits planar codes, the
+    scales ``[E, N, K/32]`` or ``[E, K/32, N]`` (what the modules store)."""
     from humming_jax.tuning import heuristic
 
     fmt, quant = F.MXFP4, Q.FP8_DYNAMIC_GROUP128
     weight, x = _weight(rng, fmt), _input(rng, quant)
-    weight = F.to_planar(weight, half_bits=True) if planar else weight
+    planar = stored != "k_order"
+    if planar:
+        weight = F.to_planar(weight, half_bits=True, k_major_scales=stored == "kernel_order")
     # The Triton tile, after the fp8 Mosaic kernel that planar codes take first (test_gemm_mosaic_fp8).
     tiles = heuristic.heuristic_candidates(64, N, K, fmt, half_bits=planar, input_dtype=quant.dtype.value)[-1]
     layout = _layouts(rng)["grouped_contiguous"]

@@ -242,6 +242,33 @@ def test_eight_bit_inputs_lower_to_eight_bit_mmas(fmt, quant, operand, accumulat
         assert any("128x128x!tt.ptr<f8E4M3FN>>" in line for line in loads)  # the weight tile, unmasked
 
 
+@pytest.mark.parametrize(
+    "fmt,config,half_bits",
+    [
+        (
+            "mxfp4",
+            "triton:block_m=16,block_n=64,block_k=256,num_warps=4,num_stages=3,word_decode=1,fold_scales=1,pair_decode=1",
+            True,
+        ),
+        (
+            "mxfp4@fp8_dynamic_group128",
+            "triton:block_m=64,block_n=128,block_k=128,swap_ab=1,word_decode=1,fold_scales=1,pair_decode=1",
+            False,
+        ),
+    ],
+)
+def test_k_major_scales_lower_for_sm90(fmt, config, half_bits):
+    """MXFP4 scales stored ``[E, K/32, N]`` (what the modules store) lower as
+    the ``[E, N, K/32]`` ones do, on the decode tile (folded scales) and on
+    fp8 inputs (the span's top and the shifted factors): as many loads, MMAs
+    and decoders."""
+    tuning = parse_config(config)
+    (major,) = gemm_ttir(fmt, 16, tuning, SHAPE, planar=True, half_bits=half_bits, k_major_scales=True)
+    (minor,) = gemm_ttir(fmt, 16, tuning, SHAPE, planar=True, half_bits=half_bits)
+    for op in ("tt.load", "tt.dot ", "tt.elementwise_inline_asm"):
+        assert major.count(op) == minor.count(op) > 0, op
+
+
 def test_four_bit_weights_with_fp8_inputs_chain_their_products():
     """int4 × fp8 per token on e4m3 MMAs: the four nibble pieces of a span
     accumulate in one chain (each ``tt.dot`` takes the previous one's result),

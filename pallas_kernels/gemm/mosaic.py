@@ -866,20 +866,23 @@ def planar_words(values: jax.Array) -> jax.Array:
 
 def _nibble_operands(w: WeightSpec, weight_arrays: tuple[jax.Array, ...], dtype):
     """A planar 4-bit weight's stored parts (packed codes ``uint8 [E, N, K/2]``,
-    scales ``[E, N, G]`` or ``[E, N, 1]``, packed integer zero points) as the
+    scales ``[E, N, G]`` or ``[E, N, 1]`` — ``[E, G, N]`` with
+    ``w.k_major_scales`` —, packed integer zero points) as the
     kernel reads them: codes ``uint16 [E, N, K/4]``, scales (and code offsets
     ``magic + zero``) ``[E, K/128, N]`` in ``dtype`` — MXFP4: its factors
     ``[E, K/32, N]`` (bf16, NaN for an e8m0 byte 255) —, and the decode spec."""
     values, scale = weight_arrays[:2]
     e, n, k = w.num_experts, w.n, w.k
     codes = planar_words(values)
+    if not w.k_major_scales:  # stored [E, N, G]: the call transposes them
+        scale = jnp.swapaxes(scale, 1, 2)
     if w.value_type == "float4_e2m1":  # a unit's factor 2**(s - 127 - E2M1_FOLDED_EXPONENT) / 2**-6
-        raw = jnp.swapaxes(scale.astype(jnp.int32), 1, 2)
+        raw = scale.astype(jnp.int32)
         factors = power_of_two(raw - 127 - E2M1_FOLDED_EXPONENT + 6, jnp.bfloat16)
         factors = jnp.where(raw == 255, jnp.nan, factors).astype(jnp.bfloat16)
         return codes, factors, None, NibbleDecode(k // E2M1_UNIT, e2m1=True, half_bits=w.half_bits)
     groups = k // UNIT
-    scales = jnp.broadcast_to(jnp.swapaxes(scale, 1, 2), (e, groups, n)).astype(dtype)
+    scales = jnp.broadcast_to(scale, (e, groups, n)).astype(dtype)
     zero_points = None
     if w.zero_point == "int":  # byte j holds group 2j in its low nibble, 2j + 1 in its high one
         packed = weight_arrays[2].astype(jnp.uint8)

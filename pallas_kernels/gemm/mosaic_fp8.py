@@ -85,11 +85,13 @@ class Scaling:
     """How the call's scales apply: ``x`` tensor / token / group (128 columns,
     f32), ``w`` tensor / channel / block (128 x 128, f32) / mx (MXFP4 codes
     decoded in the kernel, a scale per column); ``half_bits``: mx
-    codes in the pair decoder's bit order (``word_decode.E2M1_HALF_BITS``)."""
+    codes in the pair decoder's bit order (``word_decode.E2M1_HALF_BITS``);
+    ``k_major_scales``: mx scales stored ``[E, K/32, N]``."""
 
     x: str
     w: str
     half_bits: bool = False
+    k_major_scales: bool = False
 
     @property
     def per_step(self) -> bool:
@@ -160,7 +162,7 @@ def scaling_of(call: GemmCall) -> Scaling:
     """How the kernel applies the call's scales."""
     w = call.weight
     mode = "mx" if w.value_type == "float4_e2m1" else w.scale
-    return Scaling(call.x_scale.mode, mode, w.half_bits)
+    return Scaling(call.x_scale.mode, mode, w.half_bits, w.k_major_scales and mode == "mx")
 
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
@@ -416,21 +418,22 @@ def fragment_columns(x: jax.Array) -> jax.Array:
     return units.transpose(0, 1, 2, 4, 5, 3, 6).reshape(m, k)
 
 
-def mx_operands(values: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def mx_operands(values: jax.Array, scale: jax.Array, k_major: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """MXFP4's stored parts (planar codes ``uint8 [E, N, K/2]``, e8m0 bytes
-    ``[E, N, K/32]``) as the kernel reads them: codes ``uint16 [E, N, K/4]``;
-    per piece f16 ``2**(12 - gap)`` ``[E, K/32, N]`` (the decoded e2m1 x 2**-6
-    times it: e2m1 x 2**(6 - gap), gap = the column's largest byte less the
-    piece's, clamped at :data:`MAX_GAP`); per column f32 ``2**(largest - 133)``
-    ``[E, N]`` (NaN where a byte is 255)."""
+    ``[E, N, K/32]``, or ``[E, K/32, N]`` when ``k_major``) as the kernel reads
+    them: codes ``uint16 [E, N, K/4]``; per piece f16 ``2**(12 - gap)``
+    ``[E, K/32, N]`` (the decoded e2m1 x 2**-6 times it: e2m1 x 2**(6 - gap),
+    gap = the column's largest byte less the piece's, clamped at
+    :data:`MAX_GAP`); per column f32 ``2**(largest - 133)`` ``[E, N]`` (NaN
+    where a byte is 255)."""
     codes = mosaic.planar_words(values)
-    raw = scale.astype(jnp.int32)
-    top = jnp.max(raw, axis=-1)
-    gap = jnp.minimum(top[..., None] - raw, MAX_GAP)
+    raw = (scale if k_major else jnp.swapaxes(scale, 1, 2)).astype(jnp.int32)
+    top = jnp.max(raw, axis=1)
+    gap = jnp.minimum(top[:, None, :] - raw, MAX_GAP)
     factors = mosaic.power_of_two(2 * E2M1_EXPONENT - gap, jnp.float16)
     columns = mosaic.power_of_two(top - 127 - E2M1_EXPONENT, jnp.float32)
     columns = jnp.where(top == E8M0_NAN, jnp.nan, columns)
-    return codes, jnp.swapaxes(factors, 1, 2), columns
+    return codes, factors, columns
 
 
 def expert_gemm_fp8(
@@ -452,7 +455,8 @@ def expert_gemm_fp8(
     or ``[1]`` f32, as ``scaling.x``) by the e4m3 ``weight [E, N, K]`` times
     ``w_scale`` (``[E, N/128, K/128]``, ``[E, N, 1]`` or ``[E, 1, 1]`` f32) —
     with ``scaling.mx``, ``weight`` MXFP4's planar codes ``uint8 [E, N, K/2]``
-    and ``w_scale`` its e8m0 bytes ``[E, N, K/32]`` —: ``[M, N]`` in
+    and ``w_scale`` its e8m0 bytes ``[E, N, K/32]`` (``[E, K/32, N]`` with
+    ``scaling.k_major_scales``) —: ``[M, N]`` in
     ``out_dtype``, row ``r`` through the expert whose range
     ``[offsets[e], offsets[e+1])`` holds it (``offsets`` None: dense; with
     ``counts [E]``: grouped-masked, expert e's first ``counts[e]`` of its
@@ -472,9 +476,14 @@ def expert_gemm_fp8(
         )
     extra = ()
     if scaling.mx:
-        if w_scale.shape != (num_experts, n, k // MX_GROUP):
-            raise ValueError(f"mosaic_fp8 GEMM: MXFP4 scales must be [E, N, K/32], got {w_scale.shape}")
-        weight, factors, w_scale = mx_operands(weight, w_scale)
+        want, named = (
+            ((num_experts, k // MX_GROUP, n), "[E, K/32, N]")
+            if scaling.k_major_scales
+            else ((num_experts, n, k // MX_GROUP), "[E, N, K/32]")
+        )
+        if w_scale.shape != want:
+            raise ValueError(f"mosaic_fp8 GEMM: MXFP4 scales must be {named}, got {w_scale.shape}")
+        weight, factors, w_scale = mx_operands(weight, w_scale, scaling.k_major_scales)
         extra = (factors,)
         if tiles.swap_ab and not interpret:  # the register operand's column order
             x = fragment_columns(x)

@@ -32,6 +32,8 @@ class WeightSpec:
     # Planar e2m1 codes with each 16-bit half's bits in the pair decoder's
     # order (word_decode.E2M1_HALF_BITS): read as halves (pairs) only.
     half_bits: bool = False
+    # Group scales stored [E, K/g, N] (the Mosaic kernels' TMA order), not [E, N, K/g].
+    k_major_scales: bool = False
 
     @property
     def packed(self) -> bool:

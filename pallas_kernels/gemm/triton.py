@@ -468,13 +468,19 @@ def _along_runs(per_group, width: int, run: int):
     return jnp.broadcast_to(per_group[:, :, None], (per_group.shape[0], width // run, run)).reshape(-1, width)
 
 
+def _group_scale_at(scale_ref, w: WeightSpec, expert, n, group):
+    """The group scales of rows ``n`` and groups ``group`` (index arrays,
+    broadcast together), in either stored order (``w.k_major_scales``)."""
+    return scale_ref.at[expert, group, n] if w.k_major_scales else scale_ref.at[expert, n, group]
+
+
 def _group_scale_tile(
     scale_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked, exponent: int = 0
 ):
     """Group scales (f32 ``[bn, width]``, times ``2**exponent``) of a piece: one
     load per run of columns."""
     groups, run, mask = _group_runs(w, k_start, width, ways, n_mask, k_masked)
-    raw = _load(scale_ref.at[expert, n_idx[:, None], groups], mask)
+    raw = _load(_group_scale_at(scale_ref, w, expert, n_idx[:, None], groups), mask)
     # Folded e2m1 scales are bounded where the weight is loaded (formats.E8M0_FOLD_MAX):
     # no byte 255 (NaN) reaches them, so they skip its compare and select.
     return _along_runs(_decode_scale(raw, w.scale_type, exponent, nan=exponent == 0), width, run)
@@ -486,7 +492,7 @@ def _span_top(scale_ref, w: WeightSpec, expert, n_idx, k_start, span: int, n_mas
     groups = _floor_div(k_start, w.group_size) + jnp.arange(span // w.group_size, dtype=jnp.int32)
     group_mask = (groups < w.k // w.group_size)[None, :] if k_masked else None
     mask = _all(None if n_mask is None else n_mask[:, None], group_mask)
-    raw = _load(scale_ref.at[expert, n_idx[:, None], groups[None, :]], mask)
+    raw = _load(_group_scale_at(scale_ref, w, expert, n_idx[:, None], groups[None, :]), mask)
     return jnp.max(raw.astype(jnp.int32), axis=1)
 
 
@@ -495,7 +501,7 @@ def _shift_tile(scale_ref, w: WeightSpec, expert, n_idx, k_start, width: int, wa
     (``[bn, width]``): decoded e2m1 values (times 2**-6) times it are the
     shifted values of :func:`shifts_e2m1`; the factor is built from its bits."""
     groups, run, mask = _group_runs(w, k_start, width, ways, n_mask, k_masked)
-    raw = _load(scale_ref.at[expert, n_idx[:, None], groups], mask).astype(jnp.int32)
+    raw = _load(_group_scale_at(scale_ref, w, expert, n_idx[:, None], groups), mask).astype(jnp.int32)
     gap = jnp.clip(raw - top[:, None], E2M1_SHIFT_MIN_GAP, 0)
     bits = (gap + (2 * E2M1_SHIFT_EXPONENT + 15)) << 10  # f16: exponent bias 15, 10 mantissa bits
     return _along_runs(jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16), width, run)
@@ -556,7 +562,7 @@ def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, 
     elif w.scale == "block":
         raw = _load(scale_ref.at[expert, n_col // w.block_n, group], mask)
     else:
-        raw = _load(scale_ref.at[expert, n_col, group], mask)
+        raw = _load(_group_scale_at(scale_ref, w, expert, n_col, group), mask)
     return values * _decode_scale(raw, w.scale_type)
 
 
@@ -903,7 +909,7 @@ def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, 
         scale = _decode_scale(_load(scale_ref.at[expert, n_idx, 0], n_mask), w.scale_type)
     elif w.scale == "group":
         scale = _decode_scale(
-            _load(scale_ref.at[expert, n_idx, _floor_div(k_start, w.group_size)], n_mask), w.scale_type
+            _load(_group_scale_at(scale_ref, w, expert, n_idx, _floor_div(k_start, w.group_size)), n_mask), w.scale_type
         )
     elif w.block_n % n_idx.shape[0] == 0:  # block: the tile inside one block of rows
         scale = _decode_scale(scale_ref[expert, n_start // w.block_n, _floor_div(k_start, w.group_size)], w.scale_type)
