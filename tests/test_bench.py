@@ -507,6 +507,12 @@ def test_ab_tilings_writes_each_timing(tiny, compiled_once, tmp_path, capsys):
     assert "e4m3/e5m2" in rows[2]["failed"]  # the fp8 kernel refuses bf16 inputs, with its reason
     with pytest.raises(ValueError, match="kernel must be one of"):
         ab_tilings.main([*argv, "--tilings", "nope:block_m=16"])
+    # MXFP4's scales as to_kernel_order stores them ([E, K/32, N]) and [E, N, K/32], interleaved
+    orders = ["--scale-orders", "kernel", "n_major", "--repeats", "1", "--layouts", "grouped", "--out", str(out)]
+    assert ab_tilings.main([*argv[:1], "mxfp4", *argv[2:-2], *orders]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["scale_order"] for r in rows] == ["kernel", "n_major"]
+    assert all(r["us"] > 0 and r["error"] < 1e-2 for r in rows)
 
 
 def test_humming_peer_routing_and_the_anchor_fallback(tiny, monkeypatch):
