@@ -310,27 +310,13 @@ def test_mxfp4_decoded_in_the_kernel(half_bits, options, k_major, rng):
     assert np.all(got[offsets[-1] :] == 0)
 
 
-def test_e8m0_factor_of_every_byte():
-    """The kernel's unit factor from an e8m0 byte s: 2**(s - 183) in bf16
-    (the folded weight's 2**-62 and the decoder's 2**6 taken out), against
-    float64 NumPy for all 256 bytes — subnormal down to 2**-133, zero below,
-    NaN for 255."""
-    raw = np.arange(256, dtype=np.uint8)
-    got = np.asarray(mosaic.e8m0_factor(jnp.asarray(raw)), np.float64)
-    want = np.exp2(raw.astype(np.float64) - 127 - mosaic.E2M1_FOLDED_EXPONENT + 6)
-    want = np.where(want < 2.0**-133, 0.0, want)
-    want[255] = np.nan
-    np.testing.assert_array_equal(got, want)
-    assert got[56] == 2.0**-127 and got[50] == 2.0**-133 and got[49] == 0  # subnormal, its last, zero
-
-
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_mxfp4_decode_lowers_for_the_gpu(swap_ab):
     """The e2m1 decoder on the WGMMA layout's registers, per 32-column unit, staged or as the register operand."""
     e, n, k = 3, 512, 512
     codes = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
-    factors = jax.ShapeDtypeStruct((e, k // 32, n), jnp.uint8)  # the e8m0 bytes
+    factors = jax.ShapeDtypeStruct((e, k // 32, n), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
     tiles = mosaic.Tiles(128, 256, 128, stages=3, swap_ab=swap_ab)

@@ -730,7 +730,7 @@ def _kernel(
                     bits = word_decode.E2M1_HALF_BITS if decode.half_bits else word_decode.NIBBLE_BITS
 
                     def piece_values(piece):  # unit `piece`: e2m1 x 2**-6 times its factor
-                        factor = e8m0_factor(quant[0][piece, wg_slice])[:, None]
+                        factor = quant[0][piece, wg_slice][:, None]
                         if interpret:  # exact in f32, rounded once (the factors are powers of two)
                             return (e2m1_piece(codes, piece, bits, dtype, True) * factor.astype(jnp.float32)).astype(
                                 dtype
@@ -797,10 +797,8 @@ def expert_gemm_mosaic(
     ``bias [E, N]`` (any float dtype) is added in f32 to the expert's rows.
     ``weight`` is ``[E, N, K]`` in
     x's dtype, or with ``decode`` the 4-bit codes ``uint16 [E, N, K/4]`` with
-    ``scales`` (and ``zero_points``) ``[E, G, N]`` in x's dtype — e2m1: the
-    e8m0 bytes ``uint8 [E, K/32, N]``, each unit's factor made from its byte
-    in the kernel (:func:`e8m0_factor`) — (see :class:`NibbleDecode`).
-    ``table``: the row tiles given
+    ``scales`` (and ``zero_points``) ``[E, G, N]`` in x's dtype (see
+    :class:`NibbleDecode`). ``table``: the row tiles given
     (:func:`block_table`) in place of the ranges."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
@@ -819,11 +817,10 @@ def expert_gemm_mosaic(
                 f"mosaic GEMM: 4-bit codes must be uint16 {(num_experts, n, k // PIECES)}, got "
                 f"{weight.dtype} {weight.shape}"
             )
-        quant_dtype = jnp.dtype(jnp.uint8 if decode.e2m1 else x.dtype)
         for name, array in zip(("scales", "zero_points")[: len(quant)], quant, strict=True):
-            if array is None or array.shape != want or array.dtype != quant_dtype:
+            if array is None or array.shape != want or array.dtype != x.dtype:
                 got = None if array is None else f"{array.dtype} {array.shape}"
-                raise ValueError(f"mosaic GEMM: {name} must be {quant_dtype} {want}, got {got}")
+                raise ValueError(f"mosaic GEMM: {name} must be {x.dtype} {want}, got {got}")
     padded = padded_rows(m, tiles.block_m)  # a row tile's box fits inside x
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
@@ -860,14 +857,6 @@ def expert_gemm_mosaic(
     return kernel(table, x, weight, *quant, *extra)
 
 
-def e8m0_factor(raw: jax.Array) -> jax.Array:
-    """A unit's bf16 factor ``2**(s - 127 - E2M1_FOLDED_EXPONENT) / 2**-6``
-    from its e8m0 bytes ``s`` (uint8), from the bits (:func:`power_of_two`:
-    subnormal down to 2**-133, zero below); byte 255 (e8m0 NaN) is NaN."""
-    exponent = raw.astype(jnp.int32) - (127 + E2M1_FOLDED_EXPONENT - 6)
-    return jnp.where(raw == 255, jnp.nan, power_of_two(exponent, jnp.bfloat16)).astype(jnp.bfloat16)
-
-
 def planar_words(values: jax.Array) -> jax.Array:
     """Packed planar 4-bit codes ``uint8 [E, N, K/2]`` as the 16-bit halves the
     kernels decode: ``uint16 [E, N, K/4]``."""
@@ -880,15 +869,18 @@ def _nibble_operands(w: WeightSpec, weight_arrays: tuple[jax.Array, ...], dtype)
     scales ``[E, N, G]`` or ``[E, N, 1]`` — ``[E, G, N]`` with
     ``w.k_major_scales`` —, packed integer zero points) as the
     kernel reads them: codes ``uint16 [E, N, K/4]``, scales (and code offsets
-    ``magic + zero``) ``[E, K/128, N]`` in ``dtype`` — MXFP4: its e8m0 bytes
-    ``[E, K/32, N]`` —, and the decode spec."""
+    ``magic + zero``) ``[E, K/128, N]`` in ``dtype`` — MXFP4: its factors
+    ``[E, K/32, N]`` (bf16, NaN for an e8m0 byte 255) —, and the decode spec."""
     values, scale = weight_arrays[:2]
     e, n, k = w.num_experts, w.n, w.k
     codes = planar_words(values)
     if not w.k_major_scales:  # stored [E, N, G]: the call transposes them
         scale = jnp.swapaxes(scale, 1, 2)
-    if w.value_type == "float4_e2m1":  # the bytes: the kernel makes each unit's factor (e8m0_factor)
-        return codes, scale, None, NibbleDecode(k // E2M1_UNIT, e2m1=True, half_bits=w.half_bits)
+    if w.value_type == "float4_e2m1":  # a unit's factor 2**(s - 127 - E2M1_FOLDED_EXPONENT) / 2**-6
+        raw = scale.astype(jnp.int32)
+        factors = power_of_two(raw - 127 - E2M1_FOLDED_EXPONENT + 6, jnp.bfloat16)
+        factors = jnp.where(raw == 255, jnp.nan, factors).astype(jnp.bfloat16)
+        return codes, factors, None, NibbleDecode(k // E2M1_UNIT, e2m1=True, half_bits=w.half_bits)
     groups = k // UNIT
     scales = jnp.broadcast_to(scale, (e, groups, n)).astype(dtype)
     zero_points = None
