@@ -15,9 +15,10 @@ history: ``git show COMMIT:pallas_kernels/gemm/mosaic_fp8.py > FILE``) beside
 the tree's; its tilings are written ``variant:FIELDS`` and run its code.
 Several at once: ``--variant v28=FILE v29=FILE``, tiled ``v28:FIELDS`` and
 ``v29:FIELDS``; ``v28:default`` runs the tiles ``default`` ran (listed
-before it) on the variant's kernel. ``--scale-orders kernel n_major`` times
-each tiling on weights whose group scales are stored as ``to_kernel_order``
-stores them and as ``[E, N, K/g]``, interleaved.
+before it) on the variant's kernel. ``--scale-orders kernel n_major k_major``
+times each tiling on weights whose group scales are stored as
+``to_kernel_order`` stores them, as ``[E, N, K/g]`` and as ``[E, K/g, N]``
+(any per-group format), interleaved.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def run(args) -> list[dict]:
     cases = itertools.product(args.formats, args.problems, args.gemms, args.layouts, args.tokens)
     for fmt, problem, gemm, layout, tokens in cases:
         preps = {
-            order: bench.prepare(bench.Case(problem, gemm, layout, tokens, fmt, kernel_scale_order=order == "kernel"))
+            order: bench.prepare(bench.Case(problem, gemm, layout, tokens, fmt, scale_order=order))
             for order in args.scale_orders
         }
         default = None
@@ -105,8 +106,8 @@ def main(argv=None) -> int:
         "--scale-orders",
         nargs="+",
         default=["kernel"],
-        choices=["kernel", "n_major"],
-        help="the weights' group scales as to_kernel_order stores them, or [E, N, K/g] (both: interleaved)",
+        choices=["kernel", "n_major", "k_major"],
+        help="group scales as to_kernel_order stores them, [E, N, K/g] or [E, K/g, N] (several: interleaved)",
     )
     parser.add_argument(
         "--variant", nargs="+", default=[], help="other versions of a kernel file: FILE (tiled 'variant:'), NAME=FILE"

@@ -102,9 +102,9 @@ class Case:
     k_order: bool = False
     # Planar e2m1 codes in the pair decoder's bit order (to_planar(half_bits=True)).
     half_bits: bool = True
-    # Group scales in the order to_kernel_order stores them (k_major_scales_preferred);
-    # False: every format's scales [E, N, K/g].
-    kernel_scale_order: bool = True
+    # Group scales as to_kernel_order stores them ("kernel": k_major_scales_preferred),
+    # "n_major" [E, N, K/g] or "k_major" [E, K/g, N] for every per-group format.
+    scale_order: str = "kernel"
 
     def shapes(self):
         e, h, i, k = PROBLEMS[self.problem]
@@ -185,7 +185,7 @@ def _arrays(case: Case, sets: int, seed: int):
     for s in range(sets):
         kw, kx = jax.random.split(jax.random.fold_in(jax.random.key(seed), s))
         weight = _random_weight(kw, fmt, e, n, k)
-        k_major = case.kernel_scale_order and F.k_major_scales_preferred(fmt)
+        k_major = case.scale_order == "k_major" or (case.scale_order == "kernel" and F.k_major_scales_preferred(fmt))
         weights.append(
             weight if case.k_order else F.to_planar(weight, half_bits=_half_bits(case, quant), k_major_scales=k_major)
         )
