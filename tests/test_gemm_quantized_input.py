@@ -248,6 +248,29 @@ def test_mxfp4_on_fp8_operands_prefill_tile(stored, rng):
     _check(out, _reference(x, weight, layout, tiles), _bound(x, weight, layout, tiles))
 
 
+_GROUP_SCALED = [name for name in sorted(F.PRESETS) if F.PRESETS[name].scale_granularity == F.ScaleGranularity.GROUP]
+
+
+@pytest.mark.parametrize("fmt_name", sweep(_GROUP_SCALED, ["mxfp8", "int8_g128", "uint4_fzp_g128"]))
+def test_k_major_group_scales_are_bit_equal(fmt_name, rng):
+    """Every per-group format with its scales stored ``[E, K/g, N]`` (what
+    ``to_kernel_order`` gives MXFP4 and MXFP8) gives the outputs of ``[E,
+    N, K/g]``, bit for bit, on the op's tiling for bf16 inputs and for each
+    quantized input the format takes (packed formats planar, as stored)."""
+    fmt = F.get_format(fmt_name)
+    weight = F.to_planar(_weight(rng, fmt))
+    major = F.to_planar(weight, k_major_scales=True)
+    assert major.k_major_scales and major.scale.shape == (E, K // fmt.group_size, N)
+    layout = _layouts(rng)["grouped_contiguous"]
+    quants = [quant for quant in hj.supported_input_specs(fmt) if quant.is_quantized][:2]
+    inputs = [jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16), *(_input(rng, quant) for quant in quants)]
+    for x in inputs:
+        run = dict(out_dtype=jnp.float32, backend=KERNEL_BACKEND)
+        want = np.asarray(hj.gemm(x, weight, layout, **run))
+        assert np.isfinite(want).all()
+        np.testing.assert_array_equal(np.asarray(hj.gemm(x, major, layout, **run)), want)
+
+
 def test_mxfp4_on_fp8_operands_far_groups(rng):
     """Groups whose scale lies more than 14 powers of two under their span's
     largest round to the nearest e4m3 value (against an independent float64
