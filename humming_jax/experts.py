@@ -110,8 +110,8 @@ def quantize_experts(
 def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeights:
     """Repack 4-bit codes in the order the GEMM kernels read without a split
     copy of the activations (:func:`formats.to_planar`, the same values); e2m1
-    codes with bf16 compute also in the pair decoder's bit order; MXFP4's
-    e8m0 group scales in the order the Mosaic kernels read them. What
+    codes with bf16 compute also in the pair decoder's bit order; e8m0 group
+    scales in the order the Mosaic kernels read them. What
     :func:`quantize_experts`, ``load_experts`` and the NNX modules give; weights
     in K order still run, slower.
 
@@ -121,8 +121,9 @@ def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeig
             choose the bit order).
 
     Returns:
-        The same weights, 4-bit codes planar, e8m0 group scales (MXFP4, MXFP8) ``[E, K/32, N]``
-        (:func:`formats.k_major_scales_preferred`); 16- and 8-bit ones unchanged.
+        The same weights, 4-bit codes planar, e8m0 group scales (MXFP4,
+        MXFP8) ``[E, K/32, N]`` (:func:`formats.k_major_scales_preferred`);
+        other 16- and 8-bit weights unchanged.
     """
     half_bits = F.planar_half_bits(config.compute_dtype, config.input_quant)
 
