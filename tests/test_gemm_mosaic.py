@@ -288,8 +288,8 @@ def test_nibble_weights_refused_with_the_reason(rng):
 )
 def test_mxfp4_decoded_in_the_kernel(half_bits, options, k_major, rng):
     """Planar MXFP4 (bf16 inputs) decoded in the compute warpgroups, each
-    32-column unit times its factor 2**(s - 120) made from its byte (exact: a
-    power of two), the sum halved: the product with the dequantized weight,
+    32-column unit times its folded factor 2**(s - 183) (exact: a power of
+    two), the sum times 2**62: the product with the dequantized weight,
     against float64 NumPy; groups whose scales differ by up to 2**12, an
     empty expert, rows no expert owns; scales ``[E, K/32, N]`` (as the
     modules store them) or ``[E, N, K/32]``."""
@@ -310,26 +310,13 @@ def test_mxfp4_decoded_in_the_kernel(half_bits, options, k_major, rng):
     assert np.all(got[offsets[-1] :] == 0)
 
 
-def test_e8m0_factor_of_every_byte():
-    """The kernel's unit factor from an e8m0 byte s: 2**(s - 120) in bf16 (the
-    byte plus 7 as the exponent field; the sum is halved after), against
-    float64 NumPy for all 256 bytes: normal for every byte up to 247 (loaded
-    weights hold at most 190), NaN from 248 (255: e8m0's NaN)."""
-    raw = np.arange(256, dtype=np.uint8)
-    got = np.asarray(mosaic.e8m0_factor(jnp.asarray(raw)), np.float64)
-    want = np.exp2(raw.astype(np.float64) - 127 + mosaic.E8M0_FIELD_SHIFT)
-    want[248:] = np.nan
-    np.testing.assert_array_equal(got, want)
-    assert got[0] == 2.0**-120 and got[190] == 2.0**70  # the loaded range, all normal
-
-
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_mxfp4_decode_lowers_for_the_gpu(swap_ab):
     """The e2m1 decoder on the WGMMA layout's registers, per 32-column unit, staged or as the register operand."""
     e, n, k = 3, 512, 512
     codes = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
-    factors = jax.ShapeDtypeStruct((e, k // 32, n), jnp.uint8)  # the e8m0 bytes
+    factors = jax.ShapeDtypeStruct((e, k // 32, n), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
     tiles = mosaic.Tiles(128, 256, 128, stages=3, swap_ab=swap_ab)
