@@ -661,8 +661,8 @@ def planar_half_bits(compute_dtype, input_quant=None) -> bool:
 
 def k_major_scales_preferred(fmt: WeightFormat) -> bool:
     """Whether :func:`to_kernel_order <humming_jax.experts.to_kernel_order>`
-    stores the format's group scales ``[E, K/g, N]``: MXFP4's e8m0 bytes, which
-    the Mosaic kernels read along N a K step at a time."""
+    stores the format's group scales ``[E, K/g, N]``: e8m0 bytes (MXFP4,
+    MXFP8), which the Mosaic kernels read along N a K step at a time."""
     return fmt.scale_granularity == ScaleGranularity.GROUP and fmt.scale_type == ScaleType.E8M0
 
 
