@@ -64,8 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--problem", default="qwen3-30b-a3b", choices=list(bench_module.PROBLEMS))
     tune.add_argument("--gemm", default="w13", choices=["w13", "w2"], help="which of the problem's GEMMs to time")
     tune.add_argument("--layouts", nargs="+", default=["grouped", "indexed"], choices=["grouped", "indexed"])
-    tune.add_argument("--min-m", type=int, default=0, help="skip M ranges ending below this")
-    tune.add_argument("--max-m", type=int, default=0, help="skip M ranges starting at or above this")
+    tune.add_argument(
+        "--min-m", type=int, default=0, help="skip M ranges (rows: tokens x top-k) whose upper end is below this"
+    )
+    tune.add_argument(
+        "--max-m", type=int, default=0, help="skip M ranges (rows: tokens x top-k) starting at or above this"
+    )
     tune.add_argument(
         "--per-shape",
         action="store_true",
