@@ -182,10 +182,10 @@ def _arrays(case: Case, sets: int, seed: int):
     e, n, k, _ = case.shapes()
     fmt, quant = split_format(case.fmt)
     weights, xs = [], []
+    k_major = case.scale_order == "k_major" or (case.scale_order == "kernel" and F.k_major_scales_preferred(fmt))
     for s in range(sets):
         kw, kx = jax.random.split(jax.random.fold_in(jax.random.key(seed), s))
         weight = _random_weight(kw, fmt, e, n, k)
-        k_major = case.scale_order == "k_major" or (case.scale_order == "kernel" and F.k_major_scales_preferred(fmt))
         weights.append(
             weight if case.k_order else F.to_planar(weight, half_bits=_half_bits(case, quant), k_major_scales=k_major)
         )

@@ -360,7 +360,7 @@ class QuantizedWeight:
                 f"{argument}.nibble_unit: expected 0 (K order) or {planar_unit(fmt, k)} (planar) for format "
                 f"{fmt.name!r} and K={k}, got {self.nibble_unit}"
             )
-        if self.k_major_scales and not (fmt.scale_granularity == ScaleGranularity.GROUP and self.group_index is None):
+        if self.k_major_scales and not _orders_scales(self):
             raise ValueError(
                 f"{argument}.k_major_scales: only per-group scales without a group index have it, not {fmt.name!r}"
             )
@@ -666,13 +666,16 @@ def k_major_scales_preferred(fmt: WeightFormat) -> bool:
     return fmt.scale_granularity == ScaleGranularity.GROUP and fmt.scale_type == ScaleType.E8M0
 
 
+def _orders_scales(weight: QuantizedWeight) -> bool:
+    """Whether the weight's scales may be stored K-major: per-group scales without a group index."""
+    return weight.format.scale_granularity == ScaleGranularity.GROUP and weight.group_index is None
+
+
 def with_scale_order(weight: QuantizedWeight, k_major: bool) -> QuantizedWeight:
     """``weight`` with its group scales ``[E, K/g, N]`` (``k_major``) or
     ``[E, N, K/g]``; weights without per-group scales (or with a group index)
     as they are."""
-    if weight.k_major_scales == k_major:
-        return weight
-    if k_major and (weight.format.scale_granularity != ScaleGranularity.GROUP or weight.group_index is not None):
+    if weight.k_major_scales == k_major or (k_major and not _orders_scales(weight)):
         return weight
     return dataclasses.replace(weight, scale=jnp.swapaxes(weight.scale, 1, 2), k_major_scales=k_major)
 
