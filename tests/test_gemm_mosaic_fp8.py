@@ -264,26 +264,32 @@ def test_fragment_columns_against_numpy(rng):
 
 
 def test_mx_operands_against_numpy(rng):
-    """The factors 2**(12 - gap) (gaps from the column's largest byte, clamped
-    at MAX_GAP) and the column scales 2**(largest - 133) of random bytes, from
-    their bits (f16 and f32 subnormals included); a byte 255 (e8m0 NaN) makes
-    its column's scale NaN."""
+    """Per call: the bytes ``[E, K/32, N]`` (transposed from ``[E, N, K/32]``,
+    or as stored K-major), each column's largest byte and its scale
+    2**(largest - 133) (f32 subnormals included; a byte 255, e8m0 NaN, makes
+    its column's scale NaN); in the kernel each piece's factor 2**(12 - gap)
+    from its byte (gaps from the column's largest, clamped at MAX_GAP), from
+    the f16 bits."""
     e, n, k = 2, 8, 512
     raw = rng.integers(100, 130, (e, n, k // 32)).astype(np.uint8)
     raw[0, 0, :4] = (0, 140, 3, 1)  # gaps past MAX_GAP, a largest byte of 140
     raw[1, 2, 5] = 255
     values = jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8)
-    codes, factors, columns = kernel.mx_operands(values, jnp.asarray(raw))
+    codes, major, top, columns = kernel.mx_operands(values, jnp.asarray(raw))
     assert codes.dtype == jnp.uint16 and codes.shape == (e, n, k // 4)
-    top = raw.astype(np.int64).max(-1)
-    gap = np.minimum(top[..., None] - raw, kernel.MAX_GAP)
-    np.testing.assert_array_equal(np.asarray(factors, np.float64), np.swapaxes(np.exp2(12.0 - gap), 1, 2))
-    want = np.where(top == 255, np.nan, np.exp2(top - 133.0))
+    np.testing.assert_array_equal(np.asarray(major), np.swapaxes(raw, 1, 2))
+    want_top = raw.astype(np.int64).max(-1)
+    np.testing.assert_array_equal(np.asarray(top), want_top)
+    want = np.where(want_top == 255, np.nan, np.exp2(want_top - 133.0))
     np.testing.assert_array_equal(np.asarray(columns, np.float64), want)
     assert np.isnan(np.asarray(columns)[1, 2]) and np.sum(np.isnan(np.asarray(columns))) == 1
+    factors = kernel.step_factor(major, top[:, None, :])
+    gap = np.minimum(want_top[..., None] - raw, kernel.MAX_GAP)
+    assert factors.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(factors, np.float64), np.swapaxes(np.exp2(12.0 - gap), 1, 2))
     # the bytes stored [E, K/32, N] (k_major): the same operands
-    major = kernel.mx_operands(values, jnp.asarray(np.swapaxes(raw, 1, 2)), k_major=True)
-    for got, expected in zip(major, (codes, factors, columns), strict=True):
+    stored = kernel.mx_operands(values, jnp.asarray(np.swapaxes(raw, 1, 2)), k_major=True)
+    for got, expected in zip(stored, (codes, major, top, columns), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 

@@ -9,7 +9,8 @@ running f32 sum times the product of the two (the promotion of the CUDA fp8
 libraries); per-channel or per-tensor weight scales and per-row or per-tensor
 input scales multiply the sum. MXFP4 (e2m1 codes, e8m0 scales per 32
 columns, planar units of 32): each group enters the product as e2m1 times
-2**(6 - gap) in e4m3 (gap: the column's largest scale byte less the group's;
+2**(6 - gap) in e4m3 (gap: the column's largest scale byte less the group's,
+the factor made from the bytes in the kernel;
 exact up to a gap of 14, groups further below round towards zero as
 Humming's load-time clip at 11 does), the sum times 2**(largest - 133) per
 column in the epilogue (:func:`mx_operands`): a step's promotion is then the
@@ -198,8 +199,9 @@ def _kernel(
     interpret: bool,
 ):
     # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the column scales
-    # [E, N] and the first of rest the pieces' factors [E, K/32, N] (mx_operands).
-    factor_gmem = rest[0] if scaling.mx else None
+    # [E, N], rest the e8m0 bytes [E, K/32, N] and each column's largest int32 [E, N]
+    # (mx_operands): a piece's factor is made from its byte in the step.
+    byte_gmem, top_gmem = rest[:2] if scaling.mx else (None, None)
     bias_gmem = rest[-2] if has_bias else None
     o_gmem = rest[-1]
     k = x_gmem.shape[1]
@@ -218,7 +220,7 @@ def _kernel(
         return acc * (values[:, None] if swap else values[None, :])
 
     in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))]
-    if scaling.mx:  # the step's codes and its pieces' factors
+    if scaling.mx:  # the step's codes and its pieces' scale bytes
         in_specs += [
             plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
             plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (i, 0)),
@@ -239,7 +241,7 @@ def _kernel(
         rows = x_gmem.at[pl.ds(load_row, bm)]
         found = [rows, w_gmem.at[group, cols]]
         if scaling.mx:
-            found.append(factor_gmem.at[group, :, cols])
+            found.append(byte_gmem.at[group, :, cols])
         if scaling.x == "group":
             found.append(x_scale_gmem.at[:, pl.ds(load_row, bm)])
         return found
@@ -304,27 +306,36 @@ def _kernel(
                 return acc_ref
 
             def promoted_context(run):
-                epilogue(run(jnp.zeros(acc_shape, jnp.float32)))
+                zeros = jnp.zeros(acc_shape, jnp.float32)
+                if not scaling.mx:
+                    epilogue(run(zeros))
+                    return
+                # Each column's largest byte, along the codes' rows (the weight's columns):
+                # loaded once a tile, carried unchanged through its steps.
+                top_ref = top_gmem.at[group, pl.ds(wg_cols, wg_n)]
+                top = plgpu.load(top_ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                epilogue(run((zeros, top))[0])
 
             def promoted_step(indices, *refs):
                 (step,) = indices
-                total = refs[-1]
+                total, top = refs[-1] if scaling.mx else (refs[-1], None)
                 x_scale_smem = refs[-2] if scaling.x == "group" else None
                 x_smem, w_smem = refs[:2]
-                factor_smem = refs[2] if scaling.mx else None
+                byte_smem = refs[2] if scaling.mx else None
 
                 def product(acc_ref):
                     if not scaling.mx:
                         plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
                         return acc_ref[...]
                     codes = w_smem[wg_slice]
+                    scales = (byte_smem, top)
                     if swap and not interpret:  # the decoded step as the register operand
-                        decoded = _decode_mx_step(codes, factor_smem, wg_slice, scaling.half_bits, False, True)
+                        decoded = _decode_mx_step(codes, scales, wg_slice, scaling.half_bits, False, True)
                         plgpu.wgmma(acc_ref, decoded, x_smem.transpose((1, 0)))
                         return acc_ref[...]
                     # The last step's wgmma read the slot before its product was read back.
                     slot = stage.at[wg]
-                    slot[...] = _decode_mx_step(codes, factor_smem, wg_slice, scaling.half_bits, interpret)
+                    slot[...] = _decode_mx_step(codes, scales, wg_slice, scaling.half_bits, interpret)
                     plgpu.commit_smem()
                     if swap:
                         plgpu.wgmma(acc_ref, slot, x_smem.transpose((1, 0)))
@@ -339,8 +350,10 @@ def _kernel(
                     row_scale = plgpu.load(x_scale_smem.at[0], layout=m_layout, optimized=False)
                     if scaling.w == "block":
                         row_scale = row_scale * w_scale
-                    return total + per_m(part, row_scale)
-                return total + (part * w_scale if scaling.w == "block" else part)
+                    total = total + per_m(part, row_scale)
+                else:
+                    total = total + (part * w_scale if scaling.w == "block" else part)
+                return (total, top) if scaling.mx else total
 
             @pl.when((rows > 0) & (group < num_experts))
             def _():
@@ -358,17 +371,28 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def _decode_mx_step(codes, factor_smem, wg_slice, half_bits: bool, interpret: bool, fragment: bool = False):
+def step_factor(raw, top):
+    """A piece's f16 factor ``2**(12 - gap)`` from its e8m0 bytes and its
+    columns' largest (int32, gap clamped at :data:`MAX_GAP`), made from the
+    f16 bits: an exponent field of ``27 - gap``, never subnormal."""
+    gap = jnp.minimum(top - raw.astype(jnp.int32), MAX_GAP)
+    bits = (2 * E2M1_EXPONENT + 15 - gap) << 10
+    return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
+
+
+def _decode_mx_step(codes, scales, wg_slice, half_bits: bool, interpret: bool, fragment: bool = False):
     """A K step's columns from its MXFP4 codes ``uint16 [rows, 32]`` as e4m3
     ``[rows, 128]``: each unit's e2m1 x 2**-6 (:func:`mosaic.e2m1_piece`)
-    times its factor (``factor_smem [4, block_n]`` f16, 2**(12 - gap)), the
-    units joined in column order. ``fragment`` (compiled only): the result in
-    the 8-bit WGMMA layout (the register operand), a unit's code at half h,
-    position j landing in column :func:`fragment_column` (h, j)."""
+    times its factor (:func:`step_factor` of ``scales``: the step's bytes
+    ``[4, block_n]`` in shared memory and the columns' largest ``[rows]``),
+    the units joined in column order. ``fragment`` (compiled only): the
+    result in the 8-bit WGMMA layout (the register operand), a unit's code at
+    half h, position j landing in column :func:`fragment_column` (h, j)."""
+    byte_smem, top = scales
     bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
     pieces = []
     for piece in range(PIECES):
-        factor = factor_smem[piece, wg_slice][:, None]
+        factor = step_factor(byte_smem[piece, wg_slice], top)[:, None]
         # Interpreted in f32: XLA's CPU code misrounds some f16 products to e4m3.
         factor = factor.astype(jnp.float32) if interpret else factor
         pieces.append(mosaic.e2m1_piece(codes, piece, bits, jnp.float16, interpret) * factor)
@@ -418,22 +442,20 @@ def fragment_columns(x: jax.Array) -> jax.Array:
     return units.transpose(0, 1, 2, 4, 5, 3, 6).reshape(m, k)
 
 
-def mx_operands(values: jax.Array, scale: jax.Array, k_major: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+def mx_operands(values: jax.Array, scale: jax.Array, k_major: bool = False) -> tuple[jax.Array, ...]:
     """MXFP4's stored parts (planar codes ``uint8 [E, N, K/2]``, e8m0 bytes
     ``[E, N, K/32]``, or ``[E, K/32, N]`` when ``k_major``) as the kernel reads
-    them: codes ``uint16 [E, N, K/4]``; per piece f16 ``2**(12 - gap)``
-    ``[E, K/32, N]`` (the decoded e2m1 x 2**-6 times it: e2m1 x 2**(6 - gap),
-    gap = the column's largest byte less the piece's, clamped at
-    :data:`MAX_GAP`); per column f32 ``2**(largest - 133)`` ``[E, N]`` (NaN
-    where a byte is 255)."""
+    them: codes ``uint16 [E, N, K/4]``; the bytes ``[E, K/32, N]`` (each
+    piece's factor :func:`step_factor` is made from them in the kernel); each
+    column's largest byte, int32 ``[E, N]``; per column f32 ``2**(largest -
+    133)`` ``[E, N]`` (NaN where a byte is 255). Per call only a reduction
+    over the bytes (and, for ``[E, N, K/32]`` bytes, their transpose)."""
     codes = mosaic.planar_words(values)
-    raw = (scale if k_major else jnp.swapaxes(scale, 1, 2)).astype(jnp.int32)
-    top = jnp.max(raw, axis=1)
-    gap = jnp.minimum(top[:, None, :] - raw, MAX_GAP)
-    factors = mosaic.power_of_two(2 * E2M1_EXPONENT - gap, jnp.float16)
+    raw = scale if k_major else jnp.swapaxes(scale, 1, 2)
+    top = jnp.max(raw, axis=1).astype(jnp.int32)
     columns = mosaic.power_of_two(top - 127 - E2M1_EXPONENT, jnp.float32)
     columns = jnp.where(top == E8M0_NAN, jnp.nan, columns)
-    return codes, factors, columns
+    return codes, raw, top, columns
 
 
 def expert_gemm_fp8(
@@ -483,8 +505,8 @@ def expert_gemm_fp8(
         )
         if w_scale.shape != want:
             raise ValueError(f"mosaic_fp8 GEMM: MXFP4 scales must be {named}, got {w_scale.shape}")
-        weight, factors, w_scale = mx_operands(weight, w_scale, scaling.k_major_scales)
-        extra = (factors,)
+        weight, raw, top, w_scale = mx_operands(weight, w_scale, scaling.k_major_scales)
+        extra = (raw, top)
         if tiles.swap_ab and not interpret:  # the register operand's column order
             x = fragment_columns(x)
     padded = mosaic.padded_rows(m, tiles.block_m)
