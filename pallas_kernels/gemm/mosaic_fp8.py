@@ -343,19 +343,16 @@ def _kernel(
                         plgpu.wgmma(acc_ref, x_smem, slot.transpose((1, 0)))
                     return acc_ref[...]
 
-                # The step's scales are loaded before its product is issued: their
-                # latency (a global load for a weight block's) runs under the wgmma's.
-                row_scale = w_scale = None
+                part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
                 if scaling.w == "block":
                     w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 if scaling.x == "group":
                     row_scale = plgpu.load(x_scale_smem.at[0], layout=m_layout, optimized=False)
-                    row_scale = row_scale if w_scale is None else row_scale * w_scale
-                part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-                if row_scale is not None:
+                    if scaling.w == "block":
+                        row_scale = row_scale * w_scale
                     total = total + per_m(part, row_scale)
                 else:
-                    total = total + (part if w_scale is None else part * w_scale)
+                    total = total + (part * w_scale if scaling.w == "block" else part)
                 return (total, top) if scaling.mx else total
 
             @pl.when((rows > 0) & (group < num_experts))
