@@ -14,8 +14,7 @@ the factor made from the bytes in the kernel;
 exact up to a gap of 14, groups further below round towards zero as
 Humming's load-time clip at 11 does), the sum times 2**(largest - 133) per
 column in the epilogue (:func:`mx_operands`): a step's promotion is then the
-input's alone, as for e4m3 weights. The codes are decoded a step ahead: a
-step's decode runs while the tensor cores multiply the step before it. Layouts ``dense``,
+input's alone, as for e4m3 weights. Layouts ``dense``,
 ``grouped_contiguous`` and ``grouped_masked``, cut into row tiles as the
 16-bit kernel's (:func:`mosaic.row_tile_table`); ``indexed`` through its rows
 gathered in block order, one tile a block, each result row stored to its
@@ -220,19 +219,11 @@ def _kernel(
     def per_n(acc, values):  # values [wg_n] (the weight's columns)
         return acc * (values[:, None] if swap else values[None, :])
 
-    # mx: the codes are decoded a step ahead of their product (a step's decode runs
-    # while the tensor cores multiply the one before it): pipeline step s brings x's
-    # step s - 1 and the codes of step s, one step more than K has.
-    steps = k // BLOCK_K
-    behind = (lambda i: jnp.maximum(i - 1, 0)) if scaling.mx else (lambda i: i)
-    ahead = lambda i: jnp.minimum(i, steps - 1)  # noqa: E731
-    in_specs = [
-        plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, behind(i)), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))
-    ]
+    in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))]
     if scaling.mx:  # the step's codes and its pieces' scale bytes
         in_specs += [
-            plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, ahead(i))),
-            plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (ahead(i), 0)),
+            plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
+            plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (i, 0)),
         ]
     else:
         in_specs.append(
@@ -241,9 +232,9 @@ def _kernel(
             )
         )
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
-        in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (behind(i), 0)))
+        in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
-    pipeline = functools.partial(mosaic.k_pipeline, steps=steps + scaling.mx, in_specs=in_specs, stages=tiles.stages)
+    pipeline = functools.partial(mosaic.k_pipeline, steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages)
 
     def operands(group, col_tile, load_row):
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
@@ -257,10 +248,9 @@ def _kernel(
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
     scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
-    staged = scaling.mx and not (swap and not interpret)
-    if staged:  # two decoded steps a warpgroup: the next one's written while the tensor cores read one
+    if scaling.mx and not (swap and not interpret):  # the decoded step (interpreted: unswizzled)
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
-        shape = (mosaic.COMPUTE_WGS, 2, wg_n, BLOCK_K)
+        shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
         scratch["stage"] = plgpu.SMEM(shape, jnp.float8_e4m3fn, transforms=transforms)
 
     @functools.partial(
@@ -324,19 +314,11 @@ def _kernel(
                 # loaded once a tile, carried unchanged through its steps.
                 top_ref = top_gmem.at[group, pl.ds(wg_cols, wg_n)]
                 top = plgpu.load(top_ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                # The first step multiplies zeros (no codes decoded yet): x's step 0 times nothing.
-                nothing = jnp.zeros((wg_n, BLOCK_K), jnp.float8_e4m3fn)
-                if staged:
-                    stage.at[wg, 1][...] = nothing
-                    plgpu.commit_smem()
-                    ready = None
-                else:
-                    ready = mosaic.eight_bit_fragments(plgpu.layout_cast(nothing, plgpu.Layout.WGMMA))
-                epilogue(run((zeros, top, ready))[0])
+                epilogue(run((zeros, top))[0])
 
             def promoted_step(indices, *refs):
                 (step,) = indices
-                total, top, ready = refs[-1] if scaling.mx else (refs[-1], None, None)
+                total, top = refs[-1] if scaling.mx else (refs[-1], None)
                 x_scale_smem = refs[-2] if scaling.x == "group" else None
                 x_smem, w_smem = refs[:2]
                 byte_smem = refs[2] if scaling.mx else None
@@ -344,38 +326,34 @@ def _kernel(
                 def product(acc_ref):
                     if not scaling.mx:
                         plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
-                        return acc_ref[...], None
-                    # x's step s - 1 times the codes decoded last step; then this step's
-                    # codes decoded while that product runs; its sum read back last.
-                    codes, scales = w_smem[wg_slice], (byte_smem, top)
-                    if not staged:  # the decoded step as the register operand
-                        plgpu.wgmma(acc_ref, ready, x_smem.transpose((1, 0)))
-                        following = _decode_mx_step(codes, scales, wg_slice, scaling.half_bits, False, True)
-                        return acc_ref[...], following
-                    parity = lax.rem(step, 2)
-                    slot, following_slot = stage.at[wg, 1 - parity], stage.at[wg, parity]
+                        return acc_ref[...]
+                    codes = w_smem[wg_slice]
+                    scales = (byte_smem, top)
+                    if swap and not interpret:  # the decoded step as the register operand
+                        decoded = _decode_mx_step(codes, scales, wg_slice, scaling.half_bits, False, True)
+                        plgpu.wgmma(acc_ref, decoded, x_smem.transpose((1, 0)))
+                        return acc_ref[...]
+                    # The last step's wgmma read the slot before its product was read back.
+                    slot = stage.at[wg]
+                    slot[...] = _decode_mx_step(codes, scales, wg_slice, scaling.half_bits, interpret)
+                    plgpu.commit_smem()
                     if swap:
                         plgpu.wgmma(acc_ref, slot, x_smem.transpose((1, 0)))
                     else:
                         plgpu.wgmma(acc_ref, x_smem, slot.transpose((1, 0)))
-                    following_slot[...] = _decode_mx_step(codes, scales, wg_slice, scaling.half_bits, interpret)
-                    plgpu.commit_smem()
-                    return acc_ref[...], None
+                    return acc_ref[...]
 
-                # The step's scales are loaded before its product is issued: their
-                # latency (a global load for a weight block's) runs under the wgmma's.
-                row_scale = w_scale = None
+                part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
                 if scaling.w == "block":
                     w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 if scaling.x == "group":
                     row_scale = plgpu.load(x_scale_smem.at[0], layout=m_layout, optimized=False)
-                    row_scale = row_scale if w_scale is None else row_scale * w_scale
-                part, following = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-                if row_scale is not None:
+                    if scaling.w == "block":
+                        row_scale = row_scale * w_scale
                     total = total + per_m(part, row_scale)
                 else:
-                    total = total + (part if w_scale is None else part * w_scale)
-                return (total, top, following) if scaling.mx else total
+                    total = total + (part * w_scale if scaling.w == "block" else part)
+                return (total, top) if scaling.mx else total
 
             @pl.when((rows > 0) & (group < num_experts))
             def _():
