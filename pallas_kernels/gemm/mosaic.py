@@ -654,13 +654,7 @@ def _kernel(
             *(plgpu.BlockSpec((PIECES if decode.e2m1 else 1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
         ]
 
-    # The register form keeps a step's last product in flight into the next step (the
-    # next decode runs under it): each step's buffers are released a step late.
-    late = decode is not None and tiles.swap_ab
-    if late:
-        in_specs = [dataclasses.replace(spec, delay_release=1) for spec in in_specs]
-    steps = k // bk
-    pipeline = functools.partial(k_pipeline, steps=steps, in_specs=in_specs, stages=tiles.stages)
+    pipeline = functools.partial(k_pipeline, steps=k // bk, in_specs=in_specs, stages=tiles.stages)
 
     def operands(group, col_tile, load_row):
         """The pipeline's gmem inputs for one output tile."""
@@ -756,12 +750,7 @@ def _kernel(
                 if swap:  # out.T += w_piece @ x_piece.T, the decoded piece as the register operand
                     for piece in range(PIECES):
                         plgpu.wgmma(acc_ref, piece_values(piece), x_pieces[piece].transpose((1, 0)))
-                    plgpu.wgmma_wait(1)  # the last piece's product runs on under the next step's decode
-
-                    @pl.when(indices[0] == steps - 1)
-                    def _():  # the tile's last step: its buffers are reused by the next tile's loads
-                        plgpu.wgmma_wait(0)
-
+                    plgpu.wgmma_wait(0)
                     return acc_ref
                 for piece in range(PIECES):
                     slot = stage.at[wg, piece % STAGE_SLOTS]
