@@ -57,6 +57,12 @@ def pow2(exponent: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def pow2_f16(exponent: jax.Array) -> jax.Array:
+    """``2**exponent`` in f16 from its bits, for int32 exponents in ``[-14, 15]``
+    (normal numbers only: the callers clamp their exponents into that range)."""
+    return jax.lax.bitcast_convert_type(((exponent + 15) << 10).astype(jnp.int16), jnp.float16)
+
+
 E8M0_NAN = 255  # the OCP MX encoding of a NaN scale
 
 

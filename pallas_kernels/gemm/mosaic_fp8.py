@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import word_decode
+from pallas_kernels import codecs, word_decode
 from pallas_kernels.gemm import mosaic
 from pallas_kernels.gemm.spec import GemmCall, WeightSpec, check_positive, tile_order
 
@@ -373,11 +373,10 @@ def _kernel(
 
 def step_factor(raw, top):
     """A piece's f16 factor ``2**(12 - gap)`` from its e8m0 bytes and its
-    columns' largest (int32, gap clamped at :data:`MAX_GAP`), made from the
-    f16 bits: an exponent field of ``27 - gap``, never subnormal."""
+    columns' largest (int32), made from the f16 bits (the gap clamped at
+    :data:`MAX_GAP`: never subnormal)."""
     gap = jnp.minimum(top - raw.astype(jnp.int32), MAX_GAP)
-    bits = (2 * E2M1_EXPONENT + 15 - gap) << 10
-    return lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
+    return codecs.pow2_f16(2 * E2M1_EXPONENT - gap)
 
 
 def _decode_mx_step(codes, scales, wg_slice, half_bits: bool, interpret: bool, fragment: bool = False):
