@@ -92,3 +92,20 @@ def _release_compiled_executables():
         import jax
 
         jax.clear_caches()
+
+
+@pytest.fixture
+def two_programs(monkeypatch):
+    """The persistent Mosaic kernels on a grid of 2 programs, so that each loops
+    over many tiles even at a test's small shapes: a tile's last pipeline slots
+    meet the next tile's first loads (a hazard a grid of one tile a program —
+    every compiled test's at its shapes — never reaches). Programs traced
+    before and after are dropped: the grid is fixed when a kernel is traced."""
+    import jax
+
+    from pallas_kernels.gemm import mosaic
+
+    jax.clear_caches()
+    monkeypatch.setattr(mosaic, "persistent_programs", lambda interpret: 2)
+    yield
+    jax.clear_caches()

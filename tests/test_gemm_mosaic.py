@@ -251,6 +251,46 @@ def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
     assert np.all(got[offsets[-1] :] == 0)
 
 
+@pytest.mark.parametrize(
+    "fmt,options",
+    [
+        pytest.param(None, {"block_k": 64}, marks=FULL),  # bf16, staged
+        pytest.param(F.INT4_G128, {"word_decode": True}, marks=FULL),
+        # The 4-bit prefill entries' form: the decoded pieces as the register operand, clusters of two.
+        pytest.param(F.INT4_G128, {"swap_ab": True, "word_decode": True, "cluster_n": 2}, marks=ON_GPU_ONLY),
+        pytest.param(F.MXFP4, {"swap_ab": True, "word_decode": True}, marks=ON_GPU_ONLY),
+    ],
+    ids=["bf16", "int4-words", "int4-swap-words-cluster-pair", "mxfp4-swap-words"],
+)
+def test_tiles_after_tiles_in_one_program(fmt, options, two_programs, rng):
+    """Two programs take some twenty tiles each (row tiles of three experts,
+    two column tiles, eight K steps): every tile's result is the float64
+    product's, the rows no expert owns zeros — what a pipeline slot released
+    too early or a tile's epilogue racing the next tile's loads would break."""
+    m, n, k = 600, 512, 1024
+    offsets = np.asarray([0, 250, 250, 560], np.int32)
+    weights = jnp.asarray(rng.normal(0, 0.05, (3, n, k)), jnp.float32)
+    mx = fmt is F.MXFP4
+    quantized = fmt is not None
+    weight = (
+        hj.to_planar(F.quantize_weight(weights, fmt), half_bits=mx, k_major_scales=mx)
+        if quantized
+        else weights.astype(jnp.bfloat16)
+    )
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    options = {"block_k": 128, **options}
+    tuning = mosaic.Tiles(64, 256, stages=3, group_m=2, **options)
+    out_dtype, tolerance = (jnp.bfloat16, 5e-3) if options.get("swap_ab") else (jnp.float32, 1e-5)
+    layout = hj.GroupedContiguous(jnp.asarray(offsets))
+    out = hj.gemm(x, weight, layout, out_dtype=out_dtype, tuning=tuning, backend=KERNEL_BACKEND)
+    rounded = F.dequantize_weight(weight).astype(jnp.bfloat16) if quantized else weight
+    want = _expected(x, rounded, offsets, m)
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(got))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < tolerance
+    assert np.all(got[offsets[-1] :] == 0)
+
+
 def test_nibble_weights_refused_with_the_reason(rng):
     """What the in-kernel decode cannot take names itself: K-order codes,
     groups other than 128 columns, MXFP4 (dequantize_first runs those)."""

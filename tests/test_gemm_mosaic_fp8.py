@@ -234,6 +234,38 @@ def test_mxfp4_swap_ab(half_bits, quant_name, tiles, layout_kind, bias, rng):
     assert np.all(got[np.all(want == 0, axis=1)] == 0)
 
 
+@pytest.mark.parametrize(
+    "weight_name,tiles",
+    [
+        pytest.param("fp8_block128", TILES, marks=FULL),  # W8A8: both scales per step
+        pytest.param("mxfp4", SQUARE, marks=FULL),  # W4A8, the decoded step staged
+        pytest.param("mxfp4", SWAP_WIDE, marks=FULL),  # the register operand (compiled; interpreted, staged)
+        pytest.param("mxfp4", SWAP, marks=FULL),
+    ],
+    ids=["w8a8", "w4a8-staged", "w4a8-swap-64x256", "w4a8-swap-128x128"],
+)
+def test_tiles_after_tiles_in_one_program(weight_name, tiles, two_programs, rng):
+    """Two programs take a dozen tiles or more each (row tiles of three
+    experts, several column tiles, eight K steps), as the persistent grid does
+    at prefill: each tile's result is the float64 product's, the rows no
+    expert owns zeros — what a pipeline slot released too early or a tile's
+    epilogue racing the next tile's loads would break."""
+    m, n, k = 600, 512, 1024
+    w = jnp.asarray(rng.normal(0, 0.05, (3, n, k)), jnp.float32)
+    weight = F.quantize_weight(w, F.get_format(weight_name))
+    if weight_name == "mxfp4":
+        weight = F.to_planar(weight, half_bits=True, k_major_scales=True)
+    x = Q.quantize_input(jnp.asarray(rng.normal(size=(m, k)), jnp.float32), Q.get_input_spec("fp8_dynamic_group128"))
+    layout = hj.GroupedContiguous(jnp.asarray([0, 250, 250, 560], jnp.int32))
+    out_dtype = jnp.bfloat16 if tiles.swap_ab else jnp.float32  # out.T: a 16-bit transposed store
+    out = hj.gemm(x, weight, layout, out_dtype=out_dtype, tuning=tiles, backend=KERNEL_BACKEND)
+    want = np_ref.gemm_of(x, weight, layout)
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(got)), "a row left unwritten reads as NaN in the interpreter"
+    assert relative_error(got, want) < (1e-2 if tiles.swap_ab else BOUND)
+    assert np.all(got[560:] == 0), "rows no expert owns must be zero"
+
+
 def test_fragment_columns_against_numpy(rng):
     """The register operand's column order: thread q of a row's quad holds
     halves 2q and 2q + 1 of a unit, whose positions land in the columns the
