@@ -219,18 +219,7 @@ def _kernel(
     def per_n(acc, values):  # values [wg_n] (the weight's columns)
         return acc * (values[:, None] if swap else values[None, :])
 
-    # The register form takes x as a step's 4 pieces of 32 columns: each piece's
-    # product is issued as soon as its weight piece is decoded (the next piece's
-    # decode runs under it), as the 16-bit kernel's register form does.
-    register_form = scaling.mx and swap and not interpret
-    x_pieces = PIECES if register_form else 1
-    piece_k = BLOCK_K // x_pieces
-    in_specs = [
-        plgpu.BlockSpec(
-            (bm, piece_k), lambda i, j=j: (0, x_pieces * i + j), transforms=mosaic.swizzled(piece_k, x_gmem.dtype)
-        )
-        for j in range(x_pieces)
-    ]
+    in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))]
     if scaling.mx:  # the step's codes and its pieces' scale bytes
         in_specs += [
             plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
@@ -250,7 +239,7 @@ def _kernel(
     def operands(group, col_tile, load_row):
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
         rows = x_gmem.at[pl.ds(load_row, bm)]
-        found = [*(rows for _ in range(x_pieces)), w_gmem.at[group, cols]]
+        found = [rows, w_gmem.at[group, cols]]
         if scaling.mx:
             found.append(byte_gmem.at[group, :, cols])
         if scaling.x == "group":
@@ -259,7 +248,7 @@ def _kernel(
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
     scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
-    if scaling.mx and not register_form:  # the decoded step (interpreted: unswizzled)
+    if scaling.mx and not (swap and not interpret):  # the decoded step (interpreted: unswizzled)
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
         shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
         scratch["stage"] = plgpu.SMEM(shape, jnp.float8_e4m3fn, transforms=transforms)
@@ -331,9 +320,8 @@ def _kernel(
                 (step,) = indices
                 total, top = refs[-1] if scaling.mx else (refs[-1], None)
                 x_scale_smem = refs[-2] if scaling.x == "group" else None
-                x_parts, (w_smem, *rest) = refs[:x_pieces], refs[x_pieces:]
-                x_smem = x_parts[0]
-                byte_smem = rest[0] if scaling.mx else None
+                x_smem, w_smem = refs[:2]
+                byte_smem = refs[2] if scaling.mx else None
 
                 def product(acc_ref):
                     if not scaling.mx:
@@ -341,10 +329,9 @@ def _kernel(
                         return acc_ref[...]
                     codes = w_smem[wg_slice]
                     scales = (byte_smem, top)
-                    if register_form:  # each decoded piece the register operand of its product
-                        for piece in range(PIECES):
-                            decoded = _decode_mx_piece(codes, piece, scales, wg_slice, scaling.half_bits)
-                            plgpu.wgmma(acc_ref, decoded, x_parts[piece].transpose((1, 0)))
+                    if swap and not interpret:  # the decoded step as the register operand
+                        decoded = _decode_mx_step(codes, scales, wg_slice, scaling.half_bits, False, True)
+                        plgpu.wgmma(acc_ref, decoded, x_smem.transpose((1, 0)))
                         return acc_ref[...]
                     # The last step's wgmma read the slot before its product was read back.
                     slot = stage.at[wg]
@@ -410,17 +397,6 @@ def _decode_mx_step(codes, scales, wg_slice, half_bits: bool, interpret: bool, f
         pieces.append(mosaic.e2m1_piece(codes, piece, bits, jnp.float16, interpret) * factor)
     decoded = mosaic.join_columns(pieces, interpret).astype(jnp.float8_e4m3fn)
     return mosaic.eight_bit_fragments(decoded) if fragment else decoded
-
-
-def _decode_mx_piece(codes, piece: int, scales, wg_slice, half_bits: bool):
-    """Unit ``piece`` of a K step's MXFP4 codes as e4m3 ``[rows, 32]`` in the
-    8-bit WGMMA layout (the register operand of the piece's product; compiled
-    only): :func:`_decode_mx_step`'s values for that unit, in the same places."""
-    byte_smem, top = scales
-    bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
-    factor = step_factor(byte_smem[piece, wg_slice], top)[:, None]
-    values = mosaic.e2m1_piece(codes, piece, bits, jnp.float16, False) * factor
-    return mosaic.eight_bit_fragments(values.astype(jnp.float8_e4m3fn))
 
 
 def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows: int, m: int, k: int):
