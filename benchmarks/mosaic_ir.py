@@ -4,6 +4,8 @@ kernel (its decode, staging, barriers) can be judged before a GPU run.
 
     python -m benchmarks.mosaic_ir --fmt int4_g128 --shape 8,4096,4096 --rows 2048 \\
         --config 128,256,128,4,3,mosaic,group_m=8 --out build/mosaic_int4.mlir
+    python -m benchmarks.mosaic_ir --fmt w4a8_mxfp4 --shape 8,1024,1024 --rows 512 \
+        --config mosaic_fp8:block_m=64,block_n=256,swap_ab=1
 
 The module is the one the Mosaic GPU custom call carries: after layout
 inference and the lowering of the Mosaic dialect (per-thread ``vector``,
@@ -30,6 +32,8 @@ KEY_OPS = {
     "nvvm.fence.proxy": "generic-to-async proxy fences",
     "nvvm.cp.async.bulk.tensor": "TMA copies",
     "wgmma.mma_async": "wgmma instructions",
+    "wgmma.commit_group": "wgmma commits (a product issued)",
+    "prmt.b32": "byte permutes",
     "mbarrier": "mbarrier operations",
     "vector<2xbf16>": "packed bf16 arithmetic",
     "vector<2xi16>": "packed 16-bit integer operations",
@@ -57,14 +61,20 @@ def capture_mosaic_modules():
         core._run_serde_pass = serialize
 
 
+FP8_FORMATS = ("w8a8_fp8_block128", "w4a8_mxfp4")  # the fp8 kernel's: e4m3 blocks / MXFP4, fp8 group-128 inputs
+
+
 def mosaic_ir(fmt: str, shape: tuple[int, int, int], rows: int, tuning) -> str:
     """The module text of the Mosaic GEMM for ``rows`` rows of x times an
     ``[E, N, K]`` weight in ``fmt`` ("bf16", or int4/uint4 decoded in the
-    kernel), lowered for the GPU."""
+    kernel; :data:`FP8_FORMATS` on the fp8 kernel), lowered for the GPU."""
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels.gemm import mosaic
+
+    if fmt in FP8_FORMATS:
+        return _fp8_module(fmt, shape, rows, tuning)
 
     e, n, k = shape
     tiles = tuning
@@ -88,6 +98,36 @@ def mosaic_ir(fmt: str, shape: tuple[int, int, int], rows: int, tuning) -> str:
     return texts[-1]
 
 
+def _fp8_module(fmt: str, shape: tuple[int, int, int], rows: int, tiles) -> str:
+    """The fp8 kernel's module (``mosaic_fp8:`` tiles): e4m3 128 x 128 blocks
+    or MXFP4 codes (the pair decoder's bit order, scales ``[E, N, K/32]``)
+    times fp8 inputs with a scale a row and 128 columns."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gemm import mosaic_fp8
+
+    e, n, k = shape
+    x = jax.ShapeDtypeStruct((rows, k), jnp.float8_e4m3fn)
+    x_scale = jax.ShapeDtypeStruct((rows, k // mosaic_fp8.BLOCK_K), jnp.float32)
+    offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
+    if fmt == "w4a8_mxfp4":
+        scaling = mosaic_fp8.Scaling("group", "mx", half_bits=True)
+        w = jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8)
+        w_scale = jax.ShapeDtypeStruct((e, n, k // mosaic_fp8.MX_GROUP), jnp.uint8)
+    else:
+        scaling = mosaic_fp8.Scaling("group", "block")
+        w = jax.ShapeDtypeStruct((e, n, k), jnp.float8_e4m3fn)
+        blocks = mosaic_fp8.BLOCK_K
+        w_scale = jax.ShapeDtypeStruct((e, n // blocks, k // blocks), jnp.float32)
+    run = functools.partial(mosaic_fp8.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16)
+    with capture_mosaic_modules() as texts:
+        jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets).lower(lowering_platforms=("cuda",))
+    return texts[-1]
+
+
 def op_histogram(text: str) -> collections.Counter:
     """Operation names of a module's text, counted."""
     names = re.findall(r"(?:= |^\s+)([a-z_]+\.[a-z_.0-9]+)", text, re.M)
@@ -102,10 +142,10 @@ def key_counts(text: str) -> dict[str, int]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fmt", default="int4_g128", choices=("bf16", "int4_g128", "uint4_zp_g128"))
+    parser.add_argument("--fmt", default="int4_g128", choices=("bf16", "int4_g128", "uint4_zp_g128", *FP8_FORMATS))
     parser.add_argument("--shape", default="8,4096,4096", help="E,N,K of the weight")
     parser.add_argument("--rows", type=int, default=2048)
-    parser.add_argument("--config", required=True, help="as inspect_gemm's, with mosaic")
+    parser.add_argument("--config", required=True, help="as inspect_gemm's: mosaic (mosaic_fp8 for the fp8 formats)")
     parser.add_argument("--out", help="write the module text here")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)

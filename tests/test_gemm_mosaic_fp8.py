@@ -485,3 +485,18 @@ def test_tiles_text_names_the_kernel():
     tiles = dataclasses.replace(TILES, group_m=8)
     assert tiles_text.gemm_to_text(tiles) == "mosaic_fp8:block_m=64,block_n=256,stages=2"
     assert tiles_text.gemm_from_text("mosaic_fp8:block_m=64,block_n=256,stages=2") == tiles
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("fmt", [pytest.param("w4a8_mxfp4", marks=FULL), pytest.param("w8a8_fp8_block128", marks=FULL)])
+def test_the_offline_ir_tool_reads_the_fp8_kernel(fmt):
+    """``benchmarks.mosaic_ir`` lowers the fp8 kernel's tiles too: a K step's
+    4 fp8 products (K = 32 each) per warpgroup slab in the module, TMA copies,
+    and for W4A8 the e2m1 decode's 16-bit integer operations."""
+    from benchmarks import mosaic_ir
+
+    tiles = SWAP_WIDE if fmt == "w4a8_mxfp4" else TILES
+    counts = mosaic_ir.key_counts(mosaic_ir.mosaic_ir(fmt, (3, 512, 256), 300, tiles))
+    assert counts["wgmma.mma_async"] % 4 == 0 and counts["wgmma.mma_async"] >= 4
+    assert counts["nvvm.cp.async.bulk.tensor"] > 0
+    assert (counts["vector<2xi16>"] > 0) == (fmt == "w4a8_mxfp4")
