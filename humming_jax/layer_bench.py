@@ -40,6 +40,9 @@ GEMM_STAGES = ("w13", "w2")
 INPUT_SETS = 4  # routings rotated per timing
 REFERENCE_MAX_BYTES = 2**32  # f32 bytes of a dequantized weight past which the error is not checked
 HOST_CALLS = 30
+# One H100 / H200 SXM's NVLink 4 bandwidth in each direction (18 links of 25 GB/s): the
+# peak an EP rank's exchange is held to (its dispatch and combine send and receive at once).
+LINK_GBPS = 450.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +241,7 @@ def time_layer(case: LayerCase, seed: int = 0, with_stages: bool = True) -> dict
         stage_us=stage_us,
         gemm_us=gemm_us,
         outside_share=None if gemm_us is None else 1.0 - gemm_us / staged_us,
-        **(_ep_fields(case, np.asarray(sets[0]["topk_ids"])) if case.pipeline.startswith("ep") else {}),
+        **(_ep_fields(case, np.asarray(sets[0]["topk_ids"]), stage_us) if case.pipeline.startswith("ep") else {}),
         **_host_times(fn, sets[0], layer_s * 1e6),
         torch_layer_us=time_torch_layer(case, np.asarray(sets[0]["topk_ids"])),
         error=_reference_error(case, sets[0], out),
@@ -249,10 +252,15 @@ def _redundant(case: LayerCase) -> int:
     return EP_REDUNDANT if case.pipeline == "ep_balanced" else 0
 
 
-def _ep_fields(case: LayerCase, ids: np.ndarray) -> dict:
+def _ep_fields(case: LayerCase, ids: np.ndarray, stage_us: dict) -> dict:
     """Ranks, bytes a rank sends, and the slots each rank serves on the timed
     routing without copies (``loads``) and with the case's copies
-    (``balanced_loads``, :func:`parallel.balance_plan`)."""
+    (``balanced_loads``, :func:`parallel.balance_plan`); with the stages
+    timed, the exchange's bandwidth: the bytes that leave a rank for the
+    others (``link_bytes_per_rank``: its sent bytes times (R - 1) / R, the
+    even routing's share) over the dispatch and combine time
+    (``exchange_gbps``), and that against :data:`LINK_GBPS`
+    (``link_fraction``; one rank: nothing crosses a link)."""
     ranks = ep_mesh(case).shape["expert"]
     e = bench.PROBLEMS[case.problem][0]
     flat = ids.reshape(-1)
@@ -263,10 +271,17 @@ def _ep_fields(case: LayerCase, ids: np.ndarray) -> dict:
         balanced = parallel.rank_loads(
             counts, ranks, *parallel.balance_plan(jnp.asarray(counts), ranks, _redundant(case))
         )
+    sent = _sent_bytes(case, ranks)
+    link_bytes = sent * (ranks - 1) // ranks
+    exchange_us = stage_us.get("dispatch", 0.0) + stage_us.get("combine", 0.0)
+    gbps = link_bytes / exchange_us / 1e3 if exchange_us > 0 and link_bytes else None
     return dict(
         ranks=ranks,
         redundant=_redundant(case),
-        sent_bytes_per_rank=_sent_bytes(case, ranks),
+        sent_bytes_per_rank=sent,
+        link_bytes_per_rank=link_bytes,
+        exchange_gbps=gbps,
+        link_fraction=None if gbps is None else gbps / LINK_GBPS,
         loads=np.asarray(loads).tolist(),
         balanced_loads=np.asarray(balanced).tolist(),
     )
@@ -332,7 +347,8 @@ def format_row(r: dict) -> str:
     if r["pipeline"].startswith("ep"):
         stage_text += " " + (
             f"ranks={r['ranks']} B={r['redundant']} sent={r['sent_bytes_per_rank']} B/rank "
-            f"loads={r['loads']} balanced={r['balanced_loads']}"
+            + (f"link={r['exchange_gbps']:.0f} GB/s ({100 * r['link_fraction']:.0f}%) " if r["exchange_gbps"] else "")
+            + f"loads={r['loads']} balanced={r['balanced_loads']}"
         )
     gemm = "" if r["gemm_us"] is None else f"{r['gemm_us']:.1f}"
     outside = "" if r["outside_share"] is None else f"{100 * r['outside_share']:.0f}%"

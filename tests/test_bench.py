@@ -86,6 +86,11 @@ def test_layer_bench_writes_json(tiny, compiled_once, tmp_path, monkeypatch, cap
     grouped, ep = rows
     # Four simulated ranks, one token each: 2 slots of an int4 x bf16 row (2H bytes), its id, a bf16 row back.
     assert ep["ranks"] == 4 and ep["sent_bytes_per_rank"] == 2 * (2 * 64 + 4 + 2 * 64)
+    # 3 of 4 ranks' rows cross a link: their bytes over the dispatch and combine time, against NVLink's peak.
+    assert ep["link_bytes_per_rank"] == ep["sent_bytes_per_rank"] * 3 // 4
+    exchange_us = ep["stage_us"]["dispatch"] + ep["stage_us"]["combine"]
+    assert ep["exchange_gbps"] == pytest.approx(ep["link_bytes_per_rank"] / exchange_us / 1e3)
+    assert ep["link_fraction"] == pytest.approx(ep["exchange_gbps"] / layer_bench.LINK_GBPS)
     assert list(ep["stage_us"]) == ["dispatch", "experts", "combine"] and all(v > 0 for v in ep["stage_us"].values())
     assert ep["gemm_us"] is None and ep["error"] < 1e-2 and ep["us"] > 0
     assert ep["redundant"] == 0 and ep["loads"] == ep["balanced_loads"] and sum(ep["loads"]) == 4 * 2
