@@ -36,8 +36,6 @@ BOUND = 1e-5 if KERNEL_BACKEND == "interpret" else 1e-3
 E, N, K, M = 4, 256, 256, 40
 TILES = kernel.Tiles(64, 256, stages=2, group_m=2)  # the heuristic's tile, fewer stages
 SQUARE = kernel.Tiles(128, 128, stages=2, group_m=2)  # 128-row tiles, 64 columns a warpgroup
-# Clusters of two programs on adjacent column tiles of one row tile, x (and its row scales) multicast.
-PAIR = kernel.Tiles(128, 128, stages=2, group_m=2, cluster_n=2)
 
 WEIGHT_OF = {"block": "fp8_block128", "channel": "fp8_channel", "tensor": "fp8_tensor"}
 INPUT_OF = {"group": "fp8_dynamic_group128", "token": "fp8_dynamic_token", "tensor": "fp8_static_tensor"}
@@ -79,8 +77,6 @@ def _check(out, x, weight, layout):
     "x_mode,w_mode,tiles",
     [
         ("group", "block", TILES),  # DeepSeek-V3's W8A8: both scales per step
-        ("group", "block", PAIR),  # a cluster pair: x and its per-step scales multicast
-        pytest.param("token", "channel", PAIR, marks=FULL),
         pytest.param("group", "block", SQUARE, marks=FULL),
         ("token", "channel", TILES),  # every scale on the sum
         pytest.param("token", "channel", SQUARE, marks=FULL),
@@ -121,7 +117,6 @@ def test_layouts_e5m2_and_bias(layout_kind, quant_name, bias, rng):
     [
         ("fp8_block128", "fp8_dynamic_group128", TILES),
         ("mxfp4", "fp8_dynamic_group128", SQUARE),
-        pytest.param("fp8_block128", "fp8_dynamic_group128", PAIR, marks=FULL),
         pytest.param("fp8_channel", "fp8_dynamic_token", SQUARE, marks=FULL),
         pytest.param("mxfp4", "fp8_dynamic_token", TILES, marks=FULL),
     ],
@@ -203,7 +198,6 @@ def test_mxfp4_decoded_to_e4m3(half_bits, quant_name, tiles, k_major, rng):
 
 SWAP = kernel.Tiles(128, 128, stages=2, group_m=2, swap_ab=True)  # out.T, the decoded step the A operand
 SWAP_WIDE = kernel.Tiles(64, 256, stages=2, group_m=2, swap_ab=True)
-SWAP_PAIR = dataclasses.replace(SWAP, cluster_n=2)
 
 
 @pytest.mark.parametrize(
@@ -212,7 +206,6 @@ SWAP_PAIR = dataclasses.replace(SWAP, cluster_n=2)
         (True, "fp8_dynamic_group128", SWAP, "grouped_contiguous", False),
         (False, "fp8_dynamic_token", SWAP_WIDE, "grouped_contiguous", True),
         (True, "fp8_dynamic_group128", SWAP, "indexed", False),
-        pytest.param(True, "fp8_dynamic_group128", SWAP_PAIR, "grouped_contiguous", False, marks=FULL),
         pytest.param(True, "fp8_dynamic_token", SWAP_WIDE, "grouped_masked", True, marks=FULL),
         pytest.param(False, "fp8_e5m2_dynamic_token", SWAP, "dense", False, marks=FULL),
     ],
@@ -248,10 +241,8 @@ def test_mxfp4_swap_ab(half_bits, quant_name, tiles, layout_kind, bias, rng):
         pytest.param("mxfp4", SQUARE, marks=FULL),  # W4A8, the decoded step staged
         pytest.param("mxfp4", SWAP_WIDE, marks=FULL),  # the register operand (compiled; interpreted, staged)
         pytest.param("mxfp4", SWAP, marks=FULL),
-        pytest.param("fp8_block128", PAIR, marks=FULL),
-        pytest.param("mxfp4", SWAP_PAIR, marks=FULL),
     ],
-    ids=["w8a8", "w4a8-staged", "w4a8-swap-64x256", "w4a8-swap-128x128", "w8a8-pair", "w4a8-swap-pair"],
+    ids=["w8a8", "w4a8-staged", "w4a8-swap-64x256", "w4a8-swap-128x128"],
 )
 def test_tiles_after_tiles_in_one_program(weight_name, tiles, two_programs, rng):
     """Two programs take a dozen tiles or more each (row tiles of three
@@ -509,40 +500,3 @@ def test_the_offline_ir_tool_reads_the_fp8_kernel(fmt):
     assert counts["wgmma.mma_async"] % 4 == 0 and counts["wgmma.mma_async"] >= 4
     assert counts["nvvm.cp.async.bulk.tensor"] > 0
     assert (counts["vector<2xi16>"] > 0) == (fmt == "w4a8_mxfp4")
-
-
-def test_cluster_pairs_refused_on_an_odd_number_of_column_tiles(rng):
-    """A cluster pair takes two column tiles of one row tile: N must hold an
-    even number of them; the tiles' text names the field."""
-    from humming_jax import tiles_text
-
-    weight, x = _weight(rng, "fp8_block128"), _input(rng, "fp8_dynamic_group128")
-    layout = gemm_layouts.layouts(rng, E, M)["grouped_contiguous"]
-    call = gemm_call(x, weight, layout, jnp.float32, interpret=True)
-    assert kernel.supports(PAIR, call) is None
-    wide = dataclasses.replace(PAIR, block_m=64, block_n=256)  # N=256: one column tile
-    assert "cluster_n=2 with N=256" in kernel.supports(wide, call)
-    with pytest.raises(ValueError, match="cluster_n"):
-        kernel.Tiles(cluster_n=3)
-    text = tiles_text.gemm_to_text(PAIR)
-    assert "cluster_n=2" in text and tiles_text.gemm_from_text(text) == PAIR
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("scaling", [kernel.Scaling("group", "block"), kernel.Scaling("group", "mx", True)], ids=str)
-def test_cluster_pairs_lower_for_the_gpu(scaling):
-    """Clusters of two (x's TMA multicast, the pair's column tiles) lower, for
-    W8A8 and for W4A8's register form."""
-    mx = scaling.mx
-    tiles = SWAP_PAIR if mx else PAIR
-    x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
-    x_scale = jax.ShapeDtypeStruct((300, 2), jnp.float32)
-    if mx:
-        w, w_scale = jax.ShapeDtypeStruct((3, 512, 128), jnp.uint8), jax.ShapeDtypeStruct((3, 512, 8), jnp.uint8)
-    else:
-        w = jax.ShapeDtypeStruct((3, 512, 256), jnp.float8_e4m3fn)
-        w_scale = jax.ShapeDtypeStruct((3, 4, 2), jnp.float32)
-    offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
-    run = functools.partial(kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16)
-    lowered = jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets)
-    assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()

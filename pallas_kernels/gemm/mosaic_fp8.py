@@ -68,15 +68,9 @@ class Tiles:
     # (fragment_columns: a pass over x, not over every expert's codes).
     # Compiled only: the interpreter runs the product from shared memory.
     swap_ab: bool = False
-    # Programs in clusters of ``cluster_n`` (1 or 2) on adjacent column tiles of one row
-    # tile: x's step (and its row scales) loaded once by TMA and multicast to both, so
-    # the shared-memory traffic from L2 a step falls from x + w to x / 2 + w a program.
-    cluster_n: int = 1
 
     def __post_init__(self):
         check_positive(self, ("block_m", "block_n", "stages", "group_m"))
-        if self.cluster_n not in (1, 2):
-            raise ValueError(f"mosaic_fp8.Tiles.cluster_n: 1 or 2, got {self.cluster_n!r}")
 
     @property
     def wg_m(self) -> int:
@@ -128,8 +122,6 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
         return f"swap_ab with block_n={tiles.block_n} (a warpgroup's columns are the wgmma's rows: multiples of 64)"
     if n % tiles.block_n:
         return f"N={n}, not a multiple of block_n={tiles.block_n}"
-    if (n // tiles.block_n) % tiles.cluster_n:
-        return f"cluster_n={tiles.cluster_n} with N={n} (pairs of column tiles: a multiple of {2 * tiles.block_n})"
     if k % BLOCK_K:
         return f"K={k}, not a multiple of {BLOCK_K}"
     return None
@@ -227,11 +219,7 @@ def _kernel(
     def per_n(acc, values):  # values [wg_n] (the weight's columns)
         return acc * (values[:, None] if swap else values[None, :])
 
-    shared_x = ("cluster",) if tiles.cluster_n > 1 else ()  # a cluster's programs share the row tile
-    x_spec = plgpu.BlockSpec(
-        (bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype), collective_axes=shared_x
-    )
-    in_specs = [x_spec]
+    in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))]
     if scaling.mx:  # the step's codes and its pieces' scale bytes
         in_specs += [
             plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
@@ -244,7 +232,7 @@ def _kernel(
             )
         )
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
-        in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0), collective_axes=shared_x))
+        in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
     pipeline = functools.partial(mosaic.k_pipeline, steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages)
 
@@ -275,14 +263,10 @@ def _kernel(
         wg = lax.axis_index("wg")
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
 
-        cn = tiles.cluster_n
-
-        @plgpu.nd_loop((row_tiles * col_tiles // cn,), collective_axes="sm")
+        @plgpu.nd_loop((row_tiles * col_tiles,), collective_axes="sm")
         def _(loop):
             (item,) = loop.index
-            row_tile, col_tile = tile_order(item, row_tiles, col_tiles // cn, tiles.group_m)
-            if cn > 1:  # the cluster's programs: adjacent column tiles of one row tile
-                col_tile = col_tile * cn + lax.axis_index("cluster")
+            row_tile, col_tile = tile_order(item, row_tiles, col_tiles, tiles.group_m)
             group, load_row = table_ref[row_tile, 0], pl.multiple_of(table_ref[row_tile, 1], mosaic.ROW_ALIGN)
             first_row, rows = table_ref[row_tile, 2], table_ref[row_tile, 3]
             offset = first_row - load_row
@@ -542,13 +526,11 @@ def expert_gemm_fp8(
         has_bias=bias is not None,
         interpret=interpret,
     )
-    cluster = tiles.cluster_n  # programs a cluster (1 or 2)
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(mosaic.persistent_programs(interpret) // cluster,),
+        grid=(mosaic.persistent_programs(interpret),),
         grid_names=("sm",),
-        **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
         num_threads=mosaic.COMPUTE_WGS + 1,
         thread_name="wg",
         kernel_name="moe_gemm_mosaic_fp8",  # what profilers show
