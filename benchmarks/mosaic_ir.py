@@ -4,7 +4,7 @@ kernel (its decode, staging, barriers) can be judged before a GPU run.
 
     python -m benchmarks.mosaic_ir --fmt int4_g128 --shape 8,4096,4096 --rows 2048 \\
         --config 128,256,128,4,3,mosaic,group_m=8 --out build/mosaic_int4.mlir
-    python -m benchmarks.mosaic_ir --fmt w4a8_mxfp4 --shape 8,1024,1024 --rows 512 \
+    python -m benchmarks.mosaic_ir --fmt w4a8_mxfp4 --shape 8,1024,1024 --rows 512 \\
         --config mosaic_fp8:block_m=64,block_n=256,swap_ab=1
 
 The module is the one the Mosaic GPU custom call carries: after layout

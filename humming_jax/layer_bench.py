@@ -40,8 +40,8 @@ GEMM_STAGES = ("w13", "w2")
 INPUT_SETS = 4  # routings rotated per timing
 REFERENCE_MAX_BYTES = 2**32  # f32 bytes of a dequantized weight past which the error is not checked
 HOST_CALLS = 30
-# One H100 / H200 SXM's NVLink 4 bandwidth in each direction (18 links of 25 GB/s): the
-# peak an EP rank's exchange is held to (its dispatch and combine send and receive at once).
+# NVLink 4's peak in one direction for an H100 / H200 SXM GPU (its data sheet): what an EP
+# rank's exchange is held to (its dispatch and combine send and receive at once).
 LINK_GBPS = 450.0
 
 
