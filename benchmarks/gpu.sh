@@ -73,13 +73,14 @@ case $step in
           XLA_FLAGS="$XLA_FLAGS --xla_dump_to=$out/xla" python3 -W ignore -m benchmarks.inspect_gemm "$@" \
           2>&1 | tee "$out/sass.log" | tail -20 ;;
   # One cudaMalloc per buffer (no XLA pool), so that a store past a buffer is an error, not another buffer's bytes.
+  # XLA's autotuner off: under a sanitizer each candidate it launches is slow, and it checks none of ours.
   sanitize) tool=${1:?memcheck, racecheck, initcheck or synccheck}; shift
-    XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
+    XLA_FLAGS="$XLA_FLAGS --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
       python3 -m pytest -q -p no:cacheprovider -p no:xdist -W ignore::DeprecationWarning \
       "${@:-tests/test_process_input.py}" 2>&1 | tee "$out/sanitize_$tool.log" | tail -30 ;;
   # benchmarks.hostile_gemms under a sanitizer (SANITIZER, default memcheck): every GEMM family at
   # 65,536 rows on hostile layouts, each checked against the reference.
-  hostile) XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "${SANITIZER:-memcheck}" --error-exitcode 3 \
+  hostile) XLA_FLAGS="$XLA_FLAGS --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "${SANITIZER:-memcheck}" --error-exitcode 3 \
              --print-limit 20 python3 -W ignore -m benchmarks.hostile_gemms --out "$out/hostile.json" "$@" 2>&1 |
              tee "$out/hostile.log" | tail -30 ;;
   soak) python3 -W ignore -m benchmarks.soak --out "$out/soak.json" "$@" 2>&1 | tee "$out/soak.log" | tail -20 ;;

@@ -251,25 +251,64 @@ def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
     assert np.all(got[offsets[-1] :] == 0)
 
 
+# The 4-bit prefill entries' tile (the H200 table's): 128 rows, the decoded pieces
+# as the register operand, clusters of two.
+PREFILL_4BIT = dict(block_m=128, block_k=128, swap_ab=True, word_decode=True, cluster_n=2)
+
+
 @pytest.mark.parametrize(
-    "fmt,options",
+    "fmt,options,k",
     [
-        pytest.param(None, {"block_k": 64}, marks=FULL),  # bf16, staged
-        pytest.param(F.INT4_G128, {"word_decode": True}, marks=FULL),
-        # The 4-bit prefill entries' form: the decoded pieces as the register operand, clusters of two.
-        pytest.param(F.INT4_G128, {"swap_ab": True, "word_decode": True, "cluster_n": 2}, marks=ON_GPU_ONLY),
-        pytest.param(F.MXFP4, {"swap_ab": True, "word_decode": True}, marks=ON_GPU_ONLY),
+        pytest.param(None, {"block_k": 64}, 1024, marks=FULL),  # bf16, staged
+        pytest.param(F.INT4_G128, {"word_decode": True}, 1024, marks=FULL),
+        pytest.param(F.INT4_G128, {"swap_ab": True, "word_decode": True, "cluster_n": 2}, 1024, marks=ON_GPU_ONLY),
+        pytest.param(F.MXFP4, {"swap_ab": True, "word_decode": True}, 1024, marks=ON_GPU_ONLY),
+        # The table's own tile, with twice the K steps: more of each tile's
+        # steps run while the slots of the tile before are being refilled.
+        pytest.param(F.INT4_G128, PREFILL_4BIT, 2048, marks=ON_GPU_ONLY),
+        pytest.param(F.MXFP4, PREFILL_4BIT, 2048, marks=ON_GPU_ONLY),
     ],
-    ids=["bf16", "int4-words", "int4-swap-words-cluster-pair", "mxfp4-swap-words"],
+    ids=[
+        "bf16",
+        "int4-words",
+        "int4-swap-words-cluster-pair",
+        "mxfp4-swap-words",
+        "int4-prefill-tile",
+        "mxfp4-prefill-tile",
+    ],
 )
-def test_tiles_after_tiles_in_one_program(fmt, options, two_programs, rng):
+def test_tiles_after_tiles_in_one_program(fmt, options, k, two_programs, rng):
     """Two programs take some twenty tiles each (row tiles of three experts,
-    two column tiles, eight K steps): every tile's result is the float64
-    product's, the rows no expert owns zeros — what a pipeline slot released
-    too early or a tile's epilogue racing the next tile's loads would break."""
-    m, n, k = 600, 512, 1024
+    two column tiles, eight or sixteen K steps): every tile's result is the
+    float64 product's, the rows no expert owns zeros — what a pipeline slot
+    released too early or a tile's epilogue racing the next tile's loads would
+    break."""
+    m, n = 600, 512
     offsets = np.asarray([0, 250, 250, 560], np.int32)
-    weights = jnp.asarray(rng.normal(0, 0.05, (3, n, k)), jnp.float32)
+    out = _many_tiles_product(fmt, options, offsets, m, n, k, rng)
+    _check_many_tiles(*out, offsets)
+
+
+@ON_GPU_ONLY
+@pytest.mark.parametrize("fmt", [F.INT4_G128, F.MXFP4], ids=["int4", "mxfp4"])
+def test_prefill_tile_on_the_whole_grid(fmt, rng):
+    """The prefill tile at a prefill shape on the full persistent grid (16
+    uneven experts, 8,192 rows, K of 2,048: each program loops over tiles
+    while every SM loads): the timing under which a slot released a step late
+    was overwritten at T=4096 in the benchmark (gemm.md, v39) though the
+    two-program test passed."""
+    sizes = np.asarray([0, 1000, 17, 640, 0, 900, 64, 300, 1200, 5, 700, 512, 333, 800, 1, 720], np.int32)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    m, n, k = 8192, 1024, 2048
+    out = _many_tiles_product(fmt, PREFILL_4BIT, offsets, m, n, k, rng)
+    _check_many_tiles(*out, offsets)
+
+
+def _many_tiles_product(fmt, options, offsets, m: int, n: int, k: int, rng):
+    """The kernel's product of random inputs over ``offsets``' experts
+    (``fmt`` None: bf16 weights) with ``options`` as its tiles, and the
+    float64 NumPy product of the same rounded operands."""
+    weights = jnp.asarray(rng.normal(0, 0.05, (len(offsets) - 1, n, k)), jnp.float32)
     mx = fmt is F.MXFP4
     quantized = fmt is not None
     weight = (
@@ -279,15 +318,24 @@ def test_tiles_after_tiles_in_one_program(fmt, options, two_programs, rng):
     )
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
     options = {"block_k": 128, **options}
-    tuning = mosaic.Tiles(64, 256, stages=3, group_m=2, **options)
+    block_m = options.pop("block_m", 64)
+    tuning = mosaic.Tiles(block_m, 256, stages=3, group_m=2, **options)
     out_dtype, tolerance = (jnp.bfloat16, 5e-3) if options.get("swap_ab") else (jnp.float32, 1e-5)
     layout = hj.GroupedContiguous(jnp.asarray(offsets))
     out = hj.gemm(x, weight, layout, out_dtype=out_dtype, tuning=tuning, backend=KERNEL_BACKEND)
     rounded = F.dequantize_weight(weight).astype(jnp.bfloat16) if quantized else weight
-    want = _expected(x, rounded, offsets, m)
-    got = np.asarray(out.astype(jnp.float32), np.float64)
+    return np.asarray(out.astype(jnp.float32), np.float64), _expected(x, rounded, offsets, m), tolerance
+
+
+def _check_many_tiles(got, want, tolerance: float, offsets) -> None:
     assert np.all(np.isfinite(got))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < tolerance
+    # Every expert's rows, not only the whole: a few corrupted tiles would hide in the norm.
+    for e in range(len(offsets) - 1):
+        rows = slice(offsets[e], offsets[e + 1])
+        if offsets[e + 1] > offsets[e]:
+            scale = max(np.linalg.norm(want[rows]), 1e-30)
+            assert np.linalg.norm(got[rows] - want[rows]) / scale < 2 * tolerance, f"expert {e}"
     assert np.all(got[offsets[-1] :] == 0)
 
 
