@@ -49,18 +49,25 @@ def pack_pairs(low: jax.Array, high: jax.Array) -> jax.Array:
     return (low.astype(jnp.int32) | (high.astype(jnp.int32) << 4)).astype(jnp.uint8)
 
 
-def pow2(exponent: jax.Array) -> jax.Array:
-    """``2**exponent`` in f32, exactly, for int32 exponents in ``[-127, 127]``
-    (``2**-127`` is the subnormal 0x00400000)."""
+def pow2(exponent: jax.Array, dtype=jnp.float32, normal_only: bool = False) -> jax.Array:
+    """``2**exponent`` (int32) in ``dtype`` (f32, bf16 or f16) from its bits:
+    exact down to the smallest subnormal, zero below it. ``normal_only``: the
+    caller keeps ``exponent`` in the normal range (one shift, no compare and
+    select: for the kernels' per-value factors)."""
+    info = jnp.finfo(dtype)
+    mantissa, bias = int(info.nmant), -int(info.minexp) + 1
     exponent = exponent.astype(jnp.int32)
-    bits = jnp.where(exponent > -E8M0_BIAS, (exponent + E8M0_BIAS) << 23, 0x00400000)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def pow2_f16(exponent: jax.Array) -> jax.Array:
-    """``2**exponent`` in f16 from its bits, for int32 exponents in ``[-14, 15]``
-    (normal numbers only: the callers clamp their exponents into that range)."""
-    return jax.lax.bitcast_convert_type(((exponent + 15) << 10).astype(jnp.int16), jnp.float16)
+    if normal_only:
+        bits = (exponent + bias) << mantissa
+    else:
+        subnormal = exponent + bias - 1 + mantissa
+        bits = jnp.where(
+            exponent >= 1 - bias,
+            (exponent + bias) << mantissa,
+            jnp.where(subnormal >= 0, 1 << jnp.maximum(subnormal, 0), 0),
+        )
+    int_type = jnp.int16 if jnp.dtype(dtype).itemsize == 2 else jnp.int32
+    return jax.lax.bitcast_convert_type(bits.astype(int_type), dtype)
 
 
 E8M0_NAN = 255  # the OCP MX encoding of a NaN scale

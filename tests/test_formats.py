@@ -111,6 +111,21 @@ def test_e8m0_decodes_exactly():
     np.testing.assert_array_equal(unchecked.view(np.uint32), expected.view(np.uint32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
+def test_pow2_is_exact_to_the_smallest_subnormal(dtype):
+    """2**e from its bits against NumPy's ldexp in float64, rounded once: every
+    normal and subnormal power, zero below; ``normal_only`` equal on the normals."""
+    info = jnp.finfo(dtype)
+    lowest = int(info.minexp) - int(info.nmant)  # the smallest subnormal's exponent
+    exponent = np.arange(lowest - 3, int(info.maxexp), dtype=np.int32)
+    got = np.asarray(codecs.pow2(jnp.asarray(exponent), dtype).astype(jnp.float32), np.float64)
+    want = np.where(exponent >= lowest, np.ldexp(1.0, exponent), 0.0)
+    np.testing.assert_array_equal(got, want)
+    normal = exponent[exponent >= int(info.minexp)]
+    fast = codecs.pow2(jnp.asarray(normal), dtype, normal_only=True).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(fast, np.float64), np.ldexp(1.0, normal))
+
+
 def test_e8m0_from_amax_is_smallest_sufficient_power(rng):
     amax = np.abs(rng.normal(0, 100, 1000)).astype(np.float32)
     amax[:4] = [6.0, 12.0, 3.0, 1e-30]

@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, vector
 
-from pallas_kernels import word_decode
+from pallas_kernels import codecs, word_decode
 from pallas_kernels.gemm.spec import GemmCall, WeightSpec, check_positive, tile_order
 
 # Folded e2m1 weights are the true ones times 2**-E2M1_FOLDED_EXPONENT, the sum multiplied back.
@@ -590,21 +590,6 @@ def eight_bit_fragments(array):
     return regroup(array)
 
 
-def power_of_two(exponent: jax.Array, dtype) -> jax.Array:
-    """``2**exponent`` (int32) in ``dtype`` (f16, bf16 or f32) from its bits:
-    exact down to the smallest subnormal, zero below it."""
-    info = jnp.finfo(dtype)
-    mantissa, bias = info.nmant, -int(info.minexp) + 1
-    subnormal = exponent + bias - 1 + mantissa
-    bits = jnp.where(
-        exponent >= 1 - bias,
-        (exponent + bias) << mantissa,
-        jnp.where(subnormal >= 0, 1 << jnp.maximum(subnormal, 0), 0),
-    )
-    int_type = jnp.int16 if jnp.dtype(dtype).itemsize == 2 else jnp.int32
-    return lax.bitcast_convert_type(bits.astype(int_type), dtype)
-
-
 def _kernel(
     table_ref,
     x_gmem,
@@ -878,7 +863,7 @@ def _nibble_operands(w: WeightSpec, weight_arrays: tuple[jax.Array, ...], dtype)
         scale = jnp.swapaxes(scale, 1, 2)
     if w.value_type == "float4_e2m1":  # a unit's factor 2**(s - 127 - E2M1_FOLDED_EXPONENT) / 2**-6
         raw = scale.astype(jnp.int32)
-        factors = power_of_two(raw - 127 - E2M1_FOLDED_EXPONENT + 6, jnp.bfloat16)
+        factors = codecs.pow2(raw - 127 - E2M1_FOLDED_EXPONENT + 6, jnp.bfloat16)
         factors = jnp.where(raw == 255, jnp.nan, factors).astype(jnp.bfloat16)
         return codes, factors, None, NibbleDecode(k // E2M1_UNIT, e2m1=True, half_bits=w.half_bits)
     groups = k // UNIT

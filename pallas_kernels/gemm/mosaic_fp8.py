@@ -376,7 +376,7 @@ def step_factor(raw, top):
     columns' largest (int32), made from the f16 bits (the gap clamped at
     :data:`MAX_GAP`: never subnormal)."""
     gap = jnp.minimum(top - raw.astype(jnp.int32), MAX_GAP)
-    return codecs.pow2_f16(2 * E2M1_EXPONENT - gap)
+    return codecs.pow2(2 * E2M1_EXPONENT - gap, jnp.float16, normal_only=True)
 
 
 def _decode_mx_step(codes, scales, wg_slice, half_bits: bool, interpret: bool, fragment: bool = False):
@@ -452,7 +452,7 @@ def mx_operands(values: jax.Array, scale: jax.Array, k_major: bool = False) -> t
     codes = mosaic.planar_words(values)
     raw = scale if k_major else jnp.swapaxes(scale, 1, 2)
     top = jnp.max(raw, axis=1).astype(jnp.int32)
-    columns = mosaic.power_of_two(top - 127 - E2M1_EXPONENT, jnp.float32)
+    columns = codecs.pow2(top - 127 - E2M1_EXPONENT, jnp.float32)
     columns = jnp.where(top == E8M0_NAN, jnp.nan, columns)
     return codes, raw, top, columns
 

@@ -503,7 +503,7 @@ def _shift_tile(scale_ref, w: WeightSpec, expert, n_idx, k_start, width: int, wa
     groups, run, mask = _group_runs(w, k_start, width, ways, n_mask, k_masked)
     raw = _load(_group_scale_at(scale_ref, w, expert, n_idx[:, None], groups), mask).astype(jnp.int32)
     gap = jnp.clip(raw - top[:, None], E2M1_SHIFT_MIN_GAP, 0)
-    return _along_runs(codecs.pow2_f16(gap + 2 * E2M1_SHIFT_EXPONENT), width, run)
+    return _along_runs(codecs.pow2(gap + 2 * E2M1_SHIFT_EXPONENT, jnp.float16, normal_only=True), width, run)
 
 
 def _f16_to_e4m3(values, on_gpu: bool):
