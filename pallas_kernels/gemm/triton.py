@@ -104,8 +104,6 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
             return "dequantize_input with an unquantized input (nothing to dequantize)"
         call = call.with_dequantized_input()
     w, layout, xs = call.weight, call.layout, call.x_scale
-    if w.e4m3_words:
-        return "e2m1 codes in the e4m3 word order (the fp8 Mosaic kernel's register form reads them)"
     if call.x_dtype not in FLOAT_INPUTS + QUANTIZED_INPUTS:
         return f"{call.x_dtype} inputs (bfloat16, float16, or e4m3/e5m2/int8 values with a scale)"
     if call.x_dtype in QUANTIZED_INPUTS and xs.mode == "none":
