@@ -341,7 +341,6 @@ def _weight_spec(weight: F.QuantizedWeight) -> spec.WeightSpec:
         has_group_index=weight.group_index is not None,
         nibble_unit=weight.nibble_unit,
         half_bits=weight.half_bits,
-        e4m3_words=weight.e4m3_words,
         k_major_scales=weight.k_major_scales,
     )
 
