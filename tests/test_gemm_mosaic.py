@@ -16,6 +16,7 @@ import pytest
 
 import humming_jax as hj
 from humming_jax import formats as F
+from humming_jax.tuning import heuristic
 from pallas_kernels.gemm import mosaic, triton
 
 from sweep import FULL
@@ -251,18 +252,25 @@ def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
     assert np.all(got[offsets[-1] :] == 0)
 
 
-# The 4-bit prefill entries' tile (the H200 table's): 128 rows, the decoded pieces
-# as the register operand, clusters of two.
-PREFILL_4BIT = dict(block_m=128, block_k=128, swap_ab=True, word_decode=True, cluster_n=2)
+# The 4-bit prefill tile (the H200 table's int4 entries, the heuristic's MXFP4 one): 128
+# rows, the decoded pieces as the register operand, clusters of two.
+PREFILL_4BIT = heuristic.MX_BF16_MOSAIC
+
+
+def _two_program_tiles(**options) -> mosaic.Tiles:
+    """64 x 256 tiles, 3 stages, bands of 2 row tiles (so both programs meet every band)."""
+    return mosaic.Tiles(64, 256, **{"block_k": 128, "stages": 3, "group_m": 2, **options})
 
 
 @pytest.mark.parametrize(
-    "fmt,options,k",
+    "fmt,tuning,k",
     [
-        pytest.param(None, {"block_k": 64}, 1024, marks=FULL),  # bf16, staged
-        pytest.param(F.INT4_G128, {"word_decode": True}, 1024, marks=FULL),
-        pytest.param(F.INT4_G128, {"swap_ab": True, "word_decode": True, "cluster_n": 2}, 1024, marks=ON_GPU_ONLY),
-        pytest.param(F.MXFP4, {"swap_ab": True, "word_decode": True}, 1024, marks=ON_GPU_ONLY),
+        pytest.param(None, _two_program_tiles(block_k=64), 1024, marks=FULL),  # bf16, staged
+        pytest.param(F.INT4_G128, _two_program_tiles(word_decode=True), 1024, marks=FULL),
+        pytest.param(
+            F.INT4_G128, _two_program_tiles(swap_ab=True, word_decode=True, cluster_n=2), 1024, marks=ON_GPU_ONLY
+        ),
+        pytest.param(F.MXFP4, _two_program_tiles(swap_ab=True, word_decode=True), 1024, marks=ON_GPU_ONLY),
         # The table's own tile, with twice the K steps: more of each tile's
         # steps run while the slots of the tile before are being refilled.
         pytest.param(F.INT4_G128, PREFILL_4BIT, 2048, marks=ON_GPU_ONLY),
@@ -277,7 +285,7 @@ PREFILL_4BIT = dict(block_m=128, block_k=128, swap_ab=True, word_decode=True, cl
         "mxfp4-prefill-tile",
     ],
 )
-def test_tiles_after_tiles_in_one_program(fmt, options, k, two_programs, rng):
+def test_tiles_after_tiles_in_one_program(fmt, tuning, k, two_programs, rng):
     """Two programs take some twenty tiles each (row tiles of three experts,
     two column tiles, eight or sixteen K steps): every tile's result is the
     float64 product's, the rows no expert owns zeros — what a pipeline slot
@@ -285,7 +293,7 @@ def test_tiles_after_tiles_in_one_program(fmt, options, k, two_programs, rng):
     break."""
     m, n = 600, 512
     offsets = np.asarray([0, 250, 250, 560], np.int32)
-    out = _many_tiles_product(fmt, options, offsets, m, n, k, rng)
+    out = _many_tiles_product(fmt, tuning, offsets, m, n, k, rng)
     _check_many_tiles(*out, offsets)
 
 
@@ -304,10 +312,10 @@ def test_prefill_tile_on_the_whole_grid(fmt, rng):
     _check_many_tiles(*out, offsets)
 
 
-def _many_tiles_product(fmt, options, offsets, m: int, n: int, k: int, rng):
+def _many_tiles_product(fmt, tuning: mosaic.Tiles, offsets, m: int, n: int, k: int, rng):
     """The kernel's product of random inputs over ``offsets``' experts
-    (``fmt`` None: bf16 weights) with ``options`` as its tiles, and the
-    float64 NumPy product of the same rounded operands."""
+    (``fmt`` None: bf16 weights) with ``tuning``, and the float64 NumPy
+    product of the same rounded operands."""
     weights = jnp.asarray(rng.normal(0, 0.05, (len(offsets) - 1, n, k)), jnp.float32)
     mx = fmt is F.MXFP4
     quantized = fmt is not None
@@ -317,10 +325,7 @@ def _many_tiles_product(fmt, options, offsets, m: int, n: int, k: int, rng):
         else weights.astype(jnp.bfloat16)
     )
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
-    options = {"block_k": 128, **options}
-    block_m = options.pop("block_m", 64)
-    tuning = mosaic.Tiles(block_m, 256, stages=3, group_m=2, **options)
-    out_dtype, tolerance = (jnp.bfloat16, 5e-3) if options.get("swap_ab") else (jnp.float32, 1e-5)
+    out_dtype, tolerance = (jnp.bfloat16, 5e-3) if tuning.swap_ab else (jnp.float32, 1e-5)
     layout = hj.GroupedContiguous(jnp.asarray(offsets))
     out = hj.gemm(x, weight, layout, out_dtype=out_dtype, tuning=tuning, backend=KERNEL_BACKEND)
     rounded = F.dequantize_weight(weight).astype(jnp.bfloat16) if quantized else weight
