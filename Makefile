@@ -26,16 +26,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m humming_jax demo
 
-# On the CPU most of the tests' time is XLA compiling the interpreted kernels:
-# LLVM's costliest optimization passes are skipped there (codegen speed only, same results).
-TEST_ENV := $(if $(CUDA_EXTRA),,XLA_FLAGS="$$XLA_FLAGS --xla_llvm_disable_expensive_passes=true")
-
 test: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -n 2 --dist worksteal -q --durations=12
+	$(PY) -m pytest -n 2 --dist worksteal -q --durations=12
 
 # Every case of the sweeps (make test runs a chosen case for each path they cover).
 test-full: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -n 2 --dist worksteal -q --full
+	$(PY) -m pytest -n 2 --dist worksteal -q --full
 
 # Parity with Hugging Face transformers (PyTorch, a few GB): its own virtualenv.
 INTEROP := .venv-interop
