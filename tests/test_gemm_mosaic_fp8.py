@@ -36,7 +36,6 @@ BOUND = 1e-5 if KERNEL_BACKEND == "interpret" else 1e-3
 E, N, K, M = 4, 256, 256, 40
 TILES = kernel.Tiles(64, 256, stages=2, group_m=2)  # the heuristic's tile, fewer stages
 SQUARE = kernel.Tiles(128, 128, stages=2, group_m=2)  # 128-row tiles, 64 columns a warpgroup
-DECODE_WG = kernel.Tiles(64, 256, stages=2, group_m=2, decode_wg=True)  # MXFP4 decoded by a third warpgroup
 
 WEIGHT_OF = {"block": "fp8_block128", "channel": "fp8_channel", "tensor": "fp8_tensor"}
 INPUT_OF = {"group": "fp8_dynamic_group128", "token": "fp8_dynamic_token", "tensor": "fp8_static_tensor"}
@@ -120,9 +119,6 @@ def test_layouts_e5m2_and_bias(layout_kind, quant_name, bias, rng):
         ("mxfp4", "fp8_dynamic_group128", SQUARE),
         pytest.param("fp8_channel", "fp8_dynamic_token", SQUARE, marks=FULL),
         pytest.param("mxfp4", "fp8_dynamic_token", TILES, marks=FULL),
-        pytest.param(
-            "mxfp4", "fp8_dynamic_token", dataclasses.replace(DECODE_WG, block_m=128, block_n=128), marks=FULL
-        ),
     ],
 )
 def test_indexed_through_gathered_rows(weight_name, quant_name, tiles, rng):
@@ -185,10 +181,6 @@ def test_one_row_and_one_hot_expert(counts, rng):
     [
         (True, "fp8_dynamic_group128", SQUARE, True),  # the anchor's W4A8, as the modules store it
         (False, "fp8_dynamic_group128", TILES, False),
-        (True, "fp8_dynamic_group128", DECODE_WG, True),
-        pytest.param(
-            False, "fp8_dynamic_token", dataclasses.replace(DECODE_WG, block_m=128, block_n=128), False, marks=FULL
-        ),
         pytest.param(True, "fp8_dynamic_token", TILES, True, marks=FULL),
         pytest.param(False, "fp8_e5m2_dynamic_token", SQUARE, False, marks=FULL),
     ],
@@ -356,10 +348,6 @@ def test_what_the_kernel_refuses(rng):
     k_order = F.quantize_weight(jnp.ones((E, N, K), jnp.float32), F.get_format("mxfp4"))
     assert "K order" in reason(k_order, layouts["dense"])
     assert reason(F.to_planar(k_order), layouts["dense"]) is None
-    assert "decode_wg with e4m3 weights" in reason(block, layouts["dense"], DECODE_WG)
-    swapped = dataclasses.replace(DECODE_WG, swap_ab=True)
-    assert "decode_wg with e4m3 weights or swap_ab" in reason(F.to_planar(k_order), layouts["dense"], swapped)
-    assert "not a multiple of its ring" in kernel.tiles_refusal(DECODE_WG, N, 3 * 128, kernel.Scaling("group", "mx"))
     nvfp4 = F.quantize_weight(jnp.ones((E, N, K), jnp.float32), F.get_format("nvfp4"))
     assert "MXFP4: e8m0 per 32" in reason(F.to_planar(nvfp4), layouts["dense"])
     with pytest.raises(ValueError, match="block_m=32"):
@@ -456,9 +444,7 @@ def test_swap_ab_lowers_for_the_gpu(tiles):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize(
-    "tiles,half_bits", [(SQUARE, False), (SQUARE, True), (SWAP, True), (SWAP_WIDE, True), (DECODE_WG, True)], ids=str
-)
+@pytest.mark.parametrize("tiles,half_bits", [(SQUARE, False), (SQUARE, True), (SWAP, True), (SWAP_WIDE, True)], ids=str)
 def test_mxfp4_lowers_for_the_gpu(tiles, half_bits):
     """The compiled decoder (the e2m1 program on the WGMMA layout's 32-bit
     registers, both bit orders) with the staged 32-column pieces, and the

@@ -418,17 +418,17 @@ def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False)
         store_rows(slot, cols, first_row, offset, rows, wg_m)
 
 
-def k_pipeline(step, context, *, steps: int, in_specs, stages: int, compute_wgs: int = COMPUTE_WGS):
+def k_pipeline(step, context, *, steps: int, in_specs, stages: int):
     """The warp-specialized pipeline over ``steps`` K steps: the memory
     warpgroup's TMA loads of ``in_specs``, ``stages`` in flight, ``step`` run by
-    the ``compute_wgs`` compute warpgroups with the carry ``context`` sets up."""
+    the compute warpgroups with the carry ``context`` sets up."""
     return plgpu.emit_pipeline_warp_specialized(
         step,
         grid=(steps,),
         memory_registers=40,
         in_specs=in_specs,
         wg_axis="wg",
-        num_compute_wgs=compute_wgs,
+        num_compute_wgs=COMPUTE_WGS,
         max_concurrent_steps=stages,
         compute_context=context,
     )

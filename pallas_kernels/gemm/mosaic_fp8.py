@@ -48,9 +48,6 @@ PIECES = BLOCK_K // MX_GROUP
 E2M1_EXPONENT = 6
 MAX_GAP = 24  # larger gaps are clamped here (their values round to zero in e4m3 either way)
 E8M0_NAN = 255
-DECODE_RING = 2  # decoded steps in flight with Tiles.decode_wg
-DECODE_WG = mosaic.COMPUTE_WGS  # the decoding warpgroup's index (the two multiplying ones first)
-DECODE_ROWS = 64  # the weight rows it decodes at a time (a WGMMA layout's rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +68,9 @@ class Tiles:
     # (fragment_columns: a pass over x, not over every expert's codes).
     # Compiled only: the interpreter runs the product from shared memory.
     swap_ab: bool = False
-    # MXFP4 (W4A8): a third compute warpgroup decodes each step into a ring of
-    # DECODE_RING e4m3 slots in shared memory, DECODE_RING steps ahead of the
-    # two that multiply (wgmma from shared memory, as e4m3 weights): the decode
-    # off the products' chain instead of between their waits.
-    decode_wg: bool = False
 
     def __post_init__(self):
         check_positive(self, ("block_m", "block_n", "stages", "group_m"))
-
-    @property
-    def compute_wgs(self) -> int:
-        return mosaic.COMPUTE_WGS + (1 if self.decode_wg else 0)
 
     @property
     def wg_m(self) -> int:
@@ -130,10 +118,6 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {most} values{twice})"
     if tiles.swap_ab and not scaling.mx:
         return "swap_ab with e4m3 weights (the decoded MXFP4 step only)"
-    if tiles.decode_wg and (not scaling.mx or tiles.swap_ab):
-        return "decode_wg with e4m3 weights or swap_ab (MXFP4 decoded into shared memory only)"
-    if tiles.decode_wg and (k // BLOCK_K) % DECODE_RING:
-        return f"decode_wg with K={k} ({k // BLOCK_K} steps, not a multiple of its ring's {DECODE_RING} slots)"
     if tiles.swap_ab and tiles.wg_n % 64:
         return f"swap_ab with block_n={tiles.block_n} (a warpgroup's columns are the wgmma's rows: multiples of 64)"
     if n % tiles.block_n:
@@ -250,9 +234,7 @@ def _kernel(
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
         in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
-    pipeline = functools.partial(
-        mosaic.k_pipeline, steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages, compute_wgs=tiles.compute_wgs
-    )
+    pipeline = functools.partial(mosaic.k_pipeline, steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages)
 
     def operands(group, col_tile, load_row):
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
@@ -266,13 +248,7 @@ def _kernel(
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
     scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
-    if tiles.decode_wg:  # the decoded steps' ring: written by DECODE_WG, read by the two others
-        transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
-        shape = (DECODE_RING, mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
-        scratch["ring"] = plgpu.SMEM(shape, jnp.float8_e4m3fn, transforms=transforms)
-        scratch["decoded"] = plgpu.Barrier(num_arrivals=1, num_barriers=DECODE_RING)
-        scratch["freed"] = plgpu.Barrier(num_arrivals=mosaic.COMPUTE_WGS, num_barriers=DECODE_RING)
-    elif scaling.mx and not (swap and not interpret):  # the decoded step (interpreted: unswizzled)
+    if scaling.mx and not (swap and not interpret):  # the decoded step (interpreted: unswizzled)
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
         shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
         scratch["stage"] = plgpu.SMEM(shape, jnp.float8_e4m3fn, transforms=transforms)
@@ -283,15 +259,9 @@ def _kernel(
         **scratch,
         collective_axes="wg",
     )
-    def _(allocations, o_smem, stage=None, ring=None, decoded=None, freed=None):
+    def _(allocations, o_smem, stage=None):
         wg = lax.axis_index("wg")
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
-        if tiles.decode_wg:  # every ring slot starts free: the decoder's first wait on each passes
-
-            @pl.when(wg < mosaic.COMPUTE_WGS)
-            def _():
-                for slot in range(DECODE_RING):
-                    plgpu.barrier_arrive(freed.at[slot])
 
         @plgpu.nd_loop((row_tiles * col_tiles,), collective_axes="sm")
         def _(loop):
@@ -374,73 +344,20 @@ def _kernel(
                     return acc_ref[...]
 
                 part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-                total = promote(total, part, step, x_scale_smem)
-                return (total, top) if scaling.mx else total
-
-            def promote(total, part, step, x_scale_smem):
-                """The running sum plus a step's product times the step's scales."""
                 if scaling.w == "block":
                     w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 if scaling.x == "group":
                     row_scale = plgpu.load(x_scale_smem.at[0], layout=m_layout, optimized=False)
                     if scaling.w == "block":
                         row_scale = row_scale * w_scale
-                    return total + per_m(part, row_scale)
-                return total + (part * w_scale if scaling.w == "block" else part)
-
-            def ring_context(run):  # decode_wg: the decoder needs every chunk's largest bytes
-                def top_of(chunk):
-                    ref = top_gmem.at[group, pl.ds(col_tile * tiles.block_n + chunk * DECODE_ROWS, DECODE_ROWS)]
-                    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-
-                tops = tuple(top_of(chunk) for chunk in range(tiles.block_n // DECODE_ROWS))
-                total = run((jnp.zeros(acc_shape, jnp.float32), tops))[0]
-
-                @pl.when(wg < mosaic.COMPUTE_WGS)
-                def _():
-                    epilogue(total)
-
-            def ring_step(indices, *refs):
-                """decode_wg: DECODE_WG decodes the step into its ring slot once the
-                products of DECODE_RING steps back have read it; the others multiply
-                it once decoded and free it."""
-                (step,) = indices
-                total, tops = refs[-1]
-                x_smem, w_smem, byte_smem = refs[:3]
-                x_scale_smem = refs[-2] if scaling.x == "group" else None
-                slot = lax.rem(step, DECODE_RING)
-
-                def decode(total):
-                    plgpu.barrier_wait(freed.at[slot])
-                    for chunk, top in enumerate(tops):  # a chunk at a time: fewer values live
-                        rows = pl.ds(chunk * DECODE_ROWS, DECODE_ROWS)
-                        half, within = divmod(chunk * DECODE_ROWS, wg_n)
-                        decoded_rows = _decode_mx_step(
-                            w_smem[rows], (byte_smem, top), rows, scaling.half_bits, interpret
-                        )
-                        ring.at[slot, half, pl.ds(within, DECODE_ROWS)][...] = decoded_rows
-                    plgpu.commit_smem()  # the stores before the arrival, visible to the wgmma
-                    plgpu.barrier_arrive(decoded.at[slot])
-                    return total
-
-                def multiply(total):
-                    plgpu.barrier_wait(decoded.at[slot])
-
-                    def product(acc_ref):
-                        plgpu.wgmma(acc_ref, x_smem, ring.at[slot, wg].transpose((1, 0)))
-                        return acc_ref[...]
-
-                    part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-                    plgpu.barrier_arrive(freed.at[slot])
-                    return promote(total, part, step, x_scale_smem)
-
-                return lax.cond(wg == DECODE_WG, decode, multiply, total), tops
+                    total = total + per_m(part, row_scale)
+                else:
+                    total = total + (part * w_scale if scaling.w == "block" else part)
+                return (total, top) if scaling.mx else total
 
             @pl.when((rows > 0) & (group < num_experts))
             def _():
-                if tiles.decode_wg:
-                    pipeline(ring_step, ring_context)(*operands(group, col_tile, load_row), allocations=allocations)
-                elif scaling.per_step:
+                if scaling.per_step:
                     pipeline(promoted_step, promoted_context)(
                         *operands(group, col_tile, load_row), allocations=allocations
                     )
@@ -450,13 +367,6 @@ def _kernel(
             @pl.when((rows > 0) & (group >= num_experts) & (wg < mosaic.COMPUTE_WGS))
             def _():  # rows no expert owns: zeros
                 store(jnp.zeros((wg_m, wg_n), o_gmem.dtype))
-
-        if tiles.decode_wg:  # the last frees of each slot (one more than the decoder waited for)
-
-            @pl.when(wg == DECODE_WG)
-            def _():
-                for slot in range(DECODE_RING):
-                    plgpu.barrier_wait(freed.at[slot])
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -621,7 +531,7 @@ def expert_gemm_fp8(
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(mosaic.persistent_programs(interpret),),
         grid_names=("sm",),
-        num_threads=tiles.compute_wgs + 1,
+        num_threads=mosaic.COMPUTE_WGS + 1,
         thread_name="wg",
         kernel_name="moe_gemm_mosaic_fp8",  # what profilers show
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
