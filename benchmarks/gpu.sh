@@ -46,6 +46,8 @@ keep_humming_cache() {
     tar czf "$out/humming_cache.tgz" -C "$HUMMING_CACHE_DIR" .
   fi
 }
+# Under the sanitizers XLA's autotuner is off: each candidate it launches is slow there, and it checks none of ours.
+sanitized_xla_flags="$XLA_FLAGS --xla_gpu_autotune_level=0"
 case $step in
   # A hung kernel fails its test after 120 s (pytest-timeout, on the GPU image) instead of holding a worker.
   tests) python3 -m pytest -q -n 6 --full -p no:cacheprovider -W ignore::DeprecationWarning --timeout 120 \
@@ -73,18 +75,17 @@ case $step in
           XLA_FLAGS="$XLA_FLAGS --xla_dump_to=$out/xla" python3 -W ignore -m benchmarks.inspect_gemm "$@" \
           2>&1 | tee "$out/sass.log" | tail -20 ;;
   # One cudaMalloc per buffer (no XLA pool), so that a store past a buffer is an error, not another buffer's bytes.
-  # XLA's autotuner off: under a sanitizer each candidate it launches is slow, and it checks none of ours.
   sanitize) tool=${1:?memcheck, racecheck, initcheck or synccheck}; shift
-    XLA_FLAGS="$XLA_FLAGS --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
+    XLA_FLAGS="$sanitized_xla_flags" XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
       python3 -m pytest -q -p no:cacheprovider -p no:xdist -W ignore::DeprecationWarning \
       "${@:-tests/test_process_input.py}" 2>&1 | tee "$out/sanitize_$tool.log" | tail -30 ;;
   # benchmarks.hostile_gemms under a sanitizer (SANITIZER, default memcheck): every GEMM family at
   # 65,536 rows on hostile layouts, each checked against the reference.
-  # A first run outside the sanitizer fills the compilation cache (same flags): under it a compile
+  # A first run outside the sanitizer, with the same flags, fills the compilation cache: under it a compile
   # of some pairs' programs runs past 250 s, a cached executable loads in seconds.
-  hostile) XLA_FLAGS="$XLA_FLAGS --xla_gpu_autotune_level=0" python3 -W ignore -m benchmarks.hostile_gemms \
+  hostile) XLA_FLAGS="$sanitized_xla_flags" python3 -W ignore -m benchmarks.hostile_gemms \
              --out "$out/hostile_unsanitized.json" "$@" > "$out/hostile_unsanitized.log" 2>&1 || exit 4
-    XLA_FLAGS="$XLA_FLAGS --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "${SANITIZER:-memcheck}" --error-exitcode 3 \
+    XLA_FLAGS="$sanitized_xla_flags" XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "${SANITIZER:-memcheck}" --error-exitcode 3 \
              --print-limit 20 python3 -W ignore -m benchmarks.hostile_gemms --out "$out/hostile.json" "$@" 2>&1 |
              tee "$out/hostile.log" | tail -30 ;;
   soak) python3 -W ignore -m benchmarks.soak --out "$out/soak.json" "$@" 2>&1 | tee "$out/soak.log" | tail -20 ;;
