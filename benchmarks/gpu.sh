@@ -13,6 +13,7 @@
 #   sass [INSPECT ARGS]      one benchmarks.inspect_gemm call with its kernels' PTX and SASS written to OUT_DIR
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
 #   hostile [ARGS]           benchmarks.hostile_gemms (large GEMMs, hostile layouts) under compute-sanitizer
+#   hostile-routing [ARGS]   benchmarks.hostile_routing (routing and scatter at 65,536 x 8) under compute-sanitizer
 #   soak [SOAK ARGS]         benchmarks.soak: random hostile layers against the reference for --seconds
 # Logs and JSON go to OUT_DIR; the code runs from this checkout (PYTHONPATH), nothing is installed —
 # except Humming's wheel when one lies in .peers/ (ignored by git; the bench then times Humming's
@@ -88,6 +89,12 @@ case $step in
     XLA_FLAGS="$sanitized_xla_flags" XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "${SANITIZER:-memcheck}" --error-exitcode 3 \
              --print-limit 20 python3 -W ignore -m benchmarks.hostile_gemms --out "$out/hostile.json" "$@" 2>&1 |
              tee "$out/hostile.log" | tail -30 ;;
+  # benchmarks.hostile_routing the same way: the routing and scatter kernels at 65,536 tokens x top-8, E=256.
+  hostile-routing) XLA_FLAGS="$sanitized_xla_flags" python3 -W ignore -m benchmarks.hostile_routing \
+             --out "$out/hostile_routing_unsanitized.json" "$@" > "$out/hostile_routing_unsanitized.log" 2>&1 || exit 4
+    XLA_FLAGS="$sanitized_xla_flags" XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "${SANITIZER:-memcheck}" --error-exitcode 3 \
+             --print-limit 20 python3 -W ignore -m benchmarks.hostile_routing --out "$out/hostile_routing.json" "$@" 2>&1 |
+             tee "$out/hostile_routing.log" | tail -30 ;;
   soak) python3 -W ignore -m benchmarks.soak --out "$out/soak.json" "$@" 2>&1 | tee "$out/soak.log" | tail -20 ;;
   *) echo "unknown step: $step" >&2; exit 2 ;;
 esac

@@ -6,12 +6,13 @@ import functools
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import humming_jax as hj
 import humming_jax.__main__ as cli
-from humming_jax import bench, tiles_text, timing, tuning
+from humming_jax import bench, routing, tiles_text, timing, tuning
 from humming_jax.tuning import heuristic, search
 from humming_jax.tuning import table as table_module
 from pallas_kernels.gemm import mosaic, triton
@@ -477,6 +478,27 @@ def test_hostile_gemms_checks_every_layout(monkeypatch):
     poisoned = lambda *a, backend=None, **k: real(*a, backend=backend, **k) + (backend != "reference")  # noqa: E731
     monkeypatch.setattr(hj, "gemm", poisoned)
     assert not hostile_gemms.run(256, 8, 64, 128, [], backend="interpret", pairs=pairs[:1])[0]["ok"]
+
+
+def test_hostile_routing_checks_every_call(monkeypatch):
+    """The routing sanitizer step's calls (hostile ids, an expert map,
+    ``num_valid_tokens`` short of T) pass their checks on the kernel path, and
+    a kernel path that moves one permuted row is reported."""
+    from benchmarks import hostile_routing
+
+    results = hostile_routing.run(48, 128, backend="interpret")
+    assert len(results) == 8 and all(r["ok"] for r in results), results
+    real = routing.moe_permute
+
+    def shifted(*args, backend=None, **kwargs):
+        out = real(*args, backend=backend, **kwargs)
+        if backend == "reference":
+            return out
+        return dataclasses.replace(out, permuted_hidden_states=jnp.roll(out.permuted_hidden_states, 1, axis=0))
+
+    monkeypatch.setattr(routing, "moe_permute", shifted)
+    rows = {r["op"]: r for r in hostile_routing.run(48, 128, backend="interpret")}
+    assert not rows["permute"]["ok"] and rows["align_64"]["ok"]
 
 
 def test_a_users_table_from_the_environment(tmp_path, monkeypatch):

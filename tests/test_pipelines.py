@@ -13,7 +13,7 @@ from humming_jax import experts as X
 from humming_jax import input_quant as Q
 
 import np_ref
-from sweep import sweep
+from sweep import FULL, sweep
 
 
 def _problem(rng, config, num_tokens, ids=None):
@@ -219,7 +219,13 @@ def test_indexed_runs_grouped_with_quantized_inputs_at_prefill(rng):
     assert np_ref.relative_error(padded[:40], grouped[:40]) < 1e-6
     blocked = _run("indexed", x[:40], weights, tw[:40], ids[:40], config, block_size=16)
     assert np_ref.relative_error(np.asarray(blocked, np.float64), grouped[:40]) < 2e-2  # another layout's tiles
-    # Expert parallelism's map (4 of 8 global experts local): 128 tokens x 2 give 32 rows a local expert.
+
+
+@FULL  # make test's time: the only default check of the switch under an expert map (test-full, the GPU step)
+def test_indexed_runs_grouped_under_an_expert_map(rng):
+    """Expert parallelism's map (4 of 8 global experts local): 128 tokens x 2
+    give 32 rows a local expert, so the indexed pipeline runs the grouped
+    stages, bit for bit the grouped pipeline's result."""
     local = hj.ExpertsConfig(
         4, 128, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128", global_num_experts=8
     )
@@ -258,14 +264,34 @@ def test_grouped_runs_indexed_at_decode(rng, monkeypatch):
     hj.humming_grouped_experts.clear_cache()
     grouped = np.asarray(_run("grouped", x, weights, tw, ids, config), np.float64)
     np.testing.assert_array_equal(grouped, indexed)
+    expected = _expected_layer(x, weights, ids, tw, config, bf16_input=False)
+    assert np_ref.relative_error(grouped, expected) < 6e-2  # fp8 e4m3 activations and weights
+    hj.humming_grouped_experts.clear_cache()
+
+
+@FULL  # make test's time: the only default check of pre-quantized inputs on this switch (test-full, the GPU step)
+def test_grouped_runs_indexed_with_prequantized_inputs(rng, monkeypatch):
+    """At decode the grouped pipeline on pre-quantized fp8 inputs (with their
+    ``a1q_scale``) runs the indexed stages (no grouping scatter): the indexed
+    pipeline's result bit for bit."""
+
+    def no_scatter(*args, **kwargs):
+        raise AssertionError("the grouped pipeline scattered at decode")
+
+    monkeypatch.setattr(X.routing, "moe_prepare_scatter", no_scatter)
+    monkeypatch.setattr(X.routing, "moe_permute", no_scatter)
+    hj.humming_grouped_experts.clear_cache()
+    config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
+    x, w13, w2, ids, tw = _problem(rng, config, 2)
+    ids[1] = [3, 7]  # an id outside [0, E): nothing
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
     q = Q.quantize_input(jnp.asarray(x), Q.FP8_DYNAMIC_GROUP128)
     args = (weights, jnp.asarray(tw), jnp.asarray(ids), config)
     prequantized = [
         fn(q.values, *args, a1q_scale=q.scale) for fn in (hj.humming_grouped_experts, hj.humming_indexed_experts)
     ]
     np.testing.assert_array_equal(np.asarray(prequantized[0]), np.asarray(prequantized[1]))
-    expected = _expected_layer(x, weights, ids, tw, config, bf16_input=False)
-    assert np_ref.relative_error(grouped, expected) < 6e-2  # fp8 e4m3 activations and weights
+    assert np.all(np.isfinite(np.asarray(prequantized[0])))
     hj.humming_grouped_experts.clear_cache()
 
 
