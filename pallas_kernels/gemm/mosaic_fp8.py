@@ -14,10 +14,7 @@ the factor made from the bytes in the kernel;
 exact up to a gap of 14, groups further below round towards zero as
 Humming's load-time clip at 11 does), the sum times 2**(largest - 133) per
 column in the epilogue (:func:`mx_operands`): a step's promotion is then the
-input's alone, as for e4m3 weights. Codes stored in the byte decoder's word
-order (``to_planar(e4m3_words=True)``; the register form only) are decoded
-with integer operations into the same bytes, exact up to a gap of 11 (groups
-further below are zeros). Layouts ``dense``,
+input's alone, as for e4m3 weights. Layouts ``dense``,
 ``grouped_contiguous`` and ``grouped_masked``, cut into row tiles as the
 16-bit kernel's (:func:`mosaic.row_tile_table`); ``indexed`` through its rows
 gathered in block order, one tile a block, each result row stored to its
@@ -32,13 +29,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import arith
 
 from pallas_kernels import codecs, word_decode
 from pallas_kernels.gemm import mosaic
@@ -94,15 +87,12 @@ class Scaling:
     f32), ``w`` tensor / channel / block (128 x 128, f32) / mx (MXFP4 codes
     decoded in the kernel, a scale per column); ``half_bits``: mx
     codes in the pair decoder's bit order (``word_decode.E2M1_HALF_BITS``);
-    ``e4m3_words``: mx codes in the byte decoder's word order
-    (``word_decode.e2m1_e4m3_program``); ``k_major_scales``: mx scales
-    stored ``[E, K/32, N]``."""
+    ``k_major_scales``: mx scales stored ``[E, K/32, N]``."""
 
     x: str
     w: str
     half_bits: bool = False
     k_major_scales: bool = False
-    e4m3_words: bool = False
 
     @property
     def per_step(self) -> bool:
@@ -128,8 +118,6 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {most} values{twice})"
     if tiles.swap_ab and not scaling.mx:
         return "swap_ab with e4m3 weights (the decoded MXFP4 step only)"
-    if scaling.e4m3_words and not tiles.swap_ab:
-        return "MXFP4 codes in the e4m3 word order with swap_ab=False (the register form reads them)"
     if tiles.swap_ab and tiles.wg_n % 64:
         return f"swap_ab with block_n={tiles.block_n} (a warpgroup's columns are the wgmma's rows: multiples of 64)"
     if n % tiles.block_n:
@@ -175,8 +163,7 @@ def scaling_of(call: GemmCall) -> Scaling:
     """How the kernel applies the call's scales."""
     w = call.weight
     mode = "mx" if w.value_type == "float4_e2m1" else w.scale
-    mx = mode == "mx"
-    return Scaling(call.x_scale.mode, mode, w.half_bits, w.k_major_scales and mx, w.e4m3_words and mx)
+    return Scaling(call.x_scale.mode, mode, w.half_bits, w.k_major_scales and mode == "mx")
 
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
@@ -343,12 +330,12 @@ def _kernel(
                     codes = w_smem[wg_slice]
                     scales = (byte_smem, top)
                     if swap and not interpret:  # the decoded step as the register operand
-                        decoded = _decode_mx_step(codes, scales, wg_slice, scaling, False, True)
+                        decoded = _decode_mx_step(codes, scales, wg_slice, scaling.half_bits, False, True)
                         plgpu.wgmma(acc_ref, decoded, x_smem.transpose((1, 0)))
                         return acc_ref[...]
                     # The last step's wgmma read the slot before its product was read back.
                     slot = stage.at[wg]
-                    slot[...] = _decode_mx_step(codes, scales, wg_slice, scaling, interpret)
+                    slot[...] = _decode_mx_step(codes, scales, wg_slice, scaling.half_bits, interpret)
                     plgpu.commit_smem()
                     if swap:
                         plgpu.wgmma(acc_ref, slot, x_smem.transpose((1, 0)))
@@ -392,21 +379,16 @@ def step_factor(raw, top):
     return codecs.pow2(2 * E2M1_EXPONENT - gap, jnp.float16, normal_only=True)
 
 
-def _decode_mx_step(codes, scales, wg_slice, scaling: Scaling, interpret: bool, fragment: bool = False):
+def _decode_mx_step(codes, scales, wg_slice, half_bits: bool, interpret: bool, fragment: bool = False):
     """A K step's columns from its MXFP4 codes ``uint16 [rows, 32]`` as e4m3
     ``[rows, 128]``: each unit's e2m1 x 2**-6 (:func:`mosaic.e2m1_piece`)
     times its factor (:func:`step_factor` of ``scales``: the step's bytes
     ``[4, block_n]`` in shared memory and the columns' largest ``[rows]``),
     the units joined in column order. ``fragment`` (compiled only): the
     result in the 8-bit WGMMA layout (the register operand), a unit's code at
-    half h, position j landing in column :func:`fragment_column` (h, j) —
-    for codes in the e4m3 word order by :func:`_decode_e4m3_words`."""
+    half h, position j landing in column :func:`fragment_column` (h, j)."""
     byte_smem, top = scales
-    if scaling.e4m3_words and fragment:
-        return _decode_e4m3_words(codes, byte_smem, top, wg_slice)
-    if scaling.e4m3_words:  # interpreted: the codes back in nibble order, the float path
-        codes = _nibble_halves(codes)
-    bits = word_decode.E2M1_HALF_BITS if scaling.half_bits else word_decode.NIBBLE_BITS
+    bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
     pieces = []
     for piece in range(PIECES):
         factor = step_factor(byte_smem[piece, wg_slice], top)[:, None]
@@ -415,81 +397,6 @@ def _decode_mx_step(codes, scales, wg_slice, scaling: Scaling, interpret: bool, 
         pieces.append(mosaic.e2m1_piece(codes, piece, bits, jnp.float16, interpret) * factor)
     decoded = mosaic.join_columns(pieces, interpret).astype(jnp.float8_e4m3fn)
     return mosaic.eight_bit_fragments(decoded) if fragment else decoded
-
-
-def _nibble_halves(codes: jax.Array) -> jax.Array:
-    """``uint16 [rows, 32]`` codes in the e4m3 word order (halves 2t, 2t + 1 a
-    word) back in nibble order (the interpreter's float decode)."""
-    rows, halves = codes.shape
-    pairs = codes.reshape(rows, halves // 2, 2).astype(jnp.uint32)
-    word = pairs[..., 0] | (pairs[..., 1] << 16)
-    nibbles = jnp.zeros_like(word)
-    for k, code in enumerate(word_decode.e4m3_word_codes(word)):  # code k: half k % 2, position k // 2
-        nibbles = nibbles | (code << (4 * (4 * (k % 2) + k // 2)))
-    return jnp.stack([nibbles & 0xFFFF, nibbles >> 16], axis=-1).reshape(rows, halves).astype(jnp.uint16)
-
-
-def _decode_e4m3_words(codes, byte_smem, top, wg_slice):
-    """The register operand of a K step from codes in the e4m3 word order
-    (compiled only): per unit and row, the byte table of the group's gap
-    (:func:`word_decode.e2m1_e4m3_tables`, ``[rows]`` int32 broadcast along
-    the unit's 8 halves), then per 32-bit word of codes (a thread's halves 2t,
-    2t + 1) :func:`word_decode.e2m1_e4m3_program`'s two registers: the 8-bit
-    fragments of the unit's two 16-column tiles — the same bytes, in the same
-    places, as the float path's (:func:`mosaic.eight_bit_fragments`)."""
-    rows = codes.shape[0]
-    tables = ([], [])
-    for piece in range(PIECES):
-        gap = jnp.minimum(top - byte_smem[piece, wg_slice].astype(jnp.int32), MAX_GAP)
-        for table, part in zip(tables, word_decode.e2m1_e4m3_tables(gap, where=jnp.where), strict=True):
-            table.append(jnp.broadcast_to(part[:, None], (rows, MX_GROUP // 4)))
-    ta, tb = (mosaic.join_columns(table, False) for table in tables)
-    program = word_decode.e2m1_e4m3_program()
-    wgmma = plgpu.Layout.WGMMA
-    out = plgpu.ShapeDtypeStruct((rows, BLOCK_K), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
-
-    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma, wgmma), return_type=out)
-    def decode(_, words, table_a, table_b):
-        i32 = ir.IntegerType.get_signless(32)
-        quad = ir.VectorType.get((4,), mgpu.utils.dtype_to_ir_type(jnp.dtype(jnp.float8_e4m3fn)))
-
-        def first(register):  # a 32-bit value of a register (both values of a table's are equal)
-            if ir.VectorType(register.type).shape[0] == 2 and mgpu.utils.bitwidth(register.type) == 64:
-                register = mgpu.utils.vector_slice(register, slice(0, 1))
-            return mgpu.utils.bitcast(register, i32)
-
-        def run(word, ta, tb):
-            regs = {word_decode.WORD: first(word), "ta": first(ta), "tb": first(tb)}
-
-            def val(x):
-                return regs[x] if isinstance(x, str) else mgpu.utils.c(x - (1 << 32) if x >= 1 << 31 else x, i32)
-
-            for op in program.ops:
-                a, b = val(op.a), val(op.b)
-                if op.op == "and":
-                    regs[op.dst] = arith.andi(a, b)
-                elif op.op == "or_and":
-                    regs[op.dst] = arith.ori(arith.andi(a, b), val(op.c))
-                elif op.op == "shl":
-                    regs[op.dst] = arith.shli(a, b)
-                elif op.op == "shr":
-                    regs[op.dst] = arith.shrui(a, b)
-                elif op.op == "prmt":  # bytes 0-3 from a, 4-7 from b
-                    regs[op.dst] = mgpu.utils.prmt(a, b, val(op.c))
-                else:
-                    raise NotImplementedError(f"e2m1 -> e4m3 decoder op {op.op}")
-            return [mgpu.utils.bitcast(regs[output], quad) for output in program.outputs]
-
-        registers = words.registers
-        quads = np.empty((registers.shape[0], 2 * registers.shape[1], *registers.shape[2:]), dtype=object)
-        for index in np.ndindex(registers.shape):
-            unit = index[1]
-            low, high = run(registers[index], table_a.registers[index], table_b.registers[index])
-            quads[(index[0], 2 * unit, *index[2:])] = low
-            quads[(index[0], 2 * unit + 1, *index[2:])] = high
-        return mgpu.FragmentedArray(_registers=quads, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
-
-    return decode(codes, ta, tb)
 
 
 def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows: int, m: int, k: int):
