@@ -68,11 +68,6 @@ class Tiles:
     # (fragment_columns: a pass over x, not over every expert's codes).
     # Compiled only: the interpreter runs the product from shared memory.
     swap_ab: bool = False
-    # MXFP4 (W4A8): every code decoded once a call into an e4m3 copy of the weight
-    # (decoded_weight: the same bytes the in-kernel decoders make), then the e4m3
-    # product with one scale per column — the loop W8A8 runs, the decode off the
-    # product's chain for many rows an expert, at the cost of the copy's bytes.
-    dequantize_first: bool = False
 
     def __post_init__(self):
         check_positive(self, ("block_m", "block_n", "stages", "group_m"))
@@ -123,10 +118,6 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {most} values{twice})"
     if tiles.swap_ab and not scaling.mx:
         return "swap_ab with e4m3 weights (the decoded MXFP4 step only)"
-    if tiles.dequantize_first and not scaling.mx:
-        return "dequantize_first with e4m3 weights (nothing to decode)"
-    if tiles.dequantize_first and tiles.swap_ab:
-        return "dequantize_first with swap_ab (the decoded copy is read from shared memory)"
     if tiles.swap_ab and tiles.wg_n % 64:
         return f"swap_ab with block_n={tiles.block_n} (a warpgroup's columns are the wgmma's rows: multiples of 64)"
     if n % tiles.block_n:
@@ -515,9 +506,6 @@ def expert_gemm_fp8(
             raise ValueError(f"mosaic_fp8 GEMM: MXFP4 scales must be {named}, got {w_scale.shape}")
         weight, raw, top, w_scale = mx_operands(weight, w_scale, scaling.k_major_scales)
         extra = (raw, top)
-        if tiles.dequantize_first:
-            weight, extra = decoded_weight(weight, raw, top, scaling.half_bits, interpret), ()
-            scaling = Scaling(scaling.x, "channel")
         if tiles.swap_ab and not interpret:  # the register operand's column order
             x = fragment_columns(x)
     padded = mosaic.padded_rows(m, tiles.block_m)
@@ -550,62 +538,6 @@ def expert_gemm_fp8(
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
     return kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
-
-
-DECODE_ROWS = 64  # decoded_weight's rows a program: the WGMMA layout's rows of one warpgroup
-DECODE_STAGES = 3  # its K steps in flight, and its decoded steps being stored
-
-
-def _decode_kernel(codes_gmem, byte_gmem, top_gmem, out_gmem, *, half_bits: bool, interpret: bool):
-    expert, chunk = lax.axis_index("expert"), lax.axis_index("chunk")
-    rows = pl.ds(pl.multiple_of(chunk * DECODE_ROWS, DECODE_ROWS), DECODE_ROWS)
-    top = plgpu.load(top_gmem.at[expert, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-    transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
-    slots = plgpu.SMEM((DECODE_STAGES, DECODE_ROWS, BLOCK_K), jnp.float8_e4m3fn, transforms=transforms)
-
-    @functools.partial(pl.run_scoped, out_slots=slots)
-    def _(out_slots):
-        def step(indices, codes_smem, byte_smem):
-            (k_step,) = indices
-            slot = out_slots.at[lax.rem(k_step, DECODE_STAGES)]
-            plgpu.wait_smem_to_gmem(DECODE_STAGES - 1, wait_read_only=True)  # the slot's last copy has read it
-            scales = (byte_smem, top)
-            slot[...] = _decode_mx_step(codes_smem[...], scales, pl.ds(0, DECODE_ROWS), half_bits, interpret)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(slot, out_gmem.at[expert, rows, pl.ds(k_step * BLOCK_K, BLOCK_K)])
-
-        plgpu.emit_pipeline(
-            step,
-            grid=(codes_gmem.shape[2] // (BLOCK_K // 4),),
-            in_specs=[
-                plgpu.BlockSpec((DECODE_ROWS, BLOCK_K // 4), lambda i: (0, i)),
-                plgpu.BlockSpec((PIECES, DECODE_ROWS), lambda i: (i, 0)),
-            ],
-            max_concurrent_steps=DECODE_STAGES,
-        )(codes_gmem.at[expert, rows], byte_gmem.at[expert, :, rows])
-        plgpu.wait_smem_to_gmem(0)
-
-
-def decoded_weight(codes: jax.Array, raw: jax.Array, top: jax.Array, half_bits: bool, interpret: bool) -> jax.Array:
-    """MXFP4 as :func:`mx_operands` gives it (codes ``uint16 [E, N, K/4]``, e8m0
-    bytes ``[E, K/32, N]``, each column's largest int32 ``[E, N]``) decoded
-    to e4m3 ``[E, N, K]`` in K order: each group's e2m1 x 2**(6 - gap), the
-    bytes the in-kernel decoders make (:func:`_decode_mx_step`); the column's
-    ``2**(largest - 133)`` is left to the product's epilogue. One Mosaic
-    kernel, :data:`DECODE_ROWS` columns a program, pipelined along K."""
-    num_experts, n, k4 = codes.shape
-    if n % DECODE_ROWS:
-        raise ValueError(f"mosaic_fp8.decoded_weight: N={n}, not a multiple of {DECODE_ROWS}")
-    kernel = plgpu.kernel(
-        functools.partial(_decode_kernel, half_bits=half_bits, interpret=interpret),
-        out_type=jax.ShapeDtypeStruct((num_experts, n, 4 * k4), jnp.float8_e4m3fn),
-        grid=(num_experts, n // DECODE_ROWS),
-        grid_names=("expert", "chunk"),
-        kernel_name="moe_mxfp4_to_e4m3",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
-    )
-    return kernel(codes, raw, top)
 
 
 def expert_gemm(
