@@ -662,14 +662,8 @@ def planar_half_bits(compute_dtype, input_quant=None) -> bool:
 def k_major_scales_preferred(fmt: WeightFormat) -> bool:
     """Whether :func:`to_kernel_order <humming_jax.experts.to_kernel_order>`
     stores the format's group scales ``[E, K/g, N]``: e8m0 bytes (MXFP4,
-    MXFP8), which the Mosaic kernels read along N a K step at a time, and the
-    16-bit scales of int4 groups without zero points, whose ``[bn, groups]``
-    tile the Triton decode tiles then read as contiguous rows of N."""
-    if fmt.scale_granularity != ScaleGranularity.GROUP:
-        return False
-    sixteen_bit = fmt.scale_type in (ScaleType.BFLOAT16, ScaleType.FLOAT16)
-    int4_groups = fmt.value_type == ValueType.INT4 and fmt.zero_point == ZeroPoint.NONE and sixteen_bit
-    return fmt.scale_type == ScaleType.E8M0 or int4_groups
+    MXFP8), which the Mosaic kernels read along N a K step at a time."""
+    return fmt.scale_granularity == ScaleGranularity.GROUP and fmt.scale_type == ScaleType.E8M0
 
 
 def _orders_scales(weight: QuantizedWeight) -> bool:

@@ -544,9 +544,9 @@ def test_ab_tilings_writes_each_timing(tiny, compiled_once, tmp_path, capsys):
     assert all(r["us"] > 0 and r["error"] < 1e-2 for r in rows)
     prepared = {
         order: bench.prepare(bench.Case("tiny", "w13", "grouped", 3, "int4_g32", scale_order=order))
-        for order in ("kernel", "n_major")
+        for order in ("kernel", "k_major")
     }
-    assert prepared["kernel"].weights[0].k_major_scales and not prepared["n_major"].weights[0].k_major_scales
+    assert not prepared["kernel"].weights[0].k_major_scales and prepared["k_major"].weights[0].k_major_scales
 
 
 def test_humming_peer_routing_and_the_anchor_fallback(tiny, monkeypatch):

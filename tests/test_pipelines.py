@@ -448,14 +448,14 @@ def test_jit_does_not_recompile_for_new_routing(rng):
 def test_weights_come_in_the_kernels_order(fmt, rng):
     """quantize_experts gives 4-bit codes in the planar order the kernels read
     without a split copy of the activations (e2m1 in bf16 also in the pair
-    decoder's bit order; the group scales ``[E, K/g, N]``); the same layer
+    decoder's bit order; MXFP4's scales ``[E, K/32, N]``); the same layer
     built in K order gives the same output."""
     config = hj.ExpertsConfig(8, 128, 128, 2, weight_format=fmt)
     x, w13, w2, ids, tw = _problem(rng, config, 5)
     weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
     for w in (weights.w13, weights.w2):
         assert w.nibble_unit == hj.formats.planar_unit(w.format, w.k) > 0
-        assert w.half_bits == (fmt == "mxfp4") and w.k_major_scales
+        assert w.half_bits == w.k_major_scales == (fmt == "mxfp4")
     again = hj.to_kernel_order(weights, config)  # already in order: the same weights
     assert again.w13 is weights.w13 and again.w2 is weights.w2
     if fmt == "mxfp4":  # (the layer in interpret mode once: e2m1 pairs are the stricter order)
