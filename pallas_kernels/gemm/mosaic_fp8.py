@@ -247,11 +247,7 @@ def _kernel(
         return found
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-    # A pair of output slots a warpgroup (mosaic.store_tile) where its chunks are even and
-    # 16-bit: the tile's second chunk is written while the first is copied out.
-    paired = (wg_n // mosaic.EPILOGUE_COLUMNS) % 2 == 0 and jnp.dtype(o_gmem.dtype).itemsize <= 2
-    slots = (2,) if paired else ()
-    scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, *slots, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
+    scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
     if scaling.mx and not (swap and not interpret):  # the decoded step (interpreted: unswizzled)
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
         shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
