@@ -120,11 +120,21 @@ def _calls(rng: np.random.Generator, tokens: int, hidden: int, e: int, top_k: in
     }
 
 
-def run(tokens: int, hidden: int, e: int = 256, top_k: int = 8, backend: str | None = None, seed: int = 0) -> list:
-    """Every call of :func:`_calls` on ``backend`` against the reference."""
+def run(
+    tokens: int,
+    hidden: int,
+    e: int = 256,
+    top_k: int = 8,
+    backend: str | None = None,
+    seed: int = 0,
+    ops: tuple[str, ...] | None = None,
+) -> list:
+    """Every call of :func:`_calls` (or those named in ``ops``) on ``backend`` against the reference."""
     rng = np.random.default_rng(seed)
     results = []
     for name, call in _calls(rng, tokens, hidden, e, top_k).items():
+        if ops is not None and name not in ops:
+            continue
         row = dict(op=name, tokens=tokens, top_k=top_k, experts=e, hidden=hidden)
         start = time.time()
         try:
