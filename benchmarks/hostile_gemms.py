@@ -125,17 +125,37 @@ def run(
             for text in [None, *tilings]:
                 tuning = None if text is None else tiles_text.gemm_from_text(text)
                 row = dict(fmt=fmt_name, input=quant_name, layout=name, rows=rows, tiling=text or "default")
-                start = time.time()
-                try:
+
+                def compared(xs=xs, weight=weight, layout=layout, tuning=tuning):
                     out = hj.gemm(xs, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=backend)
-                    ref = hj.gemm(xs, weight, layout, out_dtype=jnp.float32, backend="reference")
-                    row.update(check(out, ref))
-                except Exception as error:  # a tiling the kernel refuses for this call
-                    row.update(ok=None, failed=f"{type(error).__name__}: {str(error)[:300]}")
-                row["wall_s"] = round(time.time() - start, 1)
-                print(row, flush=True)
-                results.append(row)
+                    return check(out, hj.gemm(xs, weight, layout, out_dtype=jnp.float32, backend="reference"))
+
+                # An exception is a tiling the kernel refuses for this call: not a failed check.
+                results.append(checked_row(row, compared, ok_if_raised=None))
     return results
+
+
+def checked_row(row: dict, compared, ok_if_raised: bool | None) -> dict:
+    """``row`` with the fields ``compared()`` returns — or, if it raises,
+    ``ok=ok_if_raised`` and the error — and its wall time; printed."""
+    start = time.time()
+    try:
+        row.update(compared())
+    except Exception as error:
+        row.update(ok=ok_if_raised, failed=f"{type(error).__name__}: {str(error)[:300]}")
+    row["wall_s"] = round(time.time() - start, 1)
+    print(row, flush=True)
+    return row
+
+
+def report(results: list[dict], out: str) -> int:
+    """Writes ``results`` as JSON to ``out``, prints the count that failed
+    their checks (``ok`` False); the exit status: 1 if any did."""
+    with open(out, "w") as f:
+        json.dump(dict(device=str(jax.devices()[0]), rows=results), f, indent=1)
+    bad = [r for r in results if r["ok"] is False]
+    print(f"{len(results)} calls, {len(bad)} failed their checks")
+    return 1 if bad else 0
 
 
 def main(argv=None) -> int:
@@ -150,12 +170,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     e, n, k = (int(v) for v in args.shape.split(","))
     pairs = [tuple(name.split("@")) if "@" in name else (name, None) for name in args.pairs]
-    results = run(args.rows, e, n, k, args.tilings, args.backend, pairs)
-    with open(args.out, "w") as f:
-        json.dump(dict(device=str(jax.devices()[0]), rows=results), f, indent=1)
-    bad = [r for r in results if r["ok"] is False]
-    print(f"{len(results)} calls, {len(bad)} failed their checks")
-    return 1 if bad else 0
+    return report(run(args.rows, e, n, k, args.tilings, args.backend, pairs), args.out)
 
 
 if __name__ == "__main__":

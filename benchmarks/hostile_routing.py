@@ -17,15 +17,14 @@ finite. Run it under ``compute-sanitizer`` (``gpu.sh OUT hostile-routing``;
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import humming_jax as hj
+from benchmarks.hostile_gemms import checked_row, report
 from humming_jax import routing
 
 # Sums in another order: f32 results, and 16-bit ones a rounding step apart.
@@ -58,8 +57,6 @@ def compare(out, ref) -> dict:
     exact, finite, zero_rows, within = True, True, True, True
     error = 0.0
     for o, r in zip(outs, refs, strict=True):
-        if o is None and r is None:
-            continue
         o, r = np.asarray(o), np.asarray(r)
         if o.shape != r.shape or o.dtype != r.dtype:
             return dict(ok=False, failed=f"shape/dtype {o.shape} {o.dtype} against {r.shape} {r.dtype}")
@@ -136,14 +133,8 @@ def run(
         if ops is not None and name not in ops:
             continue
         row = dict(op=name, tokens=tokens, top_k=top_k, experts=e, hidden=hidden)
-        start = time.time()
-        try:
-            row.update(compare(jax.block_until_ready(call(backend)), call("reference")))
-        except Exception as error:
-            row.update(ok=False, failed=f"{type(error).__name__}: {str(error)[:300]}")
-        row["wall_s"] = round(time.time() - start, 1)
-        print(row, flush=True)
-        results.append(row)
+        compared = lambda call=call: compare(jax.block_until_ready(call(backend)), call("reference"))  # noqa: E731
+        results.append(checked_row(row, compared, ok_if_raised=False))
     return results
 
 
@@ -154,12 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", help="the ops' backend (default: the device's kernels)")
     parser.add_argument("--out", default="hostile_routing.json")
     args = parser.parse_args(argv)
-    results = run(args.tokens, args.hidden, backend=args.backend)
-    with open(args.out, "w") as f:
-        json.dump(dict(device=str(jax.devices()[0]), rows=results), f, indent=1)
-    bad = [r for r in results if not r["ok"]]
-    print(f"{len(results)} calls, {len(bad)} failed their checks")
-    return 1 if bad else 0
+    return report(run(args.tokens, args.hidden, backend=args.backend), args.out)
 
 
 if __name__ == "__main__":
