@@ -107,7 +107,7 @@ def _fp8_module(fmt: str, shape: tuple[int, int, int], rows: int, tiles) -> str:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.gemm import mosaic_fp8
+    from pallas_kernels.gemm import mosaic_fp8, mx_e4m3
 
     e, n, k = shape
     x = jax.ShapeDtypeStruct((rows, k), jnp.float8_e4m3fn)
@@ -116,7 +116,7 @@ def _fp8_module(fmt: str, shape: tuple[int, int, int], rows: int, tiles) -> str:
     if fmt == "w4a8_mxfp4":
         scaling = mosaic_fp8.Scaling("group", "mx", half_bits=True)
         w = jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8)
-        w_scale = jax.ShapeDtypeStruct((e, n, k // mosaic_fp8.MX_GROUP), jnp.uint8)
+        w_scale = jax.ShapeDtypeStruct((e, n, k // mx_e4m3.MX_GROUP), jnp.uint8)
     else:
         scaling = mosaic_fp8.Scaling("group", "block")
         w = jax.ShapeDtypeStruct((e, n, k), jnp.float8_e4m3fn)

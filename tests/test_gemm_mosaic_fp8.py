@@ -23,7 +23,7 @@ from humming_jax import input_quant as Q
 from humming_jax import tuning as T
 from humming_jax.gemm import gemm_call, plan
 from humming_jax.tuning import heuristic
-from pallas_kernels.gemm import mosaic
+from pallas_kernels.gemm import mosaic, mx_e4m3
 from pallas_kernels.gemm import mosaic_fp8 as kernel
 
 import gemm_layouts
@@ -196,6 +196,49 @@ def test_mxfp4_decoded_to_e4m3(half_bits, quant_name, tiles, k_major, rng):
     _check(out, x, weight, layout)
 
 
+FIRST = kernel.Tiles(64, 256, stages=2, group_m=2, dequantize_first=True)  # an e4m3 copy, then the channel product
+
+
+@pytest.mark.parametrize("half_bits", [True, pytest.param(False, marks=FULL)], ids=["half_bits", "nibbles"])
+def test_mxfp4_decoded_copy_against_numpy(half_bits, rng):
+    """``decoded_weight``: each code as e2m1 x 2**(6 - gap) in e4m3, in K
+    order — the float64 dequantized weight over its column's 2**(largest -
+    133), rounded once to e4m3 (exact to a gap of 14; further down, e4m3's
+    subnormals and zero), bit for bit, gaps up to 18 included."""
+    weight = _mxfp4(rng, half_bits, gaps=18)
+    codes, raw, top, columns = mx_e4m3.mx_operands(weight.values, weight.scale, k_major=True)
+    got = mx_e4m3.decoded_weight(codes, raw, top, half_bits, interpret=KERNEL_BACKEND == "interpret")
+    assert got.dtype == jnp.float8_e4m3fn and got.shape == (E, N, K)
+    dequantized = np.asarray(F.dequantize_weight(weight), np.float64)
+    want = (dequantized / np.asarray(columns, np.float64)[..., None]).astype(jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    gaps = np.asarray(top)[:, None, :] - np.asarray(raw, np.int64)
+    assert gaps.max() > 14  # some groups round (towards e4m3's subnormals)
+
+
+@pytest.mark.parametrize(
+    "quant_name,layout_kind",
+    [
+        ("fp8_dynamic_group128", "grouped_contiguous"),
+        pytest.param("fp8_dynamic_token", "indexed", marks=FULL),
+        pytest.param("fp8_dynamic_group128", "grouped_masked", marks=FULL),
+    ],
+)
+def test_mxfp4_dequantized_first(quant_name, layout_kind, rng):
+    """W4A8 through the e4m3 copy (``dequantize_first``): the e4m3 product with
+    one scale per column, against float64 NumPy; refused with e4m3 weights
+    and with ``swap_ab``."""
+    weight, x = _mxfp4(rng, half_bits=True), _input(rng, quant_name)
+    layout = gemm_layouts.layouts(rng, E, M, block_size=FIRST.block_m)[layout_kind]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=FIRST, backend=KERNEL_BACKEND)
+    _check(out, x, weight, layout)
+    e4m3 = gemm_call(x, _weight(rng, "fp8_block128"), layout, jnp.float32, interpret=True)
+    assert "nothing to decode" in kernel.supports(FIRST, e4m3)
+    swapped = dataclasses.replace(FIRST, swap_ab=True)
+    call = gemm_call(x, weight, layout, jnp.bfloat16, interpret=True)
+    assert "dequantize_first with swap_ab" in kernel.supports(swapped, call)
+
+
 SWAP = kernel.Tiles(128, 128, stages=2, group_m=2, swap_ab=True)  # out.T, the decoded step the A operand
 SWAP_WIDE = kernel.Tiles(64, 256, stages=2, group_m=2, swap_ab=True)
 
@@ -307,7 +350,7 @@ def test_mx_operands_against_numpy(rng):
     raw[0, 0, :4] = (0, 140, 3, 1)  # gaps past MAX_GAP, a largest byte of 140
     raw[1, 2, 5] = 255
     values = jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8)
-    codes, major, top, columns = kernel.mx_operands(values, jnp.asarray(raw))
+    codes, major, top, columns = mx_e4m3.mx_operands(values, jnp.asarray(raw))
     assert codes.dtype == jnp.uint16 and codes.shape == (e, n, k // 4)
     np.testing.assert_array_equal(np.asarray(major), np.swapaxes(raw, 1, 2))
     want_top = raw.astype(np.int64).max(-1)
@@ -315,12 +358,12 @@ def test_mx_operands_against_numpy(rng):
     want = np.where(want_top == 255, np.nan, np.exp2(want_top - 133.0))
     np.testing.assert_array_equal(np.asarray(columns, np.float64), want)
     assert np.isnan(np.asarray(columns)[1, 2]) and np.sum(np.isnan(np.asarray(columns))) == 1
-    factors = kernel.step_factor(major, top[:, None, :])
-    gap = np.minimum(want_top[..., None] - raw, kernel.MAX_GAP)
+    factors = mx_e4m3.step_factor(major, top[:, None, :])
+    gap = np.minimum(want_top[..., None] - raw, mx_e4m3.MAX_GAP)
     assert factors.dtype == jnp.float16
     np.testing.assert_array_equal(np.asarray(factors, np.float64), np.swapaxes(np.exp2(12.0 - gap), 1, 2))
     # the bytes stored [E, K/32, N] (k_major): the same operands
-    stored = kernel.mx_operands(values, jnp.asarray(np.swapaxes(raw, 1, 2)), k_major=True)
+    stored = mx_e4m3.mx_operands(values, jnp.asarray(np.swapaxes(raw, 1, 2)), k_major=True)
     for got, expected in zip(stored, (codes, major, top, columns), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
@@ -393,6 +436,14 @@ def test_the_plan_takes_it_from_128_rows_an_expert():
         square = T.heuristic_candidates(128, 1536, 2048, mx, block, input_dtype="float8_e4m3")[0]
         assert square == dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)
     assert not isinstance(T.heuristic_candidates(16, 1536, 2048, mx, input_dtype="float8_e4m3")[0], kernel.Tiles)
+    # From E4M3_COPY_MIN_ROWS grouped (not indexed), the e4m3 copy while it stays under its cap.
+    rows = heuristic.E4M3_COPY_MIN_ROWS
+    copy = T.heuristic_candidates(rows, 1536, 2048, mx, input_dtype="float8_e4m3", num_experts=128)
+    assert copy[0] == heuristic.E4M3_COPY and copy[0].dequantize_first
+    assert T.heuristic_candidates(rows - 1, 1536, 2048, mx, input_dtype="float8_e4m3")[0] != heuristic.E4M3_COPY
+    assert T.heuristic_candidates(rows, 1536, 2048, mx, 128, input_dtype="float8_e4m3")[0] != heuristic.E4M3_COPY
+    huge = T.heuristic_candidates(rows, 4096, 7168, mx, input_dtype="float8_e4m3", num_experts=256)  # 7.5 GB
+    assert huge[0] != heuristic.E4M3_COPY
     rng = np.random.default_rng(0)
     weight, x = _weight(rng, "fp8_block128"), _input(rng, "fp8_dynamic_group128", E * 128)
     offsets = jnp.arange(0, E * 128 + 1, 128, dtype=jnp.int32)
@@ -459,6 +510,22 @@ def test_mxfp4_lowers_for_the_gpu(tiles, half_bits):
     run = functools.partial(kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16)
     lowered = jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets)
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("half_bits", [True, False], ids=["half_bits", "nibbles"])
+def test_dequantized_first_lowers_for_the_gpu(half_bits):
+    """The decoding pass (the compiled decoder, its stores into the swizzled
+    output stage) and the e4m3 product after it lower."""
+    x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
+    w = jax.ShapeDtypeStruct((3, 512, 128), jnp.uint8)
+    x_scale = jax.ShapeDtypeStruct((300, 2), jnp.float32)
+    w_scale = jax.ShapeDtypeStruct((3, 8, 512), jnp.uint8)
+    offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
+    scaling = kernel.Scaling("group", "mx", half_bits, k_major_scales=True)
+    run = functools.partial(kernel.expert_gemm_fp8, tiles=FIRST, scaling=scaling, out_dtype=jnp.bfloat16)
+    text = jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets).lower(lowering_platforms=("cuda",))
+    assert text.as_text().count("mosaic_gpu") >= 2
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

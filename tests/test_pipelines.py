@@ -464,6 +464,27 @@ def test_weights_come_in_the_kernels_order(fmt, rng):
         np.testing.assert_array_equal(np.asarray(planar, np.float32), np.asarray(k_ordered, np.float32))
 
 
+@FULL  # an interpreted layer of 256 rows an expert (test-full, the GPU step)
+def test_w4a8_prefill_through_the_e4m3_copy(rng):
+    """W4A8 from E4M3_COPY_MIN_ROWS rows an expert: both GEMMs decode the codes
+    into an e4m3 copy and run the channel-scaled e4m3 product (the plan's
+    first choice); the layer against float64 NumPy."""
+    from humming_jax import tuning as T
+    from humming_jax.tuning import heuristic
+
+    config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="mxfp4", input_quant="fp8_dynamic_group128")
+    tokens = heuristic.E4M3_COPY_MIN_ROWS * config.num_experts // config.top_k
+    for n, k in ((config.w13_n, config.hidden_size), (config.hidden_size, config.intermediate_size)):
+        listed = T.candidates(
+            "grouped_contiguous", config.weight_format, tokens * 2, 4, n, k, half_bits=True, input_dtype="float8_e4m3"
+        )
+        assert listed[0] == heuristic.E4M3_COPY
+    x, w13, w2, ids, tw = _problem(rng, config, tokens)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    out = np.asarray(_run("grouped", x, weights, tw, ids, config), np.float64)
+    assert np_ref.relative_error(out, _expected_layer(x, weights, ids, tw, config)) < 6e-2  # fp8 e4m3 activations
+
+
 @pytest.mark.parametrize("pipeline", sweep(PIPELINES, PIPELINES[:1]))
 def test_w4a8_inputs_written_multiplied_out(pipeline, rng):
     """W4A8 at decode: the GEMMs' tiles multiply the fp8 input out to bf16

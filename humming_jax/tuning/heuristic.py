@@ -29,6 +29,12 @@ BYTE_PAIRS_MOSAIC_MIN_M = 128
 # kernel decodes the codes (MX_BF16_MOSAIC).
 MX_MOSAIC_MIN_ROWS = 32
 MX_FP8_SWAP = mosaic_fp8.Tiles(64, 256, stages=4, group_m=8, swap_ab=True)
+# MXFP4 with fp8 inputs from this many rows an expert: the codes decoded once a call into an
+# e4m3 copy, then W8A8's loop with a scale per column (mosaic_fp8.Tiles.dequantize_first),
+# while the copy (E x N x K bytes, a transient of the call) stays under E4M3_COPY_MAX_BYTES.
+E4M3_COPY_MIN_ROWS = 256
+E4M3_COPY_MAX_BYTES = 4 * 2**30
+E4M3_COPY = mosaic_fp8.Tiles(64, 256, stages=4, group_m=8, dequantize_first=True)
 # Indexed layouts on the fp8 Mosaic kernel (rows gathered in block order): W8A8, whose
 # Triton tile is faster at short K, where K is long — or where Triton reads byte pairs.
 FP8_INDEXED_MIN_ROWS = 128
@@ -173,7 +179,9 @@ def heuristic_candidates(
     weights with them, :data:`MX_MOSAIC_MIN_ROWS`; indexed layouts:
     :func:`indexed_fp8_tiles`), or the 16-bit Mosaic kernel decoding planar
     MXFP4 (:data:`MX_BF16_MOSAIC_MIN_ROWS`; W4A8 there too, its input
-    multiplied out, indexed layouts included), then the Triton tile (which
+    multiplied out, indexed layouts included — after, from
+    :data:`E4M3_COPY_MIN_ROWS`, grouped W4A8 through an e4m3 copy of the
+    weight, :data:`E4M3_COPY`), then the Triton tile (which
     takes every call). ``block_size``: an indexed layout's block (None with
     ``indexed``: the block is to be chosen from the first candidate).
     ``half_bits``: weights the Triton decoder reads as nibble pairs only.
@@ -192,6 +200,9 @@ def heuristic_candidates(
     byte_pairs = triton.offsets_wrap(num_experts * n * k, 1) and total_rows >= BYTE_PAIRS_MOSAIC_MIN_M
     if fmt_class == "8bit-a8" and (rows >= FP8_MOSAIC_MIN_ROWS or byte_pairs) and not indexed:
         found.append(mosaic_fp8.Tiles(64, 256, stages=4, group_m=8))
+    copy_fits = num_experts * n * k <= E4M3_COPY_MAX_BYTES
+    if fmt_class == "fp4-a8" and rows >= E4M3_COPY_MIN_ROWS and not indexed and copy_fits:
+        found.append(E4M3_COPY)
     if fmt_class == "fp4-a8" and mx_mosaic:
         found.append(dataclasses.replace(MX_BF16_MOSAIC, dequantize_input=True))
     elif fmt_class == "fp4-a8" and rows >= MX_MOSAIC_MIN_ROWS and not indexed:

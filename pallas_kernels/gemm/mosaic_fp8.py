@@ -7,13 +7,9 @@ Scales: a 128 x 128 weight block's and a row's 128-column input group's
 multiply each K step's product — a fresh accumulator a step, added to the
 running f32 sum times the product of the two (the promotion of the CUDA fp8
 libraries); per-channel or per-tensor weight scales and per-row or per-tensor
-input scales multiply the sum. MXFP4 (e2m1 codes, e8m0 scales per 32
-columns, planar units of 32): each group enters the product as e2m1 times
-2**(6 - gap) in e4m3 (gap: the column's largest scale byte less the group's,
-the factor made from the bytes in the kernel;
-exact up to a gap of 14, groups further below round towards zero as
-Humming's load-time clip at 11 does), the sum times 2**(largest - 133) per
-column in the epilogue (:func:`mx_operands`): a step's promotion is then the
+input scales multiply the sum. MXFP4 (W4A8, :mod:`mx_e4m3`): each K step's
+codes decoded to e4m3 in the compute warpgroups, the sum times each column's
+power of two in the epilogue — a step's promotion is then the
 input's alone, as for e4m3 weights. Layouts ``dense``,
 ``grouped_contiguous`` and ``grouped_masked``, cut into row tiles as the
 16-bit kernel's (:func:`mosaic.row_tile_table`); ``indexed`` through its rows
@@ -33,21 +29,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import codecs, word_decode
-from pallas_kernels.gemm import mosaic
+from pallas_kernels.gemm import mosaic, mx_e4m3
 from pallas_kernels.gemm.spec import GemmCall, WeightSpec, check_positive, tile_order
 
-BLOCK_K = 128  # a K step: one 128-byte swizzled row of 8-bit values, one scale group
+BLOCK_K = mx_e4m3.BLOCK_K  # a K step: one 128-byte swizzled row of 8-bit values, one scale group
 FP8_INPUTS = ("float8_e4m3fn", "float8_e5m2")
 WEIGHT_SCALES = ("tensor", "channel", "block")
 INPUT_SCALES = ("tensor", "token", "group")
-MX_GROUP = 32  # MXFP4's scale group and planar unit: one decoded piece (a factor each)
-PIECES = BLOCK_K // MX_GROUP
-# Decoded e2m1 values are e2m1 x 2**(E2M1_EXPONENT - gap): the largest (6 x 64 = 384)
-# under e4m3's 448, the smallest of a gap of 14 (0.5 x 2**-8) e4m3's smallest subnormal.
-E2M1_EXPONENT = 6
-MAX_GAP = 24  # larger gaps are clamped here (their values round to zero in e4m3 either way)
-E8M0_NAN = 255
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +56,11 @@ class Tiles:
     # (fragment_columns: a pass over x, not over every expert's codes).
     # Compiled only: the interpreter runs the product from shared memory.
     swap_ab: bool = False
+    # MXFP4 (W4A8): every code decoded once a call into an e4m3 copy of the weight
+    # (mx_e4m3.decoded_weight: the bytes the in-kernel decoders make), then the e4m3
+    # product with one scale per column — the loop W8A8 runs, the decode off the
+    # product's chain for many rows an expert, at the cost of the copy's bytes.
+    dequantize_first: bool = False
 
     def __post_init__(self):
         check_positive(self, ("block_m", "block_n", "stages", "group_m"))
@@ -118,6 +111,10 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {most} values{twice})"
     if tiles.swap_ab and not scaling.mx:
         return "swap_ab with e4m3 weights (the decoded MXFP4 step only)"
+    if tiles.dequantize_first and not scaling.mx:
+        return "dequantize_first with e4m3 weights (nothing to decode)"
+    if tiles.dequantize_first and tiles.swap_ab:
+        return "dequantize_first with swap_ab (the decoded copy is read from shared memory)"
     if tiles.swap_ab and tiles.wg_n % 64:
         return f"swap_ab with block_n={tiles.block_n} (a warpgroup's columns are the wgmma's rows: multiples of 64)"
     if n % tiles.block_n:
@@ -150,12 +147,14 @@ def scaling_refusal(call: GemmCall) -> str | None:
 
 def mx_refusal(w: WeightSpec) -> str | None:
     """Why an e2m1 weight is not MXFP4 in the planar order this kernel decodes."""
-    if (w.scale, w.scale_type, w.group_size) != ("group", "e8m0", MX_GROUP):
-        return f"e2m1 weights with {w.scale} {w.scale_type} scales of {w.group_size} (MXFP4: e8m0 per {MX_GROUP})"
+    if (w.scale, w.scale_type, w.group_size) != ("group", "e8m0", mx_e4m3.MX_GROUP):
+        return (
+            f"e2m1 weights with {w.scale} {w.scale_type} scales of {w.group_size} (MXFP4: e8m0 per {mx_e4m3.MX_GROUP})"
+        )
     if w.zero_point != "none" or w.global_scale != "none" or w.has_group_index:
         return "e2m1 weights with zero points, a global scale or a group index"
-    if w.nibble_unit != MX_GROUP:
-        return f"MXFP4 codes in K order (the planar order of {MX_GROUP}-column units: to_planar)"
+    if w.nibble_unit != mx_e4m3.MX_GROUP:
+        return f"MXFP4 codes in K order (the planar order of {mx_e4m3.MX_GROUP}-column units: to_planar)"
     return None
 
 
@@ -223,7 +222,7 @@ def _kernel(
     if scaling.mx:  # the step's codes and its pieces' scale bytes
         in_specs += [
             plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
-            plgpu.BlockSpec((PIECES, tiles.block_n), lambda i: (i, 0)),
+            plgpu.BlockSpec((mx_e4m3.PIECES, tiles.block_n), lambda i: (i, 0)),
         ]
     else:
         in_specs.append(
@@ -330,12 +329,12 @@ def _kernel(
                     codes = w_smem[wg_slice]
                     scales = (byte_smem, top)
                     if swap and not interpret:  # the decoded step as the register operand
-                        decoded = _decode_mx_step(codes, scales, wg_slice, scaling.half_bits, False, True)
+                        decoded = mx_e4m3.decode_step(codes, scales, wg_slice, scaling.half_bits, False, True)
                         plgpu.wgmma(acc_ref, decoded, x_smem.transpose((1, 0)))
                         return acc_ref[...]
                     # The last step's wgmma read the slot before its product was read back.
                     slot = stage.at[wg]
-                    slot[...] = _decode_mx_step(codes, scales, wg_slice, scaling.half_bits, interpret)
+                    slot[...] = mx_e4m3.decode_step(codes, scales, wg_slice, scaling.half_bits, interpret)
                     plgpu.commit_smem()
                     if swap:
                         plgpu.wgmma(acc_ref, slot, x_smem.transpose((1, 0)))
@@ -369,34 +368,6 @@ def _kernel(
                 store(jnp.zeros((wg_m, wg_n), o_gmem.dtype))
 
     plgpu.wait_smem_to_gmem(0)
-
-
-def step_factor(raw, top):
-    """A piece's f16 factor ``2**(12 - gap)`` from its e8m0 bytes and its
-    columns' largest (int32), made from the f16 bits (the gap clamped at
-    :data:`MAX_GAP`: never subnormal)."""
-    gap = jnp.minimum(top - raw.astype(jnp.int32), MAX_GAP)
-    return codecs.pow2(2 * E2M1_EXPONENT - gap, jnp.float16, normal_only=True)
-
-
-def _decode_mx_step(codes, scales, wg_slice, half_bits: bool, interpret: bool, fragment: bool = False):
-    """A K step's columns from its MXFP4 codes ``uint16 [rows, 32]`` as e4m3
-    ``[rows, 128]``: each unit's e2m1 x 2**-6 (:func:`mosaic.e2m1_piece`)
-    times its factor (:func:`step_factor` of ``scales``: the step's bytes
-    ``[4, block_n]`` in shared memory and the columns' largest ``[rows]``),
-    the units joined in column order. ``fragment`` (compiled only): the
-    result in the 8-bit WGMMA layout (the register operand), a unit's code at
-    half h, position j landing in column :func:`fragment_column` (h, j)."""
-    byte_smem, top = scales
-    bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
-    pieces = []
-    for piece in range(PIECES):
-        factor = step_factor(byte_smem[piece, wg_slice], top)[:, None]
-        # Interpreted in f32: XLA's CPU code misrounds some f16 products to e4m3.
-        factor = factor.astype(jnp.float32) if interpret else factor
-        pieces.append(mosaic.e2m1_piece(codes, piece, bits, jnp.float16, interpret) * factor)
-    decoded = mosaic.join_columns(pieces, interpret).astype(jnp.float8_e4m3fn)
-    return mosaic.eight_bit_fragments(decoded) if fragment else decoded
 
 
 def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows: int, m: int, k: int):
@@ -437,24 +408,8 @@ def fragment_columns(x: jax.Array) -> jax.Array:
     with it is the planar product. In bits, column (j1 h2 h1 j0 h0) takes
     column (j1 j0 h2 h1 h0)."""
     m, k = x.shape
-    units = x.reshape(m, k // MX_GROUP, 2, 2, 2, 2, 2)  # j1, j0, h2, h1, h0
+    units = x.reshape(m, k // mx_e4m3.MX_GROUP, 2, 2, 2, 2, 2)  # j1, j0, h2, h1, h0
     return units.transpose(0, 1, 2, 4, 5, 3, 6).reshape(m, k)
-
-
-def mx_operands(values: jax.Array, scale: jax.Array, k_major: bool = False) -> tuple[jax.Array, ...]:
-    """MXFP4's stored parts (planar codes ``uint8 [E, N, K/2]``, e8m0 bytes
-    ``[E, N, K/32]``, or ``[E, K/32, N]`` when ``k_major``) as the kernel reads
-    them: codes ``uint16 [E, N, K/4]``; the bytes ``[E, K/32, N]`` (each
-    piece's factor :func:`step_factor` is made from them in the kernel); each
-    column's largest byte, int32 ``[E, N]``; per column f32 ``2**(largest -
-    133)`` ``[E, N]`` (NaN where a byte is 255). Per call only a reduction
-    over the bytes (and, for ``[E, N, K/32]`` bytes, their transpose)."""
-    codes = mosaic.planar_words(values)
-    raw = scale if k_major else jnp.swapaxes(scale, 1, 2)
-    top = jnp.max(raw, axis=1).astype(jnp.int32)
-    columns = codecs.pow2(top - 127 - E2M1_EXPONENT, jnp.float32)
-    columns = jnp.where(top == E8M0_NAN, jnp.nan, columns)
-    return codes, raw, top, columns
 
 
 def expert_gemm_fp8(
@@ -498,14 +453,17 @@ def expert_gemm_fp8(
     extra = ()
     if scaling.mx:
         want, named = (
-            ((num_experts, k // MX_GROUP, n), "[E, K/32, N]")
+            ((num_experts, k // mx_e4m3.MX_GROUP, n), "[E, K/32, N]")
             if scaling.k_major_scales
-            else ((num_experts, n, k // MX_GROUP), "[E, N, K/32]")
+            else ((num_experts, n, k // mx_e4m3.MX_GROUP), "[E, N, K/32]")
         )
         if w_scale.shape != want:
             raise ValueError(f"mosaic_fp8 GEMM: MXFP4 scales must be {named}, got {w_scale.shape}")
-        weight, raw, top, w_scale = mx_operands(weight, w_scale, scaling.k_major_scales)
+        weight, raw, top, w_scale = mx_e4m3.mx_operands(weight, w_scale, scaling.k_major_scales)
         extra = (raw, top)
+        if tiles.dequantize_first:
+            weight, extra = mx_e4m3.decoded_weight(weight, raw, top, scaling.half_bits, interpret), ()
+            scaling = Scaling(scaling.x, "channel")
         if tiles.swap_ab and not interpret:  # the register operand's column order
             x = fragment_columns(x)
     padded = mosaic.padded_rows(m, tiles.block_m)
