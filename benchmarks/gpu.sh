@@ -49,6 +49,9 @@ keep_humming_cache() {
 }
 # Under the sanitizers XLA's autotuner is off: each candidate it launches is slow there, and it checks none of ours.
 sanitized_xla_flags="$XLA_FLAGS --xla_gpu_autotune_level=0"
+# SANITIZER_ARGS: more compute-sanitizer options for the sanitizer steps, e.g. "--kernel-name kns=moe_":
+# only this library's kernels (every name starts moe_) instrumented, not the reference's XLA and cuBLAS kernels.
+sanitizer="compute-sanitizer --error-exitcode 3 --print-limit 20 ${SANITIZER_ARGS:-}"
 case $step in
   # A hung kernel fails its test after 120 s (pytest-timeout, on the GPU image) instead of holding a worker.
   tests) python3 -m pytest -q -n 6 --full -p no:cacheprovider -W ignore::DeprecationWarning --timeout 120 \
@@ -77,7 +80,7 @@ case $step in
           2>&1 | tee "$out/sass.log" | tail -20 ;;
   # One cudaMalloc per buffer (no XLA pool), so that a store past a buffer is an error, not another buffer's bytes.
   sanitize) tool=${1:?memcheck, racecheck, initcheck or synccheck}; shift
-    XLA_FLAGS="$sanitized_xla_flags" XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
+    XLA_FLAGS="$sanitized_xla_flags" XLA_PYTHON_CLIENT_ALLOCATOR=platform $sanitizer --tool "$tool" \
       python3 -m pytest -q -p no:cacheprovider -p no:xdist -W ignore::DeprecationWarning \
       "${@:-tests/test_process_input.py}" 2>&1 | tee "$out/sanitize_$tool.log" | tail -30 ;;
   # benchmarks.hostile_gemms under a sanitizer (SANITIZER, default memcheck): every GEMM family at
@@ -86,14 +89,14 @@ case $step in
   # of some pairs' programs runs past 250 s, a cached executable loads in seconds.
   hostile) XLA_FLAGS="$sanitized_xla_flags" python3 -W ignore -m benchmarks.hostile_gemms \
              --out "$out/hostile_unsanitized.json" "$@" > "$out/hostile_unsanitized.log" 2>&1 || exit 4
-    XLA_FLAGS="$sanitized_xla_flags" XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "${SANITIZER:-memcheck}" --error-exitcode 3 \
-             --print-limit 20 python3 -W ignore -m benchmarks.hostile_gemms --out "$out/hostile.json" "$@" 2>&1 |
+    XLA_FLAGS="$sanitized_xla_flags" XLA_PYTHON_CLIENT_ALLOCATOR=platform $sanitizer --tool "${SANITIZER:-memcheck}" \
+             python3 -W ignore -m benchmarks.hostile_gemms --out "$out/hostile.json" "$@" 2>&1 |
              tee "$out/hostile.log" | tail -30 ;;
   # benchmarks.hostile_routing the same way: the routing and scatter kernels at 65,536 tokens x top-8, E=256.
   hostile-routing) XLA_FLAGS="$sanitized_xla_flags" python3 -W ignore -m benchmarks.hostile_routing \
              --out "$out/hostile_routing_unsanitized.json" "$@" > "$out/hostile_routing_unsanitized.log" 2>&1 || exit 4
-    XLA_FLAGS="$sanitized_xla_flags" XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "${SANITIZER:-memcheck}" --error-exitcode 3 \
-             --print-limit 20 python3 -W ignore -m benchmarks.hostile_routing --out "$out/hostile_routing.json" "$@" 2>&1 |
+    XLA_FLAGS="$sanitized_xla_flags" XLA_PYTHON_CLIENT_ALLOCATOR=platform $sanitizer --tool "${SANITIZER:-memcheck}" \
+             python3 -W ignore -m benchmarks.hostile_routing --out "$out/hostile_routing.json" "$@" 2>&1 |
              tee "$out/hostile_routing.log" | tail -30 ;;
   soak) python3 -W ignore -m benchmarks.soak --out "$out/soak.json" "$@" 2>&1 | tee "$out/soak.log" | tail -20 ;;
   *) echo "unknown step: $step" >&2; exit 2 ;;
