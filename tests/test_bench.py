@@ -420,10 +420,12 @@ def test_quantized_input_heuristic_by_input_dtype():
         assert (fp8.block_m, fp8.swap_ab, fp8.fold_scales, fp8.pair_decode) == (64, True, False, True)
         (int8,) = heuristic.heuristic_candidates(rows, 1536, 2048, int4, input_dtype="int8")
         assert int8.fold_scales and int8.block_m == min(rows, 64)
-        # After the fp8 Mosaic kernel (which decodes planar MXFP4 itself: the register-operand
-        # form, then the staged one): the Triton tile.
+        # After the fp8 Mosaic kernel (the e4m3 copy from E4M3_COPY_MIN_ROWS; then, decoding planar
+        # MXFP4 itself, the register-operand form and the staged one): the Triton tile.
         *mosaic, e2m1 = heuristic.heuristic_candidates(rows, 1536, 2048, mx, half_bits=True, input_dtype="float8_e4m3")
-        assert e2m1.fold_scales and len(mosaic) == (2 if rows < heuristic.MX_BF16_MOSAIC_MIN_ROWS else 1)
+        copy = rows >= heuristic.E4M3_COPY_MIN_ROWS
+        assert e2m1.fold_scales and len(mosaic) == (2 if rows < heuristic.MX_BF16_MOSAIC_MIN_ROWS else 1) + copy
+        assert (mosaic[0] == heuristic.E4M3_COPY) == copy
     (decode,) = heuristic.heuristic_candidates(16, 1536, 2048, int4, input_dtype="float8_e4m3")
     assert decode.fold_scales and decode.block_k == 256
     assert [tuning.format_class(int4, d) for d in ("float8_e5m2", "int8", "float4_e2m1")] == [
