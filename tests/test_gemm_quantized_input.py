@@ -498,3 +498,42 @@ def test_heuristic_choices_for_quantized_inputs():
         assert isinstance(mid, kernel.Tiles) and mid.block_m == 32 and mid.dequantize_input
     prefill = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
     assert prefill[:2] == [heuristic.E4M3_COPY, dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)]
+
+
+# The Triton tiles that read MXFP4 codes in the fp8 kernel's e4m3 word order:
+# the H200 table's MXFP4 decode entries, as W4A16 and (the input multiplied out) W4A8 run them.
+_WORD_TILES = {
+    "swap": kernel.Tiles(16, 64, 256, swap_ab=True, word_decode=True, fold_scales=True, pair_decode=True),
+    "plain": kernel.Tiles(16, block_k=256, word_decode=True, fold_scales=True, pair_decode=True),
+}
+
+
+@pytest.mark.parametrize("quant_name", [None, "fp8_dynamic_group128"], ids=["w4a16", "w4a8"])
+@pytest.mark.parametrize("tiles_name", list(_WORD_TILES))
+@pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "indexed"])
+def test_e4m3_words_in_the_triton_tiles(quant_name, tiles_name, layout_kind, rng):
+    """MXFP4 codes in the e4m3 word order read by the Triton tiles as whole
+    words (``word_decode.e2m1_table_program`` on the GPU): the float64
+    product, every unowned row zero, and the same product as the half-bits
+    order's within f32 rounding (the pieces sum in another order). A tile
+    that cannot read whole words says so."""
+    weight = _weight(rng, F.MXFP4, k=256)
+    words, pairs = F.to_planar(weight, e4m3_words=True), F.to_planar(weight, half_bits=True)
+    x = jnp.asarray(rng.normal(size=(M, 256)), jnp.bfloat16)
+    tiles = _WORD_TILES[tiles_name]
+    if quant_name is not None:
+        x = _input(rng, Q.get_input_spec(quant_name), k=256)
+        tiles = dataclasses.replace(tiles, dequantize_input=True)
+    layout = _layouts(rng)[layout_kind]
+    got = hj.gemm(x, words, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
+    ref = _reference(x, weight, layout, tiles)
+    out = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(out)) and relative_error(out, ref) < 1e-5
+    assert np.all(out[np.all(ref == 0, axis=1)] == 0)
+    other = hj.gemm(x, pairs, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
+    np.testing.assert_allclose(out, np.asarray(other, np.float64), rtol=1e-5, atol=1e-6)
+    # Bytes, or words whose unfolded scales cut a span to a 32-column group, are not whole words.
+    for refused in (kernel.Tiles(16, 32, 128), kernel.Tiles(16, 32, 128, word_decode=True)):
+        with pytest.raises(ValueError, match="e4m3 word order.*whole words"):
+            refused = dataclasses.replace(refused, dequantize_input=tiles.dequantize_input)
+            hj.gemm(x, words, layout, tuning=refused, backend=KERNEL_BACKEND)
