@@ -66,21 +66,16 @@ def run(args) -> list[dict]:
     rows = []
     cases = itertools.product(args.formats, args.problems, args.gemms, args.layouts, args.tokens)
     for fmt, problem, gemm, layout, tokens in cases:
-        orders = list(itertools.product(args.scale_orders, args.code_orders))
         preps = {
-            (scales, codes): bench.prepare(
-                bench.Case(problem, gemm, layout, tokens, fmt, scale_order=scales, e4m3_words=codes == "e4m3_words")
-            )
-            for scales, codes in orders
+            order: bench.prepare(bench.Case(problem, gemm, layout, tokens, fmt, scale_order=order))
+            for order in args.scale_orders
         }
         default = None
-        for repeat, text, order in itertools.product(range(args.repeats), args.tilings, orders):
+        for repeat, text, order in itertools.product(range(args.repeats), args.tilings, args.scale_orders):
             prep = preps[order]
             row = dict(fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens, tiling=text, repeat=repeat)
             if len(args.scale_orders) > 1:
-                row["scale_order"] = order[0]
-            if len(args.code_orders) > 1:
-                row["code_order"] = order[1]
+                row["scale_order"] = order
             start = time.time()
             try:
                 result, out, used = bench.time_prepared(prep, _tiling(text, default))
@@ -113,13 +108,6 @@ def main(argv=None) -> int:
         default=["kernel"],
         choices=["kernel", "n_major", "k_major"],
         help="group scales as to_kernel_order stores them, [E, N, K/g] or [E, K/g, N] (several: interleaved)",
-    )
-    parser.add_argument(
-        "--code-orders",
-        nargs="+",
-        default=["kernel"],
-        choices=["kernel", "e4m3_words"],
-        help="e2m1 codes as to_kernel_order stores them or in the fp8 byte decoder's word order (several: interleaved)",
     )
     parser.add_argument(
         "--variant", nargs="+", default=[], help="other versions of a kernel file: FILE (tiled 'variant:'), NAME=FILE"

@@ -102,9 +102,6 @@ class Case:
     k_order: bool = False
     # Planar e2m1 codes in the pair decoder's bit order (to_planar(half_bits=True)).
     half_bits: bool = True
-    # Planar e2m1 codes in the fp8 kernel's byte decoder's word order instead
-    # (to_planar(e4m3_words=True): its register form only).
-    e4m3_words: bool = False
     # Group scales as to_kernel_order stores them ("kernel": k_major_scales_preferred),
     # "n_major" [E, N, K/g] or "k_major" [E, K/g, N] for every per-group format.
     scale_order: str = "kernel"
@@ -190,11 +187,7 @@ def _arrays(case: Case, sets: int, seed: int):
         kw, kx = jax.random.split(jax.random.fold_in(jax.random.key(seed), s))
         weight = _random_weight(kw, fmt, e, n, k)
         weights.append(
-            weight
-            if case.k_order
-            else F.to_planar(
-                weight, half_bits=_half_bits(case, quant), k_major_scales=k_major, e4m3_words=case.e4m3_words
-            )
+            weight if case.k_order else F.to_planar(weight, half_bits=_half_bits(case, quant), k_major_scales=k_major)
         )
         xs.append(_quantized(random_bf16(kx, (_input_rows(case), k)), quant))
     return weights, xs
@@ -202,7 +195,7 @@ def _arrays(case: Case, sets: int, seed: int):
 
 def _half_bits(case: Case, quant: Q.InputQuantSpec) -> bool:
     """As the modules store planar e2m1 codes (:func:`humming_jax.formats.planar_half_bits`)."""
-    return case.half_bits and not case.e4m3_words and F.planar_half_bits("bfloat16", quant)
+    return case.half_bits and F.planar_half_bits("bfloat16", quant)
 
 
 def _static_scale(x: jax.Array, quant: Q.InputQuantSpec) -> jax.Array | None:

@@ -110,9 +110,8 @@ def quantize_experts(
 def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeights:
     """Repack 4-bit codes in the order the GEMM kernels read without a split
     copy of the activations (:func:`formats.to_planar`, the same values); e2m1
-    codes with bf16 compute also in the pair decoder's bit order (MXFP4 with
-    e4m3 inputs: in the fp8 kernel's e4m3 word order, :func:`formats.planar_e4m3_words`);
-    e8m0 group scales in the order the Mosaic kernels read them. What
+    codes with bf16 compute also in the pair decoder's bit order; e8m0 group
+    scales in the order the Mosaic kernels read them. What
     :func:`quantize_experts`, ``load_experts`` and the NNX modules give; weights
     in K order still run, slower.
 
@@ -130,8 +129,7 @@ def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeig
 
     def ordered(weight: F.QuantizedWeight) -> F.QuantizedWeight:
         k_major = F.k_major_scales_preferred(weight.format)
-        words = F.planar_e4m3_words(weight.format, config.input_quant)
-        return F.to_planar(weight, half_bits=half_bits and not words, k_major_scales=k_major, e4m3_words=words)
+        return F.to_planar(weight, half_bits=half_bits, k_major_scales=k_major)
 
     return dataclasses.replace(weights, w13=ordered(weights.w13), w2=ordered(weights.w2))
 

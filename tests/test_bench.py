@@ -549,9 +549,6 @@ def test_ab_tilings_writes_each_timing(tiny, compiled_once, tmp_path, capsys):
         for order in ("kernel", "k_major")
     }
     assert not prepared["kernel"].weights[0].k_major_scales and prepared["k_major"].weights[0].k_major_scales
-    # W4A8's codes in the fp8 byte decoder's word order (--code-orders e4m3_words): not in half-bits order
-    words = bench.prepare(bench.Case("tiny", "w13", "grouped", 3, "mxfp4", e4m3_words=True))
-    assert words.weights[0].e4m3_words and not words.weights[0].half_bits
 
 
 def test_humming_peer_routing_and_the_anchor_fallback(tiny, monkeypatch):

@@ -48,16 +48,13 @@ def _weight(rng, fmt_name: str, e: int = E, bias: bool = False):
     return F.quantize_weight(w, fmt.with_bias() if bias else fmt, bias=b)
 
 
-def _mxfp4(rng, half_bits: bool, gaps: int = 12, e: int = E, k_major: bool = True, e4m3_words: bool = False):
+def _mxfp4(rng, half_bits: bool, gaps: int = 12, e: int = E, k_major: bool = True):
     """Planar MXFP4 whose 32-column groups' scales differ by up to 2**gaps
     within a row; its scales ``[E, K/32, N]`` as the modules store them
-    (``k_major``) or ``[E, N, K/32]``; its codes in the pair decoder's bit
-    order (``half_bits``), the byte decoder's word order (``e4m3_words``) or
-    nibble order."""
+    (``k_major``) or ``[E, N, K/32]``."""
     spread = np.exp2(rng.integers(-gaps, 1, (e, N, K // 32))).repeat(32, axis=-1)
     w = jnp.asarray(rng.normal(0, 0.05, (e, N, K)) * spread, jnp.float32)
-    quantized = F.quantize_weight(w, F.get_format("mxfp4"))
-    return F.to_planar(quantized, half_bits=half_bits, k_major_scales=k_major, e4m3_words=e4m3_words)
+    return F.to_planar(F.quantize_weight(w, F.get_format("mxfp4")), half_bits=half_bits, k_major_scales=k_major)
 
 
 def _input(rng, quant_name: str, m: int = M):
@@ -202,45 +199,36 @@ def test_mxfp4_decoded_to_e4m3(half_bits, quant_name, tiles, k_major, rng):
 FIRST = kernel.Tiles(64, 256, stages=2, group_m=2, dequantize_first=True)  # an e4m3 copy, then the channel product
 
 
-@pytest.mark.parametrize("order", ["half_bits", pytest.param("nibbles", marks=FULL), "e4m3_words"])
-def test_mxfp4_decoded_copy_against_numpy(order, rng):
+@pytest.mark.parametrize("half_bits", [True, pytest.param(False, marks=FULL)], ids=["half_bits", "nibbles"])
+def test_mxfp4_decoded_copy_against_numpy(half_bits, rng):
     """``decoded_weight``: each code as e2m1 x 2**(6 - gap) in e4m3, in K
     order — the float64 dequantized weight over its column's 2**(largest -
     133), rounded once to e4m3 (exact to a gap of 14; further down, e4m3's
-    subnormals and zero), bit for bit, gaps up to 18 included; codes in each
-    stored order (the e4m3 word order: compiled, the byte decoder's, exact to
-    a gap of 11 — its gaps stop there)."""
-    half_bits, words = order == "half_bits", order == "e4m3_words"
-    weight = _mxfp4(rng, half_bits, gaps=10 if words else 18, e4m3_words=words)
+    subnormals and zero), bit for bit, gaps up to 18 included."""
+    weight = _mxfp4(rng, half_bits, gaps=18)
     codes, raw, top, columns = mx_e4m3.mx_operands(weight.values, weight.scale, k_major=True)
-    interpret = KERNEL_BACKEND == "interpret"
-    got = mx_e4m3.decoded_weight(codes, raw, top, half_bits, interpret=interpret, e4m3_words=words)
+    got = mx_e4m3.decoded_weight(codes, raw, top, half_bits, interpret=KERNEL_BACKEND == "interpret")
     assert got.dtype == jnp.float8_e4m3fn and got.shape == (E, N, K)
     dequantized = np.asarray(F.dequantize_weight(weight), np.float64)
     want = (dequantized / np.asarray(columns, np.float64)[..., None]).astype(jnp.float8_e4m3fn)
-    if words and not interpret:  # compiled: each unit in the 8-bit fragments' column order
-        want = np.asarray(kernel.fragment_columns(jnp.asarray(want.reshape(E * N, K)))).reshape(E, N, K)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
     gaps = np.asarray(top)[:, None, :] - np.asarray(raw, np.int64)
-    assert gaps.max() <= 11 if words else gaps.max() > 14  # past 14 groups round (to e4m3's subnormals)
+    assert gaps.max() > 14  # some groups round (towards e4m3's subnormals)
 
 
 @pytest.mark.parametrize(
-    "quant_name,layout_kind,words",
+    "quant_name,layout_kind",
     [
-        ("fp8_dynamic_group128", "grouped_contiguous", False),
-        ("fp8_dynamic_group128", "grouped_contiguous", True),
-        pytest.param("fp8_dynamic_token", "indexed", False, marks=FULL),
-        pytest.param("fp8_dynamic_group128", "grouped_masked", True, marks=FULL),
+        ("fp8_dynamic_group128", "grouped_contiguous"),
+        pytest.param("fp8_dynamic_token", "indexed", marks=FULL),
+        pytest.param("fp8_dynamic_group128", "grouped_masked", marks=FULL),
     ],
 )
-def test_mxfp4_dequantized_first(quant_name, layout_kind, words, rng):
-    """W4A8 through the e4m3 copy (``dequantize_first``) of codes in the
-    half-bits or the e4m3 word order: the e4m3 product with one scale per
-    column, against float64 NumPy; refused with e4m3 weights and with
-    ``swap_ab``."""
-    weight = _mxfp4(rng, half_bits=not words, gaps=11 if words else 12, e4m3_words=words)
-    x = _input(rng, quant_name)
+def test_mxfp4_dequantized_first(quant_name, layout_kind, rng):
+    """W4A8 through the e4m3 copy (``dequantize_first``): the e4m3 product with
+    one scale per column, against float64 NumPy; refused with e4m3 weights
+    and with ``swap_ab``."""
+    weight, x = _mxfp4(rng, half_bits=True), _input(rng, quant_name)
     layout = gemm_layouts.layouts(rng, E, M, block_size=FIRST.block_m)[layout_kind]
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=FIRST, backend=KERNEL_BACKEND)
     _check(out, x, weight, layout)
@@ -261,9 +249,6 @@ SWAP_WIDE = kernel.Tiles(64, 256, stages=2, group_m=2, swap_ab=True)
         (True, "fp8_dynamic_group128", SWAP, "grouped_contiguous", False),
         (False, "fp8_dynamic_token", SWAP_WIDE, "grouped_contiguous", True),
         (True, "fp8_dynamic_group128", SWAP, "indexed", False),
-        # The byte decoder's word order (compiled: the byte tables; interpreted: back to nibbles).
-        ("e4m3_words", "fp8_dynamic_group128", SWAP_WIDE, "grouped_contiguous", False),
-        pytest.param("e4m3_words", "fp8_dynamic_token", SWAP, "indexed", True, marks=FULL),
         pytest.param(True, "fp8_dynamic_token", SWAP_WIDE, "grouped_masked", True, marks=FULL),
         pytest.param(False, "fp8_e5m2_dynamic_token", SWAP, "dense", False, marks=FULL),
     ],
@@ -275,8 +260,7 @@ def test_mxfp4_swap_ab(half_bits, quant_name, tiles, layout_kind, bias, rng):
     indexed form's row stores). Interpreted, the product runs from shared
     memory (the register operand is compiled only)."""
     e = 1 if layout_kind == "dense" else E
-    e4m3_words = half_bits == "e4m3_words"
-    weight = _mxfp4(rng, half_bits is True, gaps=11 if e4m3_words else 12, e=e, e4m3_words=e4m3_words)
+    weight = _mxfp4(rng, half_bits, e=e)
     if bias:
         b = jnp.asarray(rng.normal(size=(e, N)), jnp.float32)
         weight = dataclasses.replace(weight, bias=b, format=weight.format.with_bias())
@@ -511,38 +495,26 @@ def test_swap_ab_lowers_for_the_gpu(tiles):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize(
-    "tiles,order",
-    [
-        (SQUARE, "nibbles"),
-        (SQUARE, "half_bits"),
-        (SWAP, "half_bits"),
-        (SWAP_WIDE, "half_bits"),
-        (SWAP, "e4m3_words"),
-        (SWAP_WIDE, "e4m3_words"),
-    ],
-    ids=str,
-)
-def test_mxfp4_lowers_for_the_gpu(tiles, order):
+@pytest.mark.parametrize("tiles,half_bits", [(SQUARE, False), (SQUARE, True), (SWAP, True), (SWAP_WIDE, True)], ids=str)
+def test_mxfp4_lowers_for_the_gpu(tiles, half_bits):
     """The compiled decoder (the e2m1 program on the WGMMA layout's 32-bit
     registers, both bit orders) with the staged 32-column pieces, and the
     register form (the decoded step regrouped into the 8-bit WGMMA layout,
-    the register operand's wgmma, the transposed epilogue) lower; so does
-    the register form's byte decoder of codes in the e4m3 word order."""
+    the register operand's wgmma, the transposed epilogue) lower."""
     x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
     w = jax.ShapeDtypeStruct((3, 512, 128), jnp.uint8)
     x_scale = jax.ShapeDtypeStruct((300, 2), jnp.float32)
     w_scale = jax.ShapeDtypeStruct((3, 512, 8), jnp.uint8)
     offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
-    scaling = kernel.Scaling("group", "mx", order == "half_bits", e4m3_words=order == "e4m3_words")
+    scaling = kernel.Scaling("group", "mx", half_bits)
     run = functools.partial(kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16)
     lowered = jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets)
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("order", ["half_bits", "nibbles", "e4m3_words"])
-def test_dequantized_first_lowers_for_the_gpu(order):
+@pytest.mark.parametrize("half_bits", [True, False], ids=["half_bits", "nibbles"])
+def test_dequantized_first_lowers_for_the_gpu(half_bits):
     """The decoding pass (the compiled decoder, its stores into the swizzled
     output stage) and the e4m3 product after it lower."""
     x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
@@ -550,8 +522,7 @@ def test_dequantized_first_lowers_for_the_gpu(order):
     x_scale = jax.ShapeDtypeStruct((300, 2), jnp.float32)
     w_scale = jax.ShapeDtypeStruct((3, 8, 512), jnp.uint8)
     offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
-    words = order == "e4m3_words"
-    scaling = kernel.Scaling("group", "mx", order == "half_bits", k_major_scales=True, e4m3_words=words)
+    scaling = kernel.Scaling("group", "mx", half_bits, k_major_scales=True)
     run = functools.partial(kernel.expert_gemm_fp8, tiles=FIRST, scaling=scaling, out_dtype=jnp.bfloat16)
     text = jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets).lower(lowering_platforms=("cuda",))
     assert text.as_text().count("mosaic_gpu") >= 2
@@ -596,69 +567,3 @@ def test_the_offline_ir_tool_reads_the_fp8_kernel(fmt):
     assert counts["wgmma.mma_async"] % 4 == 0 and counts["wgmma.mma_async"] >= 4
     assert counts["nvvm.cp.async.bulk.tensor"] > 0
     assert (counts["vector<2xi16>"] > 0) == (fmt == "w4a8_mxfp4")
-
-
-def test_e4m3_words_run_only_in_the_register_form(rng):
-    """MXFP4 codes in the byte decoder's word order: the fp8 kernel's register
-    form takes them, its staged form and the other kernels say why not, and
-    the reference (through the dequantized weight) computes the same product
-    as from nibble order."""
-    from pallas_kernels.gemm import triton
-
-    words = _mxfp4(rng, False, e4m3_words=True)
-    nibbles = F.to_planar(F.to_k_order(words))
-    x = _input(rng, "fp8_dynamic_group128")
-    layout = gemm_layouts.layouts(rng, E, M, block_size=64)["grouped_contiguous"]
-    call = gemm_call(x, words, layout, jnp.bfloat16, interpret=True)
-    assert kernel.supports(SWAP_WIDE, call) is None
-    assert "e4m3 word order with swap_ab=False" in kernel.supports(TILES, call)
-    assert "e4m3 word order" in triton.supports(triton.Tiles(block_m=16, block_k=256), call)
-    refusal = mosaic.supports(mosaic.Tiles(64, 256, 128, dequantize_input=True), call)
-    assert "e4m3 word order" in refusal
-    want = hj.gemm(x, nibbles, layout, out_dtype=jnp.float32, backend="reference")
-    got = hj.gemm(x, words, layout, out_dtype=jnp.float32, backend="reference")
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_the_plan_for_codes_in_the_e4m3_word_order(rng):
-    """W4A8 codes in the e4m3 word order (what ``to_kernel_order`` stores for
-    MXFP4 with e4m3 inputs): the fp8 kernel's register form from 32 rows an
-    expert (128-row tiles first from 512; grouped, the e4m3 copy before it
-    from E4M3_COPY_MIN_ROWS), then the Triton tile on the input multiplied
-    out; never the 16-bit kernel or the staged form, which refuse the order.
-    The plans find a kernel at every size, grouped and indexed, bf16 and f32
-    outputs (interpreted: on the CPU the Mosaic kernels take only
-    interpreted calls; their ``supports`` answers the rest alike)."""
-    mx = F.get_format("mxfp4")
-    words = dict(input_dtype="float8_e4m3", e4m3_words=True)
-    wide, swap = heuristic.MX_FP8_SWAP_WIDE_MIN_ROWS, heuristic.MX_FP8_SWAP
-    copy = heuristic.E4M3_COPY_MIN_ROWS
-    cases = ((8, None), (32, swap), (copy - 1, swap), (wide - 1, swap), (wide, heuristic.MX_FP8_SWAP_WIDE))
-    for rows, first in cases:
-        listed = T.heuristic_candidates(rows, 1536, 2048, mx, **words)
-        if rows >= copy:
-            assert listed[0] == heuristic.E4M3_COPY
-            listed = listed[1:]
-        assert (listed[0] if first else None) == first
-        assert not any(isinstance(t, mosaic.Tiles) for t in listed)
-        assert not any(isinstance(t, kernel.Tiles) and not t.swap_ab for t in listed)
-        last = listed[-1]
-        assert last.dequantize_input and last.word_decode and last.fold_scales and last.block_k >= 128
-    assert T.heuristic_candidates(wide, 1536, 2048, mx, 64, **words)[0] == heuristic.MX_FP8_SWAP
-    huge = dict(words, num_experts=256)  # a 7.5 GB copy: the register form
-    assert T.heuristic_candidates(wide, 4096, 7168, mx, **huge)[0] == heuristic.MX_FP8_SWAP_WIDE
-    assert T.heuristic_candidates(wide, 1536, 2048, mx, None, indexed=True, **words)[:1] == [heuristic.MX_FP8_SWAP_WIDE]
-    weight = _mxfp4(rng, False, e4m3_words=True)
-    for rows in (1, 8, 32, 128):
-        x = _input(rng, "fp8_dynamic_group128", E * rows)
-        grouped = hj.GroupedContiguous(jnp.arange(0, E * rows + 1, rows, dtype=jnp.int32))
-        for out_dtype in (jnp.bfloat16, jnp.float32):
-            tiles, reasons = plan(x, weight, grouped, out_dtype=out_dtype, valid_shape_m=E * rows, interpret=True)
-            assert tiles is not None, reasons
-            swap = out_dtype == jnp.bfloat16 and rows >= 32
-            assert isinstance(tiles, kernel.Tiles) == swap, (rows, out_dtype, tiles, reasons)
-        block = T.indexed_block_rows(T.candidates("indexed", mx, E * rows, E, N, K, **words)) or 16
-        ids = jnp.asarray(rng.integers(0, E, (E * rows, 1)), jnp.int32)
-        indexed = hj.Indexed(*hj.moe_align_block_size(ids, block, E), top_k=1, block_size=block)
-        tiles, reasons = plan(x, weight, indexed, out_dtype=jnp.bfloat16, valid_shape_m=E * rows, interpret=True)
-        assert tiles is not None, reasons

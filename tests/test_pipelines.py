@@ -485,37 +485,6 @@ def test_w4a8_prefill_through_the_e4m3_copy(rng):
     assert np_ref.relative_error(out, _expected_layer(x, weights, ids, tw, config)) < 6e-2  # fp8 e4m3 activations
 
 
-@pytest.mark.parametrize("tokens", [8, pytest.param(64, marks=FULL)], ids=["decode", "32-rows"])
-def test_w4a8_weights_in_the_e4m3_word_order(tokens, rng):
-    """MXFP4 weights meeting e4m3 inputs per 128 columns or per token are
-    stored in the fp8 kernel's e4m3 word order (not the pair decoder's), other
-    inputs and formats as before; the layer on them — the Triton tiles at
-    decode, the fp8 kernel's register form from 32 rows an expert — against
-    float64 NumPy and against the same weights in the half-bits order."""
-    config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="mxfp4", input_quant="fp8_dynamic_group128")
-    x, w13, w2, ids, tw = _problem(rng, config, tokens)
-    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
-    for w in (weights.w13, weights.w2):
-        assert w.e4m3_words and not w.half_bits and w.k_major_scales
-    for fmt, quant, words in (
-        ("mxfp4", "fp8_dynamic_token", True),
-        ("mxfp4", "mxfp8_dynamic", False),
-        ("mxfp4", "none", False),
-        ("nvfp4", "fp8_dynamic_token", False),
-    ):
-        other = hj.ExpertsConfig(4, 256, 128, 2, weight_format=fmt, input_quant=quant)
-        assert hj.formats.planar_e4m3_words(other.weight_format, other.input_quant) == words, (fmt, quant)
-    halves = hj.ExpertWeights(
-        *(hj.to_planar(hj.to_k_order(w), half_bits=True, k_major_scales=True) for w in (weights.w13, weights.w2))
-    )
-    expected = _expected_layer(x, weights, ids, tw, config)
-    for pipeline in ("grouped", "indexed"):
-        out = np.asarray(_run(pipeline, x, weights, tw, ids, config), np.float64)
-        assert np_ref.relative_error(out, expected) < 6e-2  # fp8 e4m3 activations and e2m1 weights
-        before = np.asarray(_run(pipeline, x, halves, tw, ids, config), np.float64)
-        assert np_ref.relative_error(out, before) < 2e-2  # another kernel or another order of sums
-
-
 @pytest.mark.parametrize("pipeline", sweep(PIPELINES, PIPELINES[:1]))
 def test_w4a8_inputs_written_multiplied_out(pipeline, rng):
     """W4A8 at decode: the GEMMs' tiles multiply the fp8 input out to bf16

@@ -39,12 +39,11 @@ def candidates(
     block_size: int | None = None,
     half_bits: bool = False,
     input_dtype: str | None = None,
-    e4m3_words: bool = False,
 ) -> list:
     """The table's entry for this call (its weight shape's, else its format
     class's), then the heuristic's tilings. ``block_size``: an indexed
     layout's alignment block — a tile is one block, so an entry's Triton tile
-    runs with that many rows (:func:`for_block`); ``half_bits``, ``e4m3_words``: see
+    runs with that many rows (:func:`for_block`); ``half_bits``: see
     :func:`heuristic_candidates`; ``input_dtype``: a quantized input's values (:func:`format_class`).
     4-bit weights with fp8 inputs at decode (under :data:`DEQUANTIZE_INPUT_MAX_ROWS`
     rows an expert) take, after their own entries, the weight-only format's
@@ -67,7 +66,6 @@ def candidates(
         num_experts,
         indexed=layout == "indexed",
         total_rows=valid_shape_m,
-        e4m3_words=e4m3_words,
     )
 
 

@@ -35,12 +35,6 @@ MX_FP8_SWAP = mosaic_fp8.Tiles(64, 256, stages=4, group_m=8, swap_ab=True)
 E4M3_COPY_MIN_ROWS = 256
 E4M3_COPY_MAX_BYTES = 4 * 2**30
 E4M3_COPY = mosaic_fp8.Tiles(64, 256, stages=4, group_m=8, dequantize_first=True)
-# Codes in the e4m3 word order (formats.planar_e4m3_words) stay on the fp8 kernel's register
-# form from MX_BF16_MOSAIC_MIN_ROWS too, on 128-row tiles: half the decode a product of the
-# 64-row tile's.
-MX_FP8_SWAP_WIDE = mosaic_fp8.Tiles(128, 128, stages=4, group_m=8, swap_ab=True)
-# W4A8 on e4m3 words: the 128x128 swap tile from this many rows an expert (64x256 below it).
-MX_FP8_SWAP_WIDE_MIN_ROWS = 512
 # Indexed layouts on the fp8 Mosaic kernel (rows gathered in block order): W8A8, whose
 # Triton tile is faster at short K, where K is long — or where Triton reads byte pairs.
 FP8_INDEXED_MIN_ROWS = 128
@@ -176,7 +170,6 @@ def heuristic_candidates(
     num_experts: int = 1,
     indexed: bool = False,
     total_rows: int | None = None,
-    e4m3_words: bool = False,
 ) -> list:
     """In order: the Mosaic kernel after a dequantize pass (4-bit integer
     weights it does not decode itself — K order, float zero points, other
@@ -194,11 +187,8 @@ def heuristic_candidates(
     ``half_bits``: weights the Triton decoder reads as nibble pairs only.
     ``input_dtype``: a quantized input's values (:func:`quantized_input_tiles`).
     ``num_experts``: the weight's experts (its size); ``total_rows``: the
-    call's rows in all (None: ``rows`` times ``num_experts``). ``e4m3_words``:
-    W4A8 codes in the fp8 kernel's word order (:func:`e4m3_word_candidates`)."""
+    call's rows in all (None: ``rows`` times ``num_experts``)."""
     fmt_class = format_class(fmt, input_dtype)
-    if e4m3_words and fmt_class == "fp4-a8":
-        return e4m3_word_candidates(rows, n, k, block_size, indexed or block_size is not None, num_experts)
     indexed = indexed or block_size is not None
     found = []
     if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and not indexed:
@@ -210,7 +200,8 @@ def heuristic_candidates(
     byte_pairs = triton.offsets_wrap(num_experts * n * k, 1) and total_rows >= BYTE_PAIRS_MOSAIC_MIN_M
     if fmt_class == "8bit-a8" and (rows >= FP8_MOSAIC_MIN_ROWS or byte_pairs) and not indexed:
         found.append(mosaic_fp8.Tiles(64, 256, stages=4, group_m=8))
-    if fmt_class == "fp4-a8" and e4m3_copy_applies(rows, n, k, num_experts, indexed):
+    copy_fits = num_experts * n * k <= E4M3_COPY_MAX_BYTES
+    if fmt_class == "fp4-a8" and rows >= E4M3_COPY_MIN_ROWS and not indexed and copy_fits:
         found.append(E4M3_COPY)
     if fmt_class == "fp4-a8" and mx_mosaic:
         found.append(dataclasses.replace(MX_BF16_MOSAIC, dequantize_input=True))
@@ -226,39 +217,5 @@ def heuristic_candidates(
         tiles = dataclasses.replace(
             tiles, block_k=max(128, tiles.block_k), word_decode=True, fold_scales=True, pair_decode=True
         )
-    found.append(for_block(tiles, block_size) if block_size is not None else tiles)
-    return found
-
-
-def e4m3_copy_applies(rows: int, n: int, k: int, num_experts: int, indexed: bool) -> bool:
-    """W4A8 through the e4m3 copy (:data:`E4M3_COPY`): grouped, from
-    :data:`E4M3_COPY_MIN_ROWS` rows an expert, the copy (E x N x K bytes)
-    under :data:`E4M3_COPY_MAX_BYTES`."""
-    return rows >= E4M3_COPY_MIN_ROWS and not indexed and num_experts * n * k <= E4M3_COPY_MAX_BYTES
-
-
-def e4m3_word_candidates(
-    rows: int, n: int, k: int, block_size: int | None, indexed: bool, num_experts: int = 1
-) -> list:
-    """W4A8 with MXFP4 codes in the e4m3 word order, which only the fp8
-    kernel (its e4m3 copy first where :func:`e4m3_copy_applies`, then its
-    register form) and the Triton tiles reading whole words take: from
-    :data:`MX_MOSAIC_MIN_ROWS` rows an expert the register form
-    (:data:`MX_FP8_SWAP`; from :data:`MX_FP8_SWAP_WIDE_MIN_ROWS`
-    :data:`MX_FP8_SWAP_WIDE` first), the indexed layout's block permitting;
-    then the Triton tile on the input multiplied out (``dequantize_input``:
-    16-bit operands, the scales folded, 128+ columns a span: whole words),
-    which takes every call the register form refuses."""
-    found = [E4M3_COPY] if e4m3_copy_applies(rows, n, k, num_experts, indexed) else []
-    if rows >= MX_MOSAIC_MIN_ROWS:
-        wide = [MX_FP8_SWAP_WIDE] if rows >= MX_FP8_SWAP_WIDE_MIN_ROWS else []
-        found += [t for t in (*wide, MX_FP8_SWAP) if block_size in (None, t.block_m)]
-        if indexed and block_size is None:
-            found = found[:1]  # the first one's rows become the layout's block
-    tiles = quantized_input_tiles(rows, n, k, "fp4-a8")
-    cap_k = _caps(n, k)[1]
-    tiles = dataclasses.replace(
-        tiles, dequantize_input=True, word_decode=True, fold_scales=True, block_k=max(min(128, cap_k), tiles.block_k)
-    )
     found.append(for_block(tiles, block_size) if block_size is not None else tiles)
     return found

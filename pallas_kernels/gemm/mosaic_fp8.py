@@ -10,9 +10,7 @@ libraries); per-channel or per-tensor weight scales and per-row or per-tensor
 input scales multiply the sum. MXFP4 (W4A8, :mod:`mx_e4m3`): each K step's
 codes decoded to e4m3 in the compute warpgroups, the sum times each column's
 power of two in the epilogue — a step's promotion is then the
-input's alone, as for e4m3 weights; codes stored in the byte decoder's word
-order (``to_planar(e4m3_words=True)``) are decoded there with integer
-operations into the same bytes. Layouts ``dense``,
+input's alone, as for e4m3 weights. Layouts ``dense``,
 ``grouped_contiguous`` and ``grouped_masked``, cut into row tiles as the
 16-bit kernel's (:func:`mosaic.row_tile_table`); ``indexed`` through its rows
 gathered in block order, one tile a block, each result row stored to its
@@ -82,15 +80,12 @@ class Scaling:
     f32), ``w`` tensor / channel / block (128 x 128, f32) / mx (MXFP4 codes
     decoded in the kernel, a scale per column); ``half_bits``: mx
     codes in the pair decoder's bit order (``word_decode.E2M1_HALF_BITS``);
-    ``e4m3_words``: mx codes in the byte decoder's word order
-    (``word_decode.e2m1_e4m3_program``); ``k_major_scales``: mx scales
-    stored ``[E, K/32, N]``."""
+    ``k_major_scales``: mx scales stored ``[E, K/32, N]``."""
 
     x: str
     w: str
     half_bits: bool = False
     k_major_scales: bool = False
-    e4m3_words: bool = False
 
     @property
     def per_step(self) -> bool:
@@ -120,8 +115,6 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
         return "dequantize_first with e4m3 weights (nothing to decode)"
     if tiles.dequantize_first and tiles.swap_ab:
         return "dequantize_first with swap_ab (the decoded copy is read from shared memory)"
-    if scaling.e4m3_words and not (tiles.swap_ab or tiles.dequantize_first):
-        return "MXFP4 codes in the e4m3 word order with swap_ab=False (the register form and the e4m3 copy read them)"
     if tiles.swap_ab and tiles.wg_n % 64:
         return f"swap_ab with block_n={tiles.block_n} (a warpgroup's columns are the wgmma's rows: multiples of 64)"
     if n % tiles.block_n:
@@ -169,8 +162,7 @@ def scaling_of(call: GemmCall) -> Scaling:
     """How the kernel applies the call's scales."""
     w = call.weight
     mode = "mx" if w.value_type == "float4_e2m1" else w.scale
-    mx = mode == "mx"
-    return Scaling(call.x_scale.mode, mode, w.half_bits, w.k_major_scales and mx, w.e4m3_words and mx)
+    return Scaling(call.x_scale.mode, mode, w.half_bits, w.k_major_scales and mode == "mx")
 
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
@@ -209,7 +201,6 @@ def _kernel(
     # [E, N], rest the e8m0 bytes [E, K/32, N] and each column's largest int32 [E, N]
     # (mx_operands): a piece's factor is made from its byte in the step.
     byte_gmem, top_gmem = rest[:2] if scaling.mx else (None, None)
-    decode = functools.partial(mx_e4m3.decode_step, half_bits=scaling.half_bits, e4m3_words=scaling.e4m3_words)
     bias_gmem = rest[-2] if has_bias else None
     o_gmem = rest[-1]
     k = x_gmem.shape[1]
@@ -338,12 +329,12 @@ def _kernel(
                     codes = w_smem[wg_slice]
                     scales = (byte_smem, top)
                     if swap and not interpret:  # the decoded step as the register operand
-                        decoded = decode(codes, scales, wg_slice, interpret=False, fragment=True)
+                        decoded = mx_e4m3.decode_step(codes, scales, wg_slice, scaling.half_bits, False, True)
                         plgpu.wgmma(acc_ref, decoded, x_smem.transpose((1, 0)))
                         return acc_ref[...]
                     # The last step's wgmma read the slot before its product was read back.
                     slot = stage.at[wg]
-                    slot[...] = decode(codes, scales, wg_slice, interpret=interpret)
+                    slot[...] = mx_e4m3.decode_step(codes, scales, wg_slice, scaling.half_bits, interpret)
                     plgpu.commit_smem()
                     if swap:
                         plgpu.wgmma(acc_ref, slot, x_smem.transpose((1, 0)))
@@ -470,13 +461,11 @@ def expert_gemm_fp8(
             raise ValueError(f"mosaic_fp8 GEMM: MXFP4 scales must be {named}, got {w_scale.shape}")
         weight, raw, top, w_scale = mx_e4m3.mx_operands(weight, w_scale, scaling.k_major_scales)
         extra = (raw, top)
-        # The register operand's column order; the e4m3 copy's too where it was made from e4m3 words.
-        if (tiles.swap_ab or scaling.e4m3_words) and not interpret:
-            x = fragment_columns(x)
         if tiles.dequantize_first:
-            weight = mx_e4m3.decoded_weight(weight, raw, top, scaling.half_bits, interpret, scaling.e4m3_words)
-            extra = ()
+            weight, extra = mx_e4m3.decoded_weight(weight, raw, top, scaling.half_bits, interpret), ()
             scaling = Scaling(scaling.x, "channel")
+        if tiles.swap_ab and not interpret:  # the register operand's column order
+            x = fragment_columns(x)
     padded = mosaic.padded_rows(m, tiles.block_m)
     x_scale, w_scale = _flat_scales(scaling, x_scale, w_scale, padded, m, k)
     if padded > m:

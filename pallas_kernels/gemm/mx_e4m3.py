@@ -18,13 +18,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import arith
 
 from pallas_kernels import codecs, word_decode
 from pallas_kernels.gemm import mosaic
@@ -47,23 +43,15 @@ def step_factor(raw, top):
     return codecs.pow2(2 * E2M1_EXPONENT - gap, jnp.float16, normal_only=True)
 
 
-def decode_step(
-    codes, scales, wg_slice, half_bits: bool, interpret: bool, fragment: bool = False, e4m3_words: bool = False
-):
+def decode_step(codes, scales, wg_slice, half_bits: bool, interpret: bool, fragment: bool = False):
     """A K step's columns from its MXFP4 codes ``uint16 [rows, 32]`` as e4m3
     ``[rows, 128]``: each unit's e2m1 x 2**-6 (:func:`mosaic.e2m1_piece`)
     times its factor (:func:`step_factor` of ``scales``: the step's bytes
     ``[4, block_n]`` in shared memory and the columns' largest ``[rows]``),
     the units joined in column order. ``fragment`` (compiled only): the
     result in the 8-bit WGMMA layout (the register operand), a unit's code at
-    half h, position j landing in column ``mosaic_fp8.fragment_column(h, j)``
-    — for codes in the e4m3 word order (``e4m3_words``) by
-    :func:`_decode_e4m3_words`."""
+    half h, position j landing in column ``mosaic_fp8.fragment_column(h, j)``."""
     byte_smem, top = scales
-    if e4m3_words and fragment:
-        return _decode_e4m3_words(codes, byte_smem, top, wg_slice)
-    if e4m3_words:  # interpreted: the codes back in nibble order, the float path
-        codes = _nibble_halves(codes)
     bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
     pieces = []
     for piece in range(PIECES):
@@ -73,81 +61,6 @@ def decode_step(
         pieces.append(mosaic.e2m1_piece(codes, piece, bits, jnp.float16, interpret) * factor)
     decoded = mosaic.join_columns(pieces, interpret).astype(jnp.float8_e4m3fn)
     return mosaic.eight_bit_fragments(decoded) if fragment else decoded
-
-
-def _nibble_halves(codes: jax.Array) -> jax.Array:
-    """``uint16 [rows, 32]`` codes in the e4m3 word order (halves 2t, 2t + 1 a
-    word) back in nibble order (the interpreter's float decode)."""
-    rows, halves = codes.shape
-    pairs = codes.reshape(rows, halves // 2, 2).astype(jnp.uint32)
-    word = pairs[..., 0] | (pairs[..., 1] << 16)
-    nibbles = jnp.zeros_like(word)
-    for k, code in enumerate(word_decode.e4m3_word_codes(word)):  # code k: half k % 2, position k // 2
-        nibbles = nibbles | (code << (4 * (4 * (k % 2) + k // 2)))
-    return jnp.stack([nibbles & 0xFFFF, nibbles >> 16], axis=-1).reshape(rows, halves).astype(jnp.uint16)
-
-
-def _decode_e4m3_words(codes, byte_smem, top, wg_slice):
-    """The register operand of a K step from codes in the e4m3 word order
-    (compiled only): per unit and row, the byte table of the group's gap
-    (:func:`word_decode.e2m1_e4m3_tables`, ``[rows]`` int32 broadcast along
-    the unit's 8 halves), then per 32-bit word of codes (a thread's halves 2t,
-    2t + 1) :func:`word_decode.e2m1_e4m3_program`'s two registers: the 8-bit
-    fragments of the unit's two 16-column tiles — the same bytes, in the same
-    places, as the float path's (:func:`mosaic.eight_bit_fragments`)."""
-    rows = codes.shape[0]
-    tables = ([], [])
-    for piece in range(PIECES):
-        gap = jnp.minimum(top - byte_smem[piece, wg_slice].astype(jnp.int32), MAX_GAP)
-        for table, part in zip(tables, word_decode.e2m1_e4m3_tables(gap, where=jnp.where), strict=True):
-            table.append(jnp.broadcast_to(part[:, None], (rows, MX_GROUP // 4)))
-    ta, tb = (mosaic.join_columns(table, False) for table in tables)
-    program = word_decode.e2m1_e4m3_program()
-    wgmma = plgpu.Layout.WGMMA
-    out = plgpu.ShapeDtypeStruct((rows, BLOCK_K), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
-
-    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma, wgmma), return_type=out)
-    def decode(_, words, table_a, table_b):
-        i32 = ir.IntegerType.get_signless(32)
-        quad = ir.VectorType.get((4,), mgpu.utils.dtype_to_ir_type(jnp.dtype(jnp.float8_e4m3fn)))
-
-        def first(register):  # a 32-bit value of a register (both values of a table's are equal)
-            if ir.VectorType(register.type).shape[0] == 2 and mgpu.utils.bitwidth(register.type) == 64:
-                register = mgpu.utils.vector_slice(register, slice(0, 1))
-            return mgpu.utils.bitcast(register, i32)
-
-        def run(word, ta, tb):
-            regs = {word_decode.WORD: first(word), "ta": first(ta), "tb": first(tb)}
-
-            def val(x):
-                return regs[x] if isinstance(x, str) else mgpu.utils.c(x - (1 << 32) if x >= 1 << 31 else x, i32)
-
-            for op in program.ops:
-                a, b = val(op.a), val(op.b)
-                if op.op == "and":
-                    regs[op.dst] = arith.andi(a, b)
-                elif op.op == "or_and":
-                    regs[op.dst] = arith.ori(arith.andi(a, b), val(op.c))
-                elif op.op == "shl":
-                    regs[op.dst] = arith.shli(a, b)
-                elif op.op == "shr":
-                    regs[op.dst] = arith.shrui(a, b)
-                elif op.op == "prmt":  # bytes 0-3 from a, 4-7 from b
-                    regs[op.dst] = mgpu.utils.prmt(a, b, val(op.c))
-                else:
-                    raise NotImplementedError(f"e2m1 -> e4m3 decoder op {op.op}")
-            return [mgpu.utils.bitcast(regs[output], quad) for output in program.outputs]
-
-        registers = words.registers
-        quads = np.empty((registers.shape[0], 2 * registers.shape[1], *registers.shape[2:]), dtype=object)
-        for index in np.ndindex(registers.shape):
-            unit = index[1]
-            low, high = run(registers[index], table_a.registers[index], table_b.registers[index])
-            quads[(index[0], 2 * unit, *index[2:])] = low
-            quads[(index[0], 2 * unit + 1, *index[2:])] = high
-        return mgpu.FragmentedArray(_registers=quads, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
-
-    return decode(codes, ta, tb)
 
 
 def mx_operands(values: jax.Array, scale: jax.Array, k_major: bool = False) -> tuple[jax.Array, ...]:
@@ -170,7 +83,7 @@ DECODE_ROWS = 64  # decoded_weight's rows a program: the WGMMA layout's rows of 
 DECODE_STAGES = 3  # its K steps in flight, and its decoded steps being stored
 
 
-def _decode_kernel(codes_gmem, byte_gmem, top_gmem, out_gmem, *, half_bits: bool, e4m3_words: bool, interpret: bool):
+def _decode_kernel(codes_gmem, byte_gmem, top_gmem, out_gmem, *, half_bits: bool, interpret: bool):
     expert, chunk = lax.axis_index("expert"), lax.axis_index("chunk")
     rows = pl.ds(pl.multiple_of(chunk * DECODE_ROWS, DECODE_ROWS), DECODE_ROWS)
     top = plgpu.load(top_gmem.at[expert, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
@@ -184,11 +97,7 @@ def _decode_kernel(codes_gmem, byte_gmem, top_gmem, out_gmem, *, half_bits: bool
             slot = out_slots.at[lax.rem(k_step, DECODE_STAGES)]
             plgpu.wait_smem_to_gmem(DECODE_STAGES - 1, wait_read_only=True)  # the slot's last copy has read it
             scales = (byte_smem, top)
-            # Compiled, codes in the e4m3 word order decode to the 8-bit fragments' column order.
-            fragment = e4m3_words and not interpret
-            rows_all = pl.ds(0, DECODE_ROWS)
-            codes = codes_smem[...]
-            slot[...] = decode_step(codes, scales, rows_all, half_bits, interpret, fragment, e4m3_words)
+            slot[...] = decode_step(codes_smem[...], scales, pl.ds(0, DECODE_ROWS), half_bits, interpret)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(slot, out_gmem.at[expert, rows, pl.ds(k_step * BLOCK_K, BLOCK_K)])
 
@@ -204,24 +113,18 @@ def _decode_kernel(codes_gmem, byte_gmem, top_gmem, out_gmem, *, half_bits: bool
         plgpu.wait_smem_to_gmem(0)
 
 
-def decoded_weight(
-    codes: jax.Array, raw: jax.Array, top: jax.Array, half_bits: bool, interpret: bool, e4m3_words: bool = False
-) -> jax.Array:
+def decoded_weight(codes: jax.Array, raw: jax.Array, top: jax.Array, half_bits: bool, interpret: bool) -> jax.Array:
     """MXFP4 as :func:`mx_operands` gives it (codes ``uint16 [E, N, K/4]``, e8m0
     bytes ``[E, K/32, N]``, each column's largest int32 ``[E, N]``) decoded
     to e4m3 ``[E, N, K]`` in K order: each group's e2m1 x 2**(6 - gap), the
     bytes the in-kernel decoders make (:func:`decode_step`); the column's
-    ``2**(largest - 133)`` is left to the product's epilogue. Codes in the
-    e4m3 word order (``e4m3_words``), compiled: the byte decoder's bytes
-    (exact to a gap of 11), each 32-column unit in the 8-bit fragments'
-    column order (the product permutes x to match: ``mosaic_fp8.
-    fragment_columns``). One Mosaic kernel, :data:`DECODE_ROWS` columns a
-    program, pipelined along K."""
+    ``2**(largest - 133)`` is left to the product's epilogue. One Mosaic
+    kernel, :data:`DECODE_ROWS` columns a program, pipelined along K."""
     num_experts, n, k4 = codes.shape
     if n % DECODE_ROWS:
         raise ValueError(f"mx_e4m3.decoded_weight: N={n}, not a multiple of {DECODE_ROWS}")
     kernel = plgpu.kernel(
-        functools.partial(_decode_kernel, half_bits=half_bits, e4m3_words=e4m3_words, interpret=interpret),
+        functools.partial(_decode_kernel, half_bits=half_bits, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((num_experts, n, 4 * k4), jnp.float8_e4m3fn),
         grid=(num_experts, n // DECODE_ROWS),
         grid_names=("expert", "chunk"),

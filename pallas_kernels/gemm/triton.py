@@ -133,12 +133,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return f"half-bits e2m1 weights with input groups of {xs.group_size} (read in spans of 128+ columns)"
     if call.x_dtype in QUANTIZED_INPUTS and offsets_wrap(layout.m_in * w.k, 1):
         return f"8-bit inputs of {layout.m_in} x {w.k} (over 2**31 bytes: the lowering's 32-bit offsets wrap)"
-    operand = operand_dtype(call, tiles)
-    ways = nibbles_per_unit(w, tiles, operand, xs.group_size if xs.mode == "group" else 0)
-    if w.e4m3_words and operand not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"e2m1 codes in the e4m3 word order with {operand} operands (16-bit: dequantize_input)"
-    if w.e4m3_words and ways != 8:
-        return "e2m1 codes in the e4m3 word order (read as whole words: word_decode, spans of 128+ columns)"
+    ways = nibbles_per_unit(w, tiles, operand_dtype(call, tiles), xs.group_size if xs.mode == "group" else 0)
     if w.packed and ways == 2 and offsets_wrap(w.num_experts * w.n * w.k // 2, 1):
         return "4-bit codes read as bytes from over 2**31 of them (the lowering's 32-bit offsets wrap): word_decode"
     if reads_byte_pairs(w) and w.k % 2:
@@ -609,8 +604,7 @@ def nibbles_per_unit(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 
 
 def decodes_pairs(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> bool:
     """Whether word-decoded pieces pair nibble positions j and j+4 (``tiles.pair_decode``)."""
-    # Codes in the e4m3 word order are read as whole words (e2m1_table_program).
-    return tiles.pair_decode and not w.e4m3_words and nibbles_per_unit(w, tiles, compute_dtype, x_group) == 8
+    return tiles.pair_decode and nibbles_per_unit(w, tiles, compute_dtype, x_group) == 8
 
 
 def decodes_e4m3_codes(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> bool:
@@ -635,9 +629,6 @@ def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, z
     e2m1 values without the normalizing multiply (see E2M1_FOLDED_EXPONENT)."""
     if w.half_bits and ways != 8:
         raise ValueError("gemm: e2m1 weights in the decoder's bit order (half_bits) are read as words or halves only")
-    if w.e4m3_words:
-        yield from _decode_e4m3_words(units, w, ways, pairs, compute_dtype, on_gpu, raw)
-        return
     if ways == 8 and on_gpu:
         dtype = jnp.dtype(compute_dtype).name
         if dtype == "float8_e4m3fn":  # int4 codes as e4m3 bytes (times 2**-9), four halves a call
@@ -665,25 +656,6 @@ def _decode_units(units, w: WeightSpec, ways: int, pairs: bool, compute_dtype, z
         else:
             codes = (units >> (4 * j)) & 0xF
         yield _nibbles_to_values(codes.astype(jnp.uint8), w, compute_dtype, zero)
-
-
-def _decode_e4m3_words(words, w: WeightSpec, ways: int, pairs: bool, compute_dtype, on_gpu: bool, raw: bool):
-    """The 8 pieces of uint32 ``words`` of e2m1 codes in the e4m3 word order
-    (the fp8 kernel's, ``to_planar(e4m3_words=True)``), in nibble-position
-    order: piece p is code 2 (p % 4) + p // 4 of each word, the code the
-    nibble order keeps at position p, so x's columns are the nibble order's.
-    On the GPU a value an asm block (Pallas's inline asm has one result):
-    the PTX repeats the ops the blocks share, for ptxas to merge."""
-    if ways != 8 or pairs:
-        raise ValueError("gemm: e2m1 codes in the e4m3 word order are read as whole words only")
-    if on_gpu:
-        program = word_decode.e2m1_table_program(jnp.dtype(compute_dtype).name, normalized=not raw)
-        for p in range(ways):
-            yield word_decode.decode_word_position(words, program, p)
-        return
-    codes = word_decode.e4m3_word_codes(words)
-    for p in range(ways):
-        yield _nibbles_to_values(codes[2 * (p % 4) + p // 4].astype(jnp.uint8), w, compute_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
