@@ -374,7 +374,7 @@ def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows:
     """The scales as the kernel reads them: a row's per-step scales ``[K/128,
     rows]`` (``rows`` >= M, zero-padded), per-row ``[rows]`` or one ``[1]``;
     weight blocks ``[E, N/128, K/128]``, channels ``[E, N]`` or ``[E]`` (mx: as
-    :func:`mx_operands` gives them)."""
+    :func:`mx_e4m3.mx_operands` gives them)."""
     x_scale = x_scale.astype(jnp.float32)
     if scaling.x == "group":
         x_scale = jnp.pad(x_scale.reshape(m, k // BLOCK_K).T, ((0, 0), (0, rows - m)))
