@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import humming_jax as hj
-from benchmarks.hostile_gemms import checked_row, report
+from benchmarks.hostile_gemms import check, checked_row, report
 from humming_jax import routing
 
 # Sums in another order: f32 results, and 16-bit ones a rounding step apart.
@@ -61,12 +61,10 @@ def compare(out, ref) -> dict:
         if o.shape != r.shape or o.dtype != r.dtype:
             return dict(ok=False, failed=f"shape/dtype {o.shape} {o.dtype} against {r.shape} {r.dtype}")
         if str(o.dtype) in BOUNDS:
-            o64, r64 = o.astype(np.float64), r.astype(np.float64)
-            finite &= bool(np.all(np.isfinite(o64)))
-            rows = r64.reshape(r64.shape[0], -1)
-            zero_rows &= bool(np.all(o64.reshape(rows.shape)[np.all(rows == 0, axis=1)] == 0))
-            e = float(np.linalg.norm(o64 - r64) / max(np.linalg.norm(r64), 1e-30))
-            error, within = max(error, e), within and e < BOUNDS[str(o.dtype)]
+            checked = check(o, r, BOUNDS[str(o.dtype)])
+            finite &= checked["finite"]
+            zero_rows &= checked["unowned_zero"]
+            error, within = max(error, checked["error"]), within and checked["error"] < BOUNDS[str(o.dtype)]
         else:
             exact &= bool(np.array_equal(o.view(np.uint8), r.view(np.uint8)))
     return dict(
