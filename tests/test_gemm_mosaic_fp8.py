@@ -444,6 +444,14 @@ def test_the_plan_takes_it_from_128_rows_an_expert():
     assert T.heuristic_candidates(rows, 1536, 2048, mx, 128, input_dtype="float8_e4m3")[0] != heuristic.E4M3_COPY
     huge = T.heuristic_candidates(rows, 4096, 7168, mx, input_dtype="float8_e4m3", num_experts=256)  # 7.5 GB
     assert huge[0] != heuristic.E4M3_COPY
+    # Indexed from E4M3_COPY_MIN_ROWS_INDEXED, its block the copy's rows (or the copy's choice).
+    rows = heuristic.E4M3_COPY_MIN_ROWS_INDEXED
+    for block in (None, heuristic.E4M3_COPY.block_m):
+        listed = T.heuristic_candidates(rows, 1536, 2048, mx, block, input_dtype="float8_e4m3", indexed=True)
+        assert listed[0] == heuristic.E4M3_COPY
+        fewer = T.heuristic_candidates(rows - 1, 1536, 2048, mx, block, input_dtype="float8_e4m3", indexed=True)
+        assert heuristic.E4M3_COPY not in fewer
+    assert heuristic.E4M3_COPY not in T.heuristic_candidates(rows, 1536, 2048, mx, 128, input_dtype="float8_e4m3")
     rng = np.random.default_rng(0)
     weight, x = _weight(rng, "fp8_block128"), _input(rng, "fp8_dynamic_group128", E * 128)
     offsets = jnp.arange(0, E * 128 + 1, 128, dtype=jnp.int32)

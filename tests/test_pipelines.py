@@ -464,24 +464,29 @@ def test_weights_come_in_the_kernels_order(fmt, rng):
         np.testing.assert_array_equal(np.asarray(planar, np.float32), np.asarray(k_ordered, np.float32))
 
 
-@FULL  # an interpreted layer of 256 rows an expert (test-full, the GPU step)
-def test_w4a8_prefill_through_the_e4m3_copy(rng):
-    """W4A8 from E4M3_COPY_MIN_ROWS rows an expert: both GEMMs decode the codes
-    into an e4m3 copy and run the channel-scaled e4m3 product (the plan's
-    first choice); the layer against float64 NumPy."""
+@FULL  # an interpreted layer of 256 (indexed: 512) rows an expert (test-full, the GPU step)
+@pytest.mark.parametrize("pipeline", ["grouped", "indexed"])
+def test_w4a8_prefill_through_the_e4m3_copy(pipeline, rng):
+    """W4A8 from E4M3_COPY_MIN_ROWS rows an expert (indexed:
+    E4M3_COPY_MIN_ROWS_INDEXED): both GEMMs decode the codes into an e4m3 copy
+    and run the channel-scaled e4m3 product (the plan's first choice); the
+    layer against float64 NumPy."""
     from humming_jax import tuning as T
     from humming_jax.tuning import heuristic
 
     config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="mxfp4", input_quant="fp8_dynamic_group128")
-    tokens = heuristic.E4M3_COPY_MIN_ROWS * config.num_experts // config.top_k
+    indexed = pipeline == "indexed"
+    rows = heuristic.E4M3_COPY_MIN_ROWS_INDEXED if indexed else heuristic.E4M3_COPY_MIN_ROWS
+    tokens = rows * config.num_experts // config.top_k
+    layout = "indexed" if indexed else "grouped_contiguous"
     for n, k in ((config.w13_n, config.hidden_size), (config.hidden_size, config.intermediate_size)):
         listed = T.candidates(
-            "grouped_contiguous", config.weight_format, tokens * 2, 4, n, k, half_bits=True, input_dtype="float8_e4m3"
+            layout, config.weight_format, tokens * 2, 4, n, k, half_bits=True, input_dtype="float8_e4m3"
         )
         assert listed[0] == heuristic.E4M3_COPY
     x, w13, w2, ids, tw = _problem(rng, config, tokens)
     weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
-    out = np.asarray(_run("grouped", x, weights, tw, ids, config), np.float64)
+    out = np.asarray(_run(pipeline, x, weights, tw, ids, config), np.float64)
     assert np_ref.relative_error(out, _expected_layer(x, weights, ids, tw, config)) < 6e-2  # fp8 e4m3 activations
 
 

@@ -32,7 +32,10 @@ MX_FP8_SWAP = mosaic_fp8.Tiles(64, 256, stages=4, group_m=8, swap_ab=True)
 # MXFP4 with fp8 inputs from this many rows an expert: the codes decoded once a call into an
 # e4m3 copy, then W8A8's loop with a scale per column (mosaic_fp8.Tiles.dequantize_first),
 # while the copy (E x N x K bytes, a transient of the call) stays under E4M3_COPY_MAX_BYTES.
+# Indexed layouts from E4M3_COPY_MIN_ROWS_INDEXED (their block is the copy's 64 rows): the
+# block-order gather and scatter of rows leave the copy behind at fewer.
 E4M3_COPY_MIN_ROWS = 256
+E4M3_COPY_MIN_ROWS_INDEXED = 512
 E4M3_COPY_MAX_BYTES = 4 * 2**30
 E4M3_COPY = mosaic_fp8.Tiles(64, 256, stages=4, group_m=8, dequantize_first=True)
 # Indexed layouts on the fp8 Mosaic kernel (rows gathered in block order): W8A8, whose
@@ -180,8 +183,8 @@ def heuristic_candidates(
     :func:`indexed_fp8_tiles`), or the 16-bit Mosaic kernel decoding planar
     MXFP4 (:data:`MX_BF16_MOSAIC_MIN_ROWS`; W4A8 there too, its input
     multiplied out, indexed layouts included — after, from
-    :data:`E4M3_COPY_MIN_ROWS`, grouped W4A8 through an e4m3 copy of the
-    weight, :data:`E4M3_COPY`), then the Triton tile (which
+    :data:`E4M3_COPY_MIN_ROWS` (indexed: :data:`E4M3_COPY_MIN_ROWS_INDEXED`),
+    W4A8 through an e4m3 copy of the weight, :data:`E4M3_COPY`), then the Triton tile (which
     takes every call). ``block_size``: an indexed layout's block (None with
     ``indexed``: the block is to be chosen from the first candidate).
     ``half_bits``: weights the Triton decoder reads as nibble pairs only.
@@ -201,7 +204,9 @@ def heuristic_candidates(
     if fmt_class == "8bit-a8" and (rows >= FP8_MOSAIC_MIN_ROWS or byte_pairs) and not indexed:
         found.append(mosaic_fp8.Tiles(64, 256, stages=4, group_m=8))
     copy_fits = num_experts * n * k <= E4M3_COPY_MAX_BYTES
-    if fmt_class == "fp4-a8" and rows >= E4M3_COPY_MIN_ROWS and not indexed and copy_fits:
+    copy_rows = E4M3_COPY_MIN_ROWS_INDEXED if indexed else E4M3_COPY_MIN_ROWS
+    copy_block = block_size in (None, E4M3_COPY.block_m)
+    if fmt_class == "fp4-a8" and rows >= copy_rows and copy_block and copy_fits:
         found.append(E4M3_COPY)
     if fmt_class == "fp4-a8" and mx_mosaic:
         found.append(dataclasses.replace(MX_BF16_MOSAIC, dequantize_input=True))
