@@ -554,6 +554,30 @@ def test_decode_sized_row_tiles_need_swap_ab():
         mosaic.check_tiles(mosaic.Tiles(8, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
 
 
+def test_store_rows_takes_any_row_tile(monkeypatch):
+    """A tile of a size that is no power of two stores its rows as a sum of
+    power-of-two boxes that covers exactly ``[offset, offset + rows)``."""
+    copies = []
+    monkeypatch.setattr(mosaic.pl, "when", lambda cond: lambda body: body() if cond else None)
+    monkeypatch.setattr(mosaic.plgpu, "copy_smem_to_gmem", lambda src, dst: copies.append((src, dst)))
+
+    class Rows:
+        def __init__(self):
+            self.at = self
+
+        def __getitem__(self, index):
+            return (index.start, index.size)
+
+    for block_m in (48, 144, 176):
+        for rows in (0, 1, 7, 40, block_m):
+            copies.clear()
+            mosaic.store_rows(Rows(), Rows(), 1000, 3, rows, block_m)
+            starts = sorted((int(src[0]), src[1]) for src, _ in copies)
+            covered = [r for start, size in starts for r in range(start, start + size)]
+            assert covered == list(range(3, 3 + rows))
+            assert all(int(dst[0]) - 1000 == int(src[0]) - 3 for src, dst in copies)
+
+
 def _table(monkeypatch, *tiles):
     """The tuning table's entries for every call: ``tiles``, in order."""
     from humming_jax import tuning as T

@@ -386,7 +386,7 @@ def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
     gmem rows ``[first_row, first_row + rows)`` as a sum of power-of-two
     slices (static TMA boxes, dynamic starts)."""
     done = jnp.int32(0)
-    size = block_m
+    size = 1 << (block_m.bit_length() - 1)  # rows <= block_m: its bits from the largest power of two
     while size:
 
         @pl.when(rows & size != 0)
