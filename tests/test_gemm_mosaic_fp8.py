@@ -241,9 +241,6 @@ def test_mxfp4_dequantized_first(quant_name, layout_kind, rng):
 
 SWAP = kernel.Tiles(128, 128, stages=2, group_m=2, swap_ab=True)  # out.T, the decoded step the A operand
 SWAP_WIDE = kernel.Tiles(64, 256, stages=2, group_m=2, swap_ab=True)
-# Swap tiles sized to an expert's rows (x's rows the wgmma's N: any multiple of 8).
-SWAP_SIZED = kernel.Tiles(40, 128, stages=2, group_m=2, swap_ab=True)
-SWAP_TALL = kernel.Tiles(152, 128, stages=2, group_m=2, swap_ab=True)
 
 
 @pytest.mark.parametrize(
@@ -252,9 +249,6 @@ SWAP_TALL = kernel.Tiles(152, 128, stages=2, group_m=2, swap_ab=True)
         (True, "fp8_dynamic_group128", SWAP, "grouped_contiguous", False),
         (False, "fp8_dynamic_token", SWAP_WIDE, "grouped_contiguous", True),
         (True, "fp8_dynamic_group128", SWAP, "indexed", False),
-        (True, "fp8_dynamic_group128", SWAP_SIZED, "grouped_contiguous", False),
-        pytest.param(True, "fp8_dynamic_group128", SWAP_TALL, "grouped_contiguous", True, marks=FULL),
-        pytest.param(True, "fp8_dynamic_token", SWAP_SIZED, "indexed", False, marks=FULL),
         pytest.param(True, "fp8_dynamic_token", SWAP_WIDE, "grouped_masked", True, marks=FULL),
         pytest.param(False, "fp8_e5m2_dynamic_token", SWAP, "dense", False, marks=FULL),
     ],
@@ -290,9 +284,8 @@ def test_mxfp4_swap_ab(half_bits, quant_name, tiles, layout_kind, bias, rng):
         pytest.param("mxfp4", SQUARE, marks=FULL),  # W4A8, the decoded step staged
         pytest.param("mxfp4", SWAP_WIDE, marks=FULL),  # the register operand (compiled; interpreted, staged)
         pytest.param("mxfp4", SWAP, marks=FULL),
-        pytest.param("mxfp4", kernel.Tiles(104, 128, stages=2, group_m=2, swap_ab=True), marks=FULL),
     ],
-    ids=["w8a8", "w4a8-staged", "w4a8-swap-64x256", "w4a8-swap-128x128", "w4a8-swap-104x128"],
+    ids=["w8a8", "w4a8-staged", "w4a8-swap-64x256", "w4a8-swap-128x128"],
 )
 def test_tiles_after_tiles_in_one_program(weight_name, tiles, two_programs, rng):
     """Two programs take a dozen tiles or more each (row tiles of three
@@ -402,10 +395,6 @@ def test_what_the_kernel_refuses(rng):
     assert "MXFP4: e8m0 per 32" in reason(F.to_planar(nvfp4), layouts["dense"])
     with pytest.raises(ValueError, match="block_m=32"):
         hj.gemm(x, block, layouts["grouped_contiguous"], tuning=kernel.Tiles(32, 256), backend="interpret")
-    mx = F.to_planar(F.quantize_weight(jnp.ones((E, N, K), jnp.float32), F.get_format("mxfp4")))
-    assert reason(mx, layouts["dense"], kernel.Tiles(40, 128, swap_ab=True)) is None  # the swap form's N
-    assert "a multiple of 8, at most 256" in reason(mx, layouts["dense"], kernel.Tiles(44, 128, swap_ab=True))
-    assert "values twice" in reason(mx, layouts["dense"], kernel.Tiles(184, 128, swap_ab=True))
     with pytest.raises(ValueError, match="block_m"):
         kernel.Tiles(block_m=0)
 
@@ -514,17 +503,12 @@ def test_swap_ab_lowers_for_the_gpu(tiles):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize(
-    "tiles,half_bits",
-    [(SQUARE, False), (SQUARE, True), (SWAP, True), (SWAP_WIDE, True), (SWAP_SIZED, True), (SWAP_TALL, True)],
-    ids=str,
-)
+@pytest.mark.parametrize("tiles,half_bits", [(SQUARE, False), (SQUARE, True), (SWAP, True), (SWAP_WIDE, True)], ids=str)
 def test_mxfp4_lowers_for_the_gpu(tiles, half_bits):
     """The compiled decoder (the e2m1 program on the WGMMA layout's 32-bit
     registers, both bit orders) with the staged 32-column pieces, and the
     register form (the decoded step regrouped into the 8-bit WGMMA layout,
-    the register operand's wgmma, the transposed epilogue; its rows sized to
-    an expert's: 40 and 152) lower."""
+    the register operand's wgmma, the transposed epilogue) lower."""
     x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
     w = jax.ShapeDtypeStruct((3, 512, 128), jnp.uint8)
     x_scale = jax.ShapeDtypeStruct((300, 2), jnp.float32)

@@ -97,25 +97,15 @@ class Scaling:
         return self.w == "mx"
 
 
-# The swap form's per-step accumulators: a 176-row tile of 64 columns a warpgroup, twice
-# (176 registers a thread of the 232 a compute warpgroup gets).
-SWAP_STEP_ELEMENTS = 176 * 64
-
-
 def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     """Why the static TMA boxes and wgmma tiles cannot take these shapes (None if they can)."""
-    # x's rows are the wgmma's M (64 or 128), or with swap_ab its N: any multiple of 8 up
-    # to 256, so that a tile holds an expert's rows and decodes its weight step once.
-    if tiles.swap_ab and (tiles.wg_m % mosaic.ROW_ALIGN or tiles.wg_m > 256):
-        return f"block_m={tiles.block_m} (with swap_ab a multiple of {mosaic.ROW_ALIGN}, at most 256: the wgmma's N)"
-    if not tiles.swap_ab and tiles.wg_m not in (64, 128):
+    if tiles.wg_m not in (64, 128):
         return f"block_m={tiles.block_m} (64 or 128: the wgmma's rows)"
     if tiles.wg_n % mosaic.EPILOGUE_COLUMNS or tiles.wg_n > 256:
         return f"block_n={tiles.block_n} (a multiple of {mosaic.COMPUTE_WGS * mosaic.EPILOGUE_COLUMNS}, at most 512)"
     # A thread holds the accumulator in registers (128 f32 at most), per step twice
-    # (then a warpgroup's columns, at most 128, lie in one 128-column weight block);
-    # the swap form's expert-sized tiles up to SWAP_STEP_ELEMENTS twice.
-    most = (SWAP_STEP_ELEMENTS if tiles.swap_ab else 64 * 128) if scaling.per_step else 128 * 128
+    # (then a warpgroup's columns, at most 128, lie in one 128-column weight block).
+    most = 64 * 128 if scaling.per_step else 128 * 128
     if tiles.wg_m * tiles.wg_n > most:
         twice = " twice" if scaling.per_step else ""
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {most} values{twice})"
