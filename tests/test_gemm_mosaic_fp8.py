@@ -23,7 +23,7 @@ from humming_jax import input_quant as Q
 from humming_jax import tuning as T
 from humming_jax.gemm import gemm_call, plan
 from humming_jax.tuning import heuristic
-from pallas_kernels.gemm import mosaic, mx_e4m3, mx_e4m3_triton
+from pallas_kernels.gemm import mosaic, mx_e4m3
 from pallas_kernels.gemm import mosaic_fp8 as kernel
 
 import gemm_layouts
@@ -200,16 +200,14 @@ FIRST = kernel.Tiles(64, 256, stages=2, group_m=2, dequantize_first=True)  # an 
 
 
 @pytest.mark.parametrize("half_bits", [True, pytest.param(False, marks=FULL)], ids=["half_bits", "nibbles"])
-@pytest.mark.parametrize("decode_pass", [mx_e4m3, mx_e4m3_triton], ids=["mosaic", "triton"])
-def test_mxfp4_decoded_copy_against_numpy(half_bits, decode_pass, rng):
-    """``decoded_weight`` (the Mosaic pass and the Triton one): each code as
-    e2m1 x 2**(6 - gap) in e4m3, in K order — the float64 dequantized weight
-    over its column's 2**(largest - 133), rounded once to e4m3 (exact to a
-    gap of 14; further down, e4m3's subnormals and zero), bit for bit, gaps
-    up to 18 included."""
+def test_mxfp4_decoded_copy_against_numpy(half_bits, rng):
+    """``decoded_weight``: each code as e2m1 x 2**(6 - gap) in e4m3, in K
+    order — the float64 dequantized weight over its column's 2**(largest -
+    133), rounded once to e4m3 (exact to a gap of 14; further down, e4m3's
+    subnormals and zero), bit for bit, gaps up to 18 included."""
     weight = _mxfp4(rng, half_bits, gaps=18)
     codes, raw, top, columns = mx_e4m3.mx_operands(weight.values, weight.scale, k_major=True)
-    got = decode_pass.decoded_weight(codes, raw, top, half_bits, interpret=KERNEL_BACKEND == "interpret")
+    got = mx_e4m3.decoded_weight(codes, raw, top, half_bits, interpret=KERNEL_BACKEND == "interpret")
     assert got.dtype == jnp.float8_e4m3fn and got.shape == (E, N, K)
     dequantized = np.asarray(F.dequantize_weight(weight), np.float64)
     want = (dequantized / np.asarray(columns, np.float64)[..., None]).astype(jnp.float8_e4m3fn)
