@@ -182,10 +182,10 @@ def heuristic_candidates(
     weights with them, :data:`MX_MOSAIC_MIN_ROWS`; indexed layouts:
     :func:`indexed_fp8_tiles`), or the 16-bit Mosaic kernel decoding planar
     MXFP4 (:data:`MX_BF16_MOSAIC_MIN_ROWS`; W4A8 there too, its input
-    multiplied out, indexed layouts included — after, from
+    multiplied out, indexed layouts included — ahead of it, from
     :data:`E4M3_COPY_MIN_ROWS` (indexed: :data:`E4M3_COPY_MIN_ROWS_INDEXED`),
-    W4A8 through an e4m3 copy of the weight, :data:`E4M3_COPY`), then the Triton tile (which
-    takes every call). ``block_size``: an indexed layout's block (None with
+    W4A8 through an e4m3 copy of the weight, :data:`E4M3_COPY`), then the
+    Triton tile (which takes every call). ``block_size``: an indexed layout's block (None with
     ``indexed``: the block is to be chosen from the first candidate).
     ``half_bits``: weights the Triton decoder reads as nibble pairs only.
     ``input_dtype``: a quantized input's values (:func:`quantized_input_tiles`).
