@@ -378,13 +378,19 @@ def test_shipped_table_entries_are_in_the_search_space():
 
 def test_candidates_by_rows_per_expert():
     """Split-K only where experts hold a row or two, 64-row tiles beside the
-    decode ones for 17-32 rows, prefill tiles past that."""
+    decode ones for 17-32 rows, prefill tiles past that (with swap tiles sized
+    to the experts' rows)."""
     one, eight, thirty_two = (search.candidates_for(rows) for rows in (1, 8, 32))
     split = lambda c: getattr(c, "split_k", 1) > 1  # noqa: E731  (Mosaic tiles never split K)
     assert any(map(split, one)) and not any(map(split, eight + thirty_two))
     assert not any(c.block_m == 64 for c in eight)
     assert set(search.MID) <= set(thirty_two)
-    assert search.candidates_for(64) == search.PREFILL
+    assert search.candidates_for(64)[: len(search.PREFILL)] == search.PREFILL
+    # and the swap tiles sized to the experts' rows (x's rows the wgmma's N), where not 128
+    sized = search.candidates_for(256)[len(search.PREFILL) :]
+    assert [(t.block_m, t.swap_ab, t.dequantize_input) for t in sized] == [(144, True, False), (144, True, True)]
+    assert [search.expert_sized_rows(r) for r in (33, 64, 128, 256, 4096)] == [40, 72, 144, 144, 144]
+    assert search.expert_sized(113) == ()  # 113 x 1.125 -> 128: the table's tile
 
 
 def test_four_bit_heuristic_by_rows_and_format():

@@ -544,14 +544,46 @@ def test_nibble_decode_lowers_for_the_gpu(zero_points, swap_ab):
 
 
 def test_decode_sized_row_tiles_need_swap_ab():
-    """16- and 32-row tiles are the swap_ab form's (x's rows the wgmma's N);
+    """Row tiles of any multiple of 8 up to 256 are the swap_ab form's (x's
+    rows the wgmma's N, sized to an expert's rows) while the accumulator fits;
     the other forms put x's rows on the wgmma's M: 64 or 128."""
     decode = mosaic.NibbleDecode(2)
-    mosaic.check_tiles(mosaic.Tiles(16, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
-    with pytest.raises(ValueError, match=r"block_m=16 \(one of \(64, 128\)\)"):
+    for rows in (8, 16, 48, 144, 176):
+        mosaic.check_tiles(mosaic.Tiles(rows, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
+    mosaic.check_tiles(mosaic.Tiles(256, 128, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
+    with pytest.raises(ValueError, match=r"block_m=16 \(64 or 128\)"):
         mosaic.check_tiles(mosaic.Tiles(16, 256, 128, stages=4), 256, 256, jnp.bfloat16, decode)
-    with pytest.raises(ValueError, match=r"block_m=8 \(one of \(16, 32, 64, 128\)\)"):
-        mosaic.check_tiles(mosaic.Tiles(8, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
+    for rows in (12, 264):
+        with pytest.raises(ValueError, match=rf"block_m={rows} \(with swap_ab a multiple of 8, at most 256\)"):
+            mosaic.check_tiles(mosaic.Tiles(rows, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
+    with pytest.raises(ValueError, match=r"accumulator of 184 x 128"):
+        mosaic.check_tiles(mosaic.Tiles(184, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("rows", [48, 144])
+def test_expert_sized_swap_tiles_lower_for_the_gpu(rows):
+    """Swap-form row tiles that are no power of two (an expert's rows: 48 at
+    32 an expert, 144 at 256 in two tiles) lower, MXFP4 and int4: the wgmma's
+    N, x's TMA box, the transposed stores of the rows a tile owns."""
+    e, n, k = 3, 512, 512
+    x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
+    codes = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
+    offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
+    tiles = mosaic.Tiles(rows, 256, 128, stages=3, swap_ab=True, word_decode=True)
+    for decode, groups in (
+        (mosaic.NibbleDecode(k // 32, e2m1=True, half_bits=True), k // 32),
+        (mosaic.NibbleDecode(k // 128), k // 128),
+    ):
+        scales = jax.ShapeDtypeStruct((e, groups, n), jnp.bfloat16)
+
+        def run(x, codes, offsets, scales, decode=decode):
+            return mosaic.expert_gemm_mosaic(
+                x, codes, offsets, tiles, out_dtype=jnp.bfloat16, decode=decode, scales=scales
+            )
+
+        text = jax.jit(run).trace(x, codes, offsets, scales).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
 
 
 def test_store_rows_takes_any_row_tile(monkeypatch):

@@ -84,11 +84,40 @@ PREFILL = (
 )
 
 
+# The 16-bit Mosaic kernel's decoding swap tile with as many rows as an expert's share
+# of its row tiles needs, an eighth over for the spread of the counts (x's rows are the
+# wgmma's N: any multiple of 8): fewer padded rows, fewer decodes of each weight tile.
+EXPERT_ROWS_HEADROOM = 1.125
+EXPERT_ROWS_MAX = 176  # the accumulator's limit at 128 columns a warpgroup
+
+
+def expert_sized_rows(rows_per_expert: int) -> int:
+    """Rows of a swap tile sized to experts of ``rows_per_expert`` rows: each
+    expert in ``round(rows / 128)`` tiles (at least one), a multiple of 8."""
+    tiles = max(1, round(rows_per_expert / 128))
+    rows = -(-int(rows_per_expert * EXPERT_ROWS_HEADROOM / tiles) // 8) * 8
+    return min(EXPERT_ROWS_MAX, max(8, rows))
+
+
+def expert_sized(rows_per_expert: int) -> tuple:
+    """The prefill swap tiles (bf16 inputs, and scaled inputs multiplied out)
+    with :func:`expert_sized_rows` rows, where that is not the table's 128."""
+    rows = expert_sized_rows(rows_per_expert)
+    if rows == 128:
+        return ()
+    swap = mosaic.Tiles(rows, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=2)
+    return (
+        swap,
+        mosaic.Tiles(rows, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=2, dequantize_input=True),
+    )
+
+
 def candidates_for(rows_per_expert: int) -> tuple:
     """The sweep for a range whose representative M gives ``rows_per_expert``
-    (M / E): decode tiles (and 64-row ones from 17 rows), else prefill tiles.
+    (M / E): decode tiles (and 64-row ones from 17 rows), else prefill tiles
+    (and the swap tiles sized to the experts' rows, :func:`expert_sized`).
     A kernel refuses the candidates it cannot take (its ``supports``)."""
     if rows_per_expert > DECODE_MAX_ROWS:
-        return PREFILL
+        return PREFILL + expert_sized(rows_per_expert)
     decode = tuple(c for c in DECODE if c.split_k == 1 or rows_per_expert <= SPLIT_MAX_ROWS)
     return decode + MID if rows_per_expert > 16 else decode

@@ -43,6 +43,9 @@ from pallas_kernels.word_decode import MAGIC  # (pattern, base): pattern | q is 
 # back do not cover 4 x 16: setmaxnreg.inc waits for ever (it hangs).
 COMPUTE_WGS = 2
 EPILOGUE_COLUMNS = 64  # output columns per shared-memory store slot
+# A compute warpgroup's f32 accumulator: 176 registers a thread of the 232 the warp-specialized
+# pipeline gives it (a 176-row swap tile of 128 columns; 128 x 128 in the other form).
+ACCUMULATOR_ELEMENTS = 176 * 128
 H100_SMS = 132  # H100 / H200: programs of the persistent grid when the device does not say
 
 
@@ -133,14 +136,17 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | No
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize != 2:
         return f"{jnp.dtype(dtype)} operands (16-bit inputs and weights)"
-    # x's rows are the wgmma's M (multiples of 64), or with swap_ab its N (decode-sized tiles).
-    row_choices = (16, 32, 64, 128) if tiles.swap_ab else (64, 128)
-    if tiles.wg_m not in row_choices:
-        return f"block_m={tiles.block_m} (one of {row_choices})"
+    # x's rows are the wgmma's M (multiples of 64), or with swap_ab its N: any multiple of 8
+    # up to 256, so that a tile can be sized to an expert's rows (fewer padded rows, and in
+    # this form fewer decodes of each weight tile).
+    if tiles.swap_ab and (tiles.wg_m % ROW_ALIGN or tiles.wg_m > 256):
+        return f"block_m={tiles.block_m} (with swap_ab a multiple of {ROW_ALIGN}, at most 256)"
+    if not tiles.swap_ab and tiles.wg_m not in (64, 128):
+        return f"block_m={tiles.block_m} (64 or 128)"
     if tiles.wg_n % EPILOGUE_COLUMNS or tiles.wg_n > 256:
         return f"block_n={tiles.block_n} (a multiple of {COMPUTE_WGS * EPILOGUE_COLUMNS}, at most {COMPUTE_WGS * 256})"
-    if tiles.wg_m * tiles.wg_n > 128 * 128:  # 128 f32 registers a thread for the accumulator
-        return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most 128 x 128)"
+    if tiles.wg_m * tiles.wg_n > ACCUMULATOR_ELEMENTS:
+        return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {ACCUMULATOR_ELEMENTS} elements)"
     if decode is None and tiles.block_k * itemsize not in (32, 64, 128):
         return f"block_k={tiles.block_k} with 16-bit weights (16, 32 or 64)"
     if n % tiles.block_n:
