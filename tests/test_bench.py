@@ -369,7 +369,8 @@ def test_shipped_table_ranges_do_not_overlap():
 def test_shipped_table_entries_are_in_the_search_space():
     """Every tiling the shipped table runs is one ``tune`` sweeps (a rerun can
     reproduce the table), and each entry names its source."""
-    swept = set(search.DECODE + search.MID + search.PREFILL)
+    expert_sized = {t for rows in range(17, 4097) for t in search.expert_sized(rows)}
+    swept = set(search.DECODE + search.MID + search.PREFILL) | expert_sized
     for key, entries in tuning.load_table("h200.json").items():
         for entry in entries:
             assert entry.tiles in swept, (key, tiles_text.gemm_to_text(entry.tiles))
@@ -391,6 +392,7 @@ def test_candidates_by_rows_per_expert():
     assert [(t.block_m, t.swap_ab, t.dequantize_input) for t in sized] == [(144, True, False), (144, True, True)]
     assert [search.expert_sized_rows(r) for r in (33, 64, 128, 256, 4096)] == [40, 72, 144, 144, 144]
     assert search.expert_sized(113) == ()  # 113 x 1.125 -> 128: the table's tile
+    assert search.expert_sized(32)[0].cluster_n == 1  # 40 rows: five 8-row pieces, no cluster pair
 
 
 def test_four_bit_heuristic_by_rows_and_format():

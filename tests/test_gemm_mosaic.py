@@ -201,6 +201,16 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         pytest.param(
             F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "word_decode": True, "block_m": 16}, marks=ON_GPU_ONLY
         ),
+        # Row tiles sized to an expert's rows, no power of two (the table's prefill tiles).
+        pytest.param(
+            F.INT4_G128, jnp.bfloat16, {"swap_ab": True, "word_decode": True, "block_m": 48}, marks=ON_GPU_ONLY
+        ),
+        pytest.param(
+            F.INT4_G128,
+            jnp.bfloat16,
+            {"swap_ab": True, "word_decode": True, "block_m": 144, "cluster_n": 2, "block_n": 128},
+            marks=ON_GPU_ONLY,
+        ),
     ],
     ids=[
         "int4",
@@ -217,6 +227,8 @@ INT4_G128_F16 = F.WeightFormat("int4_g128_f16", "int4", "group", "float16", 128)
         "int4-f16-swap-words",
         "uint4-swap-words",
         "int4-swap-words-16-rows",
+        "int4-swap-words-48-rows",
+        "int4-swap-words-144-rows-cluster-pair",
     ],
 )
 def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
@@ -297,9 +309,14 @@ def test_tiles_after_tiles_in_one_program(fmt, tuning, k, two_programs, rng):
     _check_many_tiles(*out, offsets)
 
 
+# The table's expert-sized prefill tile (144 rows: 256 rows an expert in two tiles).
+EXPERT_SIZED_4BIT = dataclasses.replace(PREFILL_4BIT, block_m=144)
+
+
 @ON_GPU_ONLY
+@pytest.mark.parametrize("tuning", [PREFILL_4BIT, EXPERT_SIZED_4BIT], ids=["128-rows", "144-rows"])
 @pytest.mark.parametrize("fmt", [F.INT4_G128, F.MXFP4], ids=["int4", "mxfp4"])
-def test_prefill_tile_on_the_whole_grid(fmt, rng):
+def test_prefill_tile_on_the_whole_grid(fmt, tuning, rng):
     """The prefill tile at a prefill shape on the full persistent grid (16
     uneven experts, 8,192 rows, K of 2,048: each program loops over tiles
     while every SM loads): the timing under which a slot released a step late
@@ -308,7 +325,7 @@ def test_prefill_tile_on_the_whole_grid(fmt, rng):
     sizes = np.asarray([0, 1000, 17, 640, 0, 900, 64, 300, 1200, 5, 700, 512, 333, 800, 1, 720], np.int32)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
     m, n, k = 8192, 1024, 2048
-    out = _many_tiles_product(fmt, PREFILL_4BIT, offsets, m, n, k, rng)
+    out = _many_tiles_product(fmt, tuning, offsets, m, n, k, rng)
     _check_many_tiles(*out, offsets)
 
 
@@ -445,6 +462,9 @@ def test_what_the_kernel_refuses(rng):
         mosaic.Tiles(64, 256, 64, cluster_n=4)
     with pytest.raises(ValueError, match="cluster_n=2 with N=768"):
         mosaic.check_tiles(mosaic.Tiles(64, 256, 64, cluster_n=2), 768, 128, jnp.bfloat16)
+    # a cluster pair splits x's box in 8-row pieces: 152 rows (19 pieces) cannot be halved
+    with pytest.raises(ValueError, match="block_m=152 with cluster_n=2"):
+        mosaic.check_tiles(mosaic.Tiles(152, 256, 64, cluster_n=2, swap_ab=True), 1024, 128, jnp.bfloat16)
     with pytest.raises(ValueError, match="word_decode with 16-bit weights"):
         hj.gemm(x, w, grouped, tuning=dataclasses.replace(TILES, word_decode=True), backend=KERNEL_BACKEND)
     with pytest.raises(TypeError, match="triton.Tiles, mosaic.Tiles, mosaic_fp8.Tiles"):

@@ -147,6 +147,9 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | No
         return f"block_n={tiles.block_n} (a multiple of {COMPUTE_WGS * EPILOGUE_COLUMNS}, at most {COMPUTE_WGS * 256})"
     if tiles.wg_m * tiles.wg_n > ACCUMULATOR_ELEMENTS:
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {ACCUMULATOR_ELEMENTS} elements)"
+    # The cluster's multicast splits x's box in 8-row pieces between its programs.
+    if tiles.block_m % (ROW_ALIGN * tiles.cluster_n):
+        return f"block_m={tiles.block_m} with cluster_n={tiles.cluster_n} (a multiple of {ROW_ALIGN * tiles.cluster_n})"
     if decode is None and tiles.block_k * itemsize not in (32, 64, 128):
         return f"block_k={tiles.block_k} with 16-bit weights (16, 32 or 64)"
     if n % tiles.block_n:
