@@ -226,51 +226,21 @@ def test_mxfp4_decoded_copy_against_numpy(half_bits, rng):
 )
 def test_mxfp4_dequantized_first(quant_name, layout_kind, rng):
     """W4A8 through the e4m3 copy (``dequantize_first``): the e4m3 product with
-    one scale per column, against float64 NumPy; refused with e4m3 weights."""
+    one scale per column, against float64 NumPy; refused with e4m3 weights
+    and with ``swap_ab``."""
     weight, x = _mxfp4(rng, half_bits=True), _input(rng, quant_name)
     layout = gemm_layouts.layouts(rng, E, M, block_size=FIRST.block_m)[layout_kind]
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=FIRST, backend=KERNEL_BACKEND)
     _check(out, x, weight, layout)
     e4m3 = gemm_call(x, _weight(rng, "fp8_block128"), layout, jnp.float32, interpret=True)
     assert "nothing to decode" in kernel.supports(FIRST, e4m3)
+    swapped = dataclasses.replace(FIRST, swap_ab=True)
+    call = gemm_call(x, weight, layout, jnp.bfloat16, interpret=True)
+    assert "dequantize_first with swap_ab" in kernel.supports(swapped, call)
 
 
 SWAP = kernel.Tiles(128, 128, stages=2, group_m=2, swap_ab=True)  # out.T, the decoded step the A operand
 SWAP_WIDE = kernel.Tiles(64, 256, stages=2, group_m=2, swap_ab=True)
-# Swap tiles sized to an expert's rows (x's rows the wgmma's N: any multiple of 8).
-SWAP_SIZED = kernel.Tiles(40, 128, stages=2, group_m=2, swap_ab=True)
-SWAP_TALL = kernel.Tiles(152, 128, stages=2, group_m=2, swap_ab=True)
-
-
-@pytest.mark.parametrize(
-    "weight_name,quant_name,tiles,layout_kind",
-    [
-        ("fp8_block128", "fp8_dynamic_group128", SWAP_SIZED, "grouped_contiguous"),  # both scales per step
-        ("fp8_channel", "fp8_dynamic_token", SWAP_TALL, "grouped_contiguous"),  # one sum, scales in the epilogue
-        ("mxfp4", "fp8_dynamic_group128", dataclasses.replace(SWAP_SIZED, dequantize_first=True), "grouped_contiguous"),
-        pytest.param("fp8_block128", "fp8_dynamic_group128", SWAP_SIZED, "indexed", marks=FULL),
-        pytest.param(
-            "mxfp4",
-            "fp8_dynamic_token",
-            dataclasses.replace(SWAP_TALL, dequantize_first=True),
-            "grouped_masked",
-            marks=FULL,
-        ),
-    ],
-)
-def test_e4m3_weights_swapped(weight_name, quant_name, tiles, layout_kind, rng):
-    """e4m3 weights (W8A8) and W4A8's e4m3 copy as the wgmma's A from shared
-    memory, x's rows its N in tiles sized to an expert's rows (out.T stored
-    transposed: bf16 outputs), against float64 NumPy; rows no expert owns zero."""
-    weight = _mxfp4(rng, half_bits=True) if weight_name == "mxfp4" else _weight(rng, weight_name)
-    x = _input(rng, quant_name)
-    layout = gemm_layouts.layouts(rng, E, M, block_size=tiles.block_m)[layout_kind]
-    assert kernel.supports(tiles, gemm_call(x, weight, layout, jnp.bfloat16, interpret=True)) is None
-    out = hj.gemm(x, weight, layout, out_dtype=jnp.bfloat16, tuning=tiles, backend=KERNEL_BACKEND)
-    want = np_ref.gemm_of(x, weight, layout)
-    got = np.asarray(out.astype(jnp.float32), np.float64)
-    assert np.all(np.isfinite(got)) and relative_error(got, want) < 1e-2  # one bf16 rounding of the result
-    assert np.all(got[np.all(want == 0, axis=1)] == 0)
 
 
 @pytest.mark.parametrize(
@@ -279,9 +249,6 @@ def test_e4m3_weights_swapped(weight_name, quant_name, tiles, layout_kind, rng):
         (True, "fp8_dynamic_group128", SWAP, "grouped_contiguous", False),
         (False, "fp8_dynamic_token", SWAP_WIDE, "grouped_contiguous", True),
         (True, "fp8_dynamic_group128", SWAP, "indexed", False),
-        (True, "fp8_dynamic_group128", SWAP_SIZED, "grouped_contiguous", False),
-        pytest.param(True, "fp8_dynamic_group128", SWAP_TALL, "grouped_contiguous", True, marks=FULL),
-        pytest.param(True, "fp8_dynamic_token", SWAP_SIZED, "indexed", False, marks=FULL),
         pytest.param(True, "fp8_dynamic_token", SWAP_WIDE, "grouped_masked", True, marks=FULL),
         pytest.param(False, "fp8_e5m2_dynamic_token", SWAP, "dense", False, marks=FULL),
     ],
@@ -317,9 +284,8 @@ def test_mxfp4_swap_ab(half_bits, quant_name, tiles, layout_kind, bias, rng):
         pytest.param("mxfp4", SQUARE, marks=FULL),  # W4A8, the decoded step staged
         pytest.param("mxfp4", SWAP_WIDE, marks=FULL),  # the register operand (compiled; interpreted, staged)
         pytest.param("mxfp4", SWAP, marks=FULL),
-        pytest.param("mxfp4", kernel.Tiles(104, 128, stages=2, group_m=2, swap_ab=True), marks=FULL),
     ],
-    ids=["w8a8", "w4a8-staged", "w4a8-swap-64x256", "w4a8-swap-128x128", "w4a8-swap-104x128"],
+    ids=["w8a8", "w4a8-staged", "w4a8-swap-64x256", "w4a8-swap-128x128"],
 )
 def test_tiles_after_tiles_in_one_program(weight_name, tiles, two_programs, rng):
     """Two programs take a dozen tiles or more each (row tiles of three
@@ -429,10 +395,6 @@ def test_what_the_kernel_refuses(rng):
     assert "MXFP4: e8m0 per 32" in reason(F.to_planar(nvfp4), layouts["dense"])
     with pytest.raises(ValueError, match="block_m=32"):
         hj.gemm(x, block, layouts["grouped_contiguous"], tuning=kernel.Tiles(32, 256), backend="interpret")
-    mx = F.to_planar(F.quantize_weight(jnp.ones((E, N, K), jnp.float32), F.get_format("mxfp4")))
-    assert reason(mx, layouts["dense"], kernel.Tiles(40, 128, swap_ab=True)) is None  # the swap form's N
-    assert "a multiple of 8, at most 256" in reason(mx, layouts["dense"], kernel.Tiles(44, 128, swap_ab=True))
-    assert "values twice" in reason(mx, layouts["dense"], kernel.Tiles(184, 128, swap_ab=True))
     with pytest.raises(ValueError, match="block_m"):
         kernel.Tiles(block_m=0)
 
@@ -514,21 +476,19 @@ def test_the_plan_takes_it_from_128_rows_an_expert():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize(
-    "tiles", [kernel.Tiles(64, 256), kernel.Tiles(80, 256, swap_ab=True)], ids=["64x256", "swap-80"]
-)
 @pytest.mark.parametrize("scaling", [kernel.Scaling("group", "block"), kernel.Scaling("token", "channel")])
-def test_lowers_for_the_gpu(scaling, tiles):
+def test_lowers_for_the_gpu(scaling):
     """Both forms (a product scaled per step, one accumulator) lower to a
-    Mosaic GPU custom call on the CPU (layouts, TMA boxes, the 8-bit wgmma),
-    x's rows the wgmma's M or (swapped, 80 rows) its N."""
+    Mosaic GPU custom call on the CPU (layouts, TMA boxes, the 8-bit wgmma)."""
     shapes = {"group": (300, 2), "token": (300, 1), "block": (3, 2, 2), "channel": (3, 512, 1)}
     x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
     w = jax.ShapeDtypeStruct((3, 512, 256), jnp.float8_e4m3fn)
     x_scale = jax.ShapeDtypeStruct(shapes[scaling.x], jnp.float32)
     w_scale = jax.ShapeDtypeStruct(shapes[scaling.w], jnp.float32)
     offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
-    run = functools.partial(kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16)
+    run = functools.partial(
+        kernel.expert_gemm_fp8, tiles=kernel.Tiles(64, 256), scaling=scaling, out_dtype=jnp.bfloat16
+    )
     lowered = jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets)
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
@@ -552,17 +512,12 @@ def test_swap_ab_lowers_for_the_gpu(tiles):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize(
-    "tiles,half_bits",
-    [(SQUARE, False), (SQUARE, True), (SWAP, True), (SWAP_WIDE, True), (SWAP_SIZED, True), (SWAP_TALL, True)],
-    ids=str,
-)
+@pytest.mark.parametrize("tiles,half_bits", [(SQUARE, False), (SQUARE, True), (SWAP, True), (SWAP_WIDE, True)], ids=str)
 def test_mxfp4_lowers_for_the_gpu(tiles, half_bits):
     """The compiled decoder (the e2m1 program on the WGMMA layout's 32-bit
     registers, both bit orders) with the staged 32-column pieces, and the
     register form (the decoded step regrouped into the 8-bit WGMMA layout,
-    the register operand's wgmma, the transposed epilogue; its rows sized to
-    an expert's: 40 and 152) lower."""
+    the register operand's wgmma, the transposed epilogue) lower."""
     x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
     w = jax.ShapeDtypeStruct((3, 512, 128), jnp.uint8)
     x_scale = jax.ShapeDtypeStruct((300, 2), jnp.float32)
@@ -576,20 +531,16 @@ def test_mxfp4_lowers_for_the_gpu(tiles, half_bits):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("half_bits", [True, False], ids=["half_bits", "nibbles"])
-@pytest.mark.parametrize(
-    "tiles", [FIRST, kernel.Tiles(144, 128, dequantize_first=True, swap_ab=True)], ids=["64x256", "swap-144"]
-)
-def test_dequantized_first_lowers_for_the_gpu(half_bits, tiles):
+def test_dequantized_first_lowers_for_the_gpu(half_bits):
     """The decoding pass (the compiled decoder, its stores into the swizzled
-    output stage) and the e4m3 product after it lower (swapped too: the copy
-    the wgmma's A, 144 rows its N)."""
+    output stage) and the e4m3 product after it lower."""
     x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
     w = jax.ShapeDtypeStruct((3, 512, 128), jnp.uint8)
     x_scale = jax.ShapeDtypeStruct((300, 2), jnp.float32)
     w_scale = jax.ShapeDtypeStruct((3, 8, 512), jnp.uint8)
     offsets = jax.ShapeDtypeStruct((4,), jnp.int32)
     scaling = kernel.Scaling("group", "mx", half_bits, k_major_scales=True)
-    run = functools.partial(kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16)
+    run = functools.partial(kernel.expert_gemm_fp8, tiles=FIRST, scaling=scaling, out_dtype=jnp.bfloat16)
     text = jax.jit(lambda *a: run(*a)).trace(x, x_scale, w, w_scale, offsets).lower(lowering_platforms=("cuda",))
     assert text.as_text().count("mosaic_gpu") >= 2
 
@@ -633,12 +584,3 @@ def test_the_offline_ir_tool_reads_the_fp8_kernel(fmt):
     assert counts["wgmma.mma_async"] % 4 == 0 and counts["wgmma.mma_async"] >= 4
     assert counts["nvvm.cp.async.bulk.tensor"] > 0
     assert (counts["vector<2xi16>"] > 0) == (fmt == "w4a8_mxfp4")
-
-
-def test_row_scale_boxes_start_aligned():
-    """A step's box of per-group row scales (f32) spans a multiple of 128 bytes
-    for every swap tile's rows, so that each pipeline slot of it lands on the
-    128 bytes a TMA copy needs (40 rows alone would put the second slot at 160)."""
-    for rows in range(8, 257, 8):
-        box = kernel.scale_box_rows(rows)
-        assert box >= rows and box * 4 % 128 == 0 and box - rows < kernel.SCALE_BOX_ROWS

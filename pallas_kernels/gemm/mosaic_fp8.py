@@ -33,16 +33,6 @@ from pallas_kernels.gemm import mosaic, mx_e4m3
 from pallas_kernels.gemm.spec import GemmCall, WeightSpec, check_positive, tile_order
 
 BLOCK_K = mx_e4m3.BLOCK_K  # a K step: one 128-byte swizzled row of 8-bit values, one scale group
-# A TMA copy lands on 128 bytes in shared memory: a step's box of row scales (f32) spans
-# a multiple of 32 rows, so that each pipeline slot of it starts aligned.
-SCALE_BOX_ROWS = 32
-
-
-def scale_box_rows(block_m: int) -> int:
-    """Rows of a step's box of row scales for ``block_m``-row tiles."""
-    return -(-block_m // SCALE_BOX_ROWS) * SCALE_BOX_ROWS
-
-
 FP8_INPUTS = ("float8_e4m3fn", "float8_e5m2")
 WEIGHT_SCALES = ("tensor", "channel", "block")
 INPUT_SCALES = ("tensor", "token", "group")
@@ -59,13 +49,12 @@ class Tiles:
     block_n: int = 128
     stages: int = 4
     group_m: int = 8
-    # out.T = w @ x.T (stored transposed): the weight is the wgmma's A, x's rows its N
-    # (any multiple of 8: a tile sized to an expert's rows). e4m3 weights (and the e4m3
-    # copy) from shared memory; MXFP4 (W4A8): the decoded step straight from registers,
-    # no shared-memory stores of it — a thread's decoded codes land in its 8-bit WGMMA
-    # fragment in another column order within each 32-column unit, x's columns permuted
-    # to match (fragment_columns: a pass over x, not over every expert's codes).
-    # Compiled only: the interpreter runs that product from shared memory.
+    # MXFP4 (W4A8): the decoded step is the wgmma's A operand straight from registers
+    # (out.T = w @ x.T, stored transposed): no shared-memory stores of the decoded
+    # weight. A thread's decoded codes land in its 8-bit WGMMA fragment in another
+    # column order within each 32-column unit; x's columns are permuted to match
+    # (fragment_columns: a pass over x, not over every expert's codes).
+    # Compiled only: the interpreter runs the product from shared memory.
     swap_ab: bool = False
     # MXFP4 (W4A8): every code decoded once a call into an e4m3 copy of the weight
     # (mx_e4m3.decoded_weight: the bytes the in-kernel decoders make), then the e4m3
@@ -108,30 +97,24 @@ class Scaling:
         return self.w == "mx"
 
 
-# The swap form's per-step accumulators: a 176-row tile of 64 columns a warpgroup, twice
-# (176 registers a thread of the 232 a compute warpgroup gets).
-SWAP_STEP_ELEMENTS = 176 * 64
-
-
 def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     """Why the static TMA boxes and wgmma tiles cannot take these shapes (None if they can)."""
-    # x's rows are the wgmma's M (64 or 128), or with swap_ab its N: any multiple of 8 up
-    # to 256, so that a tile holds an expert's rows and decodes its weight step once.
-    if tiles.swap_ab and (tiles.wg_m % mosaic.ROW_ALIGN or tiles.wg_m > 256):
-        return f"block_m={tiles.block_m} (with swap_ab a multiple of {mosaic.ROW_ALIGN}, at most 256: the wgmma's N)"
-    if not tiles.swap_ab and tiles.wg_m not in (64, 128):
+    if tiles.wg_m not in (64, 128):
         return f"block_m={tiles.block_m} (64 or 128: the wgmma's rows)"
     if tiles.wg_n % mosaic.EPILOGUE_COLUMNS or tiles.wg_n > 256:
         return f"block_n={tiles.block_n} (a multiple of {mosaic.COMPUTE_WGS * mosaic.EPILOGUE_COLUMNS}, at most 512)"
     # A thread holds the accumulator in registers (128 f32 at most), per step twice
-    # (then a warpgroup's columns, at most 128, lie in one 128-column weight block);
-    # the swap form's expert-sized tiles up to SWAP_STEP_ELEMENTS twice.
-    most = (SWAP_STEP_ELEMENTS if tiles.swap_ab else 64 * 128) if scaling.per_step else 128 * 128
+    # (then a warpgroup's columns, at most 128, lie in one 128-column weight block).
+    most = 64 * 128 if scaling.per_step else 128 * 128
     if tiles.wg_m * tiles.wg_n > most:
         twice = " twice" if scaling.per_step else ""
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {most} values{twice})"
+    if tiles.swap_ab and not scaling.mx:
+        return "swap_ab with e4m3 weights (the decoded MXFP4 step only)"
     if tiles.dequantize_first and not scaling.mx:
         return "dequantize_first with e4m3 weights (nothing to decode)"
+    if tiles.dequantize_first and tiles.swap_ab:
+        return "dequantize_first with swap_ab (the decoded copy is read from shared memory)"
     if tiles.swap_ab and tiles.wg_n % 64:
         return f"swap_ab with block_n={tiles.block_n} (a warpgroup's columns are the wgmma's rows: multiples of 64)"
     if n % tiles.block_n:
@@ -248,7 +231,7 @@ def _kernel(
             )
         )
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
-        in_specs.append(plgpu.BlockSpec((1, scale_box_rows(bm)), lambda i: (i, 0)))
+        in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
     pipeline = functools.partial(mosaic.k_pipeline, steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages)
 
@@ -259,7 +242,7 @@ def _kernel(
         if scaling.mx:
             found.append(byte_gmem.at[group, :, cols])
         if scaling.x == "group":
-            found.append(x_scale_gmem.at[:, pl.ds(load_row, scale_box_rows(bm))])
+            found.append(x_scale_gmem.at[:, pl.ds(load_row, bm)])
         return found
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
@@ -311,20 +294,13 @@ def _kernel(
                 store(acc.astype(o_gmem.dtype), transposed=swap)
 
             def summed_context(run):  # every scale on the sum: one accumulator through K
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
                 def _(acc_ref):
                     run(acc_ref)
                     epilogue(acc_ref[...])
 
-            def e4m3_product(acc_ref, x_smem, w_smem):
-                """The step's e4m3 weight (shared memory) by x; swapped, the weight is the wgmma's A."""
-                if swap:
-                    plgpu.wgmma(acc_ref, w_smem.at[wg_slice], x_smem.transpose((1, 0)))
-                else:
-                    plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
-
             def summed_step(indices, x_smem, w_smem, acc_ref):
-                e4m3_product(acc_ref, x_smem, w_smem)
+                plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
@@ -348,7 +324,7 @@ def _kernel(
 
                 def product(acc_ref):
                     if not scaling.mx:
-                        e4m3_product(acc_ref, x_smem, w_smem)
+                        plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
                         return acc_ref[...]
                     codes = w_smem[wg_slice]
                     scales = (byte_smem, top)
@@ -370,7 +346,7 @@ def _kernel(
                 if scaling.w == "block":
                     w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 if scaling.x == "group":
-                    row_scale = plgpu.load(x_scale_smem.at[0, pl.ds(0, wg_m)], layout=m_layout, optimized=False)
+                    row_scale = plgpu.load(x_scale_smem.at[0], layout=m_layout, optimized=False)
                     if scaling.w == "block":
                         row_scale = row_scale * w_scale
                     total = total + per_m(part, row_scale)
@@ -488,12 +464,10 @@ def expert_gemm_fp8(
         if tiles.dequantize_first:
             weight, extra = mx_e4m3.decoded_weight(weight, raw, top, scaling.half_bits, interpret), ()
             scaling = Scaling(scaling.x, "channel")
-        if tiles.swap_ab and not tiles.dequantize_first and not interpret:  # the register operand's column order
+        if tiles.swap_ab and not interpret:  # the register operand's column order
             x = fragment_columns(x)
     padded = mosaic.padded_rows(m, tiles.block_m)
-    # the last tile's box of row scales reaches past its rows
-    box_rows = padded + scale_box_rows(tiles.block_m) - tiles.block_m
-    x_scale, w_scale = _flat_scales(scaling, x_scale, w_scale, box_rows, m, k)
+    x_scale, w_scale = _flat_scales(scaling, x_scale, w_scale, padded, m, k)
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
     if table is None:
