@@ -668,7 +668,8 @@ def tune_main(args) -> int:
             for low, high in search.M_RANGES:
                 if (args.max_m and low >= args.max_m) or high < args.min_m:
                     continue
-                case = Case(args.problem, args.gemm, layout_name, max(1, min(high, 16384) // top_k), fmt, args.k_order)
+                tokens = max(1, search.representative_m(low, high) // top_k)
+                case = Case(args.problem, args.gemm, layout_name, tokens, fmt, args.k_order)
                 shape = case.shapes()[:3] if args.per_shape else None
                 weight_format, quant = split_format(fmt)
                 input_dtype = quant.dtype.value if quant.is_quantized else None

@@ -377,6 +377,18 @@ def test_shipped_table_entries_are_in_the_search_space():
             assert entry.us and entry.source
 
 
+def test_tune_ranges_cover_every_m_once():
+    """The tune's M ranges tile (0, 2**30] without gaps; each is swept at its
+    top (the open one at twice its bottom), so the anchor's T=4096 at top-8
+    (M=32768) is a range's own point."""
+    ranges = search.M_RANGES
+    assert ranges[0][0] == 0 and ranges[-1][1] == 1 << 30
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    points = [search.representative_m(low, high) for low, high in ranges]
+    assert all(low < m <= high for (low, high), m in zip(ranges, points, strict=True))
+    assert 32768 in points and points[-1] == 65536
+
+
 def test_candidates_by_rows_per_expert():
     """Split-K only where experts hold a row or two, 64-row tiles beside the
     decode ones for 17-32 rows, prefill tiles past that (with swap tiles sized

@@ -8,7 +8,25 @@ import dataclasses
 
 from pallas_kernels.gemm import mosaic, mosaic_fp8, triton
 
-M_RANGES = ((0, 16), (16, 128), (128, 1024), (1024, 4096), (4096, 8192), (8192, 1 << 30))
+# Prefill split where the row tile sized to an expert's rows changes (T=4096 at top-8 is
+# M=32768, the anchor's prefill point); each range is swept at representative_m.
+M_RANGES = (
+    (0, 16),
+    (16, 128),
+    (128, 1024),
+    (1024, 4096),
+    (4096, 8192),
+    (8192, 16384),
+    (16384, 32768),
+    (32768, 1 << 30),
+)
+
+
+def representative_m(low: int, high: int) -> int:
+    """The M a range ``(low, high]`` is swept at: its top, or twice its bottom when open-ended."""
+    return high if high < 1 << 30 else 2 * low
+
+
 DECODE_MAX_ROWS = 32  # experts with up to this many rows sweep DECODE
 SPLIT_MAX_ROWS = 2  # split-K decode candidates only where experts hold a row or two (T=1-2)
 
