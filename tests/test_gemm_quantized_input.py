@@ -488,8 +488,11 @@ def test_heuristic_choices_for_quantized_inputs():
         assert isinstance(gathered[0], mosaic.Tiles) and T.indexed_block_rows(gathered) == 128
     assert isinstance(T.candidates(indexed, F.MXFP4, 4096 * 8, 128, 2048, 768, half_bits=True)[0], kernel.Tiles)
     # W4A16 MXFP4 (bf16 inputs): the 16-bit Mosaic kernel decodes planar codes from 128 rows.
-    mx16 = T.candidates(grouped, F.MXFP4, 512 * 2, 8, 28672, 4096, half_bits=True)
+    mx16 = T.candidates(grouped, F.MXFP4, 1024 * 2, 8, 28672, 4096, half_bits=True)
     assert mx16[0] == heuristic.MX_BF16_MOSAIC
+    # (at T=512 the table's row tile sized to mixtral's 128 rows an expert comes first)
+    sized = T.candidates(grouped, F.MXFP4, 512 * 2, 8, 28672, 4096, half_bits=True)[0]
+    assert sized == dataclasses.replace(heuristic.MX_BF16_MOSAIC, block_m=144)
     assert T.candidates(grouped, F.MXFP4, 512 * 8, 128, 1536, 2048, half_bits=True)[0] != heuristic.MX_BF16_MOSAIC
     # qwen3's W4A8 from 32 rows an expert (the table, quantized_input.md v19): the input multiplied
     # out to bf16 for the weight-only tiles — Triton's 32-row tile, the 16-bit Mosaic kernel at prefill.
