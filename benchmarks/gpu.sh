@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU steps, one per call: bash benchmarks/gpu.sh OUT_DIR STEP [ARGS...]
 #   tests [PYTEST ARGS]      the kernel tests with the real compiler, every case of the sweeps (default: every file)
+#   tests-alone [PYTEST ARGS]  the same, each test in its own process (after a sticky CUDA error)
 #   bench [BENCH ARGS]       python -m humming_jax bench (the GEMMs; peers timed in the same run)
 #   layer-bench [ARGS]       python -m humming_jax bench --layer (whole layers, stage by stage)
 #   process-bench [ARGS]     benchmarks.bench_process_input
@@ -78,6 +79,23 @@ case $step in
         JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_TO="$out/mosaic" \
           XLA_FLAGS="$XLA_FLAGS --xla_dump_to=$out/xla" python3 -W ignore -m benchmarks.inspect_gemm "$@" \
           2>&1 | tee "$out/sass.log" | tail -20 ;;
+  # Each test in its own process, 8 at once: a sticky CUDA error (a misaligned or illegal access) stays in
+  # its test instead of failing every later test of a pytest-xdist worker. PASS/FAIL lines in
+  # tests_alone.txt; a failing test's log kept as alone_N.log.
+  tests-alone)
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 python3 -m pytest -q --collect-only --full -p no:cacheprovider \
+      "${@:-tests}" 2>/dev/null | grep "::" > "$out/alone_ids.txt"
+    one() {
+      local log; log="$2/alone_$(echo "$1" | md5sum | cut -c1-8).log"
+      if XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 timeout 150 python3 -m pytest -q -x -p no:xdist -p no:cacheprovider \
+           --full -W ignore::DeprecationWarning "$1" > "$log" 2>&1; then
+        echo "PASS $1"; rm -f "$log"
+      else echo "FAIL $1 :: $(grep -m1 -E '^E ' "$log" | cut -c1-160) ($log)"; fi
+    }
+    export -f one
+    xargs -P 8 -I{} bash -c 'one "$@"' _ {} "$out" < "$out/alone_ids.txt" | sort > "$out/tests_alone.txt"
+    echo "$(grep -c '^PASS' "$out/tests_alone.txt") passed alone of $(wc -l < "$out/alone_ids.txt")"
+    grep '^FAIL' "$out/tests_alone.txt" ;;
   # One cudaMalloc per buffer (no XLA pool), so that a store past a buffer is an error, not another buffer's bytes.
   sanitize) tool=${1:?memcheck, racecheck, initcheck or synccheck}; shift
     XLA_FLAGS="$sanitized_xla_flags" XLA_PYTHON_CLIENT_ALLOCATOR=platform $sanitizer --tool "$tool" \
