@@ -63,7 +63,9 @@ class Tiles:
     group_m: int = 8
     # 4-bit path: each decoded piece is the wgmma's A operand straight from
     # registers (no staging), the accumulator out.T ([wg_n, block_m]), stored
-    # transposed. GPU only: the 0.11 interpreter cannot run a register operand.
+    # transposed; x's rows are the wgmma's N, so block_m may be any multiple of 8 to
+    # 256 (sized to an expert's rows). GPU only: the 0.11 interpreter cannot run a
+    # register operand.
     swap_ab: bool = False
     # 4-bit path: each nibble taken from the 32-bit registers of the WGMMA layout
     # (two neighbouring codes each: a shift, a mask and an or per pair) rather than
@@ -71,7 +73,8 @@ class Tiles:
     # interpreter runs the 16-bit form, which computes the same values.
     word_decode: bool = False
     # Programs in clusters of ``cluster_n`` (1 or 2) on adjacent column tiles of one row
-    # tile: x's tiles are multicast to both by TMA (each fetches half from L2).
+    # tile: x's tiles are multicast to both by TMA (each fetches half from L2, in 8-row
+    # pieces: block_m a multiple of 16 with a pair).
     cluster_n: int = 1
     # A quantized weight is dequantized to the compute dtype by one pass before the
     # kernel runs its 16-bit path (formats it does not decode itself; prefill only:
