@@ -455,10 +455,14 @@ def test_heuristic_choices_for_quantized_inputs():
     assert not first(grouped, F.INT4_G128, Q.INT8_DYNAMIC_TOKEN, 16 * 8, 128, 1536, 2048)[0].dequantize_input
     assert not first(grouped, F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128, 16 * 8, 128, 1536, 2048)[0].dequantize_input
     # Indexed W4A8: the 16-bit kernel's 128-row tiles (the block), or the fp8 one's 64 x 256
-    # when the caller's block is 64.
-    listed = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
+    # when the caller's block is 64 (a shape with no table entry: the heuristic's).
+    listed = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1024, 2048, half_bits=True)
     multiplied_out = dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)
     assert listed[0] == multiplied_out and T.indexed_block_rows(listed) == 128
+    # qwen3's w13 at T=4096: the table's 144-row tile first (its rows the block), the heuristic's next.
+    qwen3 = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
+    assert qwen3[:2] == [dataclasses.replace(multiplied_out, block_m=144), multiplied_out]
+    assert T.indexed_block_rows(qwen3) == 144
     wide = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, block_size=64, half_bits=True)
     assert wide[0] == mosaic_fp8.Tiles(64, 256, stages=4, group_m=8)
     # 32 rows an expert: the fp8 kernel's register-operand 64 x 256 (mixtral, v24), but qwen3's

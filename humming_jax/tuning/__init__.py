@@ -43,7 +43,8 @@ def candidates(
     """The table's entry for this call (its weight shape's, else its format
     class's), then the heuristic's tilings. ``block_size``: an indexed
     layout's alignment block — a tile is one block, so an entry's Triton tile
-    runs with that many rows (:func:`for_block`); ``half_bits``: see
+    runs with that many rows (:func:`for_block`) and a Mosaic entry of other
+    rows is left out; ``half_bits``: see
     :func:`heuristic_candidates`; ``input_dtype``: a quantized input's values (:func:`format_class`).
     4-bit weights with fp8 inputs at decode (under :data:`DEQUANTIZE_INPUT_MAX_ROWS`
     rows an expert) take, after their own entries, the weight-only format's
@@ -53,8 +54,12 @@ def candidates(
     if format_class(fmt, input_dtype) in ("4bit-a8", "fp4-a8") and rows < DEQUANTIZE_INPUT_MAX_ROWS:
         weight_only = [e.tiles for e in table_entries(layout, fmt, valid_shape_m, num_experts, n, k)]
         entries += [dataclasses.replace(t, dequantize_input=True) for t in weight_only if _multiplies_out(t)]
-    if block_size is not None:
-        entries = [for_block(t, block_size) if isinstance(t, triton.Tiles) else t for t in entries]
+    if block_size is not None:  # a Mosaic tile is one block: one of other rows cannot take the call
+        entries = [
+            for_block(t, block_size) if isinstance(t, triton.Tiles) else t
+            for t in entries
+            if isinstance(t, triton.Tiles) or t.block_m == block_size
+        ]
     return entries + heuristic_candidates(
         rows,
         n,
