@@ -8,7 +8,8 @@ Each case's routing and inputs are made once; every tiling (``default``: what
 ``gemm`` picks) is timed in turn, ``--repeats`` rounds, its output checked
 against the sampled float32 reference (``bench.sampled_error``) in the first.
 An indexed layout's block is the tiling's rows. Prints a row per timing and
-writes them as JSON (a tiling a kernel refuses is a row with its error).
+writes them as JSON after each case, so a run stopped by a time limit keeps
+the cases done (a tiling a kernel refuses is a row with its error).
 
 ``--variant FILE`` loads another version of a kernel file (e.g. one from the
 history: ``git show COMMIT:pallas_kernels/gemm/mosaic_fp8.py > FILE``) beside
@@ -90,6 +91,7 @@ def run(args) -> list[dict]:
             print(row, flush=True)
             rows.append(row)
         del preps, prep
+        write_results(args.out, rows, quiet=True)  # the cases done so far: a call cut short keeps them
     return rows
 
 

@@ -541,7 +541,7 @@ def test_a_users_table_from_the_environment(tmp_path, monkeypatch):
         tuning.load_table()
 
 
-def test_ab_tilings_writes_each_timing(tiny, compiled_once, tmp_path, capsys):
+def test_ab_tilings_writes_each_timing(tiny, compiled_once, tmp_path, capsys, monkeypatch):
     """``benchmarks.ab_tilings``: every tiling of every case in turn, each
     checked in its first round; a tiling the kernel refuses is a row naming
     why, not an abort."""
@@ -558,6 +558,20 @@ def test_ab_tilings_writes_each_timing(tiny, compiled_once, tmp_path, capsys):
     assert "e4m3/e5m2" in rows[2]["failed"]  # the fp8 kernel refuses bf16 inputs, with its reason
     with pytest.raises(ValueError, match="kernel must be one of"):
         ab_tilings.main([*argv, "--tilings", "nope:block_m=16"])
+    # A run stopped in its second case (a time limit) has written the first one's rows.
+    real_prepare, prepared_cases = bench.prepare, []
+
+    def prepare_then_stop(case):
+        if prepared_cases:
+            raise KeyboardInterrupt
+        prepared_cases.append(case)
+        return real_prepare(case)
+
+    stopped = tmp_path / "stopped.json"
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(bench, "prepare", prepare_then_stop)
+        ab_tilings.main([*argv[:-3], "3", "4", "--repeats", "1", "--tilings", "default", "--out", str(stopped)])
+    assert [r["tokens"] for r in json.loads(stopped.read_text())["rows"]] == [3]
     # MXFP4's scales as to_kernel_order stores them ([E, K/32, N]) and as [E, N, K/32], interleaved
     orders = ["--scale-orders", "kernel", "n_major", "--repeats", "1", "--layouts", "grouped"]
     assert ab_tilings.main([*argv[:1], "mxfp4", *argv[2:-2], *orders, "--out", str(out)]) == 0
