@@ -218,7 +218,9 @@ def _kernel(
     def per_n(acc, values):  # values [wg_n] (the weight's columns)
         return acc * (values[:, None] if swap else values[None, :])
 
-    in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(BLOCK_K, x_gmem.dtype))]
+    # The register form multiplies a step a 32-column piece at a time: x in 32-byte swizzled tiles.
+    x_columns = mx_e4m3.MX_GROUP if (scaling.mx and swap and not interpret) else BLOCK_K
+    in_specs = [plgpu.BlockSpec((bm, BLOCK_K), lambda i: (0, i), transforms=mosaic.swizzled(x_columns, x_gmem.dtype))]
     if scaling.mx:  # the step's codes and its pieces' scale bytes
         in_specs += [
             plgpu.BlockSpec((tiles.block_n, BLOCK_K // 4), lambda i: (0, i)),
@@ -329,8 +331,12 @@ def _kernel(
                     codes = w_smem[wg_slice]
                     scales = (byte_smem, top)
                     if swap and not interpret:  # the decoded step as the register operand
-                        decoded = mx_e4m3.decode_step(codes, scales, wg_slice, scaling.half_bits, False, True)
-                        plgpu.wgmma(acc_ref, decoded, x_smem.transpose((1, 0)))
+                        # a piece (32 columns: one wgmma's K) at a time, so that the next piece's
+                        # decode runs while the tensor cores multiply this one
+                        for piece in range(mx_e4m3.PIECES):
+                            decoded = mx_e4m3.decode_piece(codes, scales, wg_slice, piece, scaling.half_bits)
+                            columns = pl.ds(piece * mx_e4m3.MX_GROUP, mx_e4m3.MX_GROUP)
+                            plgpu.wgmma(acc_ref, decoded, x_smem.at[:, columns].transpose((1, 0)))
                         return acc_ref[...]
                     # The last step's wgmma read the slot before its product was read back.
                     slot = stage.at[wg]

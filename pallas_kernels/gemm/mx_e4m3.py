@@ -63,6 +63,17 @@ def decode_step(codes, scales, wg_slice, half_bits: bool, interpret: bool, fragm
     return mosaic.eight_bit_fragments(decoded) if fragment else decoded
 
 
+def decode_piece(codes, scales, wg_slice, piece: int, half_bits: bool):
+    """Piece ``piece`` (columns ``[32 piece, 32 piece + 32)``) of a K step's
+    MXFP4 codes as :func:`decode_step` decodes it, in the 8-bit WGMMA layout
+    (one fp8 wgmma's register operand). Compiled only."""
+    byte_smem, top = scales
+    bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
+    factor = step_factor(byte_smem[piece, wg_slice], top)[:, None]
+    decoded = (mosaic.e2m1_piece(codes, piece, bits, jnp.float16, False) * factor).astype(jnp.float8_e4m3fn)
+    return mosaic.eight_bit_fragments(decoded)
+
+
 def mx_operands(values: jax.Array, scale: jax.Array, k_major: bool = False) -> tuple[jax.Array, ...]:
     """MXFP4's stored parts (planar codes ``uint8 [E, N, K/2]``, e8m0 bytes
     ``[E, N, K/32]``, or ``[E, K/32, N]`` when ``k_major``) as the kernel reads
