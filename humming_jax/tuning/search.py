@@ -69,6 +69,10 @@ MID = (
     _t(64, 128, 256, 4, 3, **_SWAP_PAIRS),
     _t(64, 128, 128, 4, 3, **_SWAP_PAIRS),
     _t(64, 256, 128, 8, 3, **_SWAP_PAIRS),
+    # 32 rows swapped: the decoded weight is wgmma's register operand at a size that
+    # leaves room for several CTAs an SM (MXFP4, and fp8 inputs multiplied out).
+    _t(32, 256, 128, 8, 3, **_SWAP_PAIRS),
+    _t(32, 256, 128, 8, 3, dequantize_input=True, **_SWAP_PAIRS),
     # MXFP4 with fp8 inputs: the fp8 kernel's decoded step as the register operand.
     mosaic_fp8.Tiles(64, 256, stages=4, swap_ab=True),
 )
