@@ -12,6 +12,9 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("demo", help="run a small MoE layer through every expert pipeline and check it")
     bench = commands.add_parser("bench", help="GPU: time the expert GEMMs over the problem set (JSON + table)")
     tune = commands.add_parser("tune", help="GPU: sweep tiles per layout/format/M range and write the table")
+    report = commands.add_parser("report", help="merge bench results files; Humming's ratios by format and T")
+    report.add_argument("files", nargs="+", help="bench JSONs, in the order measured (a later file wins a case)")
+    report.add_argument("--out", default=None, help="the merged rows and summaries (JSON; the plot beside it)")
     from humming_jax import bench as bench_module
     from humming_jax import layer_bench
 
@@ -80,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         from humming_jax.demo import main as demo_main
 
         return demo_main()
+    if args.command == "report":
+        from humming_jax.bench_report import report_main
+
+        return report_main(args.files, args.out)
     if args.command == "bench" and args.layer:
         args.formats = args.formats or list(layer_bench.LAYER_FORMATS)
         if args.out == "benchmarks/results/gemm.json":

@@ -77,3 +77,88 @@ def plot_humming(rows: list[dict], path: str) -> bool:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+CASE_FIELDS = ("fmt", "problem", "layout", "gemm", "tokens")
+
+
+def merge_rows(runs: list[list[dict]]) -> list[dict]:
+    """The rows of several bench runs, one per case (:data:`CASE_FIELDS`): a
+    later run's row replaces an earlier one's (runs in the order measured)."""
+    merged: dict[tuple, dict] = {}
+    for rows in runs:
+        for r in rows:
+            merged[tuple(r[f] for f in CASE_FIELDS)] = r
+    return list(merged.values())
+
+
+def against_faster(row: dict) -> float | None:
+    """Our time over the faster of Humming's live time and its anchor's (the
+    live one can hold a launch the anchor's CUDA-graph time does not); None
+    without either."""
+    times = [t for t in (row.get("humming_us"), row.get("anchor_humming_us")) if t]
+    return row["us"] / min(times) if times and row.get("us") else None
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def by_tokens(rows: list[dict], ratio=against_faster) -> list[dict]:
+    """Per format: the cases with a ratio (``ratio(row)``), their geometric
+    mean and largest, how many exceed 1.25, and the geometric mean at each T."""
+    found = []
+    for fmt in sorted({r["fmt"] for r in rows}):
+        pairs = [(r, ratio(r)) for r in rows if r["fmt"] == fmt]
+        pairs = [(r, x) for r, x in pairs if x]
+        if not pairs:
+            continue
+        values = [x for _, x in pairs]
+        tokens = sorted({r["tokens"] for r, _ in pairs})
+        found.append(
+            dict(
+                fmt=fmt,
+                cases=len(values),
+                geomean=_geomean(values),
+                max=max(values),
+                above_1_25=sum(x > 1.25 for x in values),
+                by_tokens={t: _geomean([x for r, x in pairs if r["tokens"] == t]) for t in tokens},
+            )
+        )
+    return found
+
+
+def by_tokens_lines(summary: list[dict], label: str) -> list[str]:
+    """One printed line per :func:`by_tokens` entry."""
+    return [
+        f"{label} {s['fmt']}: {s['cases']} cases, geomean {s['geomean']:.2f}, max {s['max']:.2f}, "
+        f"{s['above_1_25']} above 1.25; by T " + ", ".join(f"{t}: {g:.2f}" for t, g in s["by_tokens"].items())
+        for s in summary
+    ]
+
+
+def report_main(paths: list[str], out: str | None) -> int:
+    """``python -m humming_jax report``: several bench JSONs merged (later
+    files win a case), the Humming summaries printed, and with ``out`` the
+    merged rows and the summaries written there (and the plot beside it)."""
+    import json
+
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            raise ValueError(f"report: {path} is not a bench results file (a JSON object with 'rows')")
+        runs.append(data["rows"])
+    rows = merge_rows(runs)
+    live = by_tokens(rows, lambda r: r.get("x_humming"))
+    faster = by_tokens(rows)
+    lines = by_tokens_lines(live, "x humming") + by_tokens_lines(faster, "x faster of live and anchor")
+    print("\n".join(lines) if lines else "no row has a Humming time")
+    if out:
+        summaries = dict(x_humming=live, x_faster_humming=faster)
+        with open(out, "w") as f:
+            json.dump(dict(meta=dict(merged_from=paths, humming_summary=summaries), rows=rows), f, indent=1)
+        plot_humming(rows, out.removesuffix(".json") + ".png")
+        print(f"wrote {out}")
+    return 0

@@ -673,6 +673,47 @@ def test_humming_summary_and_plot(tmp_path):
     assert not bench_report.plot_humming(rows[2:], str(tmp_path / "none.png"))
 
 
+def test_report_merges_runs_and_takes_the_faster_humming(tmp_path, capsys):
+    """``report``: a later file's row replaces an earlier one's for the same
+    case; the ratio against the faster of Humming's live and anchor times; per
+    format the geomean, the largest, the count above 1.25 and the geomean by T."""
+    import json
+
+    from humming_jax import __main__ as cli
+    from humming_jax import bench_report
+
+    def row(tokens, us, live, anchor, gemm="w13"):
+        x = us / live if live else None
+        return dict(
+            fmt="a", problem="p", layout="grouped", gemm=gemm, tokens=tokens, us=us,
+            humming_us=live, anchor_humming_us=anchor, x_humming=x,
+        )  # fmt: skip
+
+    old = [row(1, 100.0, 50.0, 50.0), row(16, 30.0, 20.0, 10.0)]
+    new = [row(1, 40.0, 80.0, 20.0), row(16, 30.0, None, 15.0, gemm="w2")]
+    merged = bench_report.merge_rows([old, new])
+    assert len(merged) == 3 and [r["us"] for r in merged if r["tokens"] == 1] == [40.0]
+    assert bench_report.against_faster(new[0]) == 2.0 and bench_report.against_faster(new[1]) == 2.0
+    assert bench_report.against_faster(dict(us=1.0)) is None
+    (faster,) = bench_report.by_tokens(merged)
+    assert (faster["cases"], faster["max"], faster["above_1_25"]) == (3, 3.0, 3)
+    assert faster["by_tokens"][1] == pytest.approx(2.0) and faster["by_tokens"][16] == pytest.approx(6**0.5)
+    (live,) = bench_report.by_tokens(merged, lambda r: r.get("x_humming"))
+    assert live["cases"] == 2 and live["by_tokens"] == {1: 0.5, 16: 1.5}
+    paths = []
+    for name, rows in (("old", old), ("new", new)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        (tmp_path / f"{name}.json").write_text(json.dumps(dict(meta={}, rows=rows)))
+    out = tmp_path / "merged.json"
+    assert cli.main(["report", *paths, "--out", str(out)]) == 0
+    assert "x faster of live and anchor a: 3 cases, geomean" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert len(written["rows"]) == 3 and written["meta"]["merged_from"] == paths
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a bench results file"):
+        bench_report.report_main([str(tmp_path / "bad.json")], None)
+
+
 def test_ab_tilings_variant_runs_the_default_tiles(tiny, compiled_once, tmp_path, monkeypatch):
     """``variant:default``: the tiles the case's ``default`` ran, field for
     field, on the variant file's kernel (an A/B of a kernel change at the
