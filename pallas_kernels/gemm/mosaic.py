@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, vector
 
-from pallas_kernels import word_decode
+from pallas_kernels import codecs, word_decode
 from pallas_kernels.gemm.spec import GemmCall, WeightSpec, check_positive, tile_order
 
 # Folded e2m1 weights are the true ones times 2**-E2M1_FOLDED_EXPONENT, the sum multiplied back.
@@ -118,9 +118,9 @@ class NibbleDecode:
     (``code_offset``: int4's 8) or per-group zero points ``[E, G, N]`` in the
     compute dtype (``zero_points``: uint4). ``e2m1``: MXFP4 codes instead
     (planar units of 32 columns, one group each; ``half_bits``: the pair
-    decoder's bit order), each unit times its factor ``2**(s - 183)`` made in
-    the kernel from its e8m0 byte ``s`` (``uint8 [E, K/32, N]``; the weight
-    times ``2**-E2M1_FOLDED_EXPONENT``, the sum multiplied back)."""
+    decoder's bit order), each unit times its factor ``[E, K/32, N]`` (bf16
+    ``2**(s - 183)``: the weight times ``2**-E2M1_FOLDED_EXPONENT``, the sum
+    multiplied back)."""
 
     groups: int
     code_offset: int = 8
@@ -503,28 +503,6 @@ def _decode_piece(codes, piece: int, offset, scale, dtype, words: bool = False):
     return (_nibble_floats(codes, piece, dtype, words) - offset) * scale
 
 
-# A unit's factor is 2**(s - 127) (the e8m0 byte s as a bf16 exponent field) times this.
-E2M1_FACTOR_SHIFT = 2.0 ** (6 - E2M1_FOLDED_EXPONENT)
-# The smallest byte whose factor 2**(s - 183) is a normal bf16; smaller ones give zero.
-E2M1_FACTOR_MIN_BYTE = 183 - 126
-
-
-def e2m1_factor(raw: jax.Array) -> jax.Array:
-    """A unit's bf16 factor ``2**(s - 127 - E2M1_FOLDED_EXPONENT) / 2**-6`` =
-    ``2**(s - 183)`` from its e8m0 bytes ``s`` (any shape), NaN for byte 255
-    and zero under :data:`E2M1_FACTOR_MIN_BYTE` (weights under 2**-70, whose
-    folded values bf16 cannot hold: the same on the GPU and interpreted):
-    ``s`` shifted into bf16's exponent field is ``2**(s - 127)`` (255's NaN bit
-    set from s + 1), times one constant. Made in the kernel from the bytes it
-    loads: a quarter of the bf16 factors' size, and no pass over every
-    expert's scales a call."""
-    s = raw.astype(jnp.int32)
-    bits = (s << 7) | (((s + 1) >> 2) & 0x40)
-    bits = bits * ((s + (256 - E2M1_FACTOR_MIN_BYTE)) >> 8)  # 0 under the smallest byte, else 1
-    exponent = lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
-    return exponent * jnp.asarray(E2M1_FACTOR_SHIFT, jnp.bfloat16)
-
-
 def e2m1_piece(codes, unit: int, bits: tuple, dtype, interpret: bool):
     """Unit ``unit`` (columns ``[32 unit, 32 unit + 32)``) of a K step's planar
     e2m1 codes ``uint16 [rows, 32]`` (half h of a unit holds column ``h + 8 j``
@@ -749,7 +727,7 @@ def _kernel(
                     bits = word_decode.E2M1_HALF_BITS if decode.half_bits else word_decode.NIBBLE_BITS
 
                     def piece_values(piece):  # unit `piece`: e2m1 x 2**-6 times its factor
-                        factor = e2m1_factor(quant[0][piece, wg_slice])[:, None]
+                        factor = quant[0][piece, wg_slice][:, None]
                         if interpret:  # exact in f32, rounded once (the factors are powers of two)
                             return (e2m1_piece(codes, piece, bits, dtype, True) * factor.astype(jnp.float32)).astype(
                                 dtype
@@ -836,11 +814,10 @@ def expert_gemm_mosaic(
                 f"mosaic GEMM: 4-bit codes must be uint16 {(num_experts, n, k // PIECES)}, got "
                 f"{weight.dtype} {weight.shape}"
             )
-        quant_dtype = jnp.uint8 if decode.e2m1 else x.dtype  # e2m1: the e8m0 bytes
         for name, array in zip(("scales", "zero_points")[: len(quant)], quant, strict=True):
-            if array is None or array.shape != want or array.dtype != quant_dtype:
+            if array is None or array.shape != want or array.dtype != x.dtype:
                 got = None if array is None else f"{array.dtype} {array.shape}"
-                raise ValueError(f"mosaic GEMM: {name} must be {jnp.dtype(quant_dtype)} {want}, got {got}")
+                raise ValueError(f"mosaic GEMM: {name} must be {x.dtype} {want}, got {got}")
     padded = padded_rows(m, tiles.block_m)  # a row tile's box fits inside x
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
@@ -889,17 +866,18 @@ def _nibble_operands(w: WeightSpec, weight_arrays: tuple[jax.Array, ...], dtype)
     scales ``[E, N, G]`` or ``[E, N, 1]`` — ``[E, G, N]`` with
     ``w.k_major_scales`` —, packed integer zero points) as the
     kernel reads them: codes ``uint16 [E, N, K/4]``, scales (and code offsets
-    ``magic + zero``) ``[E, K/128, N]`` in ``dtype`` — MXFP4: its e8m0 bytes
-    ``uint8 [E, K/32, N]`` (the kernel makes the factors: :func:`e2m1_factor`) —,
-    and the decode spec."""
+    ``magic + zero``) ``[E, K/128, N]`` in ``dtype`` — MXFP4: its factors
+    ``[E, K/32, N]`` (bf16, NaN for an e8m0 byte 255) —, and the decode spec."""
     values, scale = weight_arrays[:2]
     e, n, k = w.num_experts, w.n, w.k
     codes = planar_words(values)
     if not w.k_major_scales:  # stored [E, N, G]: the call transposes them
         scale = jnp.swapaxes(scale, 1, 2)
-    if w.value_type == "float4_e2m1":
-        bytes_ = lax.bitcast_convert_type(scale, jnp.uint8) if scale.dtype != jnp.uint8 else scale
-        return codes, bytes_, None, NibbleDecode(k // E2M1_UNIT, e2m1=True, half_bits=w.half_bits)
+    if w.value_type == "float4_e2m1":  # a unit's factor 2**(s - 127 - E2M1_FOLDED_EXPONENT) / 2**-6
+        raw = scale.astype(jnp.int32)
+        factors = codecs.pow2(raw - 127 - E2M1_FOLDED_EXPONENT + 6, jnp.bfloat16)
+        factors = jnp.where(raw == 255, jnp.nan, factors).astype(jnp.bfloat16)
+        return codes, factors, None, NibbleDecode(k // E2M1_UNIT, e2m1=True, half_bits=w.half_bits)
     groups = k // UNIT
     scales = jnp.broadcast_to(scale, (e, groups, n)).astype(dtype)
     zero_points = None
