@@ -3,6 +3,9 @@
 and the loops and launches interpret mode runs differently: what the kernel
 tests cannot see without a GPU."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -319,3 +322,59 @@ def test_decode_layer_launches_for_sm90(pipeline):
     assert not any("moe_group_slots" in text for text in texts)
     gemms = [text for text in texts if "moe_gemm_indexed" in text]
     assert len(gemms) == 2
+
+
+# Layout-only ops (no copy): the 4-bit codes' bytes viewed as the kernels' words.
+VIEW_OPS = ("stablehlo.reshape", "stablehlo.bitcast_convert")
+
+
+def _ops_over_every_expert(text: str, num_experts: int) -> set[str]:
+    """The ops of a lowered program, outside its kernels and views, with an
+    operand or result of at least 2**20 elements whose first axis is the
+    experts' (a pass over every expert's weights or scales)."""
+    found = set()
+    for line in text.splitlines():
+        op = re.search(r"=\s*\"?([a-z_]+\.[a-z_]+)", line)
+        if op is None or "custom_call" in line or op.group(1) in VIEW_OPS:
+            continue
+        for dims in re.findall(r"tensor<([0-9x]+)x[a-z]+[0-9]*[A-Za-z0-9]*>", line):
+            shape = [int(d) for d in dims.split("x")]
+            if len(shape) >= 3 and shape[0] == num_experts and math.prod(shape) >= 2**20:
+                found.add(op.group(1))
+    return found
+
+
+@pytest.mark.parametrize("pipeline", ["grouped", "indexed"])
+@pytest.mark.parametrize(
+    "fmt", ["bf16", "int4_g128", "mxfp4", "fp8_block128@fp8_dynamic_group128", "mxfp4@fp8_dynamic_group128"]
+)
+def test_decode_layer_passes_over_no_experts_weights(fmt, pipeline, monkeypatch):
+    """At decode (T=16, qwen3-30b-a3b's shapes) the layer lowered for the GPU
+    reads the weights only in its kernels, which read the experts that got
+    rows: no op outside them runs over every expert's weights or scales (at
+    T=16 such a pass would cost more than the GEMMs' own weight reads)."""
+    from benchmarks.lower_sm90 import capture_triton_modules
+    from humming_jax import bench
+    from pallas_kernels.gemm import mosaic
+
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)  # the H200's table and kernels
+    weight_format, input_quant = bench.split_format(fmt)
+    config = hj.ExpertsConfig(128, 2048, 768, 8, weight_format=weight_format, input_quant=input_quant)
+    floats = (
+        jax.ShapeDtypeStruct((128, config.w13_n, 2048), jnp.float32),
+        jax.ShapeDtypeStruct((128, 2048, 768), jnp.float32),
+    )
+    weights = jax.eval_shape(lambda w13, w2: hj.quantize_experts(w13, w2, config), *floats)
+    fn = hj.humming_grouped_experts if pipeline == "grouped" else hj.humming_indexed_experts
+    x = jax.ShapeDtypeStruct((16, 2048), jnp.bfloat16)
+    tw = jax.ShapeDtypeStruct((16, 8), jnp.float32)
+    ids = jax.ShapeDtypeStruct((16, 8), jnp.int32)
+
+    def layer(x, weights, tw, ids):
+        return fn(x, weights, tw, ids, config, backend="pallas")
+
+    with capture_triton_modules():
+        text = jax.jit(layer).trace(x, weights, tw, ids).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call" in text
+    assert _ops_over_every_expert(text, 128) == set()
+    jax.clear_caches()
