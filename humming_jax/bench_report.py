@@ -1,11 +1,13 @@
 """The GEMM bench's comparison with Humming, summed up: per format the
 geometric mean and the largest of our time over Humming's across the cases
 that have both (the issues' targets are written in these), and a plot of the
-ratio against T."""
+ratio against T; ``python -m humming_jax report`` does the same over several
+runs merged (:func:`report_main`)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 
 def humming_summary(rows: list[dict]) -> list[dict]:
@@ -104,7 +106,7 @@ def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def by_tokens(rows: list[dict], ratio=against_faster) -> list[dict]:
+def by_tokens(rows: list[dict], ratio: Callable[[dict], float | None] = against_faster) -> list[dict]:
     """Per format: the cases with a ratio (``ratio(row)``), their geometric
     mean and largest, how many exceed 1.25, and the geometric mean at each T."""
     found = []
@@ -149,6 +151,9 @@ def report_main(paths: list[str], out: str | None) -> int:
             data = json.load(f)
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
             raise ValueError(f"report: {path} is not a bench results file (a JSON object with 'rows')")
+        lacking = sorted({f for r in data["rows"] for f in CASE_FIELDS if f not in r})
+        if lacking:
+            raise ValueError(f"report: {path}'s rows lack {', '.join(lacking)} (the GEMM bench's rows have them)")
         runs.append(data["rows"])
     rows = merge_rows(runs)
     live = by_tokens(rows, lambda r: r.get("x_humming"))

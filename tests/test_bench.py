@@ -712,6 +712,9 @@ def test_report_merges_runs_and_takes_the_faster_humming(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(ValueError, match="not a bench results file"):
         bench_report.report_main([str(tmp_path / "bad.json")], None)
+    (tmp_path / "layer.json").write_text(json.dumps(dict(meta={}, rows=[dict(fmt="a", tokens=1)])))
+    with pytest.raises(ValueError, match="rows lack gemm, layout, problem"):
+        bench_report.report_main([str(tmp_path / "layer.json")], None)
 
 
 def test_ab_tilings_variant_runs_the_default_tiles(tiny, compiled_once, tmp_path, monkeypatch):
