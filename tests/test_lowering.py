@@ -12,7 +12,7 @@ import pytest
 
 import humming_jax as hj
 from benchmarks.inspect_gemm import parse_config
-from benchmarks.lower_sm90 import gemm_ttir, process_ttir, ttir_of
+from benchmarks.lower_sm90 import capture_triton_modules, gemm_ttir, process_ttir, ttir_of
 from humming_jax import input_quant as Q
 from humming_jax.tiles_text import from_text
 from pallas_kernels.process_input import Tiles
@@ -353,7 +353,6 @@ def test_decode_layer_passes_over_no_experts_weights(fmt, pipeline, monkeypatch)
     reads the weights only in its kernels, which read the experts that got
     rows: no op outside them runs over every expert's weights or scales (at
     T=16 such a pass would cost more than the GEMMs' own weight reads)."""
-    from benchmarks.lower_sm90 import capture_triton_modules
     from humming_jax import bench
     from pallas_kernels.gemm import mosaic
 

@@ -43,34 +43,33 @@ def step_factor(raw, top):
     return codecs.pow2(2 * E2M1_EXPONENT - gap, jnp.float16, normal_only=True)
 
 
-def decode_step(codes, scales, wg_slice, half_bits: bool, interpret: bool, fragment: bool = False):
-    """A K step's columns from its MXFP4 codes ``uint16 [rows, 32]`` as e4m3
-    ``[rows, 128]``: each unit's e2m1 x 2**-6 (:func:`mosaic.e2m1_piece`)
-    times its factor (:func:`step_factor` of ``scales``: the step's bytes
-    ``[4, block_n]`` in shared memory and the columns' largest ``[rows]``),
-    the units joined in column order. ``fragment`` (compiled only): the
-    result in the 8-bit WGMMA layout (the register operand), a unit's code at
-    half h, position j landing in column ``mosaic_fp8.fragment_column(h, j)``."""
+def _piece_values(codes, scales, wg_slice, piece: int, half_bits: bool, interpret: bool):
+    """Unit ``piece`` of a K step's MXFP4 codes as e2m1 x 2**-6
+    (:func:`mosaic.e2m1_piece`) times its factor (:func:`step_factor` of
+    ``scales``: the step's bytes ``[4, block_n]`` in shared memory and the
+    columns' largest ``[rows]``), before its rounding to e4m3."""
     byte_smem, top = scales
     bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
-    pieces = []
-    for piece in range(PIECES):
-        factor = step_factor(byte_smem[piece, wg_slice], top)[:, None]
-        # Interpreted in f32: XLA's CPU code misrounds some f16 products to e4m3.
-        factor = factor.astype(jnp.float32) if interpret else factor
-        pieces.append(mosaic.e2m1_piece(codes, piece, bits, jnp.float16, interpret) * factor)
-    decoded = mosaic.join_columns(pieces, interpret).astype(jnp.float8_e4m3fn)
-    return mosaic.eight_bit_fragments(decoded) if fragment else decoded
+    factor = step_factor(byte_smem[piece, wg_slice], top)[:, None]
+    # Interpreted in f32: XLA's CPU code misrounds some f16 products to e4m3.
+    factor = factor.astype(jnp.float32) if interpret else factor
+    return mosaic.e2m1_piece(codes, piece, bits, jnp.float16, interpret) * factor
+
+
+def decode_step(codes, scales, wg_slice, half_bits: bool, interpret: bool):
+    """A K step's columns from its MXFP4 codes ``uint16 [rows, 32]`` as e4m3
+    ``[rows, 128]``: each unit's values (:func:`_piece_values`), the units
+    joined in column order."""
+    pieces = [_piece_values(codes, scales, wg_slice, piece, half_bits, interpret) for piece in range(PIECES)]
+    return mosaic.join_columns(pieces, interpret).astype(jnp.float8_e4m3fn)
 
 
 def decode_piece(codes, scales, wg_slice, piece: int, half_bits: bool):
     """Piece ``piece`` (columns ``[32 piece, 32 piece + 32)``) of a K step's
     MXFP4 codes as :func:`decode_step` decodes it, in the 8-bit WGMMA layout
-    (one fp8 wgmma's register operand). Compiled only."""
-    byte_smem, top = scales
-    bits = word_decode.E2M1_HALF_BITS if half_bits else word_decode.NIBBLE_BITS
-    factor = step_factor(byte_smem[piece, wg_slice], top)[:, None]
-    decoded = (mosaic.e2m1_piece(codes, piece, bits, jnp.float16, False) * factor).astype(jnp.float8_e4m3fn)
+    (one fp8 wgmma's register operand; a unit's code at half h, position j in
+    column ``mosaic_fp8.fragment_column(h, j)``). Compiled only."""
+    decoded = _piece_values(codes, scales, wg_slice, piece, half_bits, False).astype(jnp.float8_e4m3fn)
     return mosaic.eight_bit_fragments(decoded)
 
 
