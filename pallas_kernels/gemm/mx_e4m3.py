@@ -90,10 +90,17 @@ def mx_operands(values: jax.Array, scale: jax.Array, k_major: bool = False) -> t
 
 
 DECODE_ROWS = 64  # decoded_weight's rows a program: the WGMMA layout's rows of one warpgroup
-DECODE_STAGES = 3  # its K steps in flight, and its decoded steps being stored
+DECODE_STAGES = 3  # its loads in flight, and its decoded steps being stored
+DECODE_STEPS = 4  # the 128-column K steps one load brings (longer runs of each row's bytes)
 
 
-def _decode_kernel(codes_gmem, byte_gmem, top_gmem, out_gmem, *, half_bits: bool, interpret: bool):
+def decode_steps(k: int) -> int:
+    """K steps a load of ``decoded_weight`` brings for K = ``k``: the largest
+    divisor of ``k / 128`` up to :data:`DECODE_STEPS`."""
+    return max(s for s in range(1, DECODE_STEPS + 1) if (k // BLOCK_K) % s == 0)
+
+
+def _decode_kernel(codes_gmem, byte_gmem, top_gmem, out_gmem, *, steps: int, half_bits: bool, interpret: bool):
     expert, chunk = lax.axis_index("expert"), lax.axis_index("chunk")
     rows = pl.ds(pl.multiple_of(chunk * DECODE_ROWS, DECODE_ROWS), DECODE_ROWS)
     top = plgpu.load(top_gmem.at[expert, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
@@ -103,20 +110,23 @@ def _decode_kernel(codes_gmem, byte_gmem, top_gmem, out_gmem, *, half_bits: bool
     @functools.partial(pl.run_scoped, out_slots=slots)
     def _(out_slots):
         def step(indices, codes_smem, byte_smem):
-            (k_step,) = indices
-            slot = out_slots.at[lax.rem(k_step, DECODE_STAGES)]
-            plgpu.wait_smem_to_gmem(DECODE_STAGES - 1, wait_read_only=True)  # the slot's last copy has read it
-            scales = (byte_smem, top)
-            slot[...] = decode_step(codes_smem[...], scales, pl.ds(0, DECODE_ROWS), half_bits, interpret)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(slot, out_gmem.at[expert, rows, pl.ds(k_step * BLOCK_K, BLOCK_K)])
+            (load,) = indices
+            for j in range(steps):  # the load's K steps, each decoded into a slot and stored
+                k_step = load * steps + j
+                slot = out_slots.at[lax.rem(k_step, DECODE_STAGES)]
+                plgpu.wait_smem_to_gmem(DECODE_STAGES - 1, wait_read_only=True)  # the slot's last copy has read it
+                codes = codes_smem[:, pl.ds(j * (BLOCK_K // 4), BLOCK_K // 4)]
+                scales = (byte_smem.at[pl.ds(j * PIECES, PIECES)], top)
+                slot[...] = decode_step(codes, scales, pl.ds(0, DECODE_ROWS), half_bits, interpret)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(slot, out_gmem.at[expert, rows, pl.ds(k_step * BLOCK_K, BLOCK_K)])
 
         plgpu.emit_pipeline(
             step,
-            grid=(codes_gmem.shape[2] // (BLOCK_K // 4),),
+            grid=(codes_gmem.shape[2] // (steps * BLOCK_K // 4),),
             in_specs=[
-                plgpu.BlockSpec((DECODE_ROWS, BLOCK_K // 4), lambda i: (0, i)),
-                plgpu.BlockSpec((PIECES, DECODE_ROWS), lambda i: (i, 0)),
+                plgpu.BlockSpec((DECODE_ROWS, steps * BLOCK_K // 4), lambda i: (0, i)),
+                plgpu.BlockSpec((steps * PIECES, DECODE_ROWS), lambda i: (i, 0)),
             ],
             max_concurrent_steps=DECODE_STAGES,
         )(codes_gmem.at[expert, rows], byte_gmem.at[expert, :, rows])
@@ -129,12 +139,13 @@ def decoded_weight(codes: jax.Array, raw: jax.Array, top: jax.Array, half_bits: 
     to e4m3 ``[E, N, K]`` in K order: each group's e2m1 x 2**(6 - gap), the
     bytes the in-kernel decoders make (:func:`decode_step`); the column's
     ``2**(largest - 133)`` is left to the product's epilogue. One Mosaic
-    kernel, :data:`DECODE_ROWS` columns a program, pipelined along K."""
+    kernel, :data:`DECODE_ROWS` columns a program, pipelined along K
+    (:func:`decode_steps` K steps a load)."""
     num_experts, n, k4 = codes.shape
     if n % DECODE_ROWS:
         raise ValueError(f"mx_e4m3.decoded_weight: N={n}, not a multiple of {DECODE_ROWS}")
     kernel = plgpu.kernel(
-        functools.partial(_decode_kernel, half_bits=half_bits, interpret=interpret),
+        functools.partial(_decode_kernel, steps=decode_steps(4 * k4), half_bits=half_bits, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((num_experts, n, 4 * k4), jnp.float8_e4m3fn),
         grid=(num_experts, n // DECODE_ROWS),
         grid_names=("expert", "chunk"),
