@@ -96,8 +96,12 @@ DECODE_STEPS = 4  # the 128-column K steps one load brings (longer runs of each 
 
 def decode_steps(k: int) -> int:
     """K steps a load of ``decoded_weight`` brings for K = ``k``: the largest
-    divisor of ``k / 128`` up to :data:`DECODE_STEPS`."""
-    return max(s for s in range(1, DECODE_STEPS + 1) if (k // BLOCK_K) % s == 0)
+    power of two dividing ``k / 128``, up to :data:`DECODE_STEPS` (three-step
+    loads ran slower than two-step ones)."""
+    steps = 1
+    while steps * 2 <= DECODE_STEPS and (k // BLOCK_K) % (steps * 2) == 0:
+        steps *= 2
+    return steps
 
 
 def _decode_kernel(codes_gmem, byte_gmem, top_gmem, out_gmem, *, steps: int, half_bits: bool, interpret: bool):
