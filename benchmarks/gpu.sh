@@ -11,7 +11,7 @@
 #                            (a later --out names its JSON: several ab steps in one call, one log)
 #   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call (kernels matching
 #                            NCU_KERNEL, default "gemm|mosaic": moe_gemm_* of both kernel families)
-#   sass [INSPECT ARGS]      one benchmarks.inspect_gemm call with its kernels' PTX and SASS written to OUT_DIR
+#   sass [INSPECT ARGS]      one benchmarks.inspect_gemm call: its kernels' SASS (Mosaic's dump; Nsight's source page)
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
 #   hostile [ARGS]           benchmarks.hostile_gemms (large GEMMs, hostile layouts) under compute-sanitizer
 #   hostile-routing [ARGS]   benchmarks.hostile_routing (routing and scatter at 65,536 x 8) under compute-sanitizer
@@ -73,12 +73,17 @@ case $step in
              --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis \
              --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \
              python3 -W ignore -m benchmarks.inspect_gemm "$@" 2>&1 | tee "$out/profile.log" | tail -60 ;;
-  # The kernels' PTX, ptxas report and SASS for one call (Mosaic's own dump; XLA's module dump beside it),
-  # compiled afresh (a cached executable would skip the dump).
-  sass) mkdir -p "$out/mosaic" "$out/xla"
-        JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_TO="$out/mosaic" \
-          XLA_FLAGS="$XLA_FLAGS --xla_dump_to=$out/xla" python3 -W ignore -m benchmarks.inspect_gemm "$@" \
-          2>&1 | tee "$out/sass.log" | tail -20 ;;
+  # The kernels' SASS for one call, compiled afresh (a cached executable would skip the dump): Mosaic's own
+  # dump (PTX, ptxas report, SASS) and, for the first kernel matching NCU_KERNEL (Triton's included: XLA's
+  # module dump holds no PTX of a Pallas Triton kernel), Nsight Compute's source page — each SASS
+  # instruction with its executed count and stall samples — as kernel_sass.csv.
+  sass) mkdir -p "$out/mosaic"
+        JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_TO="$out/mosaic" ncu --clock-control none \
+          -k "regex:${NCU_KERNEL:-gemm|mosaic}" -c 1 --section SourceCounters --section LaunchStats \
+          -o "$out/kernel" -f python3 -W ignore -m benchmarks.inspect_gemm "$@" 2>&1 | tee "$out/sass.log" | tail -20
+        ncu --import "$out/kernel.ncu-rep" --page source --print-source sass --csv > "$out/kernel_sass.csv" 2>&1 ||
+          ncu --import "$out/kernel.ncu-rep" --page source --csv > "$out/kernel_sass.csv" 2>&1
+        head -c 400 "$out/kernel_sass.csv" ;;
   # Each test in its own process, 8 at once: a sticky CUDA error (a misaligned or illegal access) stays in
   # its test instead of failing every later test of a pytest-xdist worker. PASS/FAIL lines in
   # tests_alone.txt; a failing test's log kept as alone_N.log.
