@@ -474,48 +474,13 @@ def _group_scale_at(scale_ref, w: WeightSpec, expert, n, group):
     return scale_ref.at[expert, group, n] if w.k_major_scales else scale_ref.at[expert, n, group]
 
 
-SCALE_LOAD_THREADS = 256  # the most threads a tile runs (8 warps): a scale load is sized for them
-
-
-def _scale_groups_a_load(w: WeightSpec, groups: int, rows: int) -> int:
-    """Groups of N-major scales ``[E, N, G]`` one load of a piece reads a row.
-    A piece of one group reads the aligned run of groups holding it, long
-    enough that each of :data:`SCALE_LOAD_THREADS` threads copies 4 bytes
-    (up to 16 a row): a smaller load per thread is one Triton's software
-    pipeliner cannot copy asynchronously, so the K loop would wait on it."""
-    itemsize = 1 if w.scale_type == "e8m0" else jnp.dtype(w.scale_type).itemsize
-    if w.k_major_scales or groups != 1 or itemsize > 2:
-        return 1
-    need = max(4, SCALE_LOAD_THREADS * 4 // rows) // itemsize
-    per = min(pl.next_power_of_2(need), 16 // itemsize, pl.next_power_of_2(w.k // w.group_size))
-    return per if per > 1 else 1
-
-
-def _one_group_in_aligned_load(scale_ref, w: WeightSpec, expert, n_idx, k_start, per: int, n_mask, k_masked):
-    """The scales ``[bn, 1]`` of the group holding column ``k_start`` (N-major
-    scales), read as the aligned run of ``per`` groups holding it (groups past
-    the last masked) and picked out of the run."""
-    count = w.k // w.group_size
-    first = _floor_div(k_start, per * w.group_size) * per
-    run = first + jnp.arange(per, dtype=jnp.int32)
-    group_mask = (run < count)[None, :] if k_masked or count % per else None
-    mask = _all(None if n_mask is None else n_mask[:, None], group_mask)
-    raw = _load(scale_ref.at[expert, n_idx[:, None], run[None, :]], mask)
-    picked = jnp.arange(per, dtype=jnp.int32)[None, :] == (_floor_div(k_start, w.group_size) - first)
-    return jnp.sum(jnp.where(picked, raw.astype(jnp.float32), 0.0), axis=1, keepdims=True).astype(raw.dtype)
-
-
 def _group_scale_tile(
     scale_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked, exponent: int = 0
 ):
     """Group scales (f32 ``[bn, width]``, times ``2**exponent``) of a piece: one
     load per run of columns."""
     groups, run, mask = _group_runs(w, k_start, width, ways, n_mask, k_masked)
-    per = _scale_groups_a_load(w, width // run, n_idx.shape[0])
-    if per > 1:
-        raw = _one_group_in_aligned_load(scale_ref, w, expert, n_idx, k_start, per, n_mask, k_masked)
-    else:
-        raw = _load(_group_scale_at(scale_ref, w, expert, n_idx[:, None], groups), mask)
+    raw = _load(_group_scale_at(scale_ref, w, expert, n_idx[:, None], groups), mask)
     # Folded e2m1 scales are bounded where the weight is loaded (formats.E8M0_FOLD_MAX):
     # no byte 255 (NaN) reaches them, so they skip its compare and select.
     return _along_runs(_decode_scale(raw, w.scale_type, exponent, nan=exponent == 0), width, run)
