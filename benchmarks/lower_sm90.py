@@ -14,7 +14,9 @@ lowering checked) before any GPU run.
 compiled with the launch's own warps and stages).
 
 Writes ``<out>/<name>.ttir`` (the Triton IR that Pallas emits) and, with
-Triton, ``.ttgir``, ``.llir``, ``.ptx``, ``.sass``. Triton here is the
+Triton, ``.ttgir``, ``.llir``, ``.ptx``, ``.sass``; prints the K loop's
+instructions and the global loads it waits on (those Triton's pipeliner left
+synchronous: :func:`loads_in_loops`). Triton here is the
 standalone package (``pip install triton``; it ships ptxas and cuobjdump), not
 the copy inside jaxlib, so register counts and a few passes may differ from
 the GPU build: compare tilings with each other, not with a profile. Uses two
@@ -178,6 +180,22 @@ def loop_histogram(sass: str) -> tuple[int, collections.Counter]:
     return sum(ops.values()), ops
 
 
+def loads_in_loops(ttgir: str) -> list[str]:
+    """The types of the global loads left inside an ``scf.for`` after Triton's
+    software pipeliner (``tt.load``; pipelined loads are ``async_copy``
+    ops): each one the loop waits on every step it runs."""
+    open_loops, found = [], []
+    for line in ttgir.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if open_loops and line.lstrip().startswith("}") and indent == open_loops[-1]:
+            open_loops.pop()
+        elif "scf.for" in line and line.rstrip().endswith("{"):
+            open_loops.append(indent)
+        elif open_loops and "tt.load" in line:
+            found.append(line.split(" : ", 1)[-1].split(" loc(")[0].strip())
+    return found
+
+
 def optimize_ttir(ttir_path: str) -> str:
     """Run the TTIR passes (canonicalize, combine — e.g. ``acc + dot(a, b, 0)``
     into ``dot(a, b, acc)`` —, CSE, …) on the Pallas module, as a compile from
@@ -256,6 +274,9 @@ def _write_and_compile(launches: list[tuple[str, int, int]], out: str, name: str
         total, ops = loop_histogram(compile_sm90(path, warps, stages))
         print(f"{path}: {warps} warps, {stages} stages, {loops} {total} instructions")
         print("  " + ", ".join(f"{op} {count}" for op, count in ops.most_common(16)))
+        with open(path.removesuffix(".ttir") + ".ttgir") as f:
+            waits = loads_in_loops(f.read())
+        print(f"  loads the loop waits on (not pipelined): {len(waits)}" + "".join(f"\n    {t}" for t in waits))
     return 0
 
 

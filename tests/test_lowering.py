@@ -12,7 +12,7 @@ import pytest
 
 import humming_jax as hj
 from benchmarks.inspect_gemm import parse_config
-from benchmarks.lower_sm90 import capture_triton_modules, gemm_ttir, process_ttir, ttir_of
+from benchmarks.lower_sm90 import capture_triton_modules, gemm_ttir, loads_in_loops, process_ttir, ttir_of
 from humming_jax import input_quant as Q
 from humming_jax.tiles_text import from_text
 from pallas_kernels.process_input import Tiles
@@ -377,3 +377,27 @@ def test_decode_layer_passes_over_no_experts_weights(fmt, pipeline, monkeypatch)
     assert "custom_call" in text
     assert _ops_over_every_expert(text, 128) == set()
     jax.clear_caches()
+
+
+def test_loads_in_loops_finds_the_loads_a_loop_waits_on():
+    """The audit of a compiled Triton kernel: ``tt.load`` ops inside an
+    ``scf.for`` (the pipeliner turned the others into async copies) — not the
+    ones before or after the loop, also with a loop nested in another."""
+    ttgir = "\n".join(
+        [
+            "  tt.func @k() {",
+            "    %0 = tt.load %a : !tt.ptr<i32> loc(#l0)",
+            "    %1:2 = scf.for %i = %c0 to %c4 step %c1 iter_args(%x = %0) -> (i32) {",
+            "      %2 = ttg.async_copy_global_to_local %p, %s : tensor<256x32x!tt.ptr<i16>, #b> -> <256x32xi16>",
+            "      %3 = scf.for %j = %c0 to %c2 step %c1 iter_args(%y = %x) -> (i32) {",
+            "        %4 = tt.load %q : tensor<128x1x!tt.ptr<bf16>, #b5> loc(#l4)",
+            "        scf.yield %y : i32",
+            "      }",
+            "      %5 = tt.load %r : tensor<16x!tt.ptr<i32>, #b2> loc(#l5)",
+            "      scf.yield %3 : i32",
+            "    }",
+            "    %6 = tt.load %t : tensor<8x!tt.ptr<f32>, #b3> loc(#l6)",
+            "  }",
+        ]
+    )
+    assert loads_in_loops(ttgir) == ["tensor<128x1x!tt.ptr<bf16>, #b5>", "tensor<16x!tt.ptr<i32>, #b2>"]
