@@ -13,6 +13,10 @@ import pytest
 import humming_jax as hj
 import humming_jax.__main__ as cli
 from humming_jax import bench, routing, tiles_text, timing, tuning
+from humming_jax import formats as F
+from humming_jax import input_quant as Q
+from humming_jax import layouts as L
+from humming_jax.gemm import as_quantized_input, plan
 from humming_jax.tuning import heuristic, search
 from humming_jax.tuning import table as table_module
 from pallas_kernels.gemm import mosaic, triton
@@ -757,3 +761,86 @@ def test_random_bf16_has_the_bit_patterns_of_real_data(monkeypatch):
     chunked = bench.random_bf16(jax.random.key(0), (12, 32, 32))
     assert chunked.shape == (12, 32, 32)
     assert not np.array_equal(np.asarray(chunked[:5], np.float32), np.asarray(chunked[5:10], np.float32))
+
+
+_CLASS_FORMATS = {"16bit": "bf16", "4bit": "int4_g128", "fp4": "mxfp4", "fp4-a8": "mxfp4@fp8_dynamic_group128"}
+
+
+def _layers_weight(config, floats):
+    """The w13 weight's abstract arrays, quantized and ordered as the layer stores it (``to_kernel_order``)."""
+
+    def stored(w):
+        weight = F.quantize_weight(w, config.weight_format)
+        half_bits = F.planar_half_bits(config.compute_dtype, config.input_quant)
+        return F.to_planar(weight, half_bits=half_bits, k_major_scales=F.k_major_scales_preferred(weight.format))
+
+    return jax.eval_shape(stored, floats)
+
+
+def _planned(layout_name, weight, quant, m):
+    """The tiling ``plan`` runs (and the refusals before it) on abstract arrays:
+    a grouped layout of ``m`` rows, or an indexed one of ``m / 8`` tokens at
+    top-8 aligned to the block the layer takes (the first candidate's rows)."""
+    e, n, k = weight.shape
+    chosen = []
+    if layout_name == "grouped_contiguous":
+        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        routing_arrays = (jax.ShapeDtypeStruct((e + 1,), jnp.int32),)
+        make_layout = L.GroupedContiguous
+    else:
+        dtype = quant.dtype.value if quant.is_quantized else None
+        block = tuning.indexed_block_rows(tuning.candidates("indexed", weight.format, m, e, n, k, input_dtype=dtype))
+        slots = m + e * (block - 1)
+        x = jax.ShapeDtypeStruct((m // 8, k), jnp.bfloat16)
+        routing_arrays = tuple(
+            jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((slots,), (-(-slots // block),), (1,))
+        )
+        make_layout = functools.partial(L.Indexed, top_k=8, block_size=block, lists_dropped=True)
+
+    def trace(x, routing_arrays, weight):
+        if quant.is_quantized:
+            x = Q.quantize_input(x, quant)
+        chosen.append(plan(as_quantized_input(x), weight, make_layout(*routing_arrays), valid_shape_m=m))
+        return x
+
+    jax.eval_shape(trace, x, routing_arrays, weight)
+    return chosen[0]
+
+
+def _as_run(listed, layout_name, ran):
+    """An indexed layout runs a Triton entry on its block's rows (``for_block``)."""
+    if layout_name == "indexed" and isinstance(listed, triton.Tiles) and ran is not None:
+        return heuristic.for_block(listed, ran.block_m)
+    return listed
+
+
+def test_shipped_entries_run_on_the_layers_weights(monkeypatch):
+    """Each entry of the shipped table under a weight-shape key is the tiling
+    ``plan`` runs at the top of its M range (grouped, and indexed on the block
+    the layer aligns to) on weights stored as the layer
+    stores them (``to_kernel_order``: planar codes, e2m1 half-bits, e8m0 scales
+    K-major): no entry its kernel refuses there, which would silently run the
+    next candidate. Traced on abstract arrays (no weight is made), the
+    Mosaic kernels told they are on the H200 the table is for."""
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
+    checked = 0
+    for key, entries in tuning.load_table("h200.json").items():
+        layout_name, rest = key.split("/", 1)
+        fmt_class, _, shape = rest.partition("@")
+        if not shape or fmt_class not in _CLASS_FORMATS:
+            continue
+        e, n, k = (int(part.split("=")[1]) for part in shape.split(","))
+        weight_format, quant = bench.split_format(_CLASS_FORMATS[fmt_class])
+        config = hj.ExpertsConfig(e, k, n, 8, weight_format=weight_format, input_quant=quant)
+        weight = _layers_weight(config, jax.ShapeDtypeStruct((e, n, k), jnp.float32))
+        for entry in entries:
+            m = entry.max_shape_m if entry.max_shape_m < 2**30 else 2 * entry.min_shape_m
+            tiles, reasons = _planned(layout_name, weight, quant, m)
+            assert tiles == _as_run(entry.tiles, layout_name, tiles), (
+                key,
+                entry.min_shape_m,
+                entry.max_shape_m,
+                reasons,
+            )
+            checked += 1
+    assert checked > 50
