@@ -474,54 +474,13 @@ def _group_scale_at(scale_ref, w: WeightSpec, expert, n, group):
     return scale_ref.at[expert, group, n] if w.k_major_scales else scale_ref.at[expert, n, group]
 
 
-SCALE_LOAD_THREADS = 256  # the most threads a tile runs (8 warps): a scale load is sized for them
-
-
-def _scale_groups_a_load(w: WeightSpec, groups: int, rows: int) -> int:
-    """Groups of N-major scales ``[E, N, G]`` one load of a piece reads a row
-    (the piece's own ``groups``, or more). A load giving each of
-    :data:`SCALE_LOAD_THREADS` threads under 4 bytes is one Triton's software
-    pipeliner cannot copy asynchronously — the K loop would wait on it — so
-    the piece reads the aligned run of groups holding its own, long enough
-    for 4 bytes a thread (up to 16 a row)."""
-    itemsize = 1 if w.scale_type == "e8m0" else jnp.dtype(w.scale_type).itemsize
-    if w.k_major_scales or itemsize > 2 or groups & (groups - 1) or rows * groups * itemsize >= 4 * SCALE_LOAD_THREADS:
-        return groups
-    need = -(-4 * SCALE_LOAD_THREADS // (rows * itemsize))
-    per = min(pl.next_power_of_2(need), 16 // itemsize, pl.next_power_of_2(w.k // w.group_size))
-    return max(per, groups)
-
-
-def _groups_in_aligned_load(scale_ref, w: WeightSpec, expert, n_idx, k_start, groups: int, per: int, n_mask, k_masked):
-    """The scales ``[bn, groups]`` of the groups from the one holding column
-    ``k_start`` (N-major scales; a piece's first group is a multiple of its
-    count), read as the aligned run of ``per`` groups holding them (groups
-    past the last masked) and picked out of the run."""
-    count = w.k // w.group_size
-    first = _floor_div(k_start, per * w.group_size) * per
-    run = first + jnp.arange(per, dtype=jnp.int32)
-    group_mask = (run < count)[None, :] if k_masked or count % per else None
-    mask = _all(None if n_mask is None else n_mask[:, None], group_mask)
-    raw = _load(scale_ref.at[expert, n_idx[:, None], run[None, :]], mask)
-    offset = _floor_div(k_start, w.group_size) - first
-    picked = (
-        jnp.arange(per, dtype=jnp.int32)[None, None, :] == (offset + jnp.arange(groups, dtype=jnp.int32))[None, :, None]
-    )
-    values = jnp.where(picked, raw.astype(jnp.float32)[:, None, :], 0.0)
-    return jnp.sum(values, axis=2).astype(raw.dtype)
-
-
 def _group_scale_tile(
     scale_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked, exponent: int = 0
 ):
     """Group scales (f32 ``[bn, width]``, times ``2**exponent``) of a piece: one
     load per run of columns."""
     groups, run, mask = _group_runs(w, k_start, width, ways, n_mask, k_masked)
-    per = _scale_groups_a_load(w, width // run, n_idx.shape[0])
-    if per > width // run:
-        raw = _groups_in_aligned_load(scale_ref, w, expert, n_idx, k_start, width // run, per, n_mask, k_masked)
-    else:
-        raw = _load(_group_scale_at(scale_ref, w, expert, n_idx[:, None], groups), mask)
+    raw = _load(_group_scale_at(scale_ref, w, expert, n_idx[:, None], groups), mask)
     # Folded e2m1 scales are bounded where the weight is loaded (formats.E8M0_FOLD_MAX):
     # no byte 255 (NaN) reaches them, so they skip its compare and select.
     return _along_runs(_decode_scale(raw, w.scale_type, exponent, nan=exponent == 0), width, run)
