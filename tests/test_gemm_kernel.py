@@ -662,43 +662,6 @@ def test_planar_weights(fmt_name, layout_kind, tiling, rng):
         _check(out_bits, _reference(x, weight, layout), bound=1e-5)
 
 
-_ONE_GROUP = kernel.Tiles(32, 32, 128, swap_ab=True, word_decode=True, pair_decode=True, fold_scales=True)
-_TWO_GROUPS = kernel.Tiles(16, 64, 256, swap_ab=True, word_decode=True, pair_decode=True, fold_scales=True)
-
-
-@pytest.mark.parametrize(
-    "fmt_name,k,tuning",
-    [
-        ("int4_g128", 512, _ONE_GROUP),
-        ("int4_g128", 384, _ONE_GROUP),
-        ("int8_g128", 256, _ONE_GROUP),
-        ("int4_g128", 1024, _TWO_GROUPS),
-        ("int4_g128", 768, _TWO_GROUPS),
-    ],
-)
-def test_pieces_read_an_aligned_run_of_n_major_scales(fmt_name, k, tuning, rng, monkeypatch):
-    """A piece whose scales stored ``[E, N, K/g]`` would load under 4 bytes a
-    thread (its one or two groups) reads an aligned run of groups holding them
-    (a load Triton's pipeliner copies asynchronously; K/g = 3 or 6: the last
-    run's tail masked) and picks its groups out: equal to the reference and
-    bit-equal to the same tiles on ``[E, K/g, N]`` scales (its groups a load)."""
-    runs = []
-    real = kernel._groups_in_aligned_load
-    monkeypatch.setattr(kernel, "_groups_in_aligned_load", lambda *a: runs.append(a[5:7]) or real(*a))
-    weight = hj.to_planar(_weight(rng, F.get_format(fmt_name), E, k))
-    x = jnp.asarray(rng.normal(size=(M, k)), jnp.bfloat16)
-    layout = _layouts(rng, tuning.block_m)["grouped_contiguous"]
-    run = dict(out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
-    out = hj.gemm(x, weight, layout, **run)
-    assert runs and all(per > groups for groups, per in runs)
-    assert {groups for groups, _ in runs} == {tuning.block_k // 128}
-    _check(out, _reference_for(tuning, x, weight, layout), bound=1e-5)
-    runs.clear()
-    major = hj.gemm(x, hj.to_planar(weight, k_major_scales=True), layout, **run)
-    assert not runs
-    np.testing.assert_array_equal(np.asarray(major), np.asarray(out))
-
-
 def test_planar_weights_with_a_partial_last_tile(rng):
     """K=384 with 256-wide tiles: the last K tile's second unit is masked."""
     weight = _weight(rng, F.INT4_G128, E, k=384)

@@ -474,64 +474,13 @@ def _group_scale_at(scale_ref, w: WeightSpec, expert, n, group):
     return scale_ref.at[expert, group, n] if w.k_major_scales else scale_ref.at[expert, n, group]
 
 
-def _scale_groups_a_load(w: WeightSpec, groups: int, rows: int, threads: int) -> int:
-    """Groups of N-major scales ``[E, N, G]`` one load of a piece reads a row
-    (the piece's own ``groups``, or more). A load giving each of the tile's
-    ``threads`` under 4 bytes is one Triton's software pipeliner cannot copy
-    asynchronously — the K loop would wait on it every step — so the piece
-    then reads the aligned run of groups holding its own, long enough for 4
-    bytes a thread (up to 16 a row)."""
-    itemsize = 1 if w.scale_type == "e8m0" else jnp.dtype(w.scale_type).itemsize
-    if w.k_major_scales or itemsize > 2 or groups & (groups - 1) or rows * groups * itemsize >= 4 * threads:
-        return groups
-    need = -(-4 * threads // (rows * itemsize))
-    per = min(pl.next_power_of_2(need), 16 // itemsize, pl.next_power_of_2(w.k // w.group_size))
-    return max(per, groups)
-
-
-def _groups_in_aligned_load(scale_ref, w: WeightSpec, expert, n_idx, k_start, groups: int, per: int, n_mask, k_masked):
-    """The scales ``[bn, groups]`` of the groups from the one holding column
-    ``k_start`` (N-major scales; a piece's first group is a multiple of its
-    count), read as the aligned run of ``per`` groups holding them (groups
-    past the last masked) and picked out of the run."""
-    count = w.k // w.group_size
-    first = _floor_div(k_start, per * w.group_size) * per
-    run = first + jnp.arange(per, dtype=jnp.int32)
-    group_mask = (run < count)[None, :] if k_masked or count % per else None
-    mask = _all(None if n_mask is None else n_mask[:, None], group_mask)
-    raw = _load(scale_ref.at[expert, n_idx[:, None], run[None, :]], mask)
-    offset = _floor_div(k_start, w.group_size) - first
-    if groups == 1:
-        picked = jnp.arange(per, dtype=jnp.int32)[None, :] == offset
-        return jnp.sum(jnp.where(picked, raw.astype(jnp.float32), 0.0), axis=1, keepdims=True).astype(raw.dtype)
-    wanted = offset + jnp.arange(groups, dtype=jnp.int32)
-    picked = jnp.arange(per, dtype=jnp.int32)[None, None, :] == wanted[None, :, None]
-    values = jnp.where(picked, raw.astype(jnp.float32)[:, None, :], 0.0)
-    return jnp.sum(values, axis=2).astype(raw.dtype)
-
-
 def _group_scale_tile(
-    scale_ref,
-    w: WeightSpec,
-    expert,
-    n_idx,
-    k_start,
-    width: int,
-    ways: int,
-    n_mask,
-    k_masked,
-    exponent: int = 0,
-    threads: int = 128,
+    scale_ref, w: WeightSpec, expert, n_idx, k_start, width: int, ways: int, n_mask, k_masked, exponent: int = 0
 ):
     """Group scales (f32 ``[bn, width]``, times ``2**exponent``) of a piece: one
-    load per run of columns (a wider one where the tile's ``threads`` would
-    each load under 4 bytes: :func:`_scale_groups_a_load`)."""
+    load per run of columns."""
     groups, run, mask = _group_runs(w, k_start, width, ways, n_mask, k_masked)
-    per = _scale_groups_a_load(w, width // run, n_idx.shape[0], threads)
-    if per > width // run:
-        raw = _groups_in_aligned_load(scale_ref, w, expert, n_idx, k_start, width // run, per, n_mask, k_masked)
-    else:
-        raw = _load(_group_scale_at(scale_ref, w, expert, n_idx[:, None], groups), mask)
+    raw = _load(_group_scale_at(scale_ref, w, expert, n_idx[:, None], groups), mask)
     # Folded e2m1 scales are bounded where the weight is loaded (formats.E8M0_FOLD_MAX):
     # no byte 255 (NaN) reaches them, so they skip its compare and select.
     return _along_runs(_decode_scale(raw, w.scale_type, exponent, nan=exponent == 0), width, run)
@@ -582,7 +531,7 @@ def _group_zero_tile(zero_ref, w: WeightSpec, expert, n_idx, k_start, width: int
     return _along_runs(zero.astype(jnp.float32), width, run)
 
 
-def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, masks, ways: int, threads: int):
+def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, masks, ways: int):
     """``(values - zero) * scale`` per element (f32 ``[bn, len(cols)]``), the
     group of column k being ``group_index[e, k]`` (act-order) or ``k // group``."""
     scale_ref, zero_ref, group_ref = refs
@@ -592,8 +541,7 @@ def _scaled_elements(values, refs, w: WeightSpec, expert, n_idx, k_start, cols, 
         if w.zero_point != "none":
             values = values - _group_zero_tile(zero_ref, w, expert, n_idx, k_start, width, ways, n_mask, k_masked)
         if w.scale == "group":
-            args = (width, ways, n_mask, k_masked)
-            tile = _group_scale_tile(scale_ref, w, expert, n_idx, k_start, *args, threads=threads)
+            tile = _group_scale_tile(scale_ref, w, expert, n_idx, k_start, width, ways, n_mask, k_masked)
             return values * tile.astype(values.dtype)
     n_col = n_idx[:, None]
     n_mask2 = None if n_mask is None else n_mask[:, None]
@@ -730,7 +678,6 @@ class _SpanPlan:
     folded_e2m1: bool = False  # see folds_e2m1
     e4m3_codes: bool = False  # see decodes_e4m3_codes
     shifted_e2m1: bool = False  # see shifts_e2m1
-    threads: int = 128  # the tile's threads (Tiles.num_warps x 32): how wide a scale load must be
 
     @property
     def raw_e2m1(self) -> bool:
@@ -877,7 +824,6 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
                     n_mask,
                     k_limit is not None,
                     plan.scale_exponent,
-                    plan.threads,
                 )
                 shared_scale = tile.astype(compute_dtype)
             return dataclasses.replace(piece, values=piece.values * shared_scale)
@@ -891,7 +837,6 @@ def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan,
             piece.cols,
             (n_mask, None if k_limit is None else piece.cols < k_limit),
             plan.pieces,
-            plan.threads,
         )
         return dataclasses.replace(piece, values=scaled.astype(compute_dtype))
 
@@ -1019,7 +964,6 @@ def _gemm_kernel(
         folded_e2m1=folds_e2m1(w, tiles, compute_dtype),
         e4m3_codes=decodes_e4m3_codes(w, tiles, compute_dtype, x_group),
         shifted_e2m1=shifts_e2m1(w, tiles, compute_dtype),
-        threads=32 * tiles.num_warps,
     )
     row_tile, col_group = tile_order(
         pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), num_col_groups(w.n, tiles), tiles.group_m
