@@ -814,33 +814,57 @@ def _as_run(listed, layout_name, ran):
     return listed
 
 
+def _entry_shapes(key: str) -> list[tuple[int, int, int]]:
+    """The weight shapes an entry of ``key`` is for: its own, or for a
+    format-class key the bench problems' w13 and w2 shapes."""
+    shape = key.partition("@")[2]
+    if shape:
+        return [tuple(int(part.split("=")[1]) for part in shape.split(","))]
+    return [
+        bench.Case(problem, gemm, "grouped", 1, "bf16").shapes()[:3]
+        for problem in bench.PROBLEMS
+        for gemm in ("w13", "w2")
+    ]
+
+
 def test_shipped_entries_run_on_the_layers_weights(monkeypatch):
-    """Each entry of the shipped table under a weight-shape key is the tiling
-    ``plan`` runs at the top of its M range (grouped, and indexed on the block
-    the layer aligns to) on weights stored as the layer
-    stores them (``to_kernel_order``: planar codes, e2m1 half-bits, e8m0 scales
-    K-major): no entry its kernel refuses there, which would silently run the
-    next candidate. Traced on abstract arrays (no weight is made), the
-    Mosaic kernels told they are on the H200 the table is for."""
+    """Each entry of the shipped table is the tiling ``plan`` runs at the top
+    of its M range (grouped, and indexed on the block the layer aligns to) on
+    weights stored as the layer stores them (``to_kernel_order``: planar
+    codes, e2m1 half-bits, e8m0 scales K-major) — under a weight-shape key on
+    that shape, under a format-class key on each bench problem's shapes the
+    class entry serves there (no entry of the shape's own key at that M): no
+    entry its kernel refuses, which would silently run the next candidate.
+    Traced on abstract arrays (no weight is made), the Mosaic kernels told
+    they are on the H200 the table is for."""
     monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
-    checked = 0
-    for key, entries in tuning.load_table("h200.json").items():
+    table = tuning.load_table("h200.json")
+    checked, refused = 0, set()
+    for key, entries in table.items():
         layout_name, rest = key.split("/", 1)
-        fmt_class, _, shape = rest.partition("@")
-        if not shape or fmt_class not in _CLASS_FORMATS:
+        fmt_class = rest.partition("@")[0]
+        if fmt_class not in _CLASS_FORMATS:
             continue
-        e, n, k = (int(part.split("=")[1]) for part in shape.split(","))
         weight_format, quant = bench.split_format(_CLASS_FORMATS[fmt_class])
-        config = hj.ExpertsConfig(e, k, n, 8, weight_format=weight_format, input_quant=quant)
-        weight = _layers_weight(config, jax.ShapeDtypeStruct((e, n, k), jnp.float32))
-        for entry in entries:
-            m = entry.max_shape_m if entry.max_shape_m < 2**30 else 2 * entry.min_shape_m
-            tiles, reasons = _planned(layout_name, weight, quant, m)
-            assert tiles == _as_run(entry.tiles, layout_name, tiles), (
-                key,
-                entry.min_shape_m,
-                entry.max_shape_m,
-                reasons,
-            )
-            checked += 1
-    assert checked > 50
+        for e, n, k in _entry_shapes(key):
+            if k % max(weight_format.group_size, 1):
+                continue  # a format the problem cannot take (gpt-oss's K with 128-column groups)
+            config = hj.ExpertsConfig(e, k, n, 8, weight_format=weight_format, input_quant=quant)
+            weight = _layers_weight(config, jax.ShapeDtypeStruct((e, n, k), jnp.float32))
+            own = table.get(tuning.table_key(layout_name, fmt_class, (e, n, k)), ())
+            for entry in entries:
+                m = entry.max_shape_m if entry.max_shape_m < 2**30 else 2 * entry.min_shape_m
+                if "@" not in key and any(o.min_shape_m < m <= o.max_shape_m for o in own):
+                    continue  # the shape's own entry serves this M
+                tiles, reasons = _planned(layout_name, weight, quant, m)
+                where = (key, (e, n, k), entry.min_shape_m, entry.max_shape_m, reasons)
+                if tiles != _as_run(entry.tiles, layout_name, tiles):
+                    refused.add((key, (e, n, k)))
+                    assert "not a multiple of block_n" in " ".join(reasons), where
+                checked += 1
+    assert checked > 100
+    # Known: gpt-oss-120b has no entries of its own yet (issue 31), and the class's Mosaic prefill
+    # entries need N a multiple of 256 (its 5760 / 2880 are not): Triton's tile runs there.
+    gpt_oss = {(128, 5760, 2880), (128, 2880, 2880)}
+    keys = ("grouped_contiguous/16bit", "grouped_contiguous/fp4", "indexed/fp4")
+    assert refused == {(key, shape) for key in keys for shape in gpt_oss}
