@@ -181,18 +181,24 @@ def loop_histogram(sass: str) -> tuple[int, collections.Counter]:
 
 
 def loads_in_loops(ttgir: str) -> list[str]:
-    """The types of the global loads left inside an ``scf.for`` after Triton's
-    software pipeliner (``tt.load``; pipelined loads are ``async_copy``
-    ops): each one the loop waits on every step it runs."""
+    """The types of the global loads an ``scf.for`` waits on after Triton's
+    software pipeliner (``tt.load`` ops inside it — pipelined loads are
+    ``async_copy`` ops — whose value the same iteration uses; one only carried
+    to the next iteration through ``scf.yield`` is a prefetch, not a wait)."""
     open_loops, found = [], []
-    for line in ttgir.splitlines():
+    lines = ttgir.splitlines()
+    for number, line in enumerate(lines):
         indent = len(line) - len(line.lstrip())
-        if open_loops and line.lstrip().startswith("}") and indent == open_loops[-1]:
+        if open_loops and line.lstrip().startswith("}") and indent == open_loops[-1][0]:
             open_loops.pop()
         elif "scf.for" in line and line.rstrip().endswith("{"):
-            open_loops.append(indent)
+            open_loops.append((indent, number))
         elif open_loops and "tt.load" in line:
-            found.append(line.split(" : ", 1)[-1].split(" loc(")[0].strip())
+            name = line.split("=", 1)[0].strip()
+            body = lines[number + 1 :]
+            uses = [u for u in body if re.search(re.escape(name) + r"\b", u) and u.lstrip().startswith("%")]
+            if uses or not any(re.search(re.escape(name) + r"\b", u) for u in body if "scf.yield" in u):
+                found.append(line.split(" : ", 1)[-1].split(" loc(")[0].strip())
     return found
 
 

@@ -381,8 +381,9 @@ def test_decode_layer_passes_over_no_experts_weights(fmt, pipeline, monkeypatch)
 
 def test_loads_in_loops_finds_the_loads_a_loop_waits_on():
     """The audit of a compiled Triton kernel: ``tt.load`` ops inside an
-    ``scf.for`` (the pipeliner turned the others into async copies) — not the
-    ones before or after the loop, also with a loop nested in another."""
+    ``scf.for`` whose value the iteration uses (the pipeliner turned the others
+    into async copies) — not the ones before or after the loop, nor one only
+    carried to the next iteration (a prefetch), also with a loop nested in another."""
     ttgir = "\n".join(
         [
             "  tt.func @k() {",
@@ -394,7 +395,9 @@ def test_loads_in_loops_finds_the_loads_a_loop_waits_on():
             "        scf.yield %y : i32",
             "      }",
             "      %5 = tt.load %r : tensor<16x!tt.ptr<i32>, #b2> loc(#l5)",
-            "      scf.yield %3 : i32",
+            "      %7 = tt.load %u : tensor<16x!tt.ptr<f32>, #b2> loc(#l7)",
+            "      %8 = arith.addi %5, %3 : i32",
+            "      scf.yield %3, %7 : i32",
             "    }",
             "    %6 = tt.load %t : tensor<8x!tt.ptr<f32>, #b3> loc(#l6)",
             "  }",
