@@ -505,26 +505,3 @@ def test_heuristic_choices_for_quantized_inputs():
         assert isinstance(mid, kernel.Tiles) and mid.block_m == 32 and mid.dequantize_input
     prefill = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
     assert prefill[:2] == [heuristic.E4M3_COPY, dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)]
-
-
-@pytest.mark.parametrize(
-    "k,tuning",
-    [
-        (768, kernel.Tiles(16, 64, 128)),  # six full K tiles
-        (1024, kernel.Tiles(16, 64, 256, split_k=2)),  # two splits of two tiles
-        (896, kernel.Tiles(16, 64, 256, split_k=2)),  # a partial last tile in the second split
-        (640, kernel.Tiles(16, 64, 256)),  # two full tiles and a partial one
-    ],
-)
-def test_span_scales_loaded_a_tile_ahead(k, tuning, rng):
-    """The per-span scales of the product (the input's group scales, the
-    block-scaled weight's scale) are loaded a K tile ahead and carried in the
-    loop (a partial last tile loads its own): every full tile, split and tail
-    against the reference."""
-    weight = F.quantize_weight(jnp.asarray(rng.normal(0, 0.05, (E, N, k)), jnp.float32), F.get_format("fp8_block128"))
-    x = Q.quantize_input(jnp.asarray(rng.normal(size=(M, k)), jnp.bfloat16), Q.get_input_spec("fp8_dynamic_group128"))
-    for kind, layout in gemm_layouts.layouts(rng, E, M, tuning.block_m).items():
-        if kind == "dense":
-            continue  # (one expert: the grouped layouts cover its loop)
-        out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tuning, backend=KERNEL_BACKEND)
-        assert relative_error(np.asarray(out, np.float64), np_ref.gemm_of(x, weight, layout)) < 1e-5

@@ -1015,38 +1015,13 @@ def _gemm_kernel(
             ).astype(accum_dtype)
         return (dot if acc is None else acc + dot), row_sum
 
-    # Per-span scales applied to the product (an input's group scales, a block-scaled weight's
-    # scale) are loaded a K tile ahead, carried in the loop: Triton's pipeliner leaves loads
-    # that feed no dot operand synchronous, so each K step would wait on them.
-    block_one = w.scale == "block" and not in_weights and w.block_n % bn == 0 and w.global_scale == "none"
-    prefetch = (bool(x_group) or block_one) and not plan.shifted_e2m1
-
-    def span_scales(k_tile, n_start):
-        """The raw per-span scales a full K tile at ``k_tile`` reads whole (no
-        K mask): each span's input group scales ``[bm]`` and a block-scaled
-        weight's one scale — what the K loop loads a tile ahead."""
-        x_raw, w_raw = [], []
-        for j in range(bk // span):
-            k_start = k_tile + j * span
-            x_raw.append(_load(x_scale_ref.at[rows_in, _floor_div(k_start, x_group)], row_mask) if x_group else None)
-            w_raw.append(
-                scale_ref[expert, n_start // w.block_n, _floor_div(k_start, w.group_size)] if block_one else None
-            )
-        return x_raw, w_raw
-
-    def k_tile_step(k_limit, n_idx, n_mask, prefetched: bool = False):
+    def k_tile_step(k_limit, n_idx, n_mask):
         """One K tile's products of column tile ``n_idx`` added to ``acc``;
-        ``k_limit`` masks the columns at and past K (only a partial tile needs it).
-        ``prefetched``: the step carries ``(acc, this tile's span scales)`` and
-        loads the next full tile's (the last full tile's again at the end)."""
+        ``k_limit`` masks the columns at and past K (only a partial tile needs it)."""
         n_start = col_group * bn
 
-        def step(i, carry):
-            acc, (x_now, w_now) = carry if prefetched else (carry, (None, None))
+        def step(i, acc):
             k_tile = (split * per_split + i) * bk
-            if prefetched:
-                last = jnp.maximum(jnp.minimum(w.k // bk - 1, split * per_split + per_split - 1), 0)
-                ahead = span_scales(jnp.minimum(split * per_split + i + 1, last) * bk, n_start)
             for j in range(bk // span):  # one product per span of columns sharing a scale
                 k_start = k_tile + j * span
                 top = None
@@ -1062,23 +1037,16 @@ def _gemm_kernel(
                     (n_mask, k_limit),
                     top,
                 )
-                if prefetched and block_one:  # the block scale this tile carried in
-                    scale = _decode_scale(w_now[j], w.scale_type)
-                    scale = scale * span_factor if span_factor != 1.0 else scale
-                else:
-                    scale = _column_scale(
-                        scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask, span_factor, n_start
-                    )
+                scale = _column_scale(
+                    scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask, span_factor, n_start
+                )
                 if top is not None:  # the span's largest group scale multiplies its product
                     top_scale = _decode_scale(top, "e8m0")
                     scale = top_scale if scale is None else scale * top_scale
                 row_scale = None
                 if x_group:  # the input's scales of this span's group, one per row
-                    if prefetched:
-                        raw = x_now[j]
-                    else:
-                        in_k = row_mask if k_limit is None else row_mask & (k_start < k_limit)
-                        raw = _load(x_scale_ref.at[rows_in, _floor_div(k_start, x_group)], in_k)
+                    in_k = row_mask if k_limit is None else row_mask & (k_start < k_limit)
+                    raw = _load(x_scale_ref.at[rows_in, _floor_div(k_start, x_group)], in_k)
                     row_scale = _decode_scale(raw, x_scale.scale_type)
                     if scale is not None and jnp.ndim(scale) == 0:  # one multiply-add per element, not two
                         row_scale, scale = row_scale * scale, None
@@ -1099,7 +1067,7 @@ def _gemm_kernel(
                 if row_scale is not None:
                     part = part * along_m(row_scale)
                 acc = acc + part.astype(accum_dtype)
-            return (acc, ahead) if prefetched else acc
+            return acc
 
         return step
 
@@ -1158,12 +1126,7 @@ def _gemm_kernel(
         # Whole K tiles run unmasked; a partial last tile (gpt-oss: K=2880) runs
         # once after them, in the split that owns it, with the column mask.
         full_steps = jnp.clip(w.k // bk - first, 0, per_split)
-        if prefetch and w.k >= bk:  # the first full tile's span scales before the loop
-            start = jnp.minimum(first, w.k // bk - 1) * bk
-            carry = (zeros, span_scales(start, col_group * bn))
-            acc, _ = jax.lax.fori_loop(0, full_steps, k_tile_step(None, n_idx, n_mask, True), carry)
-        else:
-            acc = jax.lax.fori_loop(0, full_steps, k_tile_step(None, n_idx, n_mask), zeros)
+        acc = jax.lax.fori_loop(0, full_steps, k_tile_step(None, n_idx, n_mask), zeros)
         if k_limit is not None:
             tail = functools.partial(k_tile_step(k_limit, n_idx, n_mask), w.k // bk - first)
             if tiles.split_k == 1:
