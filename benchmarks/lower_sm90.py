@@ -189,15 +189,15 @@ def loads_in_loops(ttgir: str) -> list[str]:
     lines = ttgir.splitlines()
     for number, line in enumerate(lines):
         indent = len(line) - len(line.lstrip())
-        if open_loops and line.lstrip().startswith("}") and indent == open_loops[-1][0]:
+        if open_loops and line.lstrip().startswith("}") and indent == open_loops[-1]:
             open_loops.pop()
         elif "scf.for" in line and line.rstrip().endswith("{"):
-            open_loops.append((indent, number))
+            open_loops.append(indent)
         elif open_loops and "tt.load" in line:
             name = line.split("=", 1)[0].strip()
-            body = lines[number + 1 :]
-            uses = [u for u in body if re.search(re.escape(name) + r"\b", u) and u.lstrip().startswith("%")]
-            if uses or not any(re.search(re.escape(name) + r"\b", u) for u in body if "scf.yield" in u):
+            mentions = [u for u in lines[number + 1 :] if re.search(re.escape(name) + r"\b", u)]
+            carried = any("scf.yield" in u for u in mentions)
+            if not carried or any(u.lstrip().startswith("%") for u in mentions):
                 found.append(line.split(" : ", 1)[-1].split(" loc(")[0].strip())
     return found
 

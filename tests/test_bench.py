@@ -771,8 +771,7 @@ def _layers_weight(config, floats):
 
     def stored(w):
         weight = F.quantize_weight(w, config.weight_format)
-        half_bits = F.planar_half_bits(config.compute_dtype, config.input_quant)
-        return F.to_planar(weight, half_bits=half_bits, k_major_scales=F.k_major_scales_preferred(weight.format))
+        return hj.experts.to_kernel_order(hj.ExpertWeights(w13=weight, w2=weight), config).w13
 
     return jax.eval_shape(stored, floats)
 
