@@ -18,7 +18,9 @@ import functools
 import json
 import math
 import re
+import statistics
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +40,16 @@ from humming_jax.timing import (
     bandwidth_fields,
     copy_seconds,
     device_seconds,
+    event_sampler,
+    interleaved,
+    sampler,
     write_results,
 )
 from humming_jax.tuning import search
 
 L2_BYTES = 60 * 2**20
+OURS = "ours"
+TORCH_GROUPED_MM = "torch_grouped_mm"
 PROBLEMS = {
     "qwen3-30b-a3b": (128, 2048, 768, 8),
     "mixtral-8x7b": (8, 4096, 14336, 2),
@@ -293,13 +300,23 @@ def launched_ops(hlo_text: str) -> list[str]:
     return ops
 
 
-def time_prepared(prep: Prepared, tuning: GemmTiles | None) -> tuple[dict, jax.Array, object]:
+TIMING_REPEATS = 5  # timings of each peer, interleaved with ours
+
+
+def time_prepared(
+    prep: Prepared, tuning: GemmTiles | None, peers: dict[str, Callable[[int], float]] | None = None
+) -> tuple[dict, jax.Array, object]:
     """(result row, the kernel's output on the first set, its layout).
     ``tuning`` None: the table's choice, run as ``gemm`` runs it (with its
-    fallbacks); the row records the tiling that ran."""
+    fallbacks); the row records the tiling that ran. ``peers``: samplers
+    (:func:`humming_jax.timing.event_sampler`) timed in turn with ours, each
+    one's median and spread in ``peer_us`` / ``peer_us_spread``."""
     case = prep.case
     fn, layout = gemm_call(prep, tuning)
-    seconds = device_seconds(fn, list(zip(prep.xs, prep.weights, strict=True)))
+    ours = sampler(fn, list(zip(prep.xs, prep.weights, strict=True)))
+    samples = interleaved({OURS: ours, **(peers or {})}, TIMING_REPEATS)
+    ours = samples.pop(OURS)
+    seconds = statistics.median(ours)
     floor = max(prep.moved / COPY_BANDWIDTH, prep.flops / _matmul_rate(case))
     x, weight = as_quantized_input(prep.xs[0]), prep.weights[0]
     interpret = KERNEL_BACKEND != "pallas"
@@ -307,10 +324,15 @@ def time_prepared(prep: Prepared, tuning: GemmTiles | None) -> tuple[dict, jax.A
     row = dict(
         **dataclasses.asdict(case),
         **bandwidth_fields(seconds, prep.moved),
+        us_spread=[1e6 * min(ours), 1e6 * max(ours)],
         tflops=prep.flops / seconds / 1e12,
         roofline_fraction=floor / seconds,
         flops=prep.flops,
         tiles=None if ran is None else tiles_text.gemm_to_text(ran),
+        peer_us={name: 1e6 * statistics.median(times) for name, times in samples.items()},
+        peer_us_spread={name: [1e6 * min(times), 1e6 * max(times)] for name, times in samples.items()},
+        # Whether each event-timed peer replayed a CUDA graph (else it launched eagerly).
+        peer_graph={name: sample.graph for name, sample in (peers or {}).items() if hasattr(sample, "graph")},
     )
     return row, fn(prep.xs[0], prep.weights[0]), layout
 
@@ -395,44 +417,59 @@ def time_quantization(case: Case, seed: int = 0) -> float | None:
     return device_seconds(lambda x: _quantized(x, quant), sets) * 1e6
 
 
-def time_kernel(case: Case, tuning: GemmTiles | None = None, seed: int = 0) -> dict:
+def time_kernel(
+    case: Case,
+    tuning: GemmTiles | None = None,
+    seed: int = 0,
+    peers: Callable[[Prepared], dict[str, Callable[[int], float]]] | None = None,
+) -> dict:
     """One case under ``tuning`` (default: the table/heuristic choice), checked against
-    :func:`sampled_error` (``error``); ``quant_us``: the input's quantization, apart."""
+    :func:`sampled_error` (``error``); ``quant_us``: the input's quantization, apart.
+    ``peers(prep)``: the samplers to time interleaved with ours (:func:`time_prepared`)."""
     prep = prepare(case, seed)
-    row, out, layout = time_prepared(prep, tuning)
+    samplers = peers(prep) if peers is not None else {}
+    try:
+        row, out, layout = time_prepared(prep, tuning, samplers)
+    finally:
+        if samplers:
+            del samplers
+            _release_torch()
     row["error"] = sampled_error(prep, layout, out)
     row["quant_us"] = time_quantization(case, seed)
     row["layout_ids"] = prep.ids
     return row
 
 
-def time_torch_grouped_mm(case: Case, ids: np.ndarray) -> float | None:
-    """Median microseconds of ``torch._grouped_mm`` (bf16) on the same grouped rows, or None."""
+def _release_torch() -> None:
+    """Hand torch's cached blocks back (they would leave JAX short on the largest problems)."""
+    torch = sys.modules.get("torch")  # the peers imported it, if any ran
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def torch_peers(prep: Prepared) -> dict[str, Callable[[int], float]]:
+    """``{"torch_grouped_mm": sampler}``: ``torch._grouped_mm`` (bf16) on the same
+    grouped rows, its inputs drawn as many times as ours (rotated alike), or {}
+    without torch on a GPU."""
     try:
         import torch
     except ImportError:
-        return None
+        return {}
     if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
-        return None
-    e, n, k, top_k = case.shapes()
-    counts = np.bincount(ids.reshape(-1), minlength=e)
+        return {}
+    e, n, k, _ = prep.case.shapes()
+    counts = np.bincount(prep.ids.reshape(-1), minlength=e)
     offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
-    a = torch.randn(int(counts.sum()), k, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(e, n, k, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
-    for _ in range(3):
-        torch._grouped_mm(a, b, offs=offs)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch._grouped_mm(a, b, offs=offs)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    del a, b
-    torch.cuda.empty_cache()  # torch's cached blocks would leave JAX short on the largest problems
-    return float(np.median(times))
+    # Sets rotated so L2 does not serve them, counted on torch's own (bf16) bytes, as prepare counts ours.
+    moved = 2 * (int((counts > 0).sum()) * n * k + int(counts.sum()) * (k + n))
+    sets = int(min(len(prep.xs), max(2, math.ceil(2 * L2_BYTES / moved))))
+    a = [torch.randn(int(counts.sum()), k, dtype=torch.bfloat16, device="cuda") for _ in range(sets)]
+    b = [torch.randn(e, n, k, dtype=torch.bfloat16, device="cuda").transpose(1, 2) for _ in range(sets)]
+
+    def launch(s: int) -> None:
+        torch._grouped_mm(a[s], b[s], offs=offs)
+
+    return {TORCH_GROUPED_MM: event_sampler(launch, sets)}
 
 
 def time_ragged_dot(case: Case, ids: np.ndarray) -> float | None:
@@ -488,16 +525,19 @@ def time_mgpu_ragged_dot(case: Case, ids: np.ndarray) -> float | None:
 COPY_REFERENCE_MAX_TOKENS = 128  # decode-sized rows also time a pass over the same bytes
 
 
-def _live_humming(case: Case, ids: np.ndarray) -> float | None:
-    """Humming's time on the case (:func:`humming_peer.time_humming`), None
+def humming_peers(prep: Prepared) -> dict[str, Callable[[int], float]]:
+    """Humming's samplers on the case (:func:`humming_peer.humming_samplers`), {}
     where it cannot be timed; a failure is reported, not fatal."""
     if not humming_peer.available():
-        return None
+        return {}
+    case = prep.case
     try:
-        return humming_peer.time_humming(PAIRS.get(case.fmt, case.fmt), case.layout, case.gemm, ids, case.shapes())
+        return humming_peer.humming_samplers(
+            PAIRS.get(case.fmt, case.fmt), case.layout, case.gemm, prep.ids, case.shapes()
+        )
     except Exception as error:  # its build, heuristic or launch refused the case
         print(f"humming failed on {case}: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
-        return None
+        return {}
 
 
 def run_bench(
@@ -516,10 +556,12 @@ def run_bench(
     current, so a run cut short keeps what it measured). ``k_order``: 4-bit
     weights as quantized, not repacked (see :class:`Case`). ``humming_us``
     and ``x_humming`` (our time over Humming's): Humming's kernel timed on
-    the same problem in this process where it can be (``humming`` and
-    :func:`humming_peer.available`; ``humming_source`` "live"), else the
-    ``anchor`` table's (:func:`load_anchor`; "anchor"), kept as
-    ``anchor_humming_us`` beside a live time."""
+    the same problem in this process, interleaved with ours, where it can be
+    (``humming`` and :func:`humming_peer.available`; ``humming_source``
+    "live"; the faster of ``humming_graph_us`` and ``humming_do_bench_us``,
+    as the anchor keeps the faster of its two), else the ``anchor`` table's
+    (:func:`load_anchor`; "anchor"), kept as ``anchor_humming_us`` beside a
+    live time. ``torch_grouped_mm_us`` is timed interleaved with ours too."""
     anchor = anchor or {}
     rows = []
     torch_us = {}  # (problem, gemm, T) -> torch._grouped_mm (bf16) time, the ratio's reference
@@ -538,10 +580,18 @@ def run_bench(
                             quant.check_k(k)
                         except ValueError:
                             continue  # e.g. gpt-oss K=2880 with groups of 128 (needs padding)
-                        result = time_kernel(case)
+                        with_torch = compare and layout == "grouped" and fmt == formats[0]
+
+                        def peers(prep, with_torch=with_torch):
+                            return {
+                                **(torch_peers(prep) if with_torch else {}),
+                                **(humming_peers(prep) if humming else {}),
+                            }
+
+                        result = time_kernel(case, peers=peers)
                         ids = result.pop("layout_ids")
-                        if compare and layout == "grouped" and fmt == formats[0]:
-                            result["torch_grouped_mm_us"] = time_torch_grouped_mm(case, ids)
+                        if with_torch:
+                            result["torch_grouped_mm_us"] = result["peer_us"].get(TORCH_GROUPED_MM)
                             result["ragged_dot_us"] = time_ragged_dot(case, ids)
                             if t >= 512:  # prefill: the Mosaic GPU grouped GEMM as well
                                 result["mgpu_ragged_dot_us"] = time_mgpu_ragged_dot(case, ids)
@@ -550,7 +600,9 @@ def run_bench(
                         if (problem, g, t) in torch_us:  # throughput relative to bf16 torch (>1: faster)
                             result["vs_torch"] = torch_us[problem, g, t] / result["us"]
                         anchor_us = anchor.get((problem, layout, g, t, PAIRS.get(fmt, fmt)))
-                        live_us = _live_humming(case, ids) if humming else None
+                        humming_times = {k: v for k, v in result["peer_us"].items() if k.startswith("humming")}
+                        result.update({f"{name}_us": us for name, us in humming_times.items()})
+                        live_us = min(humming_times.values()) if humming_times else None  # as the anchor: the faster
                         humming_us = live_us if live_us is not None else anchor_us
                         if humming_us is not None:
                             result["humming_us"] = humming_us

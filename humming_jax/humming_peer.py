@@ -6,8 +6,9 @@ A layer is built as Humming's own benchmark builds its anchor table (random
 bf16 weights × 0.02, quantized with its weight schema expert-chunk by chunk,
 ``load_from_tensors``, ``transform``), its kernel chosen by its heuristic for
 M rows and the layout, compiled once, and launched on pre-quantized inputs;
-the time is ``triton.testing.do_bench``'s median (L2 flushed between calls),
-as the anchor's ``ms``.
+timed both ways the anchor table was: ``triton.testing.do_bench``'s median (L2
+flushed between calls, the anchor's ``ms``) and CUDA-graph replays back to back
+(its ``ms_graph``; here calibrated and interleaved with ours, as ours are timed).
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from __future__ import annotations
 import functools
 import json
 import types
+from collections.abc import Callable
 
 import numpy as np
+
+from humming_jax.timing import event_sampler
 
 # Our weight@input names -> Humming's weight and input configs (its benchmark's FORMATS).
 CONFIGS = {
@@ -148,12 +152,34 @@ def forget_layers() -> None:
         _humming().torch.cuda.empty_cache()
 
 
-def time_humming(fmt: str, layout: str, gemm: str, ids: np.ndarray, shapes: tuple[int, int, int, int]) -> float | None:
-    """Median microseconds of Humming's kernel for ``fmt`` (a key of
-    :data:`CONFIGS`) on the ``layout`` ("grouped" | "indexed") GEMM of
-    ``shapes = (E, N, K, top_k)`` routed by ``ids [T, top_k]`` (``gemm``: "w13"
-    reads ``[T, K]`` indexed by slot // top_k, "w2" ``[T·top_k, K]``); None
-    where Humming cannot be timed."""
+GRAPH = "humming_graph"  # sustained: CUDA-graph replays back to back, as ours are timed
+DO_BENCH = "humming_do_bench"  # its table's method: do_bench, L2 flushed before each call
+
+
+def humming_samplers(
+    fmt: str, layout: str, gemm: str, ids: np.ndarray, shapes: tuple[int, int, int, int]
+) -> dict[str, Callable[[int], float]]:
+    """Samplers (seconds of one call, as :func:`humming_jax.timing.sampler`'s) of
+    Humming's kernel for ``fmt`` (a key of :data:`CONFIGS`) on the ``layout``
+    ("grouped" | "indexed") GEMM of ``shapes = (E, N, K, top_k)`` routed by
+    ``ids [T, top_k]`` (``gemm``: "w13" reads ``[T, K]`` indexed by slot // top_k,
+    "w2" ``[T·top_k, K]``), timed both ways its table was (:data:`GRAPH`,
+    :data:`DO_BENCH`; the table keeps the faster); {} where Humming cannot run it."""
+    launch = humming_launch(fmt, layout, gemm, ids, shapes)
+    if launch is None:
+        return {}
+    do_bench = _humming().do_bench
+    return {
+        GRAPH: event_sampler(lambda _: launch(), 1),
+        DO_BENCH: lambda _: 1e-3 * float(do_bench(launch, warmup=5, rep=25, return_mode="median")),
+    }
+
+
+def humming_launch(
+    fmt: str, layout: str, gemm: str, ids: np.ndarray, shapes: tuple[int, int, int, int]
+) -> Callable[[], None] | None:
+    """A function that enqueues one call of Humming's kernel on the case of
+    :func:`humming_samplers` (its inputs made once), or None where Humming cannot run it."""
     h = _humming()
     if h is None or fmt not in CONFIGS:
         return None
@@ -202,4 +228,4 @@ def time_humming(fmt: str, layout: str, gemm: str, ids: np.ndarray, shapes: tupl
 
     launch()
     torch.cuda.synchronize()
-    return 1e3 * float(h.do_bench(launch, return_mode="median"))
+    return launch

@@ -11,6 +11,13 @@ until one timing lasts at least ``min_seconds`` (clocks ramp up, launch cost
 vanishes); the trip count is static (a dynamic one would make XLA read the
 loop predicate back to the host every iteration), so that costs one compile
 more.
+
+Peers launched through PyTorch (``torch._grouped_mm``, Humming) are timed
+the same way by :func:`event_sampler` — back-to-back calls over rotated
+input sets, calibrated to the same duration, a CUDA graph replayed where
+they capture — and :func:`interleaved` takes one timing of each in turn:
+a GEMM near the power limit runs faster in a short burst from idle
+than under a sustained load, so a peer timed in a burst is not comparable.
 """
 
 from __future__ import annotations
@@ -74,6 +81,94 @@ def sampler(fn: Callable, sets: Sequence[tuple], min_seconds: float = 0.01) -> C
         return statistics.median(timed(iterations) for _ in range(repeats)) / (iterations * len(sets))
 
     return sample
+
+
+class TorchCuda:
+    """The CUDA device as PyTorch drives it: what :func:`event_sampler` needs
+    (a stand-in with the same three methods tests the sampler off the GPU)."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def capture(self, enqueue: Callable[[], None]) -> Callable[[], None] | None:
+        """A CUDA graph replaying what ``enqueue`` launches, or None where it cannot be captured
+        (e.g. an op that reads a size back to the host)."""
+        torch = self.torch
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # the warm-up capture wants (allocations off the capture's stream)
+                enqueue()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                enqueue()
+        except Exception:  # noqa: BLE001 -- any capture failure means: launch eagerly
+            torch.cuda.synchronize()
+            return None
+        return graph.replay
+
+    def seconds(self, run: Callable[[], None]) -> float:
+        """Device seconds between two events around what ``run`` enqueues."""
+        torch = self.torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def event_sampler(
+    launch: Callable[[int], None], sets: int, min_seconds: float = 0.01, capture: bool = True, device=None
+) -> Callable[[int], float]:
+    """:func:`sampler` for a peer that PyTorch launches: ``launch(s)`` enqueues
+    one call on input set ``s`` (of ``sets``, rotated as ours rotate). A timing
+    is ``iterations`` rounds over the sets back to back between two CUDA
+    events, replayed from a CUDA graph where the calls capture (no host launch
+    cost between them, as our one-executable loop has none; ``sample.graph``
+    says which ran; ``capture`` False: never tried, for calls that read back
+    to the host), calibrated to last ``min_seconds`` as ours are — so both are
+    timed in the same clock and power state, not one in a short burst."""
+    device = device or TorchCuda()
+
+    def build(iterations: int) -> tuple[Callable[[], None], bool]:
+        def enqueue():
+            for _ in range(iterations):
+                for s in range(sets):
+                    launch(s)
+
+        replay = device.capture(enqueue) if capture else None
+        return (enqueue, False) if replay is None else (replay, True)
+
+    iterations = FIRST_ITERATIONS
+    run, _ = build(iterations)
+    device.seconds(run)  # warm up
+    estimate = min(device.seconds(run) for _ in range(ESTIMATE_RUNS)) / iterations
+    needed = min(4096, max(FIRST_ITERATIONS, int(min_seconds / max(estimate, 1e-7))))
+    if needed > iterations:
+        iterations = 1 << (needed - 1).bit_length()
+    run, graph = build(iterations)
+    device.seconds(run)
+
+    def sample(repeats: int) -> float:
+        return statistics.median(device.seconds(run) for _ in range(repeats)) / (iterations * sets)
+
+    sample.graph = graph
+    sample.iterations = iterations
+    return sample
+
+
+def interleaved(samplers: dict[str, Callable[[int], float]], repeats: int = 5) -> dict[str, list[float]]:
+    """``{name: [seconds of one call]}``: one timing of each sampler in turn, ``repeats``
+    rounds, so drifting clocks and power weigh on all of them alike."""
+    samples = {name: [] for name in samplers}
+    for _ in range(repeats):
+        for name, sample in samplers.items():
+            samples[name].append(sample(1))
+    return samples
 
 
 def device_seconds(fn: Callable, sets: Sequence[tuple], repeats: int = 5, min_seconds: float = 0.01) -> float:

@@ -38,9 +38,16 @@ def _compiled_once(fn, sets, **_):
     return 1e-3
 
 
+def _sampled_once(fn, sets, **_):
+    """In place of ``sampler``: ``fn`` run once, each sample a millisecond."""
+    _compiled_once(fn, sets)
+    return lambda repeats: 1e-3
+
+
 @pytest.fixture
 def compiled_once(monkeypatch):
     monkeypatch.setattr(bench, "device_seconds", _compiled_once)
+    monkeypatch.setattr(bench, "sampler", _sampled_once)
 
 
 @pytest.fixture
@@ -49,6 +56,7 @@ def tiny(monkeypatch):
     monkeypatch.setitem(bench.PROBLEMS, "tiny", (4, 64, 32, 2))
     # One timed sample a row (interpreted kernels: the harness is under test, not the times).
     monkeypatch.setattr(bench, "device_seconds", functools.partial(timing.device_seconds, repeats=1))
+    monkeypatch.setattr(bench, "TIMING_REPEATS", 1)
 
 
 def test_bench_writes_json(tiny, tmp_path, monkeypatch, capsys):
@@ -213,9 +221,9 @@ def test_bench_runs_the_tables_choice_as_gemm_does(tiny, monkeypatch, entry, run
 
     def one_call(fn, sets):  # one interpreted call instead of the timing loop (seconds a call here)
         jax.block_until_ready(fn(*sets[0]))
-        return 1e-3
+        return lambda repeats: 1e-3
 
-    monkeypatch.setattr(bench, "device_seconds", one_call)
+    monkeypatch.setattr(bench, "sampler", one_call)
     row = bench.time_kernel(bench.Case("tiny", "w13", "grouped", 5, "bf16"))
     assert row["error"] < 1e-2
     assert row["tiles"] == runs
@@ -615,10 +623,94 @@ def test_humming_peer_routing_and_the_anchor_fallback(tiny, monkeypatch):
     (row,) = bench.run_bench(["tiny"], [3], ["bf16"], layouts=["grouped"], gemms=["w13"], compare=False, anchor=anchor)
     assert row["humming_source"] == "anchor" and row["humming_us"] == 2.0 and "anchor_humming_us" not in row
     monkeypatch.setattr(humming_peer, "available", lambda: True)
-    monkeypatch.setattr(humming_peer, "time_humming", lambda *a: 4.0)
+    # Timed both ways the anchor was; the faster is the ratio's reference, both kept.
+    fake = {humming_peer.GRAPH: lambda repeats: 5e-6, humming_peer.DO_BENCH: lambda repeats: 4e-6}
+    monkeypatch.setattr(humming_peer, "humming_samplers", lambda *a: fake)
     (row,) = bench.run_bench(["tiny"], [3], ["bf16"], layouts=["grouped"], gemms=["w13"], compare=False, anchor=anchor)
-    assert (row["humming_source"], row["humming_us"], row["anchor_humming_us"]) == ("live", 4.0, 2.0)
+    assert (row["humming_source"], row["anchor_humming_us"]) == ("live", 2.0)
+    assert row["humming_us"] == pytest.approx(4.0) and row["humming_graph_us"] == pytest.approx(5.0)
     assert row["x_humming"] == pytest.approx(row["us"] / 4.0)
+
+
+def test_peers_are_timed_interleaved_with_ours(tiny, compiled_once, monkeypatch):
+    """torch's grouped GEMM and Humming are sampled in turn with ours, each
+    round ours first; each row carries every peer's median and spread."""
+    from humming_jax import humming_peer
+
+    order = []
+
+    def recording(name, seconds):
+        def sample(repeats):
+            order.append(name)
+            return seconds.pop(0)
+
+        return sample
+
+    monkeypatch.setattr(bench, "TIMING_REPEATS", 3)
+    monkeypatch.setattr(bench, "sampler", lambda fn, sets, **_: recording("ours", [1e-6, 3e-6, 2e-6]))
+    monkeypatch.setattr(
+        bench, "torch_peers", lambda prep: {bench.TORCH_GROUPED_MM: recording("torch", [9e-6, 7e-6, 8e-6])}
+    )
+    monkeypatch.setattr(humming_peer, "available", lambda: True)
+    monkeypatch.setattr(
+        humming_peer, "humming_samplers", lambda *a: {humming_peer.GRAPH: recording("humming", [6e-6, 4e-6, 5e-6])}
+    )
+    monkeypatch.setattr(bench, "time_ragged_dot", lambda *a: None)
+    (row,) = bench.run_bench(["tiny"], [3], ["bf16"], layouts=["grouped"], gemms=["w13"])
+    assert order == ["ours", "torch", "humming"] * 3
+    assert row["us"] == pytest.approx(2.0) and row["us_spread"] == pytest.approx([1.0, 3.0])
+    assert row["torch_grouped_mm_us"] == pytest.approx(8.0) and row["vs_torch"] == pytest.approx(4.0)
+    assert row["peer_us_spread"][bench.TORCH_GROUPED_MM] == pytest.approx([7.0, 9.0])
+    assert row["humming_us"] == pytest.approx(5.0) and row["humming_source"] == "live"
+
+
+class _FakeCuda:
+    """:class:`timing.TorchCuda`'s three methods over a clock that a launch
+    advances by 100 µs; a captured graph replays its launches without Python."""
+
+    def __init__(self, capturable: bool):
+        self.capturable, self.clock, self.captures = capturable, 0.0, 0
+
+    def capture(self, enqueue):
+        self.captures += 1
+        if not self.capturable:
+            return None
+        before = self.clock
+        enqueue()  # recorded, not timed
+        recorded, self.clock = self.clock - before, before
+        return lambda: setattr(self, "clock", self.clock + recorded)
+
+    def seconds(self, run):
+        before = self.clock
+        run()
+        return self.clock - before
+
+
+@pytest.mark.parametrize("capturable", [True, False])
+def test_event_sampler_calibrates_and_rotates_the_sets(capturable):
+    """A timing lasts at least ``min_seconds`` (iterations a power of two), every
+    call rotates over the sets, one call's time comes back; a graph replays
+    where the calls capture, else they launch eagerly (``sample.graph``)."""
+    device = _FakeCuda(capturable)
+    launched = []
+
+    def launch(s):
+        launched.append(s)
+        device.clock += 1e-4
+
+    sample = timing.event_sampler(launch, 3, min_seconds=0.01, device=device)
+    assert sample.iterations == 64 and sample.graph == capturable  # 0.01 s / (3 · 100 µs) = 33 -> 64
+    assert sample(3) == pytest.approx(1e-4)
+    assert launched[:7] == [0, 1, 2, 0, 1, 2, 0] and len(launched) % 3 == 0
+    eager = _FakeCuda(True)
+    timing.event_sampler(lambda s: setattr(eager, "clock", eager.clock + 1e-4), 1, capture=False, device=eager)
+    assert eager.captures == 0  # a call that reads back to the host is never captured
+
+
+def test_interleaved_takes_each_sampler_in_turn():
+    order = []
+    samplers = {name: (lambda repeats, name=name: order.append(name) or len(order)) for name in ("a", "b")}
+    assert timing.interleaved(samplers, 2) == {"a": [1, 3], "b": [2, 4]} and order == ["a", "b", "a", "b"]
 
 
 def test_ab_tilings_variant_file(tmp_path, monkeypatch):
