@@ -7,6 +7,7 @@
 #   process-bench [ARGS]     benchmarks.bench_process_input
 #   routing-bench [ARGS]     benchmarks.bench_routing
 #   tune [TUNE ARGS]         python -m humming_jax tune, written to OUT_DIR/tuning.json
+#   k-scan [ARGS]            benchmarks.k_scan: one tiling at several K, the per-tile overhead (the line's intercept)
 #   ab [AB ARGS]             benchmarks.ab_tilings: tilings of the bench's cases, interleaved in one process
 #                            (a later --out names its JSON: several ab steps in one call, one log)
 #   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call (kernels matching
@@ -65,6 +66,7 @@ case $step in
                    tee "$out/process_bench.log" | tail -30 ;;
   routing-bench) python3 -W ignore -m benchmarks.bench_routing --out "$out/routing.json" "$@" 2>&1 |
                    tee "$out/routing_bench.log" | tail -30 ;;
+  k-scan) python3 -W ignore -m benchmarks.k_scan --out "$out/k_scan.json" "$@" 2>&1 | tee "$out/k_scan.log" | tail -20 ;;
   ab) python3 -W ignore -m benchmarks.ab_tilings --out "$out/ab.json" "$@" 2>&1 | tee -a "$out/ab.log" | tail -40 ;;
   tune) python3 -W ignore -m humming_jax tune --out "$out/tuning.json" "$@" 2>&1 | tee "$out/tune.log" | tail -30 ;;
   # The pipes' use, the instruction mix and each stall reason per issued instruction: what bounds a kernel.

@@ -959,3 +959,24 @@ def test_shipped_entries_run_on_the_layers_weights(monkeypatch):
     gpt_oss = {(128, 5760, 2880), (128, 2880, 2880)}
     keys = ("grouped_contiguous/16bit", "grouped_contiguous/fp4", "indexed/fp4")
     assert refused == {(key, shape) for key in keys for shape in gpt_oss}
+
+
+def test_k_scan_fits_the_per_tile_overhead(tiny, compiled_once, tmp_path, monkeypatch, capsys):
+    """The scan times the problem's w2 at each K (the table's tiling, weights
+    as the bench makes them) and leaves the problem set as it found it; the
+    fit recovers a line's intercept and slope."""
+    from benchmarks import k_scan
+
+    out = tmp_path / "k_scan.json"
+    problems = dict(bench.PROBLEMS)
+    args = ["--problem", "tiny", "--fmt", "bf16", "--tokens", "3", "--ks", "32", "64", "--out", str(out)]
+    assert k_scan.main(args) == 0
+    (result,) = json.loads(out.read_text())["rows"]
+    assert [r["k"] for r in result["rows"]] == [32, 64] and all(r["us"] > 0 and r["tiles"] for r in result["rows"])
+    assert bench.PROBLEMS == problems
+    assert "intercept" in capsys.readouterr().out
+    fit = k_scan.fit_line([768, 1536, 3072], [5.0 + 0.01 * k for k in (768, 1536, 3072)])
+    assert fit["intercept_us"] == pytest.approx(5.0) and fit["us_per_k"] == pytest.approx(0.01)
+    assert fit["share_at_first_k"] == pytest.approx(5.0 / 12.68)
+    with pytest.raises(SystemExit):
+        k_scan.main(["--problem", "tiny", "--ks", "32"])
