@@ -66,8 +66,8 @@ FP8_FORMATS = ("w8a8_fp8_block128", "w4a8_mxfp4")  # the fp8 kernel's: e4m3 bloc
 
 def mosaic_ir(fmt: str, shape: tuple[int, int, int], rows: int, tuning) -> str:
     """The module text of the Mosaic GEMM for ``rows`` rows of x times an
-    ``[E, N, K]`` weight in ``fmt`` ("bf16", or int4/uint4 decoded in the
-    kernel; :data:`FP8_FORMATS` on the fp8 kernel), lowered for the GPU."""
+    ``[E, N, K]`` weight in ``fmt`` ("bf16", or int4/uint4/MXFP4 decoded in
+    the kernel; :data:`FP8_FORMATS` on the fp8 kernel), lowered for the GPU."""
     import jax
     import jax.numpy as jnp
 
@@ -82,6 +82,10 @@ def mosaic_ir(fmt: str, shape: tuple[int, int, int], rows: int, tuning) -> str:
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
     if fmt == "bf16":
         weight, quant, decode = jax.ShapeDtypeStruct((e, n, k), jnp.bfloat16), (), None
+    elif fmt == "mxfp4":  # planar e2m1 codes in the pair decoder's bit order, a bf16 factor a 32-column unit
+        decode = mosaic.NibbleDecode(k // mosaic.E2M1_UNIT, e2m1=True, half_bits=True)
+        weight = jax.ShapeDtypeStruct((e, n, k // mosaic.PIECES), jnp.uint16)
+        quant = (jax.ShapeDtypeStruct((e, k // mosaic.E2M1_UNIT, n), jnp.bfloat16),)
     else:
         decode = mosaic.NibbleDecode(k // mosaic.UNIT, zero_points=fmt.startswith("uint4"))
         weight = jax.ShapeDtypeStruct((e, n, k // mosaic.PIECES), jnp.uint16)
@@ -128,6 +132,14 @@ def _fp8_module(fmt: str, shape: tuple[int, int, int], rows: int, tiles) -> str:
     return texts[-1]
 
 
+def shared_memory_size(text: str) -> int:
+    """The dynamic shared memory (bytes) the module's kernel launches with."""
+    sizes = re.findall(r"dynamic_shared_memory_size %c(\d+)_i32", text)
+    if len(sizes) != 1:
+        raise ValueError(f"expected one kernel launch with its shared memory size, found {len(sizes)}")
+    return int(sizes[0])
+
+
 def op_histogram(text: str) -> collections.Counter:
     """Operation names of a module's text, counted."""
     names = re.findall(r"(?:= |^\s+)([a-z_]+\.[a-z_.0-9]+)", text, re.M)
@@ -142,7 +154,9 @@ def key_counts(text: str) -> dict[str, int]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fmt", default="int4_g128", choices=("bf16", "int4_g128", "uint4_zp_g128", *FP8_FORMATS))
+    parser.add_argument(
+        "--fmt", default="int4_g128", choices=("bf16", "int4_g128", "uint4_zp_g128", "mxfp4", *FP8_FORMATS)
+    )
     parser.add_argument("--shape", default="8,4096,4096", help="E,N,K of the weight")
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--config", required=True, help="as inspect_gemm's: mosaic (mosaic_fp8 for the fp8 formats)")
@@ -155,6 +169,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    print(f"shared memory: {shared_memory_size(text):,} bytes")
     for key, count in key_counts(text).items():
         print(f"{count:6d}  {key}  ({KEY_OPS[key]})")
     print(f"{len(text.splitlines())} lines; most frequent operations:")

@@ -469,6 +469,47 @@ def test_what_the_kernel_refuses(rng):
         hj.gemm(x, w, grouped, tuning=dataclasses.replace(TILES, word_decode=True), backend=KERNEL_BACKEND)
     with pytest.raises(TypeError, match="triton.Tiles, mosaic.Tiles, mosaic_fp8.Tiles"):
         hj.gemm(x, w, grouped, tuning=(64, 256, 64), backend=KERNEL_BACKEND)
+    # five 48 KB steps and the epilogue's 32 KB: past the 227 KB a program has
+    with pytest.raises(ValueError, match="tuning.*shared-memory buffers"):
+        hj.gemm(x, w, grouped, tuning=mosaic.Tiles(128, 256, 64, stages=5), backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="mosaic GEMM: .*shared-memory buffers"):
+        mosaic.expert_gemm_mosaic(
+            x, w, grouped.expert_offsets, mosaic.Tiles(128, 256, 64, stages=5), out_dtype=jnp.bfloat16, interpret=True
+        )
+
+
+@pytest.mark.parametrize(
+    "fmt, config",
+    [
+        ("bf16", "mosaic:"),  # four stages: 229,376 bytes, the most a shipped tile takes
+        ("int4_g128", "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
+        pytest.param("int4_g128", "mosaic:block_k=128,stages=3,word_decode=1", marks=FULL),  # staged pieces
+        pytest.param("uint4_zp_g128", "mosaic:block_k=128,stages=2", marks=FULL),
+        ("mxfp4", "mosaic:block_m=160,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
+        ("w8a8_fp8_block128", "mosaic_fp8:block_m=64,block_n=256"),
+        ("w4a8_mxfp4", "mosaic_fp8:block_m=64,block_n=256,swap_ab=1"),
+        pytest.param("w4a8_mxfp4", "mosaic_fp8:block_m=128,block_n=128", marks=FULL),  # staged decode
+    ],
+)
+def test_shared_memory_counted_as_the_kernel_allocates(fmt, config):
+    """The bytes ``supports()`` weighs against a program's shared memory are
+    the buffers the lowered kernel launches with, short only of its barriers
+    and alignment (under ``SHARED_MEMORY_SLACK``)."""
+    from benchmarks import mosaic_ir
+    from benchmarks.inspect_gemm import parse_config
+    from pallas_kernels.gemm import mosaic_fp8
+
+    tiles = parse_config(config)
+    launched = mosaic_ir.shared_memory_size(mosaic_ir.mosaic_ir(fmt, (2, 512, 1024), 512, tiles))
+    if fmt in mosaic_ir.FP8_FORMATS:
+        scaling = mosaic_fp8.Scaling("group", "mx" if fmt == "w4a8_mxfp4" else "block", half_bits=True)
+        counted = mosaic_fp8.shared_memory_bytes(tiles, scaling, jnp.bfloat16)
+    else:
+        e2m1, zero_points = fmt == "mxfp4", fmt.startswith("uint4")
+        unit = mosaic.E2M1_UNIT if e2m1 else mosaic.UNIT
+        decode = None if fmt == "bf16" else mosaic.NibbleDecode(1024 // unit, zero_points=zero_points, e2m1=e2m1)
+        counted = mosaic.shared_memory_bytes(tiles, jnp.bfloat16, jnp.bfloat16, decode)
+    assert counted <= launched <= counted + mosaic.SHARED_MEMORY_SLACK
 
 
 def _check_table(table, want, m: int, block_m: int, ranges: int):

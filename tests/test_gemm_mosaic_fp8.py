@@ -237,6 +237,8 @@ def test_mxfp4_dequantized_first(quant_name, layout_kind, rng):
     swapped = dataclasses.replace(FIRST, swap_ab=True)
     call = gemm_call(x, weight, layout, jnp.bfloat16, interpret=True)
     assert "dequantize_first with swap_ab" in kernel.supports(swapped, call)
+    # the copy's e4m3 steps (40 KB each with x's scales) in six stages: past a program's shared memory
+    assert "shared-memory buffers" in kernel.supports(dataclasses.replace(FIRST, stages=6), call)
 
 
 SWAP = kernel.Tiles(128, 128, stages=2, group_m=2, swap_ab=True)  # out.T, the decoded step the A operand

@@ -177,6 +177,50 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | No
     return None
 
 
+# Shared memory a program may opt into on the H100 / H200; the buffers after the pipeline's
+# steps start on a swizzle's 1024-byte boundary; the barriers take a few bytes beyond.
+SHARED_MEMORY_BYTES = 232_448
+SHARED_MEMORY_ALIGN = 1024
+SHARED_MEMORY_SLACK = 256
+
+
+def pipeline_bytes(stages: int, step: int) -> int:
+    """The pipeline's ``stages`` buffers of ``step`` bytes each, up to the next buffer's alignment."""
+    return -(-stages * step // SHARED_MEMORY_ALIGN) * SHARED_MEMORY_ALIGN
+
+
+def shared_memory_bytes(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | None = None) -> int:
+    """Bytes of the buffers a program allocates in shared memory (compiled):
+    ``stages`` pipeline steps of x's box and the weight's (codes and the step's
+    scale rows when decoding), the epilogue's store slots and, for the staged
+    4-bit path, its decoded pieces' slots."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if decode is None:
+        step = (tiles.block_m + tiles.block_n) * tiles.block_k * itemsize
+    else:  # x's unit, the unit's uint16 codes, its scale (and zero point) or e2m1 factor rows
+        quant_rows = (PIECES if decode.e2m1 else 1) * (2 if decode.zero_points else 1)
+        step = (tiles.block_m * UNIT + quant_rows * tiles.block_n) * itemsize + tiles.block_n * PIECE * 2
+    scratch = COMPUTE_WGS * tiles.wg_m * EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
+    if decode is not None and not tiles.swap_ab:
+        scratch += COMPUTE_WGS * STAGE_SLOTS * tiles.wg_n * PIECE * itemsize
+    return pipeline_bytes(tiles.stages, step) + scratch
+
+
+def tiles_named(tiles) -> str:
+    """The fields of a Mosaic kernel's tiles that size its shared memory, as text."""
+    return f"block_m={tiles.block_m}, block_n={tiles.block_n}, stages={tiles.stages}"
+
+
+def shared_memory_refusal(need: int, tiles_text: str) -> str | None:
+    """Why ``need`` bytes of buffers (:func:`shared_memory_bytes`) do not fit a program (None if they do)."""
+    if need + SHARED_MEMORY_SLACK > SHARED_MEMORY_BYTES:
+        return (
+            f"{tiles_text}: {need:,} bytes of shared-memory buffers (the pipeline's stages and the "
+            f"epilogue's slots), past the {SHARED_MEMORY_BYTES:,} a program has (fewer stages or rows)"
+        )
+    return None
+
+
 def check_tiles(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | None = None) -> None:
     """Raise ``ValueError`` with :func:`tiles_refusal`'s reason."""
     reason = tiles_refusal(tiles, n, k, dtype, decode)
@@ -263,8 +307,10 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if reason:
         return reason
     if tiles.swap_ab:
-        return swap_ab_refusal(call.out_dtype, call.interpret)
-    return None
+        reason = swap_ab_refusal(call.out_dtype, call.interpret)
+        if reason:
+            return reason
+    return shared_memory_refusal(shared_memory_bytes(tiles, call.x_dtype, call.out_dtype, decode), tiles_named(tiles))
 
 
 def max_row_tiles(ranges: int, m: int, block_m: int) -> int:
@@ -803,6 +849,9 @@ def expert_gemm_mosaic(
     refusal = swap_ab_refusal(out_dtype, interpret) if tiles.swap_ab else None
     if refusal:
         raise ValueError(f"mosaic GEMM: {refusal}; the staged form (swap_ab=False) computes the same")
+    refusal = shared_memory_refusal(shared_memory_bytes(tiles, x.dtype, out_dtype, decode), tiles_named(tiles))
+    if refusal:
+        raise ValueError(f"mosaic GEMM: {refusal}")
     quant = ()
     if decode is not None:
         want = (num_experts, decode.groups, n)

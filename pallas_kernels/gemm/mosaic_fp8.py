@@ -124,6 +124,20 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     return None
 
 
+def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype) -> int:
+    """Bytes of the buffers a program allocates in shared memory (compiled):
+    ``stages`` pipeline steps of x's box (e4m3 bytes), the weight's (e4m3
+    bytes, or MXFP4's uint16 codes and scale bytes) and x's group scales (f32),
+    the epilogue's store slots and the staged MXFP4 decode's slots."""
+    mx = scaling.mx and not tiles.dequantize_first  # a decoded copy runs W8A8's loop
+    weight = tiles.block_n * (BLOCK_K // 4 * 2 + mx_e4m3.PIECES) if mx else tiles.block_n * BLOCK_K
+    step = tiles.block_m * BLOCK_K + weight + (4 * tiles.block_m if scaling.x == "group" else 0)
+    scratch = mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
+    if mx and not tiles.swap_ab:
+        scratch += mosaic.COMPUTE_WGS * tiles.wg_n * BLOCK_K
+    return mosaic.pipeline_bytes(tiles.stages, step) + scratch
+
+
 def scaling_refusal(call: GemmCall) -> str | None:
     """Why the call's weight and input are not e4m3 x fp8 with scales this kernel applies."""
     w, xs = call.weight, call.x_scale
@@ -180,7 +194,11 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return f"out_dtype={call.out_dtype}"
     if tiles.swap_ab and jnp.dtype(call.out_dtype).itemsize != 2:
         return f"swap_ab with out_dtype={call.out_dtype} (out.T is stored through a 16-bit transposed view)"
-    return tiles_refusal(tiles, call.weight.n, call.weight.k, scaling_of(call))
+    scaling = scaling_of(call)
+    reason = tiles_refusal(tiles, call.weight.n, call.weight.k, scaling)
+    if reason:
+        return reason
+    return mosaic.shared_memory_refusal(shared_memory_bytes(tiles, scaling, call.out_dtype), mosaic.tiles_named(tiles))
 
 
 def _kernel(
@@ -447,7 +465,9 @@ def expert_gemm_fp8(
     place of the ranges."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
-    reason = tiles_refusal(tiles, n, k, scaling)
+    reason = tiles_refusal(tiles, n, k, scaling) or mosaic.shared_memory_refusal(
+        shared_memory_bytes(tiles, scaling, out_dtype), mosaic.tiles_named(tiles)
+    )
     if reason:
         raise ValueError(f"mosaic_fp8 GEMM: {reason}")
     want_w = (jnp.uint8, (num_experts, n, k // 2)) if scaling.mx else (jnp.float8_e4m3fn, (num_experts, n, k))
