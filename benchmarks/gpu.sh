@@ -10,8 +10,9 @@
 #   k-scan [ARGS]            benchmarks.k_scan: one tiling at several K, the per-tile overhead (the line's intercept)
 #   ab [AB ARGS]             benchmarks.ab_tilings: tilings of the bench's cases, interleaved in one process
 #                            (a later --out names its JSON: several ab steps in one call, one log)
-#   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call (kernels matching
-#                            NCU_KERNEL, default "gemm|mosaic": moe_gemm_* of both kernel families)
+#   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call (the first NCU_COUNT,
+#                            default 1, kernels matching NCU_KERNEL, default "gemm|mosaic": moe_gemm_* of both
+#                            kernel families; with --humming and NCU_KERNEL="mosaic|humming", NCU_COUNT=2 Humming's too)
 #   sass [INSPECT ARGS]      one benchmarks.inspect_gemm call: its kernels' SASS (Mosaic's dump; Nsight's source page)
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
 #   hostile [ARGS]           benchmarks.hostile_gemms (large GEMMs, hostile layouts) under compute-sanitizer
@@ -70,7 +71,7 @@ case $step in
   ab) python3 -W ignore -m benchmarks.ab_tilings --out "$out/ab.json" "$@" 2>&1 | tee -a "$out/ab.log" | tail -40 ;;
   tune) python3 -W ignore -m humming_jax tune --out "$out/tuning.json" "$@" 2>&1 | tee "$out/tune.log" | tail -30 ;;
   # The pipes' use, the instruction mix and each stall reason per issued instruction: what bounds a kernel.
-  profile) ncu --clock-control none -k "regex:${NCU_KERNEL:-gemm|mosaic}" -c 1 --section SpeedOfLight --section Occupancy \
+  profile) ncu --clock-control none -k "regex:${NCU_KERNEL:-gemm|mosaic}" -c "${NCU_COUNT:-1}" --section SpeedOfLight --section Occupancy \
              --section LaunchStats --section WarpStateStats --section SchedulerStats \
              --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis \
              --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \

@@ -41,6 +41,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--hlo", action="store_true", help="also list what one call launches (the optimized module)")
     parser.add_argument("--hlo-out", help="with --hlo: write each config's optimized module here (a suffix per config)")
+    parser.add_argument(
+        "--humming",
+        action="store_true",
+        help="then Humming's kernel on the same case (its wheel importable; Nsight Compute: NCU_KERNEL=...|humming)",
+    )
     args = parser.parse_args(argv)
     configs = [parse_config(text) for text in args.config]  # bad configs fail before the GPU work
     import jax
@@ -68,6 +73,27 @@ def main(argv=None) -> int:
         error = bench.sampled_error(prep, layout, out)
         copy = f"{100 * row['copy_fraction']:.0f} % of copy"  # of the bytes that must move, at the copy bandwidth
         print(f"{text}: {row['us']:.1f} us, {row['gbps']:.0f} GB/s, err {error:.1e}, {copy}", flush=True)
+    if args.humming:
+        return _time_humming(prep)
+    return 0
+
+
+def _time_humming(prep) -> int:
+    """Humming's kernel on ``prep``'s case, timed both ways the bench times it."""
+    from humming_jax import bench, humming_peer
+
+    case = prep.case
+    if not humming_peer.available():
+        print("humming: its package, torch or a GPU is missing", file=sys.stderr)
+        return 2
+    samplers = humming_peer.humming_samplers(
+        bench.PAIRS.get(case.fmt, case.fmt), case.layout, case.gemm, prep.ids, case.shapes()
+    )
+    if not samplers:
+        print(f"humming: no kernel of its runs {case.fmt}", file=sys.stderr)
+        return 2
+    for name, sample in samplers.items():
+        print(f"{name}: {1e6 * sample(5):.1f} us", flush=True)
     return 0
 
 

@@ -980,3 +980,29 @@ def test_k_scan_fits_the_per_tile_overhead(tiny, compiled_once, tmp_path, monkey
     assert fit["share_at_first_k"] == pytest.approx(5.0 / 12.68)
     with pytest.raises(SystemExit):
         k_scan.main(["--problem", "tiny", "--ks", "32"])
+
+
+def test_inspect_gemm_times_humming_on_the_same_case(tiny, monkeypatch, capsys):
+    """``inspect_gemm --humming``: Humming's kernel on the case just inspected
+    (its routing and shapes), each way the bench times it; a clear exit
+    without its package or without a kernel for the format."""
+    from benchmarks import inspect_gemm
+    from humming_jax import humming_peer
+
+    prep = bench.prepare(bench.Case("tiny", "w13", "grouped", 3, "bf16"))
+    seen = []
+
+    def samplers(fmt, layout, gemm, ids, shapes):
+        seen.append((fmt, layout, gemm, ids.shape, shapes))
+        return {humming_peer.GRAPH: lambda repeats: 5e-6, humming_peer.DO_BENCH: lambda repeats: 6e-6}
+
+    monkeypatch.setattr(humming_peer, "available", lambda: True)
+    monkeypatch.setattr(humming_peer, "humming_samplers", samplers)
+    assert inspect_gemm._time_humming(prep) == 0
+    assert seen == [("bf16", "grouped", "w13", (3, 2), (4, 64, 64, 2))]
+    out = capsys.readouterr().out
+    assert "humming_graph: 5.0 us" in out and "humming_do_bench: 6.0 us" in out
+    monkeypatch.setattr(humming_peer, "humming_samplers", lambda *a: {})
+    assert inspect_gemm._time_humming(prep) == 2 and "no kernel" in capsys.readouterr().err
+    monkeypatch.setattr(humming_peer, "available", lambda: False)
+    assert inspect_gemm._time_humming(prep) == 2 and "missing" in capsys.readouterr().err
