@@ -12,7 +12,7 @@
 #                            (a later --out names its JSON: several ab steps in one call, one log)
 #   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call (the first NCU_COUNT,
 #                            default 1, kernels matching NCU_KERNEL, default "gemm|mosaic": moe_gemm_* of both
-#                            kernel families; with --humming and NCU_KERNEL="mosaic|humming", NCU_COUNT=2 Humming's too)
+#                            kernel families; with --humming and NCU_KERNEL=humming, Humming's kernel instead)
 #   sass [INSPECT ARGS]      one benchmarks.inspect_gemm call: its kernels' SASS (Mosaic's dump; Nsight's source page)
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
 #   hostile [ARGS]           benchmarks.hostile_gemms (large GEMMs, hostile layouts) under compute-sanitizer
