@@ -600,7 +600,7 @@ def run_bench(
                         if (problem, g, t) in torch_us:  # throughput relative to bf16 torch (>1: faster)
                             result["vs_torch"] = torch_us[problem, g, t] / result["us"]
                         anchor_us = anchor.get((problem, layout, g, t, PAIRS.get(fmt, fmt)))
-                        humming_times = {k: v for k, v in result["peer_us"].items() if k.startswith("humming")}
+                        humming_times = {p: us for p, us in result["peer_us"].items() if p.startswith("humming")}
                         result.update({f"{name}_us": us for name, us in humming_times.items()})
                         live_us = min(humming_times.values()) if humming_times else None  # as the anchor: the faster
                         humming_us = live_us if live_us is not None else anchor_us
