@@ -10,6 +10,9 @@ against the sampled float32 reference (``bench.sampled_error``) in the first.
 An indexed layout's block is the tiling's rows. Prints a row per timing and
 writes them as JSON after each case, so a run stopped by a time limit keeps
 the cases done (a tiling a kernel refuses is a row with its error).
+``--humming`` times Humming's kernel on each case after every round's
+tilings, both ways the bench times it (rows ``humming_graph``,
+``humming_do_bench``).
 
 ``--variant FILE`` loads another version of a kernel file (e.g. one from the
 history: ``git show COMMIT:pallas_kernels/gemm/mosaic_fp8.py > FILE``) beside
@@ -72,25 +75,34 @@ def run(args) -> list[dict]:
             for order in args.scale_orders
         }
         default = None
-        for repeat, text, order in itertools.product(range(args.repeats), args.tilings, args.scale_orders):
-            prep = preps[order]
-            row = dict(fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens, tiling=text, repeat=repeat)
-            if len(args.scale_orders) > 1:
-                row["scale_order"] = order
-            start = time.time()
-            try:
-                result, out, used = bench.time_prepared(prep, _tiling(text, default))
-                if text == "default" and result["tiles"]:
-                    default = tiles_text.gemm_from_text(result["tiles"])
-                row.update(us=result["us"], tflops=result["tflops"], gbps=result["gbps"], tiles=result["tiles"])
-                if repeat == 0:
-                    row["error"] = bench.sampled_error(prep, used, out)
-            except Exception as error:  # a tiling the kernel refuses, or one that does not compile
-                row["failed"] = f"{type(error).__name__}: {str(error)[:300]}"
-            row["wall_s"] = round(time.time() - start, 1)
-            print(row, flush=True)
-            rows.append(row)
-        del preps, prep
+        peers = bench.humming_peers(preps[args.scale_orders[0]]) if args.humming else {}
+        case = dict(fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens)
+        for repeat in range(args.repeats):
+            for text, order in itertools.product(args.tilings, args.scale_orders):
+                prep = preps[order]
+                row = dict(case, tiling=text, repeat=repeat)
+                if len(args.scale_orders) > 1:
+                    row["scale_order"] = order
+                start = time.time()
+                try:
+                    result, out, used = bench.time_prepared(prep, _tiling(text, default))
+                    if text == "default" and result["tiles"]:
+                        default = tiles_text.gemm_from_text(result["tiles"])
+                    row.update(us=result["us"], tflops=result["tflops"], gbps=result["gbps"], tiles=result["tiles"])
+                    if repeat == 0:
+                        row["error"] = bench.sampled_error(prep, used, out)
+                except Exception as error:  # a tiling the kernel refuses, or one that does not compile
+                    row["failed"] = f"{type(error).__name__}: {str(error)[:300]}"
+                row["wall_s"] = round(time.time() - start, 1)
+                print(row, flush=True)
+                rows.append(row)
+            for name, sample in peers.items():  # Humming in the same rounds (both ways the bench times it)
+                start = time.time()
+                row = dict(case, tiling=name, repeat=repeat, us=1e6 * sample(bench.TIMING_REPEATS))
+                row["wall_s"] = round(time.time() - start, 1)
+                print(row, flush=True)
+                rows.append(row)
+        del preps, prep, peers
         write_results(args.out, rows, quiet=True)  # the cases done so far: a call cut short keeps them
     return rows
 
@@ -113,6 +125,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--variant", nargs="+", default=[], help="other versions of a kernel file: FILE (tiled 'variant:'), NAME=FILE"
+    )
+    parser.add_argument(
+        "--humming", action="store_true", help="Humming's kernel on each case too, a row each way, every repeat"
     )
     parser.add_argument("--out", default="benchmarks/results/ab_tilings.json")
     args = parser.parse_args(argv)

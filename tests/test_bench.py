@@ -568,6 +568,15 @@ def test_ab_tilings_writes_each_timing(tiny, compiled_once, tmp_path, capsys, mo
     for r in rows[:2]:
         assert r["us"] > 0 and r["error"] < 1e-2
     assert "e4m3/e5m2" in rows[2]["failed"]  # the fp8 kernel refuses bf16 inputs, with its reason
+    # --humming: Humming's kernel in every round, after the round's tilings
+    with monkeypatch.context() as patch:
+        patch.setattr(bench, "humming_peers", lambda prep: {"humming_graph": lambda repeats: 7e-6})
+        assert ab_tilings.main([*argv, "--humming", "--tilings", "default", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["repeat"], r["tiling"]) for r in rows] == [
+        (rep, t) for rep in range(2) for t in ("default", "humming_graph")
+    ]
+    assert rows[1]["us"] == pytest.approx(7.0)
     with pytest.raises(ValueError, match="kernel must be one of"):
         ab_tilings.main([*argv, "--tilings", "nope:block_m=16"])
     # A run stopped in its second case (a time limit) has written the first one's rows.
