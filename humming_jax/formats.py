@@ -199,6 +199,15 @@ class WeightFormat:
             return (num_experts, n, k // self.group_size)
         return (num_experts, math.ceil(n / self.block_n), math.ceil(k / self.group_size))
 
+    def scale_blocks(self) -> tuple[int, int, int] | None:
+        """Elements a stored scale covers along ``[E, N, K]`` for block scales —
+        ``block_n`` rows by ``group_size`` columns, the last block of each axis
+        partial (as block-scaled checkpoints store them) — else None (the
+        scale's shape says it)."""
+        if self.scale_granularity == ScaleGranularity.BLOCK:
+            return (1, self.block_n, self.group_size)
+        return None
+
     def zero_point_shape(self, num_experts: int, n: int, k: int) -> tuple[int, int, int] | None:
         if self.zero_point == ZeroPoint.NONE:
             return None
@@ -406,11 +415,12 @@ class QuantizedWeight:
 # ---------------------------------------------------------------------------
 
 
-def _blockwise_amax(w: jax.Array, scale_shape: tuple[int, int, int]) -> jax.Array:
-    """Max |w| over each scale block of ``w [E, N, K]``; returns ``scale_shape``."""
+def _blockwise_amax(w: jax.Array, scale_shape: tuple[int, int, int], blocks=None) -> jax.Array:
+    """Max |w| over each scale block of ``w [E, N, K]`` (``blocks``: the
+    elements a scale covers, :meth:`WeightFormat.scale_blocks`); returns ``scale_shape``."""
     e, n, k = w.shape
     _, sn, sk = scale_shape
-    bn, bk = math.ceil(n / sn), math.ceil(k / sk)
+    bn, bk = (math.ceil(n / sn), math.ceil(k / sk)) if blocks is None else blocks[1:]
     padded = jnp.pad(jnp.abs(w), ((0, 0), (0, sn * bn - n), (0, sk * bk - k)))
     return padded.reshape(e, sn, bn, sk, bk).max(axis=(2, 4))
 
@@ -520,7 +530,7 @@ def _quantized_parts(w: jax.Array, fmt: WeightFormat) -> dict[str, jax.Array]:
         parts["scale"] = scale
     else:
         scale_shape = fmt.scale_shape(e, n, k)
-        amax = _blockwise_amax(w32, scale_shape)
+        amax = _blockwise_amax(w32, scale_shape, fmt.scale_blocks())
         if vt == ValueType.FLOAT4_E2M1 and fmt.global_scale != GlobalScale.NONE:
             axes = (0, 1, 2) if fmt.global_scale == GlobalScale.TENSOR else (1, 2)
             global_amax = amax.max(axis=axes, keepdims=True)
@@ -544,7 +554,7 @@ def _quantized_parts(w: jax.Array, fmt: WeightFormat) -> dict[str, jax.Array]:
         # The barrier keeps XLA from fusing the reciprocal's long division into
         # the broadcast, once per element: CPU compile times of minutes.
         inverse = jax.lax.optimization_barrier(numerics.safe_reciprocal(scale32))
-        scaled = w32 * numerics.block_broadcast(inverse, w.shape)
+        scaled = w32 * numerics.block_broadcast(inverse, w.shape, fmt.scale_blocks())
         if vt == ValueType.INT4:
             q = jnp.clip(numerics.round_half_even(scaled), -8, 7)
             parts["values"] = numerics.pack_nibbles((q + 8).astype(jnp.uint8))
@@ -780,7 +790,7 @@ def _dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
     out = values * (
         _along_k(scale, weight)
         if fmt.scale_granularity == ScaleGranularity.GROUP
-        else numerics.block_broadcast(scale, values.shape)
+        else numerics.block_broadcast(scale, values.shape, fmt.scale_blocks())
     )
     if weight.second_scale is not None:
         second = weight.second_scale.astype(jnp.float32)

@@ -113,19 +113,22 @@ def e2m1_decode(code: jax.Array) -> jax.Array:
     return jnp.where(code >= 8, -magnitude, magnitude)
 
 
-def block_broadcast(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def block_broadcast(scale: jax.Array, shape: tuple[int, ...], blocks: tuple[int, ...] | None = None) -> jax.Array:
     """Expand a blockwise array to ``shape`` by repeating each entry over its block.
 
-    ``scale.shape[i]`` entries cover ``shape[i]`` elements in equal blocks of
-    ``ceil(shape[i] / scale.shape[i])`` (the last block may be partial).
+    ``scale.shape[i]`` entries cover ``shape[i]`` elements in blocks of
+    ``blocks[i]`` (default ``ceil(shape[i] / scale.shape[i])``); the last block
+    may be partial.
     """
     if scale.ndim != len(shape):
         raise ValueError(f"block_broadcast: rank {scale.ndim} scale for a rank {len(shape)} array")
     out = scale
     for axis, (n_blocks, n) in enumerate(zip(scale.shape, shape, strict=True)):
-        if n_blocks == n:
+        if n_blocks == n and (blocks is None or blocks[axis] == 1):
             continue
-        block = -(-n // n_blocks)
+        block = -(-n // n_blocks) if blocks is None else blocks[axis]
+        if -(-n // block) != n_blocks:
+            raise ValueError(f"block_broadcast: {n_blocks} blocks of {block} along axis {axis} for {n} elements")
         out = jnp.repeat(out, block, axis=axis, total_repeat_length=n_blocks * block)
         out = jax.lax.slice_in_dim(out, 0, n, axis=axis)
     return out

@@ -47,12 +47,15 @@ def to64(array) -> np.ndarray:
     return array.astype(np.float64)
 
 
-def expand(scale: np.ndarray, shape) -> np.ndarray:
+def expand(scale: np.ndarray, shape, blocks=None) -> np.ndarray:
+    """``scale`` repeated over ``shape``: each entry over ``blocks[axis]`` elements
+    (default: the shape over the entries, rounded up), the last block partial."""
     out = scale
     for axis, n in enumerate(shape):
-        blocks = out.shape[axis]
-        if blocks != n:
-            out = np.repeat(out, math.ceil(n / blocks), axis=axis).take(range(n), axis=axis)
+        entries = out.shape[axis]
+        block = math.ceil(n / entries) if blocks is None else blocks[axis]
+        if block != 1:
+            out = np.repeat(out, block, axis=axis).take(range(n), axis=axis)
     return out
 
 
@@ -94,7 +97,9 @@ def dequantize_weight(weight) -> np.ndarray:
     if weight.k_major_scales:  # stored [E, K/g, N]
         scale = np.swapaxes(scale, 1, 2)
     scale = 2.0 ** (scale.astype(np.float64) - 127) if fmt.scale_type.value == "e8m0" else to64(scale)
-    out = v * (along_k(scale) if fmt.scale_granularity.value == "group" else expand(scale, v.shape))
+    # block scales cover block_n x group_size elements (the last block of an axis partial)
+    blocks = (1, fmt.block_n, fmt.group_size) if fmt.scale_granularity.value == "block" else None
+    out = v * (along_k(scale) if fmt.scale_granularity.value == "group" else expand(scale, v.shape, blocks))
     if weight.second_scale is not None:
         second = np.asarray(weight.second_scale, np.float64)
         out = out * (second.reshape(-1, 1, 1) if second.shape[0] == weight.shape[0] else second[0])

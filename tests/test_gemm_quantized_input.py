@@ -505,3 +505,29 @@ def test_heuristic_choices_for_quantized_inputs():
         assert isinstance(mid, kernel.Tiles) and mid.block_m == 32 and mid.dequantize_input
     prefill = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
     assert prefill[:2] == [heuristic.E4M3_COPY, dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)]
+
+
+@pytest.mark.parametrize(
+    "quant_name,n,k",
+    [
+        ("fp8_dynamic_group128", 192, 256),  # W8A8: the last 128-row weight block half full
+        ("none", 192, 320),  # e4m3 weights, bf16 inputs: partial blocks along N and K
+    ],
+)
+def test_weight_blocks_are_128_by_128_with_a_partial_last(quant_name, n, k, rng):
+    """A block-scaled weight's scale [i, j] covers rows 128 i.. and columns
+    128 j.. (as block-scaled checkpoints store them), the last block of an axis
+    partial: the quantizer, the reference and the kernel agree on it (they once
+    split N=192 into two blocks of 96)."""
+    w = jnp.asarray(rng.normal(0, 0.05, (E, n, k)), jnp.float32)
+    weight = F.quantize_weight(w, F.get_format("fp8_block128"))
+    assert weight.scale.shape == (E, 2, -(-k // 128))
+    scale = np.asarray(weight.scale, np.float64)
+    amax = np.abs(np.asarray(w, np.float64))[:, 128:, :128].max(axis=(1, 2))  # the second block row's first block
+    np.testing.assert_allclose(scale[:, 1, 0], amax / 448, rtol=1e-6)
+    x = jnp.asarray(rng.normal(size=(M, k)), jnp.float32)
+    x = x.astype(jnp.bfloat16) if quant_name == "none" else Q.quantize_input(x, Q.get_input_spec(quant_name))
+    layout = gemm_layouts.layouts(rng, E, M)["grouped_contiguous"]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND)
+    want = np_ref.gemm_of(x, weight, layout)
+    assert relative_error(np.asarray(out, np.float64), want) < 1e-2
