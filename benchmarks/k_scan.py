@@ -75,10 +75,18 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--ks", type=int, nargs="+", default=list(KS))
     parser.add_argument("--layout", default="grouped", choices=["grouped", "indexed"])
+    parser.add_argument(
+        "--variant", nargs="+", default=[], help="other kernel files, NAME=FILE, tiled NAME:FIELDS (as ab_tilings')"
+    )
     parser.add_argument("--out", default="benchmarks/results/k_scan.json")
     args = parser.parse_args(argv)
     if len(args.ks) < 2:
         parser.error("--ks: at least two values of K to fit a line through")
+    for text in args.variant:
+        from benchmarks.ab_tilings import VARIANT, load_variant
+
+        name, _, path = text.rpartition("=")
+        load_variant(path, name or VARIANT)
     tuning = tiles_text.gemm_from_text(args.config) if args.config else None
     results = [scan(args.problem, fmt, args.tokens, args.ks, args.layout, tuning) for fmt in args.fmt]
     write_results(args.out, results, quiet=True, config=args.config)

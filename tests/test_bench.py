@@ -989,6 +989,19 @@ def test_k_scan_fits_the_per_tile_overhead(tiny, compiled_once, tmp_path, monkey
     assert fit["share_at_first_k"] == pytest.approx(5.0 / 12.68)
     with pytest.raises(SystemExit):
         k_scan.main(["--problem", "tiny", "--ks", "32"])
+    # a kernel file beside the tree's, scanned on its own tiles (as ab_tilings' --variant)
+    import pathlib
+
+    import pallas_kernels.gemm as gemm_kernels
+
+    monkeypatch.setattr(gemm_kernels, "KERNELS", dict(gemm_kernels.KERNELS))
+    monkeypatch.setattr(gemm_kernels, "IMPLS", dict(gemm_kernels.IMPLS))
+    copy = tmp_path / "other_triton.py"
+    copy.write_text(pathlib.Path(triton.__file__).read_text())
+    variant = ["--variant", f"t9={copy}", "--config", "t9:block_m=16,block_n=32,block_k=32"]
+    assert k_scan.main([*args, *variant]) == 0
+    (result,) = json.loads(out.read_text())["rows"]
+    assert all(r["tiles"].startswith("t9:") for r in result["rows"])
 
 
 def test_inspect_gemm_times_humming_on_the_same_case(tiny, monkeypatch, capsys):
