@@ -82,15 +82,12 @@ def _time_humming(prep) -> int:
     """Humming's kernel on ``prep``'s case, timed both ways the bench times it."""
     from humming_jax import bench, humming_peer
 
-    case = prep.case
     if not humming_peer.available():
         print("humming: its package, torch or a GPU is missing", file=sys.stderr)
         return 2
-    samplers = humming_peer.humming_samplers(
-        bench.PAIRS.get(case.fmt, case.fmt), case.layout, case.gemm, prep.ids, case.shapes()
-    )
+    samplers = bench.humming_peers(prep)
     if not samplers:
-        print(f"humming: no kernel of its runs {case.fmt}", file=sys.stderr)
+        print(f"humming: no kernel of its runs {prep.case.fmt}", file=sys.stderr)
         return 2
     for name, sample in samplers.items():
         print(f"{name}: {1e6 * sample(5):.1f} us", flush=True)

@@ -320,8 +320,7 @@ def _torch_layer_us(torch, case: LayerCase, ids: np.ndarray) -> float:
         out = torch.zeros(case.tokens, h, dtype=torch.float32, device="cuda")
         return out.index_add_(0, order // top_k, down).to(torch.bfloat16)
 
-    # Timed as the GEMM bench times its peers: back-to-back timings of 10 ms and
-    # more (a 20-call burst from idle runs at clocks a sustained load does not keep).
+    # Timed as the GEMM bench times its peers: a burst from idle runs at clocks a sustained load does not keep.
     return 1e6 * event_sampler(lambda _: layer(), 1, capture=False)(5)  # bincount reads a size back
 
 

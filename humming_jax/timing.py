@@ -56,6 +56,13 @@ FIRST_ITERATIONS = 4
 ESTIMATE_RUNS = 3
 
 
+def _calibrated(estimate: float, min_seconds: float) -> int:
+    """Iterations (a power of two, FIRST_ITERATIONS to 4096) for one timing of ``min_seconds``
+    at ``estimate`` seconds an iteration."""
+    needed = min(4096, max(FIRST_ITERATIONS, int(min_seconds / max(estimate, 1e-7))))
+    return 1 << (needed - 1).bit_length()
+
+
 def sampler(fn: Callable, sets: Sequence[tuple], min_seconds: float = 0.01) -> Callable[[int], float]:
     """Compile ``fn``'s timing loop once (calibrated so one timing lasts ``min_seconds``)
     and return ``sample(repeats)``: the median device seconds of one ``fn(*sets[i])`` call
@@ -72,9 +79,9 @@ def sampler(fn: Callable, sets: Sequence[tuple], min_seconds: float = 0.01) -> C
     iterations = FIRST_ITERATIONS
     timed(iterations)  # compile and warm up
     estimate = min(timed(iterations) for _ in range(ESTIMATE_RUNS)) / iterations
-    needed = min(4096, max(FIRST_ITERATIONS, int(min_seconds / max(estimate, 1e-7))))
-    if needed > iterations:
-        iterations = 1 << (needed - 1).bit_length()  # a static trip count: one more compile
+    calibrated = _calibrated(estimate, min_seconds)
+    if calibrated > iterations:
+        iterations = calibrated  # a static trip count: one more compile
         timed(iterations)
 
     def sample(repeats: int) -> float:
@@ -99,7 +106,7 @@ class TorchCuda:
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # the warm-up capture wants (allocations off the capture's stream)
+            with torch.cuda.stream(side):  # a warm-up run on a side stream first, as capture requires
                 enqueue()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
@@ -144,14 +151,14 @@ def event_sampler(
         return (enqueue, False) if replay is None else (replay, True)
 
     iterations = FIRST_ITERATIONS
-    run, _ = build(iterations)
+    run, graph = build(iterations)
     device.seconds(run)  # warm up
     estimate = min(device.seconds(run) for _ in range(ESTIMATE_RUNS)) / iterations
-    needed = min(4096, max(FIRST_ITERATIONS, int(min_seconds / max(estimate, 1e-7))))
-    if needed > iterations:
-        iterations = 1 << (needed - 1).bit_length()
-    run, graph = build(iterations)
-    device.seconds(run)
+    calibrated = _calibrated(estimate, min_seconds)
+    if calibrated > iterations:  # a longer graph (or loop) only where the first was short
+        iterations = calibrated
+        run, graph = build(iterations)
+        device.seconds(run)
 
     def sample(repeats: int) -> float:
         return statistics.median(device.seconds(run) for _ in range(repeats)) / (iterations * sets)

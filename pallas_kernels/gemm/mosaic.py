@@ -206,16 +206,13 @@ def shared_memory_bytes(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | N
     return pipeline_bytes(tiles.stages, step) + scratch
 
 
-def tiles_named(tiles) -> str:
-    """The fields of a Mosaic kernel's tiles that size its shared memory, as text."""
-    return f"block_m={tiles.block_m}, block_n={tiles.block_n}, stages={tiles.stages}"
-
-
-def shared_memory_refusal(need: int, tiles_text: str) -> str | None:
-    """Why ``need`` bytes of buffers (:func:`shared_memory_bytes`) do not fit a program (None if they do)."""
+def shared_memory_refusal(need: int, tiles) -> str | None:
+    """Why ``need`` bytes of buffers (a kernel's ``shared_memory_bytes``) for a
+    Mosaic kernel's ``tiles`` do not fit a program (None if they do)."""
     if need + SHARED_MEMORY_SLACK > SHARED_MEMORY_BYTES:
+        named = f"block_m={tiles.block_m}, block_n={tiles.block_n}, stages={tiles.stages}"
         return (
-            f"{tiles_text}: {need:,} bytes of shared-memory buffers (the pipeline's stages and the "
+            f"{named}: {need:,} bytes of shared-memory buffers (the pipeline's stages and the "
             f"epilogue's slots), past the {SHARED_MEMORY_BYTES:,} a program has (fewer stages or rows)"
         )
     return None
@@ -310,7 +307,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         reason = swap_ab_refusal(call.out_dtype, call.interpret)
         if reason:
             return reason
-    return shared_memory_refusal(shared_memory_bytes(tiles, call.x_dtype, call.out_dtype, decode), tiles_named(tiles))
+    return shared_memory_refusal(shared_memory_bytes(tiles, call.x_dtype, call.out_dtype, decode), tiles)
 
 
 def max_row_tiles(ranges: int, m: int, block_m: int) -> int:
@@ -849,7 +846,7 @@ def expert_gemm_mosaic(
     refusal = swap_ab_refusal(out_dtype, interpret) if tiles.swap_ab else None
     if refusal:
         raise ValueError(f"mosaic GEMM: {refusal}; the staged form (swap_ab=False) computes the same")
-    refusal = shared_memory_refusal(shared_memory_bytes(tiles, x.dtype, out_dtype, decode), tiles_named(tiles))
+    refusal = shared_memory_refusal(shared_memory_bytes(tiles, x.dtype, out_dtype, decode), tiles)
     if refusal:
         raise ValueError(f"mosaic GEMM: {refusal}")
     quant = ()

@@ -198,7 +198,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     reason = tiles_refusal(tiles, call.weight.n, call.weight.k, scaling)
     if reason:
         return reason
-    return mosaic.shared_memory_refusal(shared_memory_bytes(tiles, scaling, call.out_dtype), mosaic.tiles_named(tiles))
+    return mosaic.shared_memory_refusal(shared_memory_bytes(tiles, scaling, call.out_dtype), tiles)
 
 
 def _kernel(
@@ -466,7 +466,7 @@ def expert_gemm_fp8(
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     reason = tiles_refusal(tiles, n, k, scaling) or mosaic.shared_memory_refusal(
-        shared_memory_bytes(tiles, scaling, out_dtype), mosaic.tiles_named(tiles)
+        shared_memory_bytes(tiles, scaling, out_dtype), tiles
     )
     if reason:
         raise ValueError(f"mosaic_fp8 GEMM: {reason}")
