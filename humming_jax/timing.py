@@ -165,6 +165,9 @@ def event_sampler(
 
     sample.graph = graph
     sample.iterations = iterations
+    # A captured graph reads the buffers ``launch`` holds, by address: they must live as
+    # long as the graph does, or later allocations reuse them under its replays.
+    sample.launch = launch
     return sample
 
 

@@ -716,6 +716,33 @@ def test_event_sampler_calibrates_and_rotates_the_sets(capturable):
     assert eager.captures == 0  # a call that reads back to the host is never captured
 
 
+def test_event_sampler_keeps_what_the_graph_reads_alive():
+    """A graph replays its calls on the buffers they were captured with: the
+    sampler keeps the launch (and what it closes over) alive as long as it
+    lives. Dropping it let PyTorch hand torch's inputs to Humming's next
+    allocations while torch's graph still read them (an illegal address)."""
+    import gc
+    import weakref
+
+    class Buffer:
+        pass
+
+    def make_sampler():
+        device, buffer = _FakeCuda(True), Buffer()
+
+        def launch(s):
+            device.clock += 1e-4 + 0 * id(buffer)
+
+        return timing.event_sampler(launch, 2, device=device), weakref.ref(buffer)
+
+    sample, buffer = make_sampler()
+    gc.collect()
+    assert buffer() is not None
+    del sample
+    gc.collect()
+    assert buffer() is None
+
+
 def test_interleaved_takes_each_sampler_in_turn():
     order = []
     samplers = {name: (lambda repeats, name=name: order.append(name) or len(order)) for name in ("a", "b")}
