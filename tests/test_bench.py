@@ -417,6 +417,9 @@ def test_candidates_by_rows_per_expert():
     assert [search.expert_sized_rows(r) for r in (33, 64, 128, 256, 4096)] == [40, 72, 144, 144, 144]
     assert search.expert_sized(113) == ()  # 113 x 1.125 -> 128: the table's tile
     assert search.expert_sized(32)[0].cluster_n == 1  # 40 rows: five 8-row pieces, no cluster pair
+    # experts of many row tiles (mixtral at T=4096: 1024 rows) also sweep the tallest tiles
+    assert [t.block_m for t in search.expert_sized(1024)] == [144, 144, 160, 176]
+    assert not set(search.TALL_TILES) & set(search.expert_sized(512))
 
 
 def test_four_bit_heuristic_by_rows_and_format():

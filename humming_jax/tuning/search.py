@@ -113,6 +113,13 @@ PREFILL = (
 # wgmma's N: any multiple of 8): fewer padded rows, fewer decodes of each weight tile.
 EXPERT_ROWS_HEADROOM = 1.125
 EXPERT_ROWS_MAX = 176  # the accumulator's limit at 128 columns a warpgroup
+# Experts past this many rows span several row tiles, each decoding the expert's weight
+# tile again: the tallest swap tiles cut that count (1024 rows: seven of 160, six of 176).
+TALL_TILES_MIN_ROWS = 512
+TALL_TILES = (  # 176 rows leave shared memory for two stages only
+    mosaic.Tiles(160, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=2),
+    mosaic.Tiles(176, 256, 128, stages=2, swap_ab=True, word_decode=True, cluster_n=2),
+)
 
 
 def expert_sized_rows(rows_per_expert: int) -> int:
@@ -125,14 +132,16 @@ def expert_sized_rows(rows_per_expert: int) -> int:
 
 def expert_sized(rows_per_expert: int) -> tuple:
     """The prefill swap tiles (bf16 inputs, and scaled inputs multiplied out)
-    with :func:`expert_sized_rows` rows, where that is not the table's 128."""
+    with :func:`expert_sized_rows` rows, where that is not the table's 128, and
+    past :data:`TALL_TILES_MIN_ROWS` rows an expert the :data:`TALL_TILES`."""
     rows = expert_sized_rows(rows_per_expert)
+    tall = TALL_TILES if rows_per_expert > TALL_TILES_MIN_ROWS else ()
     if rows == 128:
-        return ()
+        return tall
     # a cluster pair halves x's box in 8-row pieces: an odd count of them runs alone
     cluster_n = 2 if rows % 16 == 0 else 1
     swap = mosaic.Tiles(rows, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=cluster_n)
-    return (swap, dataclasses.replace(swap, dequantize_input=True))
+    return (swap, dataclasses.replace(swap, dequantize_input=True)) + tall
 
 
 def candidates_for(rows_per_expert: int) -> tuple:
