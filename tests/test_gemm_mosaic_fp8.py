@@ -586,17 +586,3 @@ def test_the_offline_ir_tool_reads_the_fp8_kernel(fmt):
     assert counts["wgmma.mma_async"] % 4 == 0 and counts["wgmma.mma_async"] >= 4
     assert counts["nvvm.cp.async.bulk.tensor"] > 0
     assert (counts["vector<2xi16>"] > 0) == (fmt == "w4a8_mxfp4")
-
-
-def test_output_slots_paired_where_they_fit():
-    """A warpgroup's two 64-column chunks go through a pair of 16-bit slots (the
-    second written while the first is copied out) where shared memory has room;
-    else through one slot, as before (128 x 256 at four stages)."""
-    group = kernel.Scaling("group", "block")
-    one_sum = kernel.Scaling("token", "channel")
-    assert kernel.paired_slots(kernel.Tiles(64, 256, stages=4), group, jnp.bfloat16)
-    assert not kernel.paired_slots(kernel.Tiles(64, 256, stages=4), group, jnp.float32)  # 32-bit: one slot
-    assert not kernel.paired_slots(kernel.Tiles(128, 256, stages=4), one_sum, jnp.bfloat16)
-    assert kernel.paired_slots(kernel.Tiles(128, 256, stages=3), one_sum, jnp.bfloat16)
-    single = kernel.shared_memory_bytes(kernel.Tiles(128, 256, stages=4), one_sum, jnp.bfloat16)
-    assert single + mosaic.SHARED_MEMORY_SLACK <= mosaic.SHARED_MEMORY_BYTES

@@ -124,32 +124,18 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     return None
 
 
-def _buffer_bytes(tiles: Tiles, scaling: Scaling, out_dtype, slots: int) -> int:
-    mx = scaling.mx and not tiles.dequantize_first  # a decoded copy runs W8A8's loop
-    weight = tiles.block_n * (BLOCK_K // 4 * 2 + mx_e4m3.PIECES) if mx else tiles.block_n * BLOCK_K
-    step = tiles.block_m * BLOCK_K + weight + (4 * tiles.block_m if scaling.x == "group" else 0)
-    scratch = slots * mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
-    if mx and not tiles.swap_ab:
-        scratch += mosaic.COMPUTE_WGS * tiles.wg_n * BLOCK_K
-    return mosaic.pipeline_bytes(tiles.stages, step) + scratch
-
-
-def paired_slots(tiles: Tiles, scaling: Scaling, out_dtype) -> bool:
-    """Whether a warpgroup stores through a pair of output slots (:func:`mosaic.store_tile`)
-    — its chunks even, 16-bit, and room for the second slot —, so that a tile's second
-    chunk is written while the first is copied out."""
-    even = (tiles.wg_n // mosaic.EPILOGUE_COLUMNS) % 2 == 0 and jnp.dtype(out_dtype).itemsize <= 2
-    need = _buffer_bytes(tiles, scaling, out_dtype, 2)
-    return even and mosaic.shared_memory_refusal(need, tiles) is None
-
-
 def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype) -> int:
     """Bytes of the buffers a program allocates in shared memory (compiled):
     ``stages`` pipeline steps of x's box (e4m3 bytes), the weight's (e4m3
     bytes, or MXFP4's uint16 codes and scale bytes) and x's group scales (f32),
-    the epilogue's store slots (one or a pair a warpgroup: :func:`paired_slots`)
-    and the staged MXFP4 decode's slots."""
-    return _buffer_bytes(tiles, scaling, out_dtype, 2 if paired_slots(tiles, scaling, out_dtype) else 1)
+    the epilogue's store slots and the staged MXFP4 decode's slots."""
+    mx = scaling.mx and not tiles.dequantize_first  # a decoded copy runs W8A8's loop
+    weight = tiles.block_n * (BLOCK_K // 4 * 2 + mx_e4m3.PIECES) if mx else tiles.block_n * BLOCK_K
+    step = tiles.block_m * BLOCK_K + weight + (4 * tiles.block_m if scaling.x == "group" else 0)
+    scratch = mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
+    if mx and not tiles.swap_ab:
+        scratch += mosaic.COMPUTE_WGS * tiles.wg_n * BLOCK_K
+    return mosaic.pipeline_bytes(tiles.stages, step) + scratch
 
 
 def scaling_refusal(call: GemmCall) -> str | None:
@@ -280,8 +266,7 @@ def _kernel(
         return found
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-    slots = (2,) if paired_slots(tiles, scaling, o_gmem.dtype) else ()
-    scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, *slots, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
+    scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
     if scaling.mx and not (swap and not interpret):  # the decoded step (interpreted: unswizzled)
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
         shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
