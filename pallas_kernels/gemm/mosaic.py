@@ -668,20 +668,20 @@ def _kernel(
     words = tiles.word_decode and not interpret  # nibbles from 32-bit registers (see Tiles)
     # A cluster's programs share the row tile: x's tiles are multicast to both.
     shared_x = ("cluster",) if tiles.cluster_n > 1 else ()
-    # A step leaves its last product in flight (the next step's wait and first decode run
-    # under it) where its operands stay in their slot a step longer: the slot is released
-    # one step late. The staged form reuses its decode slots across steps: it waits for all.
-    in_flight = 1 if (decode is None or tiles.swap_ab) and tiles.stages > 1 else 0
-    spec = functools.partial(plgpu.BlockSpec, delay_release=in_flight)
     if decode is None:
         in_specs = [
-            spec((bm, bk), lambda i: (0, i), transforms=swizzled(bk, dtype), collective_axes=shared_x),
-            spec((tiles.block_n, bk), lambda i: (0, i), transforms=swizzled(bk, dtype)),
+            plgpu.BlockSpec(
+                (bm, bk),
+                lambda i: (0, i),
+                transforms=swizzled(bk, dtype),
+                collective_axes=shared_x,
+            ),
+            plgpu.BlockSpec((tiles.block_n, bk), lambda i: (0, i), transforms=swizzled(bk, dtype)),
         ]
     else:  # x as the unit's 4 pieces, the unit's codes, its group's scales (and zero points)
         in_specs = [
             *(
-                spec(
+                plgpu.BlockSpec(
                     (bm, PIECE),
                     lambda i, j=j: (0, PIECES * i + j),
                     transforms=swizzled(PIECE, dtype),
@@ -689,9 +689,9 @@ def _kernel(
                 )
                 for j in range(PIECES)
             ),
-            spec((tiles.block_n, PIECE), lambda i: (0, i)),
+            plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i)),
             # a step's scale (and zero point) row, or its 4 units' e2m1 factor rows
-            *(spec((PIECES if decode.e2m1 else 1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
+            *(plgpu.BlockSpec((PIECES if decode.e2m1 else 1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
         ]
 
     pipeline = functools.partial(k_pipeline, steps=k // bk, in_specs=in_specs, stages=tiles.stages)
@@ -760,7 +760,7 @@ def _kernel(
 
             def step(indices, x_smem, w_smem, acc_ref):
                 plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
-                plgpu.wgmma_wait(in_flight)
+                plgpu.wgmma_wait(0)
                 return acc_ref
 
             def decode_step(indices, *refs):
@@ -790,7 +790,7 @@ def _kernel(
                 if swap:  # out.T += w_piece @ x_piece.T, the decoded piece as the register operand
                     for piece in range(PIECES):
                         plgpu.wgmma(acc_ref, piece_values(piece), x_pieces[piece].transpose((1, 0)))
-                    plgpu.wgmma_wait(in_flight)
+                    plgpu.wgmma_wait(0)
                     return acc_ref
                 for piece in range(PIECES):
                     slot = stage.at[wg, piece % STAGE_SLOTS]
