@@ -13,7 +13,8 @@
 #   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call (the first NCU_COUNT,
 #                            default 1, kernels matching NCU_KERNEL, default "gemm|mosaic": moe_gemm_* of both
 #                            kernel families; with --humming and NCU_KERNEL=humming, Humming's kernel instead)
-#   sass [INSPECT ARGS]      one benchmarks.inspect_gemm call: its kernels' SASS (Mosaic's dump; Nsight's source page)
+#   sass [INSPECT ARGS]      one benchmarks.inspect_gemm call: its kernels' SASS (Mosaic's dump, its K loop counted by
+#                            benchmarks.sass_loop; Nsight's source page)
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
 #   hostile [ARGS]           benchmarks.hostile_gemms (large GEMMs, hostile layouts) under compute-sanitizer
 #   hostile-routing [ARGS]   benchmarks.hostile_routing (routing and scatter at 65,536 x 8) under compute-sanitizer
@@ -81,12 +82,17 @@ case $step in
   # module dump holds no PTX of a Pallas Triton kernel), Nsight Compute's source page — each SASS
   # instruction with its executed count and stall samples — as kernel_sass.csv.
   sass) mkdir -p "$out/mosaic"
-        JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_TO="$out/mosaic" ncu --clock-control none \
+        JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_TO="$out/mosaic" MOSAIC_GPU_DUMP_SASS=1 \
+          MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 ncu --clock-control none \
           -k "regex:${NCU_KERNEL:-gemm|mosaic}" -c 1 --section SourceCounters --section LaunchStats \
           -o "$out/kernel" -f python3 -W ignore -m benchmarks.inspect_gemm "$@" 2>&1 | tee "$out/sass.log" | tail -20
         ncu --import "$out/kernel.ncu-rep" --page source --print-source sass --csv > "$out/kernel_sass.csv" 2>&1 ||
           ncu --import "$out/kernel.ncu-rep" --page source --csv > "$out/kernel_sass.csv" 2>&1
-        head -c 400 "$out/kernel_sass.csv" ;;
+        head -c 400 "$out/kernel_sass.csv"
+        # The K loop of each dumped Mosaic kernel (benchmarks.sass_loop); the dump as one archive
+        # (a call returns few files).
+        find "$out/mosaic" -name "*.sass" -exec python3 -m benchmarks.sass_loop {} + 2>&1 | tee "$out/sass_loop.txt" | head -60
+        tar czf "$out/mosaic.tgz" -C "$out" mosaic && rm -rf "$out/mosaic" ;;
   # Each test in its own process, 8 at once: a sticky CUDA error (a misaligned or illegal access) stays in
   # its test instead of failing every later test of a pytest-xdist worker. PASS/FAIL lines in
   # tests_alone.txt; a failing test's log kept as alone_N.log.

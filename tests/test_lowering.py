@@ -404,3 +404,32 @@ def test_loads_in_loops_finds_the_loads_a_loop_waits_on():
         ]
     )
     assert loads_in_loops(ttgir) == ["tensor<128x1x!tt.ptr<bf16>, #b5>", "tensor<16x!tt.ptr<i32>, #b2>"]
+
+
+SASS_LOOP = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDS.64 R2, [R4] ;
+.L_x_3:
+        /*0020*/                   LOP3.LUT R5, R2, 0xf000f, RZ, 0xc0, !PT ;
+        /*0030*/                   HADD2.BF16_V2 R5, R5, -136, -136 ;
+        /*0040*/                   HMUL2.BF16_V2 R5, R5, R6 ;
+        /*0050*/                   HGMMA.64x176x16.F32.BF16 R24, R208, gdesc[UR12], R24 ;
+        /*0060*/                   HGMMA.64x176x16.F32.BF16 R112, gdesc[UR4], gdesc[UR12], R112 ;
+        /*0070*/               @P0 BRA `(.L_x_3) ;
+        /*0080*/                   LOP3.LUT R7, R2, 0xf, RZ, 0xc0, !PT ;
+        /*0090*/               @P1 BRA 0x10 ;
+        /*00a0*/                   EXIT ;
+"""
+
+
+def test_sass_loop_reads_the_wgmma_loop():
+    """The innermost loop that issues wgmma (labels and addresses as targets);
+    a register-operand HGMMA.64xNx16 feeds 64 x 16 / 128 = 8 weights a thread."""
+    from benchmarks import sass_loop
+
+    instructions = sass_loop.parse(SASS_LOOP)
+    assert [i.target for i in instructions if i.opcode == "BRA"] == [0x20, 0x10]
+    (loop,) = sass_loop.wgmma_loops(instructions)  # the loop around it holds another loop: not counted
+    assert len(loop.instructions) == 6
+    assert loop.histogram()["HADD2.BF16_V2"] == 1 and loop.register_weights() == 8
+    assert "0.75 instructions a weight" in sass_loop.report("k", SASS_LOOP)

@@ -1,0 +1,177 @@
+"""The K loop of a compiled GEMM kernel, read from its SASS: the innermost
+loop that issues wgmma (``HGMMA``), its instructions by opcode and — where
+the weight is the wgmma's register operand (the decoding swap tiles, ours and
+Humming's) — the instructions a thread issues per decoded weight: what a
+decode change must cut, compared between two kernels of the same problem.
+
+    python -m benchmarks.sass_loop OUT/s/mosaic/*.sass
+    python -m benchmarks.sass_loop --humming-cache DIR --signature "Shape<176,256,64>" \\
+        --signature "IntegerType<false,4>" --signature "Shape<0,28672,4096>"
+
+Reads SASS text as ``cuobjdump -sass`` or ``nvdisasm`` print it (an
+instruction a line after its ``/*address*/``; branch targets as addresses or
+``.L_x_N`` labels), or a cubin (disassembled with the ``cuobjdump`` on PATH
+or the one the ``triton`` package ships). ``--humming-cache`` finds the
+kernels of Humming's compile cache (each a folder with ``kernel.cubin`` and
+``signature.txt``, its template arguments) whose signature holds every
+``--signature`` text. Counts are of instructions as written in the loop
+body, once each (not as executed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+
+INSTRUCTION = re.compile(
+    r"/\*([0-9a-f]{4,})\*/\s+(?:\{\s*)?(@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)([^;]*);"
+)
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+TARGET = re.compile(r"BRA\s+(?:\.U\s+)?(?:`\((\.L_x_\d+)\)|(0x[0-9a-f]+))")
+HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)")
+THREADS_PER_WARPGROUP = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    address: int
+    opcode: str  # with its modifiers, e.g. HADD2.BF16_V2
+    operands: str
+    target: int | None  # a branch's target address
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    instructions: tuple[Instruction, ...]
+
+    def histogram(self) -> collections.Counter:
+        return collections.Counter(i.opcode for i in self.instructions)
+
+    def register_weights(self) -> int:
+        """Weights a thread feeds the loop's wgmmas from its registers: each
+        ``HGMMA.MxNxK`` whose first source is a register takes an M x K
+        fragment from its warpgroup's 128 threads."""
+        total = 0
+        for i in self.instructions:
+            shape = HGMMA.match(i.opcode)
+            sources = [s.strip() for s in i.operands.split(",")]
+            if shape and len(sources) > 1 and re.fullmatch(r"R\d+", sources[1]):
+                total += int(shape.group(1)) * int(shape.group(3)) // THREADS_PER_WARPGROUP
+        return total
+
+
+def parse(text: str) -> list[Instruction]:
+    """The instructions of a SASS listing, branch targets resolved to addresses."""
+    labels, pending, raw = {}, [], []
+    for line in text.splitlines():
+        label = LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        found = INSTRUCTION.search(line)
+        if not found:
+            continue
+        address = int(found.group(1), 16)
+        for name in pending:
+            labels[name] = address
+        pending = []
+        raw.append((address, found.group(3), found.group(4).strip(), TARGET.search(line)))
+    out = []
+    for address, opcode, operands, target in raw:
+        resolved = None
+        if target:
+            resolved = labels.get(target.group(1)) if target.group(1) else int(target.group(2), 16)
+        out.append(Instruction(address, opcode, operands, resolved))
+    return out
+
+
+def wgmma_loops(instructions: list[Instruction]) -> list[Loop]:
+    """The innermost loops that issue wgmma: each backward branch's range
+    (its target through the branch) holding an HGMMA and no other loop's
+    backward branch; longest first."""
+    ranges = []
+    for end, branch in enumerate(instructions):
+        if branch.target is None or branch.target > branch.address:
+            continue
+        start = next((i for i, ins in enumerate(instructions) if ins.address >= branch.target), None)
+        if start is not None:
+            ranges.append((start, end))
+    loops = []
+    for start, end in ranges:
+        inner = any(s >= start and e < end for s, e in ranges if (s, e) != (start, end))
+        body = tuple(instructions[start : end + 1])
+        if not inner and any(i.opcode.startswith("HGMMA") for i in body):
+            loops.append(Loop(body))
+    return sorted(loops, key=lambda loop: -len(loop.instructions))
+
+
+def disassemble(cubin: str) -> str:
+    """``cuobjdump -sass`` of a cubin (PATH's, or the one the triton package ships)."""
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        import triton
+
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+
+
+def humming_kernels(cache: str, signatures: list[str]) -> list[str]:
+    """Cubins of Humming's compile cache whose signature (spaces ignored) holds every text."""
+    wanted = [s.replace(" ", "") for s in signatures]
+    found = []
+    for entry in sorted(os.listdir(cache)):
+        folder = os.path.join(cache, entry)
+        signature = os.path.join(folder, "signature.txt")
+        cubin = os.path.join(folder, "kernel.cubin")
+        if os.path.exists(signature) and os.path.exists(cubin):
+            with open(signature) as f:
+                text = f.read().replace(" ", "").replace("\n", "")
+            if all(w in text for w in wanted):
+                found.append(cubin)
+    return found
+
+
+def report(name: str, text: str, top: int = 16) -> str:
+    loops = wgmma_loops(parse(text))
+    if not loops:
+        return f"{name}: no loop issues wgmma"
+    loop = loops[0]
+    size, weights = len(loop.instructions), loop.register_weights()
+    lines = [f"{name}: K loop of {size} instructions a thread"]
+    if weights:
+        lines[0] += f", {weights} weights from registers: {size / weights:.2f} instructions a weight"
+    for opcode, count in loop.histogram().most_common(top):
+        share = f"  ({count / weights:.2f} a weight)" if weights else ""
+        lines.append(f"  {count:5d}  {opcode}{share}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="*", help="SASS text files or cubins")
+    parser.add_argument("--humming-cache", help="Humming's compile cache (a folder of kernel folders)")
+    parser.add_argument("--signature", action="append", default=[], help="text the kernel's signature holds")
+    parser.add_argument("--top", type=int, default=16)
+    args = parser.parse_args(argv)
+    files = list(args.files)
+    if args.humming_cache:
+        files += humming_kernels(args.humming_cache, args.signature)
+    if not files:
+        parser.error("no SASS, cubin or matching Humming kernel")
+    for path in files:
+        if path.endswith(".cubin"):
+            text = disassemble(path)
+        else:
+            with open(path) as f:
+                text = f.read()
+        print(report(path, text, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
