@@ -1,5 +1,5 @@
 """The K loop of a compiled GEMM kernel, read from its SASS: the innermost
-loop that issues wgmma (``HGMMA``), its instructions by opcode and — where
+loop that issues wgmma (``HGMMA``, ``QGMMA``, ``IGMMA``), its instructions by opcode and — where
 the weight is the wgmma's register operand (the decoding swap tiles, ours and
 Humming's) — the instructions a thread issues per decoded weight: what a
 decode change must cut, compared between two kernels of the same problem.
@@ -33,7 +33,7 @@ INSTRUCTION = re.compile(
 )
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 TARGET = re.compile(r"BRA\s+(?:\.U\s+)?(?:`\((\.L_x_\d+)\)|(0x[0-9a-f]+))")
-HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)")
+WGMMA = re.compile(r"[HQIB]GMMA\.(\d+)x(\d+)x(\d+)")  # bf16/f16, fp8, int8, binary
 THREADS_PER_WARPGROUP = 128
 
 
@@ -52,13 +52,16 @@ class Loop:
     def histogram(self) -> collections.Counter:
         return collections.Counter(i.opcode for i in self.instructions)
 
+    def wgmma_count(self) -> int:
+        return sum(1 for i in self.instructions if WGMMA.match(i.opcode))
+
     def register_weights(self) -> int:
         """Weights a thread feeds the loop's wgmmas from its registers: each
-        ``HGMMA.MxNxK`` whose first source is a register takes an M x K
+        ``?GMMA.MxNxK`` whose first source is a register takes an M x K
         fragment from its warpgroup's 128 threads."""
         total = 0
         for i in self.instructions:
-            shape = HGMMA.match(i.opcode)
+            shape = WGMMA.match(i.opcode)
             sources = [s.strip() for s in i.operands.split(",")]
             if shape and len(sources) > 1 and re.fullmatch(r"R\d+", sources[1]):
                 total += int(shape.group(1)) * int(shape.group(3)) // THREADS_PER_WARPGROUP
@@ -92,22 +95,22 @@ def parse(text: str) -> list[Instruction]:
 
 def wgmma_loops(instructions: list[Instruction]) -> list[Loop]:
     """The innermost loops that issue wgmma: each backward branch's range
-    (its target through the branch) holding an HGMMA and no other loop's
-    backward branch; longest first."""
+    (its target through the branch) holding a wgmma where no smaller such
+    range lies inside it (a barrier's retry loop inside does not count);
+    densest in wgmma first (a tail's branch back into the loop makes longer,
+    sparser ranges)."""
     ranges = []
     for end, branch in enumerate(instructions):
         if branch.target is None or branch.target > branch.address:
             continue
         start = next((i for i, ins in enumerate(instructions) if ins.address >= branch.target), None)
-        if start is not None:
+        if start is not None and any(WGMMA.match(i.opcode) for i in instructions[start : end + 1]):
             ranges.append((start, end))
     loops = []
     for start, end in ranges:
-        inner = any(s >= start and e < end for s, e in ranges if (s, e) != (start, end))
-        body = tuple(instructions[start : end + 1])
-        if not inner and any(i.opcode.startswith("HGMMA") for i in body):
-            loops.append(Loop(body))
-    return sorted(loops, key=lambda loop: -len(loop.instructions))
+        if not any(s >= start and e <= end and (s, e) != (start, end) for s, e in ranges):
+            loops.append(Loop(tuple(instructions[start : end + 1])))
+    return sorted(loops, key=lambda loop: -loop.wgmma_count() / len(loop.instructions))
 
 
 def disassemble(cubin: str) -> str:
@@ -137,12 +140,12 @@ def humming_kernels(cache: str, signatures: list[str]) -> list[str]:
 
 
 def report(name: str, text: str, top: int = 16) -> str:
-    loops = wgmma_loops(parse(text))
-    if not loops:
-        return f"{name}: no loop issues wgmma"
-    loop = loops[0]
+    instructions = parse(text)
+    loops = wgmma_loops(instructions)
+    # No loop around the products (a K loop unrolled whole, one tile a program): the whole kernel.
+    loop, what = (loops[0], "K loop") if loops else (Loop(tuple(instructions)), "kernel (no wgmma loop)")
     size, weights = len(loop.instructions), loop.register_weights()
-    lines = [f"{name}: K loop of {size} instructions a thread"]
+    lines = [f"{name}: {what} of {size} instructions a thread, {loop.wgmma_count()} wgmma"]
     if weights:
         lines[0] += f", {weights} weights from registers: {size / weights:.2f} instructions a weight"
     for opcode, count in loop.histogram().most_common(top):
