@@ -977,26 +977,3 @@ def test_cluster_pairs_multicast(fmt, config):
     multicast = [line for line in paired.splitlines() if loads in line and "multicast_mask" in line]
     assert multicast and len(multicast) < sum(loads in line for line in paired.splitlines())
     assert "multicast_mask" not in alone
-
-
-@pytest.mark.parametrize("stages", [2, 3])
-def test_tiles_chained_where_the_slots_divide_the_steps(stages, rng):
-    """A program's tiles run as one chain of pipelines (the next tile's loads
-    into the slots the last steps free) where the stages divide the K steps
-    (4 steps: 2 stages chain, 3 do not); many tiles a program, an empty expert
-    and unowned rows — the interpreter checks every barrier's phases, the end
-    of the chain included."""
-    assert mosaic.chained_tiles(4, stages) == (stages == 2)
-    counts = (33, 0, 90, 17)
-    m, n, k = sum(counts) + 5, 256, 256
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(0, 0.1, (len(counts), n, k)), jnp.bfloat16)
-    tiles = mosaic.Tiles(64, 128, 64, stages=stages, group_m=2)
-    out = hj.gemm(
-        x, w, hj.GroupedContiguous(jnp.asarray(offsets)), out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND
-    )
-    want = _expected(x, w, offsets, m)
-    got = np.asarray(out, np.float64)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
-    assert np.all(got[offsets[-1] :] == 0)

@@ -473,11 +473,10 @@ def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False)
         store_rows(slot, cols, first_row, offset, rows, wg_m)
 
 
-def k_pipeline(step, context, *, steps: int, in_specs, stages: int, state=None):
+def k_pipeline(step, context, *, steps: int, in_specs, stages: int):
     """The warp-specialized pipeline over ``steps`` K steps: the memory
     warpgroup's TMA loads of ``in_specs``, ``stages`` in flight, ``step`` run by
-    the compute warpgroups with the carry ``context`` sets up. ``state``: this
-    tile's place in a chain of tiles (:func:`chained_tiles`), or None."""
+    the compute warpgroups with the carry ``context`` sets up."""
     return plgpu.emit_pipeline_warp_specialized(
         step,
         grid=(steps,),
@@ -487,37 +486,7 @@ def k_pipeline(step, context, *, steps: int, in_specs, stages: int, state=None):
         num_compute_wgs=COMPUTE_WGS,
         max_concurrent_steps=stages,
         compute_context=context,
-        pipeline_state=state,
     )
-
-
-def chained_tiles(steps: int, stages: int) -> bool:
-    """Whether a program's tiles run as one chain of pipelines: the memory
-    warpgroup loads the next tile's first steps into the slots the current
-    tile's last steps free, instead of waiting for them all to be consumed and
-    refilling while the epilogue runs. JAX's chain takes slot counts that
-    divide the steps (each tile starts at slot 0)."""
-    return steps % stages == 0
-
-
-def end_chain(allocations: dict, stages: int, started: jax.Array) -> None:
-    """The memory warpgroup waits for the last ``stages`` steps of its chain to
-    be consumed, as JAX's pipeline does at a chain's end — which a program
-    cannot name ahead (whether a later tile runs is known when its loop ends);
-    ``started``: whether the program ran any tile's pipeline."""
-    [consumed] = allocations["flat_consumed_barrier_refs"]
-
-    @pl.when((lax.axis_index("wg") == COMPUTE_WGS) & (started > 0))
-    def _():
-        for slot in range(stages):
-            plgpu.barrier_wait(consumed.at[slot])
-
-
-def chain_state(started: jax.Array):
-    """A tile's place in its program's chain: the first tile that runs a
-    pipeline starts it (its loads fill the slots), the others continue it; the
-    chain ends with the program's loop (:func:`end_chain`)."""
-    return jnp.where(started > 0, plgpu.PipelinePipeline.STEADY, plgpu.PipelinePipeline.START).astype(jnp.int32)
 
 
 def persistent_programs(interpret: bool) -> int:
@@ -726,7 +695,6 @@ def _kernel(
         ]
 
     pipeline = functools.partial(k_pipeline, steps=k // bk, in_specs=in_specs, stages=tiles.stages)
-    chained = chained_tiles(k // bk, tiles.stages)
 
     def operands(group, col_tile, load_row):
         """The pipeline's gmem inputs for one output tile."""
@@ -759,9 +727,8 @@ def _kernel(
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)  # the warpgroup's columns of the weight tile
         cn = tiles.cluster_n
 
-        # The carry: whether this program has run a tile's pipeline yet (its chain started).
-        @plgpu.nd_loop((row_tiles * col_tiles // cn,), collective_axes="sm", init_carry=jnp.int32(0))
-        def started(loop, carry):
+        @plgpu.nd_loop((row_tiles * col_tiles // cn,), collective_axes="sm")
+        def _(loop):
             (item,) = loop.index
             row_tile, col_tile = tile_order(item, row_tiles, col_tiles // cn, tiles.group_m)
             if cn > 1:  # the cluster's programs: adjacent column tiles of one row tile
@@ -835,22 +802,14 @@ def _kernel(
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            runs = (rows > 0) & (group < num_experts)
-
-            @pl.when(runs)
+            @pl.when((rows > 0) & (group < num_experts))
             def _():
                 body = step if decode is None else decode_step
-                state = chain_state(carry) if chained else None
-                pipeline(body, context, state=state)(*operands(group, col_tile, load_row), allocations=allocations)
+                pipeline(body, context)(*operands(group, col_tile, load_row), allocations=allocations)
 
             @pl.when((rows > 0) & (group >= num_experts) & (wg < COMPUTE_WGS))
             def _():  # rows no expert owns: zeros
                 store(jnp.zeros((wg_m, wg_n), o_gmem.dtype))
-
-            return jnp.where(runs, jnp.int32(1), carry)
-
-        if chained:
-            end_chain(allocations, tiles.stages, started)
 
     plgpu.wait_smem_to_gmem(0)
 

@@ -254,7 +254,6 @@ def _kernel(
         in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
     pipeline = functools.partial(mosaic.k_pipeline, steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages)
-    chained = mosaic.chained_tiles(k // BLOCK_K, tiles.stages)
 
     def operands(group, col_tile, load_row):
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
@@ -283,9 +282,8 @@ def _kernel(
         wg = lax.axis_index("wg")
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
 
-        # The carry: whether this program has run a tile's pipeline yet (mosaic.chain_state).
-        @plgpu.nd_loop((row_tiles * col_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
-        def started(loop, carry):
+        @plgpu.nd_loop((row_tiles * col_tiles,), collective_axes="sm")
+        def _(loop):
             (item,) = loop.index
             row_tile, col_tile = tile_order(item, row_tiles, col_tiles, tiles.group_m)
             group, load_row = table_ref[row_tile, 0], pl.multiple_of(table_ref[row_tile, 1], mosaic.ROW_ALIGN)
@@ -380,22 +378,18 @@ def _kernel(
                     total = total + (part * w_scale if scaling.w == "block" else part)
                 return (total, top) if scaling.mx else total
 
-            runs = (rows > 0) & (group < num_experts)
-
-            @pl.when(runs)
+            @pl.when((rows > 0) & (group < num_experts))
             def _():
-                step, context = (promoted_step, promoted_context) if scaling.per_step else (summed_step, summed_context)
-                state = mosaic.chain_state(carry) if chained else None
-                pipeline(step, context, state=state)(*operands(group, col_tile, load_row), allocations=allocations)
+                if scaling.per_step:
+                    pipeline(promoted_step, promoted_context)(
+                        *operands(group, col_tile, load_row), allocations=allocations
+                    )
+                else:
+                    pipeline(summed_step, summed_context)(*operands(group, col_tile, load_row), allocations=allocations)
 
             @pl.when((rows > 0) & (group >= num_experts) & (wg < mosaic.COMPUTE_WGS))
             def _():  # rows no expert owns: zeros
                 store(jnp.zeros((wg_m, wg_n), o_gmem.dtype))
-
-            return jnp.where(runs, jnp.int32(1), carry)
-
-        if chained:
-            mosaic.end_chain(allocations, tiles.stages, started)
 
     plgpu.wait_smem_to_gmem(0)
 
