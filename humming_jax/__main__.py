@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         help="time whole expert layers (each stage, host time, a torch bf16 layer) instead of the GEMMs",
     )
     bench.add_argument(
-        "--pipelines", nargs="+", default=list(layer_bench.PIPELINES), choices=list(layer_bench.PIPELINES)
+        "--pipelines",
+        nargs="+",
+        choices=list(layer_bench.PIPELINES),
+        help="with --layer (default: every one where there are several devices, else grouped and indexed)",
     )
     bench.add_argument(
         "--no-stages", action="store_true", help="with --layer: time whole layers only (a third of the compilations)"

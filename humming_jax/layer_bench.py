@@ -33,6 +33,16 @@ from humming_jax.timing import bandwidth_fields, event_sampler
 
 # ep: parallel.ep_experts over this machine's devices; ep_balanced: with EP_REDUNDANT copies a rank.
 PIPELINES = ("grouped", "indexed", "ep", "ep_balanced")
+LOCAL_PIPELINES = ("grouped", "indexed")
+
+
+def default_pipelines() -> tuple[str, ...]:
+    """Every pipeline where there are devices to spread the experts over; on
+    one device the expert-parallel ones run the local layer again (one rank,
+    its exchange a no-op): the grouped and indexed layers only."""
+    return PIPELINES if jax.device_count() > 1 else LOCAL_PIPELINES
+
+
 EP_REDUNDANT = 2
 # bf16, W4A16 int4 and MXFP4, W8A8 FP8-block and W4A8 (the anchor's pair names).
 LAYER_FORMATS = ("bf16", "int4_g128", "mxfp4", "w8a8_fp8_block128", "w4a8_mxfp4_fp8g128")
@@ -350,8 +360,10 @@ def format_row(r: dict) -> str:
     )
 
 
-def run_layers(problems, tokens, formats, pipelines=PIPELINES, on_row=None, with_stages: bool = True) -> list[dict]:
-    """Every case that the format's shapes allow; ``on_row(rows)`` after each."""
+def run_layers(problems, tokens, formats, pipelines=None, on_row=None, with_stages: bool = True) -> list[dict]:
+    """Every case that the format's shapes allow; ``on_row(rows)`` after each;
+    ``pipelines`` None: :func:`default_pipelines`."""
+    pipelines = pipelines or default_pipelines()
     rows = []
     for problem in problems:
         for t in tokens:
@@ -418,7 +430,12 @@ def layer_main(args) -> int:
         write_results(args.out, rows, quiet=True, copy_bandwidth=bench.COPY_BANDWIDTH, matmul_rate=bench.MATMUL_RATE)
 
     rows = run_layers(
-        args.problems, args.tokens, args.formats, args.pipelines, on_row=save, with_stages=not args.no_stages
+        args.problems,
+        args.tokens,
+        args.formats,
+        args.pipelines,
+        on_row=save,
+        with_stages=not args.no_stages,
     )
     save(rows)
     print(f"wrote {args.out}")

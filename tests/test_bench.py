@@ -719,6 +719,17 @@ def test_event_sampler_calibrates_and_rotates_the_sets(capturable):
     assert eager.captures == 0  # a call that reads back to the host is never captured
 
 
+def test_layer_bench_runs_the_expert_parallel_layers_where_there_are_devices(monkeypatch):
+    """On one device the expert-parallel pipelines would rerun the local layer:
+    the default leaves them out; with several it takes them all."""
+    from humming_jax import layer_bench
+
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    assert layer_bench.default_pipelines() == ("grouped", "indexed")
+    monkeypatch.setattr(jax, "device_count", lambda: 8)
+    assert layer_bench.default_pipelines() == layer_bench.PIPELINES
+
+
 def test_event_sampler_keeps_what_the_graph_reads_alive():
     """A graph replays its calls on the buffers they were captured with: the
     sampler keeps the launch (and what it closes over) alive as long as it
