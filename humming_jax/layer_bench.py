@@ -34,15 +34,6 @@ from humming_jax.timing import bandwidth_fields, event_sampler
 # ep: parallel.ep_experts over this machine's devices; ep_balanced: with EP_REDUNDANT copies a rank.
 PIPELINES = ("grouped", "indexed", "ep", "ep_balanced")
 LOCAL_PIPELINES = ("grouped", "indexed")
-
-
-def default_pipelines() -> tuple[str, ...]:
-    """Every pipeline where there are devices to spread the experts over; on
-    one device the expert-parallel ones run the local layer again (one rank,
-    its exchange a no-op): the grouped and indexed layers only."""
-    return PIPELINES if jax.device_count() > 1 else LOCAL_PIPELINES
-
-
 EP_REDUNDANT = 2
 # bf16, W4A16 int4 and MXFP4, W8A8 FP8-block and W4A8 (the anchor's pair names).
 LAYER_FORMATS = ("bf16", "int4_g128", "mxfp4", "w8a8_fp8_block128", "w4a8_mxfp4_fp8g128")
@@ -53,6 +44,13 @@ HOST_CALLS = 30
 # NVLink 4's peak in one direction for an H100 / H200 SXM GPU (its data sheet): what an EP
 # rank's exchange is held to (its dispatch and combine send and receive at once).
 LINK_GBPS = 450.0
+
+
+def default_pipelines() -> tuple[str, ...]:
+    """Every pipeline where there are devices to spread the experts over; on
+    one device the expert-parallel ones run the local layer again (one rank,
+    its exchange a no-op): the grouped and indexed layers only."""
+    return PIPELINES if jax.device_count() > 1 else LOCAL_PIPELINES
 
 
 @dataclasses.dataclass(frozen=True)
