@@ -13,8 +13,8 @@
 #   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call (the first NCU_COUNT,
 #                            default 1, kernels matching NCU_KERNEL, default "gemm|mosaic": moe_gemm_* of both
 #                            kernel families; with --humming and NCU_KERNEL=humming, Humming's kernel instead)
-#   sass [INSPECT ARGS]      one benchmarks.inspect_gemm call: its kernels' SASS (Mosaic's dump, its K loop counted by
-#                            benchmarks.sass_loop; Nsight's source page)
+#   sass [INSPECT ARGS]      one benchmarks.inspect_gemm call: its kernels' PTX, ptxas report and SASS (Mosaic's
+#                            dump, its K loop counted by benchmarks.sass_loop; NCU_SOURCE=1: Nsight's source page)
 #   sanitize TOOL [PYTEST ARGS]  compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over kernel tests
 #   hostile [ARGS]           benchmarks.hostile_gemms (large GEMMs, hostile layouts) under compute-sanitizer
 #   hostile-routing [ARGS]   benchmarks.hostile_routing (routing and scatter at 65,536 x 8) under compute-sanitizer
@@ -78,21 +78,24 @@ case $step in
              --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \
              python3 -W ignore -m benchmarks.inspect_gemm "$@" 2>&1 | tee "$out/profile.log" | tail -60 ;;
   # The kernels' SASS for one call, compiled afresh (a cached executable would skip the dump): Mosaic's own
-  # dump (PTX, ptxas report, SASS) and, for the first kernel matching NCU_KERNEL (Triton's included: XLA's
-  # module dump holds no PTX of a Pallas Triton kernel), Nsight Compute's source page — each SASS
-  # instruction with its executed count and stall samples — as kernel_sass.csv.
+  # dump (PTX, ptxas report — a "wgmma serialized" line says ptxas waits out each product —, SASS through
+  # the nvdisasm the triton package ships: the image has no CUDA toolkit on PATH), each K loop counted by
+  # benchmarks.sass_loop. With NCU_SOURCE=1 also Nsight Compute's source page for the first kernel matching
+  # NCU_KERNEL (Triton's included) — each SASS instruction with its executed count and stall samples — as
+  # kernel_sass.csv (a second run: ncu and the dump's nvdisasm in one process have crashed).
   sass) mkdir -p "$out/mosaic"
-        JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_TO="$out/mosaic" MOSAIC_GPU_DUMP_SASS=1 \
-          MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 ncu --clock-control none \
-          -k "regex:${NCU_KERNEL:-gemm|mosaic}" -c 1 --section SourceCounters --section LaunchStats \
-          -o "$out/kernel" -f python3 -W ignore -m benchmarks.inspect_gemm "$@" 2>&1 | tee "$out/sass.log" | tail -20
-        ncu --import "$out/kernel.ncu-rep" --page source --print-source sass --csv > "$out/kernel_sass.csv" 2>&1 ||
-          ncu --import "$out/kernel.ncu-rep" --page source --csv > "$out/kernel_sass.csv" 2>&1
-        head -c 400 "$out/kernel_sass.csv"
-        # The K loop of each dumped Mosaic kernel (benchmarks.sass_loop); the dump as one archive
-        # (a call returns few files).
+        bin=$(python3 -c "import os, triton; print(os.path.dirname(triton.__file__) + '/backends/nvidia/bin')")
+        PATH="$bin:$PATH" JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_TO="$out/mosaic" MOSAIC_GPU_DUMP_SASS=1 \
+          MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 \
+          python3 -W ignore -m benchmarks.inspect_gemm "$@" 2>&1 | tee "$out/sass.log" | tail -8
+        grep -H -E "serialized|spill|Used" "$out"/mosaic/*.ptxas | tee "$out/ptxas.txt"
         find "$out/mosaic" -name "*.sass" -exec python3 -m benchmarks.sass_loop {} + 2>&1 | tee "$out/sass_loop.txt" | head -60
-        tar czf "$out/mosaic.tgz" -C "$out" mosaic && rm -rf "$out/mosaic" ;;
+        if [ -n "${NCU_SOURCE:-}" ]; then
+          ncu --clock-control none -k "regex:${NCU_KERNEL:-gemm|mosaic}" -c 1 --section SourceCounters \
+            --section LaunchStats -o "$out/kernel" -f python3 -W ignore -m benchmarks.inspect_gemm "$@" > /dev/null 2>&1
+          ncu --import "$out/kernel.ncu-rep" --page source --print-source sass --csv > "$out/kernel_sass.csv" 2>&1
+        fi
+        tar czf "$out/mosaic.tgz" --exclude='*.mlir-passes.log' -C "$out" mosaic && rm -rf "$out/mosaic" ;;
   # Each test in its own process, 8 at once: a sticky CUDA error (a misaligned or illegal access) stays in
   # its test instead of failing every later test of a pytest-xdist worker. PASS/FAIL lines in
   # tests_alone.txt; a failing test's log kept as alone_N.log.

@@ -895,6 +895,25 @@ def test_register_counts_fit_the_launch(config):
     assert mosaic.COMPUTE_WGS * increase[0] + decrease[0] <= warpgroups * at_launch
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("fmt", ["int4_g128", pytest.param("mxfp4", marks=FULL)])
+def test_register_operands_retire_a_piece_behind(fmt):
+    """The decoding swap tile issues a step's four products with at most two
+    in flight (a ``wait_group 1`` after each but the last): the four pieces'
+    register operands beside a tall tile's accumulator outgrow the compute
+    warpgroup's 232 registers, and ptxas then waits out every wgmma before
+    issuing the next (its "wgmma serialized" report, seen on the 160-row
+    tile) — the decode never overlaps a product."""
+    from benchmarks import mosaic_ir
+    from benchmarks.inspect_gemm import parse_config
+
+    config = "mosaic:block_m=160,block_k=128,stages=3,swap_ab=1,word_decode=1"
+    text = mosaic_ir.mosaic_ir(fmt, (2, 512, 512), 256, parse_config(config))
+    waits = collections.Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", text))
+    assert text.count("wgmma.commit_group.sync.aligned") == mosaic.PIECES
+    assert waits["1"] == mosaic.PIECES - 1, waits
+
+
 def test_word_decode_is_for_4_bit_weights():
     x = jnp.zeros((64, 128), jnp.bfloat16)
     w = jnp.zeros((1, 256, 128), jnp.bfloat16)

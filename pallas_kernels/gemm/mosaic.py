@@ -790,6 +790,11 @@ def _kernel(
                 if swap:  # out.T += w_piece @ x_piece.T, the decoded piece as the register operand
                     for piece in range(PIECES):
                         plgpu.wgmma(acc_ref, piece_values(piece), x_pieces[piece].transpose((1, 0)))
+                        if piece < PIECES - 1:
+                            # The product before this one is done: its register operand is free.
+                            # Four pieces' operands beside the accumulator outgrow the 232
+                            # registers a thread, and ptxas then serializes every wgmma.
+                            plgpu.wgmma_wait(1)
                     plgpu.wgmma_wait(0)
                     return acc_ref
                 for piece in range(PIECES):
