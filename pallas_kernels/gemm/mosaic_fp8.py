@@ -355,9 +355,6 @@ def _kernel(
                             decoded = mx_e4m3.decode_piece(codes, scales, wg_slice, piece, scaling.half_bits)
                             columns = pl.ds(piece * mx_e4m3.MX_GROUP, mx_e4m3.MX_GROUP)
                             plgpu.wgmma(acc_ref, decoded, x_smem.at[:, columns].transpose((1, 0)))
-                            if piece < mx_e4m3.PIECES - 1:
-                                # at most two pieces' operands live: more and ptxas serializes the wgmmas
-                                plgpu.wgmma_wait(1)
                         return acc_ref[...]
                     # The last step's wgmma read the slot before its product was read back.
                     slot = stage.at[wg]
