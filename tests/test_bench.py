@@ -408,6 +408,8 @@ def test_candidates_by_rows_per_expert():
     one, eight, thirty_two = (search.candidates_for(rows) for rows in (1, 8, 32))
     split = lambda c: getattr(c, "split_k", 1) > 1  # noqa: E731  (Mosaic tiles never split K)
     assert any(map(split, one)) and not any(map(split, eight + thirty_two))
+    # and for 8-bit weights, which refuse the 4-bit decode options
+    assert any(split(c) and not (c.word_decode or c.pair_decode or c.swap_ab) for c in one)
     assert not any(c.block_m == 64 for c in eight)
     assert set(search.MID) <= set(thirty_two)
     assert search.candidates_for(64)[: len(search.PREFILL)] == search.PREFILL

@@ -56,6 +56,11 @@ DECODE = (
     _t(16, 64, 256, 4, 3, split_k=2, **_SWAP_PAIRS),
     _t(16, 64, 256, 4, 3, split_k=4, **_SWAP_PAIRS),
     _t(16, 64, 256, 4, 3, split_k=8, **_SWAP_PAIRS),
+    # Split K for 8-bit weights (the 4-bit decode options above are refused for them):
+    # a long K over few column tiles (mixtral's w2 at T=1: 128 programs) leaves SMs idle.
+    _t(16, 64, 256, 4, 3, split_k=2),
+    _t(16, 64, 256, 4, 3, split_k=4),
+    _t(16, 64, 256, 4, 3, split_k=8),
     _t(16, 256, 256, 8, 3, **_PAIRS),
     # Scaled inputs multiplied out to bf16 first: the weight-only tiles (refused for 16-bit inputs).
     _t(16, 128, 256, 4, 3, dequantize_input=True, **_PAIRS),
