@@ -243,8 +243,6 @@ def test_mxfp4_dequantized_first(quant_name, layout_kind, rng):
 
 SWAP = kernel.Tiles(128, 128, stages=2, group_m=2, swap_ab=True)  # out.T, the decoded step the A operand
 SWAP_WIDE = kernel.Tiles(64, 256, stages=2, group_m=2, swap_ab=True)
-# a decode-sized register form: 16 of x's rows as the wgmma's N
-SWAP_DECODE = kernel.Tiles(16, 256, stages=3, group_m=2, swap_ab=True)
 
 
 @pytest.mark.parametrize(
@@ -253,8 +251,6 @@ SWAP_DECODE = kernel.Tiles(16, 256, stages=3, group_m=2, swap_ab=True)
         (True, "fp8_dynamic_group128", SWAP, "grouped_contiguous", False),
         (False, "fp8_dynamic_token", SWAP_WIDE, "grouped_contiguous", True),
         (True, "fp8_dynamic_group128", SWAP, "indexed", False),
-        (True, "fp8_dynamic_group128", SWAP_DECODE, "grouped_contiguous", False),
-        pytest.param(True, "fp8_dynamic_group128", SWAP_DECODE, "indexed", True, marks=FULL),
         pytest.param(True, "fp8_dynamic_token", SWAP_WIDE, "grouped_masked", True, marks=FULL),
         pytest.param(False, "fp8_e5m2_dynamic_token", SWAP, "dense", False, marks=FULL),
     ],
@@ -401,10 +397,6 @@ def test_what_the_kernel_refuses(rng):
     assert "MXFP4: e8m0 per 32" in reason(F.to_planar(nvfp4), layouts["dense"])
     with pytest.raises(ValueError, match="block_m=32"):
         hj.gemm(x, block, layouts["grouped_contiguous"], tuning=kernel.Tiles(32, 256), backend="interpret")
-    # x's rows as the wgmma's N (the register form): any multiple of 8 to 128
-    mx = F.to_planar(k_order)
-    assert reason(mx, layouts["dense"], kernel.Tiles(8, 256, swap_ab=True)) is None
-    assert "a multiple of 8 to 128" in reason(mx, layouts["dense"], kernel.Tiles(12, 256, swap_ab=True))
     with pytest.raises(ValueError, match="block_m"):
         kernel.Tiles(block_m=0)
 
@@ -504,11 +496,7 @@ def test_lowers_for_the_gpu(scaling):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize(
-    "tiles",
-    [SWAP, SWAP_WIDE, SWAP_DECODE, dataclasses.replace(SWAP_DECODE, block_m=8), dataclasses.replace(SWAP, block_m=40)],
-    ids=["128x128", "64x256", "16x256", "8x256", "40x128"],
-)
+@pytest.mark.parametrize("tiles", [SWAP, SWAP_WIDE], ids=["128x128", "64x256"])
 def test_swap_ab_lowers_for_the_gpu(tiles):
     """The register-operand form lowers (layout inference included, which the
     interpreter never runs) with bf16 outputs, for group and token inputs."""

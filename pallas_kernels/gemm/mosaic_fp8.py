@@ -99,9 +99,7 @@ class Scaling:
 
 def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     """Why the static TMA boxes and wgmma tiles cannot take these shapes (None if they can)."""
-    if tiles.swap_ab and (tiles.wg_m % 8 or tiles.wg_m > 128):
-        return f"swap_ab with block_m={tiles.block_m} (x's rows are the wgmma's N: a multiple of 8 to 128)"
-    if not tiles.swap_ab and tiles.wg_m not in (64, 128):
+    if tiles.wg_m not in (64, 128):
         return f"block_m={tiles.block_m} (64 or 128: the wgmma's rows)"
     if tiles.wg_n % mosaic.EPILOGUE_COLUMNS or tiles.wg_n > 256:
         return f"block_n={tiles.block_n} (a multiple of {mosaic.COMPUTE_WGS * mosaic.EPILOGUE_COLUMNS}, at most 512)"
