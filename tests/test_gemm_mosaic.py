@@ -848,24 +848,29 @@ def test_the_offline_ir_tool_sees_the_decode():
 )
 def test_word_decode_shifts_32_bit_registers(fmt, config):
     """With ``word_decode`` the compiled module takes each nibble from the
-    32-bit registers that hold two codes (a shift, mask and or on ``i32`` per
-    pair); without it the same ops run on 16-bit lanes (``vector<2xi16>``,
-    whose shifts LLVM unpacks per lane). Both feed the same bf16 arithmetic."""
+    32-bit registers that hold two codes (a shift on ``i32``, then the mask
+    and the or as one ``lop3`` per pair: written apart, ptxas issues them as
+    two, each with its immediate); without it the same ops run on 16-bit
+    lanes (``vector<2xi16>``, whose shifts LLVM unpacks per lane). Both feed
+    the same bf16 arithmetic."""
     from benchmarks import mosaic_ir
     from benchmarks.inspect_gemm import parse_config
 
     def shifts(config: str) -> dict[str, int]:
         text = mosaic_ir.mosaic_ir(fmt, (2, 512, 512), 256, parse_config(config))
         ops = re.findall(r"arith\.(shrui|andi|ori) %\S+, %\S+ : (vector<1xi32>|vector<2xi16>)", text)
-        return collections.Counter(f"{op} {ty}" for op, ty in ops)
+        counts = collections.Counter(f"{op} {ty}" for op, ty in ops)
+        counts["lop3"] = len(re.findall(r"lop3\.b32 \$0, \$1, 0x000F000F", text))
+        return counts
 
     lanes = shifts(config)
     words = shifts(config + ",word_decode=1")
     # Pieces 1-3 of a unit shift, all four mask and or (16 registers of a 128 x 32 piece a thread).
-    assert lanes["shrui vector<2xi16>"] > 0 and lanes["shrui vector<1xi32>"] == 0
+    assert lanes["shrui vector<2xi16>"] > 0 and lanes["shrui vector<1xi32>"] == 0 and lanes["lop3"] == 0
     assert words["shrui vector<2xi16>"] == 0 and words["andi vector<2xi16>"] == 0
     assert words["shrui vector<1xi32>"] == lanes["shrui vector<2xi16>"]
-    assert words["andi vector<1xi32>"] == words["ori vector<1xi32>"] == lanes["ori vector<2xi16>"] > 0
+    assert words["lop3"] == lanes["ori vector<2xi16>"] > 0
+    assert words["andi vector<1xi32>"] == words["ori vector<1xi32>"] == 0
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

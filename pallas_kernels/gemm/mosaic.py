@@ -525,13 +525,17 @@ def _nibble_floats(codes, piece: int, dtype, words: bool):
             )
 
         pair = ir.VectorType.get((2,), mgpu.utils.dtype_to_ir_type(jnp.dtype(dtype)))
-        mask, high = splat(0x000F000F), splat(magic | magic << 16)
+        i32 = ir.IntegerType.get_signless(32)
+        # (bits & mask) | high as one lop3: ptxas does not fuse an and and an or that
+        # take two immediates (a LOP3 encodes one), so written apart they issue twice.
+        mask_or_high = f"lop3.b32 $0, $1, 0x000F000F, {magic | magic << 16:#010x}, 0xea;"
 
         def decode(register):
             bits = vector.bitcast(word, register)
             if piece:
                 bits = arith.shrui(bits, splat(4 * piece))
-            return vector.bitcast(pair, arith.ori(arith.andi(bits, mask), high))
+            fused = mgpu.utils.inline_ptx(mask_or_high, mgpu.utils.bitcast(bits, i32), result_types=i32)
+            return mgpu.utils.bitcast(fused, pair)
 
         registers = np.vectorize(decode, otypes=[object])(array.registers)
         return mgpu.FragmentedArray(_registers=registers, _layout=array.layout, _is_signed=None)
