@@ -89,7 +89,10 @@ case $step in
           MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 \
           python3 -W ignore -m benchmarks.inspect_gemm "$@" 2>&1 | tee "$out/sass.log" | tail -8
         grep -H -E "serialized|spill|Used" "$out"/mosaic/*.ptxas | tee "$out/ptxas.txt"
-        find "$out/mosaic" -name "*.sass" -exec python3 -m benchmarks.sass_loop {} + 2>&1 | tee "$out/sass_loop.txt" | head -60
+        # no SASS dumped (nvdisasm failed): the PTX through the triton package's ptxas (benchmarks.sass_loop)
+        kind=sass; [ -n "$(find "$out/mosaic" -name "*.sass")" ] || kind=ptx
+        PATH="$bin:$PATH" find "$out/mosaic" -name "*.$kind" -exec python3 -m benchmarks.sass_loop {} + 2>&1 |
+          tee "$out/sass_loop.txt" | head -60
         if [ -n "${NCU_SOURCE:-}" ]; then
           ncu --clock-control none -k "regex:${NCU_KERNEL:-gemm|mosaic}" -c 1 --section SourceCounters \
             --section LaunchStats -o "$out/kernel" -f python3 -W ignore -m benchmarks.inspect_gemm "$@" > /dev/null 2>&1

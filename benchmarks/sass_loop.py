@@ -5,13 +5,16 @@ Humming's) — the instructions a thread issues per decoded weight: what a
 decode change must cut, compared between two kernels of the same problem.
 
     python -m benchmarks.sass_loop OUT/s/mosaic/*.sass
+    python -m benchmarks.sass_loop OUT/s/mosaic/moe_gemm_mosaic_0.ptx
     python -m benchmarks.sass_loop --humming-cache DIR --signature "Shape<176,256,64>" \\
         --signature "IntegerType<false,4>" --signature "Shape<0,28672,4096>"
 
 Reads SASS text as ``cuobjdump -sass`` or ``nvdisasm`` print it (an
 instruction a line after its ``/*address*/``; branch targets as addresses or
-``.L_x_N`` labels), or a cubin (disassembled with the ``cuobjdump`` on PATH
-or the one the ``triton`` package ships). ``--humming-cache`` finds the
+``.L_x_N`` labels), a cubin (disassembled with the ``cuobjdump`` on PATH
+or the one the ``triton`` package ships), or PTX (a dump of ``gpu.sh OUT
+sass``: compiled here by that ``ptxas``, its report printed — registers,
+spills, serialized wgmmas —, so a kernel dumped once is read offline). ``--humming-cache`` finds the
 kernels of Humming's compile cache (each a folder with ``kernel.cubin`` and
 ``signature.txt``, its template arguments) whose signature holds every
 ``--signature`` text. Counts are of instructions as written in the loop
@@ -113,14 +116,53 @@ def wgmma_loops(instructions: list[Instruction]) -> list[Loop]:
     return sorted(loops, key=lambda loop: -loop.wgmma_count() / len(loop.instructions))
 
 
-def disassemble(cubin: str) -> str:
-    """``cuobjdump -sass`` of a cubin (PATH's, or the one the triton package ships)."""
-    tool = shutil.which("cuobjdump")
+def cuda_tool(name: str) -> str:
+    """A CUDA binary tool: PATH's, or the one the triton package ships."""
+    tool = shutil.which(name)
     if tool is None:
         import triton
 
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    return subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return tool
+
+
+def disassemble(cubin: str) -> str:
+    """``cuobjdump -sass`` of a cubin."""
+    return subprocess.run([cuda_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+
+
+PTX_VERSION = re.compile(r"^\.version \d+\.\d+$", re.M)
+PTXAS_NEWEST = re.compile(r"current version is '(\d+\.\d+)'")
+
+
+def for_ptxas(ptx: str, version: str) -> str:
+    """``ptx`` with its ``.version`` line set to ``version`` (a newer
+    compiler's PTX — Mosaic GPU's says 9.0 — for an older ptxas: the kernels
+    use nothing newer; ptxas says so if one does)."""
+    return PTX_VERSION.sub(f".version {version}", ptx, count=1)
+
+
+def assemble(ptx_path: str, arch: str = "sm_90a") -> tuple[str, str]:
+    """A PTX file (a dump of ``gpu.sh OUT sass``) compiled by ptxas: the
+    cubin's path and ptxas's report — register use, spills and whether it
+    serialized the wgmmas (its C7512 line). PTX newer than this ptxas takes
+    is retried at the version ptxas names."""
+    ptxas = cuda_tool("ptxas")
+    with open(ptx_path) as f:
+        text = f.read()
+    stem = os.path.splitext(ptx_path)[0]
+    source, cubin = stem + ".ptxas.ptx", stem + ".cubin"
+    for _ in range(2):
+        with open(source, "w") as f:
+            f.write(text)
+        done = subprocess.run([ptxas, f"-arch={arch}", "-v", source, "-o", cubin], capture_output=True, text=True)
+        newest = PTXAS_NEWEST.search(done.stderr)
+        if done.returncode == 0 or newest is None:
+            break
+        text = for_ptxas(text, newest[1])
+    if done.returncode:
+        raise RuntimeError(f"ptxas failed on {ptx_path}: {done.stderr.strip()[:400]}")
+    return cubin, done.stderr.strip()
 
 
 def humming_kernels(cache: str, signatures: list[str]) -> list[str]:
@@ -156,7 +198,7 @@ def report(name: str, text: str, top: int = 16) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("files", nargs="*", help="SASS text files or cubins")
+    parser.add_argument("files", nargs="*", help="SASS text files, cubins or PTX files (compiled by ptxas)")
     parser.add_argument("--humming-cache", help="Humming's compile cache (a folder of kernel folders)")
     parser.add_argument("--signature", action="append", default=[], help="text the kernel's signature holds")
     parser.add_argument("--top", type=int, default=16)
@@ -167,7 +209,11 @@ def main(argv=None) -> int:
     if not files:
         parser.error("no SASS, cubin or matching Humming kernel")
     for path in files:
-        if path.endswith(".cubin"):
+        if path.endswith(".ptx"):
+            cubin, ptxas_report = assemble(path)
+            print(ptxas_report)
+            text = disassemble(cubin)
+        elif path.endswith(".cubin"):
             text = disassemble(path)
         else:
             with open(path) as f:

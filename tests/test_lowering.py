@@ -4,6 +4,7 @@ and the loops and launches interpret mode runs differently: what the kernel
 tests cannot see without a GPU."""
 
 import math
+import os
 import re
 
 import jax
@@ -435,3 +436,34 @@ def test_sass_loop_reads_the_wgmma_loop():
     assert len(loop.instructions) == 7
     assert loop.histogram()["HADD2.BF16_V2"] == 1 and loop.register_weights() == 8
     assert "0.88 instructions a weight" in sass_loop.report("k", SASS_LOOP)
+
+
+def test_sass_loop_assembles_newer_ptx(tmp_path, monkeypatch):
+    """A PTX dump newer than the ptxas at hand is compiled at the version that
+    ptxas names (its error says which), and ptxas's report comes back: here
+    a stand-in ptxas that takes PTX 8.7 only."""
+    from benchmarks import sass_loop
+
+    fake = tmp_path / "ptxas"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "for a; do case $a in *.ptx) src=$a;; esac; done\n"
+        'if grep -qx ".version 9.0" "$src"; then\n'
+        "  echo \"ptxas fatal: Unsupported .version 9.0; current version is '8.7'\" >&2; exit 255; fi\n"
+        'echo "ptxas info    : Used 168 registers" >&2; exit 0\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    ptx = tmp_path / "k.ptx"
+    ptx.write_text("//\n.version 9.0\n.target sm_90a\n.version 9.0 stays in a comment\n")
+    cubin, report = sass_loop.assemble(str(ptx))
+    assert cubin == str(tmp_path / "k.cubin") and "Used 168 registers" in report
+    assert (tmp_path / "k.ptxas.ptx").read_text().splitlines()[1:] == [
+        ".version 8.7",
+        ".target sm_90a",
+        ".version 9.0 stays in a comment",
+    ]
+    with pytest.raises(RuntimeError, match="ptxas failed"):
+        ptx.write_text(".version 9.0\n")
+        fake.write_text("#!/bin/sh\necho 'ptxas fatal: syntax error' >&2; exit 1\n")
+        sass_loop.assemble(str(ptx))
