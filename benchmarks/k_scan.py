@@ -82,11 +82,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if len(args.ks) < 2:
         parser.error("--ks: at least two values of K to fit a line through")
-    for text in args.variant:
+    if args.variant:
         from benchmarks.ab_tilings import VARIANT, load_variant
 
-        name, _, path = text.rpartition("=")
-        load_variant(path, name or VARIANT)
+        for text in args.variant:
+            name, _, path = text.rpartition("=")
+            load_variant(path, name or VARIANT)
     tuning = tiles_text.gemm_from_text(args.config) if args.config else None
     results = [scan(args.problem, fmt, args.tokens, args.ks, args.layout, tuning) for fmt in args.fmt]
     write_results(args.out, results, quiet=True, config=args.config)

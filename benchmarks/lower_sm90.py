@@ -37,6 +37,7 @@ import types
 
 import numpy as np
 
+from benchmarks import sass_loop
 from benchmarks.inspect_gemm import parse_config
 
 
@@ -252,7 +253,7 @@ def compile_sm90(ttir_path: str, num_warps: int, num_stages: int) -> str:
                 f.write(text if isinstance(text, str) else text.decode())
     with open(f"{base}.cubin", "wb") as f:
         f.write(kernel.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = sass_loop.cuda_tool("cuobjdump")
     sass = subprocess.run([tool, "-sass", f"{base}.cubin"], capture_output=True, text=True, check=True).stdout
     usage = subprocess.run([tool, "-res-usage", f"{base}.cubin"], capture_output=True, text=True, check=True).stdout
     with open(f"{base}.sass", "w") as f:

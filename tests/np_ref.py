@@ -47,6 +47,12 @@ def to64(array) -> np.ndarray:
     return array.astype(np.float64)
 
 
+def scale_blocks(fmt):
+    """Block scales cover ``block_n`` x ``group_size`` elements (the last block of
+    an axis partial); other scales None (their shape says what they cover)."""
+    return (1, fmt.block_n, fmt.group_size) if fmt.scale_granularity.value == "block" else None
+
+
 def expand(scale: np.ndarray, shape, blocks=None) -> np.ndarray:
     """``scale`` repeated over ``shape``: each entry over ``blocks[axis]`` elements
     (default: the shape over the entries, rounded up), the last block partial."""
@@ -97,9 +103,7 @@ def dequantize_weight(weight) -> np.ndarray:
     if weight.k_major_scales:  # stored [E, K/g, N]
         scale = np.swapaxes(scale, 1, 2)
     scale = 2.0 ** (scale.astype(np.float64) - 127) if fmt.scale_type.value == "e8m0" else to64(scale)
-    # block scales cover block_n x group_size elements (the last block of an axis partial)
-    blocks = (1, fmt.block_n, fmt.group_size) if fmt.scale_granularity.value == "block" else None
-    out = v * (along_k(scale) if fmt.scale_granularity.value == "group" else expand(scale, v.shape, blocks))
+    out = v * (along_k(scale) if fmt.scale_granularity.value == "group" else expand(scale, v.shape, scale_blocks(fmt)))
     if weight.second_scale is not None:
         second = np.asarray(weight.second_scale, np.float64)
         out = out * (second.reshape(-1, 1, 1) if second.shape[0] == weight.shape[0] else second[0])

@@ -160,8 +160,7 @@ def _error_bound(weight, w):
         return np.maximum(np.abs(w) * 2.0**-11, 2.0**-25)  # f16: 11 bits; subnormal step 2^-24
     scale = np.asarray(weight.scale)
     scale = 2.0 ** (scale.astype(np.float64) - 127) if fmt.scale_type.value == "e8m0" else np_ref.to64(scale)
-    blocks = (1, fmt.block_n, fmt.group_size) if fmt.scale_granularity.value == "block" else None
-    s = np_ref.expand(scale, shape, blocks)
+    s = np_ref.expand(scale, shape, np_ref.scale_blocks(fmt))
     vt = fmt.value_type.value
     if vt in ("int4", "int8"):
         return 0.5 * s  # q = round(w/s) with |w|/s <= qmax(1 + scale rounding) < qmax + 0.5
