@@ -120,19 +120,24 @@ def gemm_launches(
     planar: bool = False,
     half_bits: bool = False,
     k_major_scales: bool = False,
+    activation: str | None = None,
 ) -> list[tuple[str, int, int]]:
     """TTIR of the grouped GEMM kernels of ``tokens`` tokens (top-8 of ``E``
     experts, or top-2 below 8) on an ``[E, N, K]`` weight of format ``fmt``
     (``WEIGHT`` or ``WEIGHT@INPUT`` as the bench takes it; in the planar
     nibble order with ``planar``; e2m1 codes in the decoder's bit order with
     ``half_bits``; group scales ``[E, K/g, N]`` with ``k_major_scales``;
-    ``tuning`` None: what the op chooses on an H200), with each launch's
-    warps and stages."""
+    ``tuning`` None: what the op chooses on an H200; ``activation``: applied
+    in the epilogue, gated kinds on rows interleaved by
+    ``formats.GATE_UP_BLOCK``), with each launch's warps and stages."""
+    import dataclasses
+
     import jax.numpy as jnp
 
     from humming_jax import formats as F
     from humming_jax import input_quant as Q
     from humming_jax import layouts as L
+    from humming_jax.activations import get_activation
     from humming_jax.bench import split_format
     from humming_jax.gemm import gemm
     from humming_jax.routing import moe_prepare_scatter
@@ -145,13 +150,17 @@ def gemm_launches(
     weight = F.quantize_weight(jnp.asarray(rng.normal(size=shape).astype(np.float32) * 0.02), weight_format)
     if planar:
         weight = F.to_planar(weight, half_bits=half_bits, k_major_scales=k_major_scales)
+    spec = get_activation(activation)
+    if spec is not None and spec.interleaves:
+        weight = F.interleave_gate_up(weight)
+        spec = dataclasses.replace(spec, gate_up_block=weight.gate_up_block)
     x = jnp.asarray(rng.normal(size=(tokens * top_k, k)), jnp.bfloat16)
     if quant.is_quantized:
         x = Q.quantize_input(x, quant, static_scale=jnp.float32(0.02) if quant.mode.is_static else None)
     layout = L.GroupedContiguous(moe_prepare_scatter(jnp.asarray(ids), e, backend="reference")[0])
 
     def run(x, weight, layout):
-        return gemm(x, weight, layout, tuning=tuning, backend="pallas")
+        return gemm(x, weight, layout, tuning=tuning, backend="pallas", activation=spec)
 
     return ttir_with_launch(run, x, weight, layout)
 
@@ -300,6 +309,7 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default="gemm")
     parser.add_argument("--planar", action="store_true", help="the weight in the planar nibble order (to_planar)")
     parser.add_argument("--half-bits", action="store_true", help="planar e2m1 codes in the decoder's bit order")
+    parser.add_argument("--activation", help="the GEMM applies this activation in its epilogue (e.g. silu)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.process:
@@ -309,7 +319,9 @@ def main(argv=None) -> int:
         parser.error("--config is required (or --process)")
     tuning = None if args.config == "auto" else parse_config(args.config)
     shape = tuple(int(v) for v in args.shape.split(","))
-    launches = gemm_launches(args.fmt, args.tokens, tuning, shape, args.planar, args.half_bits)
+    launches = gemm_launches(
+        args.fmt, args.tokens, tuning, shape, args.planar, args.half_bits, activation=args.activation
+    )
     return _write_and_compile(launches, args.out, args.name, "K loop")
 
 

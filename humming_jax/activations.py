@@ -1,8 +1,12 @@
 """Expert activations (DESIGN §3.3), computed in float32.
 
 Gated forms take ``[M, N]`` with gate = first half and up = second half
-(SWIGLUOAI: interleaved ``[g0, u0, g1, u1, ...]``) and return ``[M, N/2]``.
-The ``_NO_MUL`` forms act on the whole row and return ``[M, N]``.
+(SWIGLUOAI: interleaved ``[g0, u0, g1, u1, ...]``) and return ``[M, N/2]``;
+with ``gate_up_block`` c the halves are interleaved by blocks of c columns
+(``[g_0..g_{c-1}, u_0..u_{c-1}, g_c, ...]``: the order a GEMM tile of ``2c``
+columns needs to apply the activation in its epilogue, see
+:func:`humming_jax.formats.interleave_gate_up`). The ``_NO_MUL`` forms act on
+the whole row and return ``[M, N]``.
 """
 
 from __future__ import annotations
@@ -52,12 +56,17 @@ class ActivationSpec:
             SWIGLUSTEP: their limit (default 7); None: no clamp.
         alpha: SWIGLUOAI's sigmoid scale (default 1.702).
         beta: SWIGLUOAI's offset on ``u`` (default 1).
+        gate_up_block: 0: gate = the first half of the input, up = the second
+            (SWIGLUOAI: pairs); c > 0 (gated kinds but SWIGLUOAI): gate and up
+            interleaved by blocks of c columns, as w13's rows are stored by
+            :func:`humming_jax.formats.interleave_gate_up`.
     """
 
     kind: Activation = Activation.SILU
     clamp_limit: float | None = None
     alpha: float = 1.702
     beta: float = 1.0
+    gate_up_block: int = 0
 
     def __post_init__(self):
         try:
@@ -69,6 +78,14 @@ class ActivationSpec:
             object.__setattr__(self, "clamp_limit", 7.0)
         if self.kind == Activation.SWIGLUSTEP and self.clamp_limit is None:
             object.__setattr__(self, "clamp_limit", 7.0)
+        block = self.gate_up_block
+        if not isinstance(block, int) or isinstance(block, bool) or block < 0:
+            raise ValueError(f"ActivationSpec.gate_up_block: expected a non-negative int, got {block!r}")
+        if block and not self.interleaves:
+            raise ValueError(
+                f"ActivationSpec.gate_up_block: {self.kind.value!r} reads its input in its own order "
+                f"(blocks of gate and up columns are for silu, gelu, gelu_tanh and swiglustep), got {block}"
+            )
         if self.clamp_limit is not None:
             if self.kind not in (Activation.SILU, Activation.SWIGLUOAI, Activation.SWIGLUSTEP):
                 raise ValueError(
@@ -84,11 +101,21 @@ class ActivationSpec:
     def is_gated(self) -> bool:
         return self.kind.is_gated
 
+    @property
+    def interleaves(self) -> bool:
+        """Whether the kind may read gate and up interleaved by blocks (``gate_up_block``)."""
+        return self.is_gated and self.kind != Activation.SWIGLUOAI
+
     def output_width(self, n: int) -> int:
         """Width of the activation output for an ``[M, n]`` gate/up input."""
         if self.is_gated:
             if n % 2:
                 raise ValueError(f"activation {self.kind.value!r}: gated input width must be even, got {n}")
+            if self.gate_up_block and n % (2 * self.gate_up_block):
+                raise ValueError(
+                    f"activation {self.kind.value!r}: an input of {n} columns is not a whole number of "
+                    f"gate/up block pairs (gate_up_block={self.gate_up_block})"
+                )
             return n // 2
         return n
 
@@ -107,9 +134,16 @@ def get_activation(activation: str | Activation | ActivationSpec | None) -> Acti
     return ActivationSpec(activation)
 
 
-def _split_gate_up(x: jax.Array, interleaved: bool) -> tuple[jax.Array, jax.Array]:
-    if interleaved:
+def split_gate_up(x: jax.Array, spec: ActivationSpec) -> tuple[jax.Array, jax.Array]:
+    """(gate, up), each ``[..., N/2]``, of a gated activation's input ``x [..., N]``
+    in ``spec``'s order (halves, SWIGLUOAI's pairs, or blocks of ``gate_up_block``)."""
+    if spec.kind == Activation.SWIGLUOAI:
         return x[..., 0::2], x[..., 1::2]
+    block = spec.gate_up_block
+    if block:
+        pairs = x.reshape(*x.shape[:-1], x.shape[-1] // (2 * block), 2, block)
+        half = (*x.shape[:-1], x.shape[-1] // 2)
+        return pairs[..., 0, :].reshape(half), pairs[..., 1, :].reshape(half)
     half = x.shape[-1] // 2
     return x[..., :half], x[..., half:]
 
@@ -118,8 +152,8 @@ def apply_activation(x: jax.Array, activation: ActivationSpec | str | Activation
     """Apply an activation in float32.
 
     Args:
-        x: ``[..., N]``; gated activations read the gate in the first half of
-            the last axis and up in the second.
+        x: ``[..., N]``; gated activations read the gate and up columns in
+            the spec's order (:func:`split_gate_up`).
         activation: a name, an :class:`Activation` or an :class:`ActivationSpec`.
 
     Returns:
@@ -138,7 +172,7 @@ def apply_activation(x: jax.Array, activation: ActivationSpec | str | Activation
     if kind == Activation.RELU2_NO_MUL:
         return jnp.square(jax.nn.relu(x))
 
-    gate, up = _split_gate_up(x, interleaved=kind == Activation.SWIGLUOAI)
+    gate, up = split_gate_up(x, spec)
     limit = spec.clamp_limit
     if kind == Activation.SILU:
         if limit is not None:

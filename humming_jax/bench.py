@@ -370,7 +370,7 @@ def _rows_by_expert(layout, m_out: int) -> dict[int, tuple[np.ndarray, np.ndarra
 def _expert_sums(x, weight, expert, out, rows_in, rows_out, valid):
     """(Σ(out − ref)², Σref²) over the rows of ``expert`` (``rows_*`` padded,
     ``valid`` marks the real ones): ref a float32 product with its dequantized weight."""
-    w = F.dequantize_weight(_one_expert(weight, expert))[0]
+    w = F.dequantize_weight(_one_expert(weight, expert), stored_rows=True)[0]
     ref = jnp.dot(x[rows_in].astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
     got = out[rows_out].astype(jnp.float32)
     keep = valid[:, None]

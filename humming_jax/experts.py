@@ -20,9 +20,10 @@ from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import routing
 from humming_jax import tuning as T
+from humming_jax.activations import ActivationSpec
 from humming_jax.backend import resolve_backend
 from humming_jax.configs import ExpertsConfig
-from humming_jax.gemm import FLOAT_INPUTS, as_weight, format_spec, gemm, plan
+from humming_jax.gemm import FLOAT_INPUTS, as_weight, format_spec, gemm, plan, takes_activation
 from humming_jax.process_input import check_dequantize, process_input
 from humming_jax.sharding import token_parallel
 from humming_jax.tuning.heuristic import BYTE_PAIRS_MOSAIC_MIN_M
@@ -54,7 +55,9 @@ class ExpertWeights:
 
     Attributes:
         w13: gate and up projections, ``[E, N13, H]`` in the config's weight
-            format (``N13 = 2·I`` for gated activations, else ``I``).
+            format (``N13 = 2·I`` for gated activations, else ``I``): gate
+            rows then up rows, or interleaved by blocks
+            (``w13.gate_up_block``, :func:`to_kernel_order`).
         w2: down projection, ``[E, H, I]`` in the config's w2 format.
         w13_input_scale: f32 ``[1]``, the static input scale of w13's input
             (static input modes only), else None.
@@ -111,9 +114,11 @@ def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeig
     """Repack 4-bit codes in the order the GEMM kernels read without a split
     copy of the activations (:func:`formats.to_planar`, the same values); e2m1
     codes with bf16 compute also in the pair decoder's bit order; e8m0 group
-    scales in the order the Mosaic kernels read them. What
-    :func:`quantize_experts`, ``load_experts`` and the NNX modules give; weights
-    in K order still run, slower.
+    scales in the order the Mosaic kernels read them; a gated w13's gate and
+    up rows interleaved by :data:`formats.GATE_UP_BLOCK` (where its format
+    allows: :func:`formats.interleave_gate_up`), so that its GEMM tiles apply
+    the activation themselves. What :func:`quantize_experts`, ``load_experts``
+    and the NNX modules give; weights in K order or in halves still run, slower.
 
     Args:
         weights: the layer's :class:`ExpertWeights`.
@@ -122,8 +127,8 @@ def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeig
 
     Returns:
         The same weights, 4-bit codes planar, e8m0 group scales (MXFP4,
-        MXFP8) ``[E, K/32, N]`` (:func:`formats.k_major_scales_preferred`);
-        other 16- and 8-bit weights unchanged.
+        MXFP8) ``[E, K/32, N]`` (:func:`formats.k_major_scales_preferred`),
+        w13's rows interleaved; other 16- and 8-bit weights unchanged.
     """
     half_bits = F.planar_half_bits(config.compute_dtype, config.input_quant)
 
@@ -131,7 +136,24 @@ def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeig
         k_major = F.k_major_scales_preferred(weight.format)
         return F.to_planar(weight, half_bits=half_bits, k_major_scales=k_major)
 
-    return dataclasses.replace(weights, w13=ordered(weights.w13), w2=ordered(weights.w2))
+    w13 = ordered(weights.w13)
+    if interleaves_gate_up(w13, config):
+        w13 = F.interleave_gate_up(w13, F.GATE_UP_BLOCK)
+    return dataclasses.replace(weights, w13=w13, w2=ordered(weights.w2))
+
+
+def interleaves_gate_up(w13: F.QuantizedWeight, config: ExpertsConfig) -> bool:
+    """Whether :func:`to_kernel_order` interleaves this w13's gate and up rows:
+    a gated activation that reads blocks (not SWIGLUOAI's pairs), rows in
+    halves, and a format and N that blocks of :data:`formats.GATE_UP_BLOCK` fit."""
+    if not config.activation.interleaves or w13.gate_up_block:
+        return False
+    return F.gate_up_block_refusal(w13.format, w13.n, F.GATE_UP_BLOCK) is None
+
+
+def w13_activation(config: ExpertsConfig, weights: ExpertWeights) -> ActivationSpec:
+    """The layer's activation reading w13's output in its rows' order (``w13.gate_up_block``)."""
+    return dataclasses.replace(config.activation, gate_up_block=weights.w13.gate_up_block)
 
 
 def check_weights(weights: ExpertWeights, config: ExpertsConfig) -> None:
@@ -159,6 +181,12 @@ def check_weights(weights: ExpertWeights, config: ExpertsConfig) -> None:
         if weight.format != layer.weight_format:
             raise ValueError(f"weights.{name}: format {weight.format.name!r} != config {layer.weight_format.name!r}")
         weight.validate(f"weights.{name}")
+        if weight.gate_up_block and (name == "w2" or not config.activation.interleaves):
+            raise ValueError(
+                f"weights.{name}.gate_up_block: rows interleaved by {weight.gate_up_block}, but only a gated w13 "
+                f"whose activation reads blocks (not {config.activation.kind.value!r}) is stored so "
+                "(formats.gate_up_halves)"
+            )
         scale = getattr(weights, f"{name}_input_scale")
         if layer.input_quant.mode.is_static and scale is None:
             raise ValueError(f"weights.{name}_input_scale: input mode {layer.input_quant.name!r} needs a static scale")
@@ -288,7 +316,7 @@ def _down_input(gate_up, config: ExpertsConfig, weights: ExpertWeights, backend,
     return process_input(
         gate_up,
         config.w2_input_quant,
-        activation=config.activation,
+        activation=w13_activation(config, weights),
         hadamard_block_size=config.w2_hadamard_block_size,
         static_scale=weights.w2_input_scale,
         compute_dtype=jnp.dtype(config.compute_dtype),
@@ -296,6 +324,40 @@ def _down_input(gate_up, config: ExpertsConfig, weights: ExpertWeights, backend,
         dequantize=dequantize,
         **layout_kwargs,
     )
+
+
+def _activated_down_input(activated, config: ExpertsConfig, weights: ExpertWeights, backend, dequantize=False):
+    """Hadamard + quantization of the w2 input after w13's tiles applied the
+    activation (``activated``: rows no expert owns already zero, so no row
+    bound: without a rotation or quantization, no launch)."""
+    return process_input(
+        activated,
+        config.w2_input_quant,
+        hadamard_block_size=config.w2_hadamard_block_size,
+        static_scale=weights.w2_input_scale,
+        compute_dtype=jnp.dtype(config.compute_dtype),
+        backend=backend,
+        dequantize=dequantize,
+    )
+
+
+def _w13_with_activation(config: ExpertsConfig, weights: ExpertWeights, x, layout, backend, **gemm_kwargs) -> dict:
+    """w13's stage: ``activated`` (the activation applied by the GEMM's tiles,
+    where one takes it: :func:`takes_activation`) or ``gate_up`` (the sums, for
+    the activation stage's pass)."""
+    activation = w13_activation(config, weights)
+    if takes_activation(x, weights.w13, layout, activation, backend=backend, **gemm_kwargs):
+        return dict(
+            gate_up=None, activated=gemm(x, weights.w13, layout, activation=activation, backend=backend, **gemm_kwargs)
+        )
+    return dict(gate_up=gemm(x, weights.w13, layout, backend=backend, **gemm_kwargs), activated=None)
+
+
+def _down_input_stage(s: dict, config: ExpertsConfig, backend, dequantize: bool, **layout_kwargs):
+    """The activation stage's w2 input: a pass over w13's sums, or over the activated rows."""
+    if s["activated"] is not None:
+        return _activated_down_input(s["activated"], config, s["weights"], backend, dequantize)
+    return _down_input(s["gate_up"], config, s["weights"], backend, dequantize=dequantize, **layout_kwargs)
 
 
 def multiplied_out_tiles(config: ExpertsConfig, name: str, weight, layout, rows: int, valid_m: int, backend):
@@ -438,13 +500,16 @@ def _grouped_layout_stages(config: ExpertsConfig, backend: str | None) -> tuple[
         return gemm(x, getattr(s["weights"], name), layout, **gemm_kwargs(s), tuning=tiles)
 
     def w13(s):
-        return dict(gate_up=grouped_gemm(s, "w13", s["gate_up_input"]))
+        x = s["gate_up_input"]
+        layout = L.GroupedContiguous(s["offsets"])
+        tiles = multiplied_out(s, "w13") if not x.spec.is_quantized else None
+        kwargs = {**gemm_kwargs(s), "tuning": tiles}
+        del kwargs["backend"]
+        return _w13_with_activation(config, s["weights"], x, layout, backend, **kwargs)
 
     def activation(s):
         dequantize = multiplied_out(s, "w2") is not None
-        down_input = _down_input(
-            s["gate_up"], config, s["weights"], backend, dequantize=dequantize, num_valid_tokens=s["offsets"][-1:]
-        )
+        down_input = _down_input_stage(s, config, backend, dequantize, num_valid_tokens=s["offsets"][-1:])
         return dict(down_input=down_input)
 
     def w2(s):
@@ -665,11 +730,15 @@ def _indexed_layout_stages(
         return gemm(x, getattr(s["weights"], name), layout_of(s, name), **gemm_kwargs(s), tuning=tiles)
 
     def w13(s):
-        return dict(gate_up=indexed_gemm(s, "w13", s["gate_up_input"]))
+        x = s["gate_up_input"]
+        tiles = multiplied_out(s, "w13") if not x.spec.is_quantized else None
+        kwargs = {**gemm_kwargs(s), "tuning": tiles}
+        del kwargs["backend"]
+        return _w13_with_activation(config, s["weights"], x, layout_of(s, "w13"), backend, **kwargs)
 
     def activation(s):
         dequantize = multiplied_out(s, "w2") is not None
-        return dict(down_input=_down_input(s["gate_up"], config, s["weights"], backend, dequantize=dequantize))
+        return dict(down_input=_down_input_stage(s, config, backend, dequantize))
 
     def w2(s):
         return dict(down=indexed_gemm(s, "w2", s["down_input"]))
@@ -755,9 +824,10 @@ def batched_humming_grouped_experts(
         )
     else:
         gate_up_input = process_input(hidden_states, config.input_quant, input_scale=a1q_scale, backend=backend)
-    gate_up = gemm(gate_up_input, weights.w13, layout, **gemm_kwargs)
-    down_input = _down_input(
-        gate_up, config, weights, backend, layout="grouped_mask", expert_num_tokens=expert_num_tokens
+    kwargs = {name: value for name, value in gemm_kwargs.items() if name != "backend"}
+    state = {"weights": weights, **_w13_with_activation(config, weights, gate_up_input, layout, backend, **kwargs)}
+    down_input = _down_input_stage(
+        state, config, backend, False, layout="grouped_mask", expert_num_tokens=expert_num_tokens
     )
     down = gemm(down_input, weights.w2, layout, **gemm_kwargs)
     return down.reshape(num_experts, max_tokens, config.hidden_size)

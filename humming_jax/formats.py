@@ -324,6 +324,8 @@ class QuantizedWeight:
         nibble_unit: 0 for codes in K order, else the planar order's unit (:func:`to_planar`).
         half_bits: planar e2m1 codes with each 16-bit half in the pair decoder's bit order.
         k_major_scales: group scales stored ``[E, K/g, N]`` (:func:`to_planar`).
+        gate_up_block: 0, or a gated w13's gate and up rows interleaved by
+            blocks of this many (:func:`interleave_gate_up`).
     """
 
     values: jax.Array
@@ -344,6 +346,9 @@ class QuantizedWeight:
     # Group scales stored [E, K/g, N]: the order the Mosaic kernels' TMA reads
     # them in, so no call transposes them (see to_planar).
     k_major_scales: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # A gated w13 whose rows are [g_0..g_{c-1}, u_0..u_{c-1}, g_c, ...] for c > 0: a GEMM
+    # tile of 2c columns holds both halves of c outputs and applies the activation itself.
+    gate_up_block: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def num_experts(self) -> int:
@@ -369,6 +374,9 @@ class QuantizedWeight:
                 f"{argument}.nibble_unit: expected 0 (K order) or {planar_unit(fmt, k)} (planar) for format "
                 f"{fmt.name!r} and K={k}, got {self.nibble_unit}"
             )
+        reason = gate_up_block_refusal(fmt, n, self.gate_up_block) if self.gate_up_block else None
+        if reason:
+            raise ValueError(f"{argument}.gate_up_block: {reason}")
         if self.k_major_scales and not _orders_scales(self):
             raise ValueError(
                 f"{argument}.k_major_scales: only per-group scales without a group index have it, not {fmt.name!r}"
@@ -763,17 +771,23 @@ def decode_zero_point(weight: QuantizedWeight) -> jax.Array | None:
     return weight.zero_point.astype(jnp.float32)
 
 
-def dequantize_weight(weight: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+def dequantize_weight(weight: QuantizedWeight, dtype=jnp.float32, stored_rows: bool = False) -> jax.Array:
     """Dequantize: ``(value − zero) · scale · second_scale``.
 
     Args:
         weight: a :class:`QuantizedWeight` (any order).
         dtype: the output dtype (default float32).
+        stored_rows: rows in the order they are stored (a w13 interleaved by
+            :func:`interleave_gate_up` as the GEMM reads it) instead of the
+            logical order (gate rows, then up rows).
 
     Returns:
         ``[E, N, K]`` in ``dtype``.
     """
-    return _dequantized(weight, jnp.dtype(dtype))
+    values = _dequantized(weight, jnp.dtype(dtype))
+    if weight.gate_up_block and not stored_rows:
+        return jnp.take(values, jnp.asarray(np.argsort(gate_up_rows(weight.n, weight.gate_up_block))), axis=1)
+    return values
 
 
 @functools.partial(jax.jit, static_argnames="dtype")
@@ -796,3 +810,98 @@ def _dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
         second = weight.second_scale.astype(jnp.float32)
         out = out * (second.reshape(-1, 1, 1) if second.shape[0] == weight.num_experts else second[0])
     return out.astype(dtype)
+
+
+# ---------------------------------------------------------------------------
+# gate and up rows of w13 interleaved by blocks
+# ---------------------------------------------------------------------------
+
+# The block w13's gate and up rows are interleaved in (to_kernel_order): the
+# decode tiles' 64 columns hold 32 outputs' gate and up sums.
+GATE_UP_BLOCK = 32
+
+
+def gate_up_block_refusal(fmt: WeightFormat, n: int, block: int) -> str | None:
+    """Why an ``[E, n, K]`` weight in ``fmt`` cannot store its gate and up rows
+    interleaved by blocks of ``block`` (None if it can)."""
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        return f"expected a positive int, got {block!r}"
+    if n % (2 * block):
+        return f"N={n} is not a whole number of gate/up pairs of {block}-row blocks"
+    blocks = fmt.scale_blocks()
+    if blocks is not None and block % blocks[1]:
+        return f"format {fmt.name!r} scales blocks of {blocks[1]} rows: gate/up blocks of {block} would split them"
+    return None
+
+
+def gate_up_rows(n: int, block: int) -> np.ndarray:
+    """Row r of the interleaved order holds row ``gate_up_rows(n, block)[r]`` of
+    gate-then-up rows: ``[g_0..g_{c-1}, u_0..u_{c-1}, g_c, ...]`` (c = ``block``)."""
+    r = np.arange(n)
+    pair, within = r // (2 * block), r % (2 * block)
+    return np.where(within < block, pair * block + within, n // 2 + pair * block + within - block)
+
+
+def _rows_reordered(weight: QuantizedWeight, rows: np.ndarray, gate_up_block: int) -> QuantizedWeight:
+    """``weight`` with its rows (values, N-indexed scales, zero points, bias) in the order ``rows``."""
+    fmt = weight.format
+    take = functools.partial(jnp.take, indices=jnp.asarray(rows))
+    scale = weight.scale
+    if scale is not None and fmt.scale_granularity in (ScaleGranularity.CHANNEL, ScaleGranularity.GROUP):
+        scale = take(scale, axis=2 if weight.k_major_scales else 1)
+    elif scale is not None and fmt.scale_granularity == ScaleGranularity.BLOCK:
+        per = fmt.scale_blocks()[1]
+        scale = take(scale, indices=jnp.asarray(rows[::per] // per), axis=1)
+    return dataclasses.replace(
+        weight,
+        values=take(weight.values, axis=1),
+        scale=scale,
+        zero_point=None if weight.zero_point is None else take(weight.zero_point, axis=1),
+        bias=None if weight.bias is None else take(weight.bias, axis=1),
+        gate_up_block=gate_up_block,
+    )
+
+
+def interleave_gate_up(weight: QuantizedWeight, block: int = GATE_UP_BLOCK) -> QuantizedWeight:
+    """A gated w13 (gate rows, then up rows) with its rows interleaved by
+    blocks of ``block``: ``[g_0..g_{c-1}, u_0..u_{c-1}, g_c, ...]`` — the same
+    values, so that a GEMM tile of ``2·block`` columns holds both halves of
+    ``block`` outputs and applies the activation in its epilogue.
+
+    Args:
+        weight: ``[E, 2I, K]`` in gate/up halves (``gate_up_block`` 0).
+        block: rows a block (a multiple of the format's row blocks of scales).
+
+    Returns:
+        The weight with ``gate_up_block=block``; one already interleaved by
+        ``block`` as it is.
+
+    Raises:
+        ValueError: the weight is interleaved by another block, or the format
+            or N cannot be cut into blocks of ``block``.
+    """
+    if weight.gate_up_block == block:
+        return weight
+    if weight.gate_up_block:
+        raise ValueError(
+            f"weight.gate_up_block: interleaved by {weight.gate_up_block} already (gate_up_halves first), asked {block}"
+        )
+    reason = gate_up_block_refusal(weight.format, weight.n, block)
+    if reason:
+        raise ValueError(f"interleave_gate_up: block: {reason}")
+    return _rows_reordered(weight, gate_up_rows(weight.n, block), block)
+
+
+def gate_up_halves(weight: QuantizedWeight) -> QuantizedWeight:
+    """The inverse of :func:`interleave_gate_up`.
+
+    Args:
+        weight: a w13 interleaved by blocks (``gate_up_block`` > 0), or not.
+
+    Returns:
+        The weight with its gate rows, then its up rows (``gate_up_block`` 0);
+        one in halves as it is.
+    """
+    if not weight.gate_up_block:
+        return weight
+    return _rows_reordered(weight, np.argsort(gate_up_rows(weight.n, weight.gate_up_block)), 0)

@@ -2,7 +2,8 @@
 tiling, and the pure-``jnp`` reference that defines what the kernels compute.
 
 ``out[r] = dequant(x)[r_in] @ dequant(w[e]).T + bias[e]`` for every live row
-of the layout, accumulated in float32; rows no group owns are zero. The op
+of the layout, accumulated in float32 (then ``act(out[r])`` with an
+``activation``, gate and up in the weight's row order); rows no group own are zero. The op
 lists candidate tilings (the caller's, else the tuning table's entries, then
 the heuristic's) and runs the first whose kernel ``supports`` the call
 (kernels: ``pallas_kernels/gemm/``; notes: ``benchmarks/notes/gemm.md``).
@@ -21,6 +22,7 @@ from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import tuning as T
+from humming_jax.activations import ActivationSpec, apply_activation, get_activation
 from humming_jax.backend import no_kernel, reference_gradient, resolve_backend
 from pallas_kernels import gemm as kernels
 from pallas_kernels.gemm import mosaic, spec, triton
@@ -98,10 +100,18 @@ def _per_expert_products(x32: jax.Array, w32: jax.Array, row_expert: jax.Array) 
     return out
 
 
-def gemm_reference(x: Q.QuantizedInput, weight: F.QuantizedWeight, layout: L.Layout, out_dtype) -> jax.Array:
+def gemm_reference(
+    x: Q.QuantizedInput,
+    weight: F.QuantizedWeight,
+    layout: L.Layout,
+    out_dtype,
+    activation: ActivationSpec | None = None,
+) -> jax.Array:
     """The semantics of :func:`gemm` in float32 ``jnp`` (no validation)."""
+    if activation is not None:  # on the f32 sums, rounded once (as a tile's epilogue does)
+        return apply_activation(gemm_reference(x, weight, layout, jnp.float32), activation).astype(out_dtype)
     x32 = Q.dequantize_input(x)
-    w32 = F.dequantize_weight(weight)
+    w32 = F.dequantize_weight(weight, stored_rows=True)
     bias = None if weight.bias is None else weight.bias.astype(jnp.float32)
     if isinstance(layout, L.Indexed):
         rows_in, rows_out, expert, live = L.indexed_entries(layout, x.m, weight.num_experts)
@@ -121,7 +131,7 @@ def gemm_reference(x: Q.QuantizedInput, weight: F.QuantizedWeight, layout: L.Lay
 GemmTiles = triton.Tiles | mosaic.Tiles
 
 
-_GEMM_STATIC = ("out_dtype", "use_f16_accum", "batch_invariant", "valid_shape_m", "tuning", "backend")
+_GEMM_STATIC = ("out_dtype", "use_f16_accum", "batch_invariant", "valid_shape_m", "tuning", "backend", "activation")
 
 
 @functools.partial(jax.jit, static_argnames=_GEMM_STATIC)
@@ -137,6 +147,7 @@ def gemm(
     valid_shape_m: int | None = None,
     tuning: GemmTiles | None = None,
     backend: str | None = None,
+    activation: ActivationSpec | str | None = None,
 ) -> jax.Array:
     """The expert GEMM (Humming's grouped / indexed GEMM): ``x`` times each
     row's expert weight over ``layout``. :func:`plan` says what a call runs.
@@ -155,10 +166,14 @@ def gemm(
             runs as given or raises with the kernel's reason; None: the table's
             entry, else the heuristic.
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+        activation: applied to the f32 sums before they are stored (a gated
+            kind reads gate and up in the order its ``gate_up_block`` says,
+            which must be the weight's ``gate_up_block``) — what
+            :func:`takes_activation` says a kernel can do; None: none.
 
     Returns:
-        ``[M_out, N]`` in ``out_dtype`` (``M_out = M·top_k`` for :class:`Indexed`);
-        rows no expert owns are zero.
+        ``[M_out, N]`` in ``out_dtype`` (``M_out = M·top_k`` for :class:`Indexed`;
+        ``N/2`` columns with a gated ``activation``); rows no expert owns are zero.
 
     Raises:
         NoKernelError: on a GPU, when no kernel takes the call (naming why).
@@ -167,6 +182,8 @@ def gemm(
     weight = as_weight(weight)
     out_dtype = _out_dtype(x, out_dtype)
     _validate(x, weight, layout, use_f16_accum, out_dtype)
+    activation = get_activation(activation)
+    _check_activation(activation, weight)
     if tuning is not None and not isinstance(tuning, tuple(kernels.KERNELS)):
         names = ", ".join(f"{name}.Tiles" for name in kernels.IMPLS)
         raise TypeError(f"gemm: tuning: expected one of {names} (pallas_kernels.gemm), got {type(tuning).__name__}")
@@ -174,17 +191,75 @@ def gemm(
         raise ValueError(f"tuning.split_k: batch_invariant needs a fixed K order (split_k=1), got {tuning.split_k}")
     chosen = resolve_backend(backend, "gemm")
     if chosen == "reference" or x.m == 0:  # an empty batch (T=0): nothing to compute, an empty output
-        return gemm_reference(x, weight, layout, out_dtype)
+        return gemm_reference(x, weight, layout, out_dtype, activation)
     interpret = chosen == "interpret"
     tiles, reasons = plan(
-        x, weight, layout, out_dtype, use_f16_accum, batch_invariant, valid_shape_m, tuning, interpret
+        x, weight, layout, out_dtype, use_f16_accum, batch_invariant, valid_shape_m, tuning, interpret, activation
     )
     if tiles is None:
         if tuning is not None:
             raise ValueError(f"gemm: tuning: the kernel does not take this call with {reasons[0]}")
         no_kernel("gemm", reasons[-1], backend)
-        return gemm_reference(x, weight, layout, out_dtype)
-    return _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret)
+        return gemm_reference(x, weight, layout, out_dtype, activation)
+    return _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, activation)
+
+
+def _check_activation(activation: ActivationSpec | None, weight: F.QuantizedWeight) -> None:
+    """Raise unless ``activation`` reads the weight's rows in their order
+    (without one, an interleaved weight's sums come in its rows' order)."""
+    if activation is None:
+        return
+    if activation.gate_up_block != weight.gate_up_block:
+        raise ValueError(
+            f"activation.gate_up_block: {activation.gate_up_block}, but the weight's rows are interleaved by "
+            f"{weight.gate_up_block} (0: halves)"
+        )
+    activation.output_width(weight.n)
+
+
+def epilogue_activation(activation: ActivationSpec | None) -> spec.EpilogueActivation | None:
+    """The kernels' view of an activation."""
+    if activation is None:
+        return None
+    return spec.EpilogueActivation(
+        activation.kind.value, activation.clamp_limit, activation.alpha, activation.beta, activation.gate_up_block
+    )
+
+
+def takes_activation(
+    x: Q.QuantizedInput,
+    weight: F.QuantizedWeight,
+    layout: L.Layout,
+    activation: ActivationSpec,
+    *,
+    out_dtype=None,
+    use_f16_accum: bool = False,
+    batch_invariant: bool = False,
+    valid_shape_m: int | None = None,
+    tuning: GemmTiles | None = None,
+    backend: str | None = None,
+) -> bool:
+    """Whether :func:`gemm` with these arguments runs a kernel that applies
+    ``activation`` in its epilogue (the reference backend computes it
+    alike): where it does not, a pipeline runs the GEMM, then the activation
+    as a pass. Arguments as :func:`gemm`'s (``x`` a :class:`QuantizedInput`)."""
+    chosen = resolve_backend(backend, "gemm")
+    if chosen == "reference" or x.m == 0:
+        return True
+    out_dtype = _out_dtype(x, out_dtype)
+    found, _ = plan(
+        x,
+        weight,
+        layout,
+        out_dtype,
+        use_f16_accum,
+        batch_invariant,
+        valid_shape_m,
+        tuning,
+        chosen == "interpret",
+        activation,
+    )
+    return found is not None
 
 
 def kernel_input_specs(fmt: F.WeightFormat) -> tuple[Q.InputQuantSpec, ...]:
@@ -261,10 +336,14 @@ def plan(
     valid_shape_m: int | None = None,
     tuning: GemmTiles | None = None,
     interpret: bool = False,
+    activation: ActivationSpec | None = None,
 ) -> tuple[GemmTiles | None, list[str]]:
     """(the tiling the call runs — None if no kernel takes it —, each refused
     candidate's reason). Candidates: ``tuning`` alone if given, else the
-    table's entries then the heuristic's (:func:`humming_jax.tuning.candidates`)."""
+    table's entries then the heuristic's (:func:`humming_jax.tuning.candidates`).
+    With an ``activation`` the call runs on the tiling it would run without
+    one, if that tiling's kernel applies it (a later candidate is not tuned
+    for the call: None then, with the reason)."""
     call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, batch_invariant, interpret)
     if tuning is not None:
         listed = [tuning]
@@ -284,14 +363,21 @@ def plan(
         )
     reasons = []
     for tiles in listed:
-        reason = kernels.KERNELS[type(tiles)].supports(tiles, call)
+        module = kernels.KERNELS[type(tiles)]
+        reason = module.supports(tiles, call)
+        if reason is None and activation is not None:
+            reason = module.supports(tiles, dataclasses.replace(call, activation=epilogue_activation(activation)))
+            if reason is not None:
+                return None, [*reasons, f"{tiles_text.gemm_to_text(tiles)}: {reason}"]
         if reason is None:
             return tiles, reasons
         reasons.append(f"{tiles_text.gemm_to_text(tiles)}: {reason}")
     return None, reasons
 
 
-def gemm_call(x, weight, layout, out_dtype, use_f16_accum=False, batch_invariant=False, interpret=False):
+def gemm_call(
+    x, weight, layout, out_dtype, use_f16_accum=False, batch_invariant=False, interpret=False, activation=None
+):
     """The :class:`~pallas_kernels.gemm.spec.GemmCall` the kernels' ``supports`` answer."""
     x_dtype, x_scale = kernel_input_spec(x.spec, x.values.dtype)
     return spec.GemmCall(
@@ -304,6 +390,7 @@ def gemm_call(x, weight, layout, out_dtype, use_f16_accum=False, batch_invariant
         use_f16_accum,
         batch_invariant,
         interpret,
+        epilogue_activation(activation),
     )
 
 
@@ -313,7 +400,11 @@ def _dequantized(weight: F.QuantizedWeight, dtype) -> F.QuantizedWeight:
     fmt = F.BF16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else F.F16
     fmt = fmt.with_bias() if weight.bias is not None else fmt
     return F.QuantizedWeight(
-        values=F.dequantize_weight(weight, dtype), bias=weight.bias, format=fmt, shape=weight.shape
+        values=F.dequantize_weight(weight, dtype, stored_rows=True),
+        bias=weight.bias,
+        format=fmt,
+        shape=weight.shape,
+        gate_up_block=weight.gate_up_block,
     )
 
 
@@ -373,14 +464,14 @@ def _layout_spec(layout, m_in: int) -> tuple[spec.LayoutSpec, tuple[jax.Array, .
     return layout_spec, arrays
 
 
-def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret):
+def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, activation=None):
     if isinstance(tiles, mosaic.Tiles) and tiles.dequantize_first and weight.format.is_quantized:
         weight = _dequantized(weight, x.values.dtype)
     if isinstance(tiles, (triton.Tiles, mosaic.Tiles)) and tiles.dequantize_input and x.spec.is_quantized:
         # The op's step: the kernel then runs the weight-only tile on bf16 values.
         x = as_quantized_input(Q.dequantize_input(x).astype(jnp.bfloat16))
         tiles = dataclasses.replace(tiles, dequantize_input=False)
-    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, interpret=interpret)
+    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, interpret=interpret, activation=activation)
     parts = tuple(
         a
         for a in (weight.values, weight.scale, weight.zero_point, weight.second_scale, weight.group_index)

@@ -198,7 +198,8 @@ def process_input(
             or values already quantized per ``spec`` when ``input_scale`` is given
             (returned unchanged; an activation is then an error).
         spec: the :class:`InputQuantSpec` or its name (``"fp8_dynamic_token"``).
-        activation: applied first (gated ones halve N); None: none.
+        activation: applied first (gated ones halve N, reading gate and up in
+            the spec's order: ``ActivationSpec.gate_up_block``); None: none.
         hadamard_block_size: rotate each block of this many columns; None: none.
         layout: ``"normal"``, ``"grouped_mask"`` or ``"scatter"``.
         expert_num_tokens: ``grouped_mask``: int32 ``[E]``, rows past each count are zero.
@@ -304,6 +305,7 @@ def _process_input_kernel(
         clamp_limit=None if activation is None else activation.clamp_limit,
         alpha=1.702 if activation is None else activation.alpha,
         beta=1.0 if activation is None else activation.beta,
+        gate_up_block=0 if activation is None else activation.gate_up_block,
         hadamard=steps.hadamard_block_size,
         mode=spec.mode.value,
         act_dtype=None if spec.dtype is None else spec.dtype.value,

@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import codecs
+from pallas_kernels import activation, codecs
 
 FLOAT8_E4M3_MAX = 448.0
 
@@ -70,6 +70,7 @@ class ProcessConfig:
     clamp_limit: float | None = None
     alpha: float = 1.702
     beta: float = 1.0
+    gate_up_block: int = 0  # gated input: gate and up interleaved by blocks of this many columns
     hadamard: int | None = None
     mode: str = "none"
     act_dtype: str | None = None  # float8_e4m3 | float8_e5m2 | int8 | float4_e2m1
@@ -156,27 +157,20 @@ class ProcessConfig:
         return self.k_out // self.group_size if self.group_size else 0
 
 
-def _sigmoid(x):
-    return 1.0 / (1.0 + jnp.exp(-x))
-
-
-def _gelu(x):
-    return 0.5 * x * (1.0 + codecs.erf(x * (1.0 / math.sqrt(2.0))))
-
-
-def _gelu_tanh(x):
-    return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
-
-
-def _input_columns(start: int, size: int, cfg: ProcessConfig) -> list[tuple[int, int, int]]:
+def _input_columns(start: int, size: int, cfg: ProcessConfig) -> list[tuple[jax.Array, int]]:
     """The input loads behind activation columns ``[start, start + size)``:
-    ``(first column, count, row width)`` each, in the order :func:`_activate` takes them."""
+    ``(input columns [n], row width)`` each, in the order :func:`_activate` takes them."""
     kind = cfg.activation
+    outputs = start + jnp.arange(size, dtype=jnp.int32)
     if kind is None or kind.endswith("_no_mul"):
-        return [(start, size, cfg.k_out)]
+        return [(outputs, cfg.k_out)]
     if kind == "swigluoai":  # interleaved [g0, u0, g1, u1, ...]: one contiguous load, split in registers
-        return [(2 * start, 2 * size, 2 * cfg.k_out)]
-    return [(start, size, cfg.k_out), (start + cfg.k_out, size, 2 * cfg.k_out)]  # gate, up
+        return [(2 * start + jnp.arange(2 * size, dtype=jnp.int32), 2 * cfg.k_out)]
+    block = cfg.gate_up_block
+    if block:  # [g_0..g_{c-1}, u_0..u_{c-1}, g_c, ...]: runs of c columns
+        gate = (outputs // block) * (2 * block) + outputs % block
+        return [(gate, 2 * cfg.k_out), (gate + block, 2 * cfg.k_out)]
+    return [(outputs, cfg.k_out), (outputs + cfg.k_out, 2 * cfg.k_out)]  # gate, up
 
 
 def _load_inputs(x_ref, rows, row_mask, padded: bool, cfg: ProcessConfig, segments) -> list:
@@ -184,8 +178,7 @@ def _load_inputs(x_ref, rows, row_mask, padded: bool, cfg: ProcessConfig, segmen
     rows outside ``row_mask`` and columns past a ``padded`` block's width as 0."""
     tiles = []
     for start, size in segments:
-        for first, count, width in _input_columns(start, size, cfg):
-            columns = first + jnp.arange(count, dtype=jnp.int32)
+        for columns, width in _input_columns(start, size, cfg):
             mask = row_mask[:, None] & (columns < width)[None, :] if padded else row_mask[:, None]
             tiles.append(plgpu.load(x_ref.at[rows[:, None], columns[None, :]], mask=mask, other=0))
     return tiles
@@ -194,34 +187,17 @@ def _load_inputs(x_ref, rows, row_mask, padded: bool, cfg: ProcessConfig, segmen
 def _activate(tiles: list, size: int, cfg: ProcessConfig):
     """The activation of one column block from its input tiles (:func:`_input_columns`)."""
     tiles = [tile.astype(jnp.float32) for tile in tiles]
-    kind, limit = cfg.activation, cfg.clamp_limit
+    kind = cfg.activation
     if kind is None:
         return tiles[0]
     if kind.endswith("_no_mul"):
-        x = tiles[0]
-        return {
-            "silu_no_mul": lambda v: v * _sigmoid(v),
-            "gelu_no_mul": _gelu,
-            "gelu_tanh_no_mul": _gelu_tanh,
-            "relu2_no_mul": lambda v: jnp.square(jnp.maximum(v, 0.0)),
-        }[kind](x)
+        return activation.ungated(kind, tiles[0])
     if kind == "swigluoai":
         pairs = tiles[0]
         gate, up = (half.reshape(pairs.shape[0], size) for half in jax.lax.split(pairs.reshape(-1, size, 2), (1, 1), 2))
-        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-        return gate * _sigmoid(cfg.alpha * gate) * (up + cfg.beta)
-    gate, up = tiles
-    if kind == "silu":
-        if limit is not None:
-            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-        return gate * _sigmoid(gate) * up
-    if kind == "gelu":
-        return _gelu(gate) * up
-    if kind == "gelu_tanh":
-        return _gelu_tanh(gate) * up
-    if kind == "swiglustep":
-        return jnp.minimum(gate * _sigmoid(gate), limit) * jnp.clip(up, -limit, limit)
-    raise ValueError(f"unknown activation {kind!r}")
+    else:
+        gate, up = tiles
+    return activation.gated(kind, gate, up, cfg.clamp_limit, cfg.alpha, cfg.beta)
 
 
 def _hadamard_product(blocks, h, bf16_exact: bool):

@@ -65,11 +65,32 @@ def expand(scale: np.ndarray, shape, blocks=None) -> np.ndarray:
     return out
 
 
-def dequantize_weight(weight) -> np.ndarray:
-    """Dequantize a QuantizedWeight from its stored arrays, in float64. Planar
-    codes (what quantize_experts and load_experts give) are put back in K order
-    by the library's inverse first; test_formats checks the planar order itself
-    against NumPy."""
+def gate_up_rows(n: int, block: int) -> np.ndarray:
+    """Stored row r of a w13 interleaved by ``block`` holds logical row
+    ``gate_up_rows(n, block)[r]``: blocks of gate rows and up rows in turn."""
+    rows = []
+    for pair in range(n // (2 * block)):
+        rows.extend(range(pair * block, (pair + 1) * block))
+        rows.extend(range(n // 2 + pair * block, n // 2 + (pair + 1) * block))
+    return np.asarray(rows)
+
+
+def dequantize_weight(weight, stored_rows: bool = False) -> np.ndarray:
+    """Dequantize a QuantizedWeight from its stored arrays, in float64, rows in
+    their logical order (a w13's gate rows, then up rows) unless
+    ``stored_rows``. Planar codes (what quantize_experts and load_experts give)
+    are put back in K order by the library's inverse first; test_formats
+    checks the planar order itself against NumPy."""
+    values = _dequantize_stored(weight)
+    if weight.gate_up_block and not stored_rows:
+        logical = np.empty_like(values)
+        logical[:, gate_up_rows(weight.shape[1], weight.gate_up_block)] = values
+        return logical
+    return values
+
+
+def _dequantize_stored(weight) -> np.ndarray:
+    """:func:`dequantize_weight` in the stored row order."""
     if weight.nibble_unit:
         from humming_jax.formats import to_k_order
 

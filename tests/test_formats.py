@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import humming_jax as hj
 from humming_jax import formats as F
 from humming_jax import numerics
 from pallas_kernels import codecs
@@ -412,3 +413,55 @@ def test_planar_half_bits_round_trip(fmt_name, rng):
     assert not F.to_planar(int4, half_bits=True).half_bits  # not an e2m1 format: nibble order
     with pytest.raises(ValueError, match="half_bits"):
         dataclasses.replace(weight, half_bits=True).validate()
+
+
+@pytest.mark.parametrize(
+    "fmt_name,block,planar",
+    [
+        ("bf16", 32, False),
+        ("int4_g128+bias", 32, True),
+        ("uint4_zp_g128", 16, False),
+        ("mxfp4", 32, True),
+        ("nvfp4", 32, False),
+        ("fp8_channel", 8, False),
+        ("fp8_block128", 128, False),
+    ],
+)
+def test_gate_up_rows_interleaved_against_numpy(fmt_name, block, planar, rng):
+    """``interleave_gate_up``: stored row r holds logical row
+    ``np_ref.gate_up_rows(n, block)[r]`` with its scales, zero points and bias
+    (block scales by whole blocks); ``gate_up_halves`` gives back the arrays
+    bit for bit."""
+    fmt = F.get_format(fmt_name)
+    e, n, k = 2, 512, 256
+    w = jnp.asarray(rng.normal(size=(e, n, k)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(e, n)), jnp.float32) if fmt.has_bias else None
+    weight = F.quantize_weight(w, fmt, bias=bias)
+    if planar:
+        weight = F.to_planar(weight, k_major_scales=True)
+    interleaved = hj.interleave_gate_up(weight, block)
+    interleaved.validate()
+    assert interleaved.gate_up_block == block
+    rows = np_ref.gate_up_rows(n, block)
+    logical = np_ref.dequantize_weight(weight)
+    np.testing.assert_array_equal(np_ref.dequantize_weight(interleaved, stored_rows=True), logical[:, rows])
+    np.testing.assert_array_equal(np_ref.dequantize_weight(interleaved), logical)
+    if bias is not None:
+        np.testing.assert_array_equal(np.asarray(interleaved.bias), np.asarray(weight.bias)[:, rows])
+    back = hj.gate_up_halves(interleaved)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(weight), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert back.gate_up_block == 0 and hj.interleave_gate_up(interleaved, block) is interleaved
+
+
+def test_gate_up_block_refusals(rng):
+    weight = F.quantize_weight(jnp.asarray(rng.normal(size=(2, 256, 128)), jnp.float32), F.get_format("fp8_block128"))
+    with pytest.raises(ValueError, match="blocks of 128 rows"):
+        hj.interleave_gate_up(weight, 32)
+    with pytest.raises(ValueError, match="whole number of gate/up pairs"):
+        hj.interleave_gate_up(F.quantize_weight(jnp.ones((1, 96, 128), jnp.float32), F.BF16), 32)
+    interleaved = hj.interleave_gate_up(F.quantize_weight(jnp.ones((1, 128, 128), jnp.float32), F.BF16), 32)
+    with pytest.raises(ValueError, match="interleaved by 32 already"):
+        hj.interleave_gate_up(interleaved, 16)
+    with pytest.raises(ValueError, match="weight.gate_up_block"):
+        dataclasses.replace(interleaved, gate_up_block=48).validate()

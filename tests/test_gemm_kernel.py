@@ -824,3 +824,127 @@ def test_grouped_offsets_outside_the_rows(offsets, rng):
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=kernel.Tiles(16, 32, 128), backend=KERNEL_BACKEND)
     assert np.all(np.isfinite(np.asarray(out)))
     _check(out, _reference(x, weight, layout), bound=1e-5)
+
+
+# (format, layout, tiling, activation, input quantization): gate and up blocks of 32
+# in tiles of 64 columns (one pair a tile) and 128 (two), plain and swapped
+# accumulators, SWIGLUOAI's pairs, an ungated kind, fp8 inputs.
+_EPILOGUE_ACTIVATIONS = [
+    ("bf16", "grouped_contiguous", kernel.Tiles(block_m=16, block_n=64, block_k=64), "silu", None),
+    (
+        "int4_g128",
+        "indexed",
+        kernel.Tiles(16, 64, 256, swap_ab=True, word_decode=True, fold_scales=True, pair_decode=True),
+        "gelu_tanh",
+        None,
+    ),
+    ("mxfp4", "grouped_masked", kernel.Tiles(32, 128, 128, num_warps=8, swap_ab=True, word_decode=True), "silu", None),
+    ("mxfp4+bias", "dense", kernel.Tiles(block_m=16, block_n=64, block_k=128), "swigluoai", None),
+    ("nvfp4", "grouped_contiguous", kernel.Tiles(block_m=32, block_n=128, block_k=64), "relu2_no_mul", None),
+    (
+        "fp8_channel",
+        "grouped_contiguous",
+        kernel.Tiles(block_m=16, block_n=128, block_k=128),
+        "swiglustep",
+        "fp8_dynamic_token",
+    ),
+    ("uint4_zp_g128", "indexed", kernel.Tiles(block_m=16, block_n=128, block_k=128), "gelu", None),
+]
+
+
+def _activated_reference(x, weight, layout, activation, bf16_weight: bool):
+    """act(the float64 product) on the weight's logical rows (gate, then up), float64."""
+    product = np_ref.gemm_of(x, weight, layout, bf16_weight=bf16_weight)
+    return np_ref.activation(product, activation.kind.value, activation.clamp_limit)
+
+
+@pytest.mark.parametrize(
+    "fmt_name,layout_kind,tiling,kind,quant", sweep(_EPILOGUE_ACTIVATIONS, _EPILOGUE_ACTIVATIONS[:4])
+)
+def test_activation_in_the_epilogue(fmt_name, layout_kind, tiling, kind, quant, rng):
+    """``gemm(activation=)``: the tile applies the activation to its f32 sums
+    and stores ``N/2`` columns (gated) from gate and up rows interleaved by
+    blocks of 32 (SWIGLUOAI: its own pairs); against the float64 activation of
+    the float64 product, rows no tile owns zero (the output NaN-poisoned when
+    interpreted), bf16 output within its rounding."""
+    fmt = F.get_format(fmt_name)
+    n, e = 128, 1 if layout_kind == "dense" else E
+    w = jnp.asarray(rng.normal(0, 0.05, (e, n, K)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(e, n)), jnp.float32) if fmt.has_bias else None
+    weight = F.quantize_weight(w, fmt, bias=bias)
+    if fmt.value_type.is_packed and tiling.word_decode:
+        weight = hj.to_planar(weight, half_bits=tiling.pair_decode and fmt.value_type.value == "float4_e2m1")
+    activation = hj.ActivationSpec(kind, clamp_limit=3.0 if kind == "silu" and tiling.swap_ab else None)
+    if activation.interleaves:
+        weight = hj.interleave_gate_up(weight, 32)
+        activation = dataclasses.replace(activation, gate_up_block=32)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    if quant is not None:
+        x = hj.quantize_input(x, quant)
+    layout = _layouts(rng, tiling.block_m)[layout_kind]
+    bf16_weight = tiling.fold_scales and fmt.value_type.value not in ("float4_e2m1", "float8_e4m3")
+    ref = _activated_reference(x, weight, layout, activation, bf16_weight)
+    out = hj.gemm(
+        x, weight, layout, out_dtype=jnp.float32, tuning=tiling, activation=activation, backend=KERNEL_BACKEND
+    )
+    assert out.shape == (layout.output_rows(M), activation.output_width(n))
+    _check(out, ref, bound=1e-5)
+    _check(hj.gemm(x, weight, layout, tuning=tiling, activation=activation, backend=KERNEL_BACKEND), ref)
+    reference = hj.gemm(x, weight, layout, out_dtype=jnp.float32, activation=activation, backend="reference")
+    _check(reference, _activated_reference(x, weight, layout, activation, False), bound=1e-5)
+
+
+def test_activation_in_the_epilogue_of_a_zero_filled_indexed_output(rng):
+    """An indexed layout that does not list its dropped slots: the kernel
+    updates a zeroed output of ``N/2`` columns."""
+    weight = hj.interleave_gate_up(_weight(rng, F.INT4_G128, E), 32)
+    activation = hj.ActivationSpec("silu", gate_up_block=32)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = dataclasses.replace(_layouts(rng)["indexed"], lists_dropped=False)
+    tiling = kernel.Tiles(block_m=16, block_n=64, block_k=128)
+    out = hj.gemm(
+        x, weight, layout, out_dtype=jnp.float32, tuning=tiling, activation=activation, backend=KERNEL_BACKEND
+    )
+    _check(out, _activated_reference(x, weight, layout, activation, False), bound=1e-5)
+
+
+def test_what_cannot_apply_the_activation(rng):
+    """Split K, gate and up in halves, a tile cutting a gate/up pair, a column
+    tile past N and the Mosaic kernels refuse with a reason; ``plan`` keeps the
+    tiling the call runs without the activation (a later candidate was not
+    tuned for it); the activation must read the weight's row order."""
+    from humming_jax.gemm import as_quantized_input, epilogue_activation, gemm_call
+    from pallas_kernels.gemm import mosaic
+
+    weight = _weight(rng, F.BF16, E)  # N = 64
+    layout = _layouts(rng)["grouped_contiguous"]
+    x = as_quantized_input(jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16))
+    interleaved = hj.interleave_gate_up(weight, 32)
+    silu32 = hj.ActivationSpec("silu", gate_up_block=32)
+
+    def refusal(tiles, w, activation):
+        call = gemm_call(x, w, layout, jnp.bfloat16, interpret=True)
+        call = dataclasses.replace(call, activation=epilogue_activation(activation))
+        module = kernel if isinstance(tiles, kernel.Tiles) else mosaic
+        return module.supports(tiles, call)
+
+    tile = kernel.Tiles(block_m=16, block_n=64, block_k=64)
+    assert refusal(tile, interleaved, silu32) is None
+    assert "split_k" in refusal(dataclasses.replace(tile, split_k=2), interleaved, silu32)
+    assert "halves" in refusal(tile, weight, hj.ActivationSpec("silu"))
+    assert "cuts gate/up blocks" in refusal(
+        tile, hj.interleave_gate_up(weight, 16), hj.ActivationSpec("silu", gate_up_block=64)
+    )
+    assert "not a multiple of block_n" in refusal(
+        kernel.Tiles(block_m=16, block_n=128, block_k=64), interleaved, silu32
+    )
+    assert "Triton tiles only" in refusal(mosaic.Tiles(), interleaved, silu32)
+    # The table's first candidate for the call (here: the caller's) decides.
+    found, reasons = plan(
+        x, interleaved, layout, tuning=dataclasses.replace(tile, split_k=2), activation=silu32, interpret=True
+    )
+    assert found is None and "split_k" in reasons[-1]
+    with pytest.raises(ValueError, match="gate_up_block"):
+        hj.gemm(x, interleaved, layout, activation="silu", backend=KERNEL_BACKEND)  # halves asked, blocks stored
+    with pytest.raises(ValueError, match="tuning"):
+        hj.gemm(x, weight, layout, tuning=tile, activation="silu", backend=KERNEL_BACKEND)

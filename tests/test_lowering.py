@@ -306,9 +306,10 @@ def test_byte_pairs_lower_to_e4m3_mmas(monkeypatch):
 
 @pytest.mark.parametrize("pipeline", ["grouped", "indexed"])
 def test_decode_layer_launches_for_sm90(pipeline):
-    """The int4 layer at T=1 lowers to four Triton launches — w13, the
-    activation, w2, the fused sum — and no grouping: each slot its own block,
-    the GEMMs reading the blocks' experts (the ids) alone."""
+    """The int4 layer at T=1 lowers to three Triton launches — w13 with the
+    activation in its epilogue (gate and up rows interleaved by
+    ``quantize_experts``), w2, the fused sum — and no grouping: each slot its
+    own block, the GEMMs reading the blocks' experts (the ids) alone."""
     config = hj.ExpertsConfig(128, 256, 128, 8, weight_format="int4_g128")
     e, n, k = config.num_experts, config.w13_n, config.hidden_size
     weights = hj.quantize_experts(
@@ -319,10 +320,11 @@ def test_decode_layer_launches_for_sm90(pipeline):
     tw = jax.ShapeDtypeStruct((1, 8), jnp.float32)
     ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     texts = ttir_of(lambda x, tw, ids: fn(x, weights, tw, ids, config, backend="pallas"), x, tw, ids)
-    assert len(texts) == 4
+    assert len(texts) == 3
     assert not any("moe_group_slots" in text for text in texts)
     gemms = [text for text in texts if "moe_gemm_indexed" in text]
     assert len(gemms) == 2
+    assert sum("tt.split" in text for text in gemms) == 1  # w13 parts its gate and up sums
 
 
 # Layout-only ops (no copy): the 4-bit codes' bytes viewed as the kernels' words.

@@ -48,7 +48,10 @@ def test_from_float_matches_quantize_experts():
     assert stored.nibble_unit == direct.w13.nibble_unit == hj.formats.planar_unit(stored.format, stored.k) > 0
     np.testing.assert_array_equal(np.asarray(stored.values), np.asarray(direct.w13.values))
     k_order = hj.quantize_weight(w13, CONFIG.weight_format)
-    np.testing.assert_array_equal(np.asarray(hj.to_k_order(stored).values), np.asarray(k_order.values))
+    assert stored.gate_up_block == hj.formats.GATE_UP_BLOCK  # and its gate and up rows interleaved
+    np.testing.assert_array_equal(
+        np.asarray(hj.to_k_order(hj.gate_up_halves(stored)).values), np.asarray(k_order.values)
+    )
     np.testing.assert_array_equal(np.asarray(hj.dequantize_weight(stored)), np.asarray(hj.dequantize_weight(k_order)))
     weights, ids = _routing(3)
     out = module(_tokens(4), weights, ids)
@@ -185,7 +188,7 @@ def test_moe_block_with_batched_and_moonep_experts():
         config, grouped.weights, max_num_tokens=6, backend="reference"
     )
     pad = lambda w: jnp.concatenate([w, w[:1]])  # noqa: E731  (one redundant row: a copy of expert 0)
-    w13 = grouped.weights.w13.values
+    w13 = hj.gate_up_halves(grouped.weights.w13).values  # the gate rows, then the up rows
     moon = nn.MoonEPExperts(
         8,
         128,

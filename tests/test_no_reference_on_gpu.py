@@ -54,7 +54,8 @@ def gemm_stand_ins(monkeypatch):
             def stand_in(call, tiles, *arrays, _module=module):
                 assert _module.supports(tiles, call) is None
                 calls.append(call)
-                return jnp.zeros((call.layout.m_out, call.weight.n), call.out_dtype)
+                n = call.weight.n if call.activation is None else call.activation.out_n(call.weight.n)
+                return jnp.zeros((call.layout.m_out, n), call.out_dtype)
 
             monkeypatch.setattr(module, "expert_gemm", stand_in)
 

@@ -515,3 +515,61 @@ def test_w4a8_inputs_written_multiplied_out(pipeline, rng):
     itself = hj.gemm(quantized, weights.w13, layout, backend="interpret", valid_shape_m=16)
     fused = hj.gemm(written, weights.w13, layout, backend="interpret", tuning=tiles)
     np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(itself, np.float32))
+
+
+_EPILOGUE_LAYERS = [
+    ("int4_g128", "silu", "none"),
+    ("bf16", "gelu_tanh", "none"),
+    ("mxfp4", "silu", "fp8_dynamic_group128"),
+]
+
+
+@pytest.mark.parametrize("pipeline", ["grouped", "indexed", "batched"])
+@pytest.mark.parametrize("fmt,activation,quant", sweep(_EPILOGUE_LAYERS, _EPILOGUE_LAYERS[:1]))
+def test_activation_in_w13s_tiles(pipeline, fmt, activation, quant, rng, monkeypatch):
+    """``quantize_experts`` interleaves w13's gate and up rows, so w13's tiles
+    apply the activation (no pass of their sums: ``takes_activation``); the
+    layer on the same weights in halves runs the pass. Both against float64,
+    and each other within a bf16 rounding of gate and up."""
+    config = hj.ExpertsConfig(4, 128, 128, 2, activation=activation, weight_format=fmt, input_quant=quant)
+    x, w13, w2, ids, tw = _problem(rng, config, 16)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    assert weights.w13.gate_up_block == hj.formats.GATE_UP_BLOCK
+    halves = dataclasses.replace(weights, w13=hj.gate_up_halves(weights.w13))
+    taken = []
+    original = X.takes_activation
+    monkeypatch.setattr(X, "takes_activation", lambda *a, **k: taken.append(original(*a, **k)) or taken[-1])
+
+    def run(w):
+        if pipeline != "batched":
+            return np.asarray(_run(pipeline, x, w, tw, ids, config), np.float64)
+        counts = jnp.asarray([4, 0, 3, 4], jnp.int32)  # an empty expert, padding rows
+        rows = jnp.asarray(x[:16].reshape(4, 4, 128), jnp.bfloat16)
+        return np.asarray(hj.batched_humming_grouped_experts(rows, counts, w, config), np.float64)
+
+    fused, passed = run(weights), run(halves)
+    assert taken == [True, False]
+    if pipeline == "batched":
+        rows = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64).reshape(4, 4, 128)
+        w13d, w2d = np_ref.dequantize_weight(weights.w13), np_ref.dequantize_weight(weights.w2)
+        expected = np.zeros((4, 4, 128))
+        for e, count in enumerate([4, 0, 3, 4]):
+            act = np_ref.activation(rows[e, :count] @ w13d[e].T, activation)
+            expected[e, :count] = act @ w2d[e].T
+        assert np.all(fused[1] == 0) and np.all(fused[2, 3:] == 0)
+    else:
+        expected = _expected_layer(x, weights, ids, tw, config)
+    bound = 6e-2 if quant != "none" else 2e-2
+    assert np_ref.relative_error(fused, expected) < bound
+    assert np_ref.relative_error(passed, expected) < bound
+    assert np_ref.relative_error(fused, passed) < (3e-2 if quant != "none" else 1e-2)
+
+
+def test_interleaved_rows_need_an_activation_that_reads_blocks(rng):
+    config = hj.ExpertsConfig(4, 128, 128, 2, activation="swigluoai", weight_format="bf16")
+    x, w13, w2, ids, tw = _problem(rng, config, 2)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    assert weights.w13.gate_up_block == 0  # SWIGLUOAI reads its own pairs
+    wrong = dataclasses.replace(weights, w13=hj.interleave_gate_up(weights.w13, 32))
+    with pytest.raises(ValueError, match="weights.w13.gate_up_block"):
+        _run("grouped", x, wrong, tw, ids, config)

@@ -787,3 +787,53 @@ def test_dequantized_output(spec, layout, block, rng):
         assert 0 < nan_rows.sum() <= top_k  # token 4's rows only
     with pytest.raises(ValueError, match="dequantize: int8_dynamic_token"):
         hj.process_input(x, Q.INT8_DYNAMIC_TOKEN, dequantize=True)
+
+
+# (quantization, activation, columns out, gate/up block): whole and padded column blocks
+# (40 outputs: one padded block of 64), one and several pairs a block.
+_GATE_UP_BLOCKS = [
+    (Q.NONE, "silu", 768, 32),
+    (Q.FP8_DYNAMIC_GROUP128, "gelu_tanh", 256, 32),
+    (Q.FP8_DYNAMIC_TOKEN, "swiglustep", 40, 8),
+    (Q.MXFP8_DYNAMIC, "gelu", 192, 64),
+]
+
+
+@pytest.mark.parametrize(
+    "spec,kind,k_out,block", sweep(_GATE_UP_BLOCKS, _GATE_UP_BLOCKS[:3]), ids=lambda v: getattr(v, "name", str(v))
+)
+def test_gate_and_up_interleaved_by_blocks(spec, kind, k_out, block, rng):
+    """``ActivationSpec.gate_up_block``: gate and up columns interleaved by
+    blocks (the order of a w13 stored by ``interleave_gate_up``); the kernel
+    and the reference against the float64 activation of the same rows in
+    halves, and bit for bit the kernel on those halves."""
+    m = 9
+    halves = (rng.normal(size=(m, 2 * k_out)) * 2).astype(np.float32)
+    interleaved = halves[:, np_ref.gate_up_rows(2 * k_out, block)]
+    spec_blocks = hj.ActivationSpec(kind, gate_up_block=block)
+    expected = np_ref.activation(np.asarray(jnp.asarray(halves, jnp.bfloat16), np.float64), kind)
+    tol = TOL["none" if not spec.is_quantized else spec.dtype.value]
+    outputs = {}
+    for backend in (KERNEL_BACKEND, "reference"):
+        q = hj.process_input(jnp.asarray(interleaved, jnp.bfloat16), spec, activation=spec_blocks, backend=backend)
+        outputs[backend] = q
+        assert np_ref.relative_error(np_ref.dequantize_input(q), expected) < tol
+    in_halves = hj.process_input(jnp.asarray(halves, jnp.bfloat16), spec, activation=kind, backend=KERNEL_BACKEND)
+    np.testing.assert_array_equal(
+        np.asarray(
+            outputs[KERNEL_BACKEND].values.view(np.uint8) if spec.is_quantized else outputs[KERNEL_BACKEND].values,
+            np.float32,
+        ),
+        np.asarray(in_halves.values.view(np.uint8) if spec.is_quantized else in_halves.values, np.float32),
+    )
+
+
+def test_gate_up_block_validation():
+    with pytest.raises(ValueError, match="gate_up_block"):
+        hj.ActivationSpec("swigluoai", gate_up_block=32)  # its own pairs
+    with pytest.raises(ValueError, match="gate_up_block"):
+        hj.ActivationSpec("relu2_no_mul", gate_up_block=32)
+    with pytest.raises(ValueError, match="gate_up_block"):
+        hj.ActivationSpec("silu", gate_up_block=-1)
+    with pytest.raises(ValueError, match="gate/up block pairs"):
+        hj.process_input(jnp.ones((2, 96), jnp.bfloat16), activation=hj.ActivationSpec("silu", gate_up_block=32))

@@ -287,6 +287,8 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return f"an indexed block_size of {layout.block_size} with block_m={tiles.block_m} (a tile is a block)"
     if call.use_f16_accum:
         return "f16 accumulation"
+    if call.activation is not None:
+        return f"the activation {call.activation.kind!r} in the epilogue (Triton tiles only)"
     decode = None
     if tiles.dequantize_first and w.quantized:
         w = w.dequantized(call.x_dtype)

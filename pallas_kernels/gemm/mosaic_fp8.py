@@ -190,6 +190,8 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return f"an indexed block_size of {call.layout.block_size} with block_m={tiles.block_m} (a tile is a block)"
     if call.use_f16_accum:
         return "f16 accumulation"
+    if call.activation is not None:
+        return f"the activation {call.activation.kind!r} in the epilogue (Triton tiles only)"
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
         return f"out_dtype={call.out_dtype}"
     if tiles.swap_ab and jnp.dtype(call.out_dtype).itemsize != 2:

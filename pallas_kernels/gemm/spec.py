@@ -86,10 +86,39 @@ class XScale:
 
 
 @dataclasses.dataclass(frozen=True)
+class EpilogueActivation:
+    """The activation a GEMM applies to its f32 sums before it stores them
+    (``humming_jax.activations.ActivationSpec``'s fields): a gated kind reads
+    gate and up in the weight's row order — SWIGLUOAI pairs, the others
+    blocks of ``gate_up_block`` rows (0: halves, which no tile holds together)
+    — and stores ``N / 2`` columns."""
+
+    kind: str
+    clamp_limit: float | None = None
+    alpha: float = 1.702
+    beta: float = 1.0
+    gate_up_block: int = 0
+
+    @property
+    def gated(self) -> bool:
+        return not self.kind.endswith("_no_mul")
+
+    @property
+    def pair_block(self) -> int:
+        """Rows of one gate (then up) block in the weight: 1 for pairs, 0 for halves."""
+        return 1 if self.kind == "swigluoai" else self.gate_up_block
+
+    def out_n(self, n: int) -> int:
+        """Output columns of a weight with ``n`` rows."""
+        return n // 2 if self.gated else n
+
+
+@dataclasses.dataclass(frozen=True)
 class GemmCall:
     """One GEMM call as a kernel's ``supports`` sees it. ``x_dtype`` is the
     stored input dtype; ``input_quant`` the name of its quantization ("none":
-    a float input) and ``x_scale`` how the kernel scales its values."""
+    a float input) and ``x_scale`` how the kernel scales its values;
+    ``activation`` the activation the kernel applies to its sums (None: none)."""
 
     weight: WeightSpec
     layout: LayoutSpec
@@ -100,6 +129,7 @@ class GemmCall:
     use_f16_accum: bool = False
     batch_invariant: bool = False
     interpret: bool = False
+    activation: EpilogueActivation | None = None  # applied in the epilogue (gated: N/2 outputs)
 
     def with_dequantized_input(self) -> GemmCall:
         """The call as a kernel sees it after its tiles' ``dequantize_input``

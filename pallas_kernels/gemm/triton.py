@@ -29,9 +29,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import codecs, word_decode
+from pallas_kernels import activation, codecs, word_decode
 from pallas_kernels.gemm.fp8_dot import fp8_dot
-from pallas_kernels.gemm.spec import GemmCall, LayoutSpec, WeightSpec, XScale, tile_order
+from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, LayoutSpec, WeightSpec, XScale, tile_order
 
 
 def _power_of_two(value, name: str) -> None:
@@ -138,6 +138,23 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return "4-bit codes read as bytes from over 2**31 of them (the lowering's 32-bit offsets wrap): word_decode"
     if reads_byte_pairs(w) and w.k % 2:
         return f"8-bit weights of over 2**31 values with an odd K={w.k} (read as byte pairs)"
+    return activation_refusal(tiles, call) if call.activation is not None else None
+
+
+def activation_refusal(tiles: Tiles, call: GemmCall) -> str | None:
+    """Why a tile cannot apply ``call.activation`` in its epilogue (None if it can)."""
+    act, n = call.activation, call.weight.n
+    if tiles.split_k > 1:
+        return f"the activation {act.kind!r} with split_k={tiles.split_k} (it applies to whole sums)"
+    if n % tiles.block_n:
+        return f"the activation {act.kind!r} with N={n} not a multiple of block_n={tiles.block_n}"
+    if act.gated and not act.pair_block:
+        return (
+            f"the activation {act.kind!r} on gate and up halves (a tile holds both halves of its outputs "
+            "only when the weight interleaves them: formats.interleave_gate_up)"
+        )
+    if act.gated and tiles.block_n % (2 * act.pair_block):
+        return f"the activation {act.kind!r}: block_n={tiles.block_n} cuts gate/up blocks of {act.pair_block} rows"
     return None
 
 
@@ -936,6 +953,7 @@ def _gemm_kernel(
     on_gpu: bool,
     x_scale: XScale,
     x_float8=None,
+    act: EpilogueActivation | None = None,
 ):
     x_ref = refs[0]
     x_scale_ref = refs[1] if x_scale.mode != "none" else None
@@ -975,6 +993,14 @@ def _gemm_kernel(
         """(n_idx [bn], n_mask [bn] or None) of the program's column tile ``c``."""
         n_idx = (col_group + c) * bn + jnp.arange(bn, dtype=jnp.int32)
         return n_idx, (n_idx < w.n if columns_masked else None)
+
+    out_bn = bn if act is None else act.out_n(bn)  # a gated activation stores half the columns
+
+    def out_columns():
+        """(the output columns [out_bn], their mask or None) of the program's tile."""
+        if act is None:
+            return columns(0)
+        return col_group * out_bn + jnp.arange(out_bn, dtype=jnp.int32), None  # supports: N % bn == 0
 
     k_limit = None if w.k % bk == 0 else w.k
     split = pl.program_id(1)
@@ -1096,6 +1122,9 @@ def _gemm_kernel(
         if bias_ref is not None:
             bias = _load(bias_ref.at[expert, n_idx], n_mask).astype(jnp.float32)
             acc = acc + along_n(jnp.where(split == 0, bias, 0.0))
+        if act is not None:
+            acc = epilogue_activation(acc, act, swap)
+            n_idx, n_mask = out_columns()
         mask = _all(along_m(row_mask), None if n_mask is None else along_n(n_mask))
         store_out(along_m(codecs.scatter_index(rows_out, row_mask, layout.m_out)), along_n(n_idx), acc, mask)
 
@@ -1109,9 +1138,9 @@ def _gemm_kernel(
     def store_zeros(rows, keep):
         """Zeros into the program's columns of output rows ``rows [bm]`` where ``keep``."""
         index = codecs.scatter_index(rows, keep, layout.m_out)[:, None]
-        n_idx, n_mask = columns(0)
+        n_idx, n_mask = out_columns()
         mask = _all(keep[:, None], None if n_mask is None else n_mask[None, :])
-        store_out(index, n_idx[None, :], jnp.zeros((bm, bn), out_ref.dtype), mask)
+        store_out(index, n_idx[None, :], jnp.zeros((bm, out_bn), out_ref.dtype), mask)
 
     if layout.kind == "grouped_contiguous":
         _zero_gap_chunk(route_refs[0], w.num_experts, layout, bm, row_tile, store_zeros)
@@ -1137,6 +1166,25 @@ def _gemm_kernel(
         finish(acc, n_idx, n_mask)
 
     pl.when(live)(one_column_tile)
+
+
+def epilogue_activation(acc, act: EpilogueActivation, swap: bool):
+    """The activation of a tile's f32 sums ``acc [bm, bn]`` (``swap``: ``[bn,
+    bm]``): ``[bm, bn/2]`` for a gated kind, its gate and up columns in blocks
+    of ``act.pair_block`` (each ``2·pair_block`` columns: a block of gate sums,
+    then the same outputs' up sums), else ``[bm, bn]``."""
+    if not act.gated:
+        return activation.ungated(act.kind, acc)
+    block = act.pair_block
+    if swap:
+        bn, bm = acc.shape
+        gate, up = jnp.split(acc.reshape(bn // (2 * block), 2, block, bm), 2, axis=1)
+        half = (bn // 2, bm)
+    else:
+        bm, bn = acc.shape
+        gate, up = jnp.split(acc.reshape(bm, bn // (2 * block), 2, block), 2, axis=2)
+        half = (bm, bn // 2)
+    return activation.gated(act.kind, gate.reshape(half), up.reshape(half), act.clamp_limit, act.alpha, act.beta)
 
 
 def _zero_gap_chunk(offsets_ref, num_experts: int, layout: LayoutSpec, block_m: int, row_tile, store_zeros):
@@ -1193,7 +1241,7 @@ def splits_x(w: WeightSpec, tiles: Tiles, compute_dtype, x_group: int = 0) -> bo
 def expert_gemm(
     call: GemmCall, tiles: Tiles, x: jax.Array, weight_arrays, bias, route_arrays, x_scale: jax.Array | None = None
 ) -> jax.Array:
-    """``[m_out, N]`` in ``call.out_dtype`` for ``x [M, K]`` (16-bit floats,
+    """``[m_out, N]`` (``call.activation``'s output width) in ``call.out_dtype`` for ``x [M, K]`` (16-bit floats,
     or 8-bit values times ``x_scale`` as ``call.x_scale`` says: f32 ``[1]``,
     ``[M, 1]``, or ``[M, K / group]`` f32 or e8m0 bytes). ``weight_arrays``
     are the stored parts in order (values, scale, zero point, global scale,
@@ -1224,7 +1272,8 @@ def expert_gemm(
     if reads_byte_pairs(w):  # little-endian: byte 0 of pair a is column 2a
         values = jax.lax.bitcast_convert_type(weight_arrays[0], jnp.uint8).reshape(w.num_experts, w.n, w.k // 2, 2)
         weight_arrays = (jax.lax.bitcast_convert_type(values, jnp.uint16), *weight_arrays[1:])
-    out_shape = (tiles.split_k, layout.m_out, w.n) if tiles.split_k > 1 else (layout.m_out, w.n)
+    out_n = w.n if call.activation is None else call.activation.out_n(w.n)
+    out_shape = (tiles.split_k, layout.m_out, out_n) if tiles.split_k > 1 else (layout.m_out, out_n)
     out_type = jnp.float32 if tiles.split_k > 1 else out_dtype
     zero_filled = layout.zero_filled  # (see the module docstring)
     ways = nibbles_per_unit(w, tiles, compute_dtype, x_group)
@@ -1257,6 +1306,7 @@ def expert_gemm(
             on_gpu=not interpret,
             x_scale=xs,
             x_float8=x_float8,
+            act=call.activation,
         ),
         grid=grid,
         out_shape=jax.ShapeDtypeStruct(out_shape, out_type),
