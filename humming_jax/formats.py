@@ -816,9 +816,10 @@ def _dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
 # gate and up rows of w13 interleaved by blocks
 # ---------------------------------------------------------------------------
 
-# The block w13's gate and up rows are interleaved in (to_kernel_order): the
-# decode tiles' 64 columns hold 32 outputs' gate and up sums.
-GATE_UP_BLOCK = 32
+# The block w13's gate and up rows are interleaved in (to_kernel_order): a Mosaic
+# warpgroup's 128 rows hold 64 outputs' gate and up sums (in a swapped tile a
+# thread holds rows r and r + 64); a 64-column Triton tile reads half a pair.
+GATE_UP_BLOCK = 64
 
 
 def gate_up_block_refusal(fmt: WeightFormat, n: int, block: int) -> str | None:

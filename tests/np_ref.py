@@ -435,6 +435,10 @@ def gemm_of(x, weight, layout, bf16_weight: bool = False) -> np.ndarray:
     if bf16_weight:
         w64 = w64.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)  # as f32 math rounds
     b64 = None if weight.bias is None else to64(weight.bias)
+    if b64 is not None and weight.gate_up_block:  # the bias of the logical rows, as dequantize_weight gives them
+        logical = np.empty_like(b64)
+        logical[:, gate_up_rows(weight.shape[1], weight.gate_up_block)] = b64
+        b64 = logical
     kind, fields = layout_fields(layout)
     return gemm(x64, w64, b64, kind, **fields)
 

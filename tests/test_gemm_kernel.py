@@ -826,29 +826,40 @@ def test_grouped_offsets_outside_the_rows(offsets, rng):
     _check(out, _reference(x, weight, layout), bound=1e-5)
 
 
-# (format, layout, tiling, activation, input quantization): gate and up blocks of 32
-# in tiles of 64 columns (one pair a tile) and 128 (two), plain and swapped
-# accumulators, SWIGLUOAI's pairs, an ungated kind, fp8 inputs.
+# (format, layout, tiling, activation, input quantization, gate/up block): a tile of 64
+# columns over half a pair of 64-row blocks (the decode tiles on the layer's order) or one
+# pair of 32, of 128 over one pair of 64 or two of 32, of 32 over a quarter pair; plain
+# and swapped accumulators, SWIGLUOAI's pairs, an ungated kind, fp8 inputs.
 _EPILOGUE_ACTIVATIONS = [
-    ("bf16", "grouped_contiguous", kernel.Tiles(block_m=16, block_n=64, block_k=64), "silu", None),
+    ("bf16", "grouped_contiguous", kernel.Tiles(block_m=16, block_n=64, block_k=64), "silu", None, 64),
     (
         "int4_g128",
         "indexed",
         kernel.Tiles(16, 64, 256, swap_ab=True, word_decode=True, fold_scales=True, pair_decode=True),
         "gelu_tanh",
         None,
+        64,
     ),
-    ("mxfp4", "grouped_masked", kernel.Tiles(32, 128, 128, num_warps=8, swap_ab=True, word_decode=True), "silu", None),
-    ("mxfp4+bias", "dense", kernel.Tiles(block_m=16, block_n=64, block_k=128), "swigluoai", None),
-    ("nvfp4", "grouped_contiguous", kernel.Tiles(block_m=32, block_n=128, block_k=64), "relu2_no_mul", None),
+    (
+        "mxfp4",
+        "grouped_masked",
+        kernel.Tiles(32, 128, 128, num_warps=8, swap_ab=True, word_decode=True),
+        "silu",
+        None,
+        32,
+    ),
+    ("mxfp4+bias", "dense", kernel.Tiles(block_m=16, block_n=64, block_k=128), "swigluoai", None, 0),
+    ("nvfp4", "grouped_contiguous", kernel.Tiles(block_m=32, block_n=128, block_k=64), "relu2_no_mul", None, 0),
     (
         "fp8_channel",
         "grouped_contiguous",
         kernel.Tiles(block_m=16, block_n=128, block_k=128),
         "swiglustep",
         "fp8_dynamic_token",
+        64,
     ),
-    ("uint4_zp_g128", "indexed", kernel.Tiles(block_m=16, block_n=128, block_k=128), "gelu", None),
+    ("uint4_zp_g128", "indexed", kernel.Tiles(block_m=16, block_n=128, block_k=128), "gelu", None, 32),
+    ("bf16+bias", "grouped_masked", kernel.Tiles(block_m=16, block_n=32, block_k=64), "silu", None, 64),
 ]
 
 
@@ -859,12 +870,12 @@ def _activated_reference(x, weight, layout, activation, bf16_weight: bool):
 
 
 @pytest.mark.parametrize(
-    "fmt_name,layout_kind,tiling,kind,quant", sweep(_EPILOGUE_ACTIVATIONS, _EPILOGUE_ACTIVATIONS[:4])
+    "fmt_name,layout_kind,tiling,kind,quant,block", sweep(_EPILOGUE_ACTIVATIONS, _EPILOGUE_ACTIVATIONS[:4])
 )
-def test_activation_in_the_epilogue(fmt_name, layout_kind, tiling, kind, quant, rng):
+def test_activation_in_the_epilogue(fmt_name, layout_kind, tiling, kind, quant, block, rng):
     """``gemm(activation=)``: the tile applies the activation to its f32 sums
     and stores ``N/2`` columns (gated) from gate and up rows interleaved by
-    blocks of 32 (SWIGLUOAI: its own pairs); against the float64 activation of
+    blocks (SWIGLUOAI: its own pairs); against the float64 activation of
     the float64 product, rows no tile owns zero (the output NaN-poisoned when
     interpreted), bf16 output within its rounding."""
     fmt = F.get_format(fmt_name)
@@ -876,8 +887,8 @@ def test_activation_in_the_epilogue(fmt_name, layout_kind, tiling, kind, quant, 
         weight = hj.to_planar(weight, half_bits=tiling.pair_decode and fmt.value_type.value == "float4_e2m1")
     activation = hj.ActivationSpec(kind, clamp_limit=3.0 if kind == "silu" and tiling.swap_ab else None)
     if activation.interleaves:
-        weight = hj.interleave_gate_up(weight, 32)
-        activation = dataclasses.replace(activation, gate_up_block=32)
+        weight = hj.interleave_gate_up(weight, block)
+        activation = dataclasses.replace(activation, gate_up_block=block)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
     if quant is not None:
         x = hj.quantize_input(x, quant)
@@ -910,7 +921,7 @@ def test_activation_in_the_epilogue_of_a_zero_filled_indexed_output(rng):
 
 def test_what_cannot_apply_the_activation(rng):
     """Split K, gate and up in halves, a tile cutting a gate/up pair, a column
-    tile past N and the Mosaic kernels refuse with a reason; ``plan`` keeps the
+    tile past N and the Mosaic kernel's swapped tiles refuse with a reason; ``plan`` keeps the
     tiling the call runs without the activation (a later candidate was not
     tuned for it); the activation must read the weight's row order."""
     from humming_jax.gemm import as_quantized_input, epilogue_activation, gemm_call
@@ -933,12 +944,12 @@ def test_what_cannot_apply_the_activation(rng):
     assert "split_k" in refusal(dataclasses.replace(tile, split_k=2), interleaved, silu32)
     assert "halves" in refusal(tile, weight, hj.ActivationSpec("silu"))
     assert "cuts gate/up blocks" in refusal(
-        tile, hj.interleave_gate_up(weight, 16), hj.ActivationSpec("silu", gate_up_block=64)
+        tile, hj.interleave_gate_up(weight, 16), hj.ActivationSpec("silu", gate_up_block=48)
     )
     assert "not a multiple of block_n" in refusal(
         kernel.Tiles(block_m=16, block_n=128, block_k=64), interleaved, silu32
     )
-    assert "Triton tiles only" in refusal(mosaic.Tiles(), interleaved, silu32)
+    assert "swap_ab" in refusal(mosaic.Tiles(swap_ab=True), interleaved, silu32)
     # The table's first candidate for the call (here: the caller's) decides.
     found, reasons = plan(
         x, interleaved, layout, tuning=dataclasses.replace(tile, split_k=2), activation=silu32, interpret=True

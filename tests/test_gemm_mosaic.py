@@ -1001,3 +1001,102 @@ def test_cluster_pairs_multicast(fmt, config):
     multicast = [line for line in paired.splitlines() if loads in line and "multicast_mask" in line]
     assert multicast and len(multicast) < sum(loads in line for line in paired.splitlines())
     assert "multicast_mask" not in alone
+
+
+@pytest.mark.parametrize(
+    "fmt,kind,layout_kind,tuning",
+    [
+        (F.BF16.with_bias(), "silu", "grouped", TILES),
+        (F.INT4_G128, "gelu_tanh", "masked", mosaic.Tiles(64, 256, 128, stages=2)),
+        pytest.param(F.MXFP4, "swiglustep", "indexed", mosaic.Tiles(64, 256, 128, stages=2), marks=FULL),
+        pytest.param(F.BF16, "relu2_no_mul", "grouped", WIDE, marks=FULL),
+        # The decoding swap tile (the 4-bit prefill entries): rows r and r + 64 of out.T.
+        pytest.param(
+            F.INT4_G128, "silu", "grouped", mosaic.Tiles(64, 256, 128, stages=2, swap_ab=True), marks=ON_GPU_ONLY
+        ),
+    ],
+    ids=["bf16-bias-silu", "int4-masked-gelu_tanh", "mxfp4-indexed-swiglustep", "bf16-relu2", "int4-swap"],
+)
+def test_activation_in_the_epilogue(fmt, kind, layout_kind, tuning, rng):
+    """``gemm(activation=)`` on the Mosaic kernel's plain tiles: a warpgroup's
+    128 columns hold a gate/up pair of 64 (w13 interleaved), it stores 64
+    outputs; against the float64 activation of the float64 product (weights
+    as the tile rounds them), rows no expert owns zero."""
+    import np_ref
+
+    e, n, k = 4, 256, 128
+    m = 40
+    layouts = {
+        "grouped": hj.GroupedContiguous(jnp.asarray([0, 7, 7, 30, 33], jnp.int32)),  # empty, tail rows
+        "masked": hj.GroupedMasked(jnp.asarray([0, 10, 3, 10], jnp.int32)),
+    }
+    if layout_kind == "indexed":
+        ids = jnp.asarray(rng.integers(0, e, size=(m, 2)), jnp.int32)
+        layouts["indexed"] = hj.Indexed(*hj.moe_align_block_size(ids, tuning.block_m, e), top_k=2, block_size=64)
+    layout = layouts[layout_kind]
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    bias = jnp.asarray(rng.normal(size=(e, n)), jnp.float32) if fmt.has_bias else None
+    weight = F.quantize_weight(jnp.asarray(rng.normal(0, 0.05, (e, n, k)), jnp.float32), fmt, bias=bias)
+    weight = hj.to_planar(weight, k_major_scales=True) if fmt.is_quantized else weight
+    spec = hj.ActivationSpec(kind, clamp_limit=5.0 if kind == "swiglustep" else None)
+    if spec.interleaves:
+        weight = hj.interleave_gate_up(weight, 64)
+        spec = dataclasses.replace(spec, gate_up_block=64)
+    out_dtype, bound = (jnp.bfloat16, 1e-2) if tuning.swap_ab else (jnp.float32, 1e-5)  # swap_ab: 16-bit out
+    out = hj.gemm(x, weight, layout, out_dtype=out_dtype, tuning=tuning, activation=spec, backend=KERNEL_BACKEND)
+    bf16_weight = fmt.value_type.value == "int4"  # the decoded tile: (q - 8) * s rounded once
+    product = np_ref.gemm_of(x, weight, layout, bf16_weight=bf16_weight)
+    want = np_ref.activation(product, kind, spec.clamp_limit)
+    assert out.shape == want.shape
+    assert np_ref.relative_error(out, want) < bound
+    assert np.all(np.asarray(out)[np.all(product == 0, axis=1)] == 0)
+
+
+def test_what_cannot_apply_the_activation_in_a_mosaic_tile():
+    from pallas_kernels.gemm.spec import EpilogueActivation
+
+    blocks, plain = EpilogueActivation("silu", gate_up_block=64), mosaic.Tiles(64, 256, 64)
+    swapped = dataclasses.replace(plain, swap_ab=True)
+    assert mosaic.activation_refusal(plain, blocks) is None
+    assert mosaic.activation_refusal(swapped, blocks) is None
+    assert mosaic.activation_refusal(plain, EpilogueActivation("silu", gate_up_block=32)) is None
+    assert mosaic.activation_refusal(plain, EpilogueActivation("relu2_no_mul")) is None
+    assert "swap_ab" in mosaic.activation_refusal(swapped, EpilogueActivation("silu", gate_up_block=32))
+    assert "halves" in mosaic.activation_refusal(plain, EpilogueActivation("silu"))
+    assert "adjacent columns" in mosaic.activation_refusal(plain, EpilogueActivation("swigluoai"))
+    assert "output slots" in mosaic.activation_refusal(dataclasses.replace(plain, block_n=128), blocks)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_activation_in_the_epilogue_lowers_for_the_gpu(swap_ab):
+    """The epilogue (slices of the WGMMA accumulator: columns of a plain
+    tile, rows r and r + 64 of a swapped one; the activation; the half-width
+    store) lowers for the GPU, layouts inferred — what the interpreter cannot
+    check, and the swapped form it cannot run: the int4 decoding swap tile."""
+    from benchmarks.mosaic_ir import capture_mosaic_modules
+    from pallas_kernels.gemm.spec import EpilogueActivation
+
+    e, n, k = 3, 512, 256
+    act = EpilogueActivation("silu", gate_up_block=64)
+    x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
+    offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
+    if swap_ab:
+        tiles = mosaic.Tiles(160, 256, 128, stages=3, swap_ab=True, word_decode=True)
+        w = jax.ShapeDtypeStruct((e, n, k // mosaic.PIECES), jnp.uint16)
+        quant = (jax.ShapeDtypeStruct((e, k // mosaic.UNIT, n), jnp.bfloat16),)
+        run = functools.partial(
+            mosaic.expert_gemm_mosaic,
+            tiles=tiles,
+            out_dtype=jnp.bfloat16,
+            act=act,
+            decode=mosaic.NibbleDecode(k // 128),
+        )
+    else:
+        w, quant = jax.ShapeDtypeStruct((e, n, k), jnp.bfloat16), ()
+        run = functools.partial(mosaic.expert_gemm_mosaic, tiles=WIDE, out_dtype=jnp.bfloat16, act=act)
+    with capture_mosaic_modules() as texts:
+        traced = jax.jit(lambda x, w, o, *q: run(x, w, o, scales=q[0] if q else None)).trace(x, w, offsets, *quant)
+        traced.lower(lowering_platforms=("cuda",))
+    assert traced.out_info.shape == (300, n // 2)
+    assert "ex2" in texts[-1] or "exp" in texts[-1]

@@ -586,3 +586,61 @@ def test_the_offline_ir_tool_reads_the_fp8_kernel(fmt):
     assert counts["wgmma.mma_async"] % 4 == 0 and counts["wgmma.mma_async"] >= 4
     assert counts["nvvm.cp.async.bulk.tensor"] > 0
     assert (counts["vector<2xi16>"] > 0) == (fmt == "w4a8_mxfp4")
+
+
+@pytest.mark.parametrize(
+    "weight_name,quant_name,tiles,kind",
+    [
+        ("mxfp4", "fp8_dynamic_group128", TILES, "silu"),  # W4A8, the decoded step staged in shared memory
+        ("fp8_channel", "fp8_dynamic_token", TILES, "gelu_tanh"),  # every scale on the sum
+        pytest.param(
+            "mxfp4", "fp8_dynamic_group128", dataclasses.replace(TILES, dequantize_first=True), "silu", marks=FULL
+        ),
+        # The register form (W4A8's entries from 32 rows an expert): rows r and r + 64 of out.T
+        # (interpreted: the product from shared memory, the same transposed sums).
+        ("mxfp4", "fp8_dynamic_group128", SWAP_WIDE, "silu"),
+    ],
+)
+def test_activation_in_the_epilogue(weight_name, quant_name, tiles, kind, rng):
+    """``gemm(activation=)`` on the fp8 kernel: a warpgroup's 128 columns, one
+    gate/up pair of 64 (w13 interleaved), give 64 outputs; against the float64
+    activation of the float64 product, rows no expert owns zero."""
+    weight = _mxfp4(rng, True) if weight_name == "mxfp4" else _weight(rng, weight_name)
+    weight = hj.interleave_gate_up(weight, 64)
+    spec = hj.ActivationSpec(kind, gate_up_block=64)
+    x, layout = _input(rng, quant_name), gemm_layouts.layouts(rng, E, M)["grouped_contiguous"]
+    out_dtype = jnp.bfloat16 if tiles.swap_ab else jnp.float32  # swap_ab: 16-bit out
+    out = hj.gemm(x, weight, layout, out_dtype=out_dtype, tuning=tiles, activation=spec, backend=KERNEL_BACKEND)
+    product = np_ref.gemm_of(x, weight, layout)
+    want = np_ref.activation(product, kind)
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    assert got.shape == want.shape and relative_error(got, want) < (1e-2 if tiles.swap_ab else BOUND)
+    assert np.all(got[np.all(product == 0, axis=1)] == 0)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("tiles", [SWAP_WIDE, TILES], ids=["register-form", "staged"])
+def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles):
+    """The W4A8 epilogue with the activation lowers, layouts inferred: the
+    register form's transposed sums (rows r and r + 64 of a thread), which
+    the interpreter cannot run, and the staged form's."""
+    from pallas_kernels.gemm.spec import EpilogueActivation
+
+    args = (
+        jax.ShapeDtypeStruct((40, 256), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((40, 2), jnp.float32),
+        jax.ShapeDtypeStruct((4, 256, 128), jnp.uint8),
+        jax.ShapeDtypeStruct((4, 256, 8), jnp.uint8),
+        jax.ShapeDtypeStruct((5,), jnp.int32),
+    )
+    act = EpilogueActivation("silu", gate_up_block=64)
+    run = functools.partial(
+        kernel.expert_gemm_fp8,
+        tiles=tiles,
+        scaling=kernel.Scaling("group", "mx", True),
+        out_dtype=jnp.bfloat16,
+        act=act,
+    )
+    traced = jax.jit(lambda *a: run(*a)).trace(*args)
+    assert traced.out_info.shape == (40, 128)
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()

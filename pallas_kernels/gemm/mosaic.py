@@ -30,8 +30,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, vector
 
-from pallas_kernels import codecs, word_decode
-from pallas_kernels.gemm.spec import GemmCall, WeightSpec, check_positive, tile_order
+from pallas_kernels import activation, codecs, word_decode
+from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, WeightSpec, check_positive, tile_order
 
 # Folded e2m1 weights are the true ones times 2**-E2M1_FOLDED_EXPONENT, the sum multiplied back.
 from pallas_kernels.gemm.triton import E2M1_FOLDED_EXPONENT
@@ -288,7 +288,9 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if call.use_f16_accum:
         return "f16 accumulation"
     if call.activation is not None:
-        return f"the activation {call.activation.kind!r} in the epilogue (Triton tiles only)"
+        reason = activation_refusal(tiles, call.activation)
+        if reason:
+            return reason
     decode = None
     if tiles.dequantize_first and w.quantized:
         w = w.dequantized(call.x_dtype)
@@ -310,6 +312,47 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         if reason:
             return reason
     return shared_memory_refusal(shared_memory_bytes(tiles, call.x_dtype, call.out_dtype, decode), tiles)
+
+
+def activation_refusal(tiles: Tiles, act: EpilogueActivation) -> str | None:
+    """Why the tiling cannot apply ``act`` in its epilogue (None if it can): a
+    warpgroup's gate and up sums must lie in column slices of its own
+    accumulator, and its outputs fill whole store slots."""
+    if not act.gated:
+        return None
+    if not act.pair_block:
+        return f"the activation {act.kind!r} on gate and up halves (no tile holds both halves of its outputs)"
+    if act.pair_block == 1:
+        return f"the activation {act.kind!r} on pairs of adjacent columns (a strided slice of the accumulator)"
+    if tiles.swap_ab and act.pair_block % 64:
+        # out.T's rows: a thread holds rows r and r + 64, so a gate row's up row must be 64k rows on.
+        return (
+            f"the activation {act.kind!r} with swap_ab on blocks of {act.pair_block} (gate and up in different warps)"
+        )
+    if tiles.wg_n % (2 * act.pair_block) or (tiles.wg_n // 2) % EPILOGUE_COLUMNS:
+        return (
+            f"the activation {act.kind!r}: a warpgroup's {tiles.wg_n} columns are not whole gate/up pairs of "
+            f"{act.pair_block} with {EPILOGUE_COLUMNS}-column output slots"
+        )
+    return None
+
+
+def epilogue_activation(acc, act: EpilogueActivation, swap: bool = False):
+    """``act`` of a warpgroup's f32 sums ``acc [wg_m, wg_n]`` (``swap``: ``[wg_n,
+    wg_m]``): ``[wg_m, wg_n/2]`` for a gated kind (gate and up in blocks of
+    ``act.pair_block`` weight rows), else the same shape."""
+    if not act.gated:
+        return activation.ungated(act.kind, acc)
+    block, axis = act.pair_block, 0 if swap else 1
+
+    def rows(start):  # weight rows [start, start + block) of the accumulator
+        return acc[start : start + block] if swap else acc[:, start : start + block]
+
+    outputs = [
+        activation.gated(act.kind, rows(start), rows(start + block), act.clamp_limit, act.alpha, act.beta)
+        for start in range(0, acc.shape[axis], 2 * block)
+    ]
+    return jnp.concatenate(outputs, axis=axis) if len(outputs) > 1 else outputs[0]
 
 
 def max_row_tiles(ranges: int, m: int, block_m: int) -> int:
@@ -662,6 +705,7 @@ def _kernel(
     decode: NibbleDecode | None,
     has_bias: bool,
     interpret: bool,
+    act: EpilogueActivation | None = None,
 ):
     # Scales [E, G, N] (and zero points) when decoding, the bias [E, N], the output.
     bias_gmem = rest[-2] if has_bias else None
@@ -743,9 +787,12 @@ def _kernel(
             first_row, rows = table_ref[row_tile, 2], table_ref[row_tile, 3]
             offset = first_row - load_row  # the tile's own rows in the loaded box (the others are not stored)
             wg_cols = col_tile * tiles.block_n + wg * wg_n
+            # A gated activation stores half the columns: the warpgroup's outputs start at wg_cols / 2.
+            out_wg_n = wg_n // 2 if act is not None and act.gated else wg_n
+            out_cols = col_tile * (tiles.block_n * out_wg_n // wg_n) + wg * out_wg_n
 
             def store(acc, transposed: bool = False):
-                store_tile(acc, o_smem.at[wg], o_gmem, wg_cols, (first_row, offset, rows), transposed)
+                store_tile(acc, o_smem.at[wg], o_gmem, out_cols, (first_row, offset, rows), transposed)
 
             swap = tiles.swap_ab
             acc_shape = (wg_n, wg_m) if swap else (wg_m, wg_n)
@@ -762,6 +809,8 @@ def _kernel(
                         layout = plgpu.Layout.WGMMA.reduce(1 if swap else 0)
                         bias = plgpu.load(bias_ref, layout=layout, optimized=False).astype(jnp.float32)
                         acc = acc + (bias[:, None] if swap else bias[None, :])
+                    if act is not None:
+                        acc = epilogue_activation(acc, act, swap)
                     store(acc.astype(o_gmem.dtype), transposed=swap)
 
             def step(indices, x_smem, w_smem, acc_ref):
@@ -820,7 +869,7 @@ def _kernel(
 
             @pl.when((rows > 0) & (group >= num_experts) & (wg < COMPUTE_WGS))
             def _():  # rows no expert owns: zeros
-                store(jnp.zeros((wg_m, wg_n), o_gmem.dtype))
+                store(jnp.zeros((wg_m, out_wg_n), o_gmem.dtype))
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -839,6 +888,7 @@ def expert_gemm_mosaic(
     zero_points: jax.Array | None = None,
     interpret: bool = False,
     table: jax.Array | None = None,
+    act: EpilogueActivation | None = None,
 ) -> jax.Array:
     """``x [M, K]`` (bf16/f16) times ``weight``: row ``r`` of the ``[M, N]``
     result (``out_dtype``) uses the expert whose range ``[offsets[e],
@@ -850,7 +900,9 @@ def expert_gemm_mosaic(
     x's dtype, or with ``decode`` the 4-bit codes ``uint16 [E, N, K/4]`` with
     ``scales`` (and ``zero_points``) ``[E, G, N]`` in x's dtype (see
     :class:`NibbleDecode`). ``table``: the row tiles given
-    (:func:`block_table`) in place of the ranges."""
+    (:func:`block_table`) in place of the ranges. ``act``: applied to the
+    f32 sums in the epilogue (gated kinds: ``[M, N/2]``,
+    :func:`activation_refusal` says where)."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     check_tiles(tiles, n, k, x.dtype, decode)
@@ -858,6 +910,9 @@ def expert_gemm_mosaic(
     if refusal:
         raise ValueError(f"mosaic GEMM: {refusal}; the staged form (swap_ab=False) computes the same")
     refusal = shared_memory_refusal(shared_memory_bytes(tiles, x.dtype, out_dtype, decode), tiles)
+    if refusal:
+        raise ValueError(f"mosaic GEMM: {refusal}")
+    refusal = activation_refusal(tiles, act) if act is not None else None
     if refusal:
         raise ValueError(f"mosaic GEMM: {refusal}")
     quant = ()
@@ -893,11 +948,13 @@ def expert_gemm_mosaic(
         decode=decode,
         has_bias=bias is not None,
         interpret=interpret,
+        act=act,
     )
     cluster = tiles.cluster_n  # programs a cluster (1 or 2)
+    out_n = n if act is None else act.out_n(n)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((m, out_n), out_dtype),
         grid=(sms // cluster,),
         grid_names=("sm",),
         **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
@@ -961,7 +1018,12 @@ def expert_gemm(
         raise ValueError("mosaic.expert_gemm: x_scale: the kernel takes unscaled 16-bit inputs")
     w, layout = call.weight, call.layout
     run = functools.partial(
-        expert_gemm_mosaic, tiles=tiles, out_dtype=jnp.dtype(call.out_dtype), bias=bias, interpret=call.interpret
+        expert_gemm_mosaic,
+        tiles=tiles,
+        out_dtype=jnp.dtype(call.out_dtype),
+        bias=bias,
+        interpret=call.interpret,
+        act=call.activation,
     )
     (x,), offsets, routing, slots = routed(layout, route_arrays, w.num_experts, x)
     if not w.quantized:

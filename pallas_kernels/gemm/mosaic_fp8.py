@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gemm import mosaic, mx_e4m3
-from pallas_kernels.gemm.spec import GemmCall, WeightSpec, check_positive, tile_order
+from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, WeightSpec, check_positive, tile_order
 
 BLOCK_K = mx_e4m3.BLOCK_K  # a K step: one 128-byte swizzled row of 8-bit values, one scale group
 FP8_INPUTS = ("float8_e4m3fn", "float8_e5m2")
@@ -191,7 +191,9 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if call.use_f16_accum:
         return "f16 accumulation"
     if call.activation is not None:
-        return f"the activation {call.activation.kind!r} in the epilogue (Triton tiles only)"
+        reason = mosaic.activation_refusal(tiles, call.activation)
+        if reason:
+            return reason
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
         return f"out_dtype={call.out_dtype}"
     if tiles.swap_ab and jnp.dtype(call.out_dtype).itemsize != 2:
@@ -216,6 +218,7 @@ def _kernel(
     row_tiles: int,
     has_bias: bool,
     interpret: bool,
+    act: EpilogueActivation | None = None,
 ):
     # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the column scales
     # [E, N], rest the e8m0 bytes [E, K/32, N] and each column's largest int32 [E, N]
@@ -292,10 +295,13 @@ def _kernel(
             first_row, rows = table_ref[row_tile, 2], table_ref[row_tile, 3]
             offset = first_row - load_row
             wg_cols = col_tile * tiles.block_n + wg * wg_n
+            # A gated activation stores half the columns: the warpgroup's outputs start at wg_cols / 2.
+            out_wg_n = wg_n // 2 if act is not None and act.gated else wg_n
+            out_cols = col_tile * (tiles.block_n * out_wg_n // wg_n) + wg * out_wg_n
 
             def store(acc, transposed=False):
                 span = (first_row, offset, rows)
-                mosaic.store_tile(acc, o_smem.at[wg], o_gmem, wg_cols, span, transposed=transposed)
+                mosaic.store_tile(acc, o_smem.at[wg], o_gmem, out_cols, span, transposed=transposed)
 
             def epilogue(acc):
                 """The sum times the scales that do not change along K, plus the bias."""
@@ -313,6 +319,8 @@ def _kernel(
                     bias = plgpu.load(bias_gmem.at[group, pl.ds(wg_cols, wg_n)], layout=n_layout, optimized=False)
                     bias = bias.astype(jnp.float32)
                     acc = acc + (bias[:, None] if swap else bias[None, :])
+                if act is not None:
+                    acc = mosaic.epilogue_activation(acc, act, swap)
                 store(acc.astype(o_gmem.dtype), transposed=swap)
 
             def summed_context(run):  # every scale on the sum: one accumulator through K
@@ -391,7 +399,7 @@ def _kernel(
 
             @pl.when((rows > 0) & (group >= num_experts) & (wg < mosaic.COMPUTE_WGS))
             def _():  # rows no expert owns: zeros
-                store(jnp.zeros((wg_m, wg_n), o_gmem.dtype))
+                store(jnp.zeros((wg_m, out_wg_n), o_gmem.dtype))
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -452,6 +460,7 @@ def expert_gemm_fp8(
     bias: jax.Array | None = None,
     interpret: bool = False,
     table: jax.Array | None = None,
+    act: EpilogueActivation | None = None,
 ) -> jax.Array:
     """``x [M, K]`` (e4m3 / e5m2) times ``x_scale`` (``[M, K/128]``, ``[M, 1]``
     or ``[1]`` f32, as ``scaling.x``) by the e4m3 ``weight [E, N, K]`` times
@@ -464,12 +473,14 @@ def expert_gemm_fp8(
     ``counts [E]``: grouped-masked, expert e's first ``counts[e]`` of its
     ``M / E`` rows); rows outside every range are zero. ``bias [E, N]`` is
     added in f32. ``table``: the row tiles given (:func:`mosaic.block_table`) in
-    place of the ranges."""
+    place of the ranges. ``act``: applied to the sums in the epilogue
+    (gated kinds: ``[M, N/2]``; :func:`mosaic.activation_refusal` says where)."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     reason = tiles_refusal(tiles, n, k, scaling) or mosaic.shared_memory_refusal(
         shared_memory_bytes(tiles, scaling, out_dtype), tiles
     )
+    reason = reason or (mosaic.activation_refusal(tiles, act) if act is not None else None)
     if reason:
         raise ValueError(f"mosaic_fp8 GEMM: {reason}")
     want_w = (jnp.uint8, (num_experts, n, k // 2)) if scaling.mx else (jnp.float8_e4m3fn, (num_experts, n, k))
@@ -511,10 +522,11 @@ def expert_gemm_fp8(
         row_tiles=table.shape[0],
         has_bias=bias is not None,
         interpret=interpret,
+        act=act,
     )
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((m, n if act is None else act.out_n(n)), out_dtype),
         grid=(mosaic.persistent_programs(interpret),),
         grid_names=("sm",),
         num_threads=mosaic.COMPUTE_WGS + 1,
@@ -550,6 +562,7 @@ def expert_gemm(
         out_dtype=jnp.dtype(call.out_dtype),
         bias=bias,
         interpret=call.interpret,
+        act=call.activation,
         **routing,
     )
     return out if slots is None else mosaic.to_slots(out, slots, layout.m_out)

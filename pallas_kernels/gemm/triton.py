@@ -153,9 +153,17 @@ def activation_refusal(tiles: Tiles, call: GemmCall) -> str | None:
             f"the activation {act.kind!r} on gate and up halves (a tile holds both halves of its outputs "
             "only when the weight interleaves them: formats.interleave_gate_up)"
         )
-    if act.gated and tiles.block_n % (2 * act.pair_block):
+    pair = 2 * act.pair_block
+    if act.gated and tiles.block_n % pair and pair % tiles.block_n:
         return f"the activation {act.kind!r}: block_n={tiles.block_n} cuts gate/up blocks of {act.pair_block} rows"
     return None
+
+
+def gate_up_split(act: EpilogueActivation, block_n: int) -> int:
+    """Columns of each gate (then up) run in a tile of ``block_n`` columns: the
+    weight's block, or half the tile where a tile holds half a block pair (the
+    program then reads its gate rows and the up rows ``pair_block`` further)."""
+    return min(act.pair_block, block_n // 2)
 
 
 def _sixteen_bits(call: GemmCall):
@@ -992,6 +1000,13 @@ def _gemm_kernel(
     def columns(c):
         """(n_idx [bn], n_mask [bn] or None) of the program's column tile ``c``."""
         n_idx = (col_group + c) * bn + jnp.arange(bn, dtype=jnp.int32)
+        if act is not None and act.gated and bn < 2 * act.pair_block:
+            # Half a gate/up block pair: the tile's outputs' gate rows, then their up rows.
+            half, block = bn // 2, act.pair_block
+            first = (col_group + c) * half  # the tile's first output
+            j = jnp.arange(bn, dtype=jnp.int32)
+            base = (first // block) * (2 * block) + first % block
+            n_idx = base + j % half + jnp.where(j < half, 0, block)
         return n_idx, (n_idx < w.n if columns_masked else None)
 
     out_bn = bn if act is None else act.out_n(bn)  # a gated activation stores half the columns
@@ -1170,12 +1185,12 @@ def _gemm_kernel(
 
 def epilogue_activation(acc, act: EpilogueActivation, swap: bool):
     """The activation of a tile's f32 sums ``acc [bm, bn]`` (``swap``: ``[bn,
-    bm]``): ``[bm, bn/2]`` for a gated kind, its gate and up columns in blocks
-    of ``act.pair_block`` (each ``2·pair_block`` columns: a block of gate sums,
-    then the same outputs' up sums), else ``[bm, bn]``."""
+    bm]``): ``[bm, bn/2]`` for a gated kind, its gate and up columns in runs
+    of :func:`gate_up_split` (a run of gate sums, then the same outputs' up
+    sums), else ``[bm, bn]``."""
     if not act.gated:
         return activation.ungated(act.kind, acc)
-    block = act.pair_block
+    block = gate_up_split(act, acc.shape[0] if swap else acc.shape[1])
     if swap:
         bn, bm = acc.shape
         gate, up = jnp.split(acc.reshape(bn // (2 * block), 2, block, bm), 2, axis=1)
