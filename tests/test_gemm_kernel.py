@@ -920,8 +920,8 @@ def test_activation_in_the_epilogue_of_a_zero_filled_indexed_output(rng):
 
 
 def test_what_cannot_apply_the_activation(rng):
-    """Split K, gate and up in halves, a tile cutting a gate/up pair, a column
-    tile past N and the Mosaic kernel's swapped tiles refuse with a reason; ``plan`` keeps the
+    """Split K, gate and up in halves, a tile cutting a gate/up pair and the
+    Mosaic kernel's swapped tiles on blocks of 32 refuse with a reason; ``plan`` keeps the
     tiling the call runs without the activation (a later candidate was not
     tuned for it); the activation must read the weight's row order."""
     from humming_jax.gemm import as_quantized_input, epilogue_activation, gemm_call
@@ -946,9 +946,6 @@ def test_what_cannot_apply_the_activation(rng):
     assert "cuts gate/up blocks" in refusal(
         tile, hj.interleave_gate_up(weight, 16), hj.ActivationSpec("silu", gate_up_block=48)
     )
-    assert "not a multiple of block_n" in refusal(
-        kernel.Tiles(block_m=16, block_n=128, block_k=64), interleaved, silu32
-    )
     assert "swap_ab" in refusal(mosaic.Tiles(swap_ab=True), interleaved, silu32)
     # The table's first candidate for the call (here: the caller's) decides.
     found, reasons = plan(
@@ -959,3 +956,23 @@ def test_what_cannot_apply_the_activation(rng):
         hj.gemm(x, interleaved, layout, activation="silu", backend=KERNEL_BACKEND)  # halves asked, blocks stored
     with pytest.raises(ValueError, match="tuning"):
         hj.gemm(x, weight, layout, tuning=tile, activation="silu", backend=KERNEL_BACKEND)
+
+
+@pytest.mark.parametrize("kind,block", [("silu", 32), ("swigluoai", 0)])
+def test_activation_in_a_partial_last_tile(kind, block, rng):
+    """N = 192 on 128-column tiles (gpt-oss's 5760 on 256): the last tile holds
+    one pair of 32-row blocks (SWIGLUOAI: 32 pairs) and masked columns; its
+    outputs past N/2 are not stored."""
+    w = jnp.asarray(rng.normal(0, 0.05, (E, 192, K)), jnp.float32)
+    weight = F.quantize_weight(w, F.BF16)
+    activation = hj.ActivationSpec(kind)
+    if block:
+        weight, activation = hj.interleave_gate_up(weight, block), hj.ActivationSpec(kind, gate_up_block=block)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    layout = _layouts(rng)["grouped_contiguous"]
+    tiling = kernel.Tiles(block_m=16, block_n=128, block_k=64)
+    out = hj.gemm(
+        x, weight, layout, out_dtype=jnp.float32, tuning=tiling, activation=activation, backend=KERNEL_BACKEND
+    )
+    assert out.shape == (M, 96)
+    _check(out, _activated_reference(x, weight, layout, activation, False), bound=1e-5)

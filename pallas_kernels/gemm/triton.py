@@ -143,11 +143,9 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
 
 def activation_refusal(tiles: Tiles, call: GemmCall) -> str | None:
     """Why a tile cannot apply ``call.activation`` in its epilogue (None if it can)."""
-    act, n = call.activation, call.weight.n
+    act = call.activation
     if tiles.split_k > 1:
         return f"the activation {act.kind!r} with split_k={tiles.split_k} (it applies to whole sums)"
-    if n % tiles.block_n:
-        return f"the activation {act.kind!r} with N={n} not a multiple of block_n={tiles.block_n}"
     if act.gated and not act.pair_block:
         return (
             f"the activation {act.kind!r} on gate and up halves (a tile holds both halves of its outputs "
@@ -1015,7 +1013,9 @@ def _gemm_kernel(
         """(the output columns [out_bn], their mask or None) of the program's tile."""
         if act is None:
             return columns(0)
-        return col_group * out_bn + jnp.arange(out_bn, dtype=jnp.int32), None  # supports: N % bn == 0
+        out_idx = col_group * out_bn + jnp.arange(out_bn, dtype=jnp.int32)
+        # A partial last tile ends on a pair: N is a whole number of gate/up pairs.
+        return out_idx, (out_idx < act.out_n(w.n) if columns_masked else None)
 
     k_limit = None if w.k % bk == 0 else w.k
     split = pl.program_id(1)
