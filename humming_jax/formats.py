@@ -822,6 +822,15 @@ def _dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
 GATE_UP_BLOCK = 64
 
 
+def gate_up_block_for(fmt: WeightFormat) -> int:
+    """The block a w13 in ``fmt`` interleaves its gate and up rows by
+    (:func:`humming_jax.experts.to_kernel_order`): :data:`GATE_UP_BLOCK`, or
+    a whole row block of scales where the format has larger ones
+    (``fp8_block128``: 128, a warpgroup's gate rows and the other's up rows)."""
+    blocks = fmt.scale_blocks()
+    return max(GATE_UP_BLOCK, blocks[1]) if blocks is not None else GATE_UP_BLOCK
+
+
 def gate_up_block_refusal(fmt: WeightFormat, n: int, block: int) -> str | None:
     """Why an ``[E, n, K]`` weight in ``fmt`` cannot store its gate and up rows
     interleaved by blocks of ``block`` (None if it can)."""

@@ -860,6 +860,8 @@ _EPILOGUE_ACTIVATIONS = [
     ),
     ("uint4_zp_g128", "indexed", kernel.Tiles(block_m=16, block_n=128, block_k=128), "gelu", None, 32),
     ("bf16+bias", "grouped_masked", kernel.Tiles(block_m=16, block_n=32, block_k=64), "silu", None, 64),
+    # W8A8's decode tile on blocks of 128 (whole scale blocks): its two runs in two scale blocks.
+    ("fp8_block128", "indexed", kernel.Tiles(16, 64, 256), "silu", "fp8_dynamic_group128", 128),
 ]
 
 
@@ -879,7 +881,7 @@ def test_activation_in_the_epilogue(fmt_name, layout_kind, tiling, kind, quant, 
     the float64 product, rows no tile owns zero (the output NaN-poisoned when
     interpreted), bf16 output within its rounding."""
     fmt = F.get_format(fmt_name)
-    n, e = 128, 1 if layout_kind == "dense" else E
+    n, e = max(128, 2 * block), 1 if layout_kind == "dense" else E
     w = jnp.asarray(rng.normal(0, 0.05, (e, n, K)), jnp.float32)
     bias = jnp.asarray(rng.normal(size=(e, n)), jnp.float32) if fmt.has_bias else None
     weight = F.quantize_weight(w, fmt, bias=bias)

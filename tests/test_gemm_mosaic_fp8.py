@@ -644,3 +644,73 @@ def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles):
     traced = jax.jit(lambda *a: run(*a)).trace(*args)
     assert traced.out_info.shape == (40, 128)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "layout_kind,kind",
+    [("grouped_contiguous", "silu"), ("grouped_masked", "gelu_tanh"), pytest.param("indexed", "silu", marks=FULL)],
+)
+def test_activation_pairs_across_the_warpgroups(layout_kind, kind, rng):
+    """W8A8 (``fp8_block128``, gate/up blocks of 128 that keep its scale
+    blocks whole): a tile's gate sums are one warpgroup's, its up sums the
+    other's, handed over through shared memory (two barriers, a tile at a
+    time, many tiles a program); against the float64 activation of the
+    float64 product, rows no expert owns zero (the output NaN-poisoned)."""
+    weight = hj.interleave_gate_up(_weight(rng, "fp8_block128"), 128)
+    spec = hj.ActivationSpec(kind, gate_up_block=128)
+    assert kernel.pairs_across_warpgroups(TILES, G_ACT(spec))
+    x = _input(rng, "fp8_dynamic_group128")
+    layout = gemm_layouts.layouts(rng, E, M, TILES.block_m)[layout_kind]
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=TILES, activation=spec, backend=KERNEL_BACKEND)
+    product = np_ref.gemm_of(x, weight, layout)
+    want = np_ref.activation(product, kind)
+    got = np.asarray(out, np.float64)
+    assert got.shape == want.shape and relative_error(got, want) < BOUND
+    assert np.all(got[np.all(product == 0, axis=1)] == 0)
+
+
+def G_ACT(spec):
+    from humming_jax.gemm import epilogue_activation
+
+    return epilogue_activation(spec)
+
+
+def test_a_pair_across_the_warpgroups_takes_its_buffer_into_account():
+    from pallas_kernels.gemm.spec import EpilogueActivation
+
+    act = EpilogueActivation("silu", gate_up_block=128)
+    scaling = kernel.Scaling("group", "block")
+    plain = kernel.shared_memory_bytes(TILES, scaling, jnp.bfloat16)
+    assert kernel.shared_memory_bytes(TILES, scaling, jnp.bfloat16, act) == plain + 4 * 64 * 128 + 16
+    assert kernel.activation_refusal(TILES, act) is None
+    assert "whole gate/up pairs" in kernel.activation_refusal(SWAP_WIDE, act)  # out.T: no hand-over form
+    assert not kernel.pairs_across_warpgroups(SQUARE, act)  # 64 columns a warpgroup
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_activation_pairs_across_the_warpgroups_lower_for_the_gpu():
+    """The hand-over (a barrier pair, the f32 buffer, the gate warpgroup's
+    activation and store) lowers for the GPU, layouts inferred."""
+    from benchmarks.mosaic_ir import capture_mosaic_modules
+    from pallas_kernels.gemm.spec import EpilogueActivation
+
+    args = (
+        jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((300, 2), jnp.float32),
+        jax.ShapeDtypeStruct((4, 512, 256), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((4, 4, 2), jnp.float32),
+        jax.ShapeDtypeStruct((5,), jnp.int32),
+    )
+    act = EpilogueActivation("silu", gate_up_block=128)
+    run = functools.partial(
+        kernel.expert_gemm_fp8,
+        tiles=kernel.Tiles(64, 256),
+        scaling=kernel.Scaling("group", "block"),
+        out_dtype=jnp.bfloat16,
+        act=act,
+    )
+    with capture_mosaic_modules() as texts:
+        traced = jax.jit(lambda *a: run(*a)).trace(*args)
+        traced.lower(lowering_platforms=("cuda",))
+    assert traced.out_info.shape == (300, 256)
+    assert "mbarrier" in texts[-1] and ("ex2" in texts[-1] or "exp" in texts[-1])

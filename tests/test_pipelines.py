@@ -519,13 +519,14 @@ def test_w4a8_inputs_written_multiplied_out(pipeline, rng):
 
 _EPILOGUE_LAYERS = [
     ("int4_g128", "silu", "none"),
+    ("fp8_block128", "silu", "fp8_dynamic_group128"),  # W8A8: blocks of 128, the scale blocks whole
     ("bf16", "gelu_tanh", "none"),
     ("mxfp4", "silu", "fp8_dynamic_group128"),
 ]
 
 
 @pytest.mark.parametrize("pipeline", ["grouped", "indexed", "batched"])
-@pytest.mark.parametrize("fmt,activation,quant", sweep(_EPILOGUE_LAYERS, _EPILOGUE_LAYERS[:1]))
+@pytest.mark.parametrize("fmt,activation,quant", sweep(_EPILOGUE_LAYERS, _EPILOGUE_LAYERS[:2]))
 def test_activation_in_w13s_tiles(pipeline, fmt, activation, quant, rng, monkeypatch):
     """``quantize_experts`` interleaves w13's gate and up rows, so w13's tiles
     apply the activation (no pass of their sums: ``takes_activation``); the
@@ -534,7 +535,7 @@ def test_activation_in_w13s_tiles(pipeline, fmt, activation, quant, rng, monkeyp
     config = hj.ExpertsConfig(4, 128, 128, 2, activation=activation, weight_format=fmt, input_quant=quant)
     x, w13, w2, ids, tw = _problem(rng, config, 16)
     weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
-    assert weights.w13.gate_up_block == hj.formats.GATE_UP_BLOCK
+    assert weights.w13.gate_up_block == hj.formats.gate_up_block_for(config.weight_format)
     halves = dataclasses.replace(weights, w13=hj.gate_up_halves(weights.w13))
     taken = []
     original = X.takes_activation

@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import activation
 from pallas_kernels.gemm import mosaic, mx_e4m3
 from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, WeightSpec, check_positive, tile_order
 
@@ -124,17 +125,37 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     return None
 
 
-def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype) -> int:
+def pairs_across_warpgroups(tiles: Tiles, act: EpilogueActivation | None) -> bool:
+    """Whether a tile's gate sums are one compute warpgroup's and its up sums
+    the other's (gate/up blocks of a warpgroup's columns, e.g. 128-row blocks
+    that keep ``fp8_block128``'s scale blocks whole): the up warpgroup hands
+    its sums to the gate one through shared memory, which applies the
+    activation and stores the tile's outputs."""
+    return act is not None and act.gated and act.pair_block == tiles.wg_n and not tiles.swap_ab
+
+
+def activation_refusal(tiles: Tiles, act: EpilogueActivation) -> str | None:
+    """Why the tiling cannot apply ``act`` in its epilogue (None if it can):
+    the 16-bit kernel's rule (:func:`mosaic.activation_refusal`), or a pair
+    across the two warpgroups (:func:`pairs_across_warpgroups`)."""
+    return None if pairs_across_warpgroups(tiles, act) else mosaic.activation_refusal(tiles, act)
+
+
+def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype, act: EpilogueActivation | None = None) -> int:
     """Bytes of the buffers a program allocates in shared memory (compiled):
     ``stages`` pipeline steps of x's box (e4m3 bytes), the weight's (e4m3
     bytes, or MXFP4's uint16 codes and scale bytes) and x's group scales (f32),
-    the epilogue's store slots and the staged MXFP4 decode's slots."""
+    the epilogue's store slots, the staged MXFP4 decode's slots and, for a
+    gate/up pair across the warpgroups, the up sums handed over (f32) with
+    their two barriers."""
     mx = scaling.mx and not tiles.dequantize_first  # a decoded copy runs W8A8's loop
     weight = tiles.block_n * (BLOCK_K // 4 * 2 + mx_e4m3.PIECES) if mx else tiles.block_n * BLOCK_K
     step = tiles.block_m * BLOCK_K + weight + (4 * tiles.block_m if scaling.x == "group" else 0)
     scratch = mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
     if mx and not tiles.swap_ab:
         scratch += mosaic.COMPUTE_WGS * tiles.wg_n * BLOCK_K
+    if pairs_across_warpgroups(tiles, act):
+        scratch += 4 * tiles.wg_m * tiles.wg_n + 2 * 8
     return mosaic.pipeline_bytes(tiles.stages, step) + scratch
 
 
@@ -191,7 +212,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if call.use_f16_accum:
         return "f16 accumulation"
     if call.activation is not None:
-        reason = mosaic.activation_refusal(tiles, call.activation)
+        reason = activation_refusal(tiles, call.activation)
         if reason:
             return reason
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
@@ -202,7 +223,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     reason = tiles_refusal(tiles, call.weight.n, call.weight.k, scaling)
     if reason:
         return reason
-    return mosaic.shared_memory_refusal(shared_memory_bytes(tiles, scaling, call.out_dtype), tiles)
+    return mosaic.shared_memory_refusal(shared_memory_bytes(tiles, scaling, call.out_dtype, call.activation), tiles)
 
 
 def _kernel(
@@ -276,6 +297,11 @@ def _kernel(
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
         shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
         scratch["stage"] = plgpu.SMEM(shape, jnp.float8_e4m3fn, transforms=transforms)
+    across = pairs_across_warpgroups(tiles, act)
+    if across:  # the up warpgroup's sums, handed to the gate warpgroup: full when written, empty when read
+        scratch["handed"] = plgpu.SMEM((wg_m, wg_n), jnp.float32)
+        scratch["full"] = plgpu.Barrier(num_arrivals=1)
+        scratch["empty"] = plgpu.Barrier(num_arrivals=1)
 
     @functools.partial(
         pl.run_scoped,
@@ -283,9 +309,14 @@ def _kernel(
         **scratch,
         collective_axes="wg",
     )
-    def _(allocations, o_smem, stage=None):
+    def _(allocations, o_smem, stage=None, handed=None, full=None, empty=None):
         wg = lax.axis_index("wg")
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
+        if across:
+
+            @pl.when(wg == 0)
+            def _():  # the buffer starts empty: the up warpgroup's first wait passes
+                plgpu.barrier_arrive(empty)
 
         @plgpu.nd_loop((row_tiles * col_tiles,), collective_axes="sm")
         def _(loop):
@@ -295,9 +326,10 @@ def _kernel(
             first_row, rows = table_ref[row_tile, 2], table_ref[row_tile, 3]
             offset = first_row - load_row
             wg_cols = col_tile * tiles.block_n + wg * wg_n
-            # A gated activation stores half the columns: the warpgroup's outputs start at wg_cols / 2.
-            out_wg_n = wg_n // 2 if act is not None and act.gated else wg_n
-            out_cols = col_tile * (tiles.block_n * out_wg_n // wg_n) + wg * out_wg_n
+            # A gated activation stores half the columns: the warpgroup's outputs start at wg_cols / 2
+            # (a pair across the warpgroups: the gate warpgroup stores the tile's wg_n outputs).
+            out_wg_n = wg_n // 2 if act is not None and act.gated and not across else wg_n
+            out_cols = col_tile * wg_n if across else col_tile * (tiles.block_n * out_wg_n // wg_n) + wg * out_wg_n
 
             def store(acc, transposed=False):
                 span = (first_row, offset, rows)
@@ -319,9 +351,30 @@ def _kernel(
                     bias = plgpu.load(bias_gmem.at[group, pl.ds(wg_cols, wg_n)], layout=n_layout, optimized=False)
                     bias = bias.astype(jnp.float32)
                     acc = acc + (bias[:, None] if swap else bias[None, :])
+                if across:
+                    hand_over(acc)
+                    return
                 if act is not None:
                     acc = mosaic.epilogue_activation(acc, act, swap)
                 store(acc.astype(o_gmem.dtype), transposed=swap)
+
+            def hand_over(acc):
+                """The up warpgroup writes its sums for the gate one, which applies the activation."""
+
+                @pl.when(wg == 1)
+                def _():
+                    plgpu.barrier_wait(empty)
+                    handed[...] = acc
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(full)
+
+                @pl.when(wg == 0)
+                def _():
+                    plgpu.barrier_wait(full)
+                    up = handed[...]
+                    plgpu.barrier_arrive(empty)
+                    out = activation.gated(act.kind, acc, up, act.clamp_limit, act.alpha, act.beta)
+                    store(out.astype(o_gmem.dtype))
 
             def summed_context(run):  # every scale on the sum: one accumulator through K
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
@@ -397,9 +450,17 @@ def _kernel(
                 else:
                     pipeline(summed_step, summed_context)(*operands(group, col_tile, load_row), allocations=allocations)
 
-            @pl.when((rows > 0) & (group >= num_experts) & (wg < mosaic.COMPUTE_WGS))
+            storing = 1 if across else mosaic.COMPUTE_WGS  # a pair across the warpgroups: the gate one stores
+
+            @pl.when((rows > 0) & (group >= num_experts) & (wg < storing))
             def _():  # rows no expert owns: zeros
                 store(jnp.zeros((wg_m, out_wg_n), o_gmem.dtype))
+
+        if across:
+
+            @pl.when(wg == 1)
+            def _():  # the gate warpgroup's last read of the buffer (empty arrives once more than it is awaited)
+                plgpu.barrier_wait(empty)
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -478,9 +539,9 @@ def expert_gemm_fp8(
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     reason = tiles_refusal(tiles, n, k, scaling) or mosaic.shared_memory_refusal(
-        shared_memory_bytes(tiles, scaling, out_dtype), tiles
+        shared_memory_bytes(tiles, scaling, out_dtype, act), tiles
     )
-    reason = reason or (mosaic.activation_refusal(tiles, act) if act is not None else None)
+    reason = reason or (activation_refusal(tiles, act) if act is not None else None)
     if reason:
         raise ValueError(f"mosaic_fp8 GEMM: {reason}")
     want_w = (jnp.uint8, (num_experts, n, k // 2)) if scaling.mx else (jnp.float8_e4m3fn, (num_experts, n, k))

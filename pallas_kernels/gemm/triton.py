@@ -921,8 +921,8 @@ def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start, n_mask):
 def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, in_weights, n_mask, factor, n_start):
     """The f32 factor of each output column for columns starting at ``k_start``
     (``[bn]``, or a scalar when one scale covers the tile's columns ``n_start
-    + [0, bn)``): scale (unless applied in the weights) x global scale x
-    ``factor``, or None when it is 1."""
+    + [0, bn)``; ``n_start`` None: the tile's columns are not one run): scale
+    (unless applied in the weights) x global scale x ``factor``, or None when it is 1."""
     if w.scale == "none" or in_weights:
         scale = None
     elif w.scale == "tensor":
@@ -933,7 +933,7 @@ def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, 
         scale = _decode_scale(
             _load(_group_scale_at(scale_ref, w, expert, n_idx, _floor_div(k_start, w.group_size)), n_mask), w.scale_type
         )
-    elif w.block_n % n_idx.shape[0] == 0:  # block: the tile inside one block of rows
+    elif n_start is not None and w.block_n % n_idx.shape[0] == 0:  # block: the tile inside one block of rows
         scale = _decode_scale(scale_ref[expert, n_start // w.block_n, _floor_div(k_start, w.group_size)], w.scale_type)
     else:  # block
         raw = _load(scale_ref.at[expert, n_idx // w.block_n, _floor_div(k_start, w.group_size)], n_mask)
@@ -1059,7 +1059,8 @@ def _gemm_kernel(
     def k_tile_step(k_limit, n_idx, n_mask):
         """One K tile's products of column tile ``n_idx`` added to ``acc``;
         ``k_limit`` masks the columns at and past K (only a partial tile needs it)."""
-        n_start = col_group * bn
+        # Half a gate/up pair: the tile's rows are two runs (columns()), maybe in two scale blocks.
+        n_start = None if act is not None and act.gated and bn < 2 * act.pair_block else col_group * bn
 
         def step(i, acc):
             k_tile = (split * per_split + i) * bk
