@@ -21,7 +21,7 @@ import humming_jax as hj
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import tuning as T
-from humming_jax.gemm import gemm_call, plan
+from humming_jax.gemm import epilogue_activation, gemm_call, plan
 from humming_jax.tuning import heuristic
 from pallas_kernels.gemm import mosaic, mx_e4m3
 from pallas_kernels.gemm import mosaic_fp8 as kernel
@@ -618,34 +618,6 @@ def test_activation_in_the_epilogue(weight_name, quant_name, tiles, kind, rng):
     assert np.all(got[np.all(product == 0, axis=1)] == 0)
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("tiles", [SWAP_WIDE, TILES], ids=["register-form", "staged"])
-def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles):
-    """The W4A8 epilogue with the activation lowers, layouts inferred: the
-    register form's transposed sums (rows r and r + 64 of a thread), which
-    the interpreter cannot run, and the staged form's."""
-    from pallas_kernels.gemm.spec import EpilogueActivation
-
-    args = (
-        jax.ShapeDtypeStruct((40, 256), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((40, 2), jnp.float32),
-        jax.ShapeDtypeStruct((4, 256, 128), jnp.uint8),
-        jax.ShapeDtypeStruct((4, 256, 8), jnp.uint8),
-        jax.ShapeDtypeStruct((5,), jnp.int32),
-    )
-    act = EpilogueActivation("silu", gate_up_block=64)
-    run = functools.partial(
-        kernel.expert_gemm_fp8,
-        tiles=tiles,
-        scaling=kernel.Scaling("group", "mx", True),
-        out_dtype=jnp.bfloat16,
-        act=act,
-    )
-    traced = jax.jit(lambda *a: run(*a)).trace(*args)
-    assert traced.out_info.shape == (40, 128)
-    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize(
     "layout_kind,kind",
     [("grouped_contiguous", "silu"), ("grouped_masked", "gelu_tanh"), pytest.param("indexed", "silu", marks=FULL)],
@@ -658,7 +630,7 @@ def test_activation_pairs_across_the_warpgroups(layout_kind, kind, rng):
     float64 product, rows no expert owns zero (the output NaN-poisoned)."""
     weight = hj.interleave_gate_up(_weight(rng, "fp8_block128"), 128)
     spec = hj.ActivationSpec(kind, gate_up_block=128)
-    assert kernel.pairs_across_warpgroups(TILES, G_ACT(spec))
+    assert kernel.pairs_across_warpgroups(TILES, epilogue_activation(spec))
     x = _input(rng, "fp8_dynamic_group128")
     layout = gemm_layouts.layouts(rng, E, M, TILES.block_m)[layout_kind]
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=TILES, activation=spec, backend=KERNEL_BACKEND)
@@ -667,12 +639,6 @@ def test_activation_pairs_across_the_warpgroups(layout_kind, kind, rng):
     got = np.asarray(out, np.float64)
     assert got.shape == want.shape and relative_error(got, want) < BOUND
     assert np.all(got[np.all(product == 0, axis=1)] == 0)
-
-
-def G_ACT(spec):
-    from humming_jax.gemm import epilogue_activation
-
-    return epilogue_activation(spec)
 
 
 def test_a_pair_across_the_warpgroups_takes_its_buffer_into_account():
@@ -688,29 +654,35 @@ def test_a_pair_across_the_warpgroups_takes_its_buffer_into_account():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_activation_pairs_across_the_warpgroups_lower_for_the_gpu():
-    """The hand-over (a barrier pair, the f32 buffer, the gate warpgroup's
-    activation and store) lowers for the GPU, layouts inferred."""
+@pytest.mark.parametrize(
+    "tiles,fmt,block",
+    [(SWAP_WIDE, "mxfp4", 64), (TILES, "mxfp4", 64), (TILES, "fp8_block128", 128)],
+    ids=["w4a8-register-form", "w4a8-staged", "w8a8-hand-over"],
+)
+def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles, fmt, block):
+    """The epilogue with the activation lowers, layouts inferred: W4A8's
+    register form (transposed sums, rows r and r + 64 of a thread: the
+    interpreter runs it from shared memory) and staged form, and W8A8's
+    hand-over between the warpgroups (a barrier pair, the f32 buffer)."""
     from benchmarks.mosaic_ir import capture_mosaic_modules
     from pallas_kernels.gemm.spec import EpilogueActivation
 
-    args = (
-        jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((300, 2), jnp.float32),
-        jax.ShapeDtypeStruct((4, 512, 256), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((4, 4, 2), jnp.float32),
-        jax.ShapeDtypeStruct((5,), jnp.int32),
-    )
-    act = EpilogueActivation("silu", gate_up_block=128)
-    run = functools.partial(
-        kernel.expert_gemm_fp8,
-        tiles=kernel.Tiles(64, 256),
-        scaling=kernel.Scaling("group", "block"),
-        out_dtype=jnp.bfloat16,
-        act=act,
-    )
+    m, n, k = 300, 512, 256
+    if fmt == "mxfp4":
+        scaling = kernel.Scaling("group", "mx", True)
+        weight = (jax.ShapeDtypeStruct((4, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((4, n, k // 32), jnp.uint8))
+    else:
+        scaling = kernel.Scaling("group", "block")
+        weight = (
+            jax.ShapeDtypeStruct((4, n, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((4, n // 128, k // 128), jnp.float32),
+        )
+    x = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, k // 128), jnp.float32))
+    act = EpilogueActivation("silu", gate_up_block=block)
+    run = functools.partial(kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16, act=act)
     with capture_mosaic_modules() as texts:
-        traced = jax.jit(lambda *a: run(*a)).trace(*args)
+        traced = jax.jit(lambda *a: run(*a)).trace(*x, *weight, jax.ShapeDtypeStruct((5,), jnp.int32))
         traced.lower(lowering_platforms=("cuda",))
-    assert traced.out_info.shape == (300, 256)
-    assert "mbarrier" in texts[-1] and ("ex2" in texts[-1] or "exp" in texts[-1])
+    assert traced.out_info.shape == (m, n // 2)
+    assert "ex2" in texts[-1] or "exp" in texts[-1]
+    assert kernel.pairs_across_warpgroups(tiles, act) == (block == 128)
