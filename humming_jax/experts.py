@@ -341,11 +341,19 @@ def _activated_down_input(activated, config: ExpertsConfig, weights: ExpertWeigh
     )
 
 
-def _w13_with_activation(config: ExpertsConfig, weights: ExpertWeights, x, layout, backend, **gemm_kwargs) -> dict:
+def _w13_with_activation(
+    config: ExpertsConfig, weights: ExpertWeights, x, layout, backend, w2_reads_quantized: bool = True, **gemm_kwargs
+) -> dict:
     """w13's stage: ``activated`` (the activation applied by the GEMM's tiles,
-    where one takes it: :func:`takes_activation`) or ``gate_up`` (the sums, for
-    the activation stage's pass)."""
+    where one takes it: :func:`takes_activation`; also quantized as w2's input
+    where they take that too and w2 reads its input quantized, without a
+    rotation) or ``gate_up`` (the sums, for the activation stage's pass)."""
     activation = w13_activation(config, weights)
+    quant = config.w2_input_quant
+    if quant.is_quantized and w2_reads_quantized and not config.w2_hadamard_block_size:
+        kw = dict(backend=backend, out_quant=quant, **gemm_kwargs)
+        if quant == Q.FP8_DYNAMIC_GROUP128 and takes_activation(x, weights.w13, layout, activation, **kw):
+            return dict(gate_up=None, activated=gemm(x, weights.w13, layout, activation=activation, **kw))
     if takes_activation(x, weights.w13, layout, activation, backend=backend, **gemm_kwargs):
         return dict(
             gate_up=None, activated=gemm(x, weights.w13, layout, activation=activation, backend=backend, **gemm_kwargs)
@@ -354,7 +362,10 @@ def _w13_with_activation(config: ExpertsConfig, weights: ExpertWeights, x, layou
 
 
 def _down_input_stage(s: dict, config: ExpertsConfig, backend, dequantize: bool, **layout_kwargs):
-    """The activation stage's w2 input: a pass over w13's sums, or over the activated rows."""
+    """The activation stage's w2 input: a pass over w13's sums, or over the
+    activated rows, or those rows quantized by w13's tiles as they are."""
+    if isinstance(s["activated"], Q.QuantizedInput):
+        return s["activated"]
     if s["activated"] is not None:
         return _activated_down_input(s["activated"], config, s["weights"], backend, dequantize)
     return _down_input(s["gate_up"], config, s["weights"], backend, dequantize=dequantize, **layout_kwargs)
@@ -505,7 +516,8 @@ def _grouped_layout_stages(config: ExpertsConfig, backend: str | None) -> tuple[
         tiles = multiplied_out(s, "w13") if not x.spec.is_quantized else None
         kwargs = {**gemm_kwargs(s), "tuning": tiles}
         del kwargs["backend"]
-        return _w13_with_activation(config, s["weights"], x, layout, backend, **kwargs)
+        reads_quantized = multiplied_out(s, "w2") is None
+        return _w13_with_activation(config, s["weights"], x, layout, backend, reads_quantized, **kwargs)
 
     def activation(s):
         dequantize = multiplied_out(s, "w2") is not None
@@ -734,7 +746,8 @@ def _indexed_layout_stages(
         tiles = multiplied_out(s, "w13") if not x.spec.is_quantized else None
         kwargs = {**gemm_kwargs(s), "tuning": tiles}
         del kwargs["backend"]
-        return _w13_with_activation(config, s["weights"], x, layout_of(s, "w13"), backend, **kwargs)
+        reads_quantized = multiplied_out(s, "w2") is None
+        return _w13_with_activation(config, s["weights"], x, layout_of(s, "w13"), backend, reads_quantized, **kwargs)
 
     def activation(s):
         dequantize = multiplied_out(s, "w2") is not None

@@ -647,7 +647,8 @@ def test_a_pair_across_the_warpgroups_takes_its_buffer_into_account():
     act = EpilogueActivation("silu", gate_up_block=128)
     scaling = kernel.Scaling("group", "block")
     plain = kernel.shared_memory_bytes(TILES, scaling, jnp.bfloat16)
-    assert kernel.shared_memory_bytes(TILES, scaling, jnp.bfloat16, act) == plain + 4 * 64 * 128 + 16
+    # the handed f32 sums, two barriers, the gate warpgroup's row scales
+    assert kernel.shared_memory_bytes(TILES, scaling, jnp.bfloat16, act) == plain + 4 * 64 * 128 + 16 + 4 * 64
     assert kernel.activation_refusal(TILES, act) is None
     assert "whole gate/up pairs" in kernel.activation_refusal(SWAP_WIDE, act)  # out.T: no hand-over form
     assert not kernel.pairs_across_warpgroups(SQUARE, act)  # 64 columns a warpgroup
@@ -655,15 +656,21 @@ def test_a_pair_across_the_warpgroups_takes_its_buffer_into_account():
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
-    "tiles,fmt,block",
-    [(SWAP_WIDE, "mxfp4", 64), (TILES, "mxfp4", 64), (TILES, "fp8_block128", 128)],
-    ids=["w4a8-register-form", "w4a8-staged", "w8a8-hand-over"],
+    "tiles,fmt,block,out_quant",
+    [
+        (SWAP_WIDE, "mxfp4", 64, "none"),
+        (TILES, "mxfp4", 64, "none"),
+        (TILES, "fp8_block128", 128, "none"),
+        (TILES, "fp8_block128", 128, "fp8_dynamic_group128"),
+    ],
+    ids=["w4a8-register-form", "w4a8-staged", "w8a8-hand-over", "w8a8-quantized"],
 )
-def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles, fmt, block):
+def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles, fmt, block, out_quant):
     """The epilogue with the activation lowers, layouts inferred: W4A8's
     register form (transposed sums, rows r and r + 64 of a thread: the
-    interpreter runs it from shared memory) and staged form, and W8A8's
-    hand-over between the warpgroups (a barrier pair, the f32 buffer)."""
+    interpreter runs it from shared memory) and staged form, W8A8's
+    hand-over between the warpgroups (a barrier pair, the f32 buffer) and
+    its rows quantized there (a row max, e4m3 stores, the row scales' copy)."""
     from benchmarks.mosaic_ir import capture_mosaic_modules
     from pallas_kernels.gemm.spec import EpilogueActivation
 
@@ -679,10 +686,54 @@ def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles, fmt, block):
         )
     x = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, k // 128), jnp.float32))
     act = EpilogueActivation("silu", gate_up_block=block)
-    run = functools.partial(kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16, act=act)
+    run = functools.partial(
+        kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16, act=act, out_quant=out_quant
+    )
     with capture_mosaic_modules() as texts:
         traced = jax.jit(lambda *a: run(*a)).trace(*x, *weight, jax.ShapeDtypeStruct((5,), jnp.int32))
         traced.lower(lowering_platforms=("cuda",))
-    assert traced.out_info.shape == (m, n // 2)
+    outputs = traced.out_info if out_quant != "none" else (traced.out_info,)
+    assert outputs[0].shape == (m, n // 2)
+    if out_quant != "none":
+        assert outputs[0].dtype == jnp.float8_e4m3fn and outputs[1].shape == (m, n // 256)
     assert "ex2" in texts[-1] or "exp" in texts[-1]
     assert kernel.pairs_across_warpgroups(tiles, act) == (block == 128)
+
+
+@pytest.mark.parametrize("layout_kind", ["grouped_contiguous", pytest.param("indexed", marks=FULL)])
+def test_activated_rows_quantized_in_the_epilogue(layout_kind, rng):
+    """``gemm(activation=, out_quant="fp8_dynamic_group128")``: the gate
+    warpgroup's 128 outputs a row are one group of w2's input — their amax,
+    scale and e4m3 values in the epilogue, each tile's row scales gathered to
+    ``[M, N/256]`` by the tiles' own rows; against the reference (the same
+    quantizer on the f32 activation: scales to ~1e-6, codes within a rounding)
+    and the float64 activation; rows no expert owns: zero values and scales."""
+    weight = hj.interleave_gate_up(_weight(rng, "fp8_block128"), 128)
+    spec = hj.ActivationSpec("silu", gate_up_block=128)
+    x = _input(rng, "fp8_dynamic_group128")
+    layout = gemm_layouts.layouts(rng, E, M, TILES.block_m)[layout_kind]
+    kw = dict(activation=spec, out_quant="fp8_dynamic_group128")
+    got = hj.gemm(x, weight, layout, tuning=TILES, backend=KERNEL_BACKEND, **kw)
+    ref = hj.gemm(x, weight, layout, backend="reference", **kw)
+    assert got.values.dtype == jnp.float8_e4m3fn and got.values.shape == ref.values.shape == (
+        layout.output_rows(M),
+        N // 2,
+    )
+    assert got.scale.shape == ref.scale.shape == (layout.output_rows(M), N // 256)
+    np.testing.assert_allclose(np.asarray(got.scale), np.asarray(ref.scale), rtol=2e-6, atol=0)
+    product = np_ref.gemm_of(x, weight, layout)
+    want = np_ref.activation(product, "silu")
+    assert relative_error(np_ref.dequantize_input(got), want) < 4e-2  # e4m3 values
+    assert relative_error(np_ref.dequantize_input(got), np_ref.dequantize_input(ref)) < 2e-3
+    unowned = np.all(product == 0, axis=1)
+    assert np.all(np.asarray(got.scale)[unowned] == 0)
+    assert np.all(np.asarray(got.values.astype(jnp.float32))[unowned] == 0)
+
+
+def test_quantized_output_refusals():
+    from pallas_kernels.gemm.spec import EpilogueActivation
+
+    act = EpilogueActivation("silu", gate_up_block=128)
+    assert kernel.activation_refusal(TILES, act, "fp8_dynamic_group128") is None
+    assert "only" in kernel.activation_refusal(TILES, act, "fp8_dynamic_token")
+    assert "a pair across" in kernel.activation_refusal(TILES, EpilogueActivation("silu", 64), "fp8_dynamic_group128")

@@ -539,7 +539,14 @@ def test_activation_in_w13s_tiles(pipeline, fmt, activation, quant, rng, monkeyp
     halves = dataclasses.replace(weights, w13=hj.gate_up_halves(weights.w13))
     taken = []
     original = X.takes_activation
-    monkeypatch.setattr(X, "takes_activation", lambda *a, **k: taken.append(original(*a, **k)) or taken[-1])
+
+    def spy(*args, **kwargs):  # the activation's answers (not the quantized output's)
+        answer = original(*args, **kwargs)
+        if kwargs.get("out_quant") is None:
+            taken.append(answer)
+        return answer
+
+    monkeypatch.setattr(X, "takes_activation", spy)
 
     def run(w):
         if pipeline != "batched":
@@ -574,3 +581,32 @@ def test_interleaved_rows_need_an_activation_that_reads_blocks(rng):
     wrong = dataclasses.replace(weights, w13=hj.interleave_gate_up(weights.w13, 32))
     with pytest.raises(ValueError, match="weights.w13.gate_up_block"):
         _run("grouped", x, wrong, tw, ids, config)
+
+
+@pytest.mark.parametrize("pipeline", ["grouped", "indexed"])
+def test_w8a8_w2_input_quantized_by_w13s_tiles(pipeline, rng, monkeypatch):
+    """W8A8 at 128 rows an expert (the fp8 kernel's 64 x 256 tiles, gate and
+    up in 128-row blocks): w13's gate warpgroup applies the activation and
+    quantizes the row's 128 outputs as w2's fp8 group-128 input — no pass
+    between the GEMMs; against float64 and the layer without it (w13 in
+    halves: GEMM, then the activation + quantization pass)."""
+    config = hj.ExpertsConfig(4, 128, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
+    x, w13, w2, ids, tw = _problem(rng, config, 256)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    halves = dataclasses.replace(weights, w13=hj.gate_up_halves(weights.w13))
+    quantized = []
+    original = X.takes_activation
+
+    def spy(*args, **kwargs):
+        answer = original(*args, **kwargs)
+        if kwargs.get("out_quant") is not None:
+            quantized.append(answer)
+        return answer
+
+    monkeypatch.setattr(X, "takes_activation", spy)
+    fused = np.asarray(_run(pipeline, x, weights, tw, ids, config), np.float64)
+    assert quantized == [True]
+    passed = np.asarray(_run(pipeline, x, halves, tw, ids, config), np.float64)
+    expected = _expected_layer(x, weights, ids, tw, config)
+    assert np_ref.relative_error(fused, expected) < 6e-2
+    assert np_ref.relative_error(fused, passed) < 3e-2

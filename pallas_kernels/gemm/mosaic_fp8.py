@@ -34,6 +34,8 @@ from pallas_kernels.gemm import mosaic, mx_e4m3
 from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, WeightSpec, check_positive, tile_order
 
 BLOCK_K = mx_e4m3.BLOCK_K  # a K step: one 128-byte swizzled row of 8-bit values, one scale group
+OUT_QUANT = "fp8_dynamic_group128"  # the output quantization the hand-over form applies (w2's input)
+FLOAT8_E4M3_MAX = 448.0
 FP8_INPUTS = ("float8_e4m3fn", "float8_e5m2")
 WEIGHT_SCALES = ("tensor", "channel", "block")
 INPUT_SCALES = ("tensor", "token", "group")
@@ -134,10 +136,17 @@ def pairs_across_warpgroups(tiles: Tiles, act: EpilogueActivation | None) -> boo
     return act is not None and act.gated and act.pair_block == tiles.wg_n and not tiles.swap_ab
 
 
-def activation_refusal(tiles: Tiles, act: EpilogueActivation) -> str | None:
+def activation_refusal(tiles: Tiles, act: EpilogueActivation, out_quant: str = "none") -> str | None:
     """Why the tiling cannot apply ``act`` in its epilogue (None if it can):
     the 16-bit kernel's rule (:func:`mosaic.activation_refusal`), or a pair
-    across the two warpgroups (:func:`pairs_across_warpgroups`)."""
+    across the two warpgroups (:func:`pairs_across_warpgroups`); the output
+    quantized (``out_quant``) only by the latter, whose gate warpgroup holds
+    a row's 128 outputs: one group."""
+    if out_quant != "none":
+        if out_quant != OUT_QUANT:
+            return f"a {out_quant} output ({OUT_QUANT} only)"
+        if not pairs_across_warpgroups(tiles, act) or tiles.wg_n != BLOCK_K:
+            return f"a {out_quant} output on block_n={tiles.block_n} (a pair across warpgroups of {BLOCK_K} columns)"
     return None if pairs_across_warpgroups(tiles, act) else mosaic.activation_refusal(tiles, act)
 
 
@@ -155,7 +164,7 @@ def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype, act: Epilogue
     if mx and not tiles.swap_ab:
         scratch += mosaic.COMPUTE_WGS * tiles.wg_n * BLOCK_K
     if pairs_across_warpgroups(tiles, act):
-        scratch += 4 * tiles.wg_m * tiles.wg_n + 2 * 8
+        scratch += 4 * tiles.wg_m * tiles.wg_n + 2 * 8 + 4 * tiles.wg_m  # (and a tile's row scales)
     return mosaic.pipeline_bytes(tiles.stages, step) + scratch
 
 
@@ -212,9 +221,11 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if call.use_f16_accum:
         return "f16 accumulation"
     if call.activation is not None:
-        reason = activation_refusal(tiles, call.activation)
+        reason = activation_refusal(tiles, call.activation, call.out_quant)
         if reason:
             return reason
+    if call.out_quant != "none" and call.activation is None:
+        return f"a {call.out_quant} output without an activation"
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
         return f"out_dtype={call.out_dtype}"
     if tiles.swap_ab and jnp.dtype(call.out_dtype).itemsize != 2:
@@ -240,13 +251,16 @@ def _kernel(
     has_bias: bool,
     interpret: bool,
     act: EpilogueActivation | None = None,
+    quantized: bool = False,
 ):
     # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the column scales
     # [E, N], rest the e8m0 bytes [E, K/32, N] and each column's largest int32 [E, N]
     # (mx_operands): a piece's factor is made from its byte in the step.
+    # Outputs last: the values (and, quantized, each tile's row scales [col tiles, row tiles, wg_m]).
     byte_gmem, top_gmem = rest[:2] if scaling.mx else (None, None)
-    bias_gmem = rest[-2] if has_bias else None
-    o_gmem = rest[-1]
+    outputs = 2 if quantized else 1
+    bias_gmem = rest[-1 - outputs] if has_bias else None
+    o_gmem, s_gmem = (rest[-2], rest[-1]) if quantized else (rest[-1], None)
     k = x_gmem.shape[1]
     n = w_gmem.shape[1]
     bm, wg_m, wg_n = tiles.block_m, tiles.wg_m, tiles.wg_n
@@ -302,6 +316,8 @@ def _kernel(
         scratch["handed"] = plgpu.SMEM((wg_m, wg_n), jnp.float32)
         scratch["full"] = plgpu.Barrier(num_arrivals=1)
         scratch["empty"] = plgpu.Barrier(num_arrivals=1)
+    if quantized:  # a tile's row scales, copied to s_gmem
+        scratch["s_smem"] = plgpu.SMEM((wg_m,), jnp.float32)
 
     @functools.partial(
         pl.run_scoped,
@@ -309,7 +325,7 @@ def _kernel(
         **scratch,
         collective_axes="wg",
     )
-    def _(allocations, o_smem, stage=None, handed=None, full=None, empty=None):
+    def _(allocations, o_smem, stage=None, handed=None, full=None, empty=None, s_smem=None):
         wg = lax.axis_index("wg")
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
         if across:
@@ -374,7 +390,21 @@ def _kernel(
                     up = handed[...]
                     plgpu.barrier_arrive(empty)
                     out = activation.gated(act.kind, acc, up, act.clamp_limit, act.alpha, act.beta)
-                    store(out.astype(o_gmem.dtype))
+                    if quantized:  # the row's 128 outputs: one group of w2's input
+                        scale = jnp.max(jnp.abs(out), axis=1) / FLOAT8_E4M3_MAX
+                        inverse = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+                        values = jnp.clip(out * inverse[:, None], -FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
+                        store(values.astype(o_gmem.dtype))
+                        store_scales(scale)
+                    else:
+                        store(out.astype(o_gmem.dtype))
+
+            def store_scales(scale):
+                """The tile's row scales ``[wg_m]`` (its box's rows: the op keeps its own) to s_gmem."""
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy has read the slot
+                s_smem[...] = scale
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[col_tile, row_tile])
 
             def summed_context(run):  # every scale on the sum: one accumulator through K
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
@@ -455,6 +485,8 @@ def _kernel(
             @pl.when((rows > 0) & (group >= num_experts) & (wg < storing))
             def _():  # rows no expert owns: zeros
                 store(jnp.zeros((wg_m, out_wg_n), o_gmem.dtype))
+                if quantized:  # (a row vector in the layout a row max has: a splat of 64 cannot be stored)
+                    store_scales(plgpu.layout_cast(jnp.zeros((wg_m,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
 
         if across:
 
@@ -522,7 +554,8 @@ def expert_gemm_fp8(
     interpret: bool = False,
     table: jax.Array | None = None,
     act: EpilogueActivation | None = None,
-) -> jax.Array:
+    out_quant: str = "none",
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``x [M, K]`` (e4m3 / e5m2) times ``x_scale`` (``[M, K/128]``, ``[M, 1]``
     or ``[1]`` f32, as ``scaling.x``) by the e4m3 ``weight [E, N, K]`` times
     ``w_scale`` (``[E, N/128, K/128]``, ``[E, N, 1]`` or ``[E, 1, 1]`` f32) —
@@ -535,13 +568,17 @@ def expert_gemm_fp8(
     ``M / E`` rows); rows outside every range are zero. ``bias [E, N]`` is
     added in f32. ``table``: the row tiles given (:func:`mosaic.block_table`) in
     place of the ranges. ``act``: applied to the sums in the epilogue
-    (gated kinds: ``[M, N/2]``; :func:`mosaic.activation_refusal` says where)."""
+    (gated kinds: ``[M, N/2]``; :func:`activation_refusal` says where);
+    ``out_quant`` (:data:`OUT_QUANT`): the activated rows quantized there
+    too — ``(e4m3 values [M, N/2], f32 scales [M, N/256])``."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     reason = tiles_refusal(tiles, n, k, scaling) or mosaic.shared_memory_refusal(
         shared_memory_bytes(tiles, scaling, out_dtype, act), tiles
     )
-    reason = reason or (activation_refusal(tiles, act) if act is not None else None)
+    reason = reason or (activation_refusal(tiles, act, out_quant) if act is not None else None)
+    if out_quant != "none" and act is None:
+        reason = reason or f"a {out_quant} output without an activation"
     if reason:
         raise ValueError(f"mosaic_fp8 GEMM: {reason}")
     want_w = (jnp.uint8, (num_experts, n, k // 2)) if scaling.mx else (jnp.float8_e4m3fn, (num_experts, n, k))
@@ -584,10 +621,16 @@ def expert_gemm_fp8(
         has_bias=bias is not None,
         interpret=interpret,
         act=act,
+        quantized=out_quant != "none",
     )
+    out_n = n if act is None else act.out_n(n)
+    out_type = jax.ShapeDtypeStruct((m, out_n), out_dtype)
+    if out_quant != "none":
+        tile_scales = jax.ShapeDtypeStruct((n // tiles.block_n, table.shape[0], tiles.wg_m), jnp.float32)
+        out_type = (jax.ShapeDtypeStruct((m, out_n), jnp.float8_e4m3fn), tile_scales)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, n if act is None else act.out_n(n)), out_dtype),
+        out_type=out_type,
         grid=(mosaic.persistent_programs(interpret),),
         grid_names=("sm",),
         num_threads=mosaic.COMPUTE_WGS + 1,
@@ -596,7 +639,26 @@ def expert_gemm_fp8(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
-    return kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
+    result = kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
+    if out_quant == "none":
+        return result
+    values, tile_scales = result
+    return values, row_scales(tile_scales, table, m)
+
+
+def row_scales(tile_scales: jax.Array, table: jax.Array, m: int) -> jax.Array:
+    """``[M, G]`` f32: row r's scale of output group g, from the tile that owns
+    r (``tile_scales [G, row tiles, wg_m]`` by the tiles' boxes; ``table``'s
+    rows: group, first row of the box, first own row, own rows); 0 where no
+    tile owns a row."""
+    groups, row_tiles, wg_m = tile_scales.shape
+    load_row, first_row, rows = table[:, 1:2], table[:, 2:3], table[:, 3:4]
+    box_rows = load_row + jnp.arange(wg_m, dtype=jnp.int32)[None, :]
+    own = (box_rows >= first_row) & (box_rows < first_row + rows)
+    source = jnp.arange(row_tiles * wg_m, dtype=jnp.int32).reshape(row_tiles, wg_m)
+    owner = jnp.full((m,), row_tiles * wg_m, jnp.int32).at[jnp.where(own, box_rows, m)].set(source, mode="drop")
+    flat = tile_scales.reshape(groups, row_tiles * wg_m)
+    return jnp.take(flat, owner, axis=1, mode="fill", fill_value=0.0).T
 
 
 def expert_gemm(
@@ -624,6 +686,9 @@ def expert_gemm(
         bias=bias,
         interpret=call.interpret,
         act=call.activation,
+        out_quant=call.out_quant,
         **routing,
     )
+    if call.out_quant != "none":  # (values, scales): the GEMM's output quantized, as w2's input
+        return tuple(a if slots is None else mosaic.to_slots(a, slots, layout.m_out) for a in out)
     return out if slots is None else mosaic.to_slots(out, slots, layout.m_out)
