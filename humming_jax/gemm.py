@@ -262,7 +262,7 @@ def _check_activation(activation: ActivationSpec | None, weight: F.QuantizedWeig
     activation.output_width(weight.n)
 
 
-def epilogue_activation(activation: ActivationSpec | None) -> spec.EpilogueActivation | None:
+def as_epilogue_activation(activation: ActivationSpec | None) -> spec.EpilogueActivation | None:
     """The kernels' view of an activation."""
     if activation is None:
         return None
@@ -395,7 +395,7 @@ def plan(
     for the call: None then, with the reason); so with ``out_quant``."""
     call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, batch_invariant, interpret)
     epilogue = dict(
-        activation=epilogue_activation(activation), out_quant=_quant_name(out_quant) if out_quant else "none"
+        activation=as_epilogue_activation(activation), out_quant=_quant_name(out_quant) if out_quant else "none"
     )
     if tuning is not None:
         listed = [tuning]
@@ -442,7 +442,7 @@ def gemm_call(
         use_f16_accum,
         batch_invariant,
         interpret,
-        epilogue_activation(activation),
+        as_epilogue_activation(activation),
     )
 
 

@@ -926,7 +926,7 @@ def test_what_cannot_apply_the_activation(rng):
     Mosaic kernel's swapped tiles on blocks of 32 refuse with a reason; ``plan`` keeps the
     tiling the call runs without the activation (a later candidate was not
     tuned for it); the activation must read the weight's row order."""
-    from humming_jax.gemm import as_quantized_input, epilogue_activation, gemm_call
+    from humming_jax.gemm import as_epilogue_activation, as_quantized_input, gemm_call
     from pallas_kernels.gemm import mosaic
 
     weight = _weight(rng, F.BF16, E)  # N = 64
@@ -937,7 +937,7 @@ def test_what_cannot_apply_the_activation(rng):
 
     def refusal(tiles, w, activation):
         call = gemm_call(x, w, layout, jnp.bfloat16, interpret=True)
-        call = dataclasses.replace(call, activation=epilogue_activation(activation))
+        call = dataclasses.replace(call, activation=as_epilogue_activation(activation))
         module = kernel if isinstance(tiles, kernel.Tiles) else mosaic
         return module.supports(tiles, call)
 

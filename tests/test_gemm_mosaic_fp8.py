@@ -21,7 +21,7 @@ import humming_jax as hj
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import tuning as T
-from humming_jax.gemm import epilogue_activation, gemm_call, plan
+from humming_jax.gemm import as_epilogue_activation, gemm_call, plan
 from humming_jax.tuning import heuristic
 from pallas_kernels.gemm import mosaic, mx_e4m3
 from pallas_kernels.gemm import mosaic_fp8 as kernel
@@ -630,7 +630,7 @@ def test_activation_pairs_across_the_warpgroups(layout_kind, kind, rng):
     float64 product, rows no expert owns zero (the output NaN-poisoned)."""
     weight = hj.interleave_gate_up(_weight(rng, "fp8_block128"), 128)
     spec = hj.ActivationSpec(kind, gate_up_block=128)
-    assert kernel.pairs_across_warpgroups(TILES, epilogue_activation(spec))
+    assert kernel.pairs_across_warpgroups(TILES, as_epilogue_activation(spec))
     x = _input(rng, "fp8_dynamic_group128")
     layout = gemm_layouts.layouts(rng, E, M, TILES.block_m)[layout_kind]
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=TILES, activation=spec, backend=KERNEL_BACKEND)
