@@ -10,6 +10,8 @@
 #   k-scan [ARGS]            benchmarks.k_scan: one tiling at several K, the per-tile overhead (the line's intercept)
 #   ab [AB ARGS]             benchmarks.ab_tilings: tilings of the bench's cases, interleaved in one process
 #                            (a later --out names its JSON: several ab steps in one call, one log)
+#   ab-gate-up [ARGS]        benchmarks.ab_gate_up: whole layers on w13 interleaved (the activation in its tiles)
+#                            and in halves, interleaved in one process
 #   profile [INSPECT ARGS]   Nsight Compute sections on one benchmarks.inspect_gemm call (the first NCU_COUNT,
 #                            default 1, kernels matching NCU_KERNEL, default "gemm|mosaic": moe_gemm_* of both
 #                            kernel families; with --humming and NCU_KERNEL=humming, Humming's kernel instead)
@@ -70,6 +72,7 @@ case $step in
                    tee "$out/routing_bench.log" | tail -30 ;;
   k-scan) python3 -W ignore -m benchmarks.k_scan --out "$out/k_scan.json" "$@" 2>&1 | tee "$out/k_scan.log" | tail -20 ;;
   ab) python3 -W ignore -m benchmarks.ab_tilings --out "$out/ab.json" "$@" 2>&1 | tee -a "$out/ab.log" | tail -40 ;;
+  ab-gate-up) python3 -W ignore -m benchmarks.ab_gate_up --out "$out/ab_gate_up.json" "$@" 2>&1 | tee -a "$out/ab_gate_up.log" | tail -30 ;;
   tune) python3 -W ignore -m humming_jax tune --out "$out/tuning.json" "$@" 2>&1 | tee "$out/tune.log" | tail -30 ;;
   # The pipes' use, the instruction mix and each stall reason per issued instruction: what bounds a kernel.
   profile) ncu --clock-control none -k "regex:${NCU_KERNEL:-gemm|mosaic}" -c "${NCU_COUNT:-1}" --section SpeedOfLight --section Occupancy \

@@ -1071,3 +1071,21 @@ def test_inspect_gemm_times_humming_on_the_same_case(tiny, monkeypatch, capsys):
     assert inspect_gemm._time_humming(prep) == 2 and "no kernel" in capsys.readouterr().err
     monkeypatch.setattr(humming_peer, "available", lambda: False)
     assert inspect_gemm._time_humming(prep) == 2 and "missing" in capsys.readouterr().err
+
+
+def test_ab_gate_up_times_both_orders(tiny, compiled_once, tmp_path, capsys, monkeypatch):
+    """``benchmarks.ab_gate_up``: a layer on w13 interleaved (the activation in
+    its tiles) and in halves, timed in turn; their outputs within a bf16
+    rounding; a malformed case names the form."""
+    from benchmarks import ab_gate_up
+
+    monkeypatch.setitem(bench.PROBLEMS, "tiny_gated", (4, 128, 64, 2))  # N = 128: one gate/up pair of 64
+    out = tmp_path / "ab_gate_up.json"
+    argv = ["--cases", "tiny_gated:indexed:3:bf16", "tiny_gated:grouped:5:bf16", "--repeats", "2", "--out", str(out)]
+    assert ab_gate_up.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["pipeline"], r["tokens"], r["gate_up_block"]) for r in rows] == [("indexed", 3, 64), ("grouped", 5, 64)]
+    for r in rows:
+        assert r["rel_diff"] < 1e-2 and len(r["blocks"]) == len(r["halves"]) == 3
+    with pytest.raises(ValueError, match="PROBLEM:grouped"):
+        ab_gate_up.main(["--cases", "tiny_gated:batched:3:bf16"])

@@ -1,0 +1,94 @@
+"""A/B of w13's row order on whole expert layers, in one process, interleaved:
+the layer on its weights as ``to_kernel_order`` stores them (gate and up rows
+interleaved by blocks, so w13's tiles apply the activation — and, W8A8 on the
+fp8 kernel, quantize w2's input) against the same weights with w13 in halves
+(w13's sums, then the activation pass).
+
+    python -m benchmarks.ab_gate_up --cases qwen3-30b-a3b:indexed:1:int4_g128 \\
+        qwen3-30b-a3b:grouped:4096:w8a8_fp8_block128 --repeats 5 --out ab_gate_up.json
+
+A case is ``PROBLEM:PIPELINE:T:FORMAT`` (a layer-bench case: ``bench.PROBLEMS``,
+grouped or indexed, a format or anchor pair name). Each case's routings (the
+layer bench's rotated sets) and weights are made once; the two orders are
+timed in turn, ``--repeats`` rounds (min, median, max µs), and their outputs
+compared (``rel_diff``: the activation rounded once against after w13's
+rounding, ~5e-3 in bf16). Prints a row a case and writes them as JSON after
+each, so a run stopped by a time limit keeps the cases done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import jax
+import numpy as np
+
+from humming_jax import bench, layer_bench
+from humming_jax import experts as X
+from humming_jax import formats as F
+from humming_jax.timing import interleaved, write_results
+
+ORDERS = ("blocks", "halves")
+
+
+def parse_case(text: str) -> layer_bench.LayerCase:
+    """``PROBLEM:PIPELINE:T:FORMAT`` as a layer-bench case."""
+    parts = text.split(":")
+    if len(parts) != 4 or parts[1] not in layer_bench.LOCAL_PIPELINES or not parts[2].isdigit():
+        raise ValueError(f"--cases: expected PROBLEM:grouped|indexed:T:FORMAT, got {text!r}")
+    if parts[0] not in bench.PROBLEMS:
+        raise ValueError(f"--cases: unknown problem {parts[0]!r}; known: {', '.join(bench.PROBLEMS)}")
+    return layer_bench.LayerCase(parts[0], parts[1], int(parts[2]), parts[3])
+
+
+def orders(case: layer_bench.LayerCase, seed: int = 0) -> dict[str, X.ExpertWeights]:
+    """The case's weights in the kernels' order (``blocks``) and with w13 in halves."""
+    blocks = layer_bench._weights(case, seed)
+    return {"blocks": blocks, "halves": X.ExpertWeights(F.gate_up_halves(blocks.w13), blocks.w2)}
+
+
+def time_case(case: layer_bench.LayerCase, repeats: int, seed: int = 0) -> dict:
+    """One result row: each order's µs (min, median, max of ``repeats``) and the outputs' difference."""
+    rng = np.random.default_rng(seed)
+    weights = orders(case, seed)
+    inputs = [layer_bench._inputs(case, rng) for _ in range(layer_bench.INPUT_SETS)]
+    fn = layer_bench._layer_fn(case, bench.KERNEL_BACKEND)
+    outs = {name: np.asarray(jax.jit(fn)(dict(inputs[0], weights=w)), np.float64) for name, w in weights.items()}
+    diff = np.linalg.norm(outs["blocks"] - outs["halves"]) / max(np.linalg.norm(outs["halves"]), 1e-30)
+    samplers = {name: bench.sampler(fn, [(dict(s, weights=w),) for s in inputs]) for name, w in weights.items()}
+    samples = interleaved(samplers, repeats)
+    row = dict(
+        problem=case.problem,
+        pipeline=case.pipeline,
+        tokens=case.tokens,
+        fmt=case.fmt,
+        gate_up_block=weights["blocks"].w13.gate_up_block,
+        rel_diff=float(diff),
+    )
+    for name, seconds in samples.items():
+        row[name] = [round(1e6 * v, 2) for v in (min(seconds), statistics.median(seconds), max(seconds))]
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", required=True, help="PROBLEM:PIPELINE:T:FORMAT each")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/layer/ab_gate_up.json")
+    args = parser.parse_args(argv)
+    cases = [parse_case(text) for text in args.cases]
+    if bench.KERNEL_BACKEND == "pallas" and jax.default_backend() != "gpu":
+        print("ab_gate_up: needs a GPU (kernels are timed compiled)", file=sys.stderr)
+        return 2
+    rows = []
+    for case in cases:
+        rows.append(time_case(case, args.repeats))
+        print(rows[-1], flush=True)
+        write_results(args.out, rows, quiet=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
