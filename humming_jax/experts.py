@@ -310,34 +310,24 @@ def _gemm_kwargs(config: ExpertsConfig, valid_shape_m: int, backend):
     )
 
 
-def _down_input(gate_up, config: ExpertsConfig, weights: ExpertWeights, backend, dequantize=False, **layout_kwargs):
+def _down_input(
+    values, config: ExpertsConfig, weights: ExpertWeights, backend, dequantize=False, activated=False, **layout_kwargs
+):
     """Activation + Hadamard + quantization of the w2 input (multiplied back
-    out with ``dequantize``: :func:`multiplied_out_tiles`)."""
+    out with ``dequantize``: :func:`multiplied_out_tiles`); ``activated``:
+    ``values`` are w13's rows its tiles already applied the activation to
+    (rows no expert owns already zero, so no row bound: without a rotation
+    or quantization, no launch)."""
     return process_input(
-        gate_up,
+        values,
         config.w2_input_quant,
-        activation=w13_activation(config, weights),
+        activation=None if activated else w13_activation(config, weights),
         hadamard_block_size=config.w2_hadamard_block_size,
         static_scale=weights.w2_input_scale,
         compute_dtype=jnp.dtype(config.compute_dtype),
         backend=backend,
         dequantize=dequantize,
         **layout_kwargs,
-    )
-
-
-def _activated_down_input(activated, config: ExpertsConfig, weights: ExpertWeights, backend, dequantize=False):
-    """Hadamard + quantization of the w2 input after w13's tiles applied the
-    activation (``activated``: rows no expert owns already zero, so no row
-    bound: without a rotation or quantization, no launch)."""
-    return process_input(
-        activated,
-        config.w2_input_quant,
-        hadamard_block_size=config.w2_hadamard_block_size,
-        static_scale=weights.w2_input_scale,
-        compute_dtype=jnp.dtype(config.compute_dtype),
-        backend=backend,
-        dequantize=dequantize,
     )
 
 
@@ -350,24 +340,24 @@ def _w13_with_activation(
     rotation) or ``gate_up`` (the sums, for the activation stage's pass)."""
     activation = w13_activation(config, weights)
     quant = config.w2_input_quant
-    if quant.is_quantized and w2_reads_quantized and not config.w2_hadamard_block_size:
-        kw = dict(backend=backend, out_quant=quant, **gemm_kwargs)
-        if quant == Q.FP8_DYNAMIC_GROUP128 and takes_activation(x, weights.w13, layout, activation, **kw):
-            return dict(gate_up=None, activated=gemm(x, weights.w13, layout, activation=activation, **kw))
-    if takes_activation(x, weights.w13, layout, activation, backend=backend, **gemm_kwargs):
-        return dict(
-            gate_up=None, activated=gemm(x, weights.w13, layout, activation=activation, backend=backend, **gemm_kwargs)
-        )
-    return dict(gate_up=gemm(x, weights.w13, layout, backend=backend, **gemm_kwargs), activated=None)
+    kw = dict(backend=backend, **gemm_kwargs)
+    epilogues = [kw]
+    if quant == Q.FP8_DYNAMIC_GROUP128 and w2_reads_quantized and not config.w2_hadamard_block_size:
+        epilogues.insert(0, dict(kw, out_quant=quant))  # w2's input quantized there too, where a tile can
+    for epilogue in epilogues:
+        if takes_activation(x, weights.w13, layout, activation, **epilogue):
+            return dict(gate_up=None, activated=gemm(x, weights.w13, layout, activation=activation, **epilogue))
+    return dict(gate_up=gemm(x, weights.w13, layout, **kw), activated=None)
 
 
 def _down_input_stage(s: dict, config: ExpertsConfig, backend, dequantize: bool, **layout_kwargs):
     """The activation stage's w2 input: a pass over w13's sums, or over the
     activated rows, or those rows quantized by w13's tiles as they are."""
-    if isinstance(s["activated"], Q.QuantizedInput):
-        return s["activated"]
-    if s["activated"] is not None:
-        return _activated_down_input(s["activated"], config, s["weights"], backend, dequantize)
+    activated = s["activated"]
+    if isinstance(activated, Q.QuantizedInput):
+        return activated
+    if activated is not None:
+        return _down_input(activated, config, s["weights"], backend, dequantize, activated=True)
     return _down_input(s["gate_up"], config, s["weights"], backend, dequantize=dequantize, **layout_kwargs)
 
 

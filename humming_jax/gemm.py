@@ -207,11 +207,7 @@ def gemm(
         raise TypeError(f"gemm: tuning: expected one of {names} (pallas_kernels.gemm), got {type(tuning).__name__}")
     if batch_invariant and tuning is not None and getattr(tuning, "split_k", 1) > 1:
         raise ValueError(f"tuning.split_k: batch_invariant needs a fixed K order (split_k=1), got {tuning.split_k}")
-    chosen = resolve_backend(backend, "gemm")
-    if chosen == "reference" or x.m == 0:  # an empty batch (T=0): nothing to compute, an empty output
-        return gemm_reference(x, weight, layout, out_dtype, activation, out_quant)
-    interpret = chosen == "interpret"
-    tiles, reasons = plan(
+    planned = _kernel_plan(
         x,
         weight,
         layout,
@@ -220,10 +216,13 @@ def gemm(
         batch_invariant,
         valid_shape_m,
         tuning,
-        interpret,
+        backend,
         activation,
         out_quant,
     )
+    if planned is None:  # the reference backend, or an empty batch (T=0): nothing to compute, an empty output
+        return gemm_reference(x, weight, layout, out_dtype, activation, out_quant)
+    tiles, reasons, interpret = planned
     if tiles is None:
         if tuning is not None:
             raise ValueError(f"gemm: tuning: the kernel does not take this call with {reasons[0]}")
@@ -234,6 +233,19 @@ def gemm(
         return out
     values, scale = out
     return Q.QuantizedInput(values=values, scale=scale, spec=out_quant, k=values.shape[1])
+
+
+def _kernel_plan(
+    x, weight, layout, out_dtype, use_f16_accum, batch_invariant, valid_shape_m, tuning, backend, activation, out_quant
+):
+    """(:func:`plan`'s tiling and reasons, interpreted) for a call on the
+    kernels; None where the call runs the reference (its backend, or no rows)."""
+    chosen = resolve_backend(backend, "gemm")
+    if chosen == "reference" or x.m == 0:
+        return None
+    interpret = chosen == "interpret"
+    args = (use_f16_accum, batch_invariant, valid_shape_m, tuning, interpret, activation, out_quant)
+    return (*plan(x, weight, layout, out_dtype, *args), interpret)
 
 
 def _check_out_quant(out_quant, activation: ActivationSpec | None, weight: F.QuantizedWeight):
@@ -290,11 +302,8 @@ def takes_activation(
     epilogue (the reference backend computes it alike): where it does not, a
     pipeline runs the GEMM, then a pass. Arguments as :func:`gemm`'s (``x`` a
     :class:`QuantizedInput`)."""
-    chosen = resolve_backend(backend, "gemm")
-    if chosen == "reference" or x.m == 0:
-        return True
     out_dtype = _out_dtype(x, out_dtype)
-    found, _ = plan(
+    planned = _kernel_plan(
         x,
         weight,
         layout,
@@ -303,11 +312,11 @@ def takes_activation(
         batch_invariant,
         valid_shape_m,
         tuning,
-        chosen == "interpret",
+        backend,
         activation,
         out_quant,
     )
-    return found is not None
+    return planned is None or planned[0] is not None
 
 
 def kernel_input_specs(fmt: F.WeightFormat) -> tuple[Q.InputQuantSpec, ...]:
@@ -393,10 +402,8 @@ def plan(
     With an ``activation`` the call runs on the tiling it would run without
     one, if that tiling's kernel applies it (a later candidate is not tuned
     for the call: None then, with the reason); so with ``out_quant``."""
-    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, batch_invariant, interpret)
-    epilogue = dict(
-        activation=as_epilogue_activation(activation), out_quant=_quant_name(out_quant) if out_quant else "none"
-    )
+    fused = gemm_call(x, weight, layout, out_dtype, use_f16_accum, batch_invariant, interpret, activation, out_quant)
+    call = dataclasses.replace(fused, activation=None, out_quant="none")
     if tuning is not None:
         listed = [tuning]
     else:
@@ -418,7 +425,7 @@ def plan(
         module = kernels.KERNELS[type(tiles)]
         reason = module.supports(tiles, call)
         if reason is None and activation is not None:
-            reason = module.supports(tiles, dataclasses.replace(call, **epilogue))
+            reason = module.supports(tiles, fused)
             if reason is not None:
                 return None, [*reasons, f"{tiles_text.gemm_to_text(tiles)}: {reason}"]
         if reason is None:
@@ -428,7 +435,15 @@ def plan(
 
 
 def gemm_call(
-    x, weight, layout, out_dtype, use_f16_accum=False, batch_invariant=False, interpret=False, activation=None
+    x,
+    weight,
+    layout,
+    out_dtype,
+    use_f16_accum=False,
+    batch_invariant=False,
+    interpret=False,
+    activation=None,
+    out_quant=None,
 ):
     """The :class:`~pallas_kernels.gemm.spec.GemmCall` the kernels' ``supports`` answer."""
     x_dtype, x_scale = kernel_input_spec(x.spec, x.values.dtype)
@@ -443,6 +458,7 @@ def gemm_call(
         batch_invariant,
         interpret,
         as_epilogue_activation(activation),
+        "none" if out_quant is None else _quant_name(out_quant),
     )
 
 
@@ -523,9 +539,9 @@ def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, a
         # The op's step: the kernel then runs the weight-only tile on bf16 values.
         x = as_quantized_input(Q.dequantize_input(x).astype(jnp.bfloat16))
         tiles = dataclasses.replace(tiles, dequantize_input=False)
-    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, interpret=interpret, activation=activation)
-    if out_quant is not None:
-        call = dataclasses.replace(call, out_quant=_quant_name(out_quant))
+    call = gemm_call(
+        x, weight, layout, out_dtype, use_f16_accum, interpret=interpret, activation=activation, out_quant=out_quant
+    )
     parts = tuple(
         a
         for a in (weight.values, weight.scale, weight.zero_point, weight.second_scale, weight.group_index)

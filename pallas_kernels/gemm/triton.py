@@ -996,12 +996,13 @@ def _gemm_kernel(
     )
     rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
     columns_masked = w.n % bn != 0  # static: no column mask when the tiles divide N
+    # The tile holds half a gate/up block pair: its rows are its outputs' gate rows, then their up rows.
+    half_pair = act is not None and act.gated and bn < 2 * act.pair_block
 
     def columns(c):
         """(n_idx [bn], n_mask [bn] or None) of the program's column tile ``c``."""
         n_idx = (col_group + c) * bn + jnp.arange(bn, dtype=jnp.int32)
-        if act is not None and act.gated and bn < 2 * act.pair_block:
-            # Half a gate/up block pair: the tile's outputs' gate rows, then their up rows.
+        if half_pair:
             half, block = bn // 2, act.pair_block
             first = (col_group + c) * half  # the tile's first output
             j = jnp.arange(bn, dtype=jnp.int32)
@@ -1061,8 +1062,7 @@ def _gemm_kernel(
     def k_tile_step(k_limit, n_idx, n_mask):
         """One K tile's products of column tile ``n_idx`` added to ``acc``;
         ``k_limit`` masks the columns at and past K (only a partial tile needs it)."""
-        # Half a gate/up pair: the tile's rows are two runs (columns()), maybe in two scale blocks.
-        n_start = None if act is not None and act.gated and bn < 2 * act.pair_block else col_group * bn
+        n_start = None if half_pair else col_group * bn  # two runs of rows: maybe two scale blocks
 
         def step(i, acc):
             k_tile = (split * per_split + i) * bk
