@@ -8,7 +8,7 @@ fp8 kernel, quantize w2's input) against the same weights with w13 in halves
         qwen3-30b-a3b:grouped:4096:w8a8_fp8_block128 --repeats 5 --out ab_gate_up.json
 
 A case is ``PROBLEM:PIPELINE:T:FORMAT`` (a layer-bench case: ``bench.PROBLEMS``,
-grouped or indexed, a format or anchor pair name). Each case's routings (the
+grouped, indexed or batched, a format or anchor pair name). Each case's routings (the
 layer bench's rotated sets) and weights are made once; the two orders are
 timed in turn, ``--repeats`` rounds (min, median, max µs), and their outputs
 compared (``rel_diff``: the activation rounded once against after w13's
@@ -31,13 +31,14 @@ from humming_jax import formats as F
 from humming_jax.timing import interleaved, write_results
 
 ORDERS = ("blocks", "halves")
+PIPELINES = ("grouped", "indexed", "batched")  # the layers on ExpertWeights (MoonEP's w13 is two tensors)
 
 
 def parse_case(text: str) -> layer_bench.LayerCase:
     """``PROBLEM:PIPELINE:T:FORMAT`` as a layer-bench case."""
     parts = text.split(":")
-    if len(parts) != 4 or parts[1] not in layer_bench.LOCAL_PIPELINES or not parts[2].isdigit():
-        raise ValueError(f"--cases: expected PROBLEM:grouped|indexed:T:FORMAT, got {text!r}")
+    if len(parts) != 4 or parts[1] not in PIPELINES or not parts[2].isdigit():
+        raise ValueError(f"--cases: expected PROBLEM:grouped|indexed|batched:T:FORMAT, got {text!r}")
     if parts[0] not in bench.PROBLEMS:
         raise ValueError(f"--cases: unknown problem {parts[0]!r}; known: {', '.join(bench.PROBLEMS)}")
     return layer_bench.LayerCase(parts[0], parts[1], int(parts[2]), parts[3])
@@ -53,7 +54,7 @@ def time_case(case: layer_bench.LayerCase, repeats: int, seed: int = 0) -> dict:
     """One result row: each order's µs (min, median, max of ``repeats``) and the outputs' difference."""
     rng = np.random.default_rng(seed)
     weights = orders(case, seed)
-    inputs = [layer_bench._inputs(case, rng) for _ in range(layer_bench.INPUT_SETS)]
+    _, inputs = layer_bench.input_sets(case, rng)
     fn = layer_bench._layer_fn(case, bench.KERNEL_BACKEND)
     outs = {name: np.asarray(jax.jit(fn)(dict(inputs[0], weights=w)), np.float64) for name, w in weights.items()}
     diff = np.linalg.norm(outs["blocks"] - outs["halves"]) / max(np.linalg.norm(outs["halves"]), 1e-30)

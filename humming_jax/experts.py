@@ -811,29 +811,62 @@ def batched_humming_grouped_experts(
             f"got {expert_num_tokens.shape}"
         )
     check_weights(weights, config)
-    num_experts, max_tokens, _ = hidden_states.shape
-    gemm_kwargs = _gemm_kwargs(config, num_experts * max_tokens, backend)
-    layout = L.GroupedMasked(expert_num_tokens)
-    if a1q_scale is None:
-        gate_up_input = process_input(
-            hidden_states.reshape(num_experts * max_tokens, hidden_states.shape[-1]),
+    state = dict(hidden_states=hidden_states, expert_num_tokens=expert_num_tokens, weights=weights, a1q_scale=a1q_scale)
+    return run_stages(batched_stages(config, backend), state)["out"]
+
+
+def batched_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[Stage, ...]:
+    """The batched pipeline (:func:`batched_humming_grouped_experts`) as stages
+    over the state ``hidden_states [E, max_tokens, H]`` (or pre-quantized
+    values with ``a1q_scale``), ``expert_num_tokens [E]``, ``weights`` and
+    ``a1q_scale``; the last adds ``out [E, max_tokens, H]``."""
+
+    def layout(s) -> L.GroupedMasked:
+        return L.GroupedMasked(s["expert_num_tokens"])
+
+    def gemm_kwargs(s) -> dict:
+        num_experts, max_tokens = s["hidden_states"].shape[:2]
+        return _gemm_kwargs(config, num_experts * max_tokens, backend)
+
+    def quantize_input(s):
+        hidden_states, a1q_scale = s["hidden_states"], s["a1q_scale"]
+        if a1q_scale is not None:
+            x = process_input(hidden_states, config.input_quant, input_scale=a1q_scale, backend=backend)
+            return dict(gate_up_input=x)
+        num_experts, max_tokens, width = hidden_states.shape
+        x = process_input(
+            hidden_states.reshape(num_experts * max_tokens, width),
             config.input_quant,
             hadamard_block_size=config.hadamard_block_size,
             layout="grouped_mask",
-            expert_num_tokens=expert_num_tokens,
-            static_scale=weights.w13_input_scale,
+            expert_num_tokens=s["expert_num_tokens"],
+            static_scale=s["weights"].w13_input_scale,
             compute_dtype=jnp.dtype(config.compute_dtype),
             backend=backend,
         )
-    else:
-        gate_up_input = process_input(hidden_states, config.input_quant, input_scale=a1q_scale, backend=backend)
-    kwargs = {name: value for name, value in gemm_kwargs.items() if name != "backend"}
-    state = {"weights": weights, **_w13_with_activation(config, weights, gate_up_input, layout, backend, **kwargs)}
-    down_input = _down_input_stage(
-        state, config, backend, False, layout="grouped_mask", expert_num_tokens=expert_num_tokens
+        return dict(gate_up_input=x)
+
+    def w13(s):
+        kwargs = {name: value for name, value in gemm_kwargs(s).items() if name != "backend"}
+        return _w13_with_activation(config, s["weights"], s["gate_up_input"], layout(s), backend, **kwargs)
+
+    def activation(s):
+        counts = s["expert_num_tokens"]
+        return dict(
+            down_input=_down_input_stage(s, config, backend, False, layout="grouped_mask", expert_num_tokens=counts)
+        )
+
+    def w2(s):
+        num_experts, max_tokens = s["hidden_states"].shape[:2]
+        down = gemm(s["down_input"], s["weights"].w2, layout(s), **gemm_kwargs(s))
+        return dict(out=down.reshape(num_experts, max_tokens, config.hidden_size))
+
+    return (
+        Stage("input", quantize_input),
+        Stage("w13", w13),
+        Stage("activation", activation),
+        Stage("w2", w2),
     )
-    down = gemm(down_input, weights.w2, layout, **gemm_kwargs)
-    return down.reshape(num_experts, max_tokens, config.hidden_size)
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))
@@ -906,9 +939,32 @@ def moonep_experts(
         raise ValueError(
             f"moonep_experts: route_weights must be [NvS]=[{hidden_states.shape[0]}], got {route_weights.shape}"
         )
-    gate = moonep_grouped_gemm(hidden_states, w_gate, cu_seqlens, backend=backend)
-    up = moonep_grouped_gemm(hidden_states, w_up, cu_seqlens, backend=backend)
-    act = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
-    if not apply_router_weight_on_input:
-        act = act * route_weights.astype(jnp.float32)[:, None]
-    return moonep_grouped_gemm(act.astype(hidden_states.dtype), w_down, cu_seqlens, backend=backend)
+    state = dict(hidden_states=hidden_states, w_gate=w_gate, w_up=w_up, w_down=w_down, cu_seqlens=cu_seqlens)
+    state.update(route_weights=route_weights)
+    return run_stages(moonep_stages(apply_router_weight_on_input, backend), state)["out"]
+
+
+def moonep_stages(apply_router_weight_on_input: bool = False, backend: str | None = None) -> tuple[Stage, ...]:
+    """MoonEP's experts (:func:`moonep_experts`) as stages over the state
+    ``hidden_states [NvS, H]``, ``w_gate``, ``w_up``, ``w_down``,
+    ``cu_seqlens [G]`` and ``route_weights [NvS]``: its three grouped GEMMs
+    (gate and up are w13's stage: MoonEP keeps them apart) and the
+    activation; the last adds ``out [NvS, H]``."""
+
+    def grouped(s, x, name: str) -> jax.Array:
+        return moonep_grouped_gemm(x, s[name], s["cu_seqlens"], backend=backend)
+
+    def w13(s):
+        x = s["hidden_states"]
+        return dict(gate=grouped(s, x, "w_gate"), up=grouped(s, x, "w_up"))
+
+    def activation(s):
+        act = jax.nn.silu(s["gate"].astype(jnp.float32)) * s["up"].astype(jnp.float32)
+        if not apply_router_weight_on_input:
+            act = act * s["route_weights"].astype(jnp.float32)[:, None]
+        return dict(down_input=act.astype(s["hidden_states"].dtype))
+
+    def w2(s):
+        return dict(out=grouped(s, s["down_input"], "w_down"))
+
+    return (Stage("w13", w13), Stage("activation", activation), Stage("w2", w2))

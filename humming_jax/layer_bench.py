@@ -3,13 +3,18 @@
 Per (problem, pipeline, format, T): the jitted pipeline's device time, each
 of its stages' (:func:`humming_jax.experts.grouped_stages` /
 ``indexed_stages``: routing, input quantization + scatter, w13, activation +
-quantization, w2, combine; ``parallel.ep_stages``: dispatch, experts,
+quantization, w2, combine; ``batched_stages``: input quantization, w13,
+activation + quantization, w2 — the rows already gathered an expert, the
+reduce the caller's; ``moonep_stages``: w13 — its gate and up GEMMs —,
+activation, w2, bf16 only; ``parallel.ep_stages``: dispatch, experts,
 combine — the same functions the pipeline runs, each timed on the state the
 previous ones left; EP rows add the ranks' loads without and with copies), the share of the stages outside the two
 GEMMs, the host time of one call above its device time (waited for; its
 enqueue alone; a call's share of calls issued back to back), and, in the same
 process when torch is importable on a GPU, a bf16 PyTorch layer
-(``torch._grouped_mm``, permute and unpermute with torch ops). Inputs rotate
+(``torch._grouped_mm``, permute and unpermute with torch ops; for the
+batched and MoonEP layouts, whose rows come grouped, its GEMMs and
+activation alone). Inputs rotate
 over several routings (so the experts a decode step reads are not the previous
 step's, left in L2); the weights are one set.
 """
@@ -31,9 +36,16 @@ from humming_jax import experts as X
 from humming_jax.configs import ExpertsConfig
 from humming_jax.timing import bandwidth_fields, event_sampler
 
-# ep: parallel.ep_experts over this machine's devices; ep_balanced: with EP_REDUNDANT copies a rank.
-PIPELINES = ("grouped", "indexed", "ep", "ep_balanced")
-LOCAL_PIPELINES = ("grouped", "indexed")
+# batched: the grouped-masked layout (each expert's rows gathered by the caller, reduced by the
+# caller); moonep: MoonEP's segment order (bf16); ep: parallel.ep_experts over this machine's
+# devices; ep_balanced: with EP_REDUNDANT copies a rank.
+PIPELINES = ("grouped", "indexed", "batched", "moonep", "ep", "ep_balanced")
+LOCAL_PIPELINES = ("grouped", "indexed", "batched", "moonep")
+# Pipelines whose input arrives with each expert's rows together (T·k rows in and out).
+GATHERED_PIPELINES = ("batched", "moonep")
+# A batched case's buffer: each expert's rows padded to the largest count of its routings,
+# rounded up to this (the rows past a count are NaN: the pipeline must never read them).
+BATCHED_ROW_MULTIPLE = 16
 EP_REDUNDANT = 2
 # bf16, W4A16 int4 and MXFP4, W8A8 FP8-block and W4A8 (the anchor's pair names).
 LAYER_FORMATS = ("bf16", "int4_g128", "mxfp4", "w8a8_fp8_block128", "w4a8_mxfp4_fp8g128")
@@ -49,14 +61,14 @@ LINK_GBPS = 450.0
 def default_pipelines() -> tuple[str, ...]:
     """Every pipeline where there are devices to spread the experts over; on
     one device the expert-parallel ones run the local layer again (one rank,
-    its exchange a no-op): the grouped and indexed layers only."""
+    its exchange a no-op): the local layers only."""
     return PIPELINES if jax.device_count() > 1 else LOCAL_PIPELINES
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerCase:
     problem: str  # a key of bench.PROBLEMS: (E, H, I, top_k)
-    pipeline: str  # grouped | indexed
+    pipeline: str  # one of PIPELINES
     tokens: int
     fmt: str  # a weight format, WEIGHT@INPUT or an anchor pair name (bench.split_format)
 
@@ -101,15 +113,27 @@ def stages(case: LayerCase, backend: str | None, weights: X.ExpertWeights | None
         return X.grouped_stages(config, backend)
     if case.pipeline == "indexed":
         return X.indexed_stages(config, backend=backend)
+    if case.pipeline == "batched":
+        return X.batched_stages(config, backend)
+    if case.pipeline == "moonep":
+        return X.moonep_stages(backend=backend)
     raise ValueError(f"pipeline: expected one of {PIPELINES}, got {case.pipeline!r}")
 
 
-def _weights(case: LayerCase, seed: int) -> X.ExpertWeights:
+def _weights(case: LayerCase, seed: int) -> X.ExpertWeights | dict:
     """Random weights in the case's formats and the kernels' order (as
     :func:`humming_jax.experts.quantize_experts` gives them), drawn a few
-    experts at a time (bench's ``_random_weight``)."""
+    experts at a time (bench's ``_random_weight``); MoonEP's: its bf16
+    ``w_gate``, ``w_up`` ``[E, I, H]`` and ``w_down`` ``[E, H, I]``."""
     config = case.config()
     key = jax.random.key(seed)
+    if case.pipeline == "moonep":
+        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        shapes = dict(w_gate=(e, i, h), w_up=(e, i, h), w_down=(e, h, i))
+        return {
+            name: bench.random_bf16(jax.random.fold_in(key, n), shape, 0.02)
+            for n, (name, shape) in enumerate(shapes.items())
+        }
     w13 = bench._random_weight(jax.random.fold_in(key, 13), config.weight_format, *_shape(config, "w13"))
     w2 = bench._random_weight(jax.random.fold_in(key, 2), config.w2_weight_format, *_shape(config, "w2"))
     return X.to_kernel_order(X.ExpertWeights(w13, w2), config)
@@ -120,23 +144,73 @@ def _shape(config: ExpertsConfig, name: str) -> tuple[int, int, int]:
     return layer.num_experts, layer.shape_n, layer.shape_k
 
 
-def _inputs(case: LayerCase, rng: np.random.Generator) -> dict:
-    """One routing: ``hidden_states [T, H]`` bf16, ``topk_ids``, ``topk_weights`` (each row sums to 1)."""
+def _routing(case: LayerCase, rng: np.random.Generator) -> dict:
+    """One routing: ``hidden [T, H]`` float32, ``ids [T, k]``, ``topk_weights``
+    (each row sums to 1)."""
     e, h, _, top_k = bench.PROBLEMS[case.problem]
     ids = bench._routing(rng, case.tokens, e, top_k)
     weights = rng.random((case.tokens, top_k)).astype(np.float32) + 0.1
     hidden = rng.normal(size=(case.tokens, h)).astype(np.float32)
+    return dict(hidden=hidden, ids=ids, topk_weights=weights / weights.sum(axis=1, keepdims=True))
+
+
+def _expert_order(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the slots ``[T·k]`` sorted by expert, stable; each expert's count ``[E]``)."""
+    flat = ids.reshape(-1)
+    return np.argsort(flat, kind="stable"), np.bincount(flat, minlength=num_experts)
+
+
+def batched_capacity(routings: list[dict], num_experts: int) -> int:
+    """Rows an expert's buffer holds in a batched case: the largest count over
+    the case's routings, rounded up to :data:`BATCHED_ROW_MULTIPLE`."""
+    largest = max(int(_expert_order(r["ids"], num_experts)[1].max()) for r in routings)
+    return -(-largest // BATCHED_ROW_MULTIPLE) * BATCHED_ROW_MULTIPLE
+
+
+def _inputs(case: LayerCase, routing: dict, capacity: int = 0) -> dict:
+    """The pipeline's state for one routing (its weights added by the caller):
+    tokens with their routing (grouped, indexed, EP); each expert's rows in a
+    ``[E, capacity, H]`` buffer, NaN past its count (batched); the rows in
+    expert order with their segment ends and router weights (MoonEP)."""
+    e, _, _, top_k = bench.PROBLEMS[case.problem]
+    hidden = routing["hidden"]
+    if case.pipeline not in GATHERED_PIPELINES:
+        return dict(
+            hidden_states=jnp.asarray(hidden, jnp.bfloat16),
+            topk_ids=jnp.asarray(routing["ids"]),
+            topk_weights=jnp.asarray(routing["topk_weights"]),
+            expert_map=None,
+            a1q_scale=None,
+            num_valid_tokens=None,
+        )
+    order, counts = _expert_order(routing["ids"], e)
+    rows = hidden[order // top_k]
+    if case.pipeline == "moonep":
+        return dict(
+            hidden_states=jnp.asarray(rows, jnp.bfloat16),
+            cu_seqlens=jnp.asarray(np.cumsum(counts), jnp.int32),
+            route_weights=jnp.asarray(routing["topk_weights"].reshape(-1)[order]),
+        )
+    experts = routing["ids"].reshape(-1)[order]
+    starts = np.cumsum(counts) - counts
+    buffer = np.full((e, capacity, hidden.shape[1]), np.nan, np.float32)
+    buffer[experts, np.arange(len(order)) - starts[experts]] = rows
     return dict(
-        hidden_states=jnp.asarray(hidden, jnp.bfloat16),
-        topk_ids=jnp.asarray(ids),
-        topk_weights=jnp.asarray(weights / weights.sum(axis=1, keepdims=True)),
-        expert_map=None,
+        hidden_states=jnp.asarray(buffer, jnp.bfloat16),
+        expert_num_tokens=jnp.asarray(counts, jnp.int32),
         a1q_scale=None,
-        num_valid_tokens=None,
     )
 
 
-def _costs(case: LayerCase, weights: X.ExpertWeights, ids: np.ndarray) -> tuple[int, int]:
+def input_sets(case: LayerCase, rng: np.random.Generator) -> tuple[list[dict], list[dict]]:
+    """:data:`INPUT_SETS` routings (:func:`_routing`) and the pipeline's state
+    for each (:func:`_inputs`, the weights not yet added)."""
+    routings = [_routing(case, rng) for _ in range(INPUT_SETS)]
+    capacity = batched_capacity(routings, case.config().num_experts) if case.pipeline == "batched" else 0
+    return routings, [_inputs(case, routing, capacity) for routing in routings]
+
+
+def _costs(case: LayerCase, ids: np.ndarray) -> tuple[int, int]:
     """(bytes the layer must move: the weights of the experts that get rows,
     the input and the output; flops of the two GEMMs) on the real rows."""
     config = case.config()
@@ -144,12 +218,11 @@ def _costs(case: LayerCase, weights: X.ExpertWeights, ids: np.ndarray) -> tuple[
     moved = 0
     flops = 0
     rows = case.tokens * config.top_k
-    for name in GEMM_STAGES:
+    for name, fmt in (("w13", config.weight_format), ("w2", config.w2_weight_format)):
         e, n, k = _shape(config, name)
-        weight = getattr(weights, name)
-        moved += hit * bench._weight_bytes(weight.format, n, k)
+        moved += hit * bench._weight_bytes(fmt, n, k)
         flops += 2 * rows * n * k
-    moved += 2 * 2 * case.tokens * config.hidden_size  # bf16 in and out
+    moved += 2 * 2 * (rows if case.pipeline in GATHERED_PIPELINES else case.tokens) * config.hidden_size  # bf16 in, out
     return moved, flops
 
 
@@ -158,6 +231,20 @@ def _layer_fn(case: LayerCase, backend: str | None):
     config = case.config()
     if case.pipeline.startswith("ep"):
         pipeline = functools.partial(parallel.ep_experts, mesh=ep_mesh(case), redundant_experts=_redundant(case))
+    elif case.pipeline == "batched":
+        return lambda s: X.batched_humming_grouped_experts(
+            s["hidden_states"], s["expert_num_tokens"], s["weights"], config, backend=backend
+        )
+    elif case.pipeline == "moonep":
+        return lambda s: X.moonep_experts(
+            s["hidden_states"],
+            s["w_gate"],
+            s["w_up"],
+            s["w_down"],
+            s["cu_seqlens"],
+            s["route_weights"],
+            backend=backend,
+        )
     elif case.pipeline == "grouped":
         pipeline = X.humming_grouped_experts
     else:
@@ -223,8 +310,12 @@ def time_layer(case: LayerCase, seed: int = 0, with_stages: bool = True) -> dict
     weights = _weights(case, seed)
     if case.pipeline.startswith("ep"):
         weights = parallel.shard_weights(weights, case.config(), ep_mesh(case))
-    sets = [dict(_inputs(case, rng), weights=weights) for _ in range(INPUT_SETS)]
-    moved, flops = _costs(case, weights, np.asarray(sets[0]["topk_ids"]))
+    routings, inputs = input_sets(case, rng)
+    held = weights if case.pipeline == "moonep" else dict(weights=weights)
+    sets = [dict(state, **held) for state in inputs]
+    ids = routings[0]["ids"]
+    capacity = inputs[0]["hidden_states"].shape[1] if case.pipeline == "batched" else None
+    moved, flops = _costs(case, ids)
     fn = _layer_fn(case, backend)
     layer_s = bench.device_seconds(fn, [(s,) for s in sets])
     # The state before each stage is the final state's entries the earlier stages
@@ -249,9 +340,10 @@ def time_layer(case: LayerCase, seed: int = 0, with_stages: bool = True) -> dict
         stage_us=stage_us,
         gemm_us=gemm_us,
         outside_share=None if gemm_us is None else 1.0 - gemm_us / staged_us,
-        **(_ep_fields(case, np.asarray(sets[0]["topk_ids"]), stage_us) if case.pipeline.startswith("ep") else {}),
+        **(_ep_fields(case, ids, stage_us) if case.pipeline.startswith("ep") else {}),
+        **({"batched_capacity": capacity} if case.pipeline == "batched" else {}),
         **_host_times(fn, sets[0], layer_s * 1e6),
-        torch_layer_us=time_torch_layer(case, np.asarray(sets[0]["topk_ids"])),
+        torch_layer_us=time_torch_layer(case, ids),
         error=_reference_error(case, sets[0], out),
     )
 
@@ -298,7 +390,9 @@ def _ep_fields(case: LayerCase, ids: np.ndarray, stage_us: dict) -> dict:
 def time_torch_layer(case: LayerCase, ids: np.ndarray) -> float | None:
     """Median µs of a bf16 PyTorch layer on the same routing (sort the routed
     rows by expert, ``torch._grouped_mm`` w13, SiLU-and-mul, w2, weighted
-    scatter-add back to the tokens), or None without torch on a GPU."""
+    scatter-add back to the tokens; for the batched and MoonEP layouts, whose
+    rows arrive grouped, the GEMMs and the activation alone — MoonEP's as its
+    PyTorch original runs them), or None without torch on a GPU."""
     try:
         import torch
     except ImportError:
@@ -313,20 +407,37 @@ def time_torch_layer(case: LayerCase, ids: np.ndarray) -> float | None:
 def _torch_layer_us(torch, case: LayerCase, ids: np.ndarray) -> float:
     e, h, i, top_k = bench.PROBLEMS[case.problem]
     flat = torch.tensor(ids.reshape(-1), dtype=torch.int64, device="cuda")
-    x = torch.randn(case.tokens, h, dtype=torch.bfloat16, device="cuda")
     route = torch.rand(case.tokens * top_k, dtype=torch.float32, device="cuda")
-    w13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
     w2 = torch.randn(e, h, i, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    if case.pipeline == "moonep":
+        # MoonEP's PyTorch original: gate and up apart, the route weight applied with the activation.
+        w_gate, w_up = (torch.randn(e, i, h, dtype=torch.bfloat16, device="cuda").transpose(1, 2) for _ in range(2))
+    else:
+        w13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
 
-    def layer():
-        order = torch.argsort(flat)
-        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
-        rows = x[order // top_k]
+    def experts(rows, offs):
+        if case.pipeline == "moonep":
+            gate = torch._grouped_mm(rows, w_gate, offs=offs)
+            up = torch._grouped_mm(rows, w_up, offs=offs)
+            return torch._grouped_mm(torch.nn.functional.silu(gate) * up * route[:, None].to(rows.dtype), w2, offs=offs)
         gate_up = torch._grouped_mm(rows, w13, offs=offs)
-        act = torch.nn.functional.silu(gate_up[:, :i]) * gate_up[:, i:]
-        down = torch._grouped_mm(act, w2, offs=offs).float() * route[order, None]
-        out = torch.zeros(case.tokens, h, dtype=torch.float32, device="cuda")
-        return out.index_add_(0, order // top_k, down).to(torch.bfloat16)
+        return torch._grouped_mm(torch.nn.functional.silu(gate_up[:, :i]) * gate_up[:, i:], w2, offs=offs)
+
+    if case.pipeline in GATHERED_PIPELINES:
+        # The rows arrive grouped, their segment ends known: the GEMMs and the activation alone.
+        rows = torch.randn(len(flat), h, dtype=torch.bfloat16, device="cuda")
+        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+        layer = functools.partial(experts, rows, offs)
+    else:
+        x = torch.randn(case.tokens, h, dtype=torch.bfloat16, device="cuda")
+
+        def layer():
+            order = torch.argsort(flat)
+            offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+            token = order // top_k
+            down = experts(x[token], offs).float() * route[order, None]
+            out = torch.zeros(case.tokens, h, dtype=torch.float32, device="cuda")
+            return out.index_add_(0, token, down).to(torch.bfloat16)
 
     # Timed as the GEMM bench times its peers: a burst from idle runs at clocks a sustained load does not keep.
     return 1e6 * event_sampler(lambda _: layer(), 1, capture=False)(5)  # bincount reads a size back
@@ -368,6 +479,9 @@ def run_layers(problems, tokens, formats, pipelines=None, on_row=None, with_stag
             for fmt in formats:
                 for pipeline in pipelines:
                     case = LayerCase(problem, pipeline, t, fmt)
+                    if pipeline == "moonep" and fmt != "bf16":
+                        print(f"{problem} {fmt}: moonep skipped (MoonEP's experts are bf16 only)", flush=True)
+                        continue
                     try:
                         case.config()
                         for name in GEMM_STAGES:

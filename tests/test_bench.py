@@ -125,6 +125,62 @@ def test_layer_bench_writes_json(tiny, compiled_once, tmp_path, monkeypatch, cap
     assert row["stage_us"] == {} and row["gemm_us"] is None and row["outside_share"] is None and row["us"] > 0
 
 
+def test_layer_bench_times_the_batched_and_moonep_layouts(tiny, compiled_once, tmp_path, monkeypatch, capsys):
+    """The batched layout (each expert's rows gathered in a padded buffer, the
+    reduce the caller's) and MoonEP's segment order (bf16 only: another format
+    is skipped with a line) are timed stage by stage as the others are."""
+    from humming_jax import layer_bench
+
+    monkeypatch.setattr(layer_bench, "HOST_CALLS", 2)
+    monkeypatch.setattr(layer_bench, "INPUT_SETS", 2)
+    monkeypatch.setattr(bench, "KERNEL_BACKEND", "reference")  # the pipelines' kernels: test_pipelines
+    out = tmp_path / "layer.json"
+    args = ["bench", "--layer", "--problems", "tiny", "--tokens", "5", "--formats", "bf16", "int4_g32"]
+    assert cli.main([*args, "--pipelines", "batched", "moonep", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["pipeline"], r["fmt"]) for r in rows] == [
+        ("batched", "bf16"),
+        ("moonep", "bf16"),
+        ("batched", "int4_g32"),
+    ]
+    assert "moonep skipped (MoonEP's experts are bf16 only)" in capsys.readouterr().out
+    stages = {"batched": ["input", "w13", "activation", "w2"], "moonep": ["w13", "activation", "w2"]}
+    for r in rows:
+        assert list(r["stage_us"]) == stages[r["pipeline"]] and r["us"] > 0
+        assert r["gemm_us"] == pytest.approx(r["stage_us"]["w13"] + r["stage_us"]["w2"]) and 0 < r["outside_share"] < 1
+        assert r["error"] < 1e-2 and r["torch_layer_us"] is None
+    assert rows[0]["batched_capacity"] == 16 and "batched_capacity" not in rows[1]
+
+
+def test_layer_bench_inputs_of_the_gathered_layouts(monkeypatch):
+    """A routing's rows as the batched layout holds them (each expert's rows in
+    slot order, NaN past its count in a buffer of the routings' largest count
+    rounded up) and as MoonEP's segment order does (rows, segment ends, router
+    weights in the same order)."""
+    from humming_jax import layer_bench
+
+    monkeypatch.setitem(bench.PROBLEMS, "tiny", (4, 8, 4, 2))
+    ids = np.array([[2, 0], [2, 3], [0, 2]], np.int32)
+    routing = dict(ids=ids, hidden=np.arange(24, dtype=np.float32).reshape(3, 8), topk_weights=np.full((3, 2), 0.5))
+    routing["topk_weights"][1, 1] = 0.25
+    assert layer_bench.batched_capacity([routing], 4) == layer_bench.BATCHED_ROW_MULTIPLE
+    monkeypatch.setattr(layer_bench, "BATCHED_ROW_MULTIPLE", 2)
+    assert layer_bench.batched_capacity([routing], 4) == 4  # expert 2: three rows
+    batched = layer_bench._inputs(layer_bench.LayerCase("tiny", "batched", 3, "bf16"), routing, 4)
+    assert np.asarray(batched["expert_num_tokens"]).tolist() == [2, 0, 3, 1]
+    buffer = np.asarray(batched["hidden_states"], np.float32)
+    for expert, tokens in ((0, [0, 2]), (2, [0, 1, 2]), (3, [1])):
+        np.testing.assert_array_equal(buffer[expert, : len(tokens)], routing["hidden"][tokens])
+        assert np.isnan(buffer[expert, len(tokens) :]).all()
+    assert np.isnan(buffer[1]).all()
+    moonep = layer_bench._inputs(layer_bench.LayerCase("tiny", "moonep", 3, "bf16"), routing)
+    np.testing.assert_array_equal(
+        np.asarray(moonep["hidden_states"], np.float32), routing["hidden"][[0, 2, 0, 1, 2, 1]]
+    )
+    assert np.asarray(moonep["cu_seqlens"]).tolist() == [2, 2, 5, 6]
+    assert np.asarray(moonep["route_weights"]).tolist() == [0.5, 0.5, 0.5, 0.5, 0.5, 0.25]
+
+
 def test_bench_quantized_input_pairs_with_the_anchor(tiny, compiled_once, tmp_path, monkeypatch):
     """A weight@input pair (or the anchor's name for it) quantizes the input
     (timed apart: ``quant_us``) and is compared with the anchor's time."""
@@ -727,7 +783,7 @@ def test_layer_bench_runs_the_expert_parallel_layers_where_there_are_devices(mon
     from humming_jax import layer_bench
 
     monkeypatch.setattr(jax, "device_count", lambda: 1)
-    assert layer_bench.default_pipelines() == ("grouped", "indexed")
+    assert layer_bench.default_pipelines() == ("grouped", "indexed", "batched", "moonep")
     monkeypatch.setattr(jax, "device_count", lambda: 8)
     assert layer_bench.default_pipelines() == layer_bench.PIPELINES
 
@@ -1088,4 +1144,4 @@ def test_ab_gate_up_times_both_orders(tiny, compiled_once, tmp_path, capsys, mon
     for r in rows:
         assert r["rel_diff"] < 1e-2 and len(r["blocks"]) == len(r["halves"]) == 3
     with pytest.raises(ValueError, match="PROBLEM:grouped"):
-        ab_gate_up.main(["--cases", "tiny_gated:batched:3:bf16"])
+        ab_gate_up.main(["--cases", "tiny_gated:moonep:3:bf16"])
