@@ -95,6 +95,42 @@ def test_jit_compiles_once_across_routings():
     assert len(traces) == 1
 
 
+def test_decode_loop_call_forms_agree():
+    """The call forms the README gives a decode loop — ``jax.jit`` over the
+    split state, ``jax.jit`` over the module (a pytree in Flax's tree mode),
+    ``nnx.jit(graph=False)`` — give the eager block's result with every
+    expert module."""
+    config = hj.ExpertsConfig(8, 128, 128, 2, weight_format="bf16")
+    grouped = nn.HummingGroupedExperts(config, rngs=nnx.Rngs(0), backend="reference")
+    halves = hj.gate_up_halves(grouped.weights.w13).values
+    moon = nn.MoonEPExperts(
+        8, 128, 128, w_gate=halves[:, :128], w_up=halves[:, 128:], w_down=grouped.weights.w2.values, backend="reference"
+    )
+    modules = [
+        (grouped, {}),
+        (nn.HummingIndexedExperts.from_quantized(config, grouped.weights, backend="reference"), {}),
+        (
+            nn.BatchedHummingGroupedExperts.from_quantized(
+                config, grouped.weights, max_num_tokens=6, backend="reference"
+            ),
+            {},
+        ),
+        (moon, {"top_k": 2}),
+    ]
+    x = _tokens(5)
+    for experts, kw in modules:
+        block = nn.MoEBlock(experts, rngs=nnx.Rngs(1), **kw)
+        graphdef, state = nnx.split(block)
+        forms = {
+            "split state": jax.jit(lambda s, x, g=graphdef: nnx.merge(g, s)(x))(state, x),
+            "module": jax.jit(lambda b, x: b(x))(block, x),
+            "tree mode": nnx.jit(lambda b, x: b(x), graph=False)(block, x),
+        }
+        eager = np.asarray(block(x), np.float32)
+        for name, out in forms.items():
+            np.testing.assert_allclose(np.asarray(out, np.float32), eager, rtol=1e-2, atol=1e-2, err_msg=name)
+
+
 # The block's routing, dispatch and layer stacking on the reference backend: the
 # modules' kernel paths are the tests above and test_pipelines'.
 def test_moe_block_routing_and_shared_expert():
