@@ -737,26 +737,3 @@ def test_quantized_output_refusals():
     assert kernel.activation_refusal(TILES, act, "fp8_dynamic_group128") is None
     assert "only" in kernel.activation_refusal(TILES, act, "fp8_dynamic_token")
     assert "a pair across" in kernel.activation_refusal(TILES, EpilogueActivation("silu", 64), "fp8_dynamic_group128")
-
-
-def test_output_slots_paired_where_they_fit():
-    """A warpgroup's two 64-column chunks go through a pair of 16-bit slots (the
-    second written while the first is copied out) where shared memory has room;
-    else through one slot, as before (128 x 256 at four stages)."""
-    group = kernel.Scaling("group", "block")
-    one_sum = kernel.Scaling("token", "channel")
-    assert kernel.paired_slots(kernel.Tiles(64, 256, stages=4), group, jnp.bfloat16)
-    assert not kernel.paired_slots(kernel.Tiles(64, 256, stages=4), group, jnp.float32)  # 32-bit: one slot
-    assert not kernel.paired_slots(kernel.Tiles(128, 256, stages=4), one_sum, jnp.bfloat16)
-    assert kernel.paired_slots(kernel.Tiles(128, 256, stages=3), one_sum, jnp.bfloat16)
-    single = kernel.shared_memory_bytes(kernel.Tiles(128, 256, stages=4), one_sum, jnp.bfloat16)
-    assert single + mosaic.SHARED_MEMORY_SLACK <= mosaic.SHARED_MEMORY_BYTES
-    # With the activation: a gated pair within a warpgroup stores one chunk (one slot); the
-    # hand-over's gate warpgroup stores two, in 16 or 8 bits (w2's e4m3 input: a pair too).
-    from pallas_kernels.gemm.spec import EpilogueActivation
-
-    tiles = kernel.Tiles(64, 256, stages=2)
-    assert not kernel.paired_slots(tiles, group, jnp.bfloat16, EpilogueActivation("silu", gate_up_block=64))
-    across = EpilogueActivation("silu", gate_up_block=128)
-    assert kernel.paired_slots(tiles, group, jnp.bfloat16, across)
-    assert kernel.paired_slots(tiles, group, jnp.float8_e4m3fn, across)
