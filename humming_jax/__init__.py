@@ -20,6 +20,7 @@ from humming_jax.configs import (
 from humming_jax.experts import (
     ExpertWeights,
     batched_humming_grouped_experts,
+    estimate_valid_shape_m,
     humming_grouped_experts,
     humming_indexed_experts,
     moonep_experts,
@@ -87,6 +88,7 @@ __all__ = [
     "default_backend",
     "dequantize_input",
     "dequantize_weight",
+    "estimate_valid_shape_m",
     "gate_up_halves",
     "formats",
     "gemm",

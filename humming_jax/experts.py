@@ -199,7 +199,18 @@ def check_weights(weights: ExpertWeights, config: ExpertsConfig) -> None:
 
 
 def estimate_valid_shape_m(num_tokens: int, top_k: int, config: ExpertsConfig) -> int:
-    """Expected local rows (vLLM's estimate for choosing a tuning entry)."""
+    """The rows a layer's GEMMs are expected to hold on this device (vLLM's
+    estimate for choosing a tuning entry): the routed slots times the share of
+    the experts held here.
+
+    Args:
+        num_tokens: the tokens routed, T.
+        top_k: the slots a token, k.
+        config: the layer's :class:`ExpertsConfig` (its local and global experts).
+
+    Returns:
+        ``ceil(T · k · E_local / E_global)``.
+    """
     return math.ceil(num_tokens * top_k * config.num_experts / config.global_num_experts)
 
 
@@ -769,7 +780,7 @@ def _indexed_layout_stages(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend"))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "valid_shape_m"))
 def batched_humming_grouped_experts(
     hidden_states: jax.Array,
     expert_num_tokens: jax.Array,
@@ -777,6 +788,7 @@ def batched_humming_grouped_experts(
     config: ExpertsConfig,
     a1q_scale: jax.Array | None = None,
     backend: str | None = None,
+    valid_shape_m: int | None = None,
 ) -> jax.Array:
     """The experts on the grouped-masked layout (vLLM's batched experts):
     each expert's rows already gathered by the caller; the weighted top-k
@@ -790,10 +802,21 @@ def batched_humming_grouped_experts(
         config: the layer's :class:`ExpertsConfig` (static).
         a1q_scale: the scales of pre-quantized ``hidden_states``.
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+        valid_shape_m: the rows the call is expected to hold in all, for the
+            GEMMs' tiling (static; vLLM passes the routing's estimate,
+            :func:`estimate_valid_shape_m` of its tokens): a buffer sized for
+            the worst case then still runs the tiles of its real load. None:
+            every buffer row, ``E · max_tokens``.
 
     Returns:
         ``[E, max_tokens, H]``; rows past each count are zero.
     """
+    if valid_shape_m is not None and (
+        isinstance(valid_shape_m, bool) or not isinstance(valid_shape_m, int) or valid_shape_m < 1
+    ):
+        raise ValueError(
+            f"batched_humming_grouped_experts: valid_shape_m must be a positive int, got {valid_shape_m!r}"
+        )
     if hidden_states.ndim != 3 or hidden_states.shape[0] != config.num_experts:
         raise ValueError(
             f"batched_humming_grouped_experts: hidden_states must be [E={config.num_experts}, max_tokens, H], "
@@ -812,21 +835,25 @@ def batched_humming_grouped_experts(
         )
     check_weights(weights, config)
     state = dict(hidden_states=hidden_states, expert_num_tokens=expert_num_tokens, weights=weights, a1q_scale=a1q_scale)
-    return run_stages(batched_stages(config, backend), state)["out"]
+    return run_stages(batched_stages(config, backend, valid_shape_m), state)["out"]
 
 
-def batched_stages(config: ExpertsConfig, backend: str | None = None) -> tuple[Stage, ...]:
+def batched_stages(
+    config: ExpertsConfig, backend: str | None = None, valid_shape_m: int | None = None
+) -> tuple[Stage, ...]:
     """The batched pipeline (:func:`batched_humming_grouped_experts`) as stages
     over the state ``hidden_states [E, max_tokens, H]`` (or pre-quantized
     values with ``a1q_scale``), ``expert_num_tokens [E]``, ``weights`` and
-    ``a1q_scale``; the last adds ``out [E, max_tokens, H]``."""
+    ``a1q_scale``; the last adds ``out [E, max_tokens, H]``. ``valid_shape_m``:
+    the rows expected in all, for the tiling (None: every buffer row)."""
 
     def layout(s) -> L.GroupedMasked:
         return L.GroupedMasked(s["expert_num_tokens"])
 
     def gemm_kwargs(s) -> dict:
         num_experts, max_tokens = s["hidden_states"].shape[:2]
-        return _gemm_kwargs(config, num_experts * max_tokens, backend)
+        rows = num_experts * max_tokens
+        return _gemm_kwargs(config, rows if valid_shape_m is None else min(valid_shape_m, rows), backend)
 
     def quantize_input(s):
         hidden_states, a1q_scale = s["hidden_states"], s["a1q_scale"]

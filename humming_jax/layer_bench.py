@@ -114,10 +114,17 @@ def stages(case: LayerCase, backend: str | None, weights: X.ExpertWeights | None
     if case.pipeline == "indexed":
         return X.indexed_stages(config, backend=backend)
     if case.pipeline == "batched":
-        return X.batched_stages(config, backend)
+        return X.batched_stages(config, backend, batched_valid_shape_m(case))
     if case.pipeline == "moonep":
         return X.moonep_stages(backend=backend)
     raise ValueError(f"pipeline: expected one of {PIPELINES}, got {case.pipeline!r}")
+
+
+def batched_valid_shape_m(case: LayerCase) -> int:
+    """The rows a batched case's GEMMs are tiled for: the routing's estimate,
+    as vLLM's batched experts pass it (the buffer's rows are its worst case)."""
+    config = case.config()
+    return X.estimate_valid_shape_m(case.tokens, config.top_k, config)
 
 
 def _weights(case: LayerCase, seed: int) -> X.ExpertWeights | dict:
@@ -232,8 +239,9 @@ def _layer_fn(case: LayerCase, backend: str | None):
     if case.pipeline.startswith("ep"):
         pipeline = functools.partial(parallel.ep_experts, mesh=ep_mesh(case), redundant_experts=_redundant(case))
     elif case.pipeline == "batched":
+        valid_m = batched_valid_shape_m(case)
         return lambda s: X.batched_humming_grouped_experts(
-            s["hidden_states"], s["expert_num_tokens"], s["weights"], config, backend=backend
+            s["hidden_states"], s["expert_num_tokens"], s["weights"], config, backend=backend, valid_shape_m=valid_m
         )
     elif case.pipeline == "moonep":
         return lambda s: X.moonep_experts(

@@ -242,6 +242,25 @@ def test_moe_block_with_batched_and_moonep_experts():
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference, np.float32), rtol=2e-2, atol=2e-2)
 
 
+def test_moe_block_tiles_the_batched_experts_for_its_routed_rows(monkeypatch):
+    """MoEBlock's batched experts run the tiles of its routed rows (T·k, as
+    vLLM estimates them), not of the buffer's worst case (E · max_num_tokens)."""
+    from humming_jax.nn import experts as nn_experts
+
+    config = hj.ExpertsConfig(8, 128, 128, 2, weight_format="bf16")
+    batched = nn.BatchedHummingGroupedExperts(config, rngs=nnx.Rngs(0), max_num_tokens=6, backend="reference")
+    seen = []
+    original = nn_experts.E.batched_humming_grouped_experts
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["valid_shape_m"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(nn_experts.E, "batched_humming_grouped_experts", spy)
+    nn.MoEBlock(batched, rngs=nnx.Rngs(1))(_tokens(0, tokens=5))
+    assert seen == [5 * 2]
+
+
 def test_group_limited_routing_and_router_bias(rng):
     """DeepSeek-V3's group-limited top-k with routed scaling against NumPy, the
     group arguments checked, and gpt-oss's router bias in the block."""

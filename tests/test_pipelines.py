@@ -359,6 +359,34 @@ def test_batched_matches_numpy_and_zeroes_padding(rng):
     assert np.all(out[0] == 0) and np.all(out[2, 2:] == 0)
 
 
+def test_batched_tiles_for_the_expected_rows(rng, monkeypatch):
+    """``valid_shape_m`` (vLLM's estimate of the routed rows) reaches both
+    GEMMs' tiling in place of the buffer's every row (clipped to them); the
+    result is the same; a bad value is named."""
+    config = hj.ExpertsConfig(4, 128, 128, 2, weight_format="int4_g128")
+    _, w13, w2, _, _ = _problem(rng, config, 1)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    x = jnp.asarray(rng.normal(size=(4, 8, 128)), jnp.bfloat16)
+    counts = jnp.asarray([1, 0, 2, 1], jnp.int32)
+    seen = []
+    original = X.gemm
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["valid_shape_m"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(X, "gemm", spy)
+    outs = [
+        np.asarray(hj.batched_humming_grouped_experts(x, counts, weights, config, valid_shape_m=m), np.float64)
+        for m in (None, 4, 1000)
+    ]
+    assert seen == [32, 32, 4, 4, 32, 32]  # w13 and w2 a call; None and 1000: the buffer's 4 x 8 rows
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    with pytest.raises(ValueError, match="valid_shape_m must be a positive int"):
+        hj.batched_humming_grouped_experts(x, counts, weights, config, valid_shape_m=0)
+
+
 # ---- MoonEP -------------------------------------------------------------------
 
 

@@ -308,13 +308,16 @@ class BatchedHummingGroupedExperts(_HummingExperts):
             num_tokens or self.max_num_tokens, max_num_tokens=self.max_num_tokens, num_dispatchers=self.num_dispatchers
         )
 
-    def __call__(self, hidden_states, expert_num_tokens, a1q_scale=None):
+    def __call__(self, hidden_states, expert_num_tokens, a1q_scale=None, valid_shape_m: int | None = None):
         """Run the experts.
 
         Args:
             hidden_states: ``[E, max_num_tokens·num_dispatchers, H]``.
             expert_num_tokens: int32 ``[E]``, the rows of each expert.
             a1q_scale: the scales of pre-quantized ``hidden_states``.
+            valid_shape_m: the rows expected in all, for the tiling (static;
+                e.g. :func:`~humming_jax.estimate_valid_shape_m` of the
+                routed tokens); None: every buffer row.
 
         Returns:
             ``[E, max_num_tokens·num_dispatchers, H]``; rows past each count are zero.
@@ -325,7 +328,13 @@ class BatchedHummingGroupedExperts(_HummingExperts):
                 f"{self.max_num_tokens * self.num_dispatchers}, H], got {hidden_states.shape}"
             )
         out = E.batched_humming_grouped_experts(
-            hidden_states, expert_num_tokens, self.weights, self.config, a1q_scale=a1q_scale, backend=self.backend
+            hidden_states,
+            expert_num_tokens,
+            self.weights,
+            self.config,
+            a1q_scale=a1q_scale,
+            backend=self.backend,
+            valid_shape_m=valid_shape_m,
         )
         return self._checked(out, self.max_num_tokens)
 

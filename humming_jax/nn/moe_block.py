@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from humming_jax import checkpoints, routing
+from humming_jax.experts import estimate_valid_shape_m
 from humming_jax.nn.experts import BatchedHummingGroupedExperts, HummingGroupedExperts, MoonEPExperts
 
 SCORING = ("softmax", "sigmoid")
@@ -138,7 +139,9 @@ def _batched_experts(experts: BatchedHummingGroupedExperts, tokens, topk_weights
     batch = (
         jnp.zeros((num_experts, capacity, tokens.shape[1]), tokens.dtype).at[expert, position].set(rows, mode="drop")
     )
-    out = experts(batch, offsets[1:] - offsets[:-1])
+    # The tiles of the routed rows (vLLM's estimate), not of the buffer's worst case.
+    valid_m = max(1, estimate_valid_shape_m(*topk_ids.shape, experts.config))
+    out = experts(batch, offsets[1:] - offsets[:-1], valid_shape_m=valid_m)
     picked = out[safe_ids, jnp.clip(position, 0, capacity - 1)].astype(jnp.float32)
     return jnp.einsum("tk,tkh->th", jnp.where(valid, topk_weights, 0.0), picked).astype(tokens.dtype)
 
