@@ -639,3 +639,45 @@ def test_w8a8_w2_input_quantized_by_w13s_tiles(pipeline, rng, monkeypatch):
     expected = _expected_layer(x, weights, ids, tw, config)
     assert np_ref.relative_error(fused, expected) < 6e-2
     assert np_ref.relative_error(fused, passed) < 3e-2
+
+
+def test_w8a8_batched_w2_input_quantized_by_w13s_tiles(rng, monkeypatch):
+    """The batched pipeline at ~128 rows an expert (its rows gathered, NaN
+    past each count): w13's fp8 tiles on the masked layout apply the
+    activation and quantize w2's input too; against float64 per expert and
+    the layer on w13 in halves (the pass); rows past a count zero."""
+    config = hj.ExpertsConfig(4, 128, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
+    counts = np.array([128, 0, 120, 97])
+    x = rng.normal(size=(4, 128, 128)).astype(np.float32)
+    x[np.arange(128)[None, :] >= counts[:, None]] = np.nan
+    _, w13, w2, _, _ = _problem(rng, config, 1)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    halves = dataclasses.replace(weights, w13=hj.gate_up_halves(weights.w13))
+    quantized = []
+    original = X.takes_activation
+
+    def spy(*args, **kwargs):
+        answer = original(*args, **kwargs)
+        if kwargs.get("out_quant") is not None:
+            quantized.append(answer)
+        return answer
+
+    monkeypatch.setattr(X, "takes_activation", spy)
+
+    def run(w):
+        out = hj.batched_humming_grouped_experts(
+            jnp.asarray(x, jnp.bfloat16), jnp.asarray(counts, jnp.int32), w, config
+        )
+        return np.asarray(out, np.float64)
+
+    fused = run(weights)
+    assert quantized == [True]
+    passed = run(halves)
+    xb = np.nan_to_num(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64))
+    w13d, w2d = np_ref.dequantize_weight(weights.w13), np_ref.dequantize_weight(weights.w2)
+    expected = np.zeros_like(fused)
+    for e, count in enumerate(counts):
+        expected[e, :count] = np_ref.activation(xb[e, :count] @ w13d[e].T, "silu") @ w2d[e].T
+    assert np.all(np.isfinite(fused)) and np.all(fused[np.arange(128)[None, :] >= counts[:, None]] == 0)
+    assert np_ref.relative_error(fused, expected) < 6e-2
+    assert np_ref.relative_error(fused, passed) < 3e-2
