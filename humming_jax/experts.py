@@ -855,6 +855,13 @@ def batched_stages(
         rows = num_experts * max_tokens
         return _gemm_kwargs(config, rows if valid_shape_m is None else min(valid_shape_m, rows), backend)
 
+    def multiplied_out(s, name: str):
+        """:func:`multiplied_out_tiles` of this call's ``name`` GEMM."""
+        num_experts, max_tokens = s["hidden_states"].shape[:2]
+        weight = getattr(s["weights"], name)
+        valid_m = gemm_kwargs(s)["valid_shape_m"]
+        return multiplied_out_tiles(config, name, weight, layout(s), num_experts * max_tokens, valid_m, backend)
+
     def quantize_input(s):
         hidden_states, a1q_scale = s["hidden_states"], s["a1q_scale"]
         if a1q_scale is not None:
@@ -870,22 +877,30 @@ def batched_stages(
             static_scale=s["weights"].w13_input_scale,
             compute_dtype=jnp.dtype(config.compute_dtype),
             backend=backend,
+            dequantize=multiplied_out(s, "w13") is not None,
         )
         return dict(gate_up_input=x)
 
     def w13(s):
+        x = s["gate_up_input"]
+        tiles = multiplied_out(s, "w13") if not x.spec.is_quantized else None
         kwargs = {name: value for name, value in gemm_kwargs(s).items() if name != "backend"}
-        return _w13_with_activation(config, s["weights"], s["gate_up_input"], layout(s), backend, **kwargs)
+        reads_quantized = multiplied_out(s, "w2") is None
+        return _w13_with_activation(
+            config, s["weights"], x, layout(s), backend, reads_quantized, **kwargs, tuning=tiles
+        )
 
     def activation(s):
         counts = s["expert_num_tokens"]
-        return dict(
-            down_input=_down_input_stage(s, config, backend, False, layout="grouped_mask", expert_num_tokens=counts)
-        )
+        dequantize = multiplied_out(s, "w2") is not None
+        down_input = _down_input_stage(s, config, backend, dequantize, layout="grouped_mask", expert_num_tokens=counts)
+        return dict(down_input=down_input)
 
     def w2(s):
         num_experts, max_tokens = s["hidden_states"].shape[:2]
-        down = gemm(s["down_input"], s["weights"].w2, layout(s), **gemm_kwargs(s))
+        x = s["down_input"]
+        tiles = multiplied_out(s, "w2") if not x.spec.is_quantized else None
+        down = gemm(x, s["weights"].w2, layout(s), **gemm_kwargs(s), tuning=tiles)
         return dict(out=down.reshape(num_experts, max_tokens, config.hidden_size))
 
     return (

@@ -2,6 +2,7 @@
 float64 NumPy math on the dequantized weights."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -544,6 +545,39 @@ def test_w4a8_inputs_written_multiplied_out(pipeline, rng):
     itself = hj.gemm(quantized, weights.w13, layout, backend="interpret", valid_shape_m=16)
     fused = hj.gemm(written, weights.w13, layout, backend="interpret", tuning=tiles)
     np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(itself, np.float32))
+
+
+def test_w4a8_batched_inputs_written_multiplied_out(rng, monkeypatch):
+    """The batched pipeline, as the others: where the GEMMs' tiles multiply the
+    fp8 input out to bf16 (W4A8 at decode), ``process_input`` writes those
+    values itself, for w13's input and w2's; against float64 per expert and
+    the reference, rows past a count (NaN in the buffer) zero."""
+    config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="mxfp4", input_quant="fp8_dynamic_group128")
+    _, w13, w2, _, _ = _problem(rng, config, 1)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    counts = np.array([3, 0, 4, 1])
+    x = rng.normal(size=(4, 4, 256)).astype(np.float32)
+    x[np.arange(4)[None, :] >= counts[:, None]] = np.nan
+    flags = []
+    original = X.process_input
+
+    def spy(*args, **kwargs):
+        flags.append(kwargs.get("dequantize", False))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(X, "process_input", spy)
+    run = functools.partial(hj.batched_humming_grouped_experts, jnp.asarray(x, jnp.bfloat16), jnp.asarray(counts))
+    out = np.asarray(run(weights, config), np.float64)
+    assert flags == [True, True]  # w13's input and w2's (the activation in w13's tiles)
+    xb = np.nan_to_num(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64))
+    w13d, w2d = np_ref.dequantize_weight(weights.w13), np_ref.dequantize_weight(weights.w2)
+    expected = np.zeros_like(out)
+    for e, count in enumerate(counts):
+        expected[e, :count] = np_ref.activation(xb[e, :count] @ w13d[e].T, "silu") @ w2d[e].T
+    assert np.all(out[np.arange(4)[None, :] >= counts[:, None]] == 0)
+    assert np_ref.relative_error(out, expected) < 6e-2  # fp8 e4m3 activations and e2m1 weights
+    reference = np.asarray(run(weights, config, backend="reference"), np.float64)
+    assert np_ref.relative_error(out, reference) < 3e-2
 
 
 _EPILOGUE_LAYERS = [
