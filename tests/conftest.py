@@ -30,6 +30,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    # The first interpreted pallas_call imports JAX's TPU interpreter, which registers one more
+    # trace-context flag: every jitted function traced before it would trace again once after.
+    # Imported here, so a test's first call is not the one (tests that count compilations).
+    import jax._src.pallas.mosaic.interpret.interpret_pallas_call  # noqa: E402, F401
+
 settings.register_profile("ci", max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")
 
