@@ -569,11 +569,7 @@ def test_w4a8_batched_inputs_written_multiplied_out(rng, monkeypatch):
     run = functools.partial(hj.batched_humming_grouped_experts, jnp.asarray(x, jnp.bfloat16), jnp.asarray(counts))
     out = np.asarray(run(weights, config), np.float64)
     assert flags == [True, True]  # w13's input and w2's (the activation in w13's tiles)
-    xb = np.nan_to_num(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64))
-    w13d, w2d = np_ref.dequantize_weight(weights.w13), np_ref.dequantize_weight(weights.w2)
-    expected = np.zeros_like(out)
-    for e, count in enumerate(counts):
-        expected[e, :count] = np_ref.activation(xb[e, :count] @ w13d[e].T, "silu") @ w2d[e].T
+    expected = _batched_expected(x, counts, weights, "silu")
     assert np.all(out[np.arange(4)[None, :] >= counts[:, None]] == 0)
     assert np_ref.relative_error(out, expected) < 6e-2  # fp8 e4m3 activations and e2m1 weights
     reference = np.asarray(run(weights, config, backend="reference"), np.float64)
@@ -646,6 +642,33 @@ def test_interleaved_rows_need_an_activation_that_reads_blocks(rng):
         _run("grouped", x, wrong, tw, ids, config)
 
 
+def _out_quant_answers(monkeypatch) -> list:
+    """``takes_activation``'s answers where the epilogue would also quantize w2's input (filled as the layer runs)."""
+    answers = []
+    original = X.takes_activation
+
+    def spy(*args, **kwargs):
+        answer = original(*args, **kwargs)
+        if kwargs.get("out_quant") is not None:
+            answers.append(answer)
+        return answer
+
+    monkeypatch.setattr(X, "takes_activation", spy)
+    return answers
+
+
+def _batched_expected(x, counts, weights, activation: str) -> np.ndarray:
+    """The batched layer in float64: each expert's first ``counts[e]`` rows of
+    ``x [E, max_tokens, H]`` (bf16-rounded; NaN padding ignored) through its
+    dequantized weights, zero past the counts."""
+    xb = np.nan_to_num(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64))
+    w13d, w2d = np_ref.dequantize_weight(weights.w13), np_ref.dequantize_weight(weights.w2)
+    expected = np.zeros((*xb.shape[:2], w2d.shape[1]))
+    for e, count in enumerate(counts):
+        expected[e, :count] = np_ref.activation(xb[e, :count] @ w13d[e].T, activation) @ w2d[e].T
+    return expected
+
+
 @pytest.mark.parametrize("pipeline", ["grouped", "indexed"])
 def test_w8a8_w2_input_quantized_by_w13s_tiles(pipeline, rng, monkeypatch):
     """W8A8 at 128 rows an expert (the fp8 kernel's 64 x 256 tiles, gate and
@@ -657,16 +680,7 @@ def test_w8a8_w2_input_quantized_by_w13s_tiles(pipeline, rng, monkeypatch):
     x, w13, w2, ids, tw = _problem(rng, config, 256)
     weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
     halves = dataclasses.replace(weights, w13=hj.gate_up_halves(weights.w13))
-    quantized = []
-    original = X.takes_activation
-
-    def spy(*args, **kwargs):
-        answer = original(*args, **kwargs)
-        if kwargs.get("out_quant") is not None:
-            quantized.append(answer)
-        return answer
-
-    monkeypatch.setattr(X, "takes_activation", spy)
+    quantized = _out_quant_answers(monkeypatch)
     fused = np.asarray(_run(pipeline, x, weights, tw, ids, config), np.float64)
     assert quantized == [True]
     passed = np.asarray(_run(pipeline, x, halves, tw, ids, config), np.float64)
@@ -687,16 +701,7 @@ def test_w8a8_batched_w2_input_quantized_by_w13s_tiles(rng, monkeypatch):
     _, w13, w2, _, _ = _problem(rng, config, 1)
     weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
     halves = dataclasses.replace(weights, w13=hj.gate_up_halves(weights.w13))
-    quantized = []
-    original = X.takes_activation
-
-    def spy(*args, **kwargs):
-        answer = original(*args, **kwargs)
-        if kwargs.get("out_quant") is not None:
-            quantized.append(answer)
-        return answer
-
-    monkeypatch.setattr(X, "takes_activation", spy)
+    quantized = _out_quant_answers(monkeypatch)
 
     def run(w):
         out = hj.batched_humming_grouped_experts(
@@ -707,11 +712,7 @@ def test_w8a8_batched_w2_input_quantized_by_w13s_tiles(rng, monkeypatch):
     fused = run(weights)
     assert quantized == [True]
     passed = run(halves)
-    xb = np.nan_to_num(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64))
-    w13d, w2d = np_ref.dequantize_weight(weights.w13), np_ref.dequantize_weight(weights.w2)
-    expected = np.zeros_like(fused)
-    for e, count in enumerate(counts):
-        expected[e, :count] = np_ref.activation(xb[e, :count] @ w13d[e].T, "silu") @ w2d[e].T
+    expected = _batched_expected(x, counts, weights, "silu")
     assert np.all(np.isfinite(fused)) and np.all(fused[np.arange(128)[None, :] >= counts[:, None]] == 0)
     assert np_ref.relative_error(fused, expected) < 6e-2
     assert np_ref.relative_error(fused, passed) < 3e-2
