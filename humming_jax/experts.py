@@ -561,6 +561,7 @@ def humming_grouped_experts(
     expert_map: jax.Array | None = None,
     a1q_scale: jax.Array | None = None,
     backend: str | None = None,
+    num_valid_tokens: jax.Array | None = None,
 ) -> jax.Array:
     """The expert layer on the grouped-contiguous layout (vLLM's
     ``humming_grouped_experts``): scatter each token's k slots into expert
@@ -581,22 +582,39 @@ def humming_grouped_experts(
             parallelism as vLLM writes it).
         a1q_scale: the scales of pre-quantized ``hidden_states``.
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+        num_valid_tokens: optional int32 ``[1]``, the real tokens of a padded
+            batch (a bucketed shape): the tokens past it contribute nothing
+            (on the grouped layout they get no rows at all) and come out zero.
 
     Returns:
         ``[T, H]`` in ``hidden_states``' dtype (bf16 for pre-quantized inputs).
     """
     if a1q_scale is None:
         _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_grouped_experts")
+    _check_num_valid_tokens(num_valid_tokens, "humming_grouped_experts")
     check_weights(weights, config)
     tokens = (hidden_states, topk_weights, topk_ids, a1q_scale)
-    return token_parallel(_grouped_run, tokens, (weights, expert_map), (config, backend), "humming_grouped_experts")
+    if num_valid_tokens is not None:  # a count over the whole batch: not split by token
+        return _grouped_run(tokens, (weights, expert_map, num_valid_tokens), config, backend)
+    rest = (weights, expert_map, None)
+    return token_parallel(_grouped_run, tokens, rest, (config, backend), "humming_grouped_experts")
+
+
+def _check_num_valid_tokens(num_valid_tokens, op: str) -> None:
+    if num_valid_tokens is None:
+        return
+    if not jnp.issubdtype(num_valid_tokens.dtype, jnp.integer) or num_valid_tokens.size != 1:
+        raise ValueError(
+            f"{op}: num_valid_tokens must be an integer array of one count ([1]), "
+            f"got {num_valid_tokens.dtype} {num_valid_tokens.shape}"
+        )
 
 
 def _grouped_run(tokens, rest, config, backend):
     hidden_states, topk_weights, topk_ids, a1q_scale = tokens
-    weights, expert_map = rest
+    weights, expert_map, num_valid_tokens = rest
     state = dict(hidden_states=hidden_states, weights=weights, topk_weights=topk_weights, topk_ids=topk_ids)
-    state.update(expert_map=expert_map, a1q_scale=a1q_scale)
+    state.update(expert_map=expert_map, a1q_scale=a1q_scale, num_valid_tokens=num_valid_tokens)
     return run_stages(grouped_stages(config, backend), state)["out"]
 
 
@@ -642,6 +660,7 @@ def humming_indexed_experts(
     """
     if a1q_scale is None:
         _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_indexed_experts")
+    _check_num_valid_tokens(num_valid_tokens, "humming_indexed_experts")
     check_weights(weights, config)
     tokens = (hidden_states, topk_weights, topk_ids, a1q_scale)
     static = (config, block_size, w2_block_size, backend)

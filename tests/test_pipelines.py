@@ -215,11 +215,35 @@ def test_indexed_runs_grouped_with_quantized_inputs_at_prefill(rng):
     grouped = np.asarray(_run("grouped", x, weights, tw, ids, config), np.float64)
     np.testing.assert_array_equal(np.asarray(_run("indexed", x, weights, tw, ids, config), np.float64), grouped)
     x[40:] = np.nan  # padding tokens: nothing of theirs reaches a valid token
-    padded = np.asarray(_run("indexed", x, weights, tw, ids, config, num_valid_tokens=jnp.asarray([40])), np.float64)
-    assert np.all(padded[40:] == 0) and np.all(np.isfinite(padded))
-    assert np_ref.relative_error(padded[:40], grouped[:40]) < 1e-6
+    for pipeline in PIPELINES:
+        padded = _run(pipeline, x, weights, tw, ids, config, num_valid_tokens=jnp.asarray([40]))
+        padded = np.asarray(padded, np.float64)
+        assert np.all(padded[40:] == 0) and np.all(np.isfinite(padded)), pipeline
+        assert np_ref.relative_error(padded[:40], grouped[:40]) < 1e-6, pipeline
+    with pytest.raises(ValueError, match="num_valid_tokens must be an integer array of one count"):
+        _run("grouped", x, weights, tw, ids, config, num_valid_tokens=jnp.asarray([40.0]))
     blocked = _run("indexed", x[:40], weights, tw[:40], ids[:40], config, block_size=16)
     assert np_ref.relative_error(np.asarray(blocked, np.float64), grouped[:40]) < 2e-2  # another layout's tiles
+
+
+def test_padded_decode_batch(rng):
+    """A bucketed decode batch (``num_valid_tokens``, NaN padding rows): both
+    pipelines — the grouped one running the indexed stages at a row an expert
+    — give the unpadded batch's rows (five tokens, and one) and zeros past
+    them."""
+    config = hj.ExpertsConfig(16, 128, 128, 2, weight_format="int4_g128")
+    x, w13, w2, ids, tw = _problem(rng, config, 8)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    assert X.grouped_runs_indexed(8, 2, config)
+    for valid in (5, 1):
+        alone = np.asarray(_run("indexed", x[:valid], weights, tw[:valid], ids[:valid], config), np.float64)
+        padded_x = x.copy()
+        padded_x[valid:] = np.nan
+        for pipeline in PIPELINES:
+            out = _run(pipeline, padded_x, weights, tw, ids, config, num_valid_tokens=jnp.asarray([valid], jnp.int32))
+            out = np.asarray(out, np.float64)
+            assert np.all(out[valid:] == 0) and np.all(np.isfinite(out)), (pipeline, valid)
+            assert np_ref.relative_error(out[:valid], alone) < 1e-2, (pipeline, valid)
 
 
 @FULL  # make test's time: the only default check of the switch under an expert map (test-full, the GPU step)
