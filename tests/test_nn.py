@@ -35,6 +35,11 @@ def test_modules_equal_functional_pipelines(module_cls, pipeline):
     x = _tokens(2)
     expected = pipeline(x, module.weights, weights, ids, CONFIG)
     np.testing.assert_array_equal(np.asarray(module(x, weights, ids), np.float32), np.asarray(expected, np.float32))
+    valid = jnp.asarray([4], jnp.int32)  # a padded batch: both modules take its real count
+    padded = np.asarray(module(x, weights, ids, num_valid_tokens=valid), np.float32)
+    want = pipeline(x, module.weights, weights, ids, CONFIG, num_valid_tokens=valid)
+    np.testing.assert_array_equal(padded, np.asarray(want, np.float32))
+    assert np.all(padded[4:] == 0)
 
 
 def test_from_float_matches_quantize_experts():

@@ -150,7 +150,7 @@ class HummingGroupedExperts(_HummingExperts):
 
     pipeline = "grouped"
 
-    def __call__(self, hidden_states, topk_weights, topk_ids, expert_map=None, a1q_scale=None):
+    def __call__(self, hidden_states, topk_weights, topk_ids, expert_map=None, a1q_scale=None, num_valid_tokens=None):
         """Run the layer.
 
         Args:
@@ -159,6 +159,7 @@ class HummingGroupedExperts(_HummingExperts):
             topk_ids: int32 ``[T, k]`` expert ids (outside ``[0, E)``: nothing).
             expert_map: optional int32 ``[global E]`` → local expert or −1.
             a1q_scale: the scales of pre-quantized ``hidden_states``.
+            num_valid_tokens: optional int32 ``[1]``, the real tokens of a padded batch.
 
         Returns:
             ``[T, H]`` in ``hidden_states``' dtype.
@@ -172,6 +173,7 @@ class HummingGroupedExperts(_HummingExperts):
             expert_map=expert_map,
             a1q_scale=a1q_scale,
             backend=self.backend,
+            num_valid_tokens=num_valid_tokens,
         )
         return self._checked(out, topk_ids.shape[0])
 
