@@ -266,6 +266,48 @@ def test_moe_block_tiles_the_batched_experts_for_its_routed_rows(monkeypatch):
     assert seen == [5 * 2]
 
 
+def test_moe_block_padded_batch_and_every_expert_module():
+    """MoEBlock over each expert module — the expert-parallel one too, on two
+    of the CPU's simulated devices — with a padded batch (``num_valid_tokens``,
+    NaN rows past it): the real rows as the unpadded block gives them, zeros
+    past them; ``expert_map`` refused by the modules that place their experts
+    themselves."""
+    config = hj.ExpertsConfig(8, 128, 128, 2, weight_format="bf16")
+    grouped = nn.HummingGroupedExperts(config, rngs=nnx.Rngs(0), backend="reference")
+    halves = hj.gate_up_halves(grouped.weights.w13).values
+    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
+    modules = {
+        "grouped": grouped,
+        "indexed": nn.HummingIndexedExperts.from_quantized(config, grouped.weights, backend="reference"),
+        "batched": nn.BatchedHummingGroupedExperts.from_quantized(
+            config, grouped.weights, max_num_tokens=8, backend="reference"
+        ),
+        "moonep": nn.MoonEPExperts(
+            8,
+            128,
+            128,
+            w_gate=halves[:, :128],
+            w_up=halves[:, 128:],
+            w_down=grouped.weights.w2.values,
+            backend="reference",
+        ),
+        "ep": nn.ExpertParallelExperts.from_quantized(config, grouped.weights, mesh=mesh, backend="reference"),
+    }
+    x = _tokens(3, tokens=8)
+    padded = jnp.where(jnp.arange(8)[:, None] < 5, x, jnp.nan).astype(x.dtype)
+    for name, experts in modules.items():
+        block = nn.MoEBlock(
+            experts, rngs=nnx.Rngs(1), shared_intermediate_size=32, **({"top_k": 2} if name == "moonep" else {})
+        )
+        alone = np.asarray(block(x[:6]), np.float32)[:5]  # (6 rows: the EP module splits them over two ranks)
+        out = np.asarray(block(padded, num_valid_tokens=jnp.asarray([5], jnp.int32)), np.float32)
+        assert np.all(out[5:] == 0) and np.all(np.isfinite(out)), name
+        np.testing.assert_allclose(out[:5], alone, rtol=2e-2, atol=2e-2, err_msg=name)
+        if name in ("batched", "moonep", "ep"):
+            with pytest.raises(ValueError, match="places its experts itself"):
+                block(x, expert_map=jnp.arange(8, dtype=jnp.int32))
+
+
 def test_group_limited_routing_and_router_bias(rng):
     """DeepSeek-V3's group-limited top-k with routed scaling against NumPy, the
     group arguments checked, and gpt-oss's router bias in the block."""

@@ -10,7 +10,12 @@ from flax import nnx
 
 from humming_jax import checkpoints, routing
 from humming_jax.experts import estimate_valid_shape_m
-from humming_jax.nn.experts import BatchedHummingGroupedExperts, HummingGroupedExperts, MoonEPExperts
+from humming_jax.nn.experts import (
+    BatchedHummingGroupedExperts,
+    ExpertParallelExperts,
+    HummingGroupedExperts,
+    MoonEPExperts,
+)
 
 SCORING = ("softmax", "sigmoid")
 
@@ -266,18 +271,39 @@ class MoEBlock(nnx.Module):
                 linear.kernel.set_value(jnp.asarray(weight.T, linear.kernel.get_value().dtype))
         return block
 
-    def __call__(self, x: jax.Array, expert_map: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, expert_map: jax.Array | None = None, num_valid_tokens: jax.Array | None = None
+    ) -> jax.Array:
         """Route and run the experts.
 
         Args:
             x: ``[..., H]`` activations.
-            expert_map: optional int32 ``[E_global]`` → local expert or −1.
+            expert_map: optional int32 ``[E_global]`` → local expert or −1
+                (the grouped and indexed expert modules; the others place
+                their experts themselves and refuse one).
+            num_valid_tokens: optional int32 ``[1]``, the real rows of a padded
+                batch (over ``x``'s rows flattened): the rows past it reach no
+                expert and come out zero.
 
         Returns:
             ``[..., H]`` in ``x``'s dtype.
         """
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
+        own_placement = isinstance(self.experts, (BatchedHummingGroupedExperts, MoonEPExperts, ExpertParallelExperts))
+        if expert_map is not None and own_placement:
+            raise ValueError(
+                f"MoEBlock: expert_map: the {type(self.experts).__name__} module places its experts itself "
+                "(the grouped and indexed modules take a map)"
+            )
+        valid = None
+        if num_valid_tokens is not None:
+            if not jnp.issubdtype(num_valid_tokens.dtype, jnp.integer) or num_valid_tokens.size != 1:
+                raise ValueError(
+                    f"MoEBlock: num_valid_tokens must be an integer array of one count ([1]), "
+                    f"got {num_valid_tokens.dtype} {num_valid_tokens.shape}"
+                )
+            valid = jnp.arange(tokens.shape[0]) < num_valid_tokens.reshape(-1)[0]
         bias = None if self.correction_bias is None else self.correction_bias.get_value()
         topk_weights, topk_ids = route(
             self.router(tokens.astype(jnp.float32)),
@@ -289,12 +315,18 @@ class MoEBlock(nnx.Module):
             self.topk_groups,
             self.routed_scaling_factor,
         )
+        if own_placement and valid is not None:  # a padded row's slots: outside [0, E), no expert's
+            topk_ids = jnp.where(valid[:, None], topk_ids, self.router.out_features)
         if isinstance(self.experts, BatchedHummingGroupedExperts):
             out = _batched_experts(self.experts, tokens, topk_weights, topk_ids)
         elif isinstance(self.experts, MoonEPExperts):
             out = _moonep_experts(self.experts, tokens.astype(jnp.bfloat16), topk_weights, topk_ids)
+        elif isinstance(self.experts, ExpertParallelExperts):
+            out = self.experts(tokens, topk_weights, topk_ids)
         else:
-            out = self.experts(tokens, topk_weights, topk_ids, expert_map=expert_map)
+            out = self.experts(tokens, topk_weights, topk_ids, expert_map=expert_map, num_valid_tokens=num_valid_tokens)
         if self.shared is not None:
             out = out + self.shared(tokens).astype(out.dtype)
+        if valid is not None:
+            out = jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
         return out.reshape(shape).astype(x.dtype)
