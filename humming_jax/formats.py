@@ -703,6 +703,15 @@ def n_major_scale(weight: QuantizedWeight) -> jax.Array | None:
     return jnp.swapaxes(weight.scale, 1, 2) if weight.k_major_scales else weight.scale
 
 
+def _check_weight(weight, op: str) -> None:
+    """A clear error where a public function of :class:`QuantizedWeight` gets something else."""
+    if not isinstance(weight, QuantizedWeight):
+        raise TypeError(
+            f"{op}: weight: expected a QuantizedWeight (from quantize_weight or quantize_experts), "
+            f"got {type(weight).__name__}"
+        )
+
+
 def to_planar(weight: QuantizedWeight, half_bits: bool = False, k_major_scales: bool = False) -> QuantizedWeight:
     """Repack 4-bit codes in the planar order the GEMM kernel reads without
     splitting x (a load-time repack: the same values, a permutation of nibbles
@@ -721,6 +730,7 @@ def to_planar(weight: QuantizedWeight, half_bits: bool = False, k_major_scales: 
         not a whole number of units) and planar ones as they are, but for the
         scales' order.
     """
+    _check_weight(weight, "to_planar")
     check_folded_scale_range(weight)
     if k_major_scales:
         weight = with_scale_order(weight, True)
@@ -745,6 +755,7 @@ def to_k_order(weight: QuantizedWeight) -> QuantizedWeight:
     Returns:
         The weight with its codes in column (K) order and its scales ``[E, N, K/g]``.
     """
+    _check_weight(weight, "to_k_order")
     weight = with_scale_order(weight, False)
     if not weight.nibble_unit:
         return weight
@@ -784,6 +795,7 @@ def dequantize_weight(weight: QuantizedWeight, dtype=jnp.float32, stored_rows: b
     Returns:
         ``[E, N, K]`` in ``dtype``.
     """
+    _check_weight(weight, "dequantize_weight")
     values = _dequantized(weight, jnp.dtype(dtype))
     if weight.gate_up_block and not stored_rows:
         return jnp.take(values, jnp.asarray(np.argsort(gate_up_rows(weight.n, weight.gate_up_block))), axis=1)
@@ -890,6 +902,7 @@ def interleave_gate_up(weight: QuantizedWeight, block: int = GATE_UP_BLOCK) -> Q
         ValueError: the weight is interleaved by another block, or the format
             or N cannot be cut into blocks of ``block``.
     """
+    _check_weight(weight, "interleave_gate_up")
     if weight.gate_up_block == block:
         return weight
     if weight.gate_up_block:
@@ -912,6 +925,7 @@ def gate_up_halves(weight: QuantizedWeight) -> QuantizedWeight:
         The weight with its gate rows, then its up rows (``gate_up_block`` 0);
         one in halves as it is.
     """
+    _check_weight(weight, "gate_up_halves")
     if not weight.gate_up_block:
         return weight
     return _rows_reordered(weight, np.argsort(gate_up_rows(weight.n, weight.gate_up_block)), 0)

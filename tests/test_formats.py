@@ -465,3 +465,12 @@ def test_gate_up_block_refusals(rng):
         hj.interleave_gate_up(interleaved, 16)
     with pytest.raises(ValueError, match="weight.gate_up_block"):
         dataclasses.replace(interleaved, gate_up_block=48).validate()
+
+
+def test_weight_functions_name_what_they_got():
+    """The public functions of a QuantizedWeight given a plain array: a
+    TypeError naming the function and the argument (was an AttributeError)."""
+    raw = jnp.ones((2, 8, 32), jnp.bfloat16)
+    for fn in (hj.dequantize_weight, hj.to_planar, hj.to_k_order, hj.interleave_gate_up, hj.gate_up_halves):
+        with pytest.raises(TypeError, match=f"{fn.__name__}: weight: expected a QuantizedWeight"):
+            fn(raw)
