@@ -171,7 +171,9 @@ class MoEBlock(nnx.Module):
         experts: any expert module: the grouped and indexed ones take the
             routing directly; for the batched one the block dispatches the
             tokens into ``[E, max_tokens, H]`` and does the weighted reduce
-            (vLLM's delegate); for MoonEP it lays the tokens out in expert segments.
+            (vLLM's delegate); for MoonEP it lays the tokens out in expert segments;
+            the expert-parallel one splits the tokens over its mesh (their count a
+            multiple of its ranks: pad them and give ``num_valid_tokens``).
         rngs: the router's (and the shared expert's) random weights.
         scoring: ``"softmax"`` (Mixtral, Qwen3, gpt-oss) or ``"sigmoid"`` (DeepSeek-V3).
         renormalize: make a token's k weights sum to one.
