@@ -509,9 +509,9 @@ def run_layers(problems, tokens, formats, pipelines=None, on_row=None, with_stag
 
 def plot(rows: list[dict], path: str) -> bool:
     """Layer time and the share outside the GEMMs against T, one panel per
-    problem (PNG); False without matplotlib."""
+    problem (PNG); False without matplotlib or without rows."""
     plt = bench_report.pyplot()
-    if plt is None:
+    if plt is None or not rows:
         return False
     problems = sorted({r["problem"] for r in rows})
     fig, axes = plt.subplots(2, len(problems), figsize=(5 * len(problems), 8), squeeze=False)

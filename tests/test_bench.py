@@ -150,6 +150,10 @@ def test_layer_bench_times_the_batched_and_moonep_layouts(tiny, compiled_once, t
         assert r["gemm_us"] == pytest.approx(r["stage_us"]["w13"] + r["stage_us"]["w2"]) and 0 < r["outside_share"] < 1
         assert r["error"] < 1e-2 and r["torch_layer_us"] is None
     assert rows[0]["batched_capacity"] == 16 and "batched_capacity" not in rows[1]
+    # Every case skipped: an empty result, no plot (the plot of no panels raised).
+    empty = tmp_path / "empty.json"
+    assert cli.main([*args[:-2], "int4_g32", "--pipelines", "moonep", "--out", str(empty)]) == 0
+    assert json.loads(empty.read_text())["rows"] == [] and not (tmp_path / "empty.png").exists()
 
 
 def test_layer_bench_inputs_of_the_gathered_layouts(monkeypatch):
