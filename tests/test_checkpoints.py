@@ -492,6 +492,12 @@ def test_a_moe_block_loads_from_a_checkpoint_folder(model_type, tmp_path, rng):
         gate, up, down = (w.astype(np.float64) for w in shared)
         expected += np_ref.silu(x64 @ gate.T) * (x64 @ up.T) @ down.T
     assert np_ref.relative_error(out, expected) < 2e-2
+    if model_type == "deepseek_v3":  # the expert-parallel module from the same folder, its experts on two devices
+        mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
+        ep = hj.nn.MoEBlock.from_checkpoint(
+            tmp_path, layer, experts=hj.nn.ExpertParallelExperts, backend="reference", mesh=mesh
+        )
+        np.testing.assert_array_equal(np.asarray(ep(jnp.asarray(x)), np.float64), out)
 
 
 _GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
