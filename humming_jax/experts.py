@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Callable
 
 import jax
@@ -831,7 +832,7 @@ def batched_humming_grouped_experts(
         ``[E, max_tokens, H]``; rows past each count are zero.
     """
     if valid_shape_m is not None and (
-        isinstance(valid_shape_m, bool) or not isinstance(valid_shape_m, int) or valid_shape_m < 1
+        isinstance(valid_shape_m, bool) or not isinstance(valid_shape_m, numbers.Integral) or valid_shape_m < 1
     ):
         raise ValueError(
             f"batched_humming_grouped_experts: valid_shape_m must be a positive int, got {valid_shape_m!r}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -198,6 +199,15 @@ def gemm(
     x = as_quantized_input(x)
     weight = as_weight(weight)
     out_dtype = _out_dtype(x, out_dtype)
+    if out_dtype not in FLOAT_INPUTS:  # the kernels store 16- or 32-bit floats
+        names = ", ".join(d.name for d in FLOAT_INPUTS)
+        raise TypeError(f"gemm: out_dtype: expected one of {names}, got {out_dtype.name}")
+    if valid_shape_m is not None and (
+        isinstance(valid_shape_m, bool) or not isinstance(valid_shape_m, numbers.Integral) or valid_shape_m < 0
+    ):
+        raise ValueError(
+            f"gemm: valid_shape_m: expected a row count (a non-negative int) or None, got {valid_shape_m!r}"
+        )
     _validate(x, weight, layout, use_f16_accum, out_dtype)
     activation = get_activation(activation)
     _check_activation(activation, weight)

@@ -167,6 +167,12 @@ def test_gemm_bad_input(rng):
         )
     with pytest.raises(ValueError, match="grouped_masked input"):
         hj.gemm(jnp.ones((18, K), jnp.bfloat16), weight, hj.GroupedMasked(jnp.ones(4, jnp.int32)))
+    with pytest.raises(TypeError, match="gemm: out_dtype: expected one of bfloat16, float16, float32, got int8"):
+        hj.gemm(x, weight, layout, out_dtype=jnp.int8)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="gemm: valid_shape_m: expected a row count"):
+            hj.gemm(x, weight, layout, valid_shape_m=bad)
+    assert hj.gemm(x, weight, layout, valid_shape_m=np.int64(16), backend="reference").shape == (16, weight.n)
 
 
 _INT32 = st.integers(-(2**31), 2**31 - 1)
