@@ -156,6 +156,7 @@ def process_input_reference(x: jax.Array, steps: ProcessSteps, arrays: ProcessAr
     return _dequantized_output(q, steps.compute_dtype) if steps.dequantize else q
 
 
+_COMPUTE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))  # unquantized outputs
 _STATIC = (
     "spec",
     "activation",
@@ -225,6 +226,9 @@ def process_input(
     """
     spec = Q.get_input_spec(spec)
     activation = get_activation(activation)
+    if jnp.dtype(compute_dtype) not in _COMPUTE_DTYPES:
+        names = ", ".join(d.name for d in _COMPUTE_DTYPES)
+        raise TypeError(f"process_input: compute_dtype: expected one of {names}, got {jnp.dtype(compute_dtype).name}")
     if input_scale is not None:
         if activation is not None:
             raise ValueError("process_input: activation: cannot apply an activation to a pre-quantized input")

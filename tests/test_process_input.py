@@ -139,6 +139,8 @@ def test_nothing_to_do_launches_nothing(rng):
 
 def test_process_input_bad_arguments():
     x = jnp.ones((8, 256))
+    with pytest.raises(TypeError, match="process_input: compute_dtype: expected one of bfloat16"):
+        hj.process_input(x, compute_dtype=jnp.int8)
     with pytest.raises(ValueError, match="layout"):
         hj.process_input(x, layout="gather")
     with pytest.raises(ValueError, match="expert_num_tokens"):
