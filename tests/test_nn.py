@@ -218,6 +218,15 @@ def test_module_errors():
     batched = nn.BatchedHummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0), max_num_tokens=4)
     with pytest.raises(ValueError, match="max_num_tokens"):
         batched(jnp.ones((8, 5, 128), jnp.bfloat16), jnp.ones(8, jnp.int32))
+    with pytest.raises(ValueError, match="max_num_tokens: expected a positive int, got 0"):
+        nn.BatchedHummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0), max_num_tokens=0)
+    with pytest.raises(ValueError, match="num_redundant: expected an int of at least 0, got -1"):
+        nn.MoonEPExperts(4, 64, 32, num_redundant=-1, rngs=nnx.Rngs(0))
+    experts = nn.HummingGroupedExperts(CONFIG, rngs=nnx.Rngs(0), backend="reference")
+    with pytest.raises(ValueError, match=r"MoEBlock: top_k: expected 1\.\.8"):
+        nn.MoEBlock(experts, rngs=nnx.Rngs(1), top_k=9)
+    with pytest.raises(ValueError, match=r"MoEBlock: x: expected \[\.\.\., H=128\], got \[3, 64\]"):
+        nn.MoEBlock(experts, rngs=nnx.Rngs(1))(jnp.ones((3, 64)))
 
 
 def test_moe_block_with_batched_and_moonep_experts():

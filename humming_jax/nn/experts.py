@@ -301,6 +301,9 @@ class BatchedHummingGroupedExperts(_HummingExperts):
     pipeline = "batched"
 
     def __init__(self, config: ExpertsConfig, *, max_num_tokens: int, num_dispatchers: int = 1, **kwargs):
+        for name, value in (("max_num_tokens", max_num_tokens), ("num_dispatchers", num_dispatchers)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BatchedHummingGroupedExperts: {name}: expected a positive int, got {value!r}")
         super().__init__(config, **kwargs)
         self.max_num_tokens = max_num_tokens
         self.num_dispatchers = num_dispatchers
@@ -370,6 +373,9 @@ class MoonEPExperts(nnx.Module):
         w_down=None,
         backend: str | None = None,
     ):
+        for name, value, least in (("num_experts", num_experts, 1), ("num_redundant", num_redundant, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"MoonEPExperts: {name}: expected an int of at least {least}, got {value!r}")
         rows = num_experts + num_redundant
         if w_gate is None:
             if rngs is None:

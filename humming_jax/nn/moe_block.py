@@ -42,6 +42,8 @@ def check_routing(
     if scoring not in SCORING:
         raise ValueError(f"{op}: scoring: expected one of {SCORING}, got {scoring!r}")
     topk_groups = num_groups if topk_groups is None else topk_groups
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{op}: top_k: expected 1..{num_experts} (the experts), got {top_k!r}")
     if num_groups < 1 or num_experts % num_groups:
         raise ValueError(f"{op}: num_groups: expected a divisor of the {num_experts} experts, got {num_groups}")
     if not 1 <= topk_groups <= num_groups or top_k > topk_groups * (num_experts // num_groups):
@@ -291,6 +293,9 @@ class MoEBlock(nnx.Module):
             ``[..., H]`` in ``x``'s dtype.
         """
         shape = x.shape
+        hidden = self.router.in_features
+        if x.ndim < 1 or shape[-1] != hidden:
+            raise ValueError(f"MoEBlock: x: expected [..., H={hidden}], got {list(shape)}")
         tokens = x.reshape(-1, shape[-1])
         own_placement = isinstance(self.experts, (BatchedHummingGroupedExperts, MoonEPExperts, ExpertParallelExperts))
         if expert_map is not None and own_placement:
