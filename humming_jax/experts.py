@@ -592,7 +592,7 @@ def humming_grouped_experts(
     """
     if a1q_scale is None:
         _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_grouped_experts")
-    _check_num_valid_tokens(num_valid_tokens, "humming_grouped_experts")
+    check_num_valid_tokens(num_valid_tokens, "humming_grouped_experts")
     check_weights(weights, config)
     tokens = (hidden_states, topk_weights, topk_ids, a1q_scale)
     if num_valid_tokens is not None:  # a count over the whole batch: not split by token
@@ -601,7 +601,8 @@ def humming_grouped_experts(
     return token_parallel(_grouped_run, tokens, rest, (config, backend), "humming_grouped_experts")
 
 
-def _check_num_valid_tokens(num_valid_tokens, op: str) -> None:
+def check_num_valid_tokens(num_valid_tokens, op: str) -> None:
+    """Raise, naming ``op``, unless ``num_valid_tokens`` is None or an integer array of one count."""
     if num_valid_tokens is None:
         return
     if not jnp.issubdtype(num_valid_tokens.dtype, jnp.integer) or num_valid_tokens.size != 1:
@@ -661,7 +662,7 @@ def humming_indexed_experts(
     """
     if a1q_scale is None:
         _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_indexed_experts")
-    _check_num_valid_tokens(num_valid_tokens, "humming_indexed_experts")
+    check_num_valid_tokens(num_valid_tokens, "humming_indexed_experts")
     check_weights(weights, config)
     tokens = (hidden_states, topk_weights, topk_ids, a1q_scale)
     static = (config, block_size, w2_block_size, backend)

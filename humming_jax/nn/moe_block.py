@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from humming_jax import checkpoints, routing
-from humming_jax.experts import estimate_valid_shape_m
+from humming_jax.experts import check_num_valid_tokens, estimate_valid_shape_m
 from humming_jax.nn.experts import (
     BatchedHummingGroupedExperts,
     ExpertParallelExperts,
@@ -303,13 +303,9 @@ class MoEBlock(nnx.Module):
                 f"MoEBlock: expert_map: the {type(self.experts).__name__} module places its experts itself "
                 "(the grouped and indexed modules take a map)"
             )
+        check_num_valid_tokens(num_valid_tokens, "MoEBlock")
         valid = None
         if num_valid_tokens is not None:
-            if not jnp.issubdtype(num_valid_tokens.dtype, jnp.integer) or num_valid_tokens.size != 1:
-                raise ValueError(
-                    f"MoEBlock: num_valid_tokens must be an integer array of one count ([1]), "
-                    f"got {num_valid_tokens.dtype} {num_valid_tokens.shape}"
-                )
             valid = jnp.arange(tokens.shape[0]) < num_valid_tokens.reshape(-1)[0]
         bias = None if self.correction_bias is None else self.correction_bias.get_value()
         topk_weights, topk_ids = route(
