@@ -720,14 +720,26 @@ def test_activated_rows_quantized_in_the_epilogue(layout_kind, rng):
         N // 2,
     )
     assert got.scale.shape == ref.scale.shape == (layout.output_rows(M), N // 256)
-    np.testing.assert_allclose(np.asarray(got.scale), np.asarray(ref.scale), rtol=2e-6, atol=0)
+    # Compiled, the fp8 wgmma's accumulator keeps fewer bits than f32 (the file's BOUND).
+    scale_rtol = 2e-6 if KERNEL_BACKEND == "interpret" else 2 * BOUND
+    np.testing.assert_allclose(np.asarray(got.scale), np.asarray(ref.scale), rtol=scale_rtol, atol=0)
     product = np_ref.gemm_of(x, weight, layout)
     want = np_ref.activation(product, "silu")
     assert relative_error(np_ref.dequantize_input(got), want) < 4e-2  # e4m3 values
-    assert relative_error(np_ref.dequantize_input(got), np_ref.dequantize_input(ref)) < 2e-3
+    # Compiled, those accumulator bits move a few values across an e4m3 rounding.
+    codes_bound = 2e-3 if KERNEL_BACKEND == "interpret" else 1e-2
+    assert relative_error(np_ref.dequantize_input(got), np_ref.dequantize_input(ref)) < codes_bound
     unowned = np.all(product == 0, axis=1)
     assert np.all(np.asarray(got.scale)[unowned] == 0)
     assert np.all(np.asarray(got.values.astype(jnp.float32))[unowned] == 0)
+
+
+def test_output_slots_start_rows_at_128_bytes():
+    """TMA copies the store slot's rows from 128-byte multiples: an e4m3 slot
+    of 64 columns (64-byte rows) faulted from odd rows on the GPU."""
+    for dtype in (jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16, jnp.float32):
+        assert mosaic.slot_columns(dtype) * jnp.dtype(dtype).itemsize % 128 == 0
+    assert mosaic.slot_columns(jnp.float8_e4m3fn) == kernel.BLOCK_K  # the quantized output's one chunk
 
 
 def test_quantized_output_refusals():

@@ -160,7 +160,7 @@ def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype, act: Epilogue
     mx = scaling.mx and not tiles.dequantize_first  # a decoded copy runs W8A8's loop
     weight = tiles.block_n * (BLOCK_K // 4 * 2 + mx_e4m3.PIECES) if mx else tiles.block_n * BLOCK_K
     step = tiles.block_m * BLOCK_K + weight + (4 * tiles.block_m if scaling.x == "group" else 0)
-    scratch = mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
+    scratch = mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.slot_columns(out_dtype) * jnp.dtype(out_dtype).itemsize
     if mx and not tiles.swap_ab:
         scratch += mosaic.COMPUTE_WGS * tiles.wg_n * BLOCK_K
     if pairs_across_warpgroups(tiles, act):
@@ -306,7 +306,8 @@ def _kernel(
         return found
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-    scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
+    o_slot = (mosaic.COMPUTE_WGS, wg_m, mosaic.slot_columns(o_gmem.dtype))
+    scratch = dict(o_smem=plgpu.SMEM(o_slot, o_gmem.dtype))
     if scaling.mx and not (swap and not interpret):  # the decoded step (interpreted: unswizzled)
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
         shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
