@@ -1,7 +1,7 @@
 """A/B of w13's row order on whole expert layers, in one process, interleaved:
 the layer on its weights as ``to_kernel_order`` stores them (gate and up rows
-interleaved by blocks, so w13's tiles apply the activation — and, W8A8 on the
-fp8 kernel, quantize w2's input) against the same weights with w13 in halves
+interleaved by blocks, so w13's tiles apply the activation where they can)
+against the same weights with w13 in halves
 (w13's sums, then the activation pass).
 
     python -m benchmarks.ab_gate_up --cases qwen3-30b-a3b:indexed:1:int4_g128 \\

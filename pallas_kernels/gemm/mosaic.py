@@ -42,7 +42,7 @@ from pallas_kernels.word_decode import MAGIC  # (pattern, base): pattern | q is 
 # launches with 96 (65536 / 640, in steps of 8), and the 40 the memory warpgroup gives
 # back do not cover 4 x 16: setmaxnreg.inc waits for ever (it hangs).
 COMPUTE_WGS = 2
-EPILOGUE_COLUMNS = 64  # output columns per shared-memory store slot (16- and 32-bit outputs)
+EPILOGUE_COLUMNS = 64  # output columns per shared-memory store slot
 # A compute warpgroup's f32 accumulator: 176 registers a thread of the 232 the warp-specialized
 # pipeline gives it (a 176-row swap tile of 128 columns; 128 x 128 in the other form).
 ACCUMULATOR_ELEMENTS = 176 * 128
@@ -200,7 +200,7 @@ def shared_memory_bytes(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | N
     else:  # x's unit, the unit's uint16 codes, its scale (and zero point) or e2m1 factor rows
         quant_rows = (PIECES if decode.e2m1 else 1) * (2 if decode.zero_points else 1)
         step = (tiles.block_m * UNIT + quant_rows * tiles.block_n) * itemsize + tiles.block_n * PIECE * 2
-    scratch = COMPUTE_WGS * tiles.wg_m * slot_columns(out_dtype) * jnp.dtype(out_dtype).itemsize
+    scratch = COMPUTE_WGS * tiles.wg_m * EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
     if decode is not None and not tiles.swap_ab:
         scratch += COMPUTE_WGS * STAGE_SLOTS * tiles.wg_n * PIECE * itemsize
     return pipeline_bytes(tiles.stages, step) + scratch
@@ -291,8 +291,6 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         reason = activation_refusal(tiles, call.activation)
         if reason:
             return reason
-    if call.out_quant != "none":
-        return f"a {call.out_quant} output (the fp8 kernel's pair across its warpgroups only)"
     decode = None
     if tiles.dequantize_first and w.quantized:
         w = w.dequantized(call.x_dtype)
@@ -483,13 +481,6 @@ def padded_rows(m: int, block_m: int) -> int:
     return -(-max(m, block_m) // ROW_ALIGN) * ROW_ALIGN
 
 
-def slot_columns(dtype) -> int:
-    """Columns of an output store slot: ``EPILOGUE_COLUMNS``, or 128 for 1-byte
-    outputs — a TMA copy's shared-memory rows start at 128-byte multiples
-    (a 64-byte e4m3 row from an odd row faults: misaligned address)."""
-    return max(EPILOGUE_COLUMNS, 128 // jnp.dtype(dtype).itemsize)
-
-
 def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
     """Rows ``[offset, offset + rows)`` of the shared tile ``o_smem`` to
     gmem rows ``[first_row, first_row + rows)`` as a sum of power-of-two
@@ -511,20 +502,19 @@ def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
 def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False):
     """A compute warpgroup's ``[wg_m, wg_n]`` result (``transposed``: given as
     ``[wg_n, wg_m]``) into ``o_gmem``'s columns from ``first_col`` through its
-    ``[wg_m, slot_columns]`` shared slot, a chunk of columns at a time;
+    ``[wg_m, EPILOGUE_COLUMNS]`` shared slot, a chunk of columns at a time;
     ``row_span = (first_row, offset, rows)``: its own rows only (store_rows)."""
     first_row, offset, rows = row_span
     wg_m, wg_n = (acc.shape[1], acc.shape[0]) if transposed else acc.shape
-    width = slot.shape[-1]
-    for chunk in range(wg_n // width):
+    for chunk in range(wg_n // EPILOGUE_COLUMNS):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copies have read it
-        columns = slice(chunk * width, (chunk + 1) * width)
+        columns = slice(chunk * EPILOGUE_COLUMNS, (chunk + 1) * EPILOGUE_COLUMNS)
         if transposed:  # stored through a transposed view of the slot
             slot.transpose((1, 0))[...] = acc[columns]
         else:
             slot[...] = acc[:, columns]
         plgpu.commit_smem()
-        cols = o_gmem.at[:, pl.ds(first_col + chunk * width, width)]
+        cols = o_gmem.at[:, pl.ds(first_col + chunk * EPILOGUE_COLUMNS, EPILOGUE_COLUMNS)]
         store_rows(slot, cols, first_row, offset, rows, wg_m)
 
 
@@ -772,7 +762,7 @@ def _kernel(
     decoding = decode is not None
     staged = decoding and not tiles.swap_ab  # swap_ab feeds the decoded pieces from registers
     scratch = dict(
-        o_smem=plgpu.SMEM((COMPUTE_WGS, wg_m, slot_columns(o_gmem.dtype)), o_gmem.dtype),
+        o_smem=plgpu.SMEM((COMPUTE_WGS, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
         stage=plgpu.SMEM(stage_shape, dtype, transforms=stage_transforms) if staged else None,
     )
 

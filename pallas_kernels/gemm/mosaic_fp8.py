@@ -29,13 +29,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import activation
 from pallas_kernels.gemm import mosaic, mx_e4m3
 from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, WeightSpec, check_positive, tile_order
 
 BLOCK_K = mx_e4m3.BLOCK_K  # a K step: one 128-byte swizzled row of 8-bit values, one scale group
-OUT_QUANT = "fp8_dynamic_group128"  # the output quantization the hand-over form applies (w2's input)
-FLOAT8_E4M3_MAX = 448.0
 FP8_INPUTS = ("float8_e4m3fn", "float8_e5m2")
 WEIGHT_SCALES = ("tensor", "channel", "block")
 INPUT_SCALES = ("tensor", "token", "group")
@@ -127,44 +124,17 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     return None
 
 
-def pairs_across_warpgroups(tiles: Tiles, act: EpilogueActivation | None) -> bool:
-    """Whether a tile's gate sums are one compute warpgroup's and its up sums
-    the other's (gate/up blocks of a warpgroup's columns, e.g. 128-row blocks
-    that keep ``fp8_block128``'s scale blocks whole): the up warpgroup hands
-    its sums to the gate one through shared memory, which applies the
-    activation and stores the tile's outputs."""
-    return act is not None and act.gated and act.pair_block == tiles.wg_n and not tiles.swap_ab
-
-
-def activation_refusal(tiles: Tiles, act: EpilogueActivation, out_quant: str = "none") -> str | None:
-    """Why the tiling cannot apply ``act`` in its epilogue (None if it can):
-    the 16-bit kernel's rule (:func:`mosaic.activation_refusal`), or a pair
-    across the two warpgroups (:func:`pairs_across_warpgroups`); the output
-    quantized (``out_quant``) only by the latter, whose gate warpgroup holds
-    a row's 128 outputs: one group."""
-    if out_quant != "none":
-        if out_quant != OUT_QUANT:
-            return f"a {out_quant} output ({OUT_QUANT} only)"
-        if not pairs_across_warpgroups(tiles, act) or tiles.wg_n != BLOCK_K:
-            return f"a {out_quant} output on block_n={tiles.block_n} (a pair across warpgroups of {BLOCK_K} columns)"
-    return None if pairs_across_warpgroups(tiles, act) else mosaic.activation_refusal(tiles, act)
-
-
-def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype, act: EpilogueActivation | None = None) -> int:
+def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype) -> int:
     """Bytes of the buffers a program allocates in shared memory (compiled):
     ``stages`` pipeline steps of x's box (e4m3 bytes), the weight's (e4m3
     bytes, or MXFP4's uint16 codes and scale bytes) and x's group scales (f32),
-    the epilogue's store slots, the staged MXFP4 decode's slots and, for a
-    gate/up pair across the warpgroups, the up sums handed over (f32) with
-    their two barriers."""
+    the epilogue's store slots and the staged MXFP4 decode's slots."""
     mx = scaling.mx and not tiles.dequantize_first  # a decoded copy runs W8A8's loop
     weight = tiles.block_n * (BLOCK_K // 4 * 2 + mx_e4m3.PIECES) if mx else tiles.block_n * BLOCK_K
     step = tiles.block_m * BLOCK_K + weight + (4 * tiles.block_m if scaling.x == "group" else 0)
-    scratch = mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.slot_columns(out_dtype) * jnp.dtype(out_dtype).itemsize
+    scratch = mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
     if mx and not tiles.swap_ab:
         scratch += mosaic.COMPUTE_WGS * tiles.wg_n * BLOCK_K
-    if pairs_across_warpgroups(tiles, act):
-        scratch += 4 * tiles.wg_m * tiles.wg_n + 2 * 8 + 4 * tiles.wg_m  # (and a tile's row scales)
     return mosaic.pipeline_bytes(tiles.stages, step) + scratch
 
 
@@ -221,11 +191,9 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if call.use_f16_accum:
         return "f16 accumulation"
     if call.activation is not None:
-        reason = activation_refusal(tiles, call.activation, call.out_quant)
+        reason = mosaic.activation_refusal(tiles, call.activation)
         if reason:
             return reason
-    if call.out_quant != "none" and call.activation is None:
-        return f"a {call.out_quant} output without an activation"
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
         return f"out_dtype={call.out_dtype}"
     if tiles.swap_ab and jnp.dtype(call.out_dtype).itemsize != 2:
@@ -234,7 +202,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     reason = tiles_refusal(tiles, call.weight.n, call.weight.k, scaling)
     if reason:
         return reason
-    return mosaic.shared_memory_refusal(shared_memory_bytes(tiles, scaling, call.out_dtype, call.activation), tiles)
+    return mosaic.shared_memory_refusal(shared_memory_bytes(tiles, scaling, call.out_dtype), tiles)
 
 
 def _kernel(
@@ -251,16 +219,13 @@ def _kernel(
     has_bias: bool,
     interpret: bool,
     act: EpilogueActivation | None = None,
-    quantized: bool = False,
 ):
     # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the column scales
     # [E, N], rest the e8m0 bytes [E, K/32, N] and each column's largest int32 [E, N]
     # (mx_operands): a piece's factor is made from its byte in the step.
-    # Outputs last: the values (and, quantized, each tile's row scales [col tiles, row tiles, wg_m]).
     byte_gmem, top_gmem = rest[:2] if scaling.mx else (None, None)
-    outputs = 2 if quantized else 1
-    bias_gmem = rest[-1 - outputs] if has_bias else None
-    o_gmem, s_gmem = (rest[-2], rest[-1]) if quantized else (rest[-1], None)
+    bias_gmem = rest[-2] if has_bias else None
+    o_gmem = rest[-1]
     k = x_gmem.shape[1]
     n = w_gmem.shape[1]
     bm, wg_m, wg_n = tiles.block_m, tiles.wg_m, tiles.wg_n
@@ -306,19 +271,11 @@ def _kernel(
         return found
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-    o_slot = (mosaic.COMPUTE_WGS, wg_m, mosaic.slot_columns(o_gmem.dtype))
-    scratch = dict(o_smem=plgpu.SMEM(o_slot, o_gmem.dtype))
+    scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
     if scaling.mx and not (swap and not interpret):  # the decoded step (interpreted: unswizzled)
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
         shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
         scratch["stage"] = plgpu.SMEM(shape, jnp.float8_e4m3fn, transforms=transforms)
-    across = pairs_across_warpgroups(tiles, act)
-    if across:  # the up warpgroup's sums, handed to the gate warpgroup: full when written, empty when read
-        scratch["handed"] = plgpu.SMEM((wg_m, wg_n), jnp.float32)
-        scratch["full"] = plgpu.Barrier(num_arrivals=1)
-        scratch["empty"] = plgpu.Barrier(num_arrivals=1)
-    if quantized:  # a tile's row scales, copied to s_gmem
-        scratch["s_smem"] = plgpu.SMEM((wg_m,), jnp.float32)
 
     @functools.partial(
         pl.run_scoped,
@@ -326,14 +283,9 @@ def _kernel(
         **scratch,
         collective_axes="wg",
     )
-    def _(allocations, o_smem, stage=None, handed=None, full=None, empty=None, s_smem=None):
+    def _(allocations, o_smem, stage=None):
         wg = lax.axis_index("wg")
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
-        if across:
-
-            @pl.when(wg == 0)
-            def _():  # the buffer starts empty: the up warpgroup's first wait passes
-                plgpu.barrier_arrive(empty)
 
         @plgpu.nd_loop((row_tiles * col_tiles,), collective_axes="sm")
         def _(loop):
@@ -343,10 +295,9 @@ def _kernel(
             first_row, rows = table_ref[row_tile, 2], table_ref[row_tile, 3]
             offset = first_row - load_row
             wg_cols = col_tile * tiles.block_n + wg * wg_n
-            # A gated activation stores half the columns: the warpgroup's outputs start at wg_cols / 2
-            # (a pair across the warpgroups: the gate warpgroup stores the tile's wg_n outputs).
-            out_wg_n = wg_n // 2 if act is not None and act.gated and not across else wg_n
-            out_cols = col_tile * wg_n if across else col_tile * (tiles.block_n * out_wg_n // wg_n) + wg * out_wg_n
+            # A gated activation stores half the columns: the warpgroup's outputs start at wg_cols / 2.
+            out_wg_n = wg_n // 2 if act is not None and act.gated else wg_n
+            out_cols = col_tile * (tiles.block_n * out_wg_n // wg_n) + wg * out_wg_n
 
             def store(acc, transposed=False):
                 span = (first_row, offset, rows)
@@ -368,44 +319,9 @@ def _kernel(
                     bias = plgpu.load(bias_gmem.at[group, pl.ds(wg_cols, wg_n)], layout=n_layout, optimized=False)
                     bias = bias.astype(jnp.float32)
                     acc = acc + (bias[:, None] if swap else bias[None, :])
-                if across:
-                    hand_over(acc)
-                    return
                 if act is not None:
                     acc = mosaic.epilogue_activation(acc, act, swap)
                 store(acc.astype(o_gmem.dtype), transposed=swap)
-
-            def hand_over(acc):
-                """The up warpgroup writes its sums for the gate one, which applies the activation."""
-
-                @pl.when(wg == 1)
-                def _():
-                    plgpu.barrier_wait(empty)
-                    handed[...] = acc
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(full)
-
-                @pl.when(wg == 0)
-                def _():
-                    plgpu.barrier_wait(full)
-                    up = handed[...]
-                    plgpu.barrier_arrive(empty)
-                    out = activation.gated(act.kind, acc, up, act.clamp_limit, act.alpha, act.beta)
-                    if quantized:  # the row's 128 outputs: one group of w2's input
-                        scale = jnp.max(jnp.abs(out), axis=1) / FLOAT8_E4M3_MAX
-                        inverse = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
-                        values = jnp.clip(out * inverse[:, None], -FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
-                        store(values.astype(o_gmem.dtype))
-                        store_scales(scale)
-                    else:
-                        store(out.astype(o_gmem.dtype))
-
-            def store_scales(scale):
-                """The tile's row scales ``[wg_m]`` (its box's rows: the op keeps its own) to s_gmem."""
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy has read the slot
-                s_smem[...] = scale
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[col_tile, row_tile])
 
             def summed_context(run):  # every scale on the sum: one accumulator through K
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
@@ -481,19 +397,9 @@ def _kernel(
                 else:
                     pipeline(summed_step, summed_context)(*operands(group, col_tile, load_row), allocations=allocations)
 
-            storing = 1 if across else mosaic.COMPUTE_WGS  # a pair across the warpgroups: the gate one stores
-
-            @pl.when((rows > 0) & (group >= num_experts) & (wg < storing))
+            @pl.when((rows > 0) & (group >= num_experts) & (wg < mosaic.COMPUTE_WGS))
             def _():  # rows no expert owns: zeros
                 store(jnp.zeros((wg_m, out_wg_n), o_gmem.dtype))
-                if quantized:  # (a row vector in the layout a row max has: a splat of 64 cannot be stored)
-                    store_scales(plgpu.layout_cast(jnp.zeros((wg_m,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-
-        if across:
-
-            @pl.when(wg == 1)
-            def _():  # the gate warpgroup's last read of the buffer (empty arrives once more than it is awaited)
-                plgpu.barrier_wait(empty)
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -555,8 +461,7 @@ def expert_gemm_fp8(
     interpret: bool = False,
     table: jax.Array | None = None,
     act: EpilogueActivation | None = None,
-    out_quant: str = "none",
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+) -> jax.Array:
     """``x [M, K]`` (e4m3 / e5m2) times ``x_scale`` (``[M, K/128]``, ``[M, 1]``
     or ``[1]`` f32, as ``scaling.x``) by the e4m3 ``weight [E, N, K]`` times
     ``w_scale`` (``[E, N/128, K/128]``, ``[E, N, 1]`` or ``[E, 1, 1]`` f32) —
@@ -569,17 +474,13 @@ def expert_gemm_fp8(
     ``M / E`` rows); rows outside every range are zero. ``bias [E, N]`` is
     added in f32. ``table``: the row tiles given (:func:`mosaic.block_table`) in
     place of the ranges. ``act``: applied to the sums in the epilogue
-    (gated kinds: ``[M, N/2]``; :func:`activation_refusal` says where);
-    ``out_quant`` (:data:`OUT_QUANT`): the activated rows quantized there
-    too — ``(e4m3 values [M, N/2], f32 scales [M, N/256])``."""
+    (gated kinds: ``[M, N/2]``; :func:`mosaic.activation_refusal` says where)."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     reason = tiles_refusal(tiles, n, k, scaling) or mosaic.shared_memory_refusal(
-        shared_memory_bytes(tiles, scaling, out_dtype, act), tiles
+        shared_memory_bytes(tiles, scaling, out_dtype), tiles
     )
-    reason = reason or (activation_refusal(tiles, act, out_quant) if act is not None else None)
-    if out_quant != "none" and act is None:
-        reason = reason or f"a {out_quant} output without an activation"
+    reason = reason or (mosaic.activation_refusal(tiles, act) if act is not None else None)
     if reason:
         raise ValueError(f"mosaic_fp8 GEMM: {reason}")
     want_w = (jnp.uint8, (num_experts, n, k // 2)) if scaling.mx else (jnp.float8_e4m3fn, (num_experts, n, k))
@@ -622,16 +523,10 @@ def expert_gemm_fp8(
         has_bias=bias is not None,
         interpret=interpret,
         act=act,
-        quantized=out_quant != "none",
     )
-    out_n = n if act is None else act.out_n(n)
-    out_type = jax.ShapeDtypeStruct((m, out_n), out_dtype)
-    if out_quant != "none":
-        tile_scales = jax.ShapeDtypeStruct((n // tiles.block_n, table.shape[0], tiles.wg_m), jnp.float32)
-        out_type = (jax.ShapeDtypeStruct((m, out_n), jnp.float8_e4m3fn), tile_scales)
     kernel = plgpu.kernel(
         body,
-        out_type=out_type,
+        out_type=jax.ShapeDtypeStruct((m, n if act is None else act.out_n(n)), out_dtype),
         grid=(mosaic.persistent_programs(interpret),),
         grid_names=("sm",),
         num_threads=mosaic.COMPUTE_WGS + 1,
@@ -640,26 +535,7 @@ def expert_gemm_fp8(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
-    result = kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
-    if out_quant == "none":
-        return result
-    values, tile_scales = result
-    return values, row_scales(tile_scales, table, m)
-
-
-def row_scales(tile_scales: jax.Array, table: jax.Array, m: int) -> jax.Array:
-    """``[M, G]`` f32: row r's scale of output group g, from the tile that owns
-    r (``tile_scales [G, row tiles, wg_m]`` by the tiles' boxes; ``table``'s
-    rows: group, first row of the box, first own row, own rows); 0 where no
-    tile owns a row."""
-    groups, row_tiles, wg_m = tile_scales.shape
-    load_row, first_row, rows = table[:, 1:2], table[:, 2:3], table[:, 3:4]
-    box_rows = load_row + jnp.arange(wg_m, dtype=jnp.int32)[None, :]
-    own = (box_rows >= first_row) & (box_rows < first_row + rows)
-    source = jnp.arange(row_tiles * wg_m, dtype=jnp.int32).reshape(row_tiles, wg_m)
-    owner = jnp.full((m,), row_tiles * wg_m, jnp.int32).at[jnp.where(own, box_rows, m)].set(source, mode="drop")
-    flat = tile_scales.reshape(groups, row_tiles * wg_m)
-    return jnp.take(flat, owner, axis=1, mode="fill", fill_value=0.0).T
+    return kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
 
 
 def expert_gemm(
@@ -687,9 +563,6 @@ def expert_gemm(
         bias=bias,
         interpret=call.interpret,
         act=call.activation,
-        out_quant=call.out_quant,
         **routing,
     )
-    if call.out_quant != "none":  # (values, scales): the GEMM's output quantized, as w2's input
-        return tuple(a if slots is None else mosaic.to_slots(a, slots, layout.m_out) for a in out)
     return out if slots is None else mosaic.to_slots(out, slots, layout.m_out)
