@@ -9,7 +9,8 @@ reduce the caller's; ``moonep_stages``: w13 — its gate and up GEMMs —,
 activation, w2, bf16 only; ``parallel.ep_stages``: dispatch, experts,
 combine — the same functions the pipeline runs, each timed on the state the
 previous ones left; EP rows add the ranks' loads without and with copies), the share of the stages outside the two
-GEMMs, the host time of one call above its device time (waited for; its
+GEMMs (and, on a GPU, of the layer outside its GEMM kernels, from a kernel trace: a stage timed alone carries a
+launch of its own), the host time of one call above its device time (waited for; its
 enqueue alone; a call's share of calls issued back to back), and, in the same
 process when torch is importable on a GPU, a bf16 PyTorch layer
 (``torch._grouped_mm``, permute and unpermute with torch ops; for the
@@ -34,7 +35,7 @@ import numpy as np
 from humming_jax import bench, bench_report, parallel
 from humming_jax import experts as X
 from humming_jax.configs import ExpertsConfig
-from humming_jax.timing import bandwidth_fields, event_sampler
+from humming_jax.timing import bandwidth_fields, event_sampler, traced_kernel_seconds
 
 # batched: the grouped-masked layout (each expert's rows gathered by the caller, reduced by the
 # caller); moonep: MoonEP's segment order (bf16); ep: parallel.ep_experts over this machine's
@@ -50,6 +51,7 @@ EP_REDUNDANT = 2
 # bf16, W4A16 int4 and MXFP4, W8A8 FP8-block and W4A8 (the anchor's pair names).
 LAYER_FORMATS = ("bf16", "int4_g128", "mxfp4", "w8a8_fp8_block128", "w4a8_mxfp4_fp8g128")
 GEMM_STAGES = ("w13", "w2")
+GEMM_KERNELS = "moe_gemm"  # the names the GEMM kernels launch under (Triton's and Mosaic's)
 INPUT_SETS = 4  # routings rotated per timing
 REFERENCE_MAX_BYTES = 2**32  # f32 bytes of a dequantized weight past which the error is not checked
 HOST_CALLS = 30
@@ -271,6 +273,28 @@ def _layer_fn(case: LayerCase, backend: str | None):
     return fn
 
 
+def _traced_fields(case: LayerCase, fn, sets, layer_us: float) -> dict:
+    """From a kernel trace of the layer (a GPU, one device): the GEMM kernels'
+    own time inside it (``gemm_kernel_us``), every kernel's
+    (``kernel_us``), and the share of the layer outside the GEMM kernels —
+    the stages, each timed alone, carry a launch each, which at decode is a
+    good part of a stage. None elsewhere."""
+    if jax.default_backend() != "gpu" or case.pipeline.startswith("ep"):
+        return dict(gemm_kernel_us=None, kernel_us=None, traced_outside_share=None)
+    traced = traced_kernel_seconds(fn, [(s,) for s in sets], (GEMM_KERNELS,))
+    if traced is None:
+        return dict(gemm_kernel_us=None, kernel_us=None, traced_outside_share=None)
+    gemm_us, kernel_us = traced[GEMM_KERNELS] * 1e6, traced["all"] * 1e6
+    share = 1.0 - gemm_us / layer_us if gemm_us > 0 else None
+    return dict(gemm_kernel_us=gemm_us, kernel_us=kernel_us, traced_outside_share=share)
+
+
+def _outside(r: dict) -> float | None:
+    """The share outside the GEMMs: by the kernel trace where there is one, else by the stages."""
+    traced = r.get("traced_outside_share")
+    return traced if traced is not None else r["outside_share"]
+
+
 def _host_times(fn, state, device_us: float) -> dict:
     """Host costs of the jitted layer, µs: ``host_us`` — one call waited for,
     less its device time (a step that syncs every call); ``dispatch_us`` — the
@@ -350,6 +374,7 @@ def time_layer(case: LayerCase, seed: int = 0, with_stages: bool = True) -> dict
         outside_share=None if gemm_us is None else 1.0 - gemm_us / staged_us,
         **(_ep_fields(case, ids, stage_us) if case.pipeline.startswith("ep") else {}),
         **({"batched_capacity": capacity} if case.pipeline == "batched" else {}),
+        **_traced_fields(case, fn, sets, layer_s * 1e6),
         **_host_times(fn, sets[0], layer_s * 1e6),
         torch_layer_us=time_torch_layer(case, ids),
         error=_reference_error(case, sets[0], out),
@@ -467,6 +492,11 @@ def format_row(r: dict) -> str:
             + (f"link={r['exchange_gbps']:.0f} GB/s ({100 * r['link_fraction']:.0f}%) " if r["exchange_gbps"] else "")
             + f"loads={r['loads']} balanced={r['balanced_loads']}"
         )
+    if r.get("traced_outside_share") is not None:
+        stage_text += (
+            f" traced: gemm kernels={r['gemm_kernel_us']:.1f} all kernels={r['kernel_us']:.1f}"
+            f" outside={100 * r['traced_outside_share']:.0f}%"
+        )
     gemm = "" if r["gemm_us"] is None else f"{r['gemm_us']:.1f}"
     outside = "" if r["outside_share"] is None else f"{100 * r['outside_share']:.0f}%"
     return (
@@ -521,7 +551,7 @@ def plot(rows: list[dict], path: str) -> bool:
             line = sorted((r for r in mine if (r["pipeline"], r["fmt"]) == key), key=lambda r: r["tokens"])
             ts = [r["tokens"] for r in line]
             axes[0][col].plot(ts, [r["us"] for r in line], marker="o", label=f"{key[0]} {key[1]}")
-            shares = [(r["tokens"], 100 * r["outside_share"]) for r in line if r["outside_share"] is not None]
+            shares = [(r["tokens"], 100 * _outside(r)) for r in line if _outside(r) is not None]
             if shares:
                 axes[1][col].plot(*zip(*shares, strict=True), marker="o", label=f"{key[0]} {key[1]}")
         torch_line = sorted({(r["tokens"], r["torch_layer_us"]) for r in mine if r["torch_layer_us"]})

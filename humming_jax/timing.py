@@ -186,6 +186,56 @@ def device_seconds(fn: Callable, sets: Sequence[tuple], repeats: int = 5, min_se
     return sampler(fn, sets, min_seconds)(repeats)
 
 
+# Calls of the looped function a kernel trace covers (one run of the executable).
+TRACED_CALLS = 16
+
+
+def device_kernel_seconds(events: Sequence[dict], prefixes: Sequence[str]) -> dict[str, float] | None:
+    """Seconds of the device kernels in a Chrome / Perfetto trace's ``events``
+    (``traceEvents``: complete events, ``dur`` in µs) whose names start with
+    each prefix, and ``"all"`` device kernels; a device is a process whose
+    ``process_name`` starts ``/device:`` (host events are not counted). None
+    where the trace holds no device kernel (a CPU run)."""
+    devices = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name" and e["args"]["name"].startswith("/device:")
+    }
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
+    if not kernels:
+        return None
+    totals = {prefix: sum(e["dur"] for e in kernels if e["name"].startswith(prefix)) * 1e-6 for prefix in prefixes}
+    return {**totals, "all": sum(e["dur"] for e in kernels) * 1e-6}
+
+
+def traced_kernel_seconds(
+    fn: Callable, sets: Sequence[tuple], prefixes: Sequence[str], calls: int = TRACED_CALLS
+) -> dict[str, float] | None:
+    """Device seconds a call of ``fn`` spends in kernels whose names start with
+    each of ``prefixes`` (and ``"all"``: every device kernel), from a profiler
+    trace of ``calls`` calls looped as :func:`sampler` loops them — the
+    kernels' own time inside the whole function, not each timed alone. None
+    where the trace holds no device kernel (the CPU)."""
+    import gzip
+    import json
+    import pathlib
+    import tempfile
+
+    run = _looped(fn, list(sets))
+    jax.block_until_ready(run(list(sets), calls))  # compiled and warm
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            jax.block_until_ready(run(list(sets), calls))
+        traces = sorted(pathlib.Path(folder).rglob("perfetto_trace.json.gz"))
+        if not traces:
+            return None
+        with gzip.open(traces[-1], "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+    seconds = device_kernel_seconds(events, prefixes)
+    per_call = calls * len(sets)
+    return None if seconds is None else {name: value / per_call for name, value in seconds.items()}
+
+
 def copy_sampler(nbytes: int) -> Callable[[int], float]:
     """:func:`sampler` of an elementwise pass that reads and writes ``nbytes``
     in all (``nbytes / 2`` each way, uint32 words), timed like a kernel: the

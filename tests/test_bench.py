@@ -117,12 +117,46 @@ def test_layer_bench_writes_json(tiny, compiled_once, tmp_path, monkeypatch, cap
         assert 0 < r["dispatch_us"] and 0 < r["pipelined_us"]
         assert r["error"] < 1e-2, r
         assert r["torch_layer_us"] is None  # no GPU here
+        assert r["traced_outside_share"] is None and r["gemm_kernel_us"] is None  # no device kernels traced
     assert (tmp_path / "layer.png").stat().st_size > 0
     assert "tiny" in capsys.readouterr().out
     # --no-stages: the whole layer only (the pipeline compiled above is reused).
     assert cli.main([*args, "--pipelines", "grouped", "--no-stages", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["stage_us"] == {} and row["gemm_us"] is None and row["outside_share"] is None and row["us"] > 0
+
+
+def test_device_kernel_seconds_counts_device_kernels_only():
+    """A kernel trace's device kernels by name prefix, per device process;
+    host events of the same name (the launch's own span) are not counted."""
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "name": "moe_gemm_grouped_contiguous_uint4", "dur": 500.0},
+        {"ph": "X", "pid": 7, "name": "moe_gemm_grouped_contiguous_uint4", "dur": 9.5},
+        {"ph": "X", "pid": 7, "name": "moe_gemm_mosaic", "dur": 4.5},
+        {"ph": "X", "pid": 7, "name": "moe_process_input", "dur": 2.0},
+        {"ph": "X", "pid": 7, "name": "loop_fusion", "dur": 1.0},
+        {"ph": "i", "pid": 7, "name": "moe_gemm_marker"},
+    ]
+    got = timing.device_kernel_seconds(events, ("moe_gemm", "moe_process"))
+    assert got == pytest.approx({"moe_gemm": 14e-6, "moe_process": 2e-6, "all": 17e-6})
+    assert timing.device_kernel_seconds(events[:1] + events[2:3], ("moe_gemm",)) is None
+
+
+def test_traced_kernel_seconds_reads_a_real_trace(monkeypatch):
+    """The profiler's trace of the looped function is written and read (its
+    host events reach the parser): on the CPU it holds no device kernel, so
+    None (the layer bench leaves its traced fields empty)."""
+    seen, original = [], timing.device_kernel_seconds
+
+    def spy(events, prefixes):
+        seen.append(len(events))
+        return original(events, prefixes)
+
+    monkeypatch.setattr(timing, "device_kernel_seconds", spy)
+    assert timing.traced_kernel_seconds(lambda x: x * 2, [(jnp.ones(8),)], ("moe_gemm",), calls=2) is None
+    assert len(seen) == 1 and seen[0] > 0
 
 
 def test_layer_bench_times_the_batched_and_moonep_layouts(tiny, compiled_once, tmp_path, monkeypatch, capsys):
