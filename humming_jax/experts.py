@@ -846,6 +846,16 @@ def batched_humming_grouped_experts(
     return run_stages(batched_stages(config, backend, valid_shape_m), state)["out"]
 
 
+def _reads_as_it_is(config: ExpertsConfig, dtype) -> bool:
+    """Whether w13 takes the layer's input rows as they are: unquantized, not
+    rotated, in the compute dtype."""
+    return (
+        not config.input_quant.is_quantized
+        and not config.hadamard_block_size
+        and jnp.dtype(dtype) == jnp.dtype(config.compute_dtype)
+    )
+
+
 def batched_stages(
     config: ExpertsConfig, backend: str | None = None, valid_shape_m: int | None = None
 ) -> tuple[Stage, ...]:
@@ -876,8 +886,12 @@ def batched_stages(
             x = process_input(hidden_states, config.input_quant, input_scale=a1q_scale, backend=backend)
             return dict(gate_up_input=x)
         num_experts, max_tokens, width = hidden_states.shape
+        rows = hidden_states.reshape(num_experts * max_tokens, width)
+        if _reads_as_it_is(config, rows.dtype):
+            # w13's masked layout stores no row past a count: its input needs no pass to zero them.
+            return dict(gate_up_input=Q.QuantizedInput(values=rows, spec=Q.NONE, k=width))
         x = process_input(
-            hidden_states.reshape(num_experts * max_tokens, width),
+            rows,
             config.input_quant,
             hadamard_block_size=config.hadamard_block_size,
             layout="grouped_mask",

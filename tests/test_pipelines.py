@@ -384,6 +384,40 @@ def test_batched_matches_numpy_and_zeroes_padding(rng):
     assert np.all(out[0] == 0) and np.all(out[2, 2:] == 0)
 
 
+@pytest.mark.parametrize("fmt", ["int4_g128", "bf16"])
+def test_batched_float_input_needs_no_pass(fmt, rng, monkeypatch):
+    """Unquantized, unrotated input in the compute dtype: w13 reads the
+    ``[E, max_tokens, H]`` buffer as it is — no pass over it (it only zeroed
+    the rows past each count, which w13 never stores) — and NaN padding gives
+    the zero-padded buffer's result bit for bit, zero past each count."""
+    config = hj.ExpertsConfig(4, 128, 128, 2, weight_format=fmt)
+    counts = np.array([3, 0, 8, 1])
+    x = rng.normal(size=(4, 8, 128)).astype(np.float32)
+    past = np.arange(8)[None, :] >= counts[:, None]
+    _, w13, w2, _, _ = _problem(rng, config, 1)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    passes, original = [], X.process_input
+
+    def spy(values, *args, **kwargs):
+        passes.append((values.shape, kwargs.get("layout", "normal"), kwargs.get("activation")))
+        return original(values, *args, **kwargs)
+
+    monkeypatch.setattr(X, "process_input", spy)
+
+    def run(buffer):
+        out = hj.batched_humming_grouped_experts(
+            jnp.asarray(buffer, jnp.bfloat16), jnp.asarray(counts, jnp.int32), weights, config
+        )
+        return np.asarray(out, np.float64)
+
+    poisoned, zeroed = x.copy(), x.copy()
+    poisoned[past], zeroed[past] = np.nan, 0.0
+    got = run(poisoned)
+    assert not [p for p in passes if p[0] == (32, 128) and p[2] is None and p[1] == "grouped_mask"], passes
+    assert np.array_equal(got, run(zeroed)) and np.all(got[past] == 0)
+    assert np_ref.relative_error(got, _batched_expected(x, counts, weights, "silu")) < 2e-2
+
+
 def test_batched_tiles_for_the_expected_rows(rng, monkeypatch):
     """``valid_shape_m`` (vLLM's estimate of the routed rows) reaches both
     GEMMs' tiling in place of the buffer's every row (clipped to them); the
