@@ -25,6 +25,8 @@ from humming_jax.experts import (
     humming_indexed_experts,
     moonep_experts,
     moonep_grouped_gemm,
+    moonep_interleaved_experts,
+    moonep_w13,
     quantize_experts,
     to_kernel_order,
 )
@@ -110,6 +112,8 @@ __all__ = [
     "to_k_order",
     "to_planar",
     "moonep_grouped_gemm",
+    "moonep_interleaved_experts",
+    "moonep_w13",
     "numerics",
     "plan_workspace",
     "process_input",

@@ -21,10 +21,10 @@ from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import routing
 from humming_jax import tuning as T
-from humming_jax.activations import ActivationSpec
+from humming_jax.activations import ActivationSpec, apply_activation
 from humming_jax.backend import resolve_backend
 from humming_jax.configs import ExpertsConfig
-from humming_jax.gemm import FLOAT_INPUTS, as_weight, format_spec, gemm, plan, takes_activation
+from humming_jax.gemm import FLOAT_INPUTS, as_quantized_input, as_weight, format_spec, gemm, plan, takes_activation
 from humming_jax.process_input import check_dequantize, process_input
 from humming_jax.sharding import token_parallel
 from humming_jax.tuning.heuristic import BYTE_PAIRS_MOSAIC_MIN_M
@@ -996,31 +996,120 @@ def moonep_experts(
     expected_down = (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1])
     if w_down.shape != expected_down:
         raise ValueError(f"moonep_experts: w_down must be [G, H, I]={list(expected_down)}, got {w_down.shape}")
-    if route_weights.shape != (hidden_states.shape[0],):
-        raise ValueError(
-            f"moonep_experts: route_weights must be [NvS]=[{hidden_states.shape[0]}], got {route_weights.shape}"
-        )
+    _check_route_weights(route_weights, hidden_states, "moonep_experts")
     state = dict(hidden_states=hidden_states, w_gate=w_gate, w_up=w_up, w_down=w_down, cu_seqlens=cu_seqlens)
+    state.update(route_weights=route_weights)
+    return run_stages(moonep_stages(apply_router_weight_on_input, backend), state)["out"]
+
+
+def _check_route_weights(route_weights: jax.Array, hidden_states: jax.Array, op: str) -> None:
+    if route_weights.shape != (hidden_states.shape[0],):
+        raise ValueError(f"{op}: route_weights must be [NvS]=[{hidden_states.shape[0]}], got {route_weights.shape}")
+
+
+def moonep_w13(w_gate: jax.Array, w_up: jax.Array) -> F.QuantizedWeight:
+    """MoonEP's gate and up weights (bf16 ``[G, I, H]`` each) as one bf16 w13
+    ``[G, 2I, H]``, gate and up rows interleaved by
+    :data:`formats.GATE_UP_BLOCK` where ``I`` allows (else in halves): one
+    GEMM whose tiles apply the activation (:func:`moonep_interleaved_experts`)
+    where MoonEP's form runs two and a pass. Made once, with the weights.
+
+    Args:
+        w_gate: bf16 ``[G, I, H]``.
+        w_up: bf16 ``[G, I, H]``.
+
+    Returns:
+        a bf16 :class:`QuantizedWeight` ``[G, 2I, H]`` (its ``gate_up_block``
+        says the row order: 64, or 0 for halves where ``I`` is no multiple of 64).
+    """
+    if w_gate.shape != w_up.shape or w_gate.ndim != 3:
+        raise ValueError(f"moonep_w13: w_gate and w_up must both be [G, I, H], got {w_gate.shape} and {w_up.shape}")
+    w13 = as_weight(jnp.concatenate([w_gate, w_up], axis=1).astype(jnp.bfloat16), "moonep_w13")
+    if F.gate_up_block_refusal(w13.format, w13.n, F.GATE_UP_BLOCK) is None:
+        w13 = F.interleave_gate_up(w13, F.GATE_UP_BLOCK)
+    return w13
+
+
+@functools.partial(jax.jit, static_argnames=("apply_router_weight_on_input", "backend"))
+def moonep_interleaved_experts(
+    hidden_states: jax.Array,
+    w13: F.QuantizedWeight,
+    w_down: jax.Array,
+    cu_seqlens: jax.Array,
+    route_weights: jax.Array,
+    apply_router_weight_on_input: bool = False,
+    backend: str | None = None,
+) -> jax.Array:
+    """:func:`moonep_experts` on its gate and up weights as one w13
+    (:func:`moonep_w13`): one grouped GEMM whose tiles apply SILU (where the
+    planned tiling takes it, else the pass), the route weights, w_down.
+
+    Args:
+        hidden_states: ``[NvS, H]`` bf16 rows in segment order.
+        w13: :func:`moonep_w13`'s bf16 ``[G, 2I, H]``.
+        w_down: bf16 ``[G, H, I]``.
+        cu_seqlens: int32 ``[G]``, cumulative segment end offsets.
+        route_weights: float ``[NvS]``, each row's router weight.
+        apply_router_weight_on_input: the caller applied the weights to the
+            inputs: skip the route multiply.
+        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+
+    Returns:
+        ``[NvS, H]`` bf16; rows past ``cu_seqlens[-1]`` are zero.
+    """
+    if not isinstance(w13, F.QuantizedWeight) or w13.format != F.BF16:
+        raise TypeError("moonep_interleaved_experts: w13: expected moonep_w13's bf16 QuantizedWeight")
+    if hidden_states.ndim != 2 or jnp.dtype(hidden_states.dtype) != jnp.dtype(jnp.bfloat16):
+        raise ValueError(
+            f"moonep_interleaved_experts: hidden_states must be bf16 [NvS, H], got {hidden_states.dtype} "
+            f"{hidden_states.shape}"
+        )
+    g, n, h = w13.shape
+    if h != hidden_states.shape[1] or n % 2:
+        raise ValueError(
+            f"moonep_interleaved_experts: w13 must be [G, 2I, H={hidden_states.shape[1]}], got {w13.shape}"
+        )
+    if jnp.dtype(w_down.dtype) != jnp.dtype(jnp.bfloat16) or w_down.shape != (g, h, n // 2):
+        raise ValueError(
+            f"moonep_interleaved_experts: w_down must be bf16 [G, H, I]={[g, h, n // 2]}, got {w_down.dtype} "
+            f"{w_down.shape}"
+        )
+    _check_route_weights(route_weights, hidden_states, "moonep_interleaved_experts")
+    state = dict(hidden_states=hidden_states, w13=w13, w_down=w_down, cu_seqlens=cu_seqlens)
     state.update(route_weights=route_weights)
     return run_stages(moonep_stages(apply_router_weight_on_input, backend), state)["out"]
 
 
 def moonep_stages(apply_router_weight_on_input: bool = False, backend: str | None = None) -> tuple[Stage, ...]:
     """MoonEP's experts (:func:`moonep_experts`) as stages over the state
-    ``hidden_states [NvS, H]``, ``w_gate``, ``w_up``, ``w_down``,
-    ``cu_seqlens [G]`` and ``route_weights [NvS]``: its three grouped GEMMs
-    (gate and up are w13's stage: MoonEP keeps them apart) and the
-    activation; the last adds ``out [NvS, H]``."""
+    ``hidden_states [NvS, H]``, ``w_gate`` and ``w_up`` (or one ``w13``:
+    :func:`moonep_interleaved_experts`), ``w_down``, ``cu_seqlens [G]`` and
+    ``route_weights [NvS]``: w13 (MoonEP's gate and up GEMMs, or the one
+    GEMM with the activation in its tiles where they take it), the
+    activation (and route weights), w2; the last adds ``out [NvS, H]``."""
 
     def grouped(s, x, name: str) -> jax.Array:
         return moonep_grouped_gemm(x, s[name], s["cu_seqlens"], backend=backend)
 
     def w13(s):
         x = s["hidden_states"]
-        return dict(gate=grouped(s, x, "w_gate"), up=grouped(s, x, "w_up"))
+        if "w13" not in s:
+            return dict(gate=grouped(s, x, "w_gate"), up=grouped(s, x, "w_up"))
+        weight = s["w13"]
+        act = ActivationSpec("silu", gate_up_block=weight.gate_up_block)
+        offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), s["cu_seqlens"].astype(jnp.int32)])
+        layout = L.GroupedContiguous(offsets)
+        if takes_activation(as_quantized_input(x), weight, layout, act, backend=backend):
+            return dict(activated=gemm(x, weight, layout, activation=act, backend=backend))
+        return dict(gate_up=gemm(x, weight, layout, backend=backend))
 
     def activation(s):
-        act = jax.nn.silu(s["gate"].astype(jnp.float32)) * s["up"].astype(jnp.float32)
+        if "activated" in s:
+            act = s["activated"].astype(jnp.float32)
+        elif "gate_up" in s:
+            act = apply_activation(s["gate_up"], ActivationSpec("silu", gate_up_block=s["w13"].gate_up_block))
+        else:
+            act = jax.nn.silu(s["gate"].astype(jnp.float32)) * s["up"].astype(jnp.float32)
         if not apply_router_weight_on_input:
             act = act * s["route_weights"].astype(jnp.float32)[:, None]
         return dict(down_input=act.astype(s["hidden_states"].dtype))

@@ -5,7 +5,7 @@ of its stages' (:func:`humming_jax.experts.grouped_stages` /
 ``indexed_stages``: routing, input quantization + scatter, w13, activation +
 quantization, w2, combine; ``batched_stages``: input quantization, w13,
 activation + quantization, w2 — the rows already gathered an expert, the
-reduce the caller's; ``moonep_stages``: w13 — its gate and up GEMMs —,
+reduce the caller's; ``moonep_stages``: w13 — gate and up as the MoonEP module holds them, one GEMM —,
 activation, w2, bf16 only; ``parallel.ep_stages``: dispatch, experts,
 combine — the same functions the pipeline runs, each timed on the state the
 previous ones left; EP rows add the ranks' loads without and with copies), the share of the stages outside the two
@@ -133,16 +133,18 @@ def _weights(case: LayerCase, seed: int) -> X.ExpertWeights | dict:
     """Random weights in the case's formats and the kernels' order (as
     :func:`humming_jax.experts.quantize_experts` gives them), drawn a few
     experts at a time (bench's ``_random_weight``); MoonEP's: its bf16
-    ``w_gate``, ``w_up`` ``[E, I, H]`` and ``w_down`` ``[E, H, I]``."""
+    ``w_gate``, ``w_up`` ``[E, I, H]`` as the module holds them (one ``w13``:
+    ``experts.moonep_w13``) and ``w_down`` ``[E, H, I]``."""
     config = case.config()
     key = jax.random.key(seed)
     if case.pipeline == "moonep":
         e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
         shapes = dict(w_gate=(e, i, h), w_up=(e, i, h), w_down=(e, h, i))
-        return {
+        drawn = {
             name: bench.random_bf16(jax.random.fold_in(key, n), shape, 0.02)
             for n, (name, shape) in enumerate(shapes.items())
         }
+        return dict(w13=X.moonep_w13(drawn["w_gate"], drawn["w_up"]), w_down=drawn["w_down"])
     w13 = bench._random_weight(jax.random.fold_in(key, 13), config.weight_format, *_shape(config, "w13"))
     w2 = bench._random_weight(jax.random.fold_in(key, 2), config.w2_weight_format, *_shape(config, "w2"))
     return X.to_kernel_order(X.ExpertWeights(w13, w2), config)
@@ -246,10 +248,9 @@ def _layer_fn(case: LayerCase, backend: str | None):
             s["hidden_states"], s["expert_num_tokens"], s["weights"], config, backend=backend, valid_shape_m=valid_m
         )
     elif case.pipeline == "moonep":
-        return lambda s: X.moonep_experts(
+        return lambda s: X.moonep_interleaved_experts(
             s["hidden_states"],
-            s["w_gate"],
-            s["w_up"],
+            s["w13"],
             s["w_down"],
             s["cu_seqlens"],
             s["route_weights"],

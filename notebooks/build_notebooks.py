@@ -70,8 +70,9 @@ rows = jax.random.normal(jax.random.key(4), (10, 128), jnp.bfloat16)
 cu_seqlens = jnp.asarray([3, 3, 6, 8, 8, 8], jnp.int32)   # empty segments, unused redundant rows
 route_weights = jax.random.uniform(jax.random.key(5), (10,))
 out_moon = moon(rows, cu_seqlens, route_weights)
-ref_moon = hj.moonep_experts(rows, moon.w_gate.get_value(), moon.w_up.get_value(), moon.w_down.get_value(),
-                             cu_seqlens, route_weights, backend="reference")
+# The module holds MoonEP's gate and up weights as one w13 (hj.moonep_w13), the activation in its GEMM's tiles.
+ref_moon = hj.moonep_interleaved_experts(rows, moon.w13.get_value(), moon.w_down.get_value(),
+                                         cu_seqlens, route_weights, backend="reference")
 print("moonep vs reference:", rel(out_moon[:8], ref_moon[:8]), "| rows past cu_seqlens[-1] zero:",
       bool(jnp.all(out_moon[8:] == 0)))""",
     ),

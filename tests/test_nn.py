@@ -77,11 +77,14 @@ def test_batched_and_moonep_modules_equal_functions():
     cu = jnp.asarray([2, 2, 5, 8, 8, 8], jnp.int32)  # empty segments, unused redundant rows, 2 padding rows
     route_weights = jax.random.uniform(jax.random.key(3), (10,))
     out = moon(xs, cu, route_weights)
-    expected = hj.moonep_experts(
-        xs, moon.w_gate.get_value(), moon.w_up.get_value(), moon.w_down.get_value(), cu, route_weights
-    )
+    w13, w_down = moon.w13.get_value(), moon.w_down.get_value()
+    expected = hj.moonep_interleaved_experts(xs, w13, w_down, cu, route_weights)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
     assert np.all(np.asarray(out, np.float32)[8:] == 0)
+    # MoonEP's own form (gate and up apart, the activation a pass): within the activation's bf16 rounding.
+    halves = hj.gate_up_halves(w13).values
+    original = hj.moonep_experts(xs, halves[:, :32], halves[:, 32:], w_down, cu, route_weights)
+    assert np_ref.relative_error(np.asarray(out, np.float64), np.asarray(original, np.float64)) < 1e-2
 
 
 def test_jit_compiles_once_across_routings():

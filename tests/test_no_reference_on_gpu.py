@@ -124,6 +124,12 @@ def test_moonep_experts_have_a_kernel(no_references):
     ]
     out = jax.eval_shape(lambda *a: hj.moonep_experts(*a, backend="pallas"), *shapes)
     assert out.shape == (nvs, H)
+    # The module's form: gate and up as one interleaved w13, the activation in its tiles.
+    w13 = jax.eval_shape(hj.moonep_w13, shapes[1], shapes[2])
+    rest = (shapes[3], shapes[4], shapes[5])
+    run = lambda x, w, *a: hj.moonep_interleaved_experts(x, w, *a, backend="pallas")  # noqa: E731
+    out = jax.eval_shape(run, shapes[0], w13, *rest)
+    assert out.shape == (nvs, H)
 
 
 def test_every_advertised_pair_has_a_kernel():

@@ -489,6 +489,38 @@ def test_moonep(segments, on_input, rng):
     assert np_ref.relative_error(out[: cu[-1]], expected[: cu[-1]]) < 1e-2
 
 
+@pytest.mark.parametrize("on_input", [False, pytest.param(True, marks=FULL)])
+def test_moonep_interleaved(on_input, rng, monkeypatch):
+    """The MoonEP module's form: gate and up as one w13 interleaved by 64
+    (``moonep_w13``), one GEMM whose tiles apply SILU (``takes_activation``),
+    then the route weights and w_down; against float64 and MoonEP's own form
+    (within the activation's bf16 rounding); padding rows (NaN) come out zero."""
+    g, h, i = 6, 64, 128
+    segments = _SEGMENTS[0]
+    nvs = sum(segments) + 2
+    cu = np.cumsum(segments).astype(np.int32)
+    x = rng.normal(size=(nvs, h)).astype(np.float32)
+    x[-2:] = np.nan
+    wg, wu = (rng.normal(size=(g, i, h)).astype(np.float32) / 8 for _ in range(2))
+    wd = rng.normal(size=(g, h, i)).astype(np.float32) / 11
+    route = rng.random(nvs).astype(np.float32)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    w13 = hj.moonep_w13(bf(wg), bf(wu))
+    assert w13.gate_up_block == 64 and w13.shape == (g, 2 * i, h)
+    taken = _activation_answers(monkeypatch)
+    args = (bf(wd), jnp.asarray(cu), jnp.asarray(route), on_input)
+    out = np.asarray(hj.moonep_interleaved_experts(bf(x), w13, *args), np.float64)
+    assert taken == [True]
+    original = np.asarray(hj.moonep_experts(bf(x), bf(wg), bf(wu), *args), np.float64)
+    f64 = lambda a: np.asarray(bf(a), np.float64)  # noqa: E731
+    expected = _moonep_numpy(f64(x), f64(wg), f64(wu), f64(wd), cu, route, on_input)
+    assert np.all(out[cu[-1] :] == 0)
+    assert np_ref.relative_error(out[: cu[-1]], expected[: cu[-1]]) < 1e-2
+    assert np_ref.relative_error(out[: cu[-1]], original[: cu[-1]]) < 1e-2
+    with pytest.raises(ValueError, match="w_down must be"):
+        hj.moonep_interleaved_experts(bf(x), w13, bf(wd[:, :, :64]), *args[1:])
+
+
 def test_moonep_grouped_gemm_and_errors(rng):
     a = jnp.asarray(rng.normal(size=(7, 32)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(3, 16, 32)), jnp.bfloat16)

@@ -345,8 +345,11 @@ class BatchedHummingGroupedExperts(_HummingExperts):
 
 
 class MoonEPExperts(nnx.Module):
-    """MoonEP's grouped experts as an NNX module (:func:`moonep_experts`):
-    G = ``num_experts`` expert rows plus ``num_redundant`` prefetch rows, bf16.
+    """MoonEP's grouped experts as an NNX module: G = ``num_experts`` expert
+    rows plus ``num_redundant`` prefetch rows, bf16. Given MoonEP's gate and
+    up weights, it holds them as one ``w13`` (:func:`moonep_w13`: gate and
+    up rows interleaved) and runs :func:`moonep_interleaved_experts` — one
+    GEMM whose tiles apply the activation — with ``w_down``.
 
     Args:
         num_experts: E.
@@ -392,10 +395,9 @@ class MoonEPExperts(nnx.Module):
         for name, array in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
             if tuple(array.shape) != expected[name]:
                 raise ValueError(f"MoonEPExperts: {name} must be {list(expected[name])}, got {list(array.shape)}")
-        self.num_experts, self.num_redundant = num_experts, num_redundant
+        self.num_experts, self.num_redundant, self.hidden_size = num_experts, num_redundant, hidden_size
         self.backend = backend
-        self.w_gate = nnx.Param(jnp.asarray(w_gate, jnp.bfloat16))
-        self.w_up = nnx.Param(jnp.asarray(w_up, jnp.bfloat16))
+        self.w13 = ExpertWeight(E.moonep_w13(jnp.asarray(w_gate, jnp.bfloat16), jnp.asarray(w_up, jnp.bfloat16)))
         self.w_down = nnx.Param(jnp.asarray(w_down, jnp.bfloat16))
 
     def __call__(self, hidden_states, cu_seqlens, route_weights, apply_router_weight_on_input: bool = False):
@@ -410,10 +412,9 @@ class MoonEPExperts(nnx.Module):
         Returns:
             ``[NvS, H]`` bf16; rows past ``cu_seqlens[-1]`` are zero.
         """
-        return E.moonep_experts(
+        return E.moonep_interleaved_experts(
             hidden_states.astype(jnp.bfloat16),
-            self.w_gate.get_value(),
-            self.w_up.get_value(),
+            self.w13.get_value(),
             self.w_down.get_value(),
             cu_seqlens,
             route_weights,

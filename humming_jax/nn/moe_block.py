@@ -206,7 +206,7 @@ class MoEBlock(nnx.Module):
         if isinstance(experts, MoonEPExperts):
             if top_k is None:
                 raise ValueError("MoEBlock: top_k is required with MoonEPExperts (it has no experts config)")
-            hidden, num_experts, dtype = experts.w_gate.get_value().shape[2], experts.num_experts, "bfloat16"
+            hidden, num_experts, dtype = experts.hidden_size, experts.num_experts, "bfloat16"
         else:
             config = experts.config
             hidden, num_experts, dtype = config.hidden_size, config.global_num_experts, config.compute_dtype
