@@ -518,6 +518,23 @@ def test_candidates_by_rows_per_expert():
     assert not set(search.TALL_TILES) & set(search.expert_sized(512))
 
 
+def test_masked_layout_takes_the_contiguous_layouts_entries():
+    """The batched (masked) layout has no entries of its own: it takes the
+    contiguous layout's, shape's and class's, before the heuristic — at
+    decode the tuned 64-column swap tile, not the heuristic's 128 columns
+    (half the working programs on a few experts' weights)."""
+    fmt = F.get_format("int4_g128")
+    for rows in (8, 128, 32768):
+        masked = tuning.candidates("grouped_masked", fmt, rows, 128, 1536, 2048)
+        contiguous = tuning.candidates("grouped_contiguous", fmt, rows, 128, 1536, 2048)
+        assert masked[0] == contiguous[0]
+    entry = tuning.table_entries("grouped_masked", fmt, 8, 128, 1536, 2048)[0]
+    assert entry.tiles.swap_ab and entry.tiles.block_n == 64
+    assert tuning.table_entries("grouped_masked", F.get_format("bf16"), 8, 1, 16, 16) == tuning.table_entries(
+        "grouped_contiguous", F.get_format("bf16"), 8, 1, 16, 16
+    )
+
+
 def test_four_bit_heuristic_by_rows_and_format():
     """The heuristic's 4-bit tiles are the H200 winners: word + fold + pairs at
     16/32 rows, swap_ab prefill tiles at 64/128 rows, 256 columns for e2m1 on

@@ -127,6 +127,12 @@ def _read_table(path: str) -> dict[str, tuple[Entry, ...]]:
     return parse_table(text)
 
 
+# A layout without entries of its own takes another's: the masked layout runs the grouped
+# kernels on each expert's rows as the contiguous one does (vLLM's batched experts read the
+# fused-MoE configs too).
+ENTRIES_OF = {"grouped_masked": "grouped_contiguous"}
+
+
 def table_entries(
     layout: str,
     fmt: F.WeightFormat,
@@ -138,12 +144,15 @@ def table_entries(
 ) -> list[Entry]:
     """The entry whose M range holds ``valid_shape_m`` under the weight shape's
     key, else under the format class's (a shape's entry is not backed by the
-    class's: the heuristic takes what its kernel refuses); empty if neither has one.
+    class's: the heuristic takes what its kernel refuses); then, for a layout
+    with none, the same under :data:`ENTRIES_OF`'s layout; empty if none has one.
     ``input_dtype``: a quantized input's values (:func:`format_class`)."""
     table = load_table()
     fmt_class = format_class(fmt, input_dtype)
-    for key in (table_key(layout, fmt_class, (num_experts, n, k)), table_key(layout, fmt_class)):
-        found = [e for e in table.get(key, ()) if e.min_shape_m < valid_shape_m <= e.max_shape_m]
-        if found:
-            return found
+    for listed in (layout, ENTRIES_OF.get(layout)):
+        keys = (table_key(listed, fmt_class, (num_experts, n, k)), table_key(listed, fmt_class)) if listed else ()
+        for key in keys:
+            found = [e for e in table.get(key, ()) if e.min_shape_m < valid_shape_m <= e.max_shape_m]
+            if found:
+                return found
     return []
