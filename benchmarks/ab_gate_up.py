@@ -8,7 +8,8 @@ against the same weights with w13 in halves
         qwen3-30b-a3b:grouped:4096:w8a8_fp8_block128 --repeats 5 --out ab_gate_up.json
 
 A case is ``PROBLEM:PIPELINE:T:FORMAT`` (a layer-bench case: ``bench.PROBLEMS``,
-grouped, indexed or batched, a format or anchor pair name). Each case's routings (the
+grouped, indexed, batched or moonep, a format or anchor pair name; MoonEP: its
+module's one interleaved w13 against MoonEP's own form, gate and up apart). Each case's routings (the
 layer bench's rotated sets) and weights are made once; the two orders are
 timed in turn, ``--repeats`` rounds (min, median, max µs), and their outputs
 compared (``rel_diff``: the activation rounded once against after w13's
@@ -31,23 +32,39 @@ from humming_jax import formats as F
 from humming_jax.timing import interleaved, write_results
 
 ORDERS = ("blocks", "halves")
-PIPELINES = ("grouped", "indexed", "batched")  # the layers on ExpertWeights (MoonEP's w13 is two tensors)
+PIPELINES = ("grouped", "indexed", "batched", "moonep")
 
 
 def parse_case(text: str) -> layer_bench.LayerCase:
     """``PROBLEM:PIPELINE:T:FORMAT`` as a layer-bench case."""
     parts = text.split(":")
     if len(parts) != 4 or parts[1] not in PIPELINES or not parts[2].isdigit():
-        raise ValueError(f"--cases: expected PROBLEM:grouped|indexed|batched:T:FORMAT, got {text!r}")
+        raise ValueError(f"--cases: expected PROBLEM:{'|'.join(PIPELINES)}:T:FORMAT, got {text!r}")
     if parts[0] not in bench.PROBLEMS:
         raise ValueError(f"--cases: unknown problem {parts[0]!r}; known: {', '.join(bench.PROBLEMS)}")
     return layer_bench.LayerCase(parts[0], parts[1], int(parts[2]), parts[3])
 
 
-def orders(case: layer_bench.LayerCase, seed: int = 0) -> dict[str, X.ExpertWeights]:
-    """The case's weights in the kernels' order (``blocks``) and with w13 in halves."""
+def orders(case: layer_bench.LayerCase, seed: int = 0) -> dict[str, dict]:
+    """The state entries of the case's weights in the kernels' order
+    (``blocks``) and with w13 in halves (MoonEP: its gate and up apart)."""
     blocks = layer_bench._weights(case, seed)
-    return {"blocks": blocks, "halves": X.ExpertWeights(F.gate_up_halves(blocks.w13), blocks.w2)}
+    if case.pipeline == "moonep":
+        halves = F.gate_up_halves(blocks["w13"]).values
+        inter = halves.shape[1] // 2
+        apart = dict(w_gate=halves[:, :inter], w_up=halves[:, inter:], w_down=blocks["w_down"])
+        return {"blocks": blocks, "halves": apart}
+    halves = X.ExpertWeights(F.gate_up_halves(blocks.w13), blocks.w2)
+    return {"blocks": dict(weights=blocks), "halves": dict(weights=halves)}
+
+
+def layer_fn(case: layer_bench.LayerCase, order: str):
+    """The layer the order runs: the bench's, or MoonEP's own form on its weights apart."""
+    backend = bench.KERNEL_BACKEND
+    if case.pipeline == "moonep" and order == "halves":
+        keys = ("hidden_states", "w_gate", "w_up", "w_down", "cu_seqlens", "route_weights")
+        return lambda s: X.moonep_experts(*(s[key] for key in keys), backend=backend)
+    return layer_bench._layer_fn(case, backend)
 
 
 def time_case(case: layer_bench.LayerCase, repeats: int, seed: int = 0) -> dict:
@@ -55,17 +72,18 @@ def time_case(case: layer_bench.LayerCase, repeats: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     weights = orders(case, seed)
     _, inputs = layer_bench.input_sets(case, rng)
-    fn = layer_bench._layer_fn(case, bench.KERNEL_BACKEND)
-    outs = {name: np.asarray(jax.jit(fn)(dict(inputs[0], weights=w)), np.float64) for name, w in weights.items()}
+    fns = {name: layer_fn(case, name) for name in ORDERS}
+    outs = {name: np.asarray(jax.jit(fns[name])(dict(inputs[0], **w)), np.float64) for name, w in weights.items()}
     diff = np.linalg.norm(outs["blocks"] - outs["halves"]) / max(np.linalg.norm(outs["halves"]), 1e-30)
-    samplers = {name: bench.sampler(fn, [(dict(s, weights=w),) for s in inputs]) for name, w in weights.items()}
+    samplers = {name: bench.sampler(fns[name], [(dict(s, **w),) for s in inputs]) for name, w in weights.items()}
+    w13 = weights["blocks"]["w13"] if case.pipeline == "moonep" else weights["blocks"]["weights"].w13
     samples = interleaved(samplers, repeats)
     row = dict(
         problem=case.problem,
         pipeline=case.pipeline,
         tokens=case.tokens,
         fmt=case.fmt,
-        gate_up_block=weights["blocks"].w13.gate_up_block,
+        gate_up_block=w13.gate_up_block,
         rel_diff=float(diff),
     )
     for name, seconds in samples.items():
