@@ -946,12 +946,16 @@ def moonep_grouped_gemm(
         ``[NvS, N]`` in ``a``'s dtype; rows past ``cu_seqlens[-1]`` are zero.
     """
     w = as_weight(w, "w")
+    return gemm(a, w, _segments(cu_seqlens, w.num_experts, "moonep_grouped_gemm"), backend=backend)
+
+
+def _segments(cu_seqlens: jax.Array, groups: int, op: str) -> L.GroupedContiguous:
+    """MoonEP's segment ends ``[G]`` as the grouped-contiguous layout, checked."""
     if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
-        raise TypeError(f"moonep_grouped_gemm: cu_seqlens: expected integer segment ends, got {cu_seqlens.dtype}")
-    if cu_seqlens.shape != (w.num_experts,):
-        raise ValueError(f"moonep_grouped_gemm: cu_seqlens must be [G]=[{w.num_experts}], got {cu_seqlens.shape}")
-    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), cu_seqlens.astype(jnp.int32)])
-    return gemm(a, w, L.GroupedContiguous(offsets), backend=backend)
+        raise TypeError(f"{op}: cu_seqlens: expected integer segment ends, got {cu_seqlens.dtype}")
+    if cu_seqlens.shape != (groups,):
+        raise ValueError(f"{op}: cu_seqlens must be [G]=[{groups}], got {cu_seqlens.shape}")
+    return L.GroupedContiguous(jnp.concatenate([jnp.zeros(1, jnp.int32), cu_seqlens.astype(jnp.int32)]))
 
 
 @functools.partial(jax.jit, static_argnames=("apply_router_weight_on_input", "backend"))
@@ -1097,8 +1101,7 @@ def moonep_stages(apply_router_weight_on_input: bool = False, backend: str | Non
             return dict(gate=grouped(s, x, "w_gate"), up=grouped(s, x, "w_up"))
         weight = s["w13"]
         act = ActivationSpec("silu", gate_up_block=weight.gate_up_block)
-        offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), s["cu_seqlens"].astype(jnp.int32)])
-        layout = L.GroupedContiguous(offsets)
+        layout = _segments(s["cu_seqlens"], weight.num_experts, "moonep_interleaved_experts")
         if takes_activation(as_quantized_input(x), weight, layout, act, backend=backend):
             return dict(activated=gemm(x, weight, layout, activation=act, backend=backend))
         return dict(gate_up=gemm(x, weight, layout, backend=backend))

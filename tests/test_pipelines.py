@@ -519,6 +519,12 @@ def test_moonep_interleaved(on_input, rng, monkeypatch):
     assert np_ref.relative_error(out[: cu[-1]], original[: cu[-1]]) < 1e-2
     with pytest.raises(ValueError, match="w_down must be"):
         hj.moonep_interleaved_experts(bf(x), w13, bf(wd[:, :, :64]), *args[1:])
+    with pytest.raises(ValueError, match="cu_seqlens must be"):
+        hj.moonep_interleaved_experts(bf(x), w13, bf(wd), jnp.asarray(cu[:-1]), *args[2:])
+    with pytest.raises(TypeError, match="cu_seqlens: expected integer"):
+        hj.moonep_interleaved_experts(bf(x), w13, bf(wd), jnp.asarray(cu, jnp.float32), *args[2:])
+    with pytest.raises(TypeError, match="w13: expected"):
+        hj.moonep_interleaved_experts(bf(x), hj.quantize_weight(jnp.asarray(wg), "int8_channel"), *args)
 
 
 def test_moonep_grouped_gemm_and_errors(rng):
