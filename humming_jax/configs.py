@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import numbers
 
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
@@ -71,9 +72,13 @@ def check_supported(fmt: F.WeightFormat, spec: Q.InputQuantSpec, argument: str =
         )
 
 
+def is_count(value, least: int = 0) -> bool:
+    """Whether ``value`` is an integer (not a bool) of at least ``least``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
+
+
 def _positive_int(value, field: str, owner: str, allow_zero: bool = False) -> None:
-    low = 0 if allow_zero else 1
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    if not is_count(value, 0 if allow_zero else 1):
         kind = "non-negative" if allow_zero else "positive"
         raise ValueError(f"{owner}.{field}: expected a {kind} int, got {value!r}")
 

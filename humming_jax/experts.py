@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from collections.abc import Callable
 
 import jax
@@ -23,7 +22,7 @@ from humming_jax import routing
 from humming_jax import tuning as T
 from humming_jax.activations import ActivationSpec, apply_activation
 from humming_jax.backend import resolve_backend
-from humming_jax.configs import ExpertsConfig
+from humming_jax.configs import ExpertsConfig, is_count
 from humming_jax.gemm import FLOAT_INPUTS, as_quantized_input, as_weight, format_spec, gemm, plan, takes_activation
 from humming_jax.process_input import check_dequantize, process_input
 from humming_jax.sharding import token_parallel
@@ -819,9 +818,7 @@ def batched_humming_grouped_experts(
     Returns:
         ``[E, max_tokens, H]``; rows past each count are zero.
     """
-    if valid_shape_m is not None and (
-        isinstance(valid_shape_m, bool) or not isinstance(valid_shape_m, numbers.Integral) or valid_shape_m < 1
-    ):
+    if valid_shape_m is not None and not is_count(valid_shape_m, 1):
         raise ValueError(
             f"batched_humming_grouped_experts: valid_shape_m must be a positive int, got {valid_shape_m!r}"
         )
@@ -1000,15 +997,17 @@ def moonep_experts(
     expected_down = (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1])
     if w_down.shape != expected_down:
         raise ValueError(f"moonep_experts: w_down must be [G, H, I]={list(expected_down)}, got {w_down.shape}")
-    _check_route_weights(route_weights, hidden_states, "moonep_experts")
-    state = dict(hidden_states=hidden_states, w_gate=w_gate, w_up=w_up, w_down=w_down, cu_seqlens=cu_seqlens)
-    state.update(route_weights=route_weights)
-    return run_stages(moonep_stages(apply_router_weight_on_input, backend), state)["out"]
+    weights = dict(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    op = "moonep_experts"
+    return _run_moonep(op, hidden_states, cu_seqlens, route_weights, apply_router_weight_on_input, backend, weights)
 
 
-def _check_route_weights(route_weights: jax.Array, hidden_states: jax.Array, op: str) -> None:
+def _run_moonep(op: str, hidden_states, cu_seqlens, route_weights, on_input: bool, backend, weights: dict) -> jax.Array:
+    """:func:`moonep_stages` on the rows and ``weights`` (either form's), ``route_weights`` checked."""
     if route_weights.shape != (hidden_states.shape[0],):
         raise ValueError(f"{op}: route_weights must be [NvS]=[{hidden_states.shape[0]}], got {route_weights.shape}")
+    state = dict(hidden_states=hidden_states, cu_seqlens=cu_seqlens, route_weights=route_weights, **weights)
+    return run_stages(moonep_stages(on_input, backend), state)["out"]
 
 
 def moonep_w13(w_gate: jax.Array, w_up: jax.Array) -> F.QuantizedWeight:
@@ -1078,10 +1077,9 @@ def moonep_interleaved_experts(
             f"moonep_interleaved_experts: w_down must be bf16 [G, H, I]={[g, h, n // 2]}, got {w_down.dtype} "
             f"{w_down.shape}"
         )
-    _check_route_weights(route_weights, hidden_states, "moonep_interleaved_experts")
-    state = dict(hidden_states=hidden_states, w13=w13, w_down=w_down, cu_seqlens=cu_seqlens)
-    state.update(route_weights=route_weights)
-    return run_stages(moonep_stages(apply_router_weight_on_input, backend), state)["out"]
+    weights = dict(w13=w13, w_down=w_down)
+    op = "moonep_interleaved_experts"
+    return _run_moonep(op, hidden_states, cu_seqlens, route_weights, apply_router_weight_on_input, backend, weights)
 
 
 def moonep_stages(apply_router_weight_on_input: bool = False, backend: str | None = None) -> tuple[Stage, ...]:
@@ -1095,12 +1093,14 @@ def moonep_stages(apply_router_weight_on_input: bool = False, backend: str | Non
     def grouped(s, x, name: str) -> jax.Array:
         return moonep_grouped_gemm(x, s[name], s["cu_seqlens"], backend=backend)
 
+    def silu(s) -> ActivationSpec:  # SILU on the one w13's rows in their order
+        return ActivationSpec("silu", gate_up_block=s["w13"].gate_up_block)
+
     def w13(s):
         x = s["hidden_states"]
         if "w13" not in s:
             return dict(gate=grouped(s, x, "w_gate"), up=grouped(s, x, "w_up"))
-        weight = s["w13"]
-        act = ActivationSpec("silu", gate_up_block=weight.gate_up_block)
+        weight, act = s["w13"], silu(s)
         layout = _segments(s["cu_seqlens"], weight.num_experts, "moonep_interleaved_experts")
         if takes_activation(as_quantized_input(x), weight, layout, act, backend=backend):
             return dict(activated=gemm(x, weight, layout, activation=act, backend=backend))
@@ -1110,7 +1110,7 @@ def moonep_stages(apply_router_weight_on_input: bool = False, backend: str | Non
         if "activated" in s:
             act = s["activated"].astype(jnp.float32)
         elif "gate_up" in s:
-            act = apply_activation(s["gate_up"], ActivationSpec("silu", gate_up_block=s["w13"].gate_up_block))
+            act = apply_activation(s["gate_up"], silu(s))
         else:
             act = jax.nn.silu(s["gate"].astype(jnp.float32)) * s["up"].astype(jnp.float32)
         if not apply_router_weight_on_input:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -193,9 +192,7 @@ def gemm(
     if out_dtype not in FLOAT_INPUTS:  # the kernels store 16- or 32-bit floats
         names = ", ".join(d.name for d in FLOAT_INPUTS)
         raise TypeError(f"gemm: out_dtype: expected one of {names}, got {out_dtype.name}")
-    if valid_shape_m is not None and (
-        isinstance(valid_shape_m, bool) or not isinstance(valid_shape_m, numbers.Integral) or valid_shape_m < 0
-    ):
+    if valid_shape_m is not None and not configs.is_count(valid_shape_m):
         raise ValueError(
             f"gemm: valid_shape_m: expected a row count (a non-negative int) or None, got {valid_shape_m!r}"
         )

@@ -280,11 +280,12 @@ def _traced_fields(case: LayerCase, fn, sets, layer_us: float) -> dict:
     (``kernel_us``), and the share of the layer outside the GEMM kernels —
     the stages, each timed alone, carry a launch each, which at decode is a
     good part of a stage. None elsewhere."""
+    untraced = dict(gemm_kernel_us=None, kernel_us=None, traced_outside_share=None)
     if jax.default_backend() != "gpu" or case.pipeline.startswith("ep"):
-        return dict(gemm_kernel_us=None, kernel_us=None, traced_outside_share=None)
+        return untraced
     traced = traced_kernel_seconds(fn, [(s,) for s in sets], (GEMM_KERNELS,))
     if traced is None:
-        return dict(gemm_kernel_us=None, kernel_us=None, traced_outside_share=None)
+        return untraced
     gemm_us, kernel_us = traced[GEMM_KERNELS] * 1e6, traced["all"] * 1e6
     share = 1.0 - gemm_us / layer_us if gemm_us > 0 else None
     return dict(gemm_kernel_us=gemm_us, kernel_us=kernel_us, traced_outside_share=share)

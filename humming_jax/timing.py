@@ -23,7 +23,11 @@ than under a sustained load, so a peer timed in a burst is not comparable.
 from __future__ import annotations
 
 import functools
+import gzip
+import json
+import pathlib
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -216,11 +220,6 @@ def traced_kernel_seconds(
     trace of ``calls`` calls looped as :func:`sampler` loops them — the
     kernels' own time inside the whole function, not each timed alone. None
     where the trace holds no device kernel (the CPU)."""
-    import gzip
-    import json
-    import pathlib
-    import tempfile
-
     run = _looped(fn, list(sets))
     jax.block_until_ready(run(list(sets), calls))  # compiled and warm
     with tempfile.TemporaryDirectory() as folder:
@@ -266,7 +265,6 @@ def bandwidth_fields(seconds: float, nbytes: int) -> dict:
 
 def write_results(path: str, rows: list[dict], quiet: bool = False, **meta) -> None:
     """Write benchmark rows as JSON with the machine they were measured on."""
-    import json
     import platform
 
     header = dict(

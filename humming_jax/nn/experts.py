@@ -17,7 +17,7 @@ from flax import nnx
 
 from humming_jax import experts as E
 from humming_jax import parallel
-from humming_jax.configs import ExpertsConfig
+from humming_jax.configs import ExpertsConfig, is_count
 from humming_jax.formats import QuantizedWeight
 from humming_jax.workspace import WorkspacePlan, plan_workspace
 
@@ -302,7 +302,7 @@ class BatchedHummingGroupedExperts(_HummingExperts):
 
     def __init__(self, config: ExpertsConfig, *, max_num_tokens: int, num_dispatchers: int = 1, **kwargs):
         for name, value in (("max_num_tokens", max_num_tokens), ("num_dispatchers", num_dispatchers)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_count(value, 1):
                 raise ValueError(f"BatchedHummingGroupedExperts: {name}: expected a positive int, got {value!r}")
         super().__init__(config, **kwargs)
         self.max_num_tokens = max_num_tokens
@@ -377,7 +377,7 @@ class MoonEPExperts(nnx.Module):
         backend: str | None = None,
     ):
         for name, value, least in (("num_experts", num_experts, 1), ("num_redundant", num_redundant, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            if not is_count(value, least):
                 raise ValueError(f"MoonEPExperts: {name}: expected an int of at least {least}, got {value!r}")
         rows = num_experts + num_redundant
         if w_gate is None:

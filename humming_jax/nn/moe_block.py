@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from humming_jax import checkpoints, routing
+from humming_jax.configs import is_count
 from humming_jax.experts import check_num_valid_tokens, estimate_valid_shape_m
 from humming_jax.nn.experts import (
     BatchedHummingGroupedExperts,
@@ -42,7 +43,7 @@ def check_routing(
     if scoring not in SCORING:
         raise ValueError(f"{op}: scoring: expected one of {SCORING}, got {scoring!r}")
     topk_groups = num_groups if topk_groups is None else topk_groups
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+    if not is_count(top_k, 1) or top_k > num_experts:
         raise ValueError(f"{op}: top_k: expected 1..{num_experts} (the experts), got {top_k!r}")
     if num_groups < 1 or num_experts % num_groups:
         raise ValueError(f"{op}: num_groups: expected a divisor of the {num_experts} experts, got {num_groups}")
