@@ -39,6 +39,9 @@ INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M = BYTE_PAIRS_MOSAIC_MIN_M
 # Float inputs (bf16, W4A16): from this many rows an expert, where the grouped layer's
 # Mosaic GEMMs outrun the indexed layer's Triton tiles (layer.md v3).
 INDEXED_AS_GROUPED_FLOAT_MIN_ROWS = 1024
+# 4-bit weights with float inputs (W4A16): from this many rows an expert, where the indexed
+# layer's gathered tiles lose to the grouped layer's 4-bit Mosaic ones (layer.md v22).
+INDEXED_AS_GROUPED_4BIT_MIN_ROWS = 256
 # Up to this many rows an expert the grouped pipeline runs the indexed stages: at decode its
 # grouping and its per-expert tiles cost more than the indexed layer's aligned blocks (layer.md v7).
 GROUPED_AS_INDEXED_MAX_ROWS = 1
@@ -240,14 +243,17 @@ def indexed_runs_grouped(num_tokens: int, top_k: int, config: ExpertsConfig) -> 
     expert — or, where an 8-bit weight is read as byte pairs (over 2**31
     values: the indexed GEMM stays on the Triton tile while the grouped one
     takes the fp8 Mosaic kernel), from :data:`INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M`
-    rows —, float inputs from :data:`INDEXED_AS_GROUPED_FLOAT_MIN_ROWS`; never
+    rows —, float inputs from :data:`INDEXED_AS_GROUPED_4BIT_MIN_ROWS` with 4-bit
+    weights and :data:`INDEXED_AS_GROUPED_FLOAT_MIN_ROWS` with wider ones; never
     with ``batch_invariant`` (one layout for every batch size)."""
     if config.batch_invariant:
         return False
     valid_m = estimate_valid_shape_m(num_tokens, top_k, config)
     experts = max(config.num_experts, 1)
     if not config.input_quant.is_quantized:
-        return valid_m >= INDEXED_AS_GROUPED_FLOAT_MIN_ROWS * experts
+        four_bit = config.weight_format.value_type.bits == 4
+        rows = INDEXED_AS_GROUPED_4BIT_MIN_ROWS if four_bit else INDEXED_AS_GROUPED_FLOAT_MIN_ROWS
+        return valid_m >= rows * experts
     if valid_m >= INDEXED_AS_GROUPED_MIN_ROWS * experts:
         return True
     return valid_m >= INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M and _reads_byte_pairs(config)
