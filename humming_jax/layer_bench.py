@@ -35,7 +35,7 @@ import numpy as np
 from humming_jax import bench, bench_report, parallel
 from humming_jax import experts as X
 from humming_jax.configs import ExpertsConfig
-from humming_jax.timing import bandwidth_fields, event_sampler, traced_kernel_seconds
+from humming_jax.timing import bandwidth_fields, event_sampler, traced_kernels
 
 # batched: the grouped-masked layout (each expert's rows gathered by the caller, reduced by the
 # caller); moonep: MoonEP's segment order (bf16); ep: parallel.ep_experts over this machine's
@@ -279,16 +279,17 @@ def _traced_fields(case: LayerCase, fn, sets, layer_us: float) -> dict:
     own time inside it (``gemm_kernel_us``), every kernel's
     (``kernel_us``), and the share of the layer outside the GEMM kernels —
     the stages, each timed alone, carry a launch each, which at decode is a
-    good part of a stage. None elsewhere."""
-    untraced = dict(gemm_kernel_us=None, kernel_us=None, traced_outside_share=None)
+    good part of a stage —, and the trace's longest kernels (``traced_kernels``:
+    thread, name, launches and µs a call). None elsewhere."""
+    untraced = dict(gemm_kernel_us=None, kernel_us=None, traced_outside_share=None, traced_kernels=None)
     if jax.default_backend() != "gpu" or case.pipeline.startswith("ep"):
         return untraced
-    traced = traced_kernel_seconds(fn, [(s,) for s in sets], (GEMM_KERNELS,))
+    traced = traced_kernels(fn, [(s,) for s in sets], (GEMM_KERNELS,))
     if traced is None:
         return untraced
-    gemm_us, kernel_us = traced[GEMM_KERNELS] * 1e6, traced["all"] * 1e6
+    gemm_us, kernel_us = traced.seconds[GEMM_KERNELS] * 1e6, traced.seconds["all"] * 1e6
     share = 1.0 - gemm_us / layer_us if gemm_us > 0 else None
-    return dict(gemm_kernel_us=gemm_us, kernel_us=kernel_us, traced_outside_share=share)
+    return dict(gemm_kernel_us=gemm_us, kernel_us=kernel_us, traced_outside_share=share, traced_kernels=traced.table)
 
 
 def _outside(r: dict) -> float | None:

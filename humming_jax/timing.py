@@ -22,6 +22,7 @@ than under a sustained load, so a peer timed in a burst is not comparable.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import json
@@ -194,32 +195,74 @@ def device_seconds(fn: Callable, sets: Sequence[tuple], repeats: int = 5, min_se
 TRACED_CALLS = 16
 
 
+def _device_events(events: Sequence[dict]) -> tuple[list[dict], dict[tuple[int, int], str]]:
+    """A trace's complete events on device processes (``process_name``
+    starting ``/device:``) and the names of their threads (streams)."""
+    devices = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name" and e["args"]["name"].startswith("/device:")
+    }
+    threads = {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in devices
+    }
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
+    return kernels, threads
+
+
 def device_kernel_seconds(events: Sequence[dict], prefixes: Sequence[str]) -> dict[str, float] | None:
     """Seconds of the device kernels in a Chrome / Perfetto trace's ``events``
     (``traceEvents``: complete events, ``dur`` in µs) whose names start with
     each prefix, and ``"all"`` device kernels; a device is a process whose
     ``process_name`` starts ``/device:`` (host events are not counted). None
     where the trace holds no device kernel (a CPU run)."""
-    devices = {
-        e["pid"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "process_name" and e["args"]["name"].startswith("/device:")
-    }
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
+    kernels, _ = _device_events(events)
     if not kernels:
         return None
     totals = {prefix: sum(e["dur"] for e in kernels if e["name"].startswith(prefix)) * 1e-6 for prefix in prefixes}
     return {**totals, "all": sum(e["dur"] for e in kernels) * 1e-6}
 
 
-def traced_kernel_seconds(
+def device_kernel_table(events: Sequence[dict], calls: int, rows: int = 16) -> list[dict]:
+    """The device events of a trace of ``calls`` calls by (thread, name):
+    ``thread`` (the stream or line the profiler put it on), ``name``,
+    ``launches`` and ``us`` a call, the longest ``rows`` first — what a
+    traced total is made of (a kernel missing, or a line that is not a
+    stream's, shows here)."""
+    kernels, threads = _device_events(events)
+    table: dict[tuple[str, str], list[float]] = {}
+    for e in kernels:
+        key = (threads.get((e["pid"], e.get("tid")), str(e.get("tid"))), e["name"])
+        entry = table.setdefault(key, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e["dur"]
+    listed = [
+        dict(thread=thread, name=name, launches=count / calls, us=total / calls)
+        for (thread, name), (count, total) in table.items()
+    ]
+    return sorted(listed, key=lambda r: -r["us"])[:rows]
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedKernels:
+    """A kernel trace's figures for one call: ``seconds`` by name prefix and
+    ``"all"`` (:func:`device_kernel_seconds`), ``table`` the events by thread
+    and name (:func:`device_kernel_table`)."""
+
+    seconds: dict[str, float]
+    table: list[dict]
+
+
+def traced_kernels(
     fn: Callable, sets: Sequence[tuple], prefixes: Sequence[str], calls: int = TRACED_CALLS
-) -> dict[str, float] | None:
-    """Device seconds a call of ``fn`` spends in kernels whose names start with
-    each of ``prefixes`` (and ``"all"``: every device kernel), from a profiler
-    trace of ``calls`` calls looped as :func:`sampler` loops them — the
-    kernels' own time inside the whole function, not each timed alone. None
-    where the trace holds no device kernel (the CPU)."""
+) -> TracedKernels | None:
+    """Device time a call of ``fn`` spends in kernels whose names start with
+    each of ``prefixes`` (and every device kernel), from a profiler trace of
+    ``calls`` calls looped as :func:`sampler` loops them — the kernels' own
+    time inside the whole function, not each timed alone. None where the
+    trace holds no device kernel (the CPU)."""
     run = _looped(fn, list(sets))
     jax.block_until_ready(run(list(sets), calls))  # compiled and warm
     with tempfile.TemporaryDirectory() as folder:
@@ -231,8 +274,11 @@ def traced_kernel_seconds(
         with gzip.open(traces[-1], "rt") as f:
             events = json.load(f).get("traceEvents", [])
     seconds = device_kernel_seconds(events, prefixes)
+    if seconds is None:
+        return None
     per_call = calls * len(sets)
-    return None if seconds is None else {name: value / per_call for name, value in seconds.items()}
+    per_call_seconds = {name: value / per_call for name, value in seconds.items()}
+    return TracedKernels(per_call_seconds, device_kernel_table(events, per_call))
 
 
 def copy_sampler(nbytes: int) -> Callable[[int], float]:

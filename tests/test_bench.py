@@ -142,9 +142,16 @@ def test_device_kernel_seconds_counts_device_kernels_only():
     got = timing.device_kernel_seconds(events, ("moe_gemm", "moe_process"))
     assert got == pytest.approx({"moe_gemm": 14e-6, "moe_process": 2e-6, "all": 17e-6})
     assert timing.device_kernel_seconds(events[:1] + events[2:3], ("moe_gemm",)) is None
+    # by stream and name, a call of two: the longest first, host events left out
+    streams = [{"ph": "M", "pid": 7, "tid": 3, "name": "thread_name", "args": {"name": "Stream #3"}}]
+    on_stream = [dict(e, tid=3) if e.get("pid") == 7 else e for e in events]
+    table = timing.device_kernel_table(streams + on_stream + on_stream[3:4], calls=2)
+    assert table[0] == dict(thread="Stream #3", name="moe_gemm_grouped_contiguous_uint4", launches=1.0, us=9.5)
+    assert [r["name"] for r in table[1:]] == ["moe_gemm_mosaic", "moe_process_input", "loop_fusion"]
+    assert table[1]["launches"] == 0.5 and table[1]["us"] == pytest.approx(2.25)
 
 
-def test_traced_kernel_seconds_reads_a_real_trace(monkeypatch):
+def test_traced_kernels_reads_a_real_trace(monkeypatch):
     """The profiler's trace of the looped function is written and read (its
     host events reach the parser): on the CPU it holds no device kernel, so
     None (the layer bench leaves its traced fields empty)."""
@@ -155,7 +162,7 @@ def test_traced_kernel_seconds_reads_a_real_trace(monkeypatch):
         return original(events, prefixes)
 
     monkeypatch.setattr(timing, "device_kernel_seconds", spy)
-    assert timing.traced_kernel_seconds(lambda x: x * 2, [(jnp.ones(8),)], ("moe_gemm",), calls=2) is None
+    assert timing.traced_kernels(lambda x: x * 2, [(jnp.ones(8),)], ("moe_gemm",), calls=2) is None
     assert len(seen) == 1 and seen[0] > 0
 
 
