@@ -9,10 +9,8 @@ against the float64 product of the dequantized operands, ~4e-8 (bound 1e-5);
 compiled, the tensor cores sum each 128-deep step in their own reduced
 precision (~1e-4 on the H200, bound 1e-3)."""
 
-import collections
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -245,8 +243,6 @@ def test_mxfp4_dequantized_first(quant_name, layout_kind, rng):
 
 SWAP = kernel.Tiles(128, 128, stages=2, group_m=2, swap_ab=True)  # out.T, the decoded step the A operand
 SWAP_WIDE = kernel.Tiles(64, 256, stages=2, group_m=2, swap_ab=True)
-# a decode-sized register form: 16 of x's rows as the wgmma's N
-SWAP_DECODE = kernel.Tiles(16, 256, stages=3, group_m=2, swap_ab=True)
 
 
 @pytest.mark.parametrize(
@@ -255,8 +251,6 @@ SWAP_DECODE = kernel.Tiles(16, 256, stages=3, group_m=2, swap_ab=True)
         (True, "fp8_dynamic_group128", SWAP, "grouped_contiguous", False),
         (False, "fp8_dynamic_token", SWAP_WIDE, "grouped_contiguous", True),
         (True, "fp8_dynamic_group128", SWAP, "indexed", False),
-        (True, "fp8_dynamic_group128", SWAP_DECODE, "grouped_contiguous", False),
-        pytest.param(True, "fp8_dynamic_group128", SWAP_DECODE, "indexed", True, marks=FULL),
         pytest.param(True, "fp8_dynamic_token", SWAP_WIDE, "grouped_masked", True, marks=FULL),
         pytest.param(False, "fp8_e5m2_dynamic_token", SWAP, "dense", False, marks=FULL),
     ],
@@ -282,29 +276,6 @@ def test_mxfp4_swap_ab(half_bits, quant_name, tiles, layout_kind, bias, rng):
     want = np_ref.gemm_of(x, weight, layout)
     got = np.asarray(out.astype(jnp.float32), np.float64)
     assert np.all(np.isfinite(got)) and relative_error(got, want) < 1e-2  # one bf16 rounding of the result
-    assert np.all(got[np.all(want == 0, axis=1)] == 0)
-
-
-@pytest.mark.parametrize(
-    "x_mode,w_mode,layout_kind",
-    [
-        ("group", "block", "grouped_contiguous"),  # W8A8: both scales per step, along out.T
-        ("token", "channel", "indexed"),  # every scale on the sum, blocks of 16 rows
-        pytest.param("tensor", "tensor", "grouped_masked", marks=FULL),
-    ],
-)
-def test_e4m3_weights_swap_ab(x_mode, w_mode, layout_kind, rng):
-    """e4m3 weights on the swapped tile (out.T = w @ x.T, both operands from
-    shared memory): 16 of x's rows as the wgmma's N, the scales along the
-    transposed accumulator, the transposed store, rows no expert owns zero."""
-    # a stage's row scales start at a 128-byte multiple (TMA): 16 rows load a box of 32
-    assert [kernel.scale_box(m) * 4 % 128 for m in (8, 16, 24, 64, 144)] == [0] * 5 and kernel.scale_box(16) == 32
-    weight, x = _weight(rng, WEIGHT_OF[w_mode]), _input(rng, INPUT_OF[x_mode])
-    layout = gemm_layouts.layouts(rng, E, M, block_size=SWAP_DECODE.block_m)[layout_kind]
-    out = hj.gemm(x, weight, layout, out_dtype=jnp.bfloat16, tuning=SWAP_DECODE, backend=KERNEL_BACKEND)
-    want = np_ref.gemm_of(x, weight, layout)
-    got = np.asarray(out.astype(jnp.float32), np.float64)
-    assert np.all(np.isfinite(got)) and relative_error(got, want) < 5e-3  # one bf16 rounding of the result
     assert np.all(got[np.all(want == 0, axis=1)] == 0)
 
 
@@ -426,10 +397,6 @@ def test_what_the_kernel_refuses(rng):
     assert "MXFP4: e8m0 per 32" in reason(F.to_planar(nvfp4), layouts["dense"])
     with pytest.raises(ValueError, match="block_m=32"):
         hj.gemm(x, block, layouts["grouped_contiguous"], tuning=kernel.Tiles(32, 256), backend="interpret")
-    # x's rows as the wgmma's N (the register form): any multiple of 8 to 128
-    mx = F.to_planar(k_order)
-    assert reason(mx, layouts["dense"], kernel.Tiles(8, 256, swap_ab=True)) is None
-    assert "a multiple of 8 to 128" in reason(mx, layouts["dense"], kernel.Tiles(12, 256, swap_ab=True))
     with pytest.raises(ValueError, match="block_m"):
         kernel.Tiles(block_m=0)
 
@@ -529,11 +496,7 @@ def test_lowers_for_the_gpu(scaling):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize(
-    "tiles",
-    [SWAP, SWAP_WIDE, SWAP_DECODE, dataclasses.replace(SWAP_DECODE, block_m=8), dataclasses.replace(SWAP, block_m=40)],
-    ids=["128x128", "64x256", "16x256", "8x256", "40x128"],
-)
+@pytest.mark.parametrize("tiles", [SWAP, SWAP_WIDE], ids=["128x128", "64x256"])
 def test_swap_ab_lowers_for_the_gpu(tiles):
     """The register-operand form lowers (layout inference included, which the
     interpreter never runs) with bf16 outputs, for group and token inputs."""
@@ -608,27 +571,6 @@ def test_tiles_text_names_the_kernel():
     tiles = dataclasses.replace(TILES, group_m=8)
     assert tiles_text.gemm_to_text(tiles) == "mosaic_fp8:block_m=64,block_n=256,stages=2"
     assert tiles_text.gemm_from_text("mosaic_fp8:block_m=64,block_n=256,stages=2") == tiles
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_the_register_form_retires_a_piece_behind():
-    """W4A8's register form issues a step's four e4m3 products with at most
-    two in flight, so that two pieces' decoded operands are live beside the
-    two accumulators and ptxas keeps the products asynchronous."""
-    from benchmarks import mosaic_ir
-
-    text = mosaic_ir.mosaic_ir("w4a8_mxfp4", (3, 512, 256), 300, SWAP)
-    waits = collections.Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", text))
-    assert waits["1"] == mx_e4m3.PIECES - 1, waits
-
-
-def test_e4m3_swap_lowers_for_the_gpu():
-    """e4m3 weights on the swapped tile lower (layout inference included) to
-    e4m3 wgmmas with x's 16 rows as N."""
-    from benchmarks import mosaic_ir
-
-    text = mosaic_ir.mosaic_ir("w8a8_fp8_block128", (3, 512, 256), 300, dataclasses.replace(SWAP_DECODE, stages=4))
-    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in text
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
