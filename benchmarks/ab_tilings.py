@@ -70,24 +70,19 @@ def run(args) -> list[dict]:
     rows = []
     cases = itertools.product(args.formats, args.problems, args.gemms, args.layouts, args.tokens)
     for fmt, problem, gemm, layout, tokens in cases:
-        orders = list(itertools.product(args.scale_orders, args.code_orders))
         preps = {
-            (scales, codes): bench.prepare(
-                bench.Case(problem, gemm, layout, tokens, fmt, scale_order=scales, code_order=codes)
-            )
-            for scales, codes in orders
+            order: bench.prepare(bench.Case(problem, gemm, layout, tokens, fmt, scale_order=order))
+            for order in args.scale_orders
         }
         default = None
-        peers = bench.humming_peers(preps[orders[0]]) if args.humming else {}
+        peers = bench.humming_peers(preps[args.scale_orders[0]]) if args.humming else {}
         case = dict(fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens)
         for repeat in range(args.repeats):
-            for text, order in itertools.product(args.tilings, orders):
+            for text, order in itertools.product(args.tilings, args.scale_orders):
                 prep = preps[order]
                 row = dict(case, tiling=text, repeat=repeat)
                 if len(args.scale_orders) > 1:
-                    row["scale_order"] = order[0]
-                if len(args.code_orders) > 1:
-                    row["code_order"] = order[1]
+                    row["scale_order"] = order
                 start = time.time()
                 try:
                     result, out, used = bench.time_prepared(prep, _tiling(text, default))
@@ -127,14 +122,6 @@ def main(argv=None) -> int:
         default=["kernel"],
         choices=["kernel", "n_major", "k_major"],
         help="group scales as to_kernel_order stores them, [E, N, K/g] or [E, K/g, N] (several: interleaved)",
-    )
-    parser.add_argument(
-        "--code-orders",
-        nargs="+",
-        default=["kernel"],
-        choices=["kernel", "e4m3_words"],
-        help="planar 4-bit codes as to_kernel_order stores them, or MXFP4's in the fp8 kernel's byte decoder "
-        "order (several: interleaved; 'default' then plans for each)",
     )
     parser.add_argument(
         "--variant", nargs="+", default=[], help="other versions of a kernel file: FILE (tiled 'variant:'), NAME=FILE"

@@ -61,9 +61,7 @@ def capture_mosaic_modules():
         core._run_serde_pass = serialize
 
 
-# the fp8 kernel's: e4m3 blocks / MXFP4 (the pair decoder's bit order, or the byte decoder's
-# e4m3 word order), fp8 group-128 inputs
-FP8_FORMATS = ("w8a8_fp8_block128", "w4a8_mxfp4", "w4a8_mxfp4_words")
+FP8_FORMATS = ("w8a8_fp8_block128", "w4a8_mxfp4")  # the fp8 kernel's: e4m3 blocks / MXFP4, fp8 group-128 inputs
 
 
 def mosaic_ir(fmt: str, shape: tuple[int, int, int], rows: int, tuning) -> str:
@@ -119,9 +117,8 @@ def _fp8_module(fmt: str, shape: tuple[int, int, int], rows: int, tiles) -> str:
     x = jax.ShapeDtypeStruct((rows, k), jnp.float8_e4m3fn)
     x_scale = jax.ShapeDtypeStruct((rows, k // mosaic_fp8.BLOCK_K), jnp.float32)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
-    if fmt.startswith("w4a8_mxfp4"):
-        words = fmt.endswith("_words")
-        scaling = mosaic_fp8.Scaling("group", "mx", half_bits=not words, e4m3_words=words)
+    if fmt == "w4a8_mxfp4":
+        scaling = mosaic_fp8.Scaling("group", "mx", half_bits=True)
         w = jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8)
         w_scale = jax.ShapeDtypeStruct((e, n, k // mx_e4m3.MX_GROUP), jnp.uint8)
     else:

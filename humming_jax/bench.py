@@ -112,9 +112,6 @@ class Case:
     # Group scales as to_kernel_order stores them ("kernel": k_major_scales_preferred),
     # "n_major" [E, N, K/g] or "k_major" [E, K/g, N] for every per-group format.
     scale_order: str = "kernel"
-    # Planar 4-bit codes as to_kernel_order stores them ("kernel"), or MXFP4's in the
-    # fp8 kernel's byte decoder order ("e4m3_words": to_planar(e4m3_words=True)).
-    code_order: str = "kernel"
 
     def shapes(self):
         e, h, i, k = PROBLEMS[self.problem]
@@ -196,14 +193,9 @@ def _arrays(case: Case, sets: int, seed: int):
     for s in range(sets):
         kw, kx = jax.random.split(jax.random.fold_in(jax.random.key(seed), s))
         weight = _random_weight(kw, fmt, e, n, k)
-        if case.code_order not in ("kernel", "e4m3_words"):
-            raise ValueError(f"bench.Case.code_order: 'kernel' or 'e4m3_words', got {case.code_order!r}")
-        words = case.code_order == "e4m3_words"
-        if not case.k_order:
-            weight = F.to_planar(
-                weight, half_bits=_half_bits(case, quant) and not words, k_major_scales=k_major, e4m3_words=words
-            )
-        weights.append(weight)
+        weights.append(
+            weight if case.k_order else F.to_planar(weight, half_bits=_half_bits(case, quant), k_major_scales=k_major)
+        )
         xs.append(_quantized(random_bf16(kx, (_input_rows(case), k)), quant))
     return weights, xs
 

@@ -323,7 +323,6 @@ class QuantizedWeight:
         shape: the logical ``(E, N, K)`` (static).
         nibble_unit: 0 for codes in K order, else the planar order's unit (:func:`to_planar`).
         half_bits: planar e2m1 codes with each 16-bit half in the pair decoder's bit order.
-        e4m3_words: planar e2m1 codes with each 32-bit word in the e4m3 byte decoder's order.
         k_major_scales: group scales stored ``[E, K/g, N]`` (:func:`to_planar`).
         gate_up_block: 0, or a gated w13's gate and up rows interleaved by
             blocks of this many (:func:`interleave_gate_up`).
@@ -344,10 +343,6 @@ class QuantizedWeight:
     # (E2M1_HALF_BITS: 11 integer ops per 8 codes instead of 15); the GEMM
     # reads such weights as nibble pairs only (see to_planar).
     half_bits: bool = dataclasses.field(default=False, metadata=dict(static=True))
-    # Planar e2m1 codes with each 32-bit word (two halves, 8 codes) in the order the
-    # fp8 kernel's byte decoder reads (word_decode.e2m1_e4m3_program: 8 integer ops per
-    # 8 e4m3 bytes); only that kernel's register form reads them (see to_planar).
-    e4m3_words: bool = dataclasses.field(default=False, metadata=dict(static=True))
     # Group scales stored [E, K/g, N]: the order the Mosaic kernels' TMA reads
     # them in, so no call transposes them (see to_planar).
     k_major_scales: bool = dataclasses.field(default=False, metadata=dict(static=True))
@@ -372,11 +367,8 @@ class QuantizedWeight:
         fmt = self.format
         e, n, k = self.shape
         fmt.check_shape(n, k, argument)
-        for order in ("half_bits", "e4m3_words"):
-            if getattr(self, order) and not (self.nibble_unit and fmt.value_type == ValueType.FLOAT4_E2M1):
-                raise ValueError(f"{argument}.{order}: only planar e2m1 weights (to_planar) have it, not {fmt.name!r}")
-        if self.half_bits and self.e4m3_words:
-            raise ValueError(f"{argument}: half_bits and e4m3_words are two code orders; a weight has one")
+        if self.half_bits and not (self.nibble_unit and fmt.value_type == ValueType.FLOAT4_E2M1):
+            raise ValueError(f"{argument}.half_bits: only planar e2m1 weights (to_planar) have it, not {fmt.name!r}")
         if self.nibble_unit and self.nibble_unit != planar_unit(fmt, k):
             raise ValueError(
                 f"{argument}.nibble_unit: expected 0 (K order) or {planar_unit(fmt, k)} (planar) for format "
@@ -634,27 +626,9 @@ def _regroup_half_bits(values: jax.Array, to_half_bits: bool) -> jax.Array:
     return jnp.stack([half & 0xFF, half >> 8], axis=-1).astype(jnp.uint8).reshape(values.shape)
 
 
-def _regroup_e4m3_words(values: jax.Array, to_e4m3_words: bool) -> jax.Array:
-    """Packed planar codes ``uint8 [..., K/2]`` with each 32-bit word (bytes 4w
-    to 4w + 3: halves 2w, 2w + 1 of a unit) turned from nibble order (code
-    (h, j) at nibble 4h + j) into the e4m3 word order (code k = 2j + h,
-    :func:`word_decode.e4m3_words_from_codes`), or back."""
-    quads = values.reshape(*values.shape[:-1], -1, 4).astype(jnp.uint32)
-    word = quads[..., 0] | (quads[..., 1] << 8) | (quads[..., 2] << 16) | (quads[..., 3] << 24)
-    place = [4 * (k % 2) + k // 2 for k in range(word_decode.E4M3_WORD_CODES)]  # nibble of code k
-    if to_e4m3_words:
-        word = word_decode.e4m3_words_from_codes([(word >> (4 * n)) & 0xF for n in place])
-    else:
-        codes = word_decode.e4m3_word_codes(word)
-        word = functools.reduce(jnp.bitwise_or, [codes[k] << (4 * n) for k, n in enumerate(place)])
-    quads = jnp.stack([(word >> (8 * i)) & 0xFF for i in range(4)], axis=-1)
-    return quads.astype(jnp.uint8).reshape(values.shape)
-
-
 def _codes_in_k_order(weight: QuantizedWeight) -> jax.Array:
     """The 4-bit codes ``uint8 [E, N, K]`` in column order, whatever the storage order."""
     values = _regroup_half_bits(weight.values, False) if weight.half_bits else weight.values
-    values = _regroup_e4m3_words(values, False) if weight.e4m3_words else values
     codes = numerics.unpack_nibbles(values)
     unit = weight.nibble_unit
     if not unit:
@@ -738,9 +712,7 @@ def _check_weight(weight, op: str) -> None:
         )
 
 
-def to_planar(
-    weight: QuantizedWeight, half_bits: bool = False, k_major_scales: bool = False, e4m3_words: bool = False
-) -> QuantizedWeight:
+def to_planar(weight: QuantizedWeight, half_bits: bool = False, k_major_scales: bool = False) -> QuantizedWeight:
     """Repack 4-bit codes in the planar order the GEMM kernel reads without
     splitting x (a load-time repack: the same values, a permutation of nibbles
     within each unit of :func:`planar_unit` columns).
@@ -752,9 +724,6 @@ def to_planar(
             GEMM then always decodes nibble pairs.
         k_major_scales: per-group scales also stored ``[E, K/g, N]``
             (:func:`with_scale_order`; ignored for other scales).
-        e4m3_words: e2m1 formats (ignored for the others; not with
-            ``half_bits``): each 32-bit word in the fp8 kernel's byte decoder
-            order, which only that kernel's register form reads (W4A8).
 
     Returns:
         The planar weight; weights that cannot be planar (unpacked formats, K
@@ -771,15 +740,10 @@ def to_planar(
     e, n, k = weight.shape
     codes = numerics.unpack_nibbles(weight.values).reshape(e, n, k // unit, unit)
     values = numerics.pack_nibbles(codes[..., planar_columns(unit)].reshape(e, n, k))
-    e2m1 = weight.format.value_type == ValueType.FLOAT4_E2M1
-    half_bits, e4m3_words = half_bits and e2m1, e4m3_words and e2m1
-    if half_bits and e4m3_words:
-        raise ValueError("to_planar: half_bits and e4m3_words are two code orders; ask for one")
+    half_bits = half_bits and weight.format.value_type == ValueType.FLOAT4_E2M1
     if half_bits:
         values = _regroup_half_bits(values, True)
-    if e4m3_words:
-        values = _regroup_e4m3_words(values, True)
-    return dataclasses.replace(weight, values=values, nibble_unit=unit, half_bits=half_bits, e4m3_words=e4m3_words)
+    return dataclasses.replace(weight, values=values, nibble_unit=unit, half_bits=half_bits)
 
 
 def to_k_order(weight: QuantizedWeight) -> QuantizedWeight:
@@ -796,7 +760,7 @@ def to_k_order(weight: QuantizedWeight) -> QuantizedWeight:
     if not weight.nibble_unit:
         return weight
     values = numerics.pack_nibbles(_codes_in_k_order(weight))
-    return dataclasses.replace(weight, values=values, nibble_unit=0, half_bits=False, e4m3_words=False)
+    return dataclasses.replace(weight, values=values, nibble_unit=0, half_bits=False)
 
 
 def _along_k(per_group: jax.Array, weight: QuantizedWeight) -> jax.Array:

@@ -394,7 +394,6 @@ def plan(
             block_size=block_size,
             half_bits=weight.half_bits,
             input_dtype=x.spec.dtype.value if x.spec.is_quantized else None,
-            e4m3_words=weight.e4m3_words,
         )
     reasons = []
     for tiles in listed:
@@ -474,7 +473,6 @@ def _weight_spec(weight: F.QuantizedWeight) -> spec.WeightSpec:
         has_group_index=weight.group_index is not None,
         nibble_unit=weight.nibble_unit,
         half_bits=weight.half_bits,
-        e4m3_words=weight.e4m3_words,
         k_major_scales=weight.k_major_scales,
     )
 

@@ -38,8 +38,8 @@ class Op:
     op: ``shl``/``shr`` (logical, b = count), ``and``, ``or_and`` (``(a & b) | c``,
     lop3 0xEA), ``sub2``/``mul2`` (two packed 16-bit floats of the compute dtype),
     ``prmt`` (bytes of ``a`` (0-3) and ``b`` (4-7) picked by the selector ``c``,
-    an immediate or a register, a nibble per result byte; bit 3 of a nibble
-    replicates the picked byte's top bit), ``rsub`` (``b - a``, 32-bit integers), ``select`` (``(a & b) | (~a & c)``,
+    a nibble per result byte; bit 3 of a nibble replicates the picked byte's
+    top bit), ``rsub`` (``b - a``, 32-bit integers), ``select`` (``(a & b) | (~a & c)``,
     lop3 0xCA).
     """
 
@@ -53,8 +53,7 @@ class Op:
 @dataclasses.dataclass(frozen=True)
 class Program:
     ops: tuple[Op, ...]
-    # 4 registers: output j holds positions j (low) and j + 4 (high); e2m1_e4m3_program: 2
-    outputs: tuple[str, ...]
+    outputs: tuple[str, ...]  # 4 registers: output j holds positions j (low) and j + 4 (high)
     dtype: str  # bfloat16 | float16 | float8_e4m3fn (int4_e4m3_program)
 
 
@@ -167,72 +166,6 @@ def halves_from_codes(codes, bits: tuple = E2M1_HALF_BITS):
     for code, sources in zip(codes, bits, strict=True):
         half = half | sum(((code >> b) & 1) << source for b, source in enumerate(sources))
     return half
-
-
-# e2m1 codes straight to e4m3 bytes (the fp8 kernel's W4A8 register operand).
-# A 32-bit word holds halves 2t (low) and 2t + 1 of a planar unit, 8 codes;
-# the e4m3 word order stores code (half h, position j) as code k = 2 j + h:
-# its magnitude (e1 e0 m) in bits 4k..4k+2, its sign at bit 8k + 7 for k < 4
-# (the sign bit of byte k of the first result) and 8 (k - 4) + 3 for k >= 4
-# (byte k - 4's after a shift of 4). The two results are the 8-bit fragment
-# registers of the unit's two 16-column tiles: bytes (2t, 2T), (2t + 1, 2T),
-# (2t, 2T + 1), (2t + 1, 2T + 1) for tile T.
-E4M3_WORD_CODES = 8
-E4M3_TABLE_GAP = 11  # the largest gap the byte table keeps exact (0.5 stays a normal e4m3)
-TABLE = ("ta", "tb")  # the program's table registers: magnitudes 0-3 and 4-7 at the group's gap
-E4M3_GAP0_TABLE = (0x6C686000, 0x7C787470)  # e4m3 bytes of e2m1 x 2**6: 0, 32, 64, 96, 128, 192, 256, 384
-
-
-def e4m3_word_sign_bit(k: int) -> int:
-    """The bit of code ``k`` (0-7)'s sign in an e4m3-order word."""
-    return 8 * k + 7 if k < 4 else 8 * (k - 4) + 3
-
-
-def e4m3_words_from_codes(codes):
-    """8 code arrays (0-15; code k = half k % 2, position k // 2 of a word's
-    two halves) to e4m3-order 32-bit words (NumPy or jnp unsigned integers)."""
-    word = 0
-    for k, code in enumerate(codes):
-        word = word | ((code & 7) << (4 * k)) | (((code >> 3) & 1) << e4m3_word_sign_bit(k))
-    return word
-
-
-def e4m3_word_codes(words) -> list:
-    """Inverse of :func:`e4m3_words_from_codes`: the 8 codes (0-15) of each word."""
-    return [((words >> (4 * k)) & 7) | (((words >> e4m3_word_sign_bit(k)) & 1) << 3) for k in range(E4M3_WORD_CODES)]
-
-
-def e2m1_e4m3_tables(gap, where=np.where):
-    """The two table registers (int32) of a group whose scale byte lies ``gap``
-    below its column's largest: byte i of ``ta`` / ``tb`` is the e4m3 byte of
-    e2m1 magnitude i / 4 + i times 2**(6 - gap) — the gap-0 table's exponent
-    fields lowered by ``gap`` (exact up to :data:`E4M3_TABLE_GAP`; beyond,
-    zeros: those values are at most 2**-12 of the column's largest)."""
-    gap8 = gap * 8
-    keep = gap <= E4M3_TABLE_GAP
-    ta = where(keep, E4M3_GAP0_TABLE[0] - gap8 * 0x01010100, 0)
-    tb = where(keep, E4M3_GAP0_TABLE[1] - gap8 * 0x01010101, 0)
-    return ta, tb
-
-
-def e2m1_e4m3_program() -> Program:
-    """A word of 8 e2m1 codes in the e4m3 word order to two registers of e4m3
-    bytes (e2m1 x 2**(6 - gap), the gap in the table registers :data:`TABLE`):
-    each byte's magnitude picked from the table by a ``prmt`` whose selector
-    nibbles are the codes' magnitudes, its sign or-ed in from where the order
-    put it. 8 integer operations for 8 values."""
-    ta, tb = TABLE
-    ops = (
-        Op("and", "sl", WORD, 0x7777),
-        Op("prmt", "ml", ta, tb, "sl"),
-        Op("or_and", "lo", WORD, 0x80808080, "ml"),
-        Op("shr", "wh", WORD, 16),
-        Op("and", "sh", "wh", 0x7777),
-        Op("prmt", "mh", ta, tb, "sh"),
-        Op("shl", "sg", WORD, 4),
-        Op("or_and", "hi", "sg", 0x80808080, "mh"),
-    )
-    return Program(ops, ("lo", "hi"), "float8_e4m3fn")
 
 
 def needed_ops(program: Program, register: str) -> list[Op]:

@@ -722,16 +722,6 @@ def test_ab_tilings_writes_each_timing(tiny, compiled_once, tmp_path, capsys, mo
     rows = json.loads(out.read_text())["rows"]
     assert [(r["fmt"], r["scale_order"]) for r in rows] == [("mxfp4", "kernel"), ("mxfp4", "n_major")]
     assert all(r["us"] > 0 and r["error"] < 1e-2 for r in rows)
-    # W4A8's codes as to_kernel_order stores them and in the fp8 kernel's byte decoder order (its register
-    # form's swapped tile: N a multiple of 256, K of 128), interleaved
-    monkeypatch.setitem(bench.PROBLEMS, "tiny_w4a8", (4, 256, 128, 2))
-    orders = ["--code-orders", "kernel", "e4m3_words", "--repeats", "1", "--layouts", "grouped", "--gemms", "w2"]
-    w4a8 = ["--formats", "mxfp4@fp8_dynamic_group128", "--problems", "tiny_w4a8", "--tokens", "3"]
-    assert ab_tilings.main([*w4a8, *orders, "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["code_order"] for r in rows] == ["kernel", "e4m3_words"]
-    assert all(r["us"] > 0 and r["error"] < 1e-2 for r in rows), rows
-    assert rows[1]["tiles"].startswith("mosaic_fp8:") and "swap_ab=1" in rows[1]["tiles"]
     prepared = {
         order: bench.prepare(bench.Case("tiny", "w13", "grouped", 3, "int4_g32", scale_order=order))
         for order in ("kernel", "k_major")

@@ -397,46 +397,22 @@ def test_k_major_scales_only_for_group_scales(rng):
     assert not F.k_major_scales_preferred(F.INT4_G128) and not F.k_major_scales_preferred(F.get_format("nvfp4"))
 
 
-@pytest.mark.parametrize("order", ["half_bits", "e4m3_words"])
 @pytest.mark.parametrize("fmt_name", ["mxfp4", "nvfp4"])
-def test_planar_code_orders_round_trip(fmt_name, order, rng):
-    """``to_planar(half_bits=True)`` (e2m1 codes in the pair decoder's bit
-    order) and ``to_planar(e4m3_words=True)`` (the fp8 kernel's byte decoder's
-    word order): the same dequantized weight, back to K order exactly; other
-    formats and K-order weights refuse the flag; one order at a time."""
+def test_planar_half_bits_round_trip(fmt_name, rng):
+    """``to_planar(half_bits=True)``: e2m1 codes in the pair decoder's bit order,
+    the same dequantized weight, back to K order exactly; other formats and
+    K-order weights refuse the flag."""
     fmt = F.get_format(fmt_name)
     weight = F.quantize_weight(jnp.asarray(rng.normal(size=(2, 8, 256)), jnp.float32), fmt)
-    bits = F.to_planar(weight, **{order: True})
-    assert getattr(bits, order) and bits.nibble_unit
+    bits = F.to_planar(weight, half_bits=True)
+    assert bits.half_bits and bits.nibble_unit
     np.testing.assert_array_equal(np.asarray(F.dequantize_weight(bits)), np.asarray(F.dequantize_weight(weight)))
     np.testing.assert_array_equal(np.asarray(F.to_k_order(bits).values), np.asarray(weight.values))
-    assert not getattr(F.to_k_order(bits), order)
+    assert not F.to_k_order(bits).half_bits
     int4 = F.quantize_weight(jnp.asarray(rng.normal(size=(2, 8, 256)), jnp.float32), F.INT4_G128)
-    assert not getattr(F.to_planar(int4, **{order: True}), order)  # not an e2m1 format: nibble order
-    with pytest.raises(ValueError, match=order):
-        dataclasses.replace(weight, **{order: True}).validate()
-    with pytest.raises(ValueError, match="two code orders"):
-        F.to_planar(weight, half_bits=True, e4m3_words=True)
-
-
-def test_e4m3_words_bit_places(rng):
-    """Each 32-bit word of ``to_planar(e4m3_words=True)`` against NumPy: the
-    code of half h, position j of the nibble-order word (nibble 4h + j) is code
-    k = 2j + h, its magnitude at bits 4k..4k+2, its sign at 8k + 7 (k < 4) or
-    8(k - 4) + 3."""
-    weight = F.quantize_weight(jnp.asarray(rng.normal(size=(2, 8, 256)), jnp.float32), F.MXFP4)
-    nibbles = np.asarray(F.to_planar(weight).values).reshape(-1, 4).astype(np.uint64)
-    words = np.asarray(F.to_planar(weight, e4m3_words=True).values).reshape(-1, 4).astype(np.uint64)
-    nibble_words = sum(nibbles[:, i] << np.uint64(8 * i) for i in range(4))
-    got = sum(words[:, i] << np.uint64(8 * i) for i in range(4))
-    want = np.zeros_like(got)
-    for h in range(2):
-        for j in range(4):
-            code = (nibble_words >> np.uint64(4 * (4 * h + j))) & np.uint64(0xF)
-            k = 2 * j + h
-            sign = 8 * k + 7 if k < 4 else 8 * (k - 4) + 3
-            want |= ((code & np.uint64(7)) << np.uint64(4 * k)) | ((code >> np.uint64(3)) << np.uint64(sign))
-    np.testing.assert_array_equal(got, want)
+    assert not F.to_planar(int4, half_bits=True).half_bits  # not an e2m1 format: nibble order
+    with pytest.raises(ValueError, match="half_bits"):
+        dataclasses.replace(weight, half_bits=True).validate()
 
 
 @pytest.mark.parametrize(

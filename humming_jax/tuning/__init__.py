@@ -5,13 +5,7 @@ runs the first whose kernel ``supports`` it."""
 
 import dataclasses
 
-from humming_jax.tuning.heuristic import (
-    DEQUANTIZE_MIN_ROWS,
-    e4m3_word_candidates,
-    for_block,
-    heuristic_candidates,
-    rows_per_expert,
-)
+from humming_jax.tuning.heuristic import DEQUANTIZE_MIN_ROWS, for_block, heuristic_candidates, rows_per_expert
 from humming_jax.tuning.table import Entry, format_class, load_table, table_entries, table_key, table_path
 from pallas_kernels.gemm import mosaic, mosaic_fp8, triton
 
@@ -45,11 +39,9 @@ def candidates(
     block_size: int | None = None,
     half_bits: bool = False,
     input_dtype: str | None = None,
-    e4m3_words: bool = False,
 ) -> list:
     """The table's entry for this call (its weight shape's, else its format
-    class's), then the heuristic's tilings (MXFP4 codes in the e4m3 word order,
-    ``e4m3_words``: the fp8 register form's tile alone, :func:`e4m3_word_candidates`). ``block_size``: an indexed
+    class's), then the heuristic's tilings. ``block_size``: an indexed
     layout's alignment block — a tile is one block, so an entry's Triton tile
     runs with that many rows (:func:`for_block`) and a Mosaic entry of other
     rows is left out; ``half_bits``: see
@@ -57,10 +49,8 @@ def candidates(
     4-bit weights with fp8 inputs at decode (under :data:`DEQUANTIZE_INPUT_MAX_ROWS`
     rows an expert) take, after their own entries, the weight-only format's
     entries with the input multiplied out first (``dequantize_input``)."""
-    rows = rows_per_expert(layout, valid_shape_m, num_experts)
-    if e4m3_words:
-        return e4m3_word_candidates(rows, block_size)
     entries = [e.tiles for e in table_entries(layout, fmt, valid_shape_m, num_experts, n, k, input_dtype)]
+    rows = rows_per_expert(layout, valid_shape_m, num_experts)
     if format_class(fmt, input_dtype) in ("4bit-a8", "fp4-a8") and rows < DEQUANTIZE_INPUT_MAX_ROWS:
         weight_only = [e.tiles for e in table_entries(layout, fmt, valid_shape_m, num_experts, n, k)]
         entries += [dataclasses.replace(t, dequantize_input=True) for t in weight_only if _multiplies_out(t)]

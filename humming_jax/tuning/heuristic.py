@@ -29,18 +29,6 @@ BYTE_PAIRS_MOSAIC_MIN_M = 128
 # kernel decodes the codes (MX_BF16_MOSAIC).
 MX_MOSAIC_MIN_ROWS = 32
 MX_FP8_SWAP = mosaic_fp8.Tiles(64, 256, stages=4, group_m=8, swap_ab=True)
-
-
-def e4m3_word_candidates(rows_per_expert: int, block_size: int | None = None) -> list:
-    """MXFP4 codes in the e4m3 word order (``to_planar(e4m3_words=True)``):
-    only the fp8 kernel's register form reads them, on its swapped tile with
-    x's rows as the wgmma's N — the expert's rows rounded up to 8 (to 64), or
-    an indexed layout's block (over 64 rows: 128 weight rows a program, the
-    accumulators' limit)."""
-    rows = block_size or min(64, max(8, -(-rows_per_expert // 8) * 8))
-    return [mosaic_fp8.Tiles(rows, 256 if rows <= 64 else 128, stages=4, swap_ab=True)]
-
-
 # MXFP4 with fp8 inputs from this many rows an expert: the codes decoded once a call into an
 # e4m3 copy, then W8A8's loop with a scale per column (mosaic_fp8.Tiles.dequantize_first),
 # while the copy (E x N x K bytes, a transient of the call) stays under E4M3_COPY_MAX_BYTES.

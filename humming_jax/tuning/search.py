@@ -70,10 +70,6 @@ DECODE = (
     _t(16, 128, 256, 4, 3, dequantize_input=True, **_PAIRS),
     _t(16, 64, 256, 4, 3, dequantize_input=True, **_SWAP_PAIRS),
     _t(32, 128, 256, 4, 3, dequantize_input=True, **_PAIRS),
-    # fp8 inputs: the fp8 kernel with x's rows as the wgmma's N (e4m3 weights from shared
-    # memory, MXFP4 decoded as the register operand).
-    mosaic_fp8.Tiles(8, 256, stages=4, swap_ab=True),
-    mosaic_fp8.Tiles(16, 256, stages=4, swap_ab=True),
 )
 # Experts of 17-32 rows on average: one 64-row tile decodes the weight once.
 MID = (
@@ -88,8 +84,6 @@ MID = (
     _t(32, 256, 128, 8, 3, dequantize_input=True, **_SWAP_PAIRS),
     # MXFP4 with fp8 inputs: the fp8 kernel's decoded step as the register operand.
     mosaic_fp8.Tiles(64, 256, stages=4, swap_ab=True),
-    mosaic_fp8.Tiles(32, 256, stages=4, swap_ab=True),
-    mosaic_fp8.Tiles(48, 256, stages=4, swap_ab=True),
 )
 PREFILL = (
     _t(128, 256, 64, 8, 4),

@@ -255,8 +255,6 @@ def decode_refusal(w: WeightSpec, x_dtype: str) -> str | None:
 def e2m1_refusal(w: WeightSpec, x_dtype: str) -> str | None:
     """Why the kernel cannot decode this e2m1 weight (None if it can: MXFP4,
     planar, with bf16 inputs)."""
-    if w.e4m3_words:
-        return "e2m1 codes in the e4m3 word order (the fp8 kernel's register form reads them; or dequantize_first)"
     if (w.scale, w.scale_type, w.group_size) != ("group", "e8m0", E2M1_UNIT) or w.global_scale != "none":
         return f"e2m1 weights with {w.scale} {w.scale_type} scales of {w.group_size} (MXFP4: e8m0 per {E2M1_UNIT})"
     if w.nibble_unit != E2M1_UNIT:
@@ -669,7 +667,7 @@ def join_columns(arrays, interpret: bool):
     @plgpu.inline_mgpu(arg_types=(layout,) * len(arrays), return_type=out)
     def join(_, *parts):
         registers = np.concatenate([part.registers for part in parts], axis=1)
-        return mgpu.FragmentedArray(_registers=registers, _layout=parts[0].layout, _is_signed=parts[0].is_signed)
+        return mgpu.FragmentedArray(_registers=registers, _layout=parts[0].layout, _is_signed=None)
 
     return join(*arrays)
 

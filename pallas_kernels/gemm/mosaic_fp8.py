@@ -49,13 +49,12 @@ class Tiles:
     block_n: int = 128
     stages: int = 4
     group_m: int = 8
-    # out.T = w @ x.T, stored transposed: x's rows are the wgmma's N (any multiple of 8,
-    # a few rows an expert). e4m3 weights: both operands from shared memory. MXFP4
-    # (W4A8): the decoded step is the wgmma's A operand straight from registers (no
-    # shared-memory stores of the decoded weight); a thread's decoded codes land in
-    # its 8-bit WGMMA fragment in another column order within each 32-column unit,
-    # x's columns permuted to match (fragment_columns: a pass over x, not over every
-    # expert's codes). Compiled only: the interpreter runs it from shared memory.
+    # MXFP4 (W4A8): the decoded step is the wgmma's A operand straight from registers
+    # (out.T = w @ x.T, stored transposed): no shared-memory stores of the decoded
+    # weight. A thread's decoded codes land in its 8-bit WGMMA fragment in another
+    # column order within each 32-column unit; x's columns are permuted to match
+    # (fragment_columns: a pass over x, not over every expert's codes).
+    # Compiled only: the interpreter runs the product from shared memory.
     swap_ab: bool = False
     # MXFP4 (W4A8): every code decoded once a call into an e4m3 copy of the weight
     # (mx_e4m3.decoded_weight: the bytes the in-kernel decoders make), then the e4m3
@@ -81,14 +80,12 @@ class Scaling:
     f32), ``w`` tensor / channel / block (128 x 128, f32) / mx (MXFP4 codes
     decoded in the kernel, a scale per column); ``half_bits``: mx
     codes in the pair decoder's bit order (``word_decode.E2M1_HALF_BITS``);
-    ``k_major_scales``: mx scales stored ``[E, K/32, N]``; ``e4m3_words``: mx
-    codes in the byte decoder's word order (``word_decode.e2m1_e4m3_program``)."""
+    ``k_major_scales``: mx scales stored ``[E, K/32, N]``."""
 
     x: str
     w: str
     half_bits: bool = False
     k_major_scales: bool = False
-    e4m3_words: bool = False
 
     @property
     def per_step(self) -> bool:
@@ -100,21 +97,9 @@ class Scaling:
         return self.w == "mx"
 
 
-# A TMA copy into shared memory starts at a 128-byte multiple: a step's row scales go in
-# boxes of 32 f32 (one 128-byte row); a tile of fewer rows (the swapped decode tile) reads its first.
-SCALE_BOX_ROWS = 32
-
-
-def scale_box(block_m: int) -> int:
-    """Rows of x's per-step scales a stage loads: ``block_m`` up to a multiple of :data:`SCALE_BOX_ROWS`."""
-    return -(-block_m // SCALE_BOX_ROWS) * SCALE_BOX_ROWS
-
-
 def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     """Why the static TMA boxes and wgmma tiles cannot take these shapes (None if they can)."""
-    if tiles.swap_ab and (tiles.wg_m % 8 or tiles.wg_m > 128):
-        return f"swap_ab with block_m={tiles.block_m} (x's rows are the wgmma's N: a multiple of 8 to 128)"
-    if not tiles.swap_ab and tiles.wg_m not in (64, 128):
+    if tiles.wg_m not in (64, 128):
         return f"block_m={tiles.block_m} (64 or 128: the wgmma's rows)"
     if tiles.wg_n % mosaic.EPILOGUE_COLUMNS or tiles.wg_n > 256:
         return f"block_n={tiles.block_n} (a multiple of {mosaic.COMPUTE_WGS * mosaic.EPILOGUE_COLUMNS}, at most 512)"
@@ -124,6 +109,8 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     if tiles.wg_m * tiles.wg_n > most:
         twice = " twice" if scaling.per_step else ""
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {most} values{twice})"
+    if tiles.swap_ab and not scaling.mx:
+        return "swap_ab with e4m3 weights (the decoded MXFP4 step only)"
     if tiles.dequantize_first and not scaling.mx:
         return "dequantize_first with e4m3 weights (nothing to decode)"
     if tiles.dequantize_first and tiles.swap_ab:
@@ -144,7 +131,7 @@ def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype) -> int:
     the epilogue's store slots and the staged MXFP4 decode's slots."""
     mx = scaling.mx and not tiles.dequantize_first  # a decoded copy runs W8A8's loop
     weight = tiles.block_n * (BLOCK_K // 4 * 2 + mx_e4m3.PIECES) if mx else tiles.block_n * BLOCK_K
-    step = tiles.block_m * BLOCK_K + weight + (4 * scale_box(tiles.block_m) if scaling.x == "group" else 0)
+    step = tiles.block_m * BLOCK_K + weight + (4 * tiles.block_m if scaling.x == "group" else 0)
     scratch = mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
     if mx and not tiles.swap_ab:
         scratch += mosaic.COMPUTE_WGS * tiles.wg_n * BLOCK_K
@@ -189,7 +176,7 @@ def scaling_of(call: GemmCall) -> Scaling:
     """How the kernel applies the call's scales."""
     w = call.weight
     mode = "mx" if w.value_type == "float4_e2m1" else w.scale
-    return Scaling(call.x_scale.mode, mode, w.half_bits, w.k_major_scales and mode == "mx", w.e4m3_words)
+    return Scaling(call.x_scale.mode, mode, w.half_bits, w.k_major_scales and mode == "mx")
 
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
@@ -211,8 +198,6 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return f"out_dtype={call.out_dtype}"
     if tiles.swap_ab and jnp.dtype(call.out_dtype).itemsize != 2:
         return f"swap_ab with out_dtype={call.out_dtype} (out.T is stored through a 16-bit transposed view)"
-    if call.weight.e4m3_words and (tiles.dequantize_first or not (tiles.swap_ab or call.interpret)):
-        return "MXFP4 codes in the e4m3 word order (the register form, swap_ab, decodes them)"
     scaling = scaling_of(call)
     reason = tiles_refusal(tiles, call.weight.n, call.weight.k, scaling)
     if reason:
@@ -271,7 +256,7 @@ def _kernel(
             )
         )
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
-        in_specs.append(plgpu.BlockSpec((1, scale_box(bm)), lambda i: (i, 0)))
+        in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
     pipeline = functools.partial(mosaic.k_pipeline, steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages)
 
@@ -282,7 +267,7 @@ def _kernel(
         if scaling.mx:
             found.append(byte_gmem.at[group, :, cols])
         if scaling.x == "group":
-            found.append(x_scale_gmem.at[:, pl.ds(load_row, scale_box(bm))])
+            found.append(x_scale_gmem.at[:, pl.ds(load_row, bm)])
         return found
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
@@ -339,19 +324,13 @@ def _kernel(
                 store(acc.astype(o_gmem.dtype), transposed=swap)
 
             def summed_context(run):  # every scale on the sum: one accumulator through K
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC(acc_shape, jnp.float32))
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
                 def _(acc_ref):
                     run(acc_ref)
                     epilogue(acc_ref[...])
 
-            def e4m3_product(acc_ref, x_smem, w_smem):
-                if swap:  # out.T += w @ x.T: x's rows the wgmma's N (a few rows an expert)
-                    plgpu.wgmma(acc_ref, w_smem.at[wg_slice], x_smem.transpose((1, 0)))
-                else:
-                    plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
-
             def summed_step(indices, x_smem, w_smem, acc_ref):
-                e4m3_product(acc_ref, x_smem, w_smem)
+                plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
@@ -375,7 +354,7 @@ def _kernel(
 
                 def product(acc_ref):
                     if not scaling.mx:
-                        e4m3_product(acc_ref, x_smem, w_smem)
+                        plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
                         return acc_ref[...]
                     codes = w_smem[wg_slice]
                     scales = (byte_smem, top)
@@ -383,20 +362,13 @@ def _kernel(
                         # a piece (32 columns: one wgmma's K) at a time, so that the next piece's
                         # decode runs while the tensor cores multiply this one
                         for piece in range(mx_e4m3.PIECES):
-                            decoded = mx_e4m3.decode_piece(
-                                codes, scales, wg_slice, piece, scaling.half_bits, scaling.e4m3_words
-                            )
+                            decoded = mx_e4m3.decode_piece(codes, scales, wg_slice, piece, scaling.half_bits)
                             columns = pl.ds(piece * mx_e4m3.MX_GROUP, mx_e4m3.MX_GROUP)
                             plgpu.wgmma(acc_ref, decoded, x_smem.at[:, columns].transpose((1, 0)))
-                            if piece < mx_e4m3.PIECES - 1:
-                                # at most two pieces' operands live: more and ptxas serializes the wgmmas
-                                plgpu.wgmma_wait(1)
                         return acc_ref[...]
                     # The last step's wgmma read the slot before its product was read back.
                     slot = stage.at[wg]
-                    slot[...] = mx_e4m3.decode_step(
-                        codes, scales, wg_slice, scaling.half_bits, interpret, scaling.e4m3_words
-                    )
+                    slot[...] = mx_e4m3.decode_step(codes, scales, wg_slice, scaling.half_bits, interpret)
                     plgpu.commit_smem()
                     if swap:
                         plgpu.wgmma(acc_ref, slot, x_smem.transpose((1, 0)))
@@ -408,7 +380,7 @@ def _kernel(
                 if scaling.w == "block":
                     w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
                 if scaling.x == "group":
-                    row_scale = plgpu.load(x_scale_smem.at[0, pl.ds(0, bm)], layout=m_layout, optimized=False)
+                    row_scale = plgpu.load(x_scale_smem.at[0], layout=m_layout, optimized=False)
                     if scaling.w == "block":
                         row_scale = row_scale * w_scale
                     total = total + per_m(part, row_scale)
@@ -534,8 +506,7 @@ def expert_gemm_fp8(
         if tiles.swap_ab and not interpret:  # the register operand's column order
             x = fragment_columns(x)
     padded = mosaic.padded_rows(m, tiles.block_m)
-    # the last tile's scale box may reach past the padded rows: zeros there
-    x_scale, w_scale = _flat_scales(scaling, x_scale, w_scale, padded + scale_box(tiles.block_m) - tiles.block_m, m, k)
+    x_scale, w_scale = _flat_scales(scaling, x_scale, w_scale, padded, m, k)
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
     if table is None:

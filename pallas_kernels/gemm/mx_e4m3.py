@@ -18,13 +18,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.extend.mlir import ir
-from jax.extend.mlir.dialects import arith
 
 from pallas_kernels import codecs, word_decode
 from pallas_kernels.gemm import mosaic
@@ -60,104 +56,21 @@ def _piece_values(codes, scales, wg_slice, piece: int, half_bits: bool, interpre
     return mosaic.e2m1_piece(codes, piece, bits, jnp.float16, interpret) * factor
 
 
-def decode_step(codes, scales, wg_slice, half_bits: bool, interpret: bool, e4m3_words: bool = False):
+def decode_step(codes, scales, wg_slice, half_bits: bool, interpret: bool):
     """A K step's columns from its MXFP4 codes ``uint16 [rows, 32]`` as e4m3
     ``[rows, 128]``: each unit's values (:func:`_piece_values`), the units
-    joined in column order. Codes in the e4m3 word order (``e4m3_words``) are
-    read interpreted only (the register form decodes them compiled): turned
-    back into nibble order first."""
-    if e4m3_words:
-        if not interpret:
-            raise ValueError("mx_e4m3.decode_step: e4m3 words are decoded compiled by decode_piece only")
-        codes, half_bits = nibble_halves(codes), False
+    joined in column order."""
     pieces = [_piece_values(codes, scales, wg_slice, piece, half_bits, interpret) for piece in range(PIECES)]
     return mosaic.join_columns(pieces, interpret).astype(jnp.float8_e4m3fn)
 
 
-def decode_piece(codes, scales, wg_slice, piece: int, half_bits: bool, e4m3_words: bool = False):
+def decode_piece(codes, scales, wg_slice, piece: int, half_bits: bool):
     """Piece ``piece`` (columns ``[32 piece, 32 piece + 32)``) of a K step's
     MXFP4 codes as :func:`decode_step` decodes it, in the 8-bit WGMMA layout
     (one fp8 wgmma's register operand; a unit's code at half h, position j in
-    column ``mosaic_fp8.fragment_column(h, j)``). Compiled only. Codes in the
-    e4m3 word order: by :func:`_decode_piece_words` (the same bytes, places)."""
-    if e4m3_words:
-        return _decode_piece_words(codes, scales, wg_slice, piece)
+    column ``mosaic_fp8.fragment_column(h, j)``). Compiled only."""
     decoded = _piece_values(codes, scales, wg_slice, piece, half_bits, False).astype(jnp.float8_e4m3fn)
     return mosaic.eight_bit_fragments(decoded)
-
-
-def nibble_halves(codes: jax.Array) -> jax.Array:
-    """``uint16 [rows, 32]`` codes in the e4m3 word order (halves 2t, 2t + 1 a
-    word) back in planar nibble order (the interpreter's float decode)."""
-    rows, halves = codes.shape
-    pairs = codes.reshape(rows, halves // 2, 2).astype(jnp.uint32)
-    word = pairs[..., 0] | (pairs[..., 1] << 16)
-    nibbles = jnp.zeros_like(word)
-    for k, code in enumerate(word_decode.e4m3_word_codes(word)):  # code k: half k % 2, position k // 2
-        nibbles = nibbles | (code << (4 * (4 * (k % 2) + k // 2)))
-    return jnp.stack([nibbles & 0xFFFF, nibbles >> 16], axis=-1).reshape(rows, halves).astype(jnp.uint16)
-
-
-def _decode_piece_words(codes, scales, wg_slice, piece: int):
-    """Piece ``piece`` of a K step's codes in the e4m3 word order as the
-    register operand (compiled only): the byte table of each row's gap for
-    the piece's group (:func:`word_decode.e2m1_e4m3_tables`, broadcast along
-    the unit's 8 halves), then per 32-bit word of codes (a thread's halves 2t,
-    2t + 1 of the unit) :func:`word_decode.e2m1_e4m3_program`'s two registers:
-    the 8-bit fragments of the piece's two 16-column tiles — the bytes and
-    places the float path gives (:func:`mosaic.eight_bit_fragments`), so x's
-    column order is the same. About one integer operation a value."""
-    byte_smem, top = scales
-    rows = codes.shape[0]
-    gap = jnp.minimum(top - byte_smem[piece, wg_slice].astype(jnp.int32), MAX_GAP)
-    ta, tb = (jnp.broadcast_to(t[:, None], (rows, MX_GROUP // 4)) for t in word_decode.e2m1_e4m3_tables(gap, jnp.where))
-    program = word_decode.e2m1_e4m3_program()
-    wgmma = plgpu.Layout.WGMMA
-    out = plgpu.ShapeDtypeStruct((rows, MX_GROUP), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
-
-    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma, wgmma), return_type=out)
-    def decode(_, words, table_a, table_b):
-        i32 = ir.IntegerType.get_signless(32)
-        quad = ir.VectorType.get((4,), mgpu.utils.dtype_to_ir_type(jnp.dtype(jnp.float8_e4m3fn)))
-
-        def first(register):  # one 32-bit value (a table register's two values are equal)
-            if mgpu.utils.bitwidth(register.type) == 64:
-                register = mgpu.utils.vector_slice(register, slice(0, 1))
-            return mgpu.utils.bitcast(register, i32)
-
-        def run(word, ta, tb):
-            regs = {word_decode.WORD: first(word), "ta": first(ta), "tb": first(tb)}
-
-            def val(x):
-                return regs[x] if isinstance(x, str) else mgpu.utils.c(x - (1 << 32) if x >= 1 << 31 else x, i32)
-
-            for op in program.ops:
-                a, b = val(op.a), val(op.b)
-                if op.op == "and":
-                    regs[op.dst] = arith.andi(a, b)
-                elif op.op == "or_and":  # one lop3 (an and and an or with two immediates issue twice)
-                    lut = "lop3.b32 $0, $1, $2, $3, 0xea;"
-                    regs[op.dst] = mgpu.utils.inline_ptx(lut, a, b, val(op.c), result_types=i32)
-                elif op.op == "shl":
-                    regs[op.dst] = arith.shli(a, b)
-                elif op.op == "shr":
-                    regs[op.dst] = arith.shrui(a, b)
-                elif op.op == "prmt":  # bytes 0-3 from a, 4-7 from b
-                    regs[op.dst] = mgpu.utils.prmt(a, b, val(op.c))
-                else:
-                    raise NotImplementedError(f"e2m1 -> e4m3 decoder op {op.op}")
-            return [mgpu.utils.bitcast(regs[output], quad) for output in program.outputs]
-
-        unit = words.registers[:, piece]
-        quads = np.empty((unit.shape[0], 2, *unit.shape[1:]), dtype=object)
-        for index in np.ndindex(unit.shape):
-            at = (index[0], 0, *index[1:])
-            low, high = run(unit[index], table_a.registers[at], table_b.registers[at])
-            quads[at] = low
-            quads[(index[0], 1, *index[1:])] = high
-        return mgpu.FragmentedArray(_registers=quads, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
-
-    return decode(codes, ta, tb)
 
 
 def mx_operands(values: jax.Array, scale: jax.Array, k_major: bool = False) -> tuple[jax.Array, ...]:

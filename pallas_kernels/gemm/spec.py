@@ -32,9 +32,6 @@ class WeightSpec:
     # Planar e2m1 codes with each 16-bit half's bits in the pair decoder's
     # order (word_decode.E2M1_HALF_BITS): read as halves (pairs) only.
     half_bits: bool = False
-    # Planar e2m1 codes with each 32-bit word in the fp8 kernel's byte decoder's
-    # order (word_decode.e4m3_words_from_codes): its register form reads them only.
-    e4m3_words: bool = False
     # Group scales stored [E, K/g, N] (the Mosaic kernels' TMA order), not [E, N, K/g].
     k_major_scales: bool = False
 

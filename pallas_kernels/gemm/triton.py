@@ -99,8 +99,6 @@ X_SHIFT = {"float8_e4m3fn": 8, "float8_e5m2": 15, "int8": 7}  # shifted, each dt
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
     """Why this kernel cannot run ``call`` with ``tiles`` (None if it can)."""
-    if call.weight.e4m3_words:
-        return "e2m1 codes in the e4m3 word order (the fp8 Mosaic kernel's register form reads them)"
     if tiles.dequantize_input:
         if call.input_quant == "none":
             return "dequantize_input with an unquantized input (nothing to dequantize)"
