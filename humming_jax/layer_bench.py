@@ -277,19 +277,22 @@ def _layer_fn(case: LayerCase, backend: str | None):
 def _traced_fields(case: LayerCase, fn, sets, layer_us: float) -> dict:
     """From a kernel trace of the layer (a GPU, one device): the GEMM kernels'
     own time inside it (``gemm_kernel_us``), every kernel's
-    (``kernel_us``), and the share of the layer outside the GEMM kernels —
+    (``kernel_us``), the time some kernel ran (``busy_us``: less where
+    events overlap) and first start to last end (``span_us``: with the
+    gaps), each a call; the share of the layer outside the GEMM kernels —
     the stages, each timed alone, carry a launch each, which at decode is a
     good part of a stage —, and the trace's longest kernels (``traced_kernels``:
     thread, name, launches and µs a call). None elsewhere."""
-    untraced = dict(gemm_kernel_us=None, kernel_us=None, traced_outside_share=None, traced_kernels=None)
-    if jax.default_backend() != "gpu" or case.pipeline.startswith("ep"):
-        return untraced
-    traced = traced_kernels(fn, [(s,) for s in sets], (GEMM_KERNELS,))
+    names = ("gemm_kernel_us", "kernel_us", "busy_us", "span_us", "traced_outside_share", "traced_kernels")
+    traced = None
+    if jax.default_backend() == "gpu" and not case.pipeline.startswith("ep"):
+        traced = traced_kernels(fn, [(s,) for s in sets], (GEMM_KERNELS,))
     if traced is None:
-        return untraced
-    gemm_us, kernel_us = traced.seconds[GEMM_KERNELS] * 1e6, traced.seconds["all"] * 1e6
-    share = 1.0 - gemm_us / layer_us if gemm_us > 0 else None
-    return dict(gemm_kernel_us=gemm_us, kernel_us=kernel_us, traced_outside_share=share, traced_kernels=traced.table)
+        return dict.fromkeys(names)
+    us = {key: value * 1e6 for key, value in traced.seconds.items()}
+    share = 1.0 - us[GEMM_KERNELS] / layer_us if us[GEMM_KERNELS] > 0 else None
+    figures = (us[GEMM_KERNELS], us["all"], us["busy"], us["span"], share, traced.table)
+    return dict(zip(names, figures, strict=True))
 
 
 def _outside(r: dict) -> float | None:
@@ -498,7 +501,7 @@ def format_row(r: dict) -> str:
     if r.get("traced_outside_share") is not None:
         stage_text += (
             f" traced: gemm kernels={r['gemm_kernel_us']:.1f} all kernels={r['kernel_us']:.1f}"
-            f" outside={100 * r['traced_outside_share']:.0f}%"
+            f" busy={r['busy_us']:.1f} span={r['span_us']:.1f} outside={100 * r['traced_outside_share']:.0f}%"
         )
     gemm = "" if r["gemm_us"] is None else f"{r['gemm_us']:.1f}"
     outside = "" if r["outside_share"] is None else f"{100 * r['outside_share']:.0f}%"

@@ -212,17 +212,32 @@ def _device_events(events: Sequence[dict]) -> tuple[list[dict], dict[tuple[int, 
     return kernels, threads
 
 
+def _union_seconds(kernels: Sequence[dict]) -> float:
+    """Seconds some event is running (the union of ``[ts, ts + dur)``): the
+    sum of the durations less any overlap."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy * 1e-6
+
+
 def device_kernel_seconds(events: Sequence[dict], prefixes: Sequence[str]) -> dict[str, float] | None:
     """Seconds of the device kernels in a Chrome / Perfetto trace's ``events``
-    (``traceEvents``: complete events, ``dur`` in µs) whose names start with
-    each prefix, and ``"all"`` device kernels; a device is a process whose
-    ``process_name`` starts ``/device:`` (host events are not counted). None
-    where the trace holds no device kernel (a CPU run)."""
+    (``traceEvents``: complete events, ``ts`` and ``dur`` in µs) whose names
+    start with each prefix, ``"all"`` device kernels, ``"busy"`` the time
+    some kernel ran (``all`` less overlap: events that run at once, or a
+    line that repeats a stream's) and ``"span"`` first start to last end
+    (``busy`` plus the gaps); a device is a process whose ``process_name``
+    starts ``/device:`` (host events are not counted). None where the trace
+    holds no device kernel (a CPU run)."""
     kernels, _ = _device_events(events)
     if not kernels:
         return None
     totals = {prefix: sum(e["dur"] for e in kernels if e["name"].startswith(prefix)) * 1e-6 for prefix in prefixes}
-    return {**totals, "all": sum(e["dur"] for e in kernels) * 1e-6}
+    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) * 1e-6
+    return {**totals, "all": sum(e["dur"] for e in kernels) * 1e-6, "busy": _union_seconds(kernels), "span": span}
 
 
 def device_kernel_table(events: Sequence[dict], calls: int, rows: int = 16) -> list[dict]:

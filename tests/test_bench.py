@@ -132,15 +132,17 @@ def test_device_kernel_seconds_counts_device_kernels_only():
     events = [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
         {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-        {"ph": "X", "pid": 1, "name": "moe_gemm_grouped_contiguous_uint4", "dur": 500.0},
-        {"ph": "X", "pid": 7, "name": "moe_gemm_grouped_contiguous_uint4", "dur": 9.5},
-        {"ph": "X", "pid": 7, "name": "moe_gemm_mosaic", "dur": 4.5},
-        {"ph": "X", "pid": 7, "name": "moe_process_input", "dur": 2.0},
-        {"ph": "X", "pid": 7, "name": "loop_fusion", "dur": 1.0},
-        {"ph": "i", "pid": 7, "name": "moe_gemm_marker"},
+        {"ph": "X", "pid": 1, "name": "moe_gemm_grouped_contiguous_uint4", "ts": 0.0, "dur": 500.0},
+        {"ph": "X", "pid": 7, "name": "moe_gemm_grouped_contiguous_uint4", "ts": 100.0, "dur": 9.5},
+        {"ph": "X", "pid": 7, "name": "moe_gemm_mosaic", "ts": 112.0, "dur": 4.5},
+        {"ph": "X", "pid": 7, "name": "moe_process_input", "ts": 115.5, "dur": 2.0},  # overlaps the last by 1
+        {"ph": "X", "pid": 7, "name": "loop_fusion", "ts": 120.0, "dur": 1.0},
+        {"ph": "i", "pid": 7, "name": "moe_gemm_marker", "ts": 130.0},
     ]
     got = timing.device_kernel_seconds(events, ("moe_gemm", "moe_process"))
-    assert got == pytest.approx({"moe_gemm": 14e-6, "moe_process": 2e-6, "all": 17e-6})
+    # busy: 17 less the 1 µs of overlap; span: 100 to 121
+    want = {"moe_gemm": 14e-6, "moe_process": 2e-6, "all": 17e-6, "busy": 16e-6, "span": 21e-6}
+    assert got == pytest.approx(want)
     assert timing.device_kernel_seconds(events[:1] + events[2:3], ("moe_gemm",)) is None
     # by stream and name, a call of two: the longest first, host events left out
     streams = [{"ph": "M", "pid": 7, "tid": 3, "name": "thread_name", "args": {"name": "Stream #3"}}]
