@@ -62,10 +62,6 @@ DECODE = (
     _t(16, 64, 256, 4, 3, split_k=4),
     _t(16, 64, 256, 4, 3, split_k=8),
     _t(16, 256, 256, 8, 3, **_PAIRS),
-    # The 16-bit Mosaic kernel's decoding swap tile at decode sizes (x's rows the wgmma's N),
-    # the form Humming's W4A16 decode tiles have (8 rows x 256 weight rows).
-    mosaic.Tiles(8, 256, 128, stages=4, swap_ab=True, word_decode=True),
-    mosaic.Tiles(16, 256, 128, stages=4, swap_ab=True, word_decode=True),
     # Scaled inputs multiplied out to bf16 first: the weight-only tiles (refused for 16-bit inputs).
     _t(16, 128, 256, 4, 3, dequantize_input=True, **_PAIRS),
     _t(16, 64, 256, 4, 3, dequantize_input=True, **_SWAP_PAIRS),
