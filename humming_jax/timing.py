@@ -262,9 +262,9 @@ def device_kernel_table(events: Sequence[dict], calls: int, rows: int = 16) -> l
 
 @dataclasses.dataclass(frozen=True)
 class TracedKernels:
-    """A kernel trace's figures for one call: ``seconds`` by name prefix and
-    ``"all"`` (:func:`device_kernel_seconds`), ``table`` the events by thread
-    and name (:func:`device_kernel_table`)."""
+    """A kernel trace's figures for one call: ``seconds`` by name prefix,
+    ``"all"``, ``"busy"`` and ``"span"`` (:func:`device_kernel_seconds`),
+    ``table`` the events by thread and name (:func:`device_kernel_table`)."""
 
     seconds: dict[str, float]
     table: list[dict]
