@@ -13,6 +13,12 @@ inference and the lowering of the Mosaic dialect (per-thread ``vector``,
 the GPU machine). Operations are counted as written in the module (an
 unrolled loop body once per copy), not as executed. Uses a private hook of
 jax 0.11.2's Mosaic GPU lowering (the module's serialization).
+
+It also checks every TMA copy's shared-memory address (``--tma``,
+:func:`capture_tma_copies`): TMA reads and writes shared memory at 128-byte
+multiples, and a box that starts elsewhere faults on the GPU (misaligned
+address) — the offset of each copy's shared buffer is followed back to the
+kernel's shared-memory base through the lowering's views and subviews.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
+import math
 import re
 import sys
 
@@ -59,6 +67,136 @@ def capture_mosaic_modules():
         yield texts
     finally:
         core._run_serde_pass = serialize
+
+
+TMA_ALIGN = 128  # bytes: where a TMA copy may start in shared memory
+BASE_ALIGN = 1024  # the dynamic shared memory's base (Mosaic swizzles from it)
+_DYNAMIC = -(2**63)  # MLIR's marker of a dynamic offset in a subview's static offsets
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaCopy:
+    """One TMA copy of a lowered kernel: ``direction`` "load" (global to
+    shared) or "store"; the shared buffer's ``shape`` and ``itemsize``; the
+    largest power of two its start is known to be a multiple of (bytes,
+    at most :data:`BASE_ALIGN`)."""
+
+    direction: str
+    shape: tuple[int, ...]
+    itemsize: int
+    alignment: int
+
+    @property
+    def aligned(self) -> bool:
+        return self.alignment % TMA_ALIGN == 0
+
+
+@contextlib.contextmanager
+def capture_tma_copies():
+    """Within the block, yields the list each Mosaic GPU TMA copy lowered
+    appends its :class:`TmaCopy` to."""
+    from jax.experimental.mosaic.gpu import launch_context
+
+    copies: list[TmaCopy] = []
+    async_copy = launch_context.LaunchContext.async_copy
+
+    def recording(self, *, src_ref, dst_ref, **kwargs):
+        load = _in_shared_memory(dst_ref)
+        smem = dst_ref if load else src_ref
+        copies.append(TmaCopy("load" if load else "store", *_buffer(smem), smem_alignment(smem)))
+        return async_copy(self, src_ref=src_ref, dst_ref=dst_ref, **kwargs)
+
+    launch_context.LaunchContext.async_copy = recording
+    try:
+        yield copies
+    finally:
+        launch_context.LaunchContext.async_copy = async_copy
+
+
+def _in_shared_memory(ref) -> bool:
+    return "#gpu.address_space<workgroup>" in str(ref.type)
+
+
+def _buffer(ref) -> tuple[tuple[int, ...], int]:
+    from jax._src.lib.mlir import ir
+
+    ty = ir.MemRefType(ref.type)
+    return tuple(ty.shape), _itemsize(ty)
+
+
+def _itemsize(ty) -> int:
+    bits = re.search(r"(\d+)", str(ty.element_type))
+    return max(1, int(bits.group(1)) // 8) if bits else 1
+
+
+def smem_alignment(ref) -> int:
+    """The largest power of two (at most :data:`BASE_ALIGN`) that the byte
+    offset of the shared buffer ``ref`` (an MLIR memref value) from the
+    dynamic shared memory's base is known to be a multiple of."""
+    const, unknown = _byte_offset(ref)
+    known = math.gcd(const, unknown) or BASE_ALIGN
+    return math.gcd(known, BASE_ALIGN)
+
+
+def _byte_offset(ref) -> tuple[int, int]:
+    """``(c, g)``: ``ref``'s byte offset from the shared base is ``c`` plus
+    some multiple of ``g`` (``g`` 0: exactly ``c``)."""
+    from jax._src.lib.mlir import ir
+
+    op = ref.owner
+    name = op.name
+    if name == "gpu.dynamic_shared_memory":
+        return 0, 0
+    if name == "memref.view":  # the buffer's byte shift in the shared memory
+        const, unknown = _byte_offset(op.operands[0])
+        shift = op.operands[1]
+        if shift.owner.name == "arith.constant":
+            return const + _factor(shift), unknown
+        return const, math.gcd(unknown, _factor(shift))
+    if name == "memref.subview":  # offsets along the source's strides
+        source = op.operands[0]
+        const, unknown = _byte_offset(source)
+        ty = ir.MemRefType(source.type)
+        strides, _ = ty.get_strides_and_offset()
+        dynamic = iter(op.operands[1:])
+        for offset, stride in zip(ir.DenseI64ArrayAttr(op.attributes["static_offsets"]), strides, strict=True):
+            step = stride * _itemsize(ty)
+            if offset == _DYNAMIC:
+                unknown = math.gcd(unknown, _factor(next(dynamic)) * step)
+            else:
+                const += offset * step
+        return const, unknown
+    if name in ("memref.expand_shape", "memref.collapse_shape", "memref.transpose", "memref.cast"):
+        return _byte_offset(op.operands[0])
+    raise NotImplementedError(f"smem_alignment: a shared buffer made by {name} (not followed)")
+
+
+def _factor(value, depth: int = 0) -> int:
+    """A number the integer ``value`` is known to be a multiple of (0: the value 0)."""
+    from jax._src.lib.mlir import ir
+
+    op = value.owner
+    if depth > 32 or not hasattr(op, "name"):
+        return 1  # a block argument (a loop's counter): any value
+    name, operands = op.name, op.operands
+    if name == "arith.constant":
+        return abs(ir.IntegerAttr(op.attributes["value"]).value)
+    if name in ("arith.index_cast", "arith.index_castui", "arith.extsi", "arith.extui"):
+        return _factor(operands[0], depth + 1)
+    if name == "arith.muli":
+        return _factor(operands[0], depth + 1) * _factor(operands[1], depth + 1)
+    if name == "arith.shli" and operands[1].owner.name == "arith.constant":
+        return _factor(operands[0], depth + 1) << _factor(operands[1], depth + 1)
+    if name in ("arith.addi", "arith.subi"):
+        return math.gcd(_factor(operands[0], depth + 1), _factor(operands[1], depth + 1))
+    if name == "arith.select":
+        return math.gcd(_factor(operands[1], depth + 1), _factor(operands[2], depth + 1))
+    return 1
+
+
+def misaligned(copies: list[TmaCopy]) -> list[TmaCopy]:
+    """The copies of ``copies`` whose shared address may start off a 128-byte multiple."""
+    return sorted({c for c in copies if not c.aligned}, key=str)
 
 
 FP8_FORMATS = ("w8a8_fp8_block128", "w4a8_mxfp4")  # the fp8 kernel's: e4m3 blocks / MXFP4, fp8 group-128 inputs
@@ -162,10 +300,18 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True, help="as inspect_gemm's: mosaic (mosaic_fp8 for the fp8 formats)")
     parser.add_argument("--out", help="write the module text here")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--tma", action="store_true", help="list the TMA copies' shared-memory alignment")
     args = parser.parse_args(argv)
     tuning = parse_config(args.config)
     shape = tuple(int(v) for v in args.shape.split(","))
-    text = mosaic_ir(args.fmt, shape, args.rows, tuning)
+    with capture_tma_copies() as copies:
+        text = mosaic_ir(args.fmt, shape, args.rows, tuning)
+    bad = misaligned(copies)
+    print(f"TMA copies: {len(copies)}, {len(bad)} may start off a {TMA_ALIGN}-byte multiple")
+    if args.tma or bad:
+        for copy, count in sorted(collections.Counter(copies).items(), key=str):
+            flag = "" if copy.aligned else "  MISALIGNED"
+            print(f"{count:6d}  {copy.direction} {copy.shape} x{copy.itemsize} B, aligned to {copy.alignment}{flag}")
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
@@ -175,7 +321,7 @@ def main(argv=None) -> int:
     print(f"{len(text.splitlines())} lines; most frequent operations:")
     for name, count in op_histogram(text).most_common(args.top):
         print(f"{count:6d}  {name}")
-    return 0
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The kernels lower to Triton IR for sm_90 on the CPU — the GPU-only paths
 (the GEMM's inline-PTX word decoders, which interpret mode replaces by jnp)
 and the loops and launches interpret mode runs differently: what the kernel
-tests cannot see without a GPU."""
+tests cannot see without a GPU. The Mosaic kernels' TMA copies, lowered the
+same way, are checked against TMA's shared-memory alignment."""
 
 import math
 import os
@@ -14,9 +15,12 @@ import pytest
 import humming_jax as hj
 from benchmarks.inspect_gemm import parse_config
 from benchmarks.lower_sm90 import capture_triton_modules, gemm_ttir, loads_in_loops, process_ttir, ttir_of
+from humming_jax import formats as F
 from humming_jax import input_quant as Q
-from humming_jax.tiles_text import from_text
+from humming_jax.tiles_text import from_text, gemm_from_text
 from pallas_kernels.process_input import Tiles
+
+from sweep import FULL
 
 SHAPE = (4, 256, 512)
 # Lowering for the GPU backend warns that Pallas's Triton backend is deprecated (our GPU path today).
@@ -469,3 +473,165 @@ def test_sass_loop_assembles_newer_ptx(tmp_path, monkeypatch):
         ptx.write_text(".version 9.0\n")
         fake.write_text("#!/bin/sh\necho 'ptxas fatal: syntax error' >&2; exit 1\n")
         sass_loop.assemble(str(ptx))
+
+
+# What a Mosaic tiling is lowered for in the TMA check: the 16-bit kernel's formats (W4A8
+# for the tiles that multiply a scaled input out first) and the fp8 kernel's pairs.
+MOSAIC_FORMATS = ("bf16", "int4_g128", "mxfp4", "mxfp4@fp8_dynamic_group128")
+FP8_KERNEL_FORMATS = (
+    "fp8_block128@fp8_dynamic_group128",
+    "fp8_channel@fp8_dynamic_token",
+    "mxfp4@fp8_dynamic_group128",
+    "mxfp4@fp8_dynamic_token",
+)
+# (E, N, K) of the problems, for the grid of calls whose candidates are gathered.
+PROBLEM_SHAPES = ((128, 1536, 2048), (128, 2048, 768), (8, 28672, 4096), (8, 4096, 14336), (256, 4096, 7168))
+
+
+def _mosaic_tilings(sweep: bool) -> list:
+    """The Mosaic tilings a call can run — the shipped table's entries and
+    the heuristic's (as the op lists them over a grid of calls) — and with
+    ``sweep`` the rest of what ``tune`` can write (the sweep's lists, the
+    swap tiles sized to experts of several row counts)."""
+    from humming_jax import tuning as T
+    from humming_jax.tuning import search
+    from pallas_kernels.gemm import mosaic, mosaic_fp8
+
+    found = [entry.tiles for entries in T.load_table().values() for entry in entries]
+    for fmt in ("bf16", "int4_g128", "mxfp4", "fp8_block128", "fp8_channel"):
+        for inputs in (None, "float8_e4m3"):
+            for e, n, k in PROBLEM_SHAPES:
+                for m in (8, 128, 1024, 4096, 16384, 65536):
+                    for layout in ("grouped_contiguous", "indexed", "grouped_masked"):
+                        found += T.candidates(layout, F.get_format(fmt), m, e, n, k, None, True, inputs)
+    if sweep:
+        found += [*search.DECODE, *search.MID, *search.PREFILL, *search.TALL_TILES]
+        for rows in (12, 40, 300):  # 16, 48 (cluster pairs) and 168 rows (alone)
+            found += search.expert_sized(rows)
+    return list(dict.fromkeys(t for t in found if isinstance(t, (mosaic.Tiles, mosaic_fp8.Tiles))))
+
+
+def _layout_args(layout_kind: str, e: int, m: int, block: int):
+    """(abstract route arrays, the layout built from them) of a small call."""
+    if layout_kind == "indexed":
+        blocks = -(-m // block)
+        route = (
+            jax.ShapeDtypeStruct((blocks * block,), jnp.int32),
+            jax.ShapeDtypeStruct((blocks,), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+        )
+        return route, lambda *r: hj.Indexed(*r, top_k=1, block_size=block)
+    if layout_kind == "grouped_masked":
+        return (jax.ShapeDtypeStruct((e,), jnp.int32),), hj.GroupedMasked
+    return (jax.ShapeDtypeStruct((e + 1,), jnp.int32),), hj.GroupedContiguous
+
+
+def _gemm_lowering(fmt: str, tiles, layout_kind: str = "grouped_contiguous"):
+    """``(lower, supported)`` of ``gemm`` of ``fmt`` (``WEIGHT@INPUT``) with
+    ``tiles`` on a small problem every tiling divides: ``lower()`` lowers it
+    for the GPU; ``supported``: the tiling's kernel takes the call."""
+    from humming_jax import bench
+    from humming_jax.gemm import as_quantized_input, plan
+
+    weight_format, quant = bench.split_format(fmt)
+    e, n, k, m = 4, 512, 512, 600
+    half_bits, k_major = F.planar_half_bits("bfloat16", quant), F.k_major_scales_preferred(weight_format)
+
+    def make(w, x):
+        weight = F.to_planar(F.quantize_weight(w, weight_format), half_bits=half_bits, k_major_scales=k_major)
+        return weight, (Q.quantize_input(x, quant) if quant.is_quantized else x)
+
+    floats = (jax.ShapeDtypeStruct((e, n, k), jnp.float32), jax.ShapeDtypeStruct((m, k), jnp.bfloat16))
+    weight, x = jax.eval_shape(make, *floats)
+    route, layout_of = _layout_args(layout_kind, e, m, tiles.block_m)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (weight, x, route))
+    ran, _ = plan(as_quantized_input(zeros[1]), zeros[0], layout_of(*zeros[2]), tuning=tiles)
+
+    def lower():
+        fn = jax.jit(lambda w, x, *r: hj.gemm(x, w, layout_of(*r), tuning=tiles, backend="pallas"))
+        return fn.trace(weight, x, *route).lower(lowering_platforms=("cuda",))
+
+    return lower, ran is not None
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("sweep", [False, pytest.param(True, marks=FULL)], ids=["defaults", "sweep"])
+def test_mosaic_tma_copies_start_on_128_byte_multiples(sweep, monkeypatch):
+    """Every Mosaic tiling the table or the heuristic runs (``--full``: and
+    the tune sweep's), lowered for the GPU with each format its kernel takes: each TMA
+    copy's shared-memory box starts on a 128-byte multiple (TMA's rule; a
+    box elsewhere faults on the GPU with a misaligned address — how two
+    compiled runs failed before this check: a 64-byte e4m3 output row, a
+    64-byte scale box a stage)."""
+    from benchmarks.mosaic_ir import capture_tma_copies, misaligned
+    from pallas_kernels.gemm import mosaic, mosaic_fp8
+
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
+    tilings = _mosaic_tilings(sweep)
+    assert len(tilings) >= 8
+    for tiles in tilings:
+        formats = FP8_KERNEL_FORMATS if isinstance(tiles, mosaic_fp8.Tiles) else MOSAIC_FORMATS
+        checked = 0
+        for fmt in formats:
+            lower, supported = _gemm_lowering(fmt, tiles)
+            if not supported:
+                continue
+            with capture_tma_copies() as copies:
+                lower()
+            assert copies and not misaligned(copies), (tiles, fmt, misaligned(copies))
+            checked += 1
+        assert checked, f"no format lowered {tiles}"
+    jax.clear_caches()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("layout_kind", ["indexed", "grouped_masked"])
+@pytest.mark.parametrize(
+    "fmt,config",
+    [
+        ("bf16", "mosaic:stages=3"),
+        ("int4_g128", "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
+        ("fp8_block128@fp8_dynamic_group128", "mosaic_fp8:block_m=64,block_n=256,stages=4"),
+        ("mxfp4@fp8_dynamic_group128", "mosaic_fp8:block_m=64,block_n=256,stages=4,swap_ab=1"),
+    ],
+)
+def test_mosaic_tma_copies_aligned_on_the_other_layouts(fmt, config, layout_kind, monkeypatch):
+    """The same rule on the indexed layout (row tiles from a block table,
+    whole-tile stores in block order) and the grouped-masked one, one
+    tiling of each kernel form."""
+    from benchmarks.mosaic_ir import capture_tma_copies, misaligned
+    from pallas_kernels.gemm import mosaic
+
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
+    lower, supported = _gemm_lowering(fmt, gemm_from_text(config), layout_kind)
+    assert supported
+    with capture_tma_copies() as copies:
+        lower()
+    assert copies and not misaligned(copies)
+
+
+@pytest.mark.parametrize("row,scale,alignment", [(0, 0, 1024), (1, 0, 64), (2, 0, 128), (0, 1, 64), (0, 2, 128)])
+def test_tma_check_follows_static_and_dynamic_offsets(row, scale, alignment):
+    """The check itself: a copy into row ``row + scale · program`` of a
+    ``[4, 16]`` f32 shared buffer (64-byte rows) starts at a multiple of
+    ``alignment`` — row 1 or a program-indexed row is 64 bytes off a
+    128-byte multiple, every other row is not."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from benchmarks.mosaic_ir import capture_tma_copies, misaligned
+
+    def body(x_gmem, o_gmem, smem, barrier):
+        plgpu.copy_gmem_to_smem(x_gmem, smem.at[row + jax.lax.axis_index("g") * scale], barrier)
+        plgpu.barrier_wait(barrier)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((16,), jnp.float32),
+        grid=(2,),
+        grid_names=("g",),
+        scratch_types=[plgpu.SMEM((4, 16), jnp.float32), plgpu.Barrier(num_arrivals=1)],
+    )
+    with capture_tma_copies() as copies:
+        jax.jit(kernel).trace(jax.ShapeDtypeStruct((16,), jnp.float32)).lower(lowering_platforms=("cuda",))
+    assert [c.alignment for c in copies] == [alignment]
+    assert bool(misaligned(copies)) == (alignment < 128)
