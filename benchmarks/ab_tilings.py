@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     parser.add_argument("--formats", nargs="+", required=True)
     parser.add_argument("--problems", nargs="+", default=["qwen3-30b-a3b"], choices=list(bench.PROBLEMS))
     parser.add_argument("--gemms", nargs="+", default=["w13", "w2"], choices=["w13", "w2"])
-    parser.add_argument("--layouts", nargs="+", default=["grouped"], choices=["grouped", "indexed"])
+    parser.add_argument("--layouts", nargs="+", default=["grouped"], choices=["grouped", "indexed", "masked"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--tilings", nargs="+", default=["default"], help="tiles text (tiles_text) or 'default'")
     parser.add_argument("--repeats", type=int, default=2)

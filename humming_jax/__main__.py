@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         "--problems", nargs="+", default=list(bench_module.PROBLEMS), choices=list(bench_module.PROBLEMS)
     )
     bench.add_argument("--tokens", nargs="+", type=int, default=list(bench_module.TOKENS))
-    bench.add_argument("--layouts", nargs="+", default=["grouped", "indexed"], choices=["grouped", "indexed"])
+    bench.add_argument("--layouts", nargs="+", default=["grouped", "indexed"], choices=["grouped", "indexed", "masked"])
     bench.add_argument("--gemms", nargs="+", default=["w13", "w2"], choices=["w13", "w2"])
     bench.add_argument("--no-compare", action="store_true", help="skip torch._grouped_mm and jax.lax.ragged_dot")
     bench.add_argument(
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     tune.add_argument("--problem", default="qwen3-30b-a3b", choices=list(bench_module.PROBLEMS))
     tune.add_argument("--gemm", default="w13", choices=["w13", "w2"], help="which of the problem's GEMMs to time")
-    tune.add_argument("--layouts", nargs="+", default=["grouped", "indexed"], choices=["grouped", "indexed"])
+    tune.add_argument("--layouts", nargs="+", default=["grouped", "indexed"], choices=["grouped", "indexed", "masked"])
     tune.add_argument(
         "--min-m", type=int, default=0, help="skip M ranges (rows: tokens x top-k) whose upper end is below this"
     )

@@ -1,7 +1,9 @@
 """GEMM benchmark and tuning sweep (``python -m humming_jax bench|tune``).
 
 Problems (name: E, H, I, top_k); each runs w13 (N = 2I, K = H) and
-w2 (N = H, K = I) in the grouped and the indexed layout. Reported per case:
+w2 (N = H, K = I) in the grouped and the indexed layout (and on request the
+masked one, the batched experts': each expert's rows in a buffer of
+:func:`masked_capacity` rows). Reported per case:
 time, TFLOP/s on the real rows (2·T·k·N·K), GB/s on the bytes that must move
 (the stored weights of the experts that received tokens + activations in and
 out), the fraction of the roofline max(bytes / 4.3 TB/s, flops / 790 TFLOP/s),
@@ -101,7 +103,7 @@ KERNEL_BACKEND = "pallas"  # "interpret" lets the CPU test suite run this code p
 class Case:
     problem: str
     gemm: str  # w13 | w2
-    layout: str  # grouped | indexed
+    layout: str  # grouped | indexed | masked
     tokens: int
     fmt: str  # a weight format, or WEIGHT@INPUT (split_format)
     # 4-bit codes stored in K order instead of the planar order the library
@@ -134,19 +136,36 @@ def _routing(rng, tokens: int, experts: int, top_k: int) -> np.ndarray:
     return np.argpartition(scores, -top_k, axis=1)[:, -top_k:].astype(np.int32)
 
 
-def _input_rows(case: Case) -> int:
-    """Rows the GEMM reads: the indexed w13 reads the unexpanded ``[T, K]``."""
-    _, _, _, top_k = case.shapes()
+# The bench's layout names and the layouts they time.
+LAYOUT_KINDS = {"grouped": "grouped_contiguous", "indexed": "indexed", "masked": "grouped_masked"}
+MASKED_ROW_MULTIPLE = 16  # a masked case's buffer rows an expert: its largest count rounded up to this
+
+
+def masked_capacity(ids: np.ndarray, num_experts: int) -> int:
+    """Rows an expert's buffer holds in a masked case (as a batched layer's
+    caller sizes it): the largest count, rounded up to :data:`MASKED_ROW_MULTIPLE`."""
+    largest = int(np.bincount(np.asarray(ids).reshape(-1), minlength=num_experts).max())
+    return -(-largest // MASKED_ROW_MULTIPLE) * MASKED_ROW_MULTIPLE
+
+
+def _input_rows(case: Case, ids: np.ndarray) -> int:
+    """Rows of the GEMM's input: the indexed w13 reads the unexpanded ``[T, K]``,
+    the masked layout an ``[E · capacity, K]`` buffer."""
+    e, _, _, top_k = case.shapes()
+    if case.layout == "masked":
+        return e * masked_capacity(ids, e)
     return case.tokens if (case.layout == "indexed" and case.gemm == "w13") else case.tokens * top_k
 
 
 def _costs(case: Case, ids: np.ndarray) -> tuple[int, int]:
-    """(bytes that must move, flops) on the real rows."""
+    """(bytes that must move, flops) on the real rows (a masked buffer's
+    rows past each count are not read)."""
     _, n, k, top_k = case.shapes()
     rows = case.tokens * top_k
     hit = len(np.unique(ids))
     fmt, quant = split_format(case.fmt)
-    x_bytes = _input_rows(case) * k * (quant.dtype.bits / 8 if quant.is_quantized else 2)
+    read = rows if case.layout == "masked" else _input_rows(case, ids)
+    x_bytes = read * k * (quant.dtype.bits / 8 if quant.is_quantized else 2)
     moved = hit * _weight_bytes(fmt, n, k) + int(x_bytes) + rows * n * 2
     return moved, 2 * rows * n * k
 
@@ -184,8 +203,8 @@ def _random_weight(key, fmt: F.WeightFormat, e: int, n: int, k: int) -> F.Quanti
     return jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *parts)
 
 
-def _arrays(case: Case, sets: int, seed: int):
-    """Weights and inputs for ``sets`` independent calls (rotated so L2 does not serve them)."""
+def _arrays(case: Case, sets: int, seed: int, rows: int):
+    """Weights and ``rows``-row inputs for ``sets`` independent calls (rotated so L2 does not serve them)."""
     e, n, k, _ = case.shapes()
     fmt, quant = split_format(case.fmt)
     weights, xs = [], []
@@ -196,7 +215,7 @@ def _arrays(case: Case, sets: int, seed: int):
         weights.append(
             weight if case.k_order else F.to_planar(weight, half_bits=_half_bits(case, quant), k_major_scales=k_major)
         )
-        xs.append(_quantized(random_bf16(kx, (_input_rows(case), k)), quant))
+        xs.append(_quantized(random_bf16(kx, (rows, k)), quant))
     return weights, xs
 
 
@@ -223,6 +242,8 @@ def _layout(case: Case, ids: np.ndarray, block_size: int):
     if case.layout == "grouped":
         offsets, _ = moe_prepare_scatter(jnp.asarray(ids), e)
         return L.GroupedContiguous(offsets)
+    if case.layout == "masked":  # each expert's count of rows, first in its buffer
+        return L.GroupedMasked(jnp.asarray(np.bincount(ids.reshape(-1), minlength=e), jnp.int32))
     aligned = moe_align_block_size(jnp.asarray(ids), block_size, e, ignore_invalid_experts=True)
     top_k = top_k if case.gemm == "w13" else 1
     return L.Indexed(*aligned, top_k=top_k, block_size=block_size, lists_dropped=True)
@@ -257,7 +278,7 @@ def prepare(case: Case, seed: int = 0) -> Prepared:
     ids = _routing(rng, case.tokens, e, top_k)
     moved, flops = _costs(case, ids)
     sets = int(min(8, max(2, math.ceil(2 * L2_BYTES / moved))))
-    weights, xs = _arrays(case, sets, seed)
+    weights, xs = _arrays(case, sets, seed, _input_rows(case, ids))
     return Prepared(case, ids, weights, xs, moved, flops)
 
 
@@ -356,6 +377,11 @@ def _rows_by_expert(layout, m_out: int) -> dict[int, tuple[np.ndarray, np.ndarra
         offsets = np.asarray(layout.expert_offsets)
         spans = {e: np.arange(offsets[e], offsets[e + 1]) for e in range(len(offsets) - 1)}
         return {e: (rows, rows) for e, rows in spans.items() if len(rows)}
+    if isinstance(layout, L.GroupedMasked):  # expert e's first counts[e] rows of its buffer
+        counts = np.asarray(layout.expert_num_tokens)
+        capacity = m_out // len(counts)
+        spans = {e: e * capacity + np.arange(min(int(c), capacity)) for e, c in enumerate(counts)}
+        return {e: (rows, rows) for e, rows in spans.items() if len(rows)}
     block = layout.block_size
     padded = int(np.asarray(layout.num_tokens_padded).reshape(-1)[0])
     entries = np.asarray(layout.sorted_ids)[:padded]
@@ -405,15 +431,15 @@ def _matmul_rate(case: Case) -> float:
     return MATMUL_RATE * (2 if eight_bit_float else 1)
 
 
-def time_quantization(case: Case, seed: int = 0) -> float | None:
+def time_quantization(case: Case, ids: np.ndarray, seed: int = 0) -> float | None:
     """Microseconds of the input's quantization (``process_input`` on the GEMM's
-    input rows, bf16 in), or None for an unquantized input."""
+    input rows, bf16 in; ``ids`` the case's routing), or None for an unquantized input."""
     quant = split_format(case.fmt)[1]
     if not quant.is_quantized:
         return None
     _, _, k, _ = case.shapes()
     keys = jax.random.split(jax.random.key(seed + 1), 2)
-    sets = [(random_bf16(key, (_input_rows(case), k)),) for key in keys]
+    sets = [(random_bf16(key, (_input_rows(case, ids), k)),) for key in keys]
     return device_seconds(lambda x: _quantized(x, quant), sets) * 1e6
 
 
@@ -435,7 +461,7 @@ def time_kernel(
             del samplers
             _release_torch()
     row["error"] = sampled_error(prep, layout, out)
-    row["quant_us"] = time_quantization(case, seed)
+    row["quant_us"] = time_quantization(case, prep.ids, seed)
     row["layout_ids"] = prep.ids
     return row
 
@@ -528,9 +554,9 @@ COPY_REFERENCE_MAX_TOKENS = 128  # decode-sized rows also time a pass over the s
 def humming_peers(prep: Prepared) -> dict[str, Callable[[int], float]]:
     """Humming's samplers on the case (:func:`humming_peer.humming_samplers`), {}
     where it cannot be timed; a failure is reported, not fatal."""
-    if not humming_peer.available():
-        return {}
     case = prep.case
+    if not humming_peer.available() or case.layout == "masked":  # Humming has no masked layout
+        return {}
     try:
         return humming_peer.humming_samplers(
             PAIRS.get(case.fmt, case.fmt), case.layout, case.gemm, prep.ids, case.shapes()
@@ -716,7 +742,7 @@ def tune_main(args) -> int:
     members: dict[tuple[str, int, int], int] = {}
     for fmt in args.formats:
         for layout_name in args.layouts:
-            kind = "grouped_contiguous" if layout_name == "grouped" else "indexed"
+            kind = LAYOUT_KINDS[layout_name]
             for low, high in search.M_RANGES:
                 if (args.max_m and low >= args.max_m) or high < args.min_m:
                     continue

@@ -341,6 +341,39 @@ def test_sampled_error_catches_a_wrong_output(tiny, layout_name):
     assert bench.sampled_error(prep, layout, out.at[:, 0].add(1.0)) > 1e-2
 
 
+def test_masked_case_is_the_batched_layout(tiny, compiled_once, tmp_path, monkeypatch):
+    """A masked case times the batched experts' GEMM: an ``[E · capacity, K]``
+    buffer (the largest count rounded up to 16), each expert's count of rows
+    first in its block, the rest never read (NaN there changes nothing); its
+    sampled error checks those rows; ``tune --layouts masked`` keys its
+    entries by the masked layout, which the candidates then list first."""
+    prep = bench.prepare(bench.Case("tiny", "w13", "masked", 5, "int4_g32"))
+    e = bench.PROBLEMS["tiny"][0]
+    counts = np.bincount(prep.ids.reshape(-1), minlength=e)
+    capacity = bench.masked_capacity(prep.ids, e)
+    assert capacity % 16 == 0 and capacity >= counts.max() and prep.xs[0].shape[0] == e * capacity
+    unread = np.arange(capacity)[None, :] >= counts[:, None]
+    poisoned = prep.xs[0].reshape(e, capacity, -1).at[jnp.asarray(unread)].set(jnp.nan).reshape(e * capacity, -1)
+    prep.xs[0] = poisoned
+    row, out, layout = bench.time_prepared(prep, triton.Tiles(16, 32, 32))
+    assert isinstance(layout, hj.GroupedMasked) and np.array_equal(np.asarray(layout.expert_num_tokens), counts)
+    got = np.asarray(out, np.float32).reshape(e, capacity, -1)
+    assert np.all(np.isfinite(got)) and np.all(got[unread] == 0)
+    assert bench.sampled_error(prep, layout, out) < 1e-2
+    assert bench.sampled_error(prep, layout, out * 1.1) > 5e-2
+    assert "humming_us" not in row or row["humming_us"] is None
+    monkeypatch.setattr(search, "DECODE", (triton.Tiles(16, 32, 32, num_stages=2),))
+    monkeypatch.setattr(search, "M_RANGES", ((0, 16),))
+    out_file = tmp_path / "table.json"
+    args = ["tune", "--problem", "tiny", "--formats", "int4_g32", "--layouts", "masked", "--out", str(out_file)]
+    assert cli.main(args) == 0
+    assert set(json.loads(out_file.read_text())["entries"]) == {"grouped_masked/4bit"}
+    monkeypatch.setattr(table_module, "load_table", lambda *a: table_module.parse_table(out_file.read_text()))
+    _, n, k, _ = prep.case.shapes()
+    first = tuning.candidates("grouped_masked", hj.get_format("int4_g32"), 10, e, n, k)[0]
+    assert first == triton.Tiles(16, 32, 32, num_stages=2)
+
+
 def test_inspect_gemm_parses_configs():
     from benchmarks.inspect_gemm import parse_config
 
