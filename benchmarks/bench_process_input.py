@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="time kernels and copy in turn this many times")
     args = parser.parse_args(argv)
     try:
-        # The default last: the first row measured in a case ran 1.2-1.6 µs slower than the same kernel later.
+        # The default last: the first row measured in a case ran slower than the same kernel later (process_input.md).
         tiles_list = (*(tiles_text.from_text(ProcessTiles, text) for text in args.tiles), None)
     except ValueError as error:
         parser.error(f"--tiles: {error}")
