@@ -296,6 +296,28 @@ def test_banded_program_order(group_m, layout_kind, rng):
     _check_tiling(rng, "int4_g32", layout_kind, kernel.Tiles(block_m=16, block_n=16, block_k=64, group_m=group_m))
 
 
+def test_masked_row_tiles_with_rows_run_first(rng):
+    """The masked layout's row tiles with rows come first, then the tiles
+    past every count: each row of a layout of many experts (empty, full,
+    a count past the buffer, one row, several tiles) is its expert's
+    product, every row past a count zero — NaN in the input there."""
+    e, max_tokens, k, n = 9, 40, 64, 32
+    counts = np.asarray([0, 40, 3, 0, 17, 99, 1, 0, 32], np.int32)
+    w = jnp.asarray(rng.normal(0, 0.1, (e, n, k)), jnp.bfloat16)
+    x = rng.normal(size=(e, max_tokens, k)).astype(np.float32)
+    past = np.arange(max_tokens)[None, :] >= np.minimum(counts, max_tokens)[:, None]
+    x[past] = np.nan
+    x = jnp.asarray(x.reshape(e * max_tokens, k), jnp.bfloat16)
+    tiles = kernel.Tiles(block_m=16, block_n=16, block_k=32)
+    out = hj.gemm(x, w, hj.GroupedMasked(jnp.asarray(counts)), tuning=tiles, backend=KERNEL_BACKEND)
+    got = np.asarray(out.astype(jnp.float32), np.float64).reshape(e, max_tokens, n)
+    assert np.all(got[past] == 0)
+    xs, ws = np.asarray(x, np.float64).reshape(e, max_tokens, k), np.asarray(w, np.float64)
+    for g in range(e):
+        rows = min(int(counts[g]), max_tokens)
+        np.testing.assert_allclose(got[g, :rows], xs[g, :rows] @ ws[g].T, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize(
     "fmt_name,layout_kind,block_m",
     # 64-row tiles read the split copy of x; an indexed tile is its alignment block (16 here).
