@@ -296,11 +296,11 @@ def test_banded_program_order(group_m, layout_kind, rng):
     _check_tiling(rng, "int4_g32", layout_kind, kernel.Tiles(block_m=16, block_n=16, block_k=64, group_m=group_m))
 
 
-def test_masked_row_tiles_with_rows_run_first(rng):
-    """The masked layout's row tiles with rows come first, then the tiles
-    past every count: each row of a layout of many experts (empty, full,
-    a count past the buffer, one row, several tiles) is its expert's
-    product, every row past a count zero — NaN in the input there."""
+def test_masked_row_tiles_over_many_experts(rng):
+    """Every row tile of the masked layout, in whatever order the programs
+    take them: each row of a layout of many experts (empty, full, a count
+    past the buffer, one row, several tiles) is its expert's product, every
+    row past a count zero — NaN in the input there."""
     e, max_tokens, k, n = 9, 40, 64, 32
     counts = np.asarray([0, 40, 3, 0, 17, 99, 1, 0, 32], np.int32)
     w = jnp.asarray(rng.normal(0, 0.1, (e, n, k)), jnp.bfloat16)
