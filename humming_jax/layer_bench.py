@@ -44,9 +44,6 @@ PIPELINES = ("grouped", "indexed", "batched", "moonep", "ep", "ep_balanced")
 LOCAL_PIPELINES = ("grouped", "indexed", "batched", "moonep")
 # Pipelines whose input arrives with each expert's rows together (T·k rows in and out).
 GATHERED_PIPELINES = ("batched", "moonep")
-# A batched case's buffer: each expert's rows padded to the largest count of its routings,
-# rounded up to this (the rows past a count are NaN: the pipeline must never read them).
-BATCHED_ROW_MULTIPLE = 16
 EP_REDUNDANT = 2
 # bf16, W4A16 int4 and MXFP4, W8A8 FP8-block and W4A8 (the anchor's pair names).
 LAYER_FORMATS = ("bf16", "int4_g128", "mxfp4", "w8a8_fp8_block128", "w4a8_mxfp4_fp8g128")
@@ -173,9 +170,9 @@ def _expert_order(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.nda
 
 def batched_capacity(routings: list[dict], num_experts: int) -> int:
     """Rows an expert's buffer holds in a batched case: the largest count over
-    the case's routings, rounded up to :data:`BATCHED_ROW_MULTIPLE`."""
-    largest = max(int(_expert_order(r["ids"], num_experts)[1].max()) for r in routings)
-    return -(-largest // BATCHED_ROW_MULTIPLE) * BATCHED_ROW_MULTIPLE
+    the case's routings, rounded up as the GEMM bench's masked cases are
+    (:func:`humming_jax.bench.masked_capacity`)."""
+    return max(bench.masked_capacity(r["ids"], num_experts) for r in routings)
 
 
 def _inputs(case: LayerCase, routing: dict, capacity: int = 0) -> dict:

@@ -210,8 +210,8 @@ def test_layer_bench_inputs_of_the_gathered_layouts(monkeypatch):
     ids = np.array([[2, 0], [2, 3], [0, 2]], np.int32)
     routing = dict(ids=ids, hidden=np.arange(24, dtype=np.float32).reshape(3, 8), topk_weights=np.full((3, 2), 0.5))
     routing["topk_weights"][1, 1] = 0.25
-    assert layer_bench.batched_capacity([routing], 4) == layer_bench.BATCHED_ROW_MULTIPLE
-    monkeypatch.setattr(layer_bench, "BATCHED_ROW_MULTIPLE", 2)
+    assert layer_bench.batched_capacity([routing], 4) == bench.MASKED_ROW_MULTIPLE
+    monkeypatch.setattr(bench, "MASKED_ROW_MULTIPLE", 2)
     assert layer_bench.batched_capacity([routing], 4) == 4  # expert 2: three rows
     batched = layer_bench._inputs(layer_bench.LayerCase("tiny", "batched", 3, "bf16"), routing, 4)
     assert np.asarray(batched["expert_num_tokens"]).tolist() == [2, 0, 3, 1]
