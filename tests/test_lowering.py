@@ -635,3 +635,19 @@ def test_tma_check_follows_static_and_dynamic_offsets(row, scale, alignment):
         jax.jit(kernel).trace(jax.ShapeDtypeStruct((16,), jnp.float32)).lower(lowering_platforms=("cuda",))
     assert [c.alignment for c in copies] == [alignment]
     assert bool(misaligned(copies)) == (alignment < 128)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_mosaic_row_tiles_found_without_a_loop(monkeypatch):
+    """The grouped Mosaic call's row-tile table is plain array code around
+    the kernel — no ``while`` (a binary search's loop, each step a launch on
+    the GPU)."""
+    from pallas_kernels.gemm import mosaic
+
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
+    tiles = gemm_from_text("mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2")
+    lower, supported = _gemm_lowering("int4_g128", tiles)
+    assert supported
+    text = lower().as_text()
+    assert "mosaic_gpu" in text and "stablehlo.while" not in text
+    jax.clear_caches()

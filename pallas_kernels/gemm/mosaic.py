@@ -411,7 +411,10 @@ def row_tile_table(starts: jax.Array, ends: jax.Array, num_experts: int, m: int,
     per_range = jnp.where(ends > starts, (ends - aligned + block_m - 1) // block_m, 0)
     tile_ends = jnp.cumsum(per_range)
     tile = jnp.arange(max_row_tiles(ranges, m, block_m), dtype=jnp.int32)
-    index = jnp.minimum(jnp.searchsorted(tile_ends, tile, side="right"), ranges - 1).astype(jnp.int32)
+    # One comparison of every tile with every range end: the default binary search is a loop
+    # whose steps XLA launches one by one on the GPU (a few ranges, a few thousand tiles).
+    found = jnp.searchsorted(tile_ends, tile, side="right", method="compare_all")
+    index = jnp.minimum(found, ranges - 1).astype(jnp.int32)
     group = jnp.minimum(index, num_experts)  # every zero range is group E
     tile_start = aligned[index] + (tile - (tile_ends[index] - per_range[index])) * block_m
     first = jnp.maximum(tile_start, starts[index])
