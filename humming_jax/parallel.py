@@ -218,7 +218,10 @@ def _slot_rows(ids, valid, base, copies, quota, local: int):
     key = jnp.where(valid, ids, num_ranks * local)  # invalid slots last
     order = jnp.argsort(key, stable=True)
     sorted_key = key[order]
-    first = jnp.searchsorted(sorted_key, sorted_key, side="left").astype(jnp.int32)  # each group's first position
+    # Each group's first position in the sorted order, from the keys' counts (a binary search
+    # would be a loop of launches on the GPU).
+    counts = jnp.zeros(num_ranks * local + 1, jnp.int32).at[key].add(1)
+    first = (jnp.cumsum(counts) - counts)[sorted_key]
     occurrence = jnp.zeros_like(ids).at[order].set(jnp.arange(ids.shape[0], dtype=jnp.int32) - first)
     index = base[e_of] + occurrence  # the slot's place among its expert's slots, over every rank
     flat = copies.reshape(-1)
