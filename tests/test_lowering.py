@@ -651,3 +651,40 @@ def test_mosaic_row_tiles_found_without_a_loop(monkeypatch):
     text = lower().as_text()
     assert "mosaic_gpu" in text and "stablehlo.while" not in text
     jax.clear_caches()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(
+    "fmt,pipeline,tokens",
+    [("int4_g128", "grouped", 4096), ("mxfp4@fp8_dynamic_group128", "indexed", 4096), ("bf16", "indexed", 16)],
+)
+def test_layer_lowers_without_a_loop_outside_its_kernels(fmt, pipeline, tokens, monkeypatch):
+    """The layer lowered for the GPU (qwen3-30b-a3b's shapes, the H200's
+    table) holds no ``while`` outside its kernels: on the GPU each step of
+    such a loop is launched on its own (a binary search's did, around every
+    grouped Mosaic GEMM)."""
+    from humming_jax import bench
+    from pallas_kernels.gemm import mosaic
+
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
+    weight_format, input_quant = bench.split_format(fmt)
+    config = hj.ExpertsConfig(128, 2048, 768, 8, weight_format=weight_format, input_quant=input_quant)
+    floats = (
+        jax.ShapeDtypeStruct((128, config.w13_n, 2048), jnp.float32),
+        jax.ShapeDtypeStruct((128, 2048, 768), jnp.float32),
+    )
+    weights = jax.eval_shape(lambda w13, w2: hj.quantize_experts(w13, w2, config), *floats)
+    fn = hj.humming_grouped_experts if pipeline == "grouped" else hj.humming_indexed_experts
+    args = (
+        jax.ShapeDtypeStruct((tokens, 2048), jnp.bfloat16),
+        jax.ShapeDtypeStruct((tokens, 8), jnp.float32),
+        jax.ShapeDtypeStruct((tokens, 8), jnp.int32),
+    )
+
+    def layer(x, weights, tw, ids):
+        return fn(x, weights, tw, ids, config, backend="pallas")
+
+    with capture_triton_modules():
+        text = jax.jit(layer).trace(args[0], weights, *args[1:]).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call" in text and "stablehlo.while" not in text
+    jax.clear_caches()
