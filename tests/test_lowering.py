@@ -360,10 +360,20 @@ def test_decode_layer_passes_over_no_experts_weights(fmt, pipeline, monkeypatch)
     reads the weights only in its kernels, which read the experts that got
     rows: no op outside them runs over every expert's weights or scales (at
     T=16 such a pass would cost more than the GEMMs' own weight reads)."""
+    text = _qwen3_layer_for_the_gpu(fmt, pipeline, 16, monkeypatch)
+    assert "custom_call" in text
+    assert _ops_over_every_expert(text, 128) == set()
+    jax.clear_caches()
+
+
+def _qwen3_layer_for_the_gpu(fmt: str, pipeline: str, tokens: int, monkeypatch) -> str:
+    """The text of qwen3-30b-a3b's layer (``fmt``: ``WEIGHT@INPUT``; the grouped
+    or indexed pipeline) at ``tokens`` tokens lowered for the GPU, the Mosaic
+    kernels told they are on the H200 the table is for; weights abstract."""
     from humming_jax import bench
     from pallas_kernels.gemm import mosaic
 
-    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)  # the H200's table and kernels
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
     weight_format, input_quant = bench.split_format(fmt)
     config = hj.ExpertsConfig(128, 2048, 768, 8, weight_format=weight_format, input_quant=input_quant)
     floats = (
@@ -372,18 +382,15 @@ def test_decode_layer_passes_over_no_experts_weights(fmt, pipeline, monkeypatch)
     )
     weights = jax.eval_shape(lambda w13, w2: hj.quantize_experts(w13, w2, config), *floats)
     fn = hj.humming_grouped_experts if pipeline == "grouped" else hj.humming_indexed_experts
-    x = jax.ShapeDtypeStruct((16, 2048), jnp.bfloat16)
-    tw = jax.ShapeDtypeStruct((16, 8), jnp.float32)
-    ids = jax.ShapeDtypeStruct((16, 8), jnp.int32)
+    x = jax.ShapeDtypeStruct((tokens, 2048), jnp.bfloat16)
+    tw = jax.ShapeDtypeStruct((tokens, 8), jnp.float32)
+    ids = jax.ShapeDtypeStruct((tokens, 8), jnp.int32)
 
     def layer(x, weights, tw, ids):
         return fn(x, weights, tw, ids, config, backend="pallas")
 
     with capture_triton_modules():
-        text = jax.jit(layer).trace(x, weights, tw, ids).lower(lowering_platforms=("cuda",)).as_text()
-    assert "custom_call" in text
-    assert _ops_over_every_expert(text, 128) == set()
-    jax.clear_caches()
+        return jax.jit(layer).trace(x, weights, tw, ids).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_loads_in_loops_finds_the_loads_a_loop_waits_on():
@@ -663,28 +670,6 @@ def test_layer_lowers_without_a_loop_outside_its_kernels(fmt, pipeline, tokens, 
     table) holds no ``while`` outside its kernels: on the GPU each step of
     such a loop is launched on its own (a binary search's did, around every
     grouped Mosaic GEMM)."""
-    from humming_jax import bench
-    from pallas_kernels.gemm import mosaic
-
-    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
-    weight_format, input_quant = bench.split_format(fmt)
-    config = hj.ExpertsConfig(128, 2048, 768, 8, weight_format=weight_format, input_quant=input_quant)
-    floats = (
-        jax.ShapeDtypeStruct((128, config.w13_n, 2048), jnp.float32),
-        jax.ShapeDtypeStruct((128, 2048, 768), jnp.float32),
-    )
-    weights = jax.eval_shape(lambda w13, w2: hj.quantize_experts(w13, w2, config), *floats)
-    fn = hj.humming_grouped_experts if pipeline == "grouped" else hj.humming_indexed_experts
-    args = (
-        jax.ShapeDtypeStruct((tokens, 2048), jnp.bfloat16),
-        jax.ShapeDtypeStruct((tokens, 8), jnp.float32),
-        jax.ShapeDtypeStruct((tokens, 8), jnp.int32),
-    )
-
-    def layer(x, weights, tw, ids):
-        return fn(x, weights, tw, ids, config, backend="pallas")
-
-    with capture_triton_modules():
-        text = jax.jit(layer).trace(args[0], weights, *args[1:]).lower(lowering_platforms=("cuda",)).as_text()
+    text = _qwen3_layer_for_the_gpu(fmt, pipeline, tokens, monkeypatch)
     assert "custom_call" in text and "stablehlo.while" not in text
     jax.clear_caches()
