@@ -1054,14 +1054,10 @@ def moonep_interleaved_experts(
     planned tiling takes it, else the pass), the route weights, w_down.
 
     Args:
-        hidden_states: ``[NvS, H]`` bf16 rows in segment order.
-        w13: :func:`moonep_w13`'s bf16 ``[G, 2I, H]``.
-        w_down: bf16 ``[G, H, I]``.
-        cu_seqlens: int32 ``[G]``, cumulative segment end offsets.
-        route_weights: float ``[NvS]``, each row's router weight.
-        apply_router_weight_on_input: the caller applied the weights to the
-            inputs: skip the route multiply.
-        backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
+        w13: :func:`moonep_w13`'s bf16 ``[G, 2I, H]``, in place of ``w_gate``
+            and ``w_up``; the other arguments (``hidden_states [NvS, H]``,
+            ``w_down [G, H, I]``, ``cu_seqlens [G]``, ``route_weights [NvS]``, …)
+            as :func:`moonep_experts`'s.
 
     Returns:
         ``[NvS, H]`` bf16; rows past ``cu_seqlens[-1]`` are zero.
