@@ -237,13 +237,15 @@ def _quantized(x: jax.Array, quant: Q.InputQuantSpec):
     return process_input(x, quant, static_scale=_static_scale(x, quant), backend=KERNEL_BACKEND)
 
 
-def _layout(case: Case, ids: np.ndarray, block_size: int):
+def _layout(case: Case, ids: np.ndarray, tuning: GemmTiles | None):
+    """The case's layout over its routing ``ids`` (indexed: aligned to :func:`_block_size`)."""
     e, _, _, top_k = case.shapes()
     if case.layout == "grouped":
         offsets, _ = moe_prepare_scatter(jnp.asarray(ids), e)
         return L.GroupedContiguous(offsets)
     if case.layout == "masked":  # each expert's count of rows, first in its buffer
         return L.GroupedMasked(jnp.asarray(np.bincount(ids.reshape(-1), minlength=e), jnp.int32))
+    block_size = _block_size(case, tuning)
     aligned = moe_align_block_size(jnp.asarray(ids), block_size, e, ignore_invalid_experts=True)
     top_k = top_k if case.gemm == "w13" else 1
     return L.Indexed(*aligned, top_k=top_k, block_size=block_size, lists_dropped=True)
@@ -291,7 +293,7 @@ def gemm_call(prep: Prepared, tuning: GemmTiles | None):
     """``(fn(x, weight), layout)``: the call the bench times for ``prep`` under
     ``tuning`` (None: the table's choice), its routing fixed."""
     case = prep.case
-    layout = _layout(case, prep.ids, _block_size(case, tuning))
+    layout = _layout(case, prep.ids, tuning)
 
     def fn(x, weight):
         return gemm(x, weight, layout, valid_shape_m=_real_rows(case), tuning=tuning, backend=KERNEL_BACKEND)
