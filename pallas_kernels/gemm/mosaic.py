@@ -545,7 +545,7 @@ def persistent_programs(interpret: bool) -> int:
 
 def swizzled(columns: int, dtype) -> tuple:
     """Tiling + swizzle transforms of a ``[rows, columns]`` shared-memory tile
-    (a 16-bit wgmma operand; also 8-bit output slots, see experimental.rotation_mosaic)."""
+    (a 16- or 8-bit wgmma operand)."""
     itemsize = jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(columns * itemsize * 8)
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)

@@ -1,1 +1,0 @@
-"""Kernels no op reaches yet; each module says what would promote it."""
