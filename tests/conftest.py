@@ -36,6 +36,12 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     # Imported here, so a test's first call is not the one (tests that count compilations).
     import jax._src.pallas.mosaic.interpret.interpret_pallas_call  # noqa: E402, F401
 
+    # Interpreted loads and stores past their buffers poison what they touch in the
+    # tests marked `bounds` (see bounds): the rules wrapped, the flag registered, first.
+    import bounds  # noqa: E402
+
+    bounds.install()
+
 settings.register_profile("ci", max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")
 
@@ -64,6 +70,18 @@ def pytest_collection_modifyitems(config, items):
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full")])
         items[:] = kept
+
+
+@pytest.fixture(autouse=True)
+def _checked_bounds(request):
+    """A test marked ``bounds`` runs with the interpreter's out-of-bounds checks on."""
+    if request.node.get_closest_marker("bounds") is None or os.environ["JAX_PLATFORMS"] != "cpu":
+        yield
+        return
+    import bounds
+
+    with bounds.CHECKING(True):
+        yield
 
 
 @pytest.fixture

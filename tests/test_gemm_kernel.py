@@ -124,6 +124,7 @@ _FORMAT_LAYOUTS_CI = [
 
 
 @pytest.mark.parametrize("fmt_name,layout_kind", sweep(_FORMAT_LAYOUTS, _FORMAT_LAYOUTS_CI))
+@pytest.mark.bounds
 def test_kernel_every_layout_every_format(layout_kind, fmt_name, rng):
     fmt = F.get_format(fmt_name)
     weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
@@ -182,6 +183,7 @@ def test_batch_invariance(rng):
     st.booleans(),
     st.booleans(),
 )
+@pytest.mark.bounds
 def test_kernel_over_random_routings(num_tokens, top_k, block_size, seed, shape, ignore_invalid, lists_dropped):
     """Indexed (reading [T, K]) and grouped (reading the permuted rows) kernels
     agree with the reference, slot by slot, for any routing. The indexed
@@ -296,6 +298,7 @@ def test_banded_program_order(group_m, layout_kind, rng):
     _check_tiling(rng, "int4_g32", layout_kind, kernel.Tiles(block_m=16, block_n=16, block_k=64, group_m=group_m))
 
 
+@pytest.mark.bounds
 def test_masked_row_tiles_over_many_experts(rng):
     """Every row tile of the masked layout, in whatever order the programs
     take them: each row of a layout of many experts (empty, full, a count
@@ -447,6 +450,7 @@ def test_multiply_add_tiles(block_m, fmt_name, word, layout_kind, rng):
 
 
 @pytest.mark.parametrize("block_size", sweep([4, 8], [4]))
+@pytest.mark.bounds
 def test_indexed_blocks_under_16_rows(block_size, rng):
     """An indexed layout aligned to blocks of 4 or 8 rows runs on the kernel
     (multiply-add tiles) and equals the reference."""
@@ -460,6 +464,7 @@ def test_indexed_blocks_under_16_rows(block_size, rng):
 
 
 @pytest.mark.parametrize("lists_dropped", sweep([False, True], [True]))
+@pytest.mark.bounds
 def test_indexed_rows_of_dead_blocks_are_zero(lists_dropped, rng):
     """Hand-made indexed layouts (16 slots, blocks of 16): slot 3 sits in a block
     of expert -1 and slot 7 past ``num_tokens_padded``; with ``lists_dropped``
@@ -609,6 +614,7 @@ _K_TAILS = [
 
 
 @pytest.mark.parametrize("fmt_name,k,tuning", sweep(_K_TAILS, [_K_TAILS[4]]))
+@pytest.mark.bounds
 def test_k_not_a_multiple_of_the_tile(fmt_name, k, tuning, rng):
     """A last K tile that is partly past K (gpt-oss: K=2880 with 128-wide tiles)."""
     _check_tiling(rng, fmt_name, "grouped_contiguous", tuning, k=k)
@@ -684,6 +690,7 @@ def test_planar_weights(fmt_name, layout_kind, tiling, rng):
         _check(out_bits, _reference(x, weight, layout), bound=1e-5)
 
 
+@pytest.mark.bounds
 def test_planar_weights_with_a_partial_last_tile(rng):
     """K=384 with 256-wide tiles: the last K tile's second unit is masked."""
     weight = _weight(rng, F.INT4_G128, E, k=384)
@@ -760,6 +767,7 @@ def test_grouped_row_tiles_cover_work_and_gaps():
     assert kernel.num_row_tiles(LayoutSpec("grouped_contiguous", 8, 8), 128, 16) == 9
 
 
+@pytest.mark.bounds
 def test_gap_chunks_cover_the_rows_outside_every_group():
     """The chunks of bm rows the row tiles zero cover [0, first) and [last, M) once each."""
     for first, last, m, bm in ((0, 33, 40, 16), (5, 5, 40, 4), (17, 20, 64, 16), (0, 0, 7, 16), (3, 40, 40, 2)):
@@ -782,6 +790,7 @@ def test_gap_chunks_cover_the_rows_outside_every_group():
         ((40, 40, 40, 40, 40), kernel.Tiles(16, 32, 64, split_k=2)),
     ],
 )
+@pytest.mark.bounds
 def test_grouped_rows_outside_every_group_are_zero(offsets, tuning, rng):
     """No zero-filled buffer: the row tiles zero the rows outside every group
     (head and tail, split K, column tiles, swap_ab, no group at all);
@@ -796,6 +805,7 @@ def test_grouped_rows_outside_every_group_are_zero(offsets, tuning, rng):
     assert np.all(np.asarray(out)[outside] == 0) and np.all(np.asarray(ref)[outside] == 0)
 
 
+@pytest.mark.bounds
 def test_grouped_tiles_at_the_bound(rng):
     """Routings that need every row tile of the bound (one row on each of three
     experts, the rest on the fourth; and the reverse) against the reference."""
@@ -835,6 +845,7 @@ def test_half_bits_with_a_partial_last_tile(fmt_name, rng):
         (25, 3, 2**31 - 1, -5, 36),  # decreasing around extremes
     ],
 )
+@pytest.mark.bounds
 def test_grouped_offsets_outside_the_rows(offsets, rng):
     """Offsets outside ``[0, M]`` or decreasing (public ``gemm`` and
     ``moonep_grouped_gemm`` take the caller's): every row written, equal to the
@@ -983,6 +994,7 @@ def test_what_cannot_apply_the_activation(rng):
 
 
 @pytest.mark.parametrize("kind,block", [("silu", 32), ("swigluoai", 0)])
+@pytest.mark.bounds
 def test_activation_in_a_partial_last_tile(kind, block, rng):
     """N = 192 on 128-column tiles (gpt-oss's 5760 on 256): the last tile holds
     one pair of 32-row blocks (SWIGLUOAI: 32 pairs) and masked columns; its

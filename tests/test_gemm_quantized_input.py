@@ -143,6 +143,7 @@ def test_every_pair_on_the_grouped_layout(fmt_name, quant_name, rng):
         + [(*PATHS[0], "dense")],
     ),
 )
+@pytest.mark.bounds
 def test_other_layouts(fmt_name, quant_name, layout_kind, rng):
     fmt, quant = F.get_format(fmt_name), Q.get_input_spec(quant_name)
     weight = _weight(rng, fmt, 1 if layout_kind == "dense" else E)
@@ -197,6 +198,7 @@ def test_operand_paths():
 
 
 @pytest.mark.parametrize("tiles", [kernel.Tiles(16, 32, 256), kernel.Tiles(16, 64, 64, split_k=2)])
+@pytest.mark.bounds
 def test_k_tail_and_split_k(tiles, rng):
     """K=384 with 256-column steps ends in a partial tile (the input's group
     scales past K are masked); split K sums the scaled partials."""

@@ -112,6 +112,7 @@ def test_pipeline_matches_numpy(pipeline, fmt, activation, rng):
         ),
     ),
 )
+@pytest.mark.bounds
 def test_pipeline_routing_edge_cases(pipeline, case, rng):
     num_tokens = 1 if case == "T=1" else 12
     expert_map = None
@@ -229,6 +230,7 @@ def test_indexed_runs_grouped_with_quantized_inputs_at_prefill(rng):
     assert np_ref.relative_error(np.asarray(blocked, np.float64), grouped[:40]) < 2e-2  # another layout's tiles
 
 
+@pytest.mark.bounds
 def test_padded_decode_batch(rng):
     """A bucketed decode batch (``num_valid_tokens``, NaN padding rows): both
     pipelines — the grouped one running the indexed stages at a row an expert
@@ -363,6 +365,7 @@ def test_decode_slots_in_their_own_blocks(rng, monkeypatch):
     assert np_ref.relative_error(aligned, expected) < 2e-2
 
 
+@pytest.mark.bounds
 def test_batched_matches_numpy_and_zeroes_padding(rng):
     config = hj.ExpertsConfig(4, 128, 128, 1, weight_format="uint4_zp_g128", activation="gelu_tanh")
     max_tokens = 5

@@ -73,6 +73,7 @@ def test_normal_layout(spec, activation, block, rng):
         assert q.values.dtype == jnp.bfloat16
 
 
+@pytest.mark.bounds
 def test_grouped_mask_layout_zeroes_invalid_rows(rng):
     e, max_tokens, k = 4, 6, 256
     counts = np.array([0, 6, 2, 9])  # an empty expert and a count past max_tokens
@@ -330,6 +331,7 @@ def test_hadamard_without_activation(dtype, rng):
     ),
     ids=lambda v: getattr(v, "name", str(v)),
 )
+@pytest.mark.bounds
 def test_kernel_layouts(spec, k, rng):
     # grouped_mask: garbage (NaN) past the counts, an empty and an over-full expert
     e, max_tokens = 4, 6
@@ -407,6 +409,7 @@ _COLUMN_BLOCK_CASES = [
     sweep(_COLUMN_BLOCK_CASES, [_COLUMN_BLOCK_CASES[i] for i in (0, 2, 5)]),
     ids=str,
 )
+@pytest.mark.bounds
 def test_kernel_rows_in_power_of_two_column_blocks(spec, k_out, activation, block, rng):
     """Rows whose width is not a power of two run as several power-of-two column
     blocks (no padded lanes): kernel against the reference, scales included."""
@@ -666,6 +669,7 @@ def test_hadamard_sub_refusals(rng):
 
 
 @pytest.mark.parametrize("spec", sweep([Q.NONE, Q.FP8_DYNAMIC_GROUP128, Q.MXFP4_DYNAMIC], [Q.MXFP4_DYNAMIC]))
+@pytest.mark.bounds
 def test_scatter_rows_nobody_targets_are_zeros(spec, rng):
     """A caller's ``scatter_idx`` need not be a permutation: destinations past
     the output are dropped and rows nobody targets are zeros (values and

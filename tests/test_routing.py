@@ -17,6 +17,9 @@ from pallas_kernels.routing import RowTiles
 import np_ref
 from sweep import examples, sweep
 
+# Every routing kernel's loads and stores checked against their buffers (see bounds).
+pytestmark = pytest.mark.bounds
+
 # The Pallas kernels: compiled on a GPU, in interpret mode on the CPU.
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
 BACKENDS = ["reference", KERNEL_BACKEND]
@@ -151,11 +154,13 @@ def test_prepare_scatter_and_permute_round_trip(backend, routing):
             np.testing.assert_array_equal(permuted_scale[row], scale[slot // top_k])
     assert np.all(permuted[exp_offsets[-1] :] == 0) and np.all(permuted_scale[exp_offsets[-1] :] == 0)
 
-    # Unpermute with weights: weighted sum over valid slots, float64 check.
+    # Unpermute with weights: weighted sum over valid slots, float64 check. The rows
+    # past the last offset are poisoned: a workspace may hold anything there.
     weights = rng.random(ids.shape).astype(np.float32)
+    poisoned = result.permuted_hidden_states.at[int(exp_offsets[-1]) :].set(np.nan)
     out = np.asarray(
         hj.moe_unpermute(
-            result.permuted_hidden_states,
+            poisoned,
             jnp.asarray(weights),
             result.inv_permuted_idx,
             result.expert_first_token_offset,
@@ -477,9 +482,11 @@ def test_row_ops_with_either_token_tile(block_tokens, rng):
             expected[row] = x[slot // top_k]
     np.testing.assert_array_equal(out, expected)
     weights = rng.random((tokens, top_k)).astype(np.float32)
+    poisoned = out.copy()
+    poisoned[end:] = np.nan  # rows past the bound are never read
     gathered = np.asarray(
         kernels.weighted_gather(
-            jnp.asarray(out),
+            jnp.asarray(poisoned),
             jnp.asarray(dest),
             jnp.asarray(weights),
             jnp.asarray([end]),
