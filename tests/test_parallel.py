@@ -264,6 +264,31 @@ def test_balance_plan_evens_out_a_skewed_routing(ranks, redundant, rng):
     np.testing.assert_array_equal(parallel.rank_loads(counts, ranks, copies, quota), after)
 
 
+@pytest.mark.parametrize("ranks,redundant", [(4, 2), (8, 1)])
+def test_slots_fill_each_copy_to_its_quota(ranks, redundant, rng):
+    """Each source rank's slots placed as its dispatch places them: every copy
+    receives exactly its quota of its expert's slots, the home rank the rest,
+    so each rank's rows are the plan's load (counted here slot by slot)."""
+    flat = np.asarray(_routing(rng, skewed=True)[0]).reshape(-1)
+    valid = (flat >= 0) & (flat < E)
+    counts = np.bincount(flat[valid], minlength=E)
+    copies, quota = parallel.balance_plan(jnp.asarray(counts), ranks, redundant)
+    local, per_source = E // ranks, -(-flat.size // ranks)
+    received = np.zeros((ranks, local + redundant), np.int64)
+    before = np.zeros(E, np.int32)  # the expert's slots on lower source ranks
+    for source in range(ranks):
+        ids, ok = flat[source * per_source : (source + 1) * per_source], valid[source * per_source :][:per_source]
+        dest, row = parallel._slot_rows(jnp.asarray(ids), jnp.asarray(ok), jnp.asarray(before), copies, quota, local)
+        for d, r in zip(np.asarray(dest)[ok], np.asarray(row)[ok], strict=True):
+            received[d, r] += 1
+        before += np.bincount(ids[ok], minlength=E).astype(np.int32)
+    copies, quota = np.asarray(copies), np.asarray(quota)
+    np.testing.assert_array_equal(received[:, local:], np.where(copies >= 0, quota, 0))
+    home = counts - np.array([quota[copies == e].sum() for e in range(E)])
+    np.testing.assert_array_equal(received[:, :local].reshape(-1), home)
+    np.testing.assert_array_equal(received.sum(axis=1), _loads(counts, copies, quota, ranks))
+
+
 def test_unused_rows_never_reach_the_output(rng):
     """An expert no slot routes to has NaN weights: with copies planned on a
     skewed routing (unused copy rows, padded receive rows) every output is
