@@ -1,23 +1,27 @@
-"""Out-of-bounds loads and stores made visible in interpreted Triton kernels.
+"""Out-of-bounds reads and writes made visible in interpreted Triton kernels.
 
 On a GPU a masked ``plgpu.load`` or ``plgpu.store`` whose mask lets an element
-past its buffer through reads another allocation or corrupts one. The Pallas
-interpreter hides it: a load past the end returns a clamped neighbour and a
-store there is dropped, so the outputs the tests compare come out right.
+past its buffer through, or an unmasked ``ref[i]`` past it, reads another
+allocation or corrupts one. The Pallas interpreter hides it: a read past the
+end returns a clamped neighbour and a write there is dropped or clamped, so
+the outputs the tests compare often come out right.
 
 :func:`install` wraps the interpreter's rules for the masked load and store
-(their state-discharge rules; the GPU lowering never runs them). While
-``CHECKING`` is on (the tests marked ``bounds``; a test and the programs it
-traces are checked or not, never half): where any
-element the mask lets through lies outside its ref, a load returns poison
-for every element, and a store writes poison to every element it reaches
-and to the ref's first element (a store wholly past the end) — NaN for
-floats, the most negative value for signed integers, the largest for unsigned
-ones. The test's comparison then fails. Poison rather than a host callback:
-a program with a callback is never kept in JAX's persistent compilation
-cache, which the CPU suite depends on. The checks cost compilation time, so
-the suite marks the tests that reach each kernel's edges (partial tiles,
-padding entries, ids out of range, rows no expert owns), not every test.
+and for the plain ref read and write (their state-discharge rules; the GPU
+lowering never runs them). While ``CHECKING`` is on (the tests marked
+``bounds``; a test and the programs it traces are checked or not, never
+half), an access is out of bounds where an element its mask lets through (an
+unmasked access: every element) lies outside its ref. A read then returns
+poison for every element; a write writes poison wherever it reaches and to
+the ref's first element (a write wholly past the end). Poison is NaN for
+floats, the most negative value for signed integers, the largest for
+unsigned ones, and the test's comparison fails.
+
+Poison rather than a host callback: a program with a callback is never kept
+in JAX's persistent compilation cache, which the CPU suite depends on. The
+checks cost compilation time, so the suite marks the tests that reach each
+kernel's edges (partial tiles, padding entries, ids out of range, rows no
+expert owns), not every test.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from jax._src import config
 from jax._src.pallas import primitives as pallas_primitives
 from jax._src.state import discharge as state_discharge
 from jax._src.state import indexing
+from jax._src.state import primitives as state_primitives
+from jax._src.tree_util import tree_unflatten
 
 _ORIGINAL: dict = {}
 
@@ -123,10 +129,29 @@ def _checked_swap(ctx, *args_flat, args_tree, **params):
         return _ORIGINAL["swap"](ctx, *args_flat, args_tree=args_tree, **params)
     args_flat = args_tree.flatten_up_to((ref, transforms, jnp.where(found, poison(val.dtype), val), mask))
     (new, *rest), out = _ORIGINAL["swap"](ctx, *args_flat, args_tree=args_tree, **params)
-    first = (0,) * new.ndim  # a store wholly past the end leaves its mark here
+    return (_mark_first(new, found), *rest), out
+
+
+def _mark_first(new, found):
+    """``new`` with its first element poisoned where ``found``: a store wholly
+    past the end leaves its mark there."""
+    first = (0,) * new.ndim
     corner = lax.slice(new, first, (1,) * new.ndim)
-    new = lax.dynamic_update_slice(new, jnp.where(found, poison(new.dtype), corner), first)
-    return (new, *rest), out
+    return lax.dynamic_update_slice(new, jnp.where(found, poison(new.dtype), corner), first)
+
+
+def _checked_get(ctx, x, *idx, tree):
+    refs, out = _ORIGINAL["get"](ctx, x, *idx, tree=tree)
+    found = out_of_bounds(tree_unflatten(tree, idx), None) if CHECKING.value else None
+    return refs, out if found is None else jnp.where(found, poison(out.dtype), out)
+
+
+def _checked_state_swap(ctx, x, val, *idx, tree):
+    found = out_of_bounds(tree_unflatten(tree, idx), None) if CHECKING.value else None
+    if found is None:
+        return _ORIGINAL["state_swap"](ctx, x, val, *idx, tree=tree)
+    (new, *rest), out = _ORIGINAL["state_swap"](ctx, x, jnp.where(found, poison(val.dtype), val), *idx, tree=tree)
+    return (_mark_first(new, found), *rest), out
 
 
 def install() -> None:
@@ -136,5 +161,9 @@ def install() -> None:
     if not _ORIGINAL:
         _ORIGINAL["load"] = rules[pallas_primitives.load_p]
         _ORIGINAL["swap"] = rules[pallas_primitives.swap_p]
+        _ORIGINAL["get"] = rules[state_primitives.get_p]
+        _ORIGINAL["state_swap"] = rules[state_primitives.swap_p]
     rules[pallas_primitives.load_p] = _checked_load
     rules[pallas_primitives.swap_p] = _checked_swap
+    rules[state_primitives.get_p] = _checked_get
+    rules[state_primitives.swap_p] = _checked_state_swap

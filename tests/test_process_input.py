@@ -165,7 +165,6 @@ def test_process_input_bad_arguments():
 # a value next to a rounding boundary may then land one grid step away.
 
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
-INTERPRETED = KERNEL_BACKEND == "interpret"
 KERNEL_SPECS = [
     Q.NONE,
     Q.FP8_DYNAMIC_TOKEN,
