@@ -654,6 +654,7 @@ def test_soak_case_checks_the_kernel_path(monkeypatch):
     assert not soak.run_case(case, "interpret")["ok"]
 
 
+@pytest.mark.bounds
 def test_hostile_gemms_checks_every_layout(monkeypatch):
     """The sanitizer step's calls (offsets far outside the rows, one expert
     owning all, ids outside [0, E), a block a slot with int32's extreme ids)
@@ -672,6 +673,7 @@ def test_hostile_gemms_checks_every_layout(monkeypatch):
     assert not hostile_gemms.run(256, 8, 64, 128, [], backend="interpret", pairs=pairs[:1])[0]["ok"]
 
 
+@pytest.mark.bounds
 def test_hostile_routing_checks_every_call(monkeypatch):
     """The routing sanitizer step's calls (hostile ids, an expert map,
     ``num_valid_tokens`` short of T) pass their checks on the kernel path, and
