@@ -673,7 +673,6 @@ def test_hostile_gemms_checks_every_layout(monkeypatch):
     assert not hostile_gemms.run(256, 8, 64, 128, [], backend="interpret", pairs=pairs[:1])[0]["ok"]
 
 
-@pytest.mark.bounds
 def test_hostile_routing_checks_every_call(monkeypatch):
     """The routing sanitizer step's calls (hostile ids, an expert map,
     ``num_valid_tokens`` short of T) pass their checks on the kernel path, and
