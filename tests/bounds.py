@@ -60,6 +60,11 @@ def poison(dtype) -> jnp.ndarray:
     return jnp.asarray(info.min if info.min < 0 else info.max, dtype)
 
 
+def _poisoned(found, x: jnp.ndarray) -> jnp.ndarray:
+    """``x``, or poison in its every element where ``found``."""
+    return jnp.where(found, poison(x.dtype), x)
+
+
 def _past(index, size: int) -> jnp.ndarray:
     """``index`` outside ``[0, size)``: one unsigned comparison covers both ends."""
     return jnp.asarray(index).astype(jnp.uint32) >= size
@@ -119,7 +124,7 @@ def _checked_load(ctx, *args_flat, args_tree, **params):
         return refs, out
     _, transforms, mask, _ = args_tree.unflatten(args_flat)
     found = out_of_bounds(transforms, mask)
-    return refs, out if found is None else jnp.where(found, poison(out.dtype), out)
+    return refs, out if found is None else _poisoned(found, out)
 
 
 def _checked_swap(ctx, *args_flat, args_tree, **params):
@@ -127,7 +132,7 @@ def _checked_swap(ctx, *args_flat, args_tree, **params):
     found = out_of_bounds(transforms, mask) if CHECKING.value else None
     if found is None:
         return _ORIGINAL["swap"](ctx, *args_flat, args_tree=args_tree, **params)
-    args_flat = args_tree.flatten_up_to((ref, transforms, jnp.where(found, poison(val.dtype), val), mask))
+    args_flat = args_tree.flatten_up_to((ref, transforms, _poisoned(found, val), mask))
     (new, *rest), out = _ORIGINAL["swap"](ctx, *args_flat, args_tree=args_tree, **params)
     return (_mark_first(new, found), *rest), out
 
@@ -137,20 +142,20 @@ def _mark_first(new, found):
     past the end leaves its mark there."""
     first = (0,) * new.ndim
     corner = lax.slice(new, first, (1,) * new.ndim)
-    return lax.dynamic_update_slice(new, jnp.where(found, poison(new.dtype), corner), first)
+    return lax.dynamic_update_slice(new, _poisoned(found, corner), first)
 
 
 def _checked_get(ctx, x, *idx, tree):
     refs, out = _ORIGINAL["get"](ctx, x, *idx, tree=tree)
     found = out_of_bounds(tree_unflatten(tree, idx), None) if CHECKING.value else None
-    return refs, out if found is None else jnp.where(found, poison(out.dtype), out)
+    return refs, out if found is None else _poisoned(found, out)
 
 
 def _checked_state_swap(ctx, x, val, *idx, tree):
     found = out_of_bounds(tree_unflatten(tree, idx), None) if CHECKING.value else None
     if found is None:
         return _ORIGINAL["state_swap"](ctx, x, val, *idx, tree=tree)
-    (new, *rest), out = _ORIGINAL["state_swap"](ctx, x, jnp.where(found, poison(val.dtype), val), *idx, tree=tree)
+    (new, *rest), out = _ORIGINAL["state_swap"](ctx, x, _poisoned(found, val), *idx, tree=tree)
     return (_mark_first(new, found), *rest), out
 
 

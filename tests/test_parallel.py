@@ -277,7 +277,8 @@ def test_slots_fill_each_copy_to_its_quota(ranks, redundant, rng):
     received = np.zeros((ranks, local + redundant), np.int64)
     before = np.zeros(E, np.int32)  # the expert's slots on lower source ranks
     for source in range(ranks):
-        ids, ok = flat[source * per_source : (source + 1) * per_source], valid[source * per_source :][:per_source]
+        part = slice(source * per_source, (source + 1) * per_source)
+        ids, ok = flat[part], valid[part]
         dest, row = parallel._slot_rows(jnp.asarray(ids), jnp.asarray(ok), jnp.asarray(before), copies, quota, local)
         for d, r in zip(np.asarray(dest)[ok], np.asarray(row)[ok], strict=True):
             received[d, r] += 1
