@@ -6,6 +6,7 @@
 #   layer-bench [ARGS]       python -m humming_jax bench --layer (whole layers, stage by stage)
 #   process-bench [ARGS]     benchmarks.bench_process_input
 #   routing-bench [ARGS]     benchmarks.bench_routing
+#   call-forms [ARGS]        benchmarks.bench_call_forms: host time of a decode step in each way of jitting it
 #   tune [TUNE ARGS]         python -m humming_jax tune, written to OUT_DIR/tuning.json
 #   k-scan [ARGS]            benchmarks.k_scan: one tiling at several K, the per-tile overhead (the line's intercept)
 #   ab [AB ARGS]             benchmarks.ab_tilings: tilings of the bench's cases, interleaved in one process
@@ -70,6 +71,8 @@ case $step in
                    tee "$out/process_bench.log" | tail -30 ;;
   routing-bench) python3 -W ignore -m benchmarks.bench_routing --out "$out/routing.json" "$@" 2>&1 |
                    tee "$out/routing_bench.log" | tail -30 ;;
+  call-forms) python3 -W ignore -m benchmarks.bench_call_forms --out "$out/call_forms.json" "$@" 2>&1 |
+                tee "$out/call_forms.log" | tail -30 ;;
   k-scan) python3 -W ignore -m benchmarks.k_scan --out "$out/k_scan.json" "$@" 2>&1 | tee "$out/k_scan.log" | tail -20 ;;
   ab) python3 -W ignore -m benchmarks.ab_tilings --out "$out/ab.json" "$@" 2>&1 | tee -a "$out/ab.log" | tail -40 ;;
   ab-gate-up) python3 -W ignore -m benchmarks.ab_gate_up --out "$out/ab_gate_up.json" "$@" 2>&1 | tee -a "$out/ab_gate_up.log" | tail -30 ;;

@@ -1245,3 +1245,29 @@ def test_ab_gate_up_times_both_orders(tiny, compiled_once, tmp_path, capsys, mon
         assert r["rel_diff"] < 1e-2 and len(r["blocks"]) == len(r["halves"]) == 3
     with pytest.raises(ValueError, match="PROBLEM:grouped"):
         ab_gate_up.main(["--cases", "tiny_gated:ep:3:bf16"])
+
+
+def test_call_forms_bench_times_every_form(tmp_path):
+    """The call-form benchmark: a row per form, issued within waited, the JSON
+    written; every form's step gives the model's result."""
+    import json
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import bench_call_forms
+
+    out = tmp_path / "forms.json"
+    assert (
+        bench_call_forms.main(["--blocks", "1", "--body", "light", "--calls", "3", "--rounds", "1", "--out", str(out)])
+        == 0
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["form"] for r in rows] == list(bench_call_forms.forms(bench_call_forms.Model(1, True), None))
+    assert all(0 < r["issued_us"] <= r["waited_us"] and r["variables"] == 5 for r in rows)
+    model = bench_call_forms.Model(1, light=False)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 64)), jnp.bfloat16)
+    want = np.asarray(model(x), np.float32)
+    for name, step in bench_call_forms.forms(model, x).items():
+        if name != "trivial jit":
+            np.testing.assert_allclose(np.asarray(step(), np.float32), want, rtol=1e-2, atol=1e-2, err_msg=name)

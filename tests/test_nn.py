@@ -106,8 +106,8 @@ def test_jit_compiles_once_across_routings():
 def test_decode_loop_call_forms_agree():
     """The call forms the README gives a decode loop — ``jax.jit`` over the
     split state, ``jax.jit`` over the module (a pytree in Flax's tree mode),
-    ``nnx.jit(graph=False)`` — give the eager block's result with every
-    expert module."""
+    ``nnx.jit(graph=False)``, ``nn.jit_frozen`` — give the eager block's
+    result with every expert module."""
     config = hj.ExpertsConfig(8, 128, 128, 2, weight_format="bf16")
     grouped = nn.HummingGroupedExperts(config, rngs=nnx.Rngs(0), backend="reference")
     halves = hj.gate_up_halves(grouped.weights.w13).values
@@ -133,10 +133,54 @@ def test_decode_loop_call_forms_agree():
             "split state": jax.jit(lambda s, x, g=graphdef: nnx.merge(g, s)(x))(state, x),
             "module": jax.jit(lambda b, x: b(x))(block, x),
             "tree mode": nnx.jit(lambda b, x: b(x), graph=False)(block, x),
+            "jit_frozen": nn.jit_frozen(block)(x),
         }
         eager = np.asarray(block(x), np.float32)
         for name, out in forms.items():
             np.testing.assert_allclose(np.asarray(out, np.float32), eager, rtol=1e-2, atol=1e-2, err_msg=name)
+
+
+def test_jit_frozen_traces_once_and_refuses_a_call_that_assigns():
+    """``jit_frozen`` compiles once for a shape, keeps static keywords static,
+    reads the weights as they were when it was made, and raises where the call
+    assigns to a variable (the assignment would be lost)."""
+    config = hj.ExpertsConfig(8, 128, 128, 2, weight_format="bf16")
+    experts = nn.HummingGroupedExperts(config, rngs=nnx.Rngs(0), backend="reference")
+    block = nn.MoEBlock(experts, rngs=nnx.Rngs(1))
+    traces = []
+
+    class Counted(nnx.Module):
+        def __init__(self, block):
+            self.block = block
+
+        def __call__(self, x, scale=1.0):
+            traces.append(scale)
+            return self.block(x) * scale
+
+    step = nn.jit_frozen(Counted(block), static_argnames=("scale",))
+    x = _tokens(3)
+    expected = np.asarray(block(x), np.float32)
+    for seed in range(3):
+        got, want = step(_tokens(seed)), block(_tokens(seed))
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    assert traces == [1.0]
+    np.testing.assert_allclose(np.asarray(step(x, scale=2.0), np.float32), 2 * expected, rtol=1e-2, atol=2e-2)
+    assert traces == [1.0, 2.0]
+    block.router.kernel[...] = block.router.kernel[...] * 0
+    np.testing.assert_allclose(np.asarray(step(x), np.float32), expected, rtol=1e-2, atol=1e-2)
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.count = nnx.Variable(jnp.zeros((), jnp.int32))
+
+        def __call__(self, x):
+            self.count[...] = self.count[...] + 1
+            return x
+
+    with pytest.raises(ValueError, match="jit_frozen: calling Counter assigned"):
+        nn.jit_frozen(Counter())(x)
+    with pytest.raises(TypeError, match="module must be an nnx.Module"):
+        nn.jit_frozen(lambda x: x)
 
 
 # The block's routing, dispatch and layer stacking on the reference backend: the

@@ -1,5 +1,6 @@
 """Flax NNX modules of humming_jax (imports go one way: nn -> ops -> kernels)."""
 
+from humming_jax.nn.calls import jit_frozen
 from humming_jax.nn.experts import (
     BatchedHummingGroupedExperts,
     ExpertParallelExperts,
@@ -21,5 +22,6 @@ __all__ = [
     "MoEBlock",
     "MoonEPExperts",
     "SharedExpert",
+    "jit_frozen",
     "route",
 ]
