@@ -321,7 +321,7 @@ def test_balancing_takes_fewer_drops_under_a_capacity(rng):
 
 def test_module_splits_its_weights_and_equals_the_grouped_module(rng):
     """``nn.ExpertParallelExperts``: its weights live split over the ranks; its
-    call (eager and under ``nnx.jit``) equals the single-device module's."""
+    call (eager, under ``nnx.jit`` and through ``nn.jit_frozen``) equals the single-device module's."""
     from flax import nnx
 
     from humming_jax import nn
@@ -338,6 +338,8 @@ def test_module_splits_its_weights_and_equals_the_grouped_module(rng):
     np.testing.assert_array_equal(np.asarray(module(x, topk_weights, ids), np.float32), want)
     step = nnx.jit(lambda m, x, w, i: m(x, w, i))
     np.testing.assert_array_equal(np.asarray(step(module, x, topk_weights, ids), np.float32), want)
+    # jit_frozen passes the module's own arrays, split over the ranks as they are.
+    np.testing.assert_array_equal(np.asarray(nn.jit_frozen(module)(x, topk_weights, ids), np.float32), want)
     with pytest.raises(ValueError, match="axis_name"):
         nn.ExpertParallelExperts.from_quantized(config, weights, mesh=mesh, axis_name="data")
 
