@@ -301,7 +301,9 @@ def check_float_input(hidden_states, op: str) -> None:
         )
 
 
-def _check_routing_inputs(hidden_states, topk_weights, topk_ids, config: ExpertsConfig, op: str) -> None:
+def check_routing_inputs(hidden_states, topk_weights, topk_ids, config: ExpertsConfig, op: str) -> None:
+    """Raise, naming ``op`` and the argument, unless ``hidden_states`` are float
+    ``[T, H]`` and ``topk_ids`` / ``topk_weights`` ``[T, top_k]``."""
     check_float_input(hidden_states, op)
     if hidden_states.ndim != 2 or hidden_states.shape[1] != config.hidden_size:
         raise ValueError(f"{op}: hidden_states must be [T, H={config.hidden_size}], got {hidden_states.shape}")
@@ -311,6 +313,12 @@ def _check_routing_inputs(hidden_states, topk_weights, topk_ids, config: Experts
         )
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"{op}: topk_weights must match topk_ids {topk_ids.shape}, got {topk_weights.shape}")
+
+
+def in_input_dtype(out: jax.Array, hidden_states: jax.Array, a1q_scale: jax.Array | None) -> jax.Array:
+    """The layer's output, computed in ``config.compute_dtype``, in its float
+    input's dtype; for a pre-quantized input, as computed."""
+    return out if a1q_scale is not None else out.astype(hidden_states.dtype)
 
 
 def _expert_map_kwargs(config: ExpertsConfig, expert_map):
@@ -581,10 +589,11 @@ def humming_grouped_experts(
             (on the grouped layout they get no rows at all) and come out zero.
 
     Returns:
-        ``[T, H]`` in ``hidden_states``' dtype (bf16 for pre-quantized inputs).
+        ``[T, H]`` in ``hidden_states``' dtype (computed in ``config.compute_dtype``,
+        the dtype of the output for pre-quantized inputs).
     """
     if a1q_scale is None:
-        _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_grouped_experts")
+        check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_grouped_experts")
     check_num_valid_tokens(num_valid_tokens, "humming_grouped_experts")
     check_weights(weights, config)
     tokens = (hidden_states, topk_weights, topk_ids, a1q_scale)
@@ -610,7 +619,7 @@ def _grouped_run(tokens, rest, config, backend):
     weights, expert_map, num_valid_tokens = rest
     state = dict(hidden_states=hidden_states, weights=weights, topk_weights=topk_weights, topk_ids=topk_ids)
     state.update(expert_map=expert_map, a1q_scale=a1q_scale, num_valid_tokens=num_valid_tokens)
-    return run_stages(grouped_stages(config, backend), state)["out"]
+    return in_input_dtype(run_stages(grouped_stages(config, backend), state)["out"], hidden_states, a1q_scale)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_size", "w2_block_size", "backend"))
@@ -651,10 +660,11 @@ def humming_indexed_experts(
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
 
     Returns:
-        ``[T, H]`` in ``hidden_states``' dtype (bf16 for pre-quantized inputs).
+        ``[T, H]`` in ``hidden_states``' dtype (computed in ``config.compute_dtype``,
+        the dtype of the output for pre-quantized inputs).
     """
     if a1q_scale is None:
-        _check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_indexed_experts")
+        check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_indexed_experts")
     check_num_valid_tokens(num_valid_tokens, "humming_indexed_experts")
     check_weights(weights, config)
     tokens = (hidden_states, topk_weights, topk_ids, a1q_scale)
@@ -669,7 +679,8 @@ def _indexed_run(tokens, rest, config, block_size, w2_block_size, backend):
     weights, expert_map, num_valid_tokens = rest
     state = dict(hidden_states=hidden_states, weights=weights, topk_weights=topk_weights, topk_ids=topk_ids)
     state.update(expert_map=expert_map, a1q_scale=a1q_scale, num_valid_tokens=num_valid_tokens)
-    return run_stages(indexed_stages(config, block_size, w2_block_size, backend), state)["out"]
+    out = run_stages(indexed_stages(config, block_size, w2_block_size, backend), state)["out"]
+    return in_input_dtype(out, hidden_states, a1q_scale)
 
 
 def indexed_stages(
@@ -822,7 +833,8 @@ def batched_humming_grouped_experts(
             every buffer row, ``E · max_tokens``.
 
     Returns:
-        ``[E, max_tokens, H]``; rows past each count are zero.
+        ``[E, max_tokens, H]`` in ``hidden_states``' dtype (``config.compute_dtype``
+        for pre-quantized inputs); rows past each count are zero.
     """
     if valid_shape_m is not None and not is_count(valid_shape_m, 1):
         raise ValueError(
@@ -846,7 +858,8 @@ def batched_humming_grouped_experts(
         )
     check_weights(weights, config)
     state = dict(hidden_states=hidden_states, expert_num_tokens=expert_num_tokens, weights=weights, a1q_scale=a1q_scale)
-    return run_stages(batched_stages(config, backend, valid_shape_m), state)["out"]
+    out = run_stages(batched_stages(config, backend, valid_shape_m), state)["out"]
+    return in_input_dtype(out, hidden_states, a1q_scale)
 
 
 def _reads_as_it_is(config: ExpertsConfig, dtype) -> bool:

@@ -421,8 +421,9 @@ def _dispatch(s: dict, ctx: _Ctx) -> dict:
         values = jax.lax.bitcast_convert_type(jnp.take(q.values, order // k, axis=0), jnp.uint8)
         out["recv_rows"] = jax.lax.bitcast_convert_type(dispatch(values, 0), q.values.dtype)
         out["a1q_scale"] = dispatch(jnp.take(q.scale, order // k, axis=0), 0)
-    else:
-        out["recv_rows"] = dispatch(jnp.take(hidden_states, order // k, axis=0), 0)
+    else:  # in the dtype the receivers compute in: a float32 input travels at half the bytes
+        rows = jnp.take(hidden_states.astype(config.compute_dtype), order // k, axis=0)
+        out["recv_rows"] = dispatch(rows, 0)
     return dict(
         out,
         copied_weights=weights,
@@ -470,7 +471,9 @@ def _combine(s: dict, ctx: _Ctx) -> dict:
         slots.astype(jnp.float32).reshape(-1, k, slots.shape[1]) * s["topk_weights"].astype(jnp.float32)[..., None]
     )
     weighted = jnp.where(s["valid"].reshape(-1, k)[..., None], weighted, 0.0)
-    return dict(out=jnp.sum(weighted, axis=1).astype(s["hidden_states"].dtype))
+    # Rounded as the one-device layer's combine rounds, then in the input's dtype (as it returns).
+    out = jnp.sum(weighted, axis=1).astype(ctx.config.compute_dtype)
+    return dict(out=out.astype(s["hidden_states"].dtype))
 
 
 EP_STAGES = (("dispatch", _dispatch), ("experts", _run_experts), ("combine", _combine))
@@ -585,12 +588,8 @@ def ep_experts_capped(
 
 def _ep(hidden_states, weights, topk_weights, topk_ids, config, mesh, axis_name, backend, capacity, redundant):
     X.check_weights(weights, config)
+    X.check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "ep_experts")
     num_tokens = hidden_states.shape[0]
-    if topk_ids.shape != (num_tokens, config.top_k) or topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"ep_experts: topk_ids and topk_weights must be [T, top_k]=[{num_tokens}, {config.top_k}], "
-            f"got {topk_ids.shape} and {topk_weights.shape}"
-        )
     if axis_name not in mesh.shape:
         raise ValueError(f"ep_experts: axis_name: {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
     plan = plan_ep(config, num_tokens, mesh.shape[axis_name], capacity, redundant)

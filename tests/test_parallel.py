@@ -169,8 +169,19 @@ def test_plan_and_bad_arguments(rng):
     ids, topk_weights = _routing(rng, False)
     with pytest.raises(ValueError, match="axis_name"):
         parallel.ep_experts(x, weights, topk_weights, ids, config, _mesh(2), axis_name="data")
-    with pytest.raises(ValueError, match="topk_ids"):
+    with pytest.raises(ValueError, match="ep_experts: topk_ids"):
         parallel.ep_experts(x, weights, topk_weights[:, :1], ids[:, :1], config, _mesh(2))
+    # The layer's own arguments named, not a rank's share of them.
+    with pytest.raises(ValueError, match=r"ep_experts: hidden_states must be \[T, H=64\], got \(16, 32\)"):
+        parallel.ep_experts(x[:, :32], weights, topk_weights, ids, config, _mesh(2))
+    with pytest.raises(ValueError, match="ep_experts: hidden_states: int8 values"):
+        parallel.ep_experts(x.astype(jnp.int8), weights, topk_weights, ids, config, _mesh(2))
+    # A float32 input comes back float32: the bf16 input's values, cast.
+    values = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
+    want = parallel.ep_experts(values, weights, topk_weights, ids, config, _mesh(2))
+    got = parallel.ep_experts(values.astype(jnp.float32), weights, topk_weights, ids, config, _mesh(2))
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.float32)))
 
 
 def _expected_drops(ids: np.ndarray, ranks: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:

@@ -563,6 +563,32 @@ def test_pipeline_bad_input(rng):
         hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), static)
 
 
+def test_layers_return_their_inputs_dtype(rng):
+    """A float32 or float16 input: each pipeline computes in
+    ``config.compute_dtype`` (bf16) and returns the input's dtype — the bf16
+    input's values, cast (the input rounded to bf16 is all that differs)."""
+    config = hj.ExpertsConfig(4, 128, 128, 2, weight_format="int4_g128")
+    x, w13, w2, ids, tw = _problem(rng, config, 5)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    tw, ids = jnp.asarray(tw), jnp.asarray(ids)
+    counts = jnp.asarray([2, 0, 3, 1], jnp.int32)
+    xb = rng.normal(size=(4, 3, 128)).astype(np.float32)
+    layers = {
+        "grouped": (lambda h: hj.humming_grouped_experts(h, weights, tw, ids, config), x),
+        "indexed": (lambda h: hj.humming_indexed_experts(h, weights, tw, ids, config), x),
+        "batched": (lambda h: hj.batched_humming_grouped_experts(h, counts, weights, config), xb),
+    }
+    for name, (layer, values) in layers.items():
+        rounded = np.asarray(layer(jnp.asarray(values, jnp.bfloat16)), np.float32)
+        for dtype in (jnp.float32, jnp.float16):
+            given = jnp.asarray(jnp.asarray(values, jnp.bfloat16), dtype)  # exact in both
+            out = layer(given)
+            assert out.dtype == dtype, (name, out.dtype)
+            np.testing.assert_array_equal(
+                np.asarray(out, np.float32), np.asarray(jnp.asarray(rounded, dtype), np.float32)
+            )
+
+
 def test_jit_does_not_recompile_for_new_routing(rng):
     config = hj.ExpertsConfig(4, 128, 128, 2, weight_format="int4_g128")
     x, w13, w2, ids, tw = _problem(rng, config, 6)

@@ -18,12 +18,18 @@ from flax import nnx
 def jit_frozen(module: nnx.Module, *, static_argnames: tuple[str, ...] = ()) -> Callable[..., Any]:
     """``module``'s ``__call__`` jitted, with its variables as they are now.
 
-    Returns ``f(*args, **kwargs)`` equal to ``module(*args, **kwargs)`` (any
-    arguments a jitted function takes; ``static_argnames`` name the keyword
-    arguments that are static, e.g. ``top_k``). The variables are read once, here: a later change
-    to the module's weights needs a new ``jit_frozen``. For inference — a
-    call that assigns to one of the module's variables raises ``ValueError``
-    when traced, since the assignment would be lost.
+    The variables are read once, here: a later change to the module's weights
+    needs a new ``jit_frozen``. For inference — a call that assigns to one of
+    the module's variables raises ``ValueError`` when traced, since the
+    assignment would be lost.
+
+    Args:
+        module: the Flax NNX module (a model, a ``MoEBlock``, an expert module).
+        static_argnames: the call's keyword arguments that are static (e.g. ``top_k``).
+
+    Returns:
+        ``f(*args, **kwargs)``, equal to ``module(*args, **kwargs)``, its
+        arguments any that a jitted function takes.
     """
     if not isinstance(module, nnx.Module):
         raise TypeError(f"jit_frozen: module must be an nnx.Module, got {type(module).__name__}")
