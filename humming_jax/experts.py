@@ -99,6 +99,9 @@ def quantize_experts(
     Returns:
         The :class:`ExpertWeights`, checked against ``config``.
     """
+    for name, weight in (("w13", w13), ("w2", w2)):
+        if jnp.ndim(weight) != 3:  # a 2-D one would be taken as one expert's
+            raise ValueError(f"quantize_experts: {name} must be [E, N, K], got shape {tuple(jnp.shape(weight))}")
     if config.hadamard_block_size:
         w13 = Q.hadamard_rotate(w13, config.hadamard_block_size)
     if config.w2_hadamard_block_size:

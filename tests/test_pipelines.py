@@ -558,6 +558,8 @@ def test_pipeline_bad_input(rng):
     other = hj.ExpertsConfig(4, 128, 128, 2, weight_format="int8_channel")
     with pytest.raises(ValueError, match="weights.w13: format"):
         hj.humming_grouped_experts(jnp.ones((4, 128)), weights, jnp.asarray(tw), jnp.asarray(ids), other)
+    with pytest.raises(ValueError, match=r"quantize_experts: w13 must be \[E, N, K\], got shape \(256, 128\)"):
+        hj.quantize_experts(jnp.asarray(w13[0]), jnp.asarray(w2), config)
     static = hj.ExpertsConfig(4, 128, 128, 2, weight_format="fp8_channel", input_quant="fp8_static_tensor")
     with pytest.raises(ValueError, match="w13_input_scale"):
         hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), static)
