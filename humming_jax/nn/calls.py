@@ -43,7 +43,8 @@ def jit_frozen(module: nnx.Module, *, static_argnames: tuple[str, ...] = ()) -> 
         if len(after) != len(arrays) or any(a is not b for a, b in zip(after, arrays, strict=True)):
             raise ValueError(
                 f"jit_frozen: calling {type(module).__name__} assigned to its variables; "
-                "jit_frozen is for calls that only read them (use nnx.jit to keep updates)"
+                "jit_frozen is for calls that only read them: pass what changes from call to call "
+                "(a KV cache) as an argument, or use nnx.jit to keep the updates"
             )
         return out
 
