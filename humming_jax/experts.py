@@ -1006,8 +1006,11 @@ def moonep_experts(
     Returns:
         ``[NvS, H]`` bf16; rows past ``cu_seqlens[-1]`` are zero.
     """
-    if hidden_states.ndim != 2:
-        raise ValueError(f"moonep_experts: hidden_states must be [NvS, H], got {hidden_states.shape}")
+    if hidden_states.ndim != 2 or jnp.dtype(hidden_states.dtype) != jnp.dtype(jnp.bfloat16):
+        raise ValueError(
+            f"moonep_experts: hidden_states must be bf16 [NvS, H] (MoonEP experts are BF16-only), "
+            f"got {hidden_states.dtype} {hidden_states.shape}"
+        )
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if jnp.dtype(w.dtype) != jnp.dtype(jnp.bfloat16):
             raise TypeError(f"moonep_experts: {name} must be bfloat16 (MoonEP experts are BF16-only), got {w.dtype}")

@@ -545,6 +545,8 @@ def test_moonep_grouped_gemm_and_errors(rng):
         hj.moonep_grouped_gemm(a, w, jnp.asarray([2, 6], jnp.int32))
     with pytest.raises(TypeError, match="bfloat16"):
         hj.moonep_experts(a, w.astype(jnp.float32), w, jnp.swapaxes(w, 1, 2), jnp.asarray([2, 2, 6]), jnp.ones(7))
+    with pytest.raises(ValueError, match="moonep_experts: hidden_states must be bf16"):
+        hj.moonep_experts(a.astype(jnp.float32), w, w, jnp.swapaxes(w, 1, 2), jnp.asarray([2, 2, 6]), jnp.ones(7))
 
 
 def test_pipeline_bad_input(rng):
