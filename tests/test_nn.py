@@ -274,6 +274,8 @@ def test_module_errors():
         nn.MoEBlock(experts, rngs=nnx.Rngs(1), top_k=9)
     with pytest.raises(ValueError, match=r"MoEBlock: x: expected \[\.\.\., H=128\], got \[3, 64\]"):
         nn.MoEBlock(experts, rngs=nnx.Rngs(1))(jnp.ones((3, 64)))
+    with pytest.raises(TypeError, match="MoEBlock: x: expected float activations, got int32"):
+        nn.MoEBlock(experts, rngs=nnx.Rngs(1))(jnp.ones((3, 128), jnp.int32))
 
 
 def test_moe_block_with_batched_and_moonep_experts():

@@ -297,6 +297,8 @@ class MoEBlock(nnx.Module):
         hidden = self.router.in_features
         if x.ndim < 1 or shape[-1] != hidden:
             raise ValueError(f"MoEBlock: x: expected [..., H={hidden}], got {list(shape)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"MoEBlock: x: expected float activations, got {x.dtype}")
         tokens = x.reshape(-1, shape[-1])
         own_placement = isinstance(self.experts, (BatchedHummingGroupedExperts, MoonEPExperts, ExpertParallelExperts))
         if expert_map is not None and own_placement:
