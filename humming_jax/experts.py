@@ -319,8 +319,8 @@ def check_routing_inputs(hidden_states, topk_weights, topk_ids, config: ExpertsC
 
 
 def in_input_dtype(out: jax.Array, hidden_states: jax.Array, a1q_scale: jax.Array | None) -> jax.Array:
-    """The layer's output, computed in ``config.compute_dtype``, in its float
-    input's dtype; for a pre-quantized input, as computed."""
+    """The layer's output (in ``config.compute_dtype``) cast to its float
+    input's dtype; for a pre-quantized input, unchanged."""
     return out if a1q_scale is not None else out.astype(hidden_states.dtype)
 
 
@@ -592,8 +592,8 @@ def humming_grouped_experts(
             (on the grouped layout they get no rows at all) and come out zero.
 
     Returns:
-        ``[T, H]`` in ``hidden_states``' dtype (computed in ``config.compute_dtype``,
-        the dtype of the output for pre-quantized inputs).
+        ``[T, H]`` in ``hidden_states``' dtype, computed in ``config.compute_dtype``
+        (the output's dtype for pre-quantized inputs).
     """
     if a1q_scale is None:
         check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_grouped_experts")
@@ -663,8 +663,8 @@ def humming_indexed_experts(
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
 
     Returns:
-        ``[T, H]`` in ``hidden_states``' dtype (computed in ``config.compute_dtype``,
-        the dtype of the output for pre-quantized inputs).
+        ``[T, H]`` in ``hidden_states``' dtype, computed in ``config.compute_dtype``
+        (the output's dtype for pre-quantized inputs).
     """
     if a1q_scale is None:
         check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_indexed_experts")
