@@ -258,6 +258,33 @@ def gap_chunk_rows(first: jax.Array, last: jax.Array, m_out: int, block_m: int, 
     return rows, rows < jnp.where(in_head, first, m_out)
 
 
+def _masked_tile_rows(counts_ref, layout: LayoutSpec, num_experts: int, block_m: int, tile, lane):
+    """:func:`_tile_rows` of the grouped-masked layout: the row tiles that hold
+    rows first (each expert's in turn), then those past every count, which
+    only store zeros — so the programs with work start in the grid's first
+    waves, not spread among the empty experts' (a decode step fills a few
+    experts of many)."""
+    per_expert = pl.cdiv(layout.max_tokens, block_m)
+    width = max(16, pl.next_power_of_2(num_experts))
+    experts = jnp.arange(width, dtype=jnp.int32)
+    in_range = experts < num_experts
+    counts = jnp.clip(plgpu.load(counts_ref.at[experts], mask=in_range, other=0), 0, layout.max_tokens)
+    busy = jnp.where(in_range, (counts + block_m - 1) // block_m, 0)
+    busy_total = jnp.sum(busy)
+    is_busy = tile < busy_total
+    lengths = jnp.where(is_busy, busy, jnp.where(in_range, per_expert - busy, 0))
+    index = jnp.where(is_busy, tile, tile - busy_total)
+    ends = jnp.cumsum(lengths)
+    expert = jnp.minimum(jnp.sum((ends <= index).astype(jnp.int32)), num_experts - 1)
+    mine = experts == expert
+    local_tile = index - jnp.sum(jnp.where(mine, ends - lengths, 0))
+    local_tile += jnp.where(is_busy, 0, jnp.sum(jnp.where(mine, busy, 0)))
+    count = jnp.sum(jnp.where(mine, counts, 0))
+    local = local_tile * block_m + lane
+    rows = expert * layout.max_tokens + local
+    return rows, rows, local < count, expert, local_tile * block_m < count
+
+
 def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, tile):
     """(rows_in [bm], rows_out [bm], row_mask [bm], expert, live) of row tile ``tile``."""
     lane = jnp.arange(block_m, dtype=jnp.int32)
@@ -282,13 +309,7 @@ def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, t
         live = tile < jnp.sum(tiles)
         return rows, rows, rows < row_end, expert, live
     if layout.kind == "grouped_masked":
-        (counts_ref,) = route_refs
-        per_expert = pl.cdiv(layout.max_tokens, block_m)
-        expert = tile // per_expert
-        local = (tile % per_expert) * block_m + lane
-        count = jnp.clip(counts_ref[expert], 0, layout.max_tokens)
-        rows = expert * layout.max_tokens + local
-        return rows, rows, local < count, expert, (tile % per_expert) * block_m < count
+        return _masked_tile_rows(route_refs[0], layout, num_experts, block_m, tile, lane)
     if layout.slot_order:  # block b holds slot b alone
         (experts_ref,) = route_refs
         expert = experts_ref[tile]
