@@ -1006,11 +1006,7 @@ def moonep_experts(
     Returns:
         ``[NvS, H]`` bf16; rows past ``cu_seqlens[-1]`` are zero.
     """
-    if hidden_states.ndim != 2 or jnp.dtype(hidden_states.dtype) != jnp.dtype(jnp.bfloat16):
-        raise ValueError(
-            f"moonep_experts: hidden_states must be bf16 [NvS, H] (MoonEP experts are BF16-only), "
-            f"got {hidden_states.dtype} {hidden_states.shape}"
-        )
+    _check_moonep_rows(hidden_states, "moonep_experts")
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if jnp.dtype(w.dtype) != jnp.dtype(jnp.bfloat16):
             raise TypeError(f"moonep_experts: {name} must be bfloat16 (MoonEP experts are BF16-only), got {w.dtype}")
@@ -1025,6 +1021,15 @@ def moonep_experts(
     weights = dict(w_gate=w_gate, w_up=w_up, w_down=w_down)
     op = "moonep_experts"
     return _run_moonep(op, hidden_states, cu_seqlens, route_weights, apply_router_weight_on_input, backend, weights)
+
+
+def _check_moonep_rows(hidden_states, op: str) -> None:
+    """Raise, naming ``op``, unless ``hidden_states`` are bf16 ``[NvS, H]`` (MoonEP is BF16-only)."""
+    if hidden_states.ndim != 2 or jnp.dtype(hidden_states.dtype) != jnp.dtype(jnp.bfloat16):
+        raise ValueError(
+            f"{op}: hidden_states must be bf16 [NvS, H] (MoonEP experts are BF16-only), "
+            f"got {hidden_states.dtype} {hidden_states.shape}"
+        )
 
 
 def _run_moonep(op: str, hidden_states, cu_seqlens, route_weights, on_input: bool, backend, weights: dict) -> jax.Array:
@@ -1083,11 +1088,7 @@ def moonep_interleaved_experts(
     """
     if not isinstance(w13, F.QuantizedWeight) or w13.format != F.BF16:
         raise TypeError("moonep_interleaved_experts: w13: expected moonep_w13's bf16 QuantizedWeight")
-    if hidden_states.ndim != 2 or jnp.dtype(hidden_states.dtype) != jnp.dtype(jnp.bfloat16):
-        raise ValueError(
-            f"moonep_interleaved_experts: hidden_states must be bf16 [NvS, H], got {hidden_states.dtype} "
-            f"{hidden_states.shape}"
-        )
+    _check_moonep_rows(hidden_states, "moonep_interleaved_experts")
     g, n, h = w13.shape
     if h != hidden_states.shape[1] or n % 2:
         raise ValueError(
