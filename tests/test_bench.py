@@ -126,6 +126,21 @@ def test_layer_bench_writes_json(tiny, compiled_once, tmp_path, monkeypatch, cap
     assert row["stage_us"] == {} and row["gemm_us"] is None and row["outside_share"] is None and row["us"] > 0
 
 
+def test_traced_share_is_of_the_traced_span(monkeypatch):
+    """The share outside the GEMM kernels is taken of the trace's own span
+    (one state of the GPU's clocks), not of the chained layer's time."""
+    from humming_jax import layer_bench
+
+    seconds = {layer_bench.GEMM_KERNELS: 580e-6, "all": 690e-6, "busy": 688e-6, "span": 700e-6}
+    fake = timing.TracedKernels(seconds=seconds, table=[{"name": "moe_gemm_x", "us": 580.0}])
+    monkeypatch.setattr(layer_bench, "traced_kernels", lambda *args, **kwargs: fake)
+    monkeypatch.setattr(layer_bench.jax, "default_backend", lambda: "gpu")
+    case = layer_bench.LayerCase("tiny", "grouped", 4, "int4_g32")
+    fields = layer_bench._traced_fields(case, None, [])
+    assert fields["traced_outside_share"] == pytest.approx(1 - 580 / 700)
+    assert fields["span_us"] == pytest.approx(700) and fields["traced_kernels"] == fake.table
+
+
 def test_device_kernel_seconds_counts_device_kernels_only():
     """A kernel trace's device kernels by name prefix, per device process;
     host events of the same name (the launch's own span) are not counted."""
