@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import humming_jax as hj
 from humming_jax import input_quant as Q
 from humming_jax import tiles_text
+from humming_jax.activations import ActivationSpec
 from humming_jax.bench import random_bf16
 from humming_jax.timing import (
     COPY_BANDWIDTH,
@@ -41,6 +42,9 @@ KERNEL = "pallas"
 CASES = {
     # name: (activation, hadamard block, input quantization)
     "silu+fp8_group128": ("silu", None, Q.FP8_DYNAMIC_GROUP128),
+    # W8A8's w2 input as its layer runs it: the kernel-order fp8 block weights' w13 interleaves
+    # gate and up by 128 rows (formats.gate_up_block_for), so its sums arrive so interleaved.
+    "silu_gub128+fp8_group128": (ActivationSpec("silu", gate_up_block=128), None, Q.FP8_DYNAMIC_GROUP128),
     "silu+mxfp8": ("silu", None, Q.MXFP8_DYNAMIC),
     "swigluoai+none": ("swigluoai", None, Q.NONE),
     "hadamard128+fp8_token": (None, 128, Q.FP8_DYNAMIC_TOKEN),
