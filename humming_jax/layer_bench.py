@@ -277,12 +277,11 @@ def _traced_fields(case: LayerCase, fn, sets) -> dict:
     (``kernel_us``), the time some kernel ran (``busy_us``: less where
     events overlap) and first start to last end (``span_us``: with the
     gaps), each a call; the share of the traced span outside the GEMM
-    kernels — the stages, each timed alone, carry a launch each, which at
-    decode is a good part of a stage; and the span, not the chained layer's
-    time, is its denominator: the trace runs in a burst, which at prefill
-    runs ~8 % faster than the sustained chain (the power limit) —, and the
-    trace's longest kernels (``traced_kernels``: thread, name, launches and
-    µs a call). None elsewhere."""
+    kernels (not of the stages, each timed alone with a launch of its own;
+    not of the chained layer's time: the trace runs in a burst, which near
+    the power limit runs faster than a sustained chain), and the trace's
+    longest kernels (``traced_kernels``: thread, name, launches and µs a
+    call). None elsewhere."""
     names = ("gemm_kernel_us", "kernel_us", "busy_us", "span_us", "traced_outside_share", "traced_kernels")
     traced = None
     if jax.default_backend() == "gpu" and not case.pipeline.startswith("ep"):
