@@ -77,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         "--max-m", type=int, default=0, help="skip M ranges (rows: tokens x top-k) starting at or above this"
     )
     tune.add_argument(
+        "--uncovered",
+        action="store_true",
+        help="list the M ranges of --problem's --gemm that no table entry covers (the heuristic runs); no GPU",
+    )
+    tune.add_argument(
         "--per-shape",
         action="store_true",
         help="write the entries for this problem's (E, N, K) only (they take precedence over the class entries)",

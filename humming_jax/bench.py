@@ -728,6 +728,27 @@ def _existing_entries(path: str) -> dict[str, list[dict]]:
         return {}
 
 
+def uncovered(problem: str, gemm: str, formats, layouts, k_order: bool = False) -> list[str]:
+    """The (format, layout, M range) of one problem's GEMM that no entry of the
+    shipped table covers (for the shape or its format class): the heuristic
+    tiles run there. One line each, with the ``tune`` range flags that sweep it."""
+    lines = []
+    for fmt in formats:
+        weight_format, quant = split_format(fmt)
+        input_dtype = quant.dtype.value if quant.is_quantized else None
+        for layout_name in layouts:
+            for low, high in search.M_RANGES:
+                tokens = max(1, search.representative_m(low, high) // PROBLEMS[problem][3])
+                e, n, k, top_k = Case(problem, gemm, layout_name, tokens, fmt, k_order).shapes()
+                m = search.representative_m(low, high)
+                if not T.table_entries(LAYOUT_KINDS[layout_name], weight_format, m, e, n, k, input_dtype):
+                    lines.append(
+                        f"{problem} {gemm} {fmt} {layout_name} M in ({low}, {high}] (T={m // top_k}): "
+                        f"heuristic; tune --min-m {high} --max-m {high}"
+                    )
+    return lines
+
+
 def tune_main(args) -> int:
     """Sweep :mod:`humming_jax.tuning.search`'s candidates per (layout, format
     class, M range) on one problem, check each with :func:`sampled_error`,
@@ -736,6 +757,10 @@ def tune_main(args) -> int:
     table to ``args.out`` (merged into it if it exists: a key's entry for an
     overlapping M range is replaced). Copy it over ``humming_jax/tuning/<device>.json``
     to ship it."""
+    if getattr(args, "uncovered", False):
+        for line in uncovered(args.problem, args.gemm, args.formats, args.layouts, args.k_order):
+            print(line)
+        return 0
     if KERNEL_BACKEND == "pallas" and jax.default_backend() != "gpu":
         print("tune: needs a GPU", file=sys.stderr)
         return 2

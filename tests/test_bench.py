@@ -523,6 +523,24 @@ def test_process_input_bench_has_the_w8a8_layers_activation(monkeypatch):
     assert [r["backend"] for r in rows] == ["interpret", "reference"] and all(r["us"] > 0 for r in rows)
 
 
+def test_tune_lists_the_ranges_the_table_leaves_to_the_heuristic(capsys):
+    """``tune --uncovered`` (no GPU): each (format, layout, M range) of the
+    problem's GEMM with no shipped entry, and range flags that sweep that
+    range alone; a range with an entry is not listed."""
+    lines = bench.uncovered("qwen3-30b-a3b", "w13", ["int4_g128"], ["grouped"])
+    # T=1024 (64 rows an expert) lies under the class's Mosaic prefill entries (from M 8192).
+    assert any("M in (4096, 8192] (T=1024)" in line for line in lines), lines
+    assert not any("(8192, 16384]" in line for line in lines)  # the class's entry covers T=2048
+    for line in lines:
+        low, high = (int(v) for v in line.split("M in (")[1].split("]")[0].split(", "))
+        flag = int(line.rsplit("--max-m ", 1)[1])
+        # tune_main keeps a range unless low >= --max-m or high < --min-m: this range alone.
+        kept = [r for r in search.M_RANGES if not (r[0] >= flag or r[1] < flag)]
+        assert kept == [(low, high)], (line, kept)
+    assert cli.main(["tune", "--uncovered", "--problem", "qwen3-30b-a3b", "--formats", "int4_g128"]) == 0
+    assert "(4096, 8192]" in capsys.readouterr().out
+
+
 def test_merge_entry_replaces_overlapping_ranges():
     """A new (0, 16] entry replaces an older (0, 128] one: lookups take the
     first range holding M, so the wider old range would shadow it."""
