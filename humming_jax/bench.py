@@ -728,7 +728,7 @@ def _existing_entries(path: str) -> dict[str, list[dict]]:
         return {}
 
 
-def uncovered(problem: str, gemm: str, formats, layouts, k_order: bool = False) -> list[str]:
+def uncovered(problem: str, gemm: str, formats: list[str], layouts: list[str], k_order: bool = False) -> list[str]:
     """The (format, layout, M range) of one problem's GEMM that no entry of the
     shipped table covers (for the shape or its format class): the heuristic
     tiles run there. One line each, with the ``tune`` range flags that sweep it."""
@@ -738,9 +738,8 @@ def uncovered(problem: str, gemm: str, formats, layouts, k_order: bool = False) 
         input_dtype = quant.dtype.value if quant.is_quantized else None
         for layout_name in layouts:
             for low, high in search.M_RANGES:
-                tokens = max(1, search.representative_m(low, high) // PROBLEMS[problem][3])
-                e, n, k, top_k = Case(problem, gemm, layout_name, tokens, fmt, k_order).shapes()
                 m = search.representative_m(low, high)
+                e, n, k, top_k = Case(problem, gemm, layout_name, 1, fmt, k_order).shapes()
                 if not T.table_entries(LAYOUT_KINDS[layout_name], weight_format, m, e, n, k, input_dtype):
                     lines.append(
                         f"{problem} {gemm} {fmt} {layout_name} M in ({low}, {high}] (T={m // top_k}): "
