@@ -795,17 +795,19 @@ def test_dequantized_output(spec, layout, block, rng):
 
 
 # (quantization, activation, columns out, gate/up block): whole and padded column blocks
-# (40 outputs: one padded block of 64), one and several pairs a block.
+# (40 outputs: one padded block of 64), one and several pairs a block; W8A8's w2 input
+# (blocks of 128), whose last column block (896 = 512 + 256 + 128) lies within one pair.
 _GATE_UP_BLOCKS = [
     (Q.NONE, "silu", 768, 32),
     (Q.FP8_DYNAMIC_GROUP128, "gelu_tanh", 256, 32),
     (Q.FP8_DYNAMIC_TOKEN, "swiglustep", 40, 8),
+    (Q.FP8_DYNAMIC_GROUP128, "silu", 896, 128),
     (Q.MXFP8_DYNAMIC, "gelu", 192, 64),
 ]
 
 
 @pytest.mark.parametrize(
-    "spec,kind,k_out,block", sweep(_GATE_UP_BLOCKS, _GATE_UP_BLOCKS[:3]), ids=lambda v: getattr(v, "name", str(v))
+    "spec,kind,k_out,block", sweep(_GATE_UP_BLOCKS, _GATE_UP_BLOCKS[:4]), ids=lambda v: getattr(v, "name", str(v))
 )
 def test_gate_and_up_interleaved_by_blocks(spec, kind, k_out, block, rng):
     """``ActivationSpec.gate_up_block``: gate and up columns interleaved by
