@@ -61,6 +61,8 @@ DECODE = (
     _t(16, 64, 256, 4, 3, split_k=2),
     _t(16, 64, 256, 4, 3, split_k=4),
     _t(16, 64, 256, 4, 3, split_k=8),
+    # 8-bit weights swapped: the weight is the A operand of a native e4m3 wgmma, no widening to f16.
+    _t(16, 64, 256, 4, 3, swap_ab=True),
     _t(16, 256, 256, 8, 3, **_PAIRS),
     # Scaled inputs multiplied out to bf16 first: the weight-only tiles (refused for 16-bit inputs).
     _t(16, 128, 256, 4, 3, dequantize_input=True, **_PAIRS),
