@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import activation, codecs
+from pallas_kernels.indexing import nonneg_div, nonneg_rem
 
 FLOAT8_E4M3_MAX = 448.0
 
@@ -168,12 +169,7 @@ def _input_columns(start: int, size: int, cfg: ProcessConfig) -> list[tuple[jax.
         return [(2 * start + jnp.arange(2 * size, dtype=jnp.int32), 2 * cfg.k_out)]
     block = cfg.gate_up_block
     if block:  # [g_0..g_{c-1}, u_0..u_{c-1}, g_c, ...]: runs of c columns
-        if start % block + size <= block:  # within one run: affine, loaded in vectors
-            gate = (start // block) * (2 * block) + start % block + jnp.arange(size, dtype=jnp.int32)
-        else:
-            # Truncated division (the columns are not negative): jnp's floor division and
-            # remainder add selects that hide the runs' contiguity from Triton's vector loads.
-            gate = jax.lax.div(outputs, block) * (2 * block) + jax.lax.rem(outputs, block)
+        gate = nonneg_div(outputs, block) * (2 * block) + nonneg_rem(outputs, block)
         return [(gate, 2 * cfg.k_out), (gate + block, 2 * cfg.k_out)]
     return [(outputs, cfg.k_out), (outputs + cfg.k_out, 2 * cfg.k_out)]  # gate, up
 

@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import activation, codecs, word_decode
 from pallas_kernels.gemm.fp8_dot import fp8_dot
 from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, LayoutSpec, WeightSpec, XScale, tile_order
+from pallas_kernels.indexing import nonneg_div, nonneg_rem
 
 
 def _power_of_two(value, name: str) -> None:
@@ -761,15 +762,7 @@ class _SpanPlan:
         return self.ways // 2 if self.pairs else self.ways
 
 
-def _lax_div(value, by: int):
-    return jax.lax.div(value, jnp.int32(by))
-
-
-def _lax_rem(value, by: int):
-    return jax.lax.rem(value, jnp.int32(by))
-
-
-def _piece_columns(k_start, along, j: int, per_element: int, unit: int, span: int, div=_lax_div, rem=_lax_rem):
+def _piece_columns(k_start, along, j: int, per_element: int, unit: int, span: int, div=nonneg_div, rem=nonneg_rem):
     """The K columns of piece ``j`` of the span at ``k_start``: its element a
     (a loaded unit of ``per_element`` nibbles) holds stored nibble
     ``k_start + per_element * a + j``. In K order that is the column; in the
@@ -818,7 +811,7 @@ def _floor_div(value, divisor: int):
     then load 4 bytes at a time instead of 16)."""
     if divisor & (divisor - 1) == 0:
         return jax.lax.shift_right_logical(value, jnp.int32(divisor.bit_length() - 1))
-    return _lax_div(value, divisor)
+    return nonneg_div(value, divisor)
 
 
 def _weight_pieces(refs, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPlan, masks, top=None):
