@@ -728,7 +728,7 @@ def _existing_entries(path: str) -> dict[str, list[dict]]:
         return {}
 
 
-def uncovered(problem: str, gemm: str, formats: list[str], layouts: list[str], k_order: bool = False) -> list[str]:
+def uncovered(problem: str, gemm: str, formats: list[str], layouts: list[str]) -> list[str]:
     """The (format, layout, M range) of one problem's GEMM that no entry of the
     shipped table covers (for the shape or its format class): the heuristic
     tiles run there. One line each, with the ``tune`` range flags that sweep it."""
@@ -739,7 +739,7 @@ def uncovered(problem: str, gemm: str, formats: list[str], layouts: list[str], k
         for layout_name in layouts:
             for low, high in search.M_RANGES:
                 m = search.representative_m(low, high)
-                e, n, k, top_k = Case(problem, gemm, layout_name, 1, fmt, k_order).shapes()
+                e, n, k, top_k = Case(problem, gemm, layout_name, 1, fmt).shapes()
                 if not T.table_entries(LAYOUT_KINDS[layout_name], weight_format, m, e, n, k, input_dtype):
                     lines.append(
                         f"{problem} {gemm} {fmt} {layout_name} M in ({low}, {high}] (T={m // top_k}): "
@@ -757,7 +757,7 @@ def tune_main(args) -> int:
     overlapping M range is replaced). Copy it over ``humming_jax/tuning/<device>.json``
     to ship it."""
     if getattr(args, "uncovered", False):
-        for line in uncovered(args.problem, args.gemm, args.formats, args.layouts, args.k_order):
+        for line in uncovered(args.problem, args.gemm, args.formats, args.layouts):
             print(line)
         return 0
     if KERNEL_BACKEND == "pallas" and jax.default_backend() != "gpu":
