@@ -769,9 +769,7 @@ def tune_main(args) -> int:
     for fmt in args.formats:
         for layout_name in args.layouts:
             kind = LAYOUT_KINDS[layout_name]
-            for low, high in search.M_RANGES:
-                if (args.max_m and low >= args.max_m) or high < args.min_m:
-                    continue
+            for low, high in search.swept_ranges(args.min_m, args.max_m):
                 tokens = max(1, search.representative_m(low, high) // top_k)
                 case = Case(args.problem, args.gemm, layout_name, tokens, fmt, args.k_order)
                 shape = case.shapes()[:3] if args.per_shape else None

@@ -22,6 +22,12 @@ M_RANGES = (
 )
 
 
+def swept_ranges(min_m: int = 0, max_m: int = 0) -> tuple[tuple[int, int], ...]:
+    """The :data:`M_RANGES` a ``tune --min-m --max-m`` sweeps: those ending at or
+    above ``min_m`` and (``max_m`` non-zero) starting below ``max_m``."""
+    return tuple((low, high) for low, high in M_RANGES if high >= min_m and not (max_m and low >= max_m))
+
+
 def representative_m(low: int, high: int) -> int:
     """The M a range ``(low, high]`` is swept at: its top, or twice its bottom when open-ended."""
     return high if high < 1 << 30 else 2 * low
