@@ -527,16 +527,16 @@ def test_tune_lists_the_ranges_the_table_leaves_to_the_heuristic(capsys):
     """``tune --uncovered`` (no GPU): each (format, layout, M range) of the
     problem's GEMM with no shipped entry, and range flags that sweep that
     range alone; a range with an entry is not listed."""
-    lines = bench.uncovered("qwen3-30b-a3b", "w13", ["int4_g128"], ["grouped"])
-    # T=1024 (64 rows an expert) lies under the class's Mosaic prefill entries (from M 8192).
-    assert any("M in (4096, 8192] (T=1024)" in line for line in lines), lines
-    assert not any("(8192, 16384]" in line for line in lines)  # the class's entry covers T=2048
+    lines = bench.uncovered("qwen3-30b-a3b", "w2", ["int4_g128"], ["grouped"])
+    # T=512 (32 rows an expert) has no entry of the shape's; T=1024 and T=2048 have.
+    assert any("M in (1024, 4096] (T=512)" in line for line in lines), lines
+    assert not any("(4096, 8192]" in line or "(8192, 16384]" in line for line in lines)
     for line in lines:
         low, high = (int(v) for v in line.split("M in (")[1].split("]")[0].split(", "))
         flag = int(line.rsplit("--max-m ", 1)[1])
         assert search.swept_ranges(flag, flag) == ((low, high),), line  # this range alone
     assert cli.main(["tune", "--uncovered", "--problem", "qwen3-30b-a3b", "--formats", "int4_g128"]) == 0
-    assert "(4096, 8192]" in capsys.readouterr().out
+    assert "(1024, 4096]" in capsys.readouterr().out
 
 
 def test_merge_entry_replaces_overlapping_ranges():
