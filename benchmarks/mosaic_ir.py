@@ -51,8 +51,12 @@ KEY_OPS = {
 @contextlib.contextmanager
 def capture_mosaic_modules():
     """Within the block, yields the list that the text of every Mosaic GPU
-    module lowered (the serialized form of the custom call) is appended to."""
+    module lowered (the serialized form of the custom call) is appended to;
+    the Pallas Triton kernels beside them (the grouped calls' row-tile
+    table) lower as for sm_90 without a GPU."""
     from jax.experimental.mosaic.gpu import core
+
+    from benchmarks.lower_sm90 import capture_triton_modules
 
     texts: list[str] = []
     serialize = core._run_serde_pass
@@ -64,7 +68,8 @@ def capture_mosaic_modules():
 
     core._run_serde_pass = recording
     try:
-        yield texts
+        with capture_triton_modules():
+            yield texts
     finally:
         core._run_serde_pass = serialize
 

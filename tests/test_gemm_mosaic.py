@@ -557,29 +557,66 @@ def _check_table(table, want, m: int, block_m: int, ranges: int):
 def test_row_tile_table_covers_every_row_once(block_m, rng):
     """Grouped-contiguous ranges (rows outside them: group E) and grouped-masked
     ones (each expert's rows past its count: group E), over random routings,
-    empty and full."""
-    table_of = jax.jit(mosaic.row_tile_table, static_argnums=(2, 3, 4))  # one program a shape, not one an op
+    empty and full — the Triton kernel's table, equal to the XLA reference's."""
+    reference = jax.jit(mosaic.row_tile_table, static_argnums=(2, 3, 4))  # one program a shape, not one an op
+    kernel = jax.jit(functools.partial(mosaic.tile_table, interpret=True), static_argnums=(2, 3, 4))
+
+    def table_of(offsets, counts, m, e, block_m):  # the kernel's table, bit-equal to the reference's
+        table = np.asarray(kernel(offsets, counts, m, e, block_m))
+        ranges = mosaic.row_ranges(offsets, counts, m, e)
+        np.testing.assert_array_equal(table, np.asarray(reference(*ranges, e, m, block_m)))
+        return table
+
     for trial in range(9):  # few distinct shapes: each is traced anew
         e = int(rng.integers(1, 5))
         m = int(rng.choice([1, 7, 64, 130, 399]))
         cuts = np.sort(rng.integers(0, m + 1, size=e + 1))
         if trial % 3 == 0:
             cuts[0] = 0
-        starts, ends = mosaic.grouped_ranges(jnp.asarray(cuts, jnp.int32), m)
         want = np.full(m, e)
         for g in range(e):
             want[cuts[g] : cuts[g + 1]] = g
-        table = np.asarray(table_of(starts, ends, e, m, block_m))
-        _check_table(table, want, m, block_m, e + 2)
+        _check_table(table_of(jnp.asarray(cuts, jnp.int32), None, m, e, block_m), want, m, block_m, e + 2)
     for _ in range(4):
         e, max_tokens = int(rng.integers(1, 5)), int(rng.choice([1, 13, 64, 200]))
         counts = rng.integers(-2, max_tokens + 3, size=e)  # out-of-range counts are clipped
-        starts, ends = mosaic.masked_ranges(jnp.asarray(counts, jnp.int32), max_tokens)
         want = np.full(e * max_tokens, e)
         for g in range(e):
             want[g * max_tokens : g * max_tokens + int(np.clip(counts[g], 0, max_tokens))] = g
-        table = np.asarray(table_of(starts, ends, e, e * max_tokens, block_m))
+        table = table_of(None, jnp.asarray(counts, jnp.int32), e * max_tokens, e, block_m)
         _check_table(table, want, e * max_tokens, block_m, 2 * e)
+
+
+@pytest.mark.parametrize("e,rows,block_m", [(128, 16384, 144), (256, 2048, 80), (600, 1200, 64)])
+def test_tile_table_kernel_at_model_sizes(e, rows, block_m, rng):
+    """The kernel's table at a model's expert counts (qwen3 T=2048, deepseek-v3
+    T=256, and 1,200 ranges: a program then takes fewer tiles than 32, its
+    comparison block kept small), equal to the reference's and covering each
+    row once; more ranges than the kernel compares are refused by name."""
+    from pallas_kernels.gemm import row_tiles
+
+    if e == 600:  # grouped-masked: each expert's 2 rows, a random count of them its own
+        counts = rng.integers(0, 3, size=e)
+        offsets, counts = None, jnp.asarray(counts, jnp.int32)
+        want = np.repeat(np.arange(e), 2)
+        want[1::2] = np.where(np.asarray(counts) == 2, np.arange(e), e)
+        want[::2] = np.where(np.asarray(counts) >= 1, np.arange(e), e)
+        ranges = 2 * e
+    else:
+        cuts = np.sort(rng.integers(0, rows + 1, size=e + 1))
+        cuts[e // 2 + 1] = cuts[e // 2]  # an empty expert
+        offsets, counts = jnp.asarray(cuts, jnp.int32), None
+        want = np.full(rows, e)
+        for g in range(e):
+            want[cuts[g] : cuts[g + 1]] = g
+        ranges = e + 2
+    table = np.asarray(mosaic.tile_table(offsets, counts, rows, e, block_m, interpret=True))
+    starts, ends = mosaic.row_ranges(offsets, counts, rows, e)
+    np.testing.assert_array_equal(table, np.asarray(mosaic.row_tile_table(starts, ends, e, rows, block_m)))
+    _check_table(table, want, rows, block_m, ranges)
+    assert row_tiles.supports(row_tiles.MAX_RANGES + 1) and not row_tiles.supports(ranges)
+    with pytest.raises(ValueError, match=r"row_tile_table: 4098 row ranges \(1 to 4096"):
+        mosaic.tile_table(jnp.zeros((row_tiles.MAX_RANGES + 1,), jnp.int32), None, 64, row_tiles.MAX_RANGES, 64)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -31,6 +31,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, vector
 
 from pallas_kernels import activation, codecs, word_decode
+from pallas_kernels.gemm import row_tiles
 from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, WeightSpec, check_positive, tile_order
 
 # Folded e2m1 weights are the true ones times 2**-E2M1_FOLDED_EXPONENT, the sum multiplied back.
@@ -394,6 +395,30 @@ def row_ranges(offsets: jax.Array | None, counts: jax.Array | None, m: int, num_
             raise ValueError(f"mosaic GEMM: the grouped-masked x needs E*max_tokens rows (E={num_experts}), got {m}")
         return masked_ranges(counts, m // num_experts)
     return grouped_ranges(jnp.asarray([0, m], jnp.int32) if offsets is None else offsets, m)
+
+
+def tile_table(
+    offsets: jax.Array | None, counts: jax.Array | None, m: int, num_experts: int, block_m: int, interpret: bool = False
+) -> jax.Array:
+    """:func:`row_tile_table` of :func:`row_ranges`'s ranges (the same
+    arguments), built by one Triton launch (:mod:`pallas_kernels.gemm.row_tiles`)
+    rather than their XLA ops."""
+    if counts is not None:
+        if m % num_experts:
+            raise ValueError(f"mosaic GEMM: the grouped-masked x needs E*max_tokens rows (E={num_experts}), got {m}")
+        source, spec = counts, row_tiles.Ranges(counts.shape[0], m, masked=True, max_tokens=m // num_experts)
+    else:
+        source = jnp.asarray([0, m], jnp.int32) if offsets is None else offsets
+        spec = row_tiles.Ranges(source.shape[0] - 1, m)
+    return row_tiles.row_tile_table(
+        source,
+        spec,
+        num_experts,
+        block_m,
+        num_tiles=max_row_tiles(spec.count, m, block_m),
+        load_max=padded_rows(m, block_m) - block_m,
+        interpret=interpret,
+    )
 
 
 def row_tile_table(starts: jax.Array, ends: jax.Array, num_experts: int, m: int, block_m: int) -> jax.Array:
@@ -937,7 +962,7 @@ def expert_gemm_mosaic(
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
     if table is None:
-        table = row_tile_table(*row_ranges(offsets, counts, m, num_experts), num_experts, m, tiles.block_m)
+        table = tile_table(offsets, counts, m, num_experts, tiles.block_m, interpret)
     row_tiles = table.shape[0]
     sms = persistent_programs(interpret)
     if bias is not None and bias.shape != (num_experts, n):

@@ -510,8 +510,7 @@ def expert_gemm_fp8(
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
     if table is None:
-        starts, ends = mosaic.row_ranges(offsets, counts, m, num_experts)
-        table = mosaic.row_tile_table(starts, ends, num_experts, m, tiles.block_m)
+        table = mosaic.tile_table(offsets, counts, m, num_experts, tiles.block_m, interpret)
     if bias is not None and bias.shape != (num_experts, n):
         raise ValueError(f"mosaic_fp8 GEMM: bias must be [E, N] = {(num_experts, n)}, got {bias.shape}")
     body = functools.partial(
