@@ -31,7 +31,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, vector
 
 from pallas_kernels import activation, codecs, word_decode
-from pallas_kernels.gemm import row_tiles
+from pallas_kernels.gemm import row_tiles as table_kernel
 from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, WeightSpec, check_positive, tile_order
 
 # Folded e2m1 weights are the true ones times 2**-E2M1_FOLDED_EXPONENT, the sum multiplied back.
@@ -406,11 +406,11 @@ def tile_table(
     if counts is not None:
         if m % num_experts:
             raise ValueError(f"mosaic GEMM: the grouped-masked x needs E*max_tokens rows (E={num_experts}), got {m}")
-        source, spec = counts, row_tiles.Ranges(counts.shape[0], m, masked=True, max_tokens=m // num_experts)
+        source, spec = counts, table_kernel.Ranges(counts.shape[0], m, masked=True, max_tokens=m // num_experts)
     else:
         source = jnp.asarray([0, m], jnp.int32) if offsets is None else offsets
-        spec = row_tiles.Ranges(source.shape[0] - 1, m)
-    return row_tiles.row_tile_table(
+        spec = table_kernel.Ranges(source.shape[0] - 1, m)
+    return table_kernel.row_tile_table(
         source,
         spec,
         num_experts,
