@@ -365,7 +365,7 @@ def max_row_tiles(ranges: int, m: int, block_m: int) -> int:
     return max(1, 2 * busy + m // block_m)
 
 
-ROW_ALIGN = 8  # a TMA box into 8-row tiled shared memory starts on a multiple of 8 rows
+ROW_ALIGN = table_kernel.ROW_ALIGN  # a TMA box into 8-row tiled shared memory starts on a multiple of 8 rows
 
 
 def grouped_ranges(offsets: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
@@ -387,14 +387,23 @@ def masked_ranges(counts: jax.Array, max_tokens: int) -> tuple[jax.Array, jax.Ar
     return jnp.concatenate([starts, ends]), jnp.concatenate([ends, starts + max_tokens])
 
 
-def row_ranges(offsets: jax.Array | None, counts: jax.Array | None, m: int, num_experts: int):
-    """``(starts, ends)`` of a call's layout: grouped-masked with ``counts``,
-    else grouped-contiguous with ``offsets`` (None: dense, one range)."""
+def layout_ranges(
+    offsets: jax.Array | None, counts: jax.Array | None, m: int, num_experts: int
+) -> tuple[jax.Array, table_kernel.Ranges]:
+    """The array a call's row ranges come from and how they do: grouped-masked
+    with ``counts``, else grouped-contiguous with ``offsets`` (None: dense, one range)."""
     if counts is not None:
         if m % num_experts:
             raise ValueError(f"mosaic GEMM: the grouped-masked x needs E*max_tokens rows (E={num_experts}), got {m}")
-        return masked_ranges(counts, m // num_experts)
-    return grouped_ranges(jnp.asarray([0, m], jnp.int32) if offsets is None else offsets, m)
+        return counts, table_kernel.Ranges(counts.shape[0], m, masked=True, max_tokens=m // num_experts)
+    source = jnp.asarray([0, m], jnp.int32) if offsets is None else offsets
+    return source, table_kernel.Ranges(source.shape[0] - 1, m)
+
+
+def row_ranges(offsets: jax.Array | None, counts: jax.Array | None, m: int, num_experts: int):
+    """``(starts, ends)`` of a call's layout (:func:`layout_ranges`)."""
+    source, spec = layout_ranges(offsets, counts, m, num_experts)
+    return masked_ranges(source, spec.max_tokens) if spec.masked else grouped_ranges(source, m)
 
 
 def tile_table(
@@ -403,13 +412,7 @@ def tile_table(
     """:func:`row_tile_table` of :func:`row_ranges`'s ranges (the same
     arguments), built by one Triton launch (:mod:`pallas_kernels.gemm.row_tiles`)
     rather than their XLA ops."""
-    if counts is not None:
-        if m % num_experts:
-            raise ValueError(f"mosaic GEMM: the grouped-masked x needs E*max_tokens rows (E={num_experts}), got {m}")
-        source, spec = counts, table_kernel.Ranges(counts.shape[0], m, masked=True, max_tokens=m // num_experts)
-    else:
-        source = jnp.asarray([0, m], jnp.int32) if offsets is None else offsets
-        spec = table_kernel.Ranges(source.shape[0] - 1, m)
+    source, spec = layout_ranges(offsets, counts, m, num_experts)
     return table_kernel.row_tile_table(
         source,
         spec,

@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.indexing import nonneg_div, nonneg_rem
 
-ROW_ALIGN = 8  # mosaic.ROW_ALIGN: a tile's load row is a multiple of 8
+ROW_ALIGN = 8  # a tile's load row is a multiple of 8 (the Mosaic kernels' 8-row tiled x boxes)
 FIELDS = 4  # (group, load row, first row, rows)
 MAX_RANGES = 4096  # a program compares its tiles with every range end: [tiles, ranges] in registers
 
