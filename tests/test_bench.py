@@ -1181,7 +1181,7 @@ def test_shipped_entries_run_on_the_layers_weights(monkeypatch):
     they are on the H200 the table is for."""
     monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
     table = tuning.load_table("h200.json")
-    checked, refused = 0, set()
+    checked = 0
     for key, entries in table.items():
         layout_name, rest = key.split("/", 1)
         fmt_class = rest.partition("@")[0]
@@ -1200,16 +1200,11 @@ def test_shipped_entries_run_on_the_layers_weights(monkeypatch):
                     continue  # the shape's own entry serves this M
                 tiles, reasons = _planned(layout_name, weight, quant, m)
                 where = (key, (e, n, k), entry.min_shape_m, entry.max_shape_m, reasons)
-                if tiles != _as_run(entry.tiles, layout_name, tiles):
-                    refused.add((key, (e, n, k)))
-                    assert "not a multiple of block_n" in " ".join(reasons), where
+                # gpt-oss-120b (no entries of its own yet, issue 31) included: its N (5760 / 2880)
+                # in a partial last column tile, its K (2880) in a partial last step.
+                assert tiles == _as_run(entry.tiles, layout_name, tiles), where
                 checked += 1
     assert checked > 100
-    # Known: gpt-oss-120b has no entries of its own yet (issue 31), and the class's Mosaic prefill
-    # entries need N a multiple of 256 (its 5760 / 2880 are not): Triton's tile runs there.
-    gpt_oss = {(128, 5760, 2880), (128, 2880, 2880)}
-    keys = ("grouped_contiguous/16bit", "grouped_contiguous/fp4", "indexed/fp4")
-    assert refused == {(key, shape) for key in keys for shape in gpt_oss}
 
 
 def test_k_scan_fits_the_per_tile_overhead(tiny, compiled_once, tmp_path, monkeypatch, capsys):

@@ -23,6 +23,7 @@ from sweep import FULL
 
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
 ON_GPU_ONLY = pytest.mark.skipif(KERNEL_BACKEND != "pallas", reason="a register wgmma operand runs compiled only")
+PARTIAL_ON_GPU = pytest.mark.skipif(KERNEL_BACKEND != "pallas", reason="a partial tile runs compiled only (TMA's fill)")
 TILES = mosaic.Tiles(64, 256, 64, stages=2, group_m=2)
 G = importlib.import_module("humming_jax.gemm")  # the module: the package exports the function under its name
 
@@ -782,9 +783,11 @@ def test_the_plan_takes_the_first_candidate_its_kernel_supports(monkeypatch, rng
     monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
     paired = mosaic.Tiles(64, 256, 64, stages=2, group_m=2, cluster_n=2)
     _table(monkeypatch, paired, dataclasses.replace(paired, cluster_n=1))
-    for n, want in ((768, 1), (512, 2)):
+    # Three column tiles: compiled, the last pair's second program lies past N (TMA's fill);
+    # interpreted, the pair is refused and the single-program tile runs.
+    for n, interpret, want in ((768, False, 2), (768, True, 1), (512, False, 2)):
         weight = G.as_weight(jnp.asarray(rng.normal(0, 0.05, (2, n, 256)), jnp.bfloat16))
-        assert plan(weight)[0].cluster_n == want
+        assert plan(weight, interpret=interpret)[0].cluster_n == want
     ran, reasons = plan(tuning=entry, out_dtype=jnp.float32)
     assert ran is None and "16-bit transposed view" in reasons[0]
 
@@ -1163,3 +1166,223 @@ def test_activation_in_the_epilogue_lowers_for_the_gpu(swap_ab):
         traced.lower(lowering_platforms=("cuda",))
     assert traced.out_info.shape == (300, n // 2)
     assert "ex2" in texts[-1] or "exp" in texts[-1]
+
+
+# The staged 4-bit decode at 128 x 256 (two stages: three pass the shared memory a program has).
+STAGED_4BIT = mosaic.Tiles(128, 256, 128, stages=2)
+
+
+# A last column tile past N (gpt-oss-120b: N = 5760 / 2880 on 256-column tiles), compiled
+# only: TMA fills the weight's rows past N with zeros and drops the stores past it.
+@PARTIAL_ON_GPU
+@pytest.mark.parametrize(
+    "fmt,n,tuning",
+    [
+        (None, 320, WIDE),  # 16-bit weights, 64 columns in the last tile
+        (None, 576, dataclasses.replace(WIDE, cluster_n=2)),  # 3 tiles: the last pair's second past N
+        (F.MXFP4, 320, EXPERT_SIZED_4BIT),  # the swap tile, the decoded weight the register operand
+        (F.INT4_G128, 448, STAGED_4BIT),  # the staged decode, half a tile past N
+    ],
+    ids=["bf16", "bf16-cluster", "mxfp4-swap", "int4-staged"],
+)
+def test_partial_column_tile_with_bias(fmt, n, tuning, rng, k=512):
+    """Every column of a partial last tile against float64 (the bias
+    included: the epilogue loads a warpgroup's whole columns of it); the
+    swap form stores bf16 (its transposed view is 16-bit)."""
+    counts = (40, 0, 300, 9)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    m, e = int(offsets[-1]) + 5, len(counts)
+    weights = jnp.asarray(rng.normal(0, 0.05, (e, n, k)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(e, n)), jnp.float32)
+    mx = fmt is F.MXFP4
+    weight = F.quantize_weight(weights, (fmt or F.BF16).with_bias(), bias=bias)
+    if fmt is not None:
+        weight = hj.to_planar(weight, half_bits=mx, k_major_scales=mx)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    layout = hj.GroupedContiguous(jnp.asarray(offsets))
+    out_dtype = jnp.bfloat16 if tuning.swap_ab else jnp.float32
+    out = hj.gemm(x, weight, layout, out_dtype=out_dtype, tuning=tuning, backend=KERNEL_BACKEND)
+    rounded = F.dequantize_weight(weight).astype(jnp.bfloat16)
+    want = _expected(x, rounded, offsets, m)
+    for g in range(e):
+        want[offsets[g] : offsets[g + 1]] += np.asarray(bias[g], np.float64)
+    got = np.asarray(out, np.float64)
+    assert got.shape == (m, n) and np.all(np.isfinite(got))
+    _check_column_bands(got, want, tuning.block_n)
+    _check_many_tiles(got, want, 6e-3 if tuning.swap_ab else 5e-3, offsets)
+
+
+def _check_column_bands(got, want, block_n: int, tolerance: float = 6e-3) -> None:
+    """Each column tile's relative error on its own (a wrong partial tile or
+    K tail shows as the bands it touches, which the whole norm would dilute)."""
+    errors = []
+    for start in range(0, want.shape[1], block_n):
+        band = slice(start, start + block_n)
+        errors.append(np.linalg.norm(got[:, band] - want[:, band]) / max(np.linalg.norm(want[:, band]), 1e-30))
+    bad = [(i * block_n, round(float(err), 5)) for i, err in enumerate(errors) if err >= tolerance]
+    assert not bad, f"column tiles (first column, relative error) off: {bad}"
+
+
+# gpt-oss-120b's K = 2880 ends with half a 128-column step: MXFP4 codes only.
+@PARTIAL_ON_GPU
+@pytest.mark.parametrize("tuning", [EXPERT_SIZED_4BIT, STAGED_4BIT], ids=["swap", "staged"])
+def test_partial_last_k_step_of_mxfp4(tuning, rng):
+    """K = 320 (two steps and 64 columns) and N = 320: x, the codes and the
+    factors past K read as zeros; every column against float64."""
+    test_partial_column_tile_with_bias(F.MXFP4, 320, tuning, rng, k=320)
+
+
+# gpt-oss-120b's MXFP4 on the table's swap tiles, each tail alone and both: the benchmark's
+# w13 / w2 at T=4096 measured 1.1-1.4e-2 against 1.7e-3 on the Triton tile (62nd session).
+@PARTIAL_ON_GPU
+@pytest.mark.parametrize(
+    "n,k",
+    [(3072, 2880), (2880, 2816), (2816, 2816), (2880, 2880), (5760, 2880)],
+    ids=["k-tail", "n-tail", "odd-pairs", "both-w2", "both-w13"],
+)
+@pytest.mark.parametrize("tuning", [EXPERT_SIZED_4BIT, PREFILL_4BIT], ids=["144-rows", "128-rows"])
+def test_gpt_oss_mxfp4_tails(n, k, tuning, rng):
+    """MXFP4 with K = 2880 (half a last step), N = 2880 (a partial last
+    column tile), 11 column tiles (the last cluster pair's second program
+    past N), and gpt-oss's w2 / w13 (all three) on the table's swap tiles,
+    against float64 column tile by column tile: which part is wrong, if one is."""
+    # Some 280 output tiles on 132 SMs: most programs run two or three tiles, one pipeline after another.
+    counts = (600, 0, 700, 217)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    m, e = int(offsets[-1]) + 3, len(counts)
+    weights = jnp.asarray(rng.normal(0, 0.05, (e, n, k)), jnp.float32)
+    k_order = F.quantize_weight(weights, F.MXFP4)
+    weight = hj.to_planar(k_order, half_bits=True, k_major_scales=True)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    layout = hj.GroupedContiguous(jnp.asarray(offsets))
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.bfloat16, tuning=tuning, backend=KERNEL_BACKEND)
+    dequantized = np.asarray(F.dequantize_weight(k_order), np.float64)
+    want = _expected(x, dequantized, offsets, m)
+    got = np.asarray(out, np.float64)
+    try:
+        _check_column_bands(got, want, tuning.block_n)
+        _check_many_tiles(got, want, 6e-3, offsets)
+    except AssertionError as error:
+        scales = 2.0 ** (np.asarray(k_order.scale, np.float64) - 127)
+        fits = _tail_hypotheses(dequantized, scales, tuning.block_n)
+        errors = {name: _relative(got, _expected(x, w, offsets, m)) for name, w in fits.items()}
+        raise AssertionError(f"{error}; the result against what each misread would give: {errors}") from None
+
+
+# The benchmark's routing at gpt-oss T=4096: ~128 rows an expert, so most take two row tiles and
+# each row tile's first stored row sits mid-expert or right after another expert's last row (63rd
+# session: the swap form went wrong exactly there, in the columns a store past N would reach).
+@PARTIAL_ON_GPU
+@pytest.mark.parametrize("n,e", [(2880, 24), (5760, 12)], ids=["w2", "w13"])
+@pytest.mark.parametrize("tuning", [EXPERT_SIZED_4BIT, PREFILL_4BIT], ids=["144-rows", "128-rows"])
+def test_gpt_oss_mxfp4_every_row_at_the_benchmarks_routing(n, e, tuning, rng):
+    """MXFP4, K = 2880, ``e`` experts of 115-154 rows: every row against
+    float64 on its own (one wrong row in thousands hides in any norm of many)."""
+    k = 2880
+    counts = rng.integers(115, 155, size=e)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    m = int(offsets[-1])
+    weights = jnp.asarray(rng.normal(0, 0.05, (e, n, k)), jnp.float32)
+    k_order = F.quantize_weight(weights, F.MXFP4)
+    weight = hj.to_planar(k_order, half_bits=True, k_major_scales=True)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    out = hj.gemm(x, weight, hj.GroupedContiguous(jnp.asarray(offsets)), tuning=tuning, backend=KERNEL_BACKEND)
+    want = _expected(x, np.asarray(F.dequantize_weight(k_order), np.float64), offsets, m)
+    got = np.asarray(out, np.float64)
+    errors = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
+    bad = np.nonzero(errors >= 1e-2)[0]
+    where = [(int(r), int(r - offsets[np.searchsorted(offsets, r, side="right") - 1])) for r in bad[:8]]
+    assert not len(bad), f"{len(bad)} rows off (row, its place in its expert): {where}"
+    columns = np.nonzero(np.abs(got - want).max(axis=0) > 0.1 * np.sqrt(np.mean(want**2)))[0]
+    assert not len(columns), f"columns off: {columns[:8].tolist()} … {columns[-4:].tolist()}"
+
+
+def _relative(got, want) -> float:
+    return round(float(np.linalg.norm(got - want) / np.linalg.norm(want)), 5)
+
+
+def _tail_hypotheses(w, scales, block_n: int, step: int = 128) -> dict:
+    """Weights ``[E, N, K]`` (float64, K order) as the kernel would use them if
+    a box past the arrays' end were moved back inside them instead of
+    zero-filled: the last K step's factor rows (``factors``), its codes
+    (``codes``), both (``codes+factors``), the last column tile's weight rows
+    (``columns``); and the K tail dropped (``no tail``) — for a failed
+    check's message."""
+    n, k = w.shape[1:]
+    fits = {}
+    tail = k % step
+    if tail:
+        start = k - tail  # the last step's first column; its box would start `step - tail` earlier
+        back = step - tail
+        codes = w / np.repeat(scales, 32, axis=2)  # the e2m1 values before their group's scale
+        group = np.repeat(scales, 32, axis=2)
+        moved = {}
+        moved["factors"] = codes[..., start:] * group[..., start - back : k - back]
+        moved["codes"] = codes[..., start - back : k - back] * group[..., start:]
+        moved["codes+factors"] = w[..., start - back : k - back]
+        for name, part in moved.items():
+            fits[name] = np.concatenate([w[..., :start], part], axis=2)
+        fits["no tail"] = np.concatenate([w[..., :start], np.zeros_like(w[..., start:])], axis=2)
+    last = n - n % block_n
+    if n % block_n:  # rows [last, n) read from the box moved back to end at n
+        moved_rows = np.concatenate([w[:, :last], w[:, n - block_n : n - block_n + (n - last)]], axis=1)
+        fits["columns"] = moved_rows
+    return fits
+
+
+def test_tail_hypotheses_name_a_planted_misread(rng):
+    """The gpt-oss test's diagnosis: a product computed with one misread's
+    weights matches that misread's hypothesis exactly and no other."""
+    weights = jnp.asarray(rng.normal(0, 0.05, (1, 320, 320)), jnp.float32)
+    k_order = F.quantize_weight(weights, F.MXFP4)
+    w = np.asarray(F.dequantize_weight(k_order), np.float64)
+    scales = 2.0 ** (np.asarray(k_order.scale, np.float64) - 127)
+    fits = _tail_hypotheses(w, scales, 256)
+    assert sorted(fits) == ["codes", "codes+factors", "columns", "factors", "no tail"]
+    x = rng.normal(size=(8, 320))
+    for planted, misread in fits.items():
+        got = x @ misread[0].T
+        errors = {name: _relative(got, x @ fit[0].T) for name, fit in fits.items()}
+        assert errors[planted] == 0 and all(err > 1e-3 for name, err in errors.items() if name != planted), errors
+    # The last step's 64 columns moved back 64: codes+factors is the weight's own columns 192..255.
+    np.testing.assert_array_equal(fits["codes+factors"][..., 256:], w[..., 192:256])
+
+
+def test_partial_column_tiles_compiled_only(monkeypatch, rng):
+    """Interpreted, a column count the tiles do not divide is refused; on a
+    Hopper GPU the kernel takes it, and gpt-oss-120b's weights lower for
+    the GPU with every TMA box on TMA's 128-byte rule — bf16 (K = 2880: 45
+    steps of 64) and MXFP4, whose last 128-column step is half past K (its
+    codes' boxes tiled 16 wide); a partial K step of other 4-bit codes, or
+    of K not a multiple of 64, is refused."""
+    from benchmarks import mosaic_ir
+    from humming_jax.tiles_text import gemm_from_text
+
+    x = jnp.asarray(rng.normal(size=(16, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(0, 0.05, (2, 320, 256)), jnp.bfloat16)
+    grouped = hj.GroupedContiguous(jnp.asarray([0, 8, 16], jnp.int32))
+    call = G.gemm_call(G.as_quantized_input(x), G.as_weight(w), grouped, jnp.bfloat16, interpret=True)
+    assert "N=320, not a multiple of block_n=256" in mosaic.supports(WIDE, call)
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
+    assert mosaic.supports(WIDE, dataclasses.replace(call, interpret=False)) is None
+    for fmt, shape, tiles in (
+        ("bf16", (4, 5760, 2880), "mosaic:stages=3,cluster_n=2"),
+        ("bf16", (4, 2880, 2880), "mosaic:stages=3"),
+        ("int4_g128", (4, 2880, 2816), "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
+        ("mxfp4", (4, 5760, 2880), "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
+        ("mxfp4", (4, 2880, 2880), "mosaic:block_k=128,stages=3"),
+    ):
+        with mosaic_ir.capture_tma_copies() as copies:
+            mosaic_ir.mosaic_ir(fmt, shape, 600, gemm_from_text(tiles))
+        assert copies and not mosaic_ir.misaligned(copies), (fmt, shape)
+    staged = gemm_from_text("mosaic:block_k=128,stages=3")
+    for k, partial, e2m1, taken in (
+        (2880, True, True, True),
+        (2880, False, True, False),  # interpreted
+        (2912, True, True, False),  # a tail of 96 columns: not a multiple of 64
+        (2880 + 128, True, False, False),  # int4's 128-column groups: K % 128 == 0 anyway
+    ):
+        decode = mosaic.NibbleDecode(k // (mosaic.E2M1_UNIT if e2m1 else mosaic.UNIT), e2m1=e2m1, half_bits=e2m1)
+        reason = mosaic.tiles_refusal(staged, 2880, k, jnp.bfloat16, decode, partial=partial)
+        assert (reason is None) == taken, (k, partial, e2m1, reason)
+    jax.clear_caches()

@@ -545,15 +545,16 @@ def _layout_args(layout_kind: str, e: int, m: int, block: int):
     return (jax.ShapeDtypeStruct((e + 1,), jnp.int32),), hj.GroupedContiguous
 
 
-def _gemm_lowering(fmt: str, tiles, layout_kind: str = "grouped_contiguous"):
+def _gemm_lowering(fmt: str, tiles, layout_kind: str = "grouped_contiguous", n: int = 512, k: int = 512):
     """``(lower, supported)`` of ``gemm`` of ``fmt`` (``WEIGHT@INPUT``) with
-    ``tiles`` on a small problem every tiling divides: ``lower()`` lowers it
-    for the GPU; ``supported``: the tiling's kernel takes the call."""
+    ``tiles`` on a small problem every tiling divides (unless ``n``, ``k``
+    say otherwise): ``lower()`` lowers it for the GPU; ``supported``: the
+    tiling's kernel takes the call."""
     from humming_jax import bench
     from humming_jax.gemm import as_quantized_input, plan
 
     weight_format, quant = bench.split_format(fmt)
-    e, n, k, m = 4, 512, 512, 600
+    e, m = 4, 600
     half_bits, k_major = F.planar_half_bits("bfloat16", quant), F.k_major_scales_preferred(weight_format)
 
     def make(w, x):
@@ -623,6 +624,31 @@ def test_mosaic_tma_copies_aligned_on_the_other_layouts(fmt, config, layout_kind
 
     monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
     lower, supported = _gemm_lowering(fmt, gemm_from_text(config), layout_kind)
+    assert supported
+    with capture_tma_copies() as copies:
+        lower()
+    assert copies and not misaligned(copies)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(
+    "n,k,config",
+    [
+        (2880, 2880, "mosaic:block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
+        (5760, 2880, "mosaic:block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
+        (2880, 2880, "mosaic:block_k=128,stages=3,word_decode=1"),
+    ],
+)
+def test_partial_tiles_lower_for_sm90(n, k, config, monkeypatch):
+    """gpt-oss's MXFP4 shapes (K = 2880: half a last step; N = 2880: a
+    partial column tile; N = 5760 in cluster pairs: a pair's second program
+    past N) lower for the GPU with the output slots past N left unstored,
+    every TMA box on a 128-byte multiple."""
+    from benchmarks.mosaic_ir import capture_tma_copies, misaligned
+    from pallas_kernels.gemm import mosaic
+
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
+    lower, supported = _gemm_lowering("mxfp4", gemm_from_text(config), n=n, k=k)
     assert supported
     with capture_tma_copies() as copies:
         lower()

@@ -134,9 +134,15 @@ class NibbleDecode:
         return E2M1_UNIT if self.e2m1 else UNIT
 
 
-def tiles_refusal(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | None = None) -> str | None:
+def tiles_refusal(
+    tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | None = None, partial: bool = False
+) -> str | None:
     """Why the kernel's static TMA boxes and wgmma tiles cannot take these
-    shapes with ``tiles`` (None if they can)."""
+    shapes with ``tiles`` (None if they can). ``partial``: the last column
+    tile may reach past N, and with e2m1 codes the last K step past K
+    (:func:`k_tail_refusal`) — compiled only: TMA fills the boxes' reads past
+    the arrays with zeros and drops the stores past them, which the
+    interpreter does not model."""
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize != 2:
         return f"{jnp.dtype(dtype)} operands (16-bit inputs and weights)"
@@ -156,13 +162,23 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | No
         return f"block_m={tiles.block_m} with cluster_n={tiles.cluster_n} (a multiple of {ROW_ALIGN * tiles.cluster_n})"
     if decode is None and tiles.block_k * itemsize not in (32, 64, 128):
         return f"block_k={tiles.block_k} with 16-bit weights (16, 32 or 64)"
-    if n % tiles.block_n:
+    if n % tiles.block_n and not partial:
         return f"N={n}, not a multiple of block_n={tiles.block_n}"
+    # A partial tile's boxes still fit the arrays' extents; its store slots lie wholly inside N or past
+    # it (store_tile issues none past it: TMA's clipping of a store past N is not relied on).
+    if n % tiles.block_n and (n < tiles.block_n or n % EPILOGUE_COLUMNS):
+        return (
+            f"N={n} with block_n={tiles.block_n} (a partial column tile needs N >= block_n, "
+            f"a multiple of {EPILOGUE_COLUMNS})"
+        )
     if k % tiles.block_k:
-        return f"K={k}, not a multiple of block_k={tiles.block_k}"
+        reason = k_tail_refusal(tiles, k, decode, partial)
+        if reason:
+            return reason
     if tiles.swap_ab and decode is None:
         return "swap_ab with 16-bit weights (the form is for decoded 4-bit weights)"
-    if (n // tiles.block_n) % tiles.cluster_n:
+    # Compiled, an odd count of column tiles pairs its last with a tile past N (zeros, no stores).
+    if not partial and (n // tiles.block_n) % tiles.cluster_n:
         return f"cluster_n={tiles.cluster_n} with N={n} (pairs of column tiles: a multiple of {2 * tiles.block_n})"
     if tiles.word_decode and decode is None:
         return "word_decode with 16-bit weights (the codes' 32-bit registers)"
@@ -219,9 +235,28 @@ def shared_memory_refusal(need: int, tiles) -> str | None:
     return None
 
 
-def check_tiles(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | None = None) -> None:
+# A partial last K step: e2m1 codes in 64-column halves of the 128-column step (the codes' K/4
+# then a multiple of the 16-wide tiles their boxes take, K_TAIL_CODES).
+K_TAIL_COLUMNS = 64
+K_TAIL_CODES = 16
+
+
+def k_tail_refusal(tiles: Tiles, k: int, decode: NibbleDecode | None, partial: bool) -> str | None:
+    """Why the kernel cannot end K with a partial step (None if it can): e2m1
+    codes only (compiled: TMA fills x, the codes and the factors past K with
+    zeros, and a zero code decodes to zero), K a multiple of 64, one whole step at least."""
+    tail_ok = partial and decode is not None and decode.e2m1 and k % K_TAIL_COLUMNS == 0 and k >= tiles.block_k
+    return None if tail_ok else f"K={k}, not a multiple of block_k={tiles.block_k}"
+
+
+def _codes_transforms(k: int) -> tuple:
+    """The codes' box transforms: Mosaic's own unless K ends with a partial step."""
+    return swizzled(K_TAIL_CODES, jnp.uint16) if k % UNIT else ()
+
+
+def check_tiles(tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | None = None, partial: bool = False) -> None:
     """Raise ``ValueError`` with :func:`tiles_refusal`'s reason."""
-    reason = tiles_refusal(tiles, n, k, dtype, decode)
+    reason = tiles_refusal(tiles, n, k, dtype, decode, partial)
     if reason:
         raise ValueError(f"mosaic GEMM: {reason}")
 
@@ -289,7 +324,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     if call.use_f16_accum:
         return "f16 accumulation"
     if call.activation is not None:
-        reason = activation_refusal(tiles, call.activation)
+        reason = activation_refusal(tiles, call.activation, w.n)
         if reason:
             return reason
     decode = None
@@ -305,7 +340,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return f"{w.value_type} weights with {call.x_dtype} inputs (the same 16-bit dtype)"
     if tiles.dequantize_first and not call.weight.quantized:
         return "dequantize_first with a 16-bit weight (nothing to dequantize)"
-    reason = tiles_refusal(tiles, w.n, w.k, call.x_dtype, decode)
+    reason = tiles_refusal(tiles, w.n, w.k, call.x_dtype, decode, partial=not call.interpret)
     if reason:
         return reason
     if tiles.swap_ab:
@@ -315,12 +350,15 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     return shared_memory_refusal(shared_memory_bytes(tiles, call.x_dtype, call.out_dtype, decode), tiles)
 
 
-def activation_refusal(tiles: Tiles, act: EpilogueActivation) -> str | None:
+def activation_refusal(tiles: Tiles, act: EpilogueActivation, n: int | None = None) -> str | None:
     """Why the tiling cannot apply ``act`` in its epilogue (None if it can): a
     warpgroup's gate and up sums must lie in column slices of its own
-    accumulator, and its outputs fill whole store slots."""
+    accumulator, and its outputs fill whole store slots (with ``n`` weight
+    rows that end in a partial column tile, whole slots of the output's too)."""
     if not act.gated:
         return None
+    if n is not None and n % tiles.block_n and act.out_n(n) % EPILOGUE_COLUMNS:
+        return f"the activation {act.kind!r} with N={n} in a partial column tile (N/2 a multiple of {EPILOGUE_COLUMNS})"
     if not act.pair_block:
         return f"the activation {act.kind!r} on gate and up halves (no tile holds both halves of its outputs)"
     if act.pair_block == 1:
@@ -538,15 +576,20 @@ def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False)
     first_row, offset, rows = row_span
     wg_m, wg_n = (acc.shape[1], acc.shape[0]) if transposed else acc.shape
     for chunk in range(wg_n // EPILOGUE_COLUMNS):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copies have read it
-        columns = slice(chunk * EPILOGUE_COLUMNS, (chunk + 1) * EPILOGUE_COLUMNS)
-        if transposed:  # stored through a transposed view of the slot
-            slot.transpose((1, 0))[...] = acc[columns]
-        else:
-            slot[...] = acc[:, columns]
-        plgpu.commit_smem()
-        cols = o_gmem.at[:, pl.ds(first_col + chunk * EPILOGUE_COLUMNS, EPILOGUE_COLUMNS)]
-        store_rows(slot, cols, first_row, offset, rows, wg_m)
+        start = first_col + chunk * EPILOGUE_COLUMNS
+
+        # A partial last column tile's slots past the output's columns are not stored (tiles_refusal:
+        # N a multiple of the slot, so each slot lies wholly inside or past them).
+        @pl.when(start < o_gmem.shape[1])
+        def _(chunk=chunk, start=start):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copies have read it
+            columns = slice(chunk * EPILOGUE_COLUMNS, (chunk + 1) * EPILOGUE_COLUMNS)
+            if transposed:  # stored through a transposed view of the slot
+                slot.transpose((1, 0))[...] = acc[columns]
+            else:
+                slot[...] = acc[:, columns]
+            plgpu.commit_smem()
+            store_rows(slot, o_gmem.at[:, pl.ds(start, EPILOGUE_COLUMNS)], first_row, offset, rows, wg_m)
 
 
 def k_pipeline(step, context, *, steps: int, in_specs, stages: int):
@@ -745,7 +788,7 @@ def _kernel(
     n = w_gmem.shape[1]
     dtype = x_gmem.dtype
     bm, bk, wg_m, wg_n = tiles.block_m, tiles.block_k, tiles.wg_m, tiles.wg_n
-    col_tiles = n // tiles.block_n
+    col_tiles = pl.cdiv(n, tiles.block_n)  # the last may reach past N (compiled only: tiles_refusal)
     words = tiles.word_decode and not interpret  # nibbles from 32-bit registers (see Tiles)
     # A cluster's programs share the row tile: x's tiles are multicast to both.
     shared_x = ("cluster",) if tiles.cluster_n > 1 else ()
@@ -770,12 +813,14 @@ def _kernel(
                 )
                 for j in range(PIECES)
             ),
-            plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i)),
+            # A partial last K step (k_tail_refusal) tiles the codes 16 wide: their K/4 is then no
+            # multiple of the 32-wide tile Mosaic gives them otherwise.
+            plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i), transforms=_codes_transforms(k)),
             # a step's scale (and zero point) row, or its 4 units' e2m1 factor rows
             *(plgpu.BlockSpec((PIECES if decode.e2m1 else 1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
         ]
 
-    pipeline = functools.partial(k_pipeline, steps=k // bk, in_specs=in_specs, stages=tiles.stages)
+    pipeline = functools.partial(k_pipeline, steps=pl.cdiv(k, bk), in_specs=in_specs, stages=tiles.stages)
 
     def operands(group, col_tile, load_row):
         """The pipeline's gmem inputs for one output tile."""
@@ -808,10 +853,10 @@ def _kernel(
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)  # the warpgroup's columns of the weight tile
         cn = tiles.cluster_n
 
-        @plgpu.nd_loop((row_tiles * col_tiles // cn,), collective_axes="sm")
+        @plgpu.nd_loop((row_tiles * pl.cdiv(col_tiles, cn),), collective_axes="sm")
         def _(loop):
             (item,) = loop.index
-            row_tile, col_tile = tile_order(item, row_tiles, col_tiles // cn, tiles.group_m)
+            row_tile, col_tile = tile_order(item, row_tiles, pl.cdiv(col_tiles, cn), tiles.group_m)
             if cn > 1:  # the cluster's programs: adjacent column tiles of one row tile
                 col_tile = col_tile * cn + lax.axis_index("cluster")
             group, load_row = table_ref[row_tile, 0], pl.multiple_of(table_ref[row_tile, 1], ROW_ALIGN)
@@ -936,14 +981,14 @@ def expert_gemm_mosaic(
     :func:`activation_refusal` says where)."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
-    check_tiles(tiles, n, k, x.dtype, decode)
+    check_tiles(tiles, n, k, x.dtype, decode, partial=not interpret)
     refusal = swap_ab_refusal(out_dtype, interpret) if tiles.swap_ab else None
     if refusal:
         raise ValueError(f"mosaic GEMM: {refusal}; the staged form (swap_ab=False) computes the same")
     refusal = shared_memory_refusal(shared_memory_bytes(tiles, x.dtype, out_dtype, decode), tiles)
     if refusal:
         raise ValueError(f"mosaic GEMM: {refusal}")
-    refusal = activation_refusal(tiles, act) if act is not None else None
+    refusal = activation_refusal(tiles, act, n) if act is not None else None
     if refusal:
         raise ValueError(f"mosaic GEMM: {refusal}")
     quant = ()
@@ -970,6 +1015,8 @@ def expert_gemm_mosaic(
     sms = persistent_programs(interpret)
     if bias is not None and bias.shape != (num_experts, n):
         raise ValueError(f"mosaic GEMM: bias must be [E, N] = {(num_experts, n)}, got {bias.shape}")
+    if bias is not None and n % tiles.block_n:  # the epilogue loads a warpgroup's whole columns
+        bias = jnp.pad(bias, ((0, 0), (0, pl.cdiv(n, tiles.block_n) * tiles.block_n - n)))
     extra = (bias,) if bias is not None else ()
     body = functools.partial(
         _kernel,
