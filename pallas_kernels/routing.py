@@ -60,6 +60,10 @@ class GroupingTiles:
     # Bins per bin_prefix program: the prefix over chunks runs in parallel over
     # bin tiles (one program walking chunks x bins serialized the large cases).
     prefix_bins: int = 32
+    # Count tiles a bin_prefix program loads before it scans any: their loads' latencies overlap
+    # (a scan waits on its tile's load, and the next load issues only after the scan).
+    held_tiles: int = 4
+    unrolled_steps: int = 16  # (bin tile, chunk tile) steps a program unrolls; more run in a loop
     fill_positions: int = 256  # sorted_ids positions per fill program
     # Bins compared with the fill's positions at a time: [256, 128] compares
     # ran out of registers.
@@ -138,23 +142,45 @@ def _bin_prefix_kernel(
     bin's count. With ``start_refs`` (a single program) also the bin starts."""
     width = _prefix_width(g, tiles)
     rows = tiles.chunk_tile
-    per_tile = []
-    for local in range(per_program):
-        first = (pl.program_id(0) * per_program + local) * width
+    steps = pl.cdiv(num_chunks, rows)
+    firsts = [(pl.program_id(0) * per_program + local) * width for local in range(per_program)]
+    # A traced start even when a tile's index is static: the last tile's masked rows reach past the
+    # array, which a static start's bounds check refuses.
+    zero = 0 * pl.program_id(0)
+
+    def block(first, i):
+        """The (index, mask) of chunk tile ``i`` of the bin tile from ``first``."""
+        start = i * rows + zero
+        chunk_ids = start + jnp.arange(rows, dtype=jnp.int32)
         bin_mask = first + jnp.arange(width, dtype=jnp.int32) < g.total_bins
+        return (pl.ds(start, rows), pl.ds(first, width)), (chunk_ids < num_chunks)[:, None] & bin_mask[None, :]
 
-        def over_chunks(i, carry, first=first, bin_mask=bin_mask):
-            chunk_ids = i * rows + jnp.arange(rows, dtype=jnp.int32)
-            mask = (chunk_ids < num_chunks)[:, None] & bin_mask[None, :]
-            index = (pl.ds(i * rows, rows), pl.ds(first, width))
-            tile = plgpu.load(counts_ref.at[index], mask=mask, other=0)
-            inclusive = jnp.cumsum(tile, axis=0)
-            plgpu.store(base_ref.at[index], inclusive - tile + carry[None, :], mask=mask)
-            return carry + jnp.sum(tile, axis=0)
+    def scan(index, mask, tile, carry):
+        inclusive = jnp.cumsum(tile, axis=0)
+        plgpu.store(base_ref.at[index], inclusive - tile + carry[None, :], mask=mask)
+        return carry + jnp.sum(tile, axis=0)
 
-        totals = jax.lax.fori_loop(0, pl.cdiv(num_chunks, rows), over_chunks, jnp.zeros(width, jnp.int32))
+    per_tile = []
+    if per_program * steps <= tiles.unrolled_steps:
+        todo = [(t, i) for t in range(per_program) for i in range(steps)]
+        carries = [jnp.zeros(width, jnp.int32) for _ in firsts]
+        for group in range(0, len(todo), tiles.held_tiles):
+            held = todo[group : group + tiles.held_tiles]
+            blocks = [block(firsts[t], i) for t, i in held]
+            loaded = [plgpu.load(counts_ref.at[index], mask=mask, other=0) for index, mask in blocks]
+            for (t, _), (index, mask), tile in zip(held, blocks, loaded, strict=True):
+                carries[t] = scan(index, mask, tile, carries[t])
+        per_tile = carries
+    else:
+        for first in firsts:
+
+            def over_chunks(i, carry, first=first):
+                index, mask = block(first, i)
+                return scan(index, mask, plgpu.load(counts_ref.at[index], mask=mask, other=0), carry)
+
+            per_tile.append(jax.lax.fori_loop(0, steps, over_chunks, jnp.zeros(width, jnp.int32)))
+    for first, totals in zip(firsts, per_tile, strict=True):
         count_ref[pl.ds(first, width)] = totals
-        per_tile.append(totals)
     if start_refs:  # from the totals in registers (a reload of count_ref could race its stores)
         _write_starts(per_tile, *start_refs, g=g)
 

@@ -402,19 +402,21 @@ def test_the_op_picks_the_grouping_kernel(tokens, top_k, num_experts, outputs, e
     assert R._grouping_kernel(grouping, outputs).__module__ == f"pallas_kernels.{expected}"
 
 
-# make test: each output, bin count and expert count twice.
+# make test: each output, bin count, expert count and prefix form twice.
 @pytest.mark.parametrize(
-    "prefix_bins,outputs,num_experts",
+    "prefix_bins,outputs,num_experts,unrolled_steps",
     sweep(
-        [(b, o, e) for b in (16, 32) for o in ("sorted", "dest") for e in (64, 60)],
-        [(16, "sorted", 64), (16, "dest", 60), (32, "sorted", 60), (32, "dest", 64)],
+        [(b, o, e, u) for b in (16, 32) for o in ("sorted", "dest") for e in (64, 60) for u in (1, 16)],
+        [(16, "sorted", 64, 16), (16, "dest", 60, 1), (32, "sorted", 60, 1), (32, "dest", 64, 16)],
     ),
 )
-def test_grouping_parallel_bin_prefix(outputs, prefix_bins, num_experts, rng):
+def test_grouping_parallel_bin_prefix(outputs, prefix_bins, num_experts, unrolled_steps, rng):
     """A bin prefix spread over programs of 16 or 32 bins with a bin-starts
-    launch after it (many chunks: 19 here, 4 per scan), for both layouts:
-    the aligned layout equals the NumPy loop, and the scatter destinations
-    are the stable order by expert (invalid ids in the bin after the last)."""
+    launch after it (many chunks: 19 here, 4 per scan, 5 scans a bin tile),
+    its steps unrolled with their loads issued 4 at a time or looped, for
+    both layouts: the aligned layout equals the NumPy loop, and the scatter
+    destinations are the stable order by expert (invalid ids in the bin
+    after the last)."""
     from pallas_kernels import routing as kernels
 
     block_size = 16
@@ -424,7 +426,7 @@ def test_grouping_parallel_bin_prefix(outputs, prefix_bins, num_experts, rng):
     grouping = kernels.Grouping(
         ids.size, num_experts, num_experts, invalid_bin=dest, block_size=1 if dest else block_size
     )
-    tiles = kernels.GroupingTiles(chunk_tile=4, prefix_bins=prefix_bins)
+    tiles = kernels.GroupingTiles(chunk_tile=4, prefix_bins=prefix_bins, unrolled_steps=unrolled_steps)
     length = align_length(ids.size, num_experts, block_size)
     got = kernels.group_slots(
         jnp.asarray(ids),
