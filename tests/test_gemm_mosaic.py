@@ -1131,6 +1131,10 @@ def test_what_cannot_apply_the_activation_in_a_mosaic_tile():
     assert "halves" in mosaic.activation_refusal(plain, EpilogueActivation("silu"))
     assert "adjacent columns" in mosaic.activation_refusal(plain, EpilogueActivation("swigluoai"))
     assert "output slots" in mosaic.activation_refusal(dataclasses.replace(plain, block_n=128), blocks)
+    # A partial last column tile stores whole output slots only: N/2 a multiple of 64.
+    assert mosaic.activation_refusal(plain, blocks, n=5760) is None  # gpt-oss's w13: 2880 outputs
+    assert "partial column tile" in mosaic.activation_refusal(plain, blocks, n=5696)
+    assert mosaic.activation_refusal(plain, blocks, n=5632) is None  # whole tiles
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

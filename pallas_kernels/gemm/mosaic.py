@@ -357,8 +357,6 @@ def activation_refusal(tiles: Tiles, act: EpilogueActivation, n: int | None = No
     rows that end in a partial column tile, whole slots of the output's too)."""
     if not act.gated:
         return None
-    if n is not None and n % tiles.block_n and act.out_n(n) % EPILOGUE_COLUMNS:
-        return f"the activation {act.kind!r} with N={n} in a partial column tile (N/2 a multiple of {EPILOGUE_COLUMNS})"
     if not act.pair_block:
         return f"the activation {act.kind!r} on gate and up halves (no tile holds both halves of its outputs)"
     if act.pair_block == 1:
@@ -373,6 +371,8 @@ def activation_refusal(tiles: Tiles, act: EpilogueActivation, n: int | None = No
             f"the activation {act.kind!r}: a warpgroup's {tiles.wg_n} columns are not whole gate/up pairs of "
             f"{act.pair_block} with {EPILOGUE_COLUMNS}-column output slots"
         )
+    if n is not None and n % tiles.block_n and act.out_n(n) % EPILOGUE_COLUMNS:
+        return f"the activation {act.kind!r} with N={n} in a partial column tile (N/2 a multiple of {EPILOGUE_COLUMNS})"
     return None
 
 
