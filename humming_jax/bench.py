@@ -242,7 +242,7 @@ def _layout(case: Case, ids: np.ndarray, tuning: GemmTiles | None):
     e, _, _, top_k = case.shapes()
     if case.layout == "grouped":
         offsets, _ = moe_prepare_scatter(jnp.asarray(ids), e)
-        return L.GroupedContiguous(offsets)
+        return L.GroupedContiguous(offsets, normalized=True)  # as the pipelines pass them
     if case.layout == "masked":  # each expert's count of rows, first in its buffer
         return L.GroupedMasked(jnp.asarray(np.bincount(ids.reshape(-1), minlength=e), jnp.int32))
     block_size = _block_size(case, tuning)

@@ -486,12 +486,16 @@ def _grouped_layout_stages(config: ExpertsConfig, backend: str | None) -> tuple[
         offsets, scatter_idx = routing.moe_prepare_scatter(topk_ids, backend=backend, **map_kwargs)
         return dict(offsets=offsets, scatter_idx=scatter_idx, inv_perm=scatter_idx.reshape(-1))
 
+    def grouped_layout(s) -> L.GroupedContiguous:
+        # The routing's offsets are in range and non-decreasing: no running maximum before each GEMM.
+        return L.GroupedContiguous(s["offsets"], normalized=True)
+
     def multiplied_out(s, name: str):
         """:func:`multiplied_out_tiles` of this call's ``name`` GEMM."""
         weight = getattr(s["weights"], name)
         rows = s["topk_ids"].size
         valid_m = gemm_kwargs(s)["valid_shape_m"]
-        return multiplied_out_tiles(config, name, weight, L.GroupedContiguous(s["offsets"]), rows, valid_m, backend)
+        return multiplied_out_tiles(config, name, weight, grouped_layout(s), rows, valid_m, backend)
 
     def scatter_input(s):
         if s.get("a1q_scale") is not None:
@@ -513,13 +517,13 @@ def _grouped_layout_stages(config: ExpertsConfig, backend: str | None) -> tuple[
         return dict(gate_up_input=gate_up_input)
 
     def grouped_gemm(s, name: str, x):
-        layout = L.GroupedContiguous(s["offsets"])
+        layout = grouped_layout(s)
         tiles = multiplied_out(s, name) if not x.spec.is_quantized else None
         return gemm(x, getattr(s["weights"], name), layout, **gemm_kwargs(s), tuning=tiles)
 
     def w13(s):
         x = s["gate_up_input"]
-        layout = L.GroupedContiguous(s["offsets"])
+        layout = grouped_layout(s)
         tiles = multiplied_out(s, "w13") if not x.spec.is_quantized else None
         kwargs = {**gemm_kwargs(s), "tuning": tiles}
         del kwargs["backend"]

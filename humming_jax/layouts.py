@@ -41,9 +41,14 @@ class GroupedContiguous:
 
     Attributes:
         expert_offsets: int32 ``[E+1]``.
+        normalized: the offsets are already in ``[0, M]`` and non-decreasing,
+            as :func:`humming_jax.moe_prepare_scatter` and :func:`humming_jax.moe_permute`
+            return them: read as they are (no clip and running maximum on the
+            device). Offsets that break it give undefined rows.
     """
 
     expert_offsets: jax.Array  # int32 [E+1]
+    normalized: bool = _static(default=False)
     kind = GemmLayout.GROUPED_CONTIGUOUS
 
     def output_rows(self, m_in: int) -> int:
@@ -55,7 +60,8 @@ class GroupedContiguous:
         ``[owned[e], owned[e+1])`` — none when its end precedes its start —
         and no row has two owners (a caller's or a dispatcher's offsets may be
         anything an int32 holds)."""
-        return jax.lax.cummax(jnp.clip(self.expert_offsets.astype(jnp.int32), 0, m_in))
+        offsets = self.expert_offsets.astype(jnp.int32)
+        return offsets if self.normalized else jax.lax.cummax(jnp.clip(offsets, 0, m_in))
 
     def validate(self, m_in: int, num_experts: int) -> None:
         if self.expert_offsets.shape != (num_experts + 1,):

@@ -4,6 +4,7 @@ and the loops and launches interpret mode runs differently: what the kernel
 tests cannot see without a GPU. The Mosaic kernels' TMA copies, lowered the
 same way, are checked against TMA's shared-memory alignment."""
 
+import functools
 import math
 import os
 import re
@@ -318,6 +319,33 @@ def test_byte_pairs_lower_to_e4m3_mmas(monkeypatch):
     assert len(dots) == 4 and all("x64xf8E4M3FN> * tensor<64x" in d for d in dots)
     assert any("tt.ptr<i16>" in line for line in text.splitlines() if "tt.load" in line)
     jax.clear_caches()
+
+
+def test_grouped_layer_reads_its_offsets_as_the_routing_returns_them():
+    """The grouped int4 layer past decode (T·k = 256 slots) lowers for sm_90
+    with no running maximum over its offsets (a ``reduce_window`` launch a
+    GEMM): the routing's offsets are already in range and non-decreasing
+    (``GroupedContiguous(normalized=True)``); a caller's layout keeps it."""
+    config = hj.ExpertsConfig(8, 256, 128, 2, weight_format="int4_g128")
+    e, n, k = config.num_experts, config.w13_n, config.hidden_size
+    weights = hj.quantize_experts(
+        jnp.ones((e, n, k), jnp.float32), jnp.ones((e, k, config.intermediate_size), jnp.float32), config
+    )
+    x = jax.ShapeDtypeStruct((128, k), jnp.bfloat16)
+    tw = jax.ShapeDtypeStruct((128, 2), jnp.float32)
+    ids = jax.ShapeDtypeStruct((128, 2), jnp.int32)
+
+    def lowered(fn, *args):
+        with capture_triton_modules():
+            return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    grouped = functools.partial(hj.humming_grouped_experts, config=config, backend="pallas")
+    layer = lowered(lambda x, tw, ids: grouped(x, weights, tw, ids), x, tw, ids)
+    assert "moe_gemm" in layer and "reduce_window" not in layer
+    offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
+    rows = jax.ShapeDtypeStruct((256, k), jnp.bfloat16)
+    caller = lowered(lambda x, o: hj.gemm(x, weights.w13, hj.GroupedContiguous(o), backend="pallas"), rows, offsets)
+    assert "reduce_window" in caller
 
 
 @pytest.mark.parametrize("pipeline", ["grouped", "indexed"])
