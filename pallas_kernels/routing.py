@@ -229,10 +229,10 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
 
     @pl.when(program < num_chunks)
     def _scatter():
-        if outputs == "sorted":  # the dropped slots of the chunks before this one follow the padded bins
-            bins = jnp.arange(g.bins_padded, dtype=jnp.int32)
-            valid_before = jnp.sum(plgpu.load(base_ref.at[program, bins], mask=bins < g.total_bins, other=0))
-            dropped = start_ref[g.bins_padded] + program * tiles.chunk - valid_before
+        # The dropped slots of the chunks before this one follow the (padded) bins, in slot order.
+        bins = jnp.arange(g.bins_padded, dtype=jnp.int32)
+        valid_before = jnp.sum(plgpu.load(base_ref.at[program, bins], mask=bins < g.total_bins, other=0))
+        dropped = start_ref[g.bins_padded] + program * tiles.chunk - valid_before
         for i in range(tiles.chunk // SUB_TILE):
             start = program * tiles.chunk + i * SUB_TILE
             group, valid = slot_groups(ids_ref, map_ref, start, g)
@@ -241,13 +241,14 @@ def _place_slots_kernel(ids_ref, *refs, g: Grouping, tiles: GroupingTiles, num_c
             rank = plgpu.load(rank_ref.at[pl.ds(start, SUB_TILE)], mask=in_slots, other=0)
             chunk_base = plgpu.load(base_ref.at[program, group], mask=valid, other=0)
             dest = plgpu.load(start_ref.at[group], mask=valid, other=0) + chunk_base + rank
+            lost = in_slots & ~valid
+            order = dropped + jnp.cumsum(lost.astype(jnp.int32)) - 1
+            dropped = dropped + jnp.sum(lost.astype(jnp.int32))
             if outputs == "sorted":
                 plgpu.store(outs[0].at[codecs.scatter_index(dest, valid, length)], slots, mask=valid)
-                lost = in_slots & ~valid  # dropped: listed in slot order after the padded bins
-                order = dropped + jnp.cumsum(lost.astype(jnp.int32)) - 1
                 plgpu.store(outs[0].at[codecs.scatter_index(order, lost, length)], slots, mask=lost)
-                dropped = dropped + jnp.sum(lost.astype(jnp.int32))
             else:
+                dest = jnp.where(valid, dest, order)
                 plgpu.store(outs[0].at[pl.ds(start, SUB_TILE)], dest, mask=in_slots)
                 plgpu.store(outs[1].at[codecs.scatter_index(dest, in_slots, g.num_slots)], slots, mask=in_slots)
 
@@ -346,9 +347,14 @@ def group_slots(
     ``outputs="sorted"``: returns ``sorted_ids [length]``, ``expert_ids
     [ceil(length/block_size)]``, ``num_tokens_post_pad [1]`` (the aligned
     layout; the dropped slots follow the padded bins in slot order).
-    ``outputs="dest"``: returns ``dest [num_slots]`` (each slot's row),
-    ``inverse [num_slots]`` (each row's slot) and ``bin_start [total_bins+1]``.
+    ``outputs="dest"``: returns ``dest [num_slots]`` (each slot's row; the
+    invalid slots after every bin's rows, in slot order), ``inverse
+    [num_slots]`` (each row's slot) and ``bin_start [bins_padded+1]`` (the
+    bins' starts, then the count of valid slots).
     """
+    # The invalid slots are listed after the bins, as the dropped ones of the aligned layout, with no
+    # bin of their own: a bin more would double the padded bins at 128 or 256 experts.
+    g = dataclasses.replace(g, invalid_bin=False)
     ids = topk_ids.reshape(-1).astype(jnp.int32)
     tiles = tiles.for_slots(g.num_slots)
     num_chunks = pl.cdiv(g.num_slots, tiles.chunk)

@@ -402,6 +402,27 @@ def test_the_op_picks_the_grouping_kernel(tokens, top_k, num_experts, outputs, e
     assert R._grouping_kernel(grouping, outputs).__module__ == f"pallas_kernels.{expected}"
 
 
+@pytest.mark.parametrize("with_map", [False, True])
+def test_scatter_lists_invalid_slots_after_the_bins(with_map, rng):
+    """``moe_prepare_scatter`` on the general grouping kernel (600 slots over
+    128 experts, ids outside ``[0, E)``, an ``expert_map`` with −1 and local
+    ids): the invalid slots follow every expert's rows in slot order with no
+    bin of their own, equal to the NumPy loop."""
+    num_experts, num_local = 128, 96
+    ids = rng.integers(-3, num_experts + 3, size=(75, 8)).astype(np.int32)
+    ids[:6] = 7  # a hot expert over two chunks' first rows
+    expert_map = None
+    if with_map:
+        expert_map = np.full(num_experts, -1, np.int32)
+        expert_map[rng.permutation(num_experts)[:num_local]] = np.arange(num_local, dtype=np.int32)
+    emap = None if expert_map is None else jnp.asarray(expert_map)
+    local = num_local if with_map else None
+    offsets, dest = hj.moe_prepare_scatter(jnp.asarray(ids), num_experts, emap, local, backend=KERNEL_BACKEND)
+    want_offsets, want_dest = np_ref.prepare_scatter(ids, num_experts, expert_map, local or num_experts)
+    np.testing.assert_array_equal(np.asarray(offsets), want_offsets)
+    np.testing.assert_array_equal(np.asarray(dest), want_dest)
+
+
 # make test: each output, bin count, expert count and prefix form twice.
 @pytest.mark.parametrize(
     "prefix_bins,outputs,num_experts,unrolled_steps",
