@@ -197,13 +197,18 @@ def test_operand_paths():
     assert operand("int4_g128", "fp8_dynamic_token", kernel.Tiles(64, 64, 128, fold_scales=True)) == "bfloat16"
 
 
+@pytest.mark.parametrize(
+    "fmt,quant",
+    [(F.FP8_CHANNEL, Q.FP8_DYNAMIC_GROUP128), (F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128), (F.INT4_G128, Q.FP8_DYNAMIC_TOKEN)],
+    ids=["fp8_channel", "fp8_block128", "int4_g128"],
+)
 @pytest.mark.parametrize("tiles", [kernel.Tiles(16, 32, 256), kernel.Tiles(16, 64, 64, split_k=2)])
 @pytest.mark.bounds
-def test_k_tail_and_split_k(tiles, rng):
+def test_k_tail_and_split_k(tiles, fmt, quant, rng):
     """K=384 with 256-column steps ends in a partial tile (the input's group
-    scales past K are masked); split K sums the scaled partials."""
-    fmt, quant = F.FP8_CHANNEL, Q.FP8_DYNAMIC_GROUP128
-    weight, x = _weight(rng, fmt, k=384), _input(rng, quant, k=384)
+    scales past K are masked, and no weight scale past K is read: a block or
+    group scale there is out of bounds); split K sums the scaled partials."""
+    weight, x = _weight(rng, fmt, k=384, n=128), _input(rng, quant, k=384)
     layout = _layouts(rng)["grouped_contiguous"]
     out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
     _check(out, _reference(x, weight, layout, tiles), _bound(x, weight, layout, tiles))
