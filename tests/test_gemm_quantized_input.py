@@ -199,7 +199,11 @@ def test_operand_paths():
 
 @pytest.mark.parametrize(
     "fmt,quant",
-    [(F.FP8_CHANNEL, Q.FP8_DYNAMIC_GROUP128), (F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128), (F.INT4_G128, Q.FP8_DYNAMIC_TOKEN)],
+    [
+        (F.FP8_CHANNEL, Q.FP8_DYNAMIC_GROUP128),
+        (F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128),
+        (F.INT4_G128, Q.FP8_DYNAMIC_TOKEN),
+    ],
     ids=["fp8_channel", "fp8_block128", "int4_g128"],
 )
 @pytest.mark.parametrize("tiles", [kernel.Tiles(16, 32, 256), kernel.Tiles(16, 64, 64, split_k=2)])
