@@ -218,30 +218,6 @@ def test_k_tail_and_split_k(tiles, fmt, quant, rng):
     _check(out, _reference(x, weight, layout, tiles), _bound(x, weight, layout, tiles))
 
 
-@pytest.mark.parametrize(
-    "tiles,k",
-    [
-        (kernel.Tiles(16, 64, 256), 768),  # three whole steps
-        (kernel.Tiles(16, 64, 256), 640),  # two, then a partial tile
-        (kernel.Tiles(16, 64, 128, split_k=2), 640),  # five whole steps over two splits (3 + 2)
-        (kernel.Tiles(16, 64, 256), 128),  # no whole step: the partial tile alone
-    ],
-)
-@pytest.mark.bounds
-def test_block_scales_loaded_a_step_ahead(tiles, k, rng):
-    """W8A8 FP8-block loads each K step's scales one step ahead
-    (``prefetches_scales``; the last step's load clamped in bounds), on the
-    grouped and indexed layouts, against float64."""
-    fmt, quant = F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128
-    weight, x = _weight(rng, fmt, k=k, n=128), _input(rng, quant, k=k)
-    for name in ("grouped_contiguous", "indexed"):
-        layout = _layouts(rng)[name]
-        call = gemm_call(x, weight, layout, jnp.float32, interpret=True)
-        assert kernel.prefetches_scales(call.weight, call.x_scale)
-        out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
-        _check(out, _reference(x, weight, layout, tiles), _bound(x, weight, layout, tiles))
-
-
 @pytest.mark.parametrize("planar", [False, True])
 def test_int4_codes_on_fp8_operands_prefill_tile(planar, rng):
     """The heuristic's prefill tile for int4 weights with fp8 inputs (64 rows,

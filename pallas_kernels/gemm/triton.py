@@ -962,14 +962,6 @@ def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, 
     return scale
 
 
-def prefetches_scales(w: WeightSpec, x_scale: XScale) -> bool:
-    """Whether the K loop loads a step's scales one step ahead: the input's
-    group scales with block-scaled weights (W8A8 FP8-block), whose small loads
-    (a scalar and a row vector a span) the loop would otherwise wait on every
-    step — they are too small for the pipeliner's asynchronous copies."""
-    return x_scale.mode == "group" and w.scale == "block" and w.zero_point != "float"
-
-
 def _gemm_kernel(
     *refs,
     w: WeightSpec,
@@ -1081,45 +1073,13 @@ def _gemm_kernel(
             ).astype(accum_dtype)
         return (dot if acc is None else acc + dot), row_sum
 
-    def span_scales(k_start, k_limit, n_idx, n_mask, n_start, top=None):
-        """(the weight's column scale, the input's row scale) of the span at
-        ``k_start`` (each None where it is 1); ``top``: the span's largest e8m0
-        group scale, a factor more."""
-        scale = _column_scale(
-            scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask, span_factor, n_start
-        )
-        if top is not None:  # the span's largest group scale multiplies its product
-            top_scale = _decode_scale(top, "e8m0")
-            scale = top_scale if scale is None else scale * top_scale
-        row_scale = None
-        if x_group:  # the input's scales of this span's group, one per row
-            in_k = row_mask if k_limit is None else row_mask & (k_start < k_limit)
-            raw = _load(x_scale_ref.at[rows_in, _floor_div(k_start, x_group)], in_k)
-            row_scale = _decode_scale(raw, x_scale.scale_type)
-        return scale, row_scale
-
-    def k_tile_of(i):
-        return (split * per_split + i) * bk
-
-    def step_scales(i, n_idx, n_mask):
-        """Every span's :func:`span_scales` of the split's whole K tile ``i``,
-        clamped to the whole tiles (a step past them loads in bounds, unused)."""
-        n_start = None if half_pair else col_group * bn
-        k_tile = jnp.clip(split * per_split + i, 0, w.k // bk - 1) * bk
-        return [span_scales(k_tile + j * span, None, n_idx, n_mask, n_start) for j in range(bk // span)]
-
-    def k_tile_step(k_limit, n_idx, n_mask, ahead: bool = False):
+    def k_tile_step(k_limit, n_idx, n_mask):
         """One K tile's products of column tile ``n_idx`` added to ``acc``;
-        ``k_limit`` masks the columns at and past K (only a partial tile needs it).
-        ``ahead``: the step takes ``(acc, its scales)`` and returns ``(acc, the
-        next step's scales)``, loaded before its products (:func:`prefetches_scales`)."""
+        ``k_limit`` masks the columns at and past K (only a partial tile needs it)."""
         n_start = None if half_pair else col_group * bn  # two runs of rows: maybe two scale blocks
 
-        def step(i, carry):
-            acc, loaded = carry if ahead else (carry, None)
-            if ahead:  # the next whole tile's, issued before this one's products
-                following = step_scales(i + 1, n_idx, n_mask)
-            k_tile = k_tile_of(i)
+        def step(i, acc):
+            k_tile = (split * per_split + i) * bk
             for j in range(bk // span):  # one product per span of columns sharing a scale
                 k_start = k_tile + j * span
                 top = None
@@ -1135,10 +1095,19 @@ def _gemm_kernel(
                     (n_mask, k_limit),
                     top,
                 )
-                # (a step ahead the loads' results are first used here, after the loop's own waits)
-                scale, row_scale = loaded[j] if ahead else span_scales(k_start, k_limit, n_idx, n_mask, n_start, top)
-                if row_scale is not None and scale is not None and jnp.ndim(scale) == 0:
-                    row_scale, scale = row_scale * scale, None  # one multiply-add per element, not two
+                scale = _column_scale(
+                    scale_ref, global_ref, w, expert, n_idx, k_start, in_weights, n_mask, span_factor, n_start
+                )
+                if top is not None:  # the span's largest group scale multiplies its product
+                    top_scale = _decode_scale(top, "e8m0")
+                    scale = top_scale if scale is None else scale * top_scale
+                row_scale = None
+                if x_group:  # the input's scales of this span's group, one per row
+                    in_k = row_mask if k_limit is None else row_mask & (k_start < k_limit)
+                    raw = _load(x_scale_ref.at[rows_in, _floor_div(k_start, x_group)], in_k)
+                    row_scale = _decode_scale(raw, x_scale.scale_type)
+                    if scale is not None and jnp.ndim(scale) == 0:  # one multiply-add per element, not two
+                        row_scale, scale = row_scale * scale, None
                 if scale is None and row_scale is None and not float_zero:  # straight into acc (one MMA chain)
                     for piece in pieces:
                         acc = product(piece, k_limit, acc)[0]
@@ -1156,7 +1125,7 @@ def _gemm_kernel(
                 if row_scale is not None:
                     part = part * along_m(row_scale)
                 acc = acc + part.astype(accum_dtype)
-            return (acc, following) if ahead else acc
+            return acc
 
         return step
 
@@ -1218,12 +1187,7 @@ def _gemm_kernel(
         # Whole K tiles run unmasked; a partial last tile (gpt-oss: K=2880) runs
         # once after them, in the split that owns it, with the column mask.
         full_steps = jnp.clip(w.k // bk - first, 0, per_split)
-        if w.k // bk and prefetches_scales(w, x_scale):
-            first_scales = step_scales(0, n_idx, n_mask)
-            step = k_tile_step(None, n_idx, n_mask, ahead=True)
-            acc, _ = jax.lax.fori_loop(0, full_steps, step, (zeros, first_scales))
-        else:
-            acc = jax.lax.fori_loop(0, full_steps, k_tile_step(None, n_idx, n_mask), zeros)
+        acc = jax.lax.fori_loop(0, full_steps, k_tile_step(None, n_idx, n_mask), zeros)
         if k_limit is not None:
             tail = functools.partial(k_tile_step(k_limit, n_idx, n_mask), w.k // bk - first)
             if tiles.split_k == 1:
