@@ -731,11 +731,18 @@ def _existing_entries(path: str) -> dict[str, list[dict]]:
 def uncovered(problem: str, gemm: str, formats: list[str], layouts: list[str]) -> list[str]:
     """The (format, layout, M range) of one problem's GEMM that no entry of the
     shipped table covers (for the shape or its format class): the heuristic
-    tiles run there. One line each, with the ``tune`` range flags that sweep it."""
+    tiles run there. One line each, with the ``tune`` range flags that sweep it.
+    A format the GEMM's weight shape cannot take (int4 g128 at gpt-oss-120b's
+    K = 2880) has no line: nothing runs it there to tune."""
     lines = []
     for fmt in formats:
         weight_format, quant = split_format(fmt)
         input_dtype = quant.dtype.value if quant.is_quantized else None
+        _, n, k, _ = Case(problem, gemm, layouts[0], 1, fmt).shapes() if layouts else (0, 0, 0, 0)
+        try:
+            weight_format.check_shape(n, k)
+        except ValueError:
+            continue
         for layout_name in layouts:
             for low, high in search.M_RANGES:
                 m = search.representative_m(low, high)

@@ -537,6 +537,9 @@ def test_tune_lists_the_ranges_the_table_leaves_to_the_heuristic(capsys):
         assert search.swept_ranges(flag, flag) == ((low, high),), line  # this range alone
     assert cli.main(["tune", "--uncovered", "--problem", "qwen3-30b-a3b", "--formats", "int4_g128"]) == 0
     assert "(1024, 4096]" in capsys.readouterr().out
+    # gpt-oss-120b's K = 2880 takes MXFP4 (32-groups), not int4 g128: only MXFP4's ranges are listed.
+    lines = bench.uncovered("gpt-oss-120b", "w2", ["int4_g128", "mxfp4"], ["grouped"])
+    assert lines and all(" mxfp4 " in line for line in lines), lines
 
 
 def test_merge_entry_replaces_overlapping_ranges():
