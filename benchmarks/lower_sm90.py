@@ -41,6 +41,12 @@ from benchmarks import sass_loop
 from benchmarks.inspect_gemm import parse_config
 
 
+def gpu_info_as(compute_capability: int = 90) -> types.SimpleNamespace:
+    """A stand-in for Pallas Triton's GPU query: it reports ``compute_capability``."""
+    info = types.SimpleNamespace(compute_capability=compute_capability)
+    return types.SimpleNamespace(get_gpu_info=lambda: info)
+
+
 @contextlib.contextmanager
 def capture_triton_modules(compute_capability: int = 90):
     """Within the block, Pallas Triton kernels lower without a GPU (as for
@@ -56,9 +62,8 @@ def capture_triton_modules(compute_capability: int = 90):
         texts.append(result.module.operation.get_asm(enable_debug_info=False))
         return result
 
-    info = types.SimpleNamespace(compute_capability=compute_capability)
     saved = registration.gpu_info_lib, registration.lowering.lower_jaxpr_to_triton_module
-    registration.gpu_info_lib = types.SimpleNamespace(get_gpu_info=lambda: info)
+    registration.gpu_info_lib = gpu_info_as(compute_capability)
     registration.lowering.lower_jaxpr_to_triton_module = recording
     try:
         yield texts

@@ -738,15 +738,14 @@ def uncovered(problem: str, gemm: str, formats: list[str], layouts: list[str]) -
     for fmt in formats:
         weight_format, quant = split_format(fmt)
         input_dtype = quant.dtype.value if quant.is_quantized else None
-        _, n, k, _ = Case(problem, gemm, layouts[0], 1, fmt).shapes() if layouts else (0, 0, 0, 0)
-        try:
-            weight_format.check_shape(n, k)
-        except ValueError:
-            continue
         for layout_name in layouts:
+            e, n, k, top_k = Case(problem, gemm, layout_name, 1, fmt).shapes()
+            try:
+                weight_format.check_shape(n, k)
+            except ValueError:
+                continue
             for low, high in search.M_RANGES:
                 m = search.representative_m(low, high)
-                e, n, k, top_k = Case(problem, gemm, layout_name, 1, fmt).shapes()
                 if not T.table_entries(LAYOUT_KINDS[layout_name], weight_format, m, e, n, k, input_dtype):
                     lines.append(
                         f"{problem} {gemm} {fmt} {layout_name} M in ({low}, {high}] (T={m // top_k}): "

@@ -45,13 +45,11 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     # Lowering a Pallas Triton kernel for the GPU asks the device for its compute capability;
     # the tests that lower kernels (and the Mosaic GEMMs' row-tile table with them) for the GPU
     # on the CPU lower them as for sm_90.
-    import types  # noqa: E402
-
     from jax._src.pallas.triton import pallas_call_registration  # noqa: E402
 
-    pallas_call_registration.gpu_info_lib = types.SimpleNamespace(
-        get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)
-    )
+    from benchmarks.lower_sm90 import gpu_info_as  # noqa: E402
+
+    pallas_call_registration.gpu_info_lib = gpu_info_as(90)
 
 settings.register_profile("ci", max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")

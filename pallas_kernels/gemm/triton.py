@@ -926,11 +926,17 @@ def _byte_piece(raw, cols, w: WeightSpec, expert, n_idx, k_start, plan: _SpanPla
     return _Piece(cols, cols, values)
 
 
+def _span_group(w: WeightSpec, k_start):
+    """The weight's scale group of the span at ``k_start``: a partial last
+    tile's spans past K multiply masked zeros, so theirs is the last group (in
+    bounds; past it lies memory of another array, maybe not finite)."""
+    return jnp.minimum(_floor_div(k_start, w.group_size), pl.cdiv(w.k, w.group_size) - 1)
+
+
 def _float_zero(zero_ref, w: WeightSpec, expert, n_idx, k_start, n_mask):
     """Float zero points ``[bn]`` of the span at ``k_start`` (not exact in bf16:
     they are subtracted after the product as ``z * sum_k x``)."""
-    group = jnp.minimum(_floor_div(k_start, w.group_size), pl.cdiv(w.k, w.group_size) - 1)  # as _column_scale's
-    return _load(zero_ref.at[expert, n_idx, group], n_mask).astype(jnp.float32)
+    return _load(zero_ref.at[expert, n_idx, _span_group(w, k_start)], n_mask).astype(jnp.float32)
 
 
 def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, in_weights, n_mask, factor, n_start):
@@ -938,9 +944,6 @@ def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, 
     (``[bn]``, or a scalar when one scale covers the tile's columns ``n_start
     + [0, bn)``; ``n_start`` None: the tile's columns are not one run): scale
     (unless applied in the weights) x global scale x ``factor``, or None when it is 1."""
-    # A partial last tile's spans past K multiply masked zeros: their scale is read at the last
-    # group (in bounds; past it lies memory of another array, maybe not finite).
-    group = jnp.minimum(_floor_div(k_start, w.group_size), pl.cdiv(w.k, w.group_size) - 1) if w.group_size else None
     if w.scale == "none" or in_weights:
         scale = None
     elif w.scale == "tensor":
@@ -948,11 +951,12 @@ def _column_scale(scale_ref, global_ref, w: WeightSpec, expert, n_idx, k_start, 
     elif w.scale == "channel":
         scale = _decode_scale(_load(scale_ref.at[expert, n_idx, 0], n_mask), w.scale_type)
     elif w.scale == "group":
+        group = _span_group(w, k_start)
         scale = _decode_scale(_load(_group_scale_at(scale_ref, w, expert, n_idx, group), n_mask), w.scale_type)
     elif n_start is not None and w.block_n % n_idx.shape[0] == 0:  # block: the tile inside one block of rows
-        scale = _decode_scale(scale_ref[expert, n_start // w.block_n, group], w.scale_type)
+        scale = _decode_scale(scale_ref[expert, n_start // w.block_n, _span_group(w, k_start)], w.scale_type)
     else:  # block
-        raw = _load(scale_ref.at[expert, n_idx // w.block_n, group], n_mask)
+        raw = _load(scale_ref.at[expert, n_idx // w.block_n, _span_group(w, k_start)], n_mask)
         scale = _decode_scale(raw, w.scale_type)
     if w.global_scale != "none":
         global_scale = global_ref[expert] if w.global_scale == "expert" else global_ref[0]
