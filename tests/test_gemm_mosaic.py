@@ -716,7 +716,7 @@ def test_store_rows_takes_any_row_tile(monkeypatch):
     power-of-two boxes that covers exactly ``[offset, offset + rows)``."""
     copies = []
     monkeypatch.setattr(mosaic.pl, "when", lambda cond: lambda body: body() if cond else None)
-    monkeypatch.setattr(mosaic.plgpu, "copy_smem_to_gmem", lambda src, dst, **_: copies.append((src, dst)))
+    monkeypatch.setattr(mosaic.plgpu, "copy_smem_to_gmem", lambda src, dst: copies.append((src, dst)))
 
     class Rows:
         def __init__(self):

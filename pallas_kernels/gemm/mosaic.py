@@ -550,11 +550,10 @@ def padded_rows(m: int, block_m: int) -> int:
     return -(-max(m, block_m) // ROW_ALIGN) * ROW_ALIGN
 
 
-def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int, one_group: bool = False):
+def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
     """Rows ``[offset, offset + rows)`` of the shared tile ``o_smem`` to
     gmem rows ``[first_row, first_row + rows)`` as a sum of power-of-two
-    slices (static TMA boxes, dynamic starts); ``one_group``: the slices'
-    copies committed as one bulk group (else a group each)."""
+    slices (static TMA boxes, dynamic starts)."""
     done = jnp.int32(0)
     size = 1 << (block_m.bit_length() - 1)  # rows <= block_m: its bits from the largest power of two
     while size:
@@ -562,54 +561,35 @@ def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int, one_g
         @pl.when(rows & size != 0)
         def _(size=size, done=done):
             plgpu.copy_smem_to_gmem(
-                o_smem.at[pl.ds(offset + done, size)],
-                o_gmem_cols.at[pl.ds(first_row + done, size)],
-                commit_group=not one_group,
+                o_smem.at[pl.ds(offset + done, size)], o_gmem_cols.at[pl.ds(first_row + done, size)]
             )
 
         done = done + (rows & size)
         size //= 2
-    if one_group:
-        plgpu.commit_smem_to_gmem_group()
 
 
 def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False):
     """A compute warpgroup's ``[wg_m, wg_n]`` result (``transposed``: given as
     ``[wg_n, wg_m]``) into ``o_gmem``'s columns from ``first_col`` through its
     ``[wg_m, EPILOGUE_COLUMNS]`` shared slot, a chunk of columns at a time;
-    ``row_span = (first_row, offset, rows)``: its own rows only (store_rows).
-    A ``[2, wg_m, EPILOGUE_COLUMNS]`` pair of slots takes the chunks (an even
-    count) in turn: one is written while the other's copy still reads it."""
+    ``row_span = (first_row, offset, rows)``: its own rows only (store_rows)."""
     first_row, offset, rows = row_span
     wg_m, wg_n = (acc.shape[1], acc.shape[0]) if transposed else acc.shape
-    chunks = wg_n // EPILOGUE_COLUMNS
-    paired = len(slot.shape) == 3
-    if paired and (slot.shape[0] != 2 or chunks % 2):
-        raise ValueError(f"store_tile: a pair of slots takes an even count of chunks, not {chunks}")
-    for chunk in range(chunks):
+    for chunk in range(wg_n // EPILOGUE_COLUMNS):
         start = first_col + chunk * EPILOGUE_COLUMNS
-        buffer = slot.at[chunk % 2] if paired else slot
 
         # A partial last column tile's slots past the output's columns are not stored (tiles_refusal:
         # N a multiple of the slot, so each slot lies wholly inside or past them).
         @pl.when(start < o_gmem.shape[1])
-        def _(chunk=chunk, start=start, buffer=buffer):
-            # The slot's last copy has read it (paired: the other slot's, issued since, may still read).
-            plgpu.wait_smem_to_gmem(1 if paired else 0, wait_read_only=True)
+        def _(chunk=chunk, start=start):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copies have read it
             columns = slice(chunk * EPILOGUE_COLUMNS, (chunk + 1) * EPILOGUE_COLUMNS)
             if transposed:  # stored through a transposed view of the slot
-                buffer.transpose((1, 0))[...] = acc[columns]
+                slot.transpose((1, 0))[...] = acc[columns]
             else:
-                buffer[...] = acc[:, columns]
+                slot[...] = acc[:, columns]
             plgpu.commit_smem()
-            cols = o_gmem.at[:, pl.ds(start, EPILOGUE_COLUMNS)]
-            store_rows(buffer, cols, first_row, offset, rows, wg_m, one_group=paired)
-
-        if paired:  # a chunk past N commits an empty group: one group a chunk, as the waits count them
-
-            @pl.when(start >= o_gmem.shape[1])
-            def _():
-                plgpu.commit_smem_to_gmem_group()
+            store_rows(slot, o_gmem.at[:, pl.ds(start, EPILOGUE_COLUMNS)], first_row, offset, rows, wg_m)
 
 
 def k_pipeline(step, context, *, steps: int, in_specs, stages: int):
