@@ -480,8 +480,13 @@ def test_what_the_kernel_refuses(rng):
         hj.gemm(x, w, indexed, **run)
     with pytest.raises(ValueError, match="block_n"):
         hj.gemm(x, w[:, :192], grouped, **run)
-    with pytest.raises(ValueError, match="accumulator"):  # two 128x256 f32 accumulators do not fit the registers
+    # The weight's TMA box spans the tile's columns: at most 256 (lowering would fail past it).
+    with pytest.raises(ValueError, match="block_n=512 .at most 256"):
         hj.gemm(x, w, grouped, tuning=mosaic.Tiles(128, 512, 64), backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="accumulator"):  # a 256-row swap tile's 256 x 128 f32 outgrow the registers
+        mosaic.check_tiles(
+            mosaic.Tiles(256, 256, 128, swap_ab=True, word_decode=True), 512, 256, jnp.bfloat16, mosaic.NibbleDecode(2)
+        )
     with pytest.raises(ValueError, match="dequantize_first with a 16-bit weight"):
         hj.gemm(x, w, grouped, tuning=dataclasses.replace(TILES, dequantize_first=True), backend=KERNEL_BACKEND)
     with pytest.raises(ValueError, match="cluster_n: 1 or 2"):

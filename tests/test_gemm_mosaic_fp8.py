@@ -389,6 +389,9 @@ def test_what_the_kernel_refuses(rng):
     assert "at most 8192 values twice" in reason(block, layouts["dense"], kernel.Tiles(128, 256))
     token = _input(rng, "fp8_dynamic_token")
     assert reason(_weight(rng, "fp8_channel"), layouts["dense"], kernel.Tiles(128, 256), x=token) is None  # one sum
+    # the weight's TMA box spans the tile's columns: at most 256 (lowering would fail past it)
+    wide = reason(_weight(rng, "fp8_channel"), layouts["dense"], kernel.Tiles(64, 512), x=token)
+    assert "block_n=512 (at most 256" in wide
     assert "f16 accumulation" in reason(block, layouts["dense"], use_f16_accum=True)
     k_order = F.quantize_weight(jnp.ones((E, N, K), jnp.float32), F.get_format("mxfp4"))
     assert "K order" in reason(k_order, layouts["dense"])

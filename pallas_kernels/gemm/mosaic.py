@@ -47,6 +47,7 @@ EPILOGUE_COLUMNS = 64  # output columns per shared-memory store slot
 # A compute warpgroup's f32 accumulator: 176 registers a thread of the 232 the warp-specialized
 # pipeline gives it (a 176-row swap tile of 128 columns; 128 x 128 in the other form).
 ACCUMULATOR_ELEMENTS = 176 * 128
+TMA_BOX_MAX = 256  # elements a TMA box may span along each dimension
 H100_SMS = 132  # H100 / H200: programs of the persistent grid when the device does not say
 
 
@@ -153,8 +154,11 @@ def tiles_refusal(
         return f"block_m={tiles.block_m} (with swap_ab a multiple of {ROW_ALIGN}, at most 256)"
     if not tiles.swap_ab and tiles.wg_m not in (64, 128):
         return f"block_m={tiles.block_m} (64 or 128)"
-    if tiles.wg_n % EPILOGUE_COLUMNS or tiles.wg_n > 256:
-        return f"block_n={tiles.block_n} (a multiple of {COMPUTE_WGS * EPILOGUE_COLUMNS}, at most {COMPUTE_WGS * 256})"
+    if tiles.wg_n % EPILOGUE_COLUMNS:
+        return f"block_n={tiles.block_n} (a multiple of {COMPUTE_WGS * EPILOGUE_COLUMNS})"
+    # The weight's box (and the scale rows') spans the tile's columns: TMA takes at most 256 a dimension.
+    if tiles.block_n > TMA_BOX_MAX:
+        return f"block_n={tiles.block_n} (at most {TMA_BOX_MAX}: the weight's TMA box spans the tile's columns)"
     if tiles.wg_m * tiles.wg_n > ACCUMULATOR_ELEMENTS:
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {ACCUMULATOR_ELEMENTS} elements)"
     # The cluster's multicast splits x's box in 8-row pieces between its programs.
