@@ -658,6 +658,67 @@ def test_mosaic_tma_copies_aligned_on_the_other_layouts(fmt, config, layout_kind
     assert copies and not misaligned(copies)
 
 
+def _tiling_space():
+    """(format, tiles) over the Mosaic kernels' fields, a few values past
+    what they take included (block_n 512, 256-row swap tiles, 5 stages)."""
+    import itertools
+
+    from pallas_kernels.gemm import mosaic, mosaic_fp8
+
+    space = [
+        ("bf16", mosaic.Tiles(bm, bn, bk, stages=st, cluster_n=cn))
+        for bm, bn, bk, st, cn in itertools.product((64, 128), (128, 256, 512), (16, 32, 64), (2, 3, 5), (1, 2))
+    ]
+    rows = (8, 24, 40, 48, 72, 96, 136, 144, 176, 208, 256)
+    space += [
+        (fmt, mosaic.Tiles(bm, bn, 128, stages=st, cluster_n=cn, swap_ab=True, word_decode=wd))
+        for fmt, bm, bn, st, cn, wd in itertools.product(
+            ("int4_g128", "mxfp4", "uint4_zp_g128"), rows, (128, 256, 512), (2, 3, 4), (1, 2), (False, True)
+        )
+    ]
+    space += [
+        (fmt, mosaic_fp8.Tiles(bm, bn, stages=st, swap_ab=sw))
+        for fmt, bm, bn, st, sw in itertools.product(
+            ("w8a8_fp8_block128", "w4a8_mxfp4"), (64, 128), (128, 256, 512), (2, 4, 5), (False, True)
+        )
+    ]
+    return space
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_every_mosaic_tiling_its_checks_accept_lowers():
+    """A Mosaic tiling the kernel's own checks accept lowers for sm_90 with
+    every TMA box on a 128-byte multiple; the others raise the kernel's
+    refusal, naming it — never an error from inside Mosaic's lowering (how
+    ``block_n = 512`` failed until the sixty-sixth session: a TMA box spans
+    at most 256 elements). A seeded sample of the space (``--full``: more),
+    with one known refusal and one known fit always in it."""
+    import random
+
+    from benchmarks.mosaic_ir import capture_tma_copies, misaligned, mosaic_ir
+    from pallas_kernels.gemm import mosaic
+
+    from sweep import examples
+
+    space = _tiling_space()
+    sample = random.Random(66).sample(space, examples(full=160, chosen=10))
+    sample += [("int4_g128", mosaic.Tiles(48, 512, 128, swap_ab=True)), ("bf16", mosaic.Tiles(128, 256, 64))]
+    lowered = refused = 0
+    for fmt, tiles in sample:
+        rows = 37 if tiles.block_m < 64 else 300
+        try:
+            with capture_tma_copies() as copies:
+                mosaic_ir(fmt, (4, 512, 1024), rows, tiles)
+        except ValueError as error:  # the kernel's own check: "mosaic GEMM: ..." / "mosaic_fp8 GEMM: ..."
+            assert re.match(r"mosaic(_fp8)? GEMM: ", str(error)), (fmt, tiles, str(error)[:300])
+            refused += 1
+            continue
+        assert copies and not misaligned(copies), (fmt, tiles, misaligned(copies))
+        lowered += 1
+    assert lowered and refused
+    jax.clear_caches()
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
     "n,k,config",
