@@ -661,22 +661,3 @@ def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles):
         traced.lower(lowering_platforms=("cuda",))
     assert traced.out_info.shape == (m, n // 2)
     assert "ex2" in texts[-1] or "exp" in texts[-1]
-
-
-def test_output_slots_paired_where_they_fit():
-    """A warpgroup's two 64-column chunks go through a pair of 16-bit slots (the
-    second written while the first is copied out) where shared memory has room;
-    else through one slot, as before (128 x 256 at four stages)."""
-    group = kernel.Scaling("group", "block")
-    one_sum = kernel.Scaling("token", "channel")
-    assert kernel.paired_slots(kernel.Tiles(64, 256, stages=4), group, jnp.bfloat16)
-    assert not kernel.paired_slots(kernel.Tiles(64, 256, stages=4), group, jnp.float32)  # 32-bit: one slot
-    assert not kernel.paired_slots(kernel.Tiles(128, 256, stages=4), one_sum, jnp.bfloat16)
-    assert kernel.paired_slots(kernel.Tiles(128, 256, stages=3), one_sum, jnp.bfloat16)
-    single = kernel.shared_memory_bytes(kernel.Tiles(128, 256, stages=4), one_sum, jnp.bfloat16)
-    assert single + mosaic.SHARED_MEMORY_SLACK <= mosaic.SHARED_MEMORY_BYTES
-    # With a gated activation a warpgroup stores one chunk: one slot.
-    from pallas_kernels.gemm.spec import EpilogueActivation
-
-    tiles = kernel.Tiles(64, 256, stages=2)
-    assert not kernel.paired_slots(tiles, group, jnp.bfloat16, EpilogueActivation("silu", gate_up_block=64))

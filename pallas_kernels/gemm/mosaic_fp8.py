@@ -126,38 +126,18 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     return None
 
 
-def stored_columns(tiles: Tiles, act: EpilogueActivation | None) -> int:
-    """A compute warpgroup's output columns: half its ``wg_n`` for a gated activation."""
-    return tiles.wg_n // 2 if act is not None and act.gated else tiles.wg_n
-
-
-def _buffer_bytes(tiles: Tiles, scaling: Scaling, out_dtype, slots: int) -> int:
-    mx = scaling.mx and not tiles.dequantize_first  # a decoded copy runs W8A8's loop
-    weight = tiles.block_n * (BLOCK_K // 4 * 2 + mx_e4m3.PIECES) if mx else tiles.block_n * BLOCK_K
-    step = tiles.block_m * BLOCK_K + weight + (4 * tiles.block_m if scaling.x == "group" else 0)
-    scratch = slots * mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
-    if mx and not tiles.swap_ab:
-        scratch += mosaic.COMPUTE_WGS * tiles.wg_n * BLOCK_K
-    return mosaic.pipeline_bytes(tiles.stages, step) + scratch
-
-
-def paired_slots(tiles: Tiles, scaling: Scaling, out_dtype, act: EpilogueActivation | None = None) -> bool:
-    """Whether a warpgroup stores through a pair of output slots (:func:`mosaic.store_tile`)
-    — its chunks even, at most 16-bit, and room for the second slot —, so that a tile's
-    second chunk is written while the first is copied out."""
-    chunks = stored_columns(tiles, act) // mosaic.EPILOGUE_COLUMNS
-    even = chunks % 2 == 0 and jnp.dtype(out_dtype).itemsize <= 2
-    return even and mosaic.shared_memory_refusal(_buffer_bytes(tiles, scaling, out_dtype, 2), tiles) is None
-
-
-def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype, act: EpilogueActivation | None = None) -> int:
+def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype) -> int:
     """Bytes of the buffers a program allocates in shared memory (compiled):
     ``stages`` pipeline steps of x's box (e4m3 bytes), the weight's (e4m3
     bytes, or MXFP4's uint16 codes and scale bytes) and x's group scales (f32),
-    the epilogue's store slots (one or a pair a warpgroup: :func:`paired_slots`)
-    and the staged MXFP4 decode's slots."""
-    slots = 2 if paired_slots(tiles, scaling, out_dtype, act) else 1
-    return _buffer_bytes(tiles, scaling, out_dtype, slots)
+    the epilogue's store slots and the staged MXFP4 decode's slots."""
+    mx = scaling.mx and not tiles.dequantize_first  # a decoded copy runs W8A8's loop
+    weight = tiles.block_n * (BLOCK_K // 4 * 2 + mx_e4m3.PIECES) if mx else tiles.block_n * BLOCK_K
+    step = tiles.block_m * BLOCK_K + weight + (4 * tiles.block_m if scaling.x == "group" else 0)
+    scratch = mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
+    if mx and not tiles.swap_ab:
+        scratch += mosaic.COMPUTE_WGS * tiles.wg_n * BLOCK_K
+    return mosaic.pipeline_bytes(tiles.stages, step) + scratch
 
 
 def scaling_refusal(call: GemmCall) -> str | None:
@@ -224,7 +204,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     reason = tiles_refusal(tiles, call.weight.n, call.weight.k, scaling)
     if reason:
         return reason
-    return mosaic.shared_memory_refusal(shared_memory_bytes(tiles, scaling, call.out_dtype, call.activation), tiles)
+    return mosaic.shared_memory_refusal(shared_memory_bytes(tiles, scaling, call.out_dtype), tiles)
 
 
 def _kernel(
@@ -293,8 +273,7 @@ def _kernel(
         return found
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-    slots = (2,) if paired_slots(tiles, scaling, o_gmem.dtype, act) else ()
-    scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, *slots, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
+    scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
     if scaling.mx and not (swap and not interpret):  # the decoded step (interpreted: unswizzled)
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
         shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
@@ -319,7 +298,7 @@ def _kernel(
             offset = first_row - load_row
             wg_cols = col_tile * tiles.block_n + wg * wg_n
             # A gated activation stores half the columns: the warpgroup's outputs start at wg_cols / 2.
-            out_wg_n = stored_columns(tiles, act)
+            out_wg_n = wg_n // 2 if act is not None and act.gated else wg_n
             out_cols = col_tile * (tiles.block_n * out_wg_n // wg_n) + wg * out_wg_n
 
             def store(acc, transposed=False):
@@ -501,7 +480,7 @@ def expert_gemm_fp8(
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     reason = tiles_refusal(tiles, n, k, scaling) or mosaic.shared_memory_refusal(
-        shared_memory_bytes(tiles, scaling, out_dtype, act), tiles
+        shared_memory_bytes(tiles, scaling, out_dtype), tiles
     )
     reason = reason or (mosaic.activation_refusal(tiles, act) if act is not None else None)
     if reason:
