@@ -135,6 +135,17 @@ class NibbleDecode:
         return E2M1_UNIT if self.e2m1 else UNIT
 
 
+def columns_refusal(tiles) -> str | None:
+    """Why a Mosaic kernel's (this one's or the fp8 one's) ``tiles`` cannot have
+    their ``block_n`` columns: whole store slots a warpgroup, and a weight box
+    (and scale rows) TMA can load — at most 256 elements a dimension."""
+    if tiles.wg_n % EPILOGUE_COLUMNS:
+        return f"block_n={tiles.block_n} (a multiple of {COMPUTE_WGS * EPILOGUE_COLUMNS})"
+    if tiles.block_n > TMA_BOX_MAX:
+        return f"block_n={tiles.block_n} (at most {TMA_BOX_MAX}: the weight's TMA box spans the tile's columns)"
+    return None
+
+
 def tiles_refusal(
     tiles: Tiles, n: int, k: int, dtype, decode: NibbleDecode | None = None, partial: bool = False
 ) -> str | None:
@@ -154,11 +165,9 @@ def tiles_refusal(
         return f"block_m={tiles.block_m} (with swap_ab a multiple of {ROW_ALIGN}, at most 256)"
     if not tiles.swap_ab and tiles.wg_m not in (64, 128):
         return f"block_m={tiles.block_m} (64 or 128)"
-    if tiles.wg_n % EPILOGUE_COLUMNS:
-        return f"block_n={tiles.block_n} (a multiple of {COMPUTE_WGS * EPILOGUE_COLUMNS})"
-    # The weight's box (and the scale rows') spans the tile's columns: TMA takes at most 256 a dimension.
-    if tiles.block_n > TMA_BOX_MAX:
-        return f"block_n={tiles.block_n} (at most {TMA_BOX_MAX}: the weight's TMA box spans the tile's columns)"
+    reason = columns_refusal(tiles)
+    if reason:
+        return reason
     if tiles.wg_m * tiles.wg_n > ACCUMULATOR_ELEMENTS:
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {ACCUMULATOR_ELEMENTS} elements)"
     # The cluster's multicast splits x's box in 8-row pieces between its programs.

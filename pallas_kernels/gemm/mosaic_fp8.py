@@ -101,10 +101,9 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     """Why the static TMA boxes and wgmma tiles cannot take these shapes (None if they can)."""
     if tiles.wg_m not in (64, 128):
         return f"block_m={tiles.block_m} (64 or 128: the wgmma's rows)"
-    if tiles.wg_n % mosaic.EPILOGUE_COLUMNS:
-        return f"block_n={tiles.block_n} (a multiple of {mosaic.COMPUTE_WGS * mosaic.EPILOGUE_COLUMNS})"
-    if tiles.block_n > mosaic.TMA_BOX_MAX:  # the weight's box spans the tile's columns
-        return f"block_n={tiles.block_n} (at most {mosaic.TMA_BOX_MAX}: the weight's TMA box spans the tile's columns)"
+    reason = mosaic.columns_refusal(tiles)
+    if reason:
+        return reason
     # A thread holds the accumulator in registers (128 f32 at most), per step twice
     # (then a warpgroup's columns, at most 128, lie in one 128-column weight block).
     most = 64 * 128 if scaling.per_step else 128 * 128
