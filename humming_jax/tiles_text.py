@@ -41,7 +41,8 @@ def from_text(cls: type, text: str) -> Any:
 
 def gemm_to_text(tiles: Any) -> str:
     """``impl:fields`` for a GEMM tiling (``triton:...`` or ``mosaic:...``)."""
-    impl = next(name for name, cls in gemm_kernels.IMPLS.items() if isinstance(tiles, cls))
+    # The exact type: a kernel's Tiles may subclass another's (mosaic_mid.Tiles).
+    impl = next(name for name, cls in gemm_kernels.IMPLS.items() if type(tiles) is cls)
     return f"{impl}:{to_text(tiles)}"
 
 

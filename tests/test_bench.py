@@ -528,15 +528,15 @@ def test_tune_lists_the_ranges_the_table_leaves_to_the_heuristic(capsys):
     problem's GEMM with no shipped entry, and range flags that sweep that
     range alone; a range with an entry is not listed."""
     lines = bench.uncovered("qwen3-30b-a3b", "w2", ["int4_g128"], ["grouped"])
-    # T=512 (32 rows an expert) has no entry of the shape's; T=1024 and T=2048 have.
-    assert any("M in (1024, 4096] (T=512)" in line for line in lines), lines
-    assert not any("(4096, 8192]" in line or "(8192, 16384]" in line for line in lines)
+    # T=128 (8 rows an expert) has no entry of the shape's; T=512, T=1024 and T=2048 have.
+    assert any("M in (128, 1024] (T=128)" in line for line in lines), lines
+    assert not any("(T=512)" in line or "(4096, 8192]" in line or "(8192, 16384]" in line for line in lines)
     for line in lines:
         low, high = (int(v) for v in line.split("M in (")[1].split("]")[0].split(", "))
         flag = int(line.rsplit("--max-m ", 1)[1])
         assert search.swept_ranges(flag, flag) == ((low, high),), line  # this range alone
     assert cli.main(["tune", "--uncovered", "--problem", "qwen3-30b-a3b", "--formats", "int4_g128"]) == 0
-    assert "(1024, 4096]" in capsys.readouterr().out
+    assert "(128, 1024]" in capsys.readouterr().out
     # gpt-oss-120b's K = 2880 takes MXFP4 (32-groups), not int4 g128: only MXFP4's ranges are listed.
     lines = bench.uncovered("gpt-oss-120b", "w2", ["int4_g128", "mxfp4"], ["grouped"])
     assert lines and all(" mxfp4 " in line for line in lines), lines

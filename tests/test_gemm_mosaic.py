@@ -17,7 +17,7 @@ import pytest
 import humming_jax as hj
 from humming_jax import formats as F
 from humming_jax.tuning import heuristic
-from pallas_kernels.gemm import mosaic, triton
+from pallas_kernels.gemm import mosaic, mosaic_mid, triton
 
 from sweep import FULL
 
@@ -498,7 +498,7 @@ def test_what_the_kernel_refuses(rng):
         mosaic.check_tiles(mosaic.Tiles(152, 256, 64, cluster_n=2, swap_ab=True), 1024, 128, jnp.bfloat16)
     with pytest.raises(ValueError, match="word_decode with 16-bit weights"):
         hj.gemm(x, w, grouped, tuning=dataclasses.replace(TILES, word_decode=True), backend=KERNEL_BACKEND)
-    with pytest.raises(TypeError, match="triton.Tiles, mosaic.Tiles, mosaic_fp8.Tiles"):
+    with pytest.raises(TypeError, match="triton.Tiles, mosaic.Tiles, mosaic_mid.Tiles, mosaic_fp8.Tiles"):
         hj.gemm(x, w, grouped, tuning=(64, 256, 64), backend=KERNEL_BACKEND)
     # five 48 KB steps and the epilogue's 32 KB: past the 227 KB a program has
     with pytest.raises(ValueError, match="tuning.*shared-memory buffers"):
@@ -1085,8 +1085,27 @@ def test_cluster_pairs_multicast(fmt, config):
         pytest.param(
             F.INT4_G128, "silu", "grouped", mosaic.Tiles(64, 256, 128, stages=2, swap_ab=True), marks=ON_GPU_ONLY
         ),
+        # One warpgroup a program (mosaic_mid): the gate/up pairs in its whole tile.
+        (F.BF16.with_bias(), "silu", "masked", mosaic_mid.Tiles(64, 128, 64, stages=2)),
+        pytest.param(F.INT4_G128, "gelu_tanh", "indexed", mosaic_mid.Tiles(64, 128, 128, stages=2), marks=FULL),
+        pytest.param(
+            F.INT4_G128.with_bias(),
+            "silu",
+            "grouped",
+            mosaic_mid.Tiles(48, 128, 128, stages=2, swap_ab=True, word_decode=True),
+            marks=ON_GPU_ONLY,
+        ),
     ],
-    ids=["bf16-bias-silu", "int4-masked-gelu_tanh", "mxfp4-indexed-swiglustep", "bf16-relu2", "int4-swap"],
+    ids=[
+        "bf16-bias-silu",
+        "int4-masked-gelu_tanh",
+        "mxfp4-indexed-swiglustep",
+        "bf16-relu2",
+        "int4-swap",
+        "mid-bf16-bias-masked-silu",
+        "mid-int4-indexed-gelu_tanh",
+        "mid-int4-bias-swap-48",
+    ],
 )
 def test_activation_in_the_epilogue(fmt, kind, layout_kind, tuning, rng):
     """``gemm(activation=)`` on the Mosaic kernel's plain tiles: a warpgroup's

@@ -663,7 +663,7 @@ def _tiling_space():
     what they take included (block_n 512, 256-row swap tiles, 5 stages)."""
     import itertools
 
-    from pallas_kernels.gemm import mosaic, mosaic_fp8
+    from pallas_kernels.gemm import mosaic, mosaic_fp8, mosaic_mid
 
     space = [
         ("bf16", mosaic.Tiles(bm, bn, bk, stages=st, cluster_n=cn))
@@ -675,6 +675,13 @@ def _tiling_space():
         for fmt, bm, bn, st, cn, wd in itertools.product(
             ("int4_g128", "mxfp4", "uint4_zp_g128"), rows, (128, 256, 512), (2, 3, 4), (1, 2), (False, True)
         )
+    ]
+    space += [  # one warpgroup a program: its accumulator the whole tile, no cluster
+        (fmt, mosaic_mid.Tiles(bm, bn, bk, stages=st, cluster_n=cn, swap_ab=fmt != "bf16", word_decode=wd))
+        for fmt, bm, bn, st, cn, wd in itertools.product(
+            ("bf16", "int4_g128", "mxfp4"), (48, 64, 96), (64, 128, 192, 256, 512), (2, 3, 5), (1, 2), (False, True)
+        )
+        for bk in ((64,) if fmt == "bf16" else (128,))
     ]
     space += [
         (fmt, mosaic_fp8.Tiles(bm, bn, stages=st, swap_ab=sw))

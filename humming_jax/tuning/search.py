@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.gemm import mosaic, mosaic_fp8, triton
+from pallas_kernels.gemm import mosaic, mosaic_fp8, mosaic_mid, triton
 
 # Prefill split where the row tile sized to an expert's rows changes (T=4096 at top-8 is
 # M=32768, the anchor's prefill point); each range is swept at representative_m.
@@ -88,6 +88,10 @@ MID = (
     _t(32, 256, 128, 8, 3, dequantize_input=True, **_SWAP_PAIRS),
     # MXFP4 with fp8 inputs: the fp8 kernel's decoded step as the register operand.
     mosaic_fp8.Tiles(64, 256, stages=4, swap_ab=True),
+    # One warpgroup a program, a program per output tile (several an SM): 48 rows, the
+    # decoded weight as the register operand, on 128 columns and 2 stages or 256 and 3.
+    mosaic_mid.Tiles(48, 128, 128, stages=2, swap_ab=True, word_decode=True),
+    mosaic_mid.Tiles(48, 256, 128, stages=3, swap_ab=True, word_decode=True),
 )
 PREFILL = (
     _t(128, 256, 64, 8, 4),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,10 @@ class Tiles:
     # (one rounding an element), which then runs its 16-bit product: the decoded
     # MXFP4 weight on bf16 wgmma instead of the fp8 kernel's staged one.
     dequantize_input: bool = False
+    # The kernel's structure, fixed by its type (mosaic_mid.Tiles: False): two compute
+    # warpgroups beside a memory warpgroup on a persistent grid, or one warpgroup that
+    # issues its own loads, a program per output tile.
+    warp_specialized: ClassVar[bool] = True
 
     def __post_init__(self):
         check_positive(self, ("block_m", "block_n", "block_k", "stages", "group_m"))
@@ -98,9 +103,14 @@ class Tiles:
         return self.block_m
 
     @property
+    def compute_wgs(self) -> int:
+        """Warpgroups of a program that run the products."""
+        return COMPUTE_WGS if self.warp_specialized else 1
+
+    @property
     def wg_n(self) -> int:
         """Columns of a compute warpgroup's accumulator."""
-        return self.block_n // COMPUTE_WGS
+        return self.block_n // self.compute_wgs
 
 
 UNIT = 128  # columns of one planar unit: a K step of the 4-bit path
@@ -140,7 +150,7 @@ def columns_refusal(tiles) -> str | None:
     their ``block_n`` columns: whole store slots a warpgroup, and a weight box
     (and scale rows) TMA can load — at most 256 elements a dimension."""
     if tiles.wg_n % EPILOGUE_COLUMNS:
-        return f"block_n={tiles.block_n} (a multiple of {COMPUTE_WGS * EPILOGUE_COLUMNS})"
+        return f"block_n={tiles.block_n} (a multiple of {tiles.block_n // tiles.wg_n * EPILOGUE_COLUMNS})"
     if tiles.block_n > TMA_BOX_MAX:
         return f"block_n={tiles.block_n} (at most {TMA_BOX_MAX}: the weight's TMA box spans the tile's columns)"
     return None
@@ -170,6 +180,8 @@ def tiles_refusal(
         return reason
     if tiles.wg_m * tiles.wg_n > ACCUMULATOR_ELEMENTS:
         return f"a warpgroup accumulator of {tiles.wg_m} x {tiles.wg_n} (at most {ACCUMULATOR_ELEMENTS} elements)"
+    if not tiles.warp_specialized and tiles.cluster_n != 1:
+        return f"cluster_n={tiles.cluster_n} (a program per output tile loads its own x: no cluster)"
     # The cluster's multicast splits x's box in 8-row pieces between its programs.
     if tiles.block_m % (ROW_ALIGN * tiles.cluster_n):
         return f"block_m={tiles.block_m} with cluster_n={tiles.cluster_n} (a multiple of {ROW_ALIGN * tiles.cluster_n})"
@@ -230,9 +242,9 @@ def shared_memory_bytes(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | N
     else:  # x's unit, the unit's uint16 codes, its scale (and zero point) or e2m1 factor rows
         quant_rows = (PIECES if decode.e2m1 else 1) * (2 if decode.zero_points else 1)
         step = (tiles.block_m * UNIT + quant_rows * tiles.block_n) * itemsize + tiles.block_n * PIECE * 2
-    scratch = COMPUTE_WGS * tiles.wg_m * EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
+    scratch = tiles.compute_wgs * tiles.wg_m * EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
     if decode is not None and not tiles.swap_ab:
-        scratch += COMPUTE_WGS * STAGE_SLOTS * tiles.wg_n * PIECE * itemsize
+        scratch += tiles.compute_wgs * STAGE_SLOTS * tiles.wg_n * PIECE * itemsize
     return pipeline_bytes(tiles.stages, step) + scratch
 
 
@@ -621,6 +633,21 @@ def k_pipeline(step, context, *, steps: int, in_specs, stages: int):
     )
 
 
+def run_k_pipeline(step, context, gmem_refs, *, steps: int, in_specs, stages: int):
+    """The K loop of one output tile in a program's one warpgroup (no warp
+    specialization): ``stages`` steps' TMA loads in flight, each slot refilled
+    once its step has run; ``step(indices, *refs, acc_ref)`` inside the
+    accumulator ``context(run)`` sets up."""
+
+    def run(acc_ref):
+        def step_with_acc(indices, *refs):
+            step(indices, *refs, acc_ref)
+
+        plgpu.emit_pipeline(step_with_acc, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages)(*gmem_refs)
+
+    context(run)
+
+
 def persistent_programs(interpret: bool) -> int:
     """Programs of a persistent grid: one per SM (a few when interpreted: the
     loop over tiles covers every tile either way)."""
@@ -833,7 +860,9 @@ def _kernel(
             *(plgpu.BlockSpec((PIECES if decode.e2m1 else 1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
         ]
 
-    pipeline = functools.partial(k_pipeline, steps=pl.cdiv(k, bk), in_specs=in_specs, stages=tiles.stages)
+    pipelined = dict(steps=pl.cdiv(k, bk), in_specs=in_specs, stages=tiles.stages)
+    pipeline = functools.partial(k_pipeline, **pipelined)
+    specialized = tiles.warp_specialized
 
     def operands(group, col_tile, load_row):
         """The pipeline's gmem inputs for one output tile."""
@@ -847,22 +876,23 @@ def _kernel(
     # The decoded pieces wait in shared memory for the wgmma in STAGE_SLOTS slots per
     # warpgroup (the interpreter cannot store through a swizzle: there they are plain).
     stage_transforms = () if interpret else swizzled(PIECE, dtype)
-    stage_shape = (COMPUTE_WGS, STAGE_SLOTS, wg_n, PIECE)
+    stage_shape = (tiles.compute_wgs, STAGE_SLOTS, wg_n, PIECE)
     decoding = decode is not None
     staged = decoding and not tiles.swap_ab  # swap_ab feeds the decoded pieces from registers
     scratch = dict(
-        o_smem=plgpu.SMEM((COMPUTE_WGS, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
+        o_smem=plgpu.SMEM((tiles.compute_wgs, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
         stage=plgpu.SMEM(stage_shape, dtype, transforms=stage_transforms) if staged else None,
     )
+    if specialized:  # the pipeline's buffers, shared by the memory and compute warpgroups
+        scratch["allocations"] = pipeline(unused, unused).get_allocations(*operands(0, 0, 0))
 
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(unused, unused).get_allocations(*operands(0, 0, 0)),
         **{name: shape for name, shape in scratch.items() if shape is not None},
-        collective_axes="wg",
+        **(dict(collective_axes="wg") if specialized else {}),
     )
-    def _(allocations, o_smem, stage=None):
-        wg = lax.axis_index("wg")
+    def _(o_smem, stage=None, allocations=None):
+        wg = lax.axis_index("wg") if specialized else jnp.int32(0)
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)  # the warpgroup's columns of the weight tile
         cn = tiles.cluster_n
 
@@ -954,9 +984,13 @@ def _kernel(
             @pl.when((rows > 0) & (group < num_experts))
             def _():
                 body = step if decode is None else decode_step
-                pipeline(body, context)(*operands(group, col_tile, load_row), allocations=allocations)
+                gmem_refs = operands(group, col_tile, load_row)
+                if specialized:
+                    pipeline(body, context)(*gmem_refs, allocations=allocations)
+                else:
+                    run_k_pipeline(body, context, gmem_refs, **pipelined)
 
-            @pl.when((rows > 0) & (group >= num_experts) & (wg < COMPUTE_WGS))
+            @pl.when((rows > 0) & (group >= num_experts) & (wg < tiles.compute_wgs))
             def _():  # rows no expert owns: zeros
                 store(jnp.zeros((wg_m, out_wg_n), o_gmem.dtype))
 
@@ -1025,7 +1059,6 @@ def expert_gemm_mosaic(
     if table is None:
         table = tile_table(offsets, counts, m, num_experts, tiles.block_m, interpret)
     row_tiles = table.shape[0]
-    sms = persistent_programs(interpret)
     if bias is not None and bias.shape != (num_experts, n):
         raise ValueError(f"mosaic GEMM: bias must be [E, N] = {(num_experts, n)}, got {bias.shape}")
     if bias is not None and n % tiles.block_n:  # the epilogue loads a warpgroup's whole columns
@@ -1043,15 +1076,19 @@ def expert_gemm_mosaic(
     )
     cluster = tiles.cluster_n  # programs a cluster (1 or 2)
     out_n = n if act is None else act.out_n(n)
+    if tiles.warp_specialized:  # a persistent grid: a program an SM, each loops over its share of the tiles
+        programs = persistent_programs(interpret) // cluster
+        structure = dict(num_threads=COMPUTE_WGS + 1, thread_name="wg", kernel_name="moe_gemm_mosaic")
+    else:  # a program an output tile: the hardware runs as many an SM as fit
+        programs = row_tiles * pl.cdiv(n, tiles.block_n)
+        structure = dict(kernel_name="moe_gemm_mosaic_mid")
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((m, out_n), out_dtype),
-        grid=(sms // cluster,),
+        grid=(programs,),
         grid_names=("sm",),
         **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        kernel_name="moe_gemm_mosaic",  # what profilers show
+        **structure,  # kernel_name: what profilers show
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         # Interpreted, fresh memory reads as NaN: a row the kernel failed to store shows.
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
