@@ -12,7 +12,10 @@ expert's rows into row tiles (``row_tile_table``) and a tile stores only its
 own rows; ``indexed``: TMA cannot gather, so x's rows are gathered in block
 order first (``block_order``), a tile is a block, and the results are
 gathered to their slots (``to_slots``). Tiling: :class:`Tiles`; what it cannot take:
-:func:`supports`. Design and measurements: docs/DESIGN.md, benchmarks/notes/gemm.md.
+:func:`supports`. The same body runs :mod:`mosaic_mid`'s kernel (one warpgroup a
+program, a program per output tile): it reads the structure from the tiles' type
+(``Tiles.warp_specialized``). Design and measurements: docs/DESIGN.md,
+benchmarks/notes/gemm.md.
 """
 
 from __future__ import annotations
