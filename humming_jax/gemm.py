@@ -170,7 +170,7 @@ def gemm(
         batch_invariant: one tiling whatever the batch (a decode tile) and no
             split-K, so a row's result is bitwise the same alone or in any batch.
         valid_shape_m: an estimate of the real rows, to pick the tuning entry.
-        tuning: a ``triton``, ``mosaic`` or ``mosaic_fp8`` ``Tiles`` (``pallas_kernels.gemm``):
+        tuning: a ``triton``, ``mosaic``, ``mosaic_mid`` or ``mosaic_fp8`` ``Tiles`` (``pallas_kernels.gemm``):
             runs as given or raises with the kernel's reason; None: the table's
             entry, else the heuristic.
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
