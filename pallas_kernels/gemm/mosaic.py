@@ -835,11 +835,6 @@ def _kernel(
     words = tiles.word_decode and not interpret  # nibbles from 32-bit registers (see Tiles)
     # A cluster's programs share the row tile: x's tiles are multicast to both.
     shared_x = ("cluster",) if tiles.cluster_n > 1 else ()
-    # A step's slots are released one step late, so that its last product may run on
-    # while the next step decodes (its operands in shared memory still being read):
-    # forms whose shared operands are the pipeline's own (not the staged pieces).
-    steps = pl.cdiv(k, bk)
-    release = int((decode is None or tiles.swap_ab) and steps > 1 and tiles.stages > 2)
     if decode is None:
         in_specs = [
             plgpu.BlockSpec(
@@ -847,11 +842,8 @@ def _kernel(
                 lambda i: (0, i),
                 transforms=swizzled(bk, dtype),
                 collective_axes=shared_x,
-                delay_release=release,
             ),
-            plgpu.BlockSpec(
-                (tiles.block_n, bk), lambda i: (0, i), transforms=swizzled(bk, dtype), delay_release=release
-            ),
+            plgpu.BlockSpec((tiles.block_n, bk), lambda i: (0, i), transforms=swizzled(bk, dtype)),
         ]
     else:  # x as the unit's 4 pieces, the unit's codes, its group's scales (and zero points)
         in_specs = [
@@ -861,23 +853,17 @@ def _kernel(
                     lambda i, j=j: (0, PIECES * i + j),
                     transforms=swizzled(PIECE, dtype),
                     collective_axes=shared_x,
-                    delay_release=release,
                 )
                 for j in range(PIECES)
             ),
             # A partial last K step (k_tail_refusal) tiles the codes 16 wide: their K/4 is then no
             # multiple of the 32-wide tile Mosaic gives them otherwise.
-            plgpu.BlockSpec(
-                (tiles.block_n, PIECE), lambda i: (0, i), transforms=_codes_transforms(k), delay_release=release
-            ),
+            plgpu.BlockSpec((tiles.block_n, PIECE), lambda i: (0, i), transforms=_codes_transforms(k)),
             # a step's scale (and zero point) row, or its 4 units' e2m1 factor rows
-            *(
-                plgpu.BlockSpec((PIECES if decode.e2m1 else 1, tiles.block_n), lambda i: (i, 0), delay_release=release)
-                for _ in quant_gmem
-            ),
+            *(plgpu.BlockSpec((PIECES if decode.e2m1 else 1, tiles.block_n), lambda i: (i, 0)) for _ in quant_gmem),
         ]
 
-    pipelined = dict(steps=steps, in_specs=in_specs, stages=tiles.stages)
+    pipelined = dict(steps=pl.cdiv(k, bk), in_specs=in_specs, stages=tiles.stages)
     pipeline = functools.partial(k_pipeline, **pipelined)
     specialized = tiles.warp_specialized
 
@@ -951,7 +937,7 @@ def _kernel(
 
             def step(indices, x_smem, w_smem, acc_ref):
                 plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
-                plgpu.wgmma_wait(release)  # (the accumulator's read after the loop waits for all)
+                plgpu.wgmma_wait(0)
                 return acc_ref
 
             def decode_step(indices, *refs):
@@ -986,7 +972,7 @@ def _kernel(
                             # Four pieces' operands beside the accumulator outgrow the 232
                             # registers a thread, and ptxas then serializes every wgmma.
                             plgpu.wgmma_wait(1)
-                    plgpu.wgmma_wait(release)
+                    plgpu.wgmma_wait(0)
                     return acc_ref
                 for piece in range(PIECES):
                     slot = stage.at[wg, piece % STAGE_SLOTS]
