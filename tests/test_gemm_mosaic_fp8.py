@@ -23,7 +23,7 @@ from humming_jax import input_quant as Q
 from humming_jax import tuning as T
 from humming_jax.gemm import gemm_call, plan, takes_activation
 from humming_jax.tuning import heuristic
-from pallas_kernels.gemm import mosaic, mosaic_fp8_mid, mx_e4m3
+from pallas_kernels.gemm import mosaic, mx_e4m3
 from pallas_kernels.gemm import mosaic_fp8 as kernel
 
 import gemm_layouts
@@ -36,7 +36,6 @@ BOUND = 1e-5 if KERNEL_BACKEND == "interpret" else 1e-3
 E, N, K, M = 4, 256, 256, 40
 TILES = kernel.Tiles(64, 256, stages=2, group_m=2)  # the heuristic's tile, fewer stages
 SQUARE = kernel.Tiles(128, 128, stages=2, group_m=2)  # 128-row tiles, 64 columns a warpgroup
-MID = mosaic_fp8_mid.Tiles(64, 128, stages=3, group_m=2)  # one warpgroup a program, a program a tile
 
 WEIGHT_OF = {"block": "fp8_block128", "channel": "fp8_channel", "tensor": "fp8_tensor"}
 INPUT_OF = {"group": "fp8_dynamic_group128", "token": "fp8_dynamic_token", "tensor": "fp8_static_tensor"}
@@ -85,8 +84,6 @@ def _check(out, x, weight, layout):
         pytest.param("group", "channel", TILES, marks=FULL),  # the input's scale per step, the weight's on the sum
         pytest.param("token", "block", TILES, marks=FULL),  # the weight's per step, the input's on the sum
         pytest.param("group", "tensor", TILES, marks=FULL),
-        ("group", "block", MID),  # one warpgroup a program: the per-step carry through the plain pipeline
-        pytest.param("token", "channel", MID, marks=FULL),  # the summed accumulator
     ],
 )
 def test_every_scaling_against_numpy(x_mode, w_mode, tiles, rng):
@@ -186,7 +183,6 @@ def test_one_row_and_one_hot_expert(counts, rng):
         (False, "fp8_dynamic_group128", TILES, False),
         pytest.param(True, "fp8_dynamic_token", TILES, True, marks=FULL),
         pytest.param(False, "fp8_e5m2_dynamic_token", SQUARE, False, marks=FULL),
-        pytest.param(True, "fp8_dynamic_group128", MID, True, marks=FULL),
     ],
 )
 def test_mxfp4_decoded_to_e4m3(half_bits, quant_name, tiles, k_major, rng):
@@ -665,21 +661,3 @@ def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles):
         traced.lower(lowering_platforms=("cuda",))
     assert traced.out_info.shape == (m, n // 2)
     assert "ex2" in texts[-1] or "exp" in texts[-1]
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("fmt", ["w8a8_fp8_block128", "w4a8_mxfp4"])
-def test_one_warpgroup_tiles_lower_for_the_gpu(fmt):
-    """``mosaic_fp8_mid``'s tile (one warpgroup a program, the per-step carry
-    through JAX's plain pipeline) lowers for sm_90 with every TMA box on a
-    128-byte multiple and no warp specialization in the module; a tile
-    whose accumulators outgrow one warpgroup's registers is refused."""
-    from benchmarks.mosaic_ir import capture_tma_copies, misaligned, mosaic_ir
-
-    with capture_tma_copies() as copies:
-        text = mosaic_ir(fmt, (8, 512, 1024), 300, MID)
-    assert copies and not misaligned(copies)
-    assert "moe_gemm_mosaic_fp8_mid" in text and "setmaxnreg" not in text
-    with pytest.raises(ValueError, match="accumulator of 64 x 256"):
-        mosaic_ir(fmt, (8, 512, 1024), 300, mosaic_fp8_mid.Tiles(64, 256))
-    jax.clear_caches()

@@ -663,7 +663,7 @@ def _tiling_space():
     what they take included (block_n 512, 256-row swap tiles, 5 stages)."""
     import itertools
 
-    from pallas_kernels.gemm import mosaic, mosaic_fp8, mosaic_fp8_mid, mosaic_mid
+    from pallas_kernels.gemm import mosaic, mosaic_fp8, mosaic_mid
 
     space = [
         ("bf16", mosaic.Tiles(bm, bn, bk, stages=st, cluster_n=cn))
@@ -687,12 +687,6 @@ def _tiling_space():
         (fmt, mosaic_fp8.Tiles(bm, bn, stages=st, swap_ab=sw))
         for fmt, bm, bn, st, sw in itertools.product(
             ("w8a8_fp8_block128", "w4a8_mxfp4"), (64, 128), (128, 256, 512), (2, 4, 5), (False, True)
-        )
-    ]
-    space += [
-        (fmt, mosaic_fp8_mid.Tiles(bm, bn, stages=st, swap_ab=sw))
-        for fmt, bm, bn, st, sw in itertools.product(
-            ("w8a8_fp8_block128", "w4a8_mxfp4"), (64, 128), (64, 128, 256), (2, 3, 4), (False, True)
         )
     ]
     return space

@@ -7,21 +7,19 @@ Each owns its ``Tiles`` and one ``supports(tiles, call) -> reason | None``;
 ``spec`` holds what all are told about a call. The type of a tile config names
 its kernel (:data:`KERNELS`)."""
 
-from pallas_kernels.gemm import mosaic, mosaic_fp8, mosaic_fp8_mid, mosaic_mid, spec, triton
+from pallas_kernels.gemm import mosaic, mosaic_fp8, mosaic_mid, spec, triton
 
 KERNELS = {
     triton.Tiles: triton,
     mosaic.Tiles: mosaic,
     mosaic_mid.Tiles: mosaic_mid,
     mosaic_fp8.Tiles: mosaic_fp8,
-    mosaic_fp8_mid.Tiles: mosaic_fp8_mid,
 }
 IMPLS = {
     "triton": triton.Tiles,
     "mosaic": mosaic.Tiles,
     "mosaic_mid": mosaic_mid.Tiles,
     "mosaic_fp8": mosaic_fp8.Tiles,
-    "mosaic_fp8_mid": mosaic_fp8_mid.Tiles,
 }  # the names the tuning table uses
 
-__all__ = ["IMPLS", "KERNELS", "mosaic", "mosaic_fp8", "mosaic_fp8_mid", "mosaic_mid", "spec", "triton"]
+__all__ = ["IMPLS", "KERNELS", "mosaic", "mosaic_fp8", "mosaic_mid", "spec", "triton"]

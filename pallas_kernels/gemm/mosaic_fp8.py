@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -62,16 +61,9 @@ class Tiles:
     # product with one scale per column — the loop W8A8 runs, the decode off the
     # product's chain for many rows an expert, at the cost of the copy's bytes.
     dequantize_first: bool = False
-    # The kernel's structure, fixed by its type (mosaic_fp8_mid.Tiles: False), as mosaic.Tiles'.
-    warp_specialized: ClassVar[bool] = True
 
     def __post_init__(self):
         check_positive(self, ("block_m", "block_n", "stages", "group_m"))
-
-    @property
-    def compute_wgs(self) -> int:
-        """Warpgroups of a program that run the products."""
-        return mosaic.COMPUTE_WGS if self.warp_specialized else 1
 
     @property
     def wg_m(self) -> int:
@@ -79,7 +71,7 @@ class Tiles:
 
     @property
     def wg_n(self) -> int:
-        return self.block_n // self.compute_wgs
+        return self.block_n // mosaic.COMPUTE_WGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +133,9 @@ def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype) -> int:
     mx = scaling.mx and not tiles.dequantize_first  # a decoded copy runs W8A8's loop
     weight = tiles.block_n * (BLOCK_K // 4 * 2 + mx_e4m3.PIECES) if mx else tiles.block_n * BLOCK_K
     step = tiles.block_m * BLOCK_K + weight + (4 * tiles.block_m if scaling.x == "group" else 0)
-    scratch = tiles.compute_wgs * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
+    scratch = mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
     if mx and not tiles.swap_ab:
-        scratch += tiles.compute_wgs * tiles.wg_n * BLOCK_K
+        scratch += mosaic.COMPUTE_WGS * tiles.wg_n * BLOCK_K
     return mosaic.pipeline_bytes(tiles.stages, step) + scratch
 
 
@@ -267,9 +259,7 @@ def _kernel(
     if scaling.x == "group":  # the step's scale of each row: x_scale transposed, [K / 128, rows]
         in_specs.append(plgpu.BlockSpec((1, bm), lambda i: (i, 0)))
 
-    pipelined = dict(steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages)
-    pipeline = functools.partial(mosaic.k_pipeline, **pipelined)
-    specialized = tiles.warp_specialized
+    pipeline = functools.partial(mosaic.k_pipeline, steps=k // BLOCK_K, in_specs=in_specs, stages=tiles.stages)
 
     def operands(group, col_tile, load_row):
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
@@ -282,17 +272,20 @@ def _kernel(
         return found
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
-    scratch = dict(o_smem=plgpu.SMEM((tiles.compute_wgs, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
+    scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
     if scaling.mx and not (swap and not interpret):  # the decoded step (interpreted: unswizzled)
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
-        shape = (tiles.compute_wgs, wg_n, BLOCK_K)
+        shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
         scratch["stage"] = plgpu.SMEM(shape, jnp.float8_e4m3fn, transforms=transforms)
-    if specialized:  # the pipeline's buffers, shared by the memory and compute warpgroups
-        scratch["allocations"] = pipeline(unused, unused).get_allocations(*operands(0, 0, 0))
 
-    @functools.partial(pl.run_scoped, **scratch, **(dict(collective_axes="wg") if specialized else {}))
-    def _(o_smem, stage=None, allocations=None):
-        wg = lax.axis_index("wg") if specialized else jnp.int32(0)
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(unused, unused).get_allocations(*operands(0, 0, 0)),
+        **scratch,
+        collective_axes="wg",
+    )
+    def _(allocations, o_smem, stage=None):
+        wg = lax.axis_index("wg")
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
 
         @plgpu.nd_loop((row_tiles * col_tiles,), collective_axes="sm")
@@ -398,33 +391,18 @@ def _kernel(
 
             @pl.when((rows > 0) & (group < num_experts))
             def _():
-                step, context = (promoted_step, promoted_context) if scaling.per_step else (summed_step, summed_context)
-                gmem_refs = operands(group, col_tile, load_row)
-                if specialized:
-                    pipeline(step, context)(*gmem_refs, allocations=allocations)
+                if scaling.per_step:
+                    pipeline(promoted_step, promoted_context)(
+                        *operands(group, col_tile, load_row), allocations=allocations
+                    )
                 else:
-                    run_carried_pipeline(step, context, gmem_refs, **pipelined)
+                    pipeline(summed_step, summed_context)(*operands(group, col_tile, load_row), allocations=allocations)
 
-            @pl.when((rows > 0) & (group >= num_experts) & (wg < tiles.compute_wgs))
+            @pl.when((rows > 0) & (group >= num_experts) & (wg < mosaic.COMPUTE_WGS))
             def _():  # rows no expert owns: zeros
                 store(jnp.zeros((wg_m, out_wg_n), o_gmem.dtype))
 
     plgpu.wait_smem_to_gmem(0)
-
-
-def run_carried_pipeline(step, context, gmem_refs, *, steps: int, in_specs, stages: int):
-    """The K loop of one output tile in a program's one warpgroup (no warp
-    specialization): ``stages`` steps' TMA loads in flight, ``step(indices,
-    *refs, carry) -> carry`` from the initial carry ``context(run)`` gives
-    ``run``, which returns the last step's carry."""
-
-    def run(carry):
-        pipeline = plgpu.emit_pipeline(
-            step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages, init_carry=carry
-        )
-        return pipeline(*gmem_refs)
-
-    context(run)
 
 
 def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows: int, m: int, k: int):
@@ -546,18 +524,14 @@ def expert_gemm_fp8(
         interpret=interpret,
         act=act,
     )
-    if tiles.warp_specialized:  # a persistent grid: a program an SM, each loops over its share of the tiles
-        programs = mosaic.persistent_programs(interpret)
-        structure = dict(num_threads=mosaic.COMPUTE_WGS + 1, thread_name="wg", kernel_name="moe_gemm_mosaic_fp8")
-    else:  # a program an output tile: the hardware runs as many an SM as fit
-        programs = table.shape[0] * (n // tiles.block_n)
-        structure = dict(kernel_name="moe_gemm_mosaic_fp8_mid")
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((m, n if act is None else act.out_n(n)), out_dtype),
-        grid=(programs,),
+        grid=(mosaic.persistent_programs(interpret),),
         grid_names=("sm",),
-        **structure,  # kernel_name: what profilers show
+        num_threads=mosaic.COMPUTE_WGS + 1,
+        thread_name="wg",
+        kernel_name="moe_gemm_mosaic_fp8",  # what profilers show
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
