@@ -19,7 +19,8 @@ history: ``git show COMMIT:pallas_kernels/gemm/mosaic_fp8.py > FILE``) beside
 the tree's; its tilings are written ``variant:FIELDS`` and run its code.
 Several at once: ``--variant v28=FILE v29=FILE``, tiled ``v28:FIELDS`` and
 ``v29:FIELDS``; ``v28:default`` runs the tiles ``default`` ran (listed
-before it) on the variant's kernel. ``--scale-orders kernel n_major k_major``
+before it) on the variant's kernel. A Mosaic kernel file is also tiled
+``v28_mid:FIELDS``: its body without warp specialization, as ``mosaic_mid``. ``--scale-orders kernel n_major k_major``
 times each tiling on weights whose group scales are stored as
 ``to_kernel_order`` stores them, as ``[E, N, K/g]`` and as ``[E, K/g, N]``
 (any per-group format), interleaved.
@@ -55,8 +56,12 @@ def _tiling(text: str, default=None):
 
 
 def load_variant(path: str, name: str = VARIANT) -> None:
-    """Register the kernel module at ``path`` as ``name`` (its ``Tiles`` run its ``expert_gemm``)."""
-    if name in gemm_kernels.IMPLS and name != VARIANT:
+    """Register the kernel module at ``path`` as ``name`` (its ``Tiles`` run its
+    ``expert_gemm``). A module whose tiles are warp-specialized (a Mosaic
+    kernel file) is also registered as ``NAME_mid``: its body run as
+    ``mosaic_mid`` runs ``mosaic``'s (one warpgroup a program, a program a
+    tile), so a change to the shared body is timed on both structures."""
+    if (name in gemm_kernels.IMPLS or name.removesuffix("_mid") in gemm_kernels.IMPLS) and name != VARIANT:
         raise ValueError(f"--variant: {name!r} names a kernel of the tree")
     spec = importlib.util.spec_from_file_location(f"{name}_kernel", path)
     module = importlib.util.module_from_spec(spec)
@@ -64,6 +69,12 @@ def load_variant(path: str, name: str = VARIANT) -> None:
     spec.loader.exec_module(module)
     gemm_kernels.KERNELS[module.Tiles] = module
     gemm_kernels.IMPLS[name] = module.Tiles
+    if getattr(module.Tiles, "warp_specialized", False):
+        mid = dataclasses.dataclass(frozen=True)(
+            type("Tiles", (module.Tiles,), {"warp_specialized": False, "__module__": module.__name__})
+        )
+        gemm_kernels.KERNELS[mid] = module  # its supports and expert_gemm read the structure from the type
+        gemm_kernels.IMPLS[f"{name}_mid"] = mid
 
 
 def run(args) -> list[dict]:

@@ -993,6 +993,41 @@ def test_ab_tilings_variant_file(tmp_path, monkeypatch):
         ab_tilings.load_variant(str(copy), "mosaic_fp8")
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_ab_tilings_variant_of_a_mosaic_file_runs_mid_too(tmp_path, monkeypatch):
+    """A Mosaic kernel file as ``--variant m2=FILE`` is tiled ``m2:`` (warp-
+    specialized) and ``m2_mid:`` (the same body as ``mosaic_mid``, one
+    warpgroup a program): both run the file's code, each lowers its own structure."""
+    import pathlib
+
+    import pallas_kernels.gemm as gemm_kernels
+    from benchmarks import ab_tilings
+
+    monkeypatch.setattr(gemm_kernels, "KERNELS", dict(gemm_kernels.KERNELS))
+    monkeypatch.setattr(gemm_kernels, "IMPLS", dict(gemm_kernels.IMPLS))
+    copy = tmp_path / "older_mosaic.py"
+    copy.write_text(pathlib.Path(mosaic.__file__).read_text())
+    ab_tilings.load_variant(str(copy), "m2")
+    with pytest.raises(ValueError, match="kernel of the tree"):
+        ab_tilings.load_variant(str(copy), "mosaic_mid")
+    e, n, k = 2, 256, 256
+    x = jax.ShapeDtypeStruct((100, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((e, n, k), jnp.bfloat16)
+    offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
+    for name, kernel in (("m2", "moe_gemm_mosaic"), ("m2_mid", "moe_gemm_mosaic_mid")):
+        tiles = tiles_text.gemm_from_text(f"{name}:block_m=64,block_n=128,stages=2")
+        module = gemm_kernels.KERNELS[type(tiles)]
+        assert module.__file__ == str(copy) and tiles_text.gemm_to_text(tiles).startswith(f"{name}:")
+        assert type(tiles).warp_specialized is (name == "m2") and isinstance(tiles, gemm_kernels.IMPLS["m2"])
+
+        def run(x, w, o, tiles=tiles, module=module):
+            return module.expert_gemm_mosaic(x, w, o, tiles, out_dtype=jnp.bfloat16)
+
+        text = jax.jit(run).trace(x, w, offsets).lower(lowering_platforms=("cuda",)).as_text()
+        assert kernel in text and (name == "m2_mid") == ("moe_gemm_mosaic_mid" in text)
+    jax.clear_caches()
+
+
 def test_tune_keys_quantized_input_pairs_by_their_class(tiny, compiled_once, tmp_path, monkeypatch):
     """``tune --formats WEIGHT@INPUT`` writes the pair's class (``4bit-a8``),
     which the plan looks up for calls with that input."""
