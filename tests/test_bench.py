@@ -1346,6 +1346,7 @@ def test_call_forms_bench_times_every_form(tmp_path):
     model = bench_call_forms.Model(1, light=False)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 64)), jnp.bfloat16)
     want = np.asarray(model(x), np.float32)
+    # The forms test_nn's decode-loop test does not already check on every expert module.
     for name, step in bench_call_forms.forms(model, x).items():
-        if name != "trivial jit":
+        if name in ("nnx.jit graph", "nnx.jit_partial"):
             np.testing.assert_allclose(np.asarray(step(), np.float32), want, rtol=1e-2, atol=1e-2, err_msg=name)

@@ -584,7 +584,8 @@ def test_layers_return_their_inputs_dtype(rng):
     }
     for name, (layer, values) in layers.items():
         rounded = np.asarray(layer(jnp.asarray(values, jnp.bfloat16)), np.float32)
-        for dtype in (jnp.float32, jnp.float16):
+        # float16 through one pipeline: the cast in and out is the layers' shared wrapper.
+        for dtype in (jnp.float32, jnp.float16) if name == "grouped" else (jnp.float32,):
             given = jnp.asarray(jnp.asarray(values, jnp.bfloat16), dtype)  # exact in both
             out = layer(given)
             assert out.dtype == dtype, (name, out.dtype)
