@@ -20,10 +20,10 @@ the tree's; its tilings are written ``variant:FIELDS`` and run its code.
 Several at once: ``--variant v28=FILE v29=FILE``, tiled ``v28:FIELDS`` and
 ``v29:FIELDS``; ``v28:default`` runs the tiles ``default`` ran (listed
 before it) on the variant's kernel. A Mosaic kernel file is also tiled
-``v28_mid:FIELDS``: its body without warp specialization, as ``mosaic_mid``. ``--scale-orders kernel n_major k_major``
-times each tiling on weights whose group scales are stored as
-``to_kernel_order`` stores them, as ``[E, N, K/g]`` and as ``[E, K/g, N]``
-(any per-group format), interleaved.
+``v28_mid:FIELDS``: its body without warp specialization, as ``mosaic_mid``.
+``--scale-orders kernel n_major k_major`` times each tiling on weights whose
+group scales are stored as ``to_kernel_order`` stores them, as ``[E, N, K/g]``
+and as ``[E, K/g, N]`` (any per-group format), interleaved.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def load_variant(path: str, name: str = VARIANT) -> None:
     kernel file) is also registered as ``NAME_mid``: its body run as
     ``mosaic_mid`` runs ``mosaic``'s (one warpgroup a program, a program a
     tile), so a change to the shared body is timed on both structures."""
-    if (name in gemm_kernels.IMPLS or name.removesuffix("_mid") in gemm_kernels.IMPLS) and name != VARIANT:
+    if (name in gemm_kernels.IMPLS or f"{name}_mid" in gemm_kernels.IMPLS) and name != VARIANT:
         raise ValueError(f"--variant: {name!r} names a kernel of the tree")
     spec = importlib.util.spec_from_file_location(f"{name}_kernel", path)
     module = importlib.util.module_from_spec(spec)
