@@ -535,27 +535,51 @@ FP8_KERNEL_FORMATS = (
 PROBLEM_SHAPES = ((128, 1536, 2048), (128, 2048, 768), (8, 28672, 4096), (8, 4096, 14336), (256, 4096, 7168))
 
 
-def _mosaic_tilings(sweep: bool) -> list:
+def _mosaic_tilings(sweep: bool) -> dict:
     """The Mosaic tilings a call can run — the shipped table's entries and
-    the heuristic's (as the op lists them over a grid of calls) — and with
-    ``sweep`` the rest of what ``tune`` can write (the sweep's lists, the
-    swap tiles sized to experts of several row counts)."""
+    the heuristic's (as the op lists them over a grid of calls) — each with
+    the format classes it runs for (its table key's, the calls' it was listed
+    for); with ``sweep`` the rest of what ``tune`` can write (the sweep's
+    lists, the swap tiles sized to experts of several row counts), for every
+    class (None)."""
     from humming_jax import tuning as T
     from humming_jax.tuning import search
     from pallas_kernels.gemm import mosaic, mosaic_fp8
 
-    found = [entry.tiles for entries in T.load_table().values() for entry in entries]
+    found: dict = {}
+
+    def add(tiles, fmt_class):
+        if isinstance(tiles, (mosaic.Tiles, mosaic_fp8.Tiles)):
+            classes = found.setdefault(tiles, set())
+            classes.add(fmt_class)
+
+    for key, entries in T.load_table().items():
+        for entry in entries:
+            add(entry.tiles, key.split("/")[1].split("@")[0])
     for fmt in ("bf16", "int4_g128", "mxfp4", "fp8_block128", "fp8_channel"):
         for inputs in (None, "float8_e4m3"):
+            fmt_class = T.format_class(F.get_format(fmt), inputs)
             for e, n, k in PROBLEM_SHAPES:
                 for m in (8, 128, 1024, 4096, 16384, 65536):
                     for layout in ("grouped_contiguous", "indexed", "grouped_masked"):
-                        found += T.candidates(layout, F.get_format(fmt), m, e, n, k, None, True, inputs)
+                        for tiles in T.candidates(layout, F.get_format(fmt), m, e, n, k, None, True, inputs):
+                            add(tiles, fmt_class)
     if sweep:
-        found += [*search.DECODE, *search.MID, *search.PREFILL, *search.TALL_TILES]
+        for tiles in [*search.DECODE, *search.MID, *search.PREFILL, *search.TALL_TILES]:
+            add(tiles, None)
         for rows in (12, 40, 300):  # 16, 48 (cluster pairs) and 168 rows (alone)
-            found += search.expert_sized(rows)
-    return list(dict.fromkeys(t for t in found if isinstance(t, (mosaic.Tiles, mosaic_fp8.Tiles))))
+            for tiles in search.expert_sized(rows):
+                add(tiles, None)
+    return found
+
+
+def _format_class(fmt: str) -> str:
+    """The tuning table's class of ``fmt`` (``WEIGHT@INPUT``)."""
+    from humming_jax import bench
+    from humming_jax import tuning as T
+
+    weight_format, quant = bench.split_format(fmt)
+    return T.format_class(weight_format, quant.dtype.value if quant.is_quantized else None)
 
 
 def _layout_args(layout_kind: str, e: int, m: int, block: int):
@@ -605,8 +629,9 @@ def _gemm_lowering(fmt: str, tiles, layout_kind: str = "grouped_contiguous", n: 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("sweep", [False, pytest.param(True, marks=FULL)], ids=["defaults", "sweep"])
 def test_mosaic_tma_copies_start_on_128_byte_multiples(sweep, monkeypatch):
-    """Every Mosaic tiling the table or the heuristic runs (``--full``: and
-    the tune sweep's), lowered for the GPU with each format its kernel takes: each TMA
+    """Every Mosaic tiling the table or the heuristic runs, lowered for the GPU
+    with a format of each class it runs for (``--full``: each such format, and the
+    tune sweep's tilings with each format their kernel takes): each TMA
     copy's shared-memory box starts on a 128-byte multiple (TMA's rule; a
     box elsewhere faults on the GPU with a misaligned address — how two
     compiled runs failed before this check: a 64-byte e4m3 output row, a
@@ -617,8 +642,13 @@ def test_mosaic_tma_copies_start_on_128_byte_multiples(sweep, monkeypatch):
     monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
     tilings = _mosaic_tilings(sweep)
     assert len(tilings) >= 8
-    for tiles in tilings:
+    for tiles, classes in tilings.items():
         formats = FP8_KERNEL_FORMATS if isinstance(tiles, mosaic_fp8.Tiles) else MOSAIC_FORMATS
+        # A format of each class the tiling runs for (--full: each; a tune-sweep tiling: every
+        # format its kernel takes).
+        if None not in classes and any(_format_class(fmt) in classes for fmt in formats):
+            ran = [fmt for fmt in formats if _format_class(fmt) in classes]
+            formats = ran if sweep else list({_format_class(fmt): fmt for fmt in reversed(ran)}.values())
         checked = 0
         for fmt in formats:
             lower, supported = _gemm_lowering(fmt, tiles)

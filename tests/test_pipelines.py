@@ -14,6 +14,7 @@ from humming_jax import experts as X
 from humming_jax import input_quant as Q
 
 import np_ref
+import sweep as sweep_module
 from sweep import FULL, sweep
 
 
@@ -167,7 +168,8 @@ def test_indexed_with_different_w2_block_size_and_hadamard(rng):
     assert np_ref.relative_error(out, np.asarray(grouped, np.float64)) < 1e-2
 
 
-@pytest.mark.parametrize("pipeline", sweep(["grouped", "indexed", "batched"], ["grouped", "indexed"]))
+# indexed: the grouped pipeline runs its stages at decode (test_grouped_runs_indexed_at_decode)
+@pytest.mark.parametrize("pipeline", sweep(["grouped", "indexed", "batched"], ["grouped"]))
 def test_block_fp8_activations_and_prequantized_input(pipeline, rng):
     config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
     x, w13, w2, ids, tw = _problem(rng, config, 8)
@@ -582,6 +584,8 @@ def test_layers_return_their_inputs_dtype(rng):
         "indexed": (lambda h: hj.humming_indexed_experts(h, weights, tw, ids, config), x),
         "batched": (lambda h: hj.batched_humming_grouped_experts(h, counts, weights, config), xb),
     }
+    if not sweep_module.FULL_RUN:  # make test: the grouped layer (the cast is the layers' shared helper)
+        layers = {"grouped": layers["grouped"]}
     for name, (layer, values) in layers.items():
         rounded = np.asarray(layer(jnp.asarray(values, jnp.bfloat16)), np.float32)
         # float16 through one pipeline: the cast in and out is the layers' shared wrapper.
@@ -717,9 +721,18 @@ _EPILOGUE_LAYERS = [
 ]
 
 
-@pytest.mark.parametrize("pipeline", ["grouped", "indexed", "batched"])
-@pytest.mark.parametrize("fmt,activation,quant", sweep(_EPILOGUE_LAYERS, _EPILOGUE_LAYERS[:2]))
-def test_activation_in_w13s_tiles(pipeline, fmt, activation, quant, rng, monkeypatch):
+_EPILOGUE_CASES = [(*layer, pipeline) for layer in _EPILOGUE_LAYERS for pipeline in ("grouped", "indexed", "batched")]
+
+
+# make test: each pipeline once, each of the first two layers (4-bit weights, W8A8) on one or two.
+@pytest.mark.parametrize(
+    "fmt,activation,quant,pipeline",
+    sweep(
+        _EPILOGUE_CASES,
+        [(*_EPILOGUE_LAYERS[0], "grouped"), (*_EPILOGUE_LAYERS[1], "indexed"), (*_EPILOGUE_LAYERS[0], "batched")],
+    ),
+)
+def test_activation_in_w13s_tiles(fmt, activation, quant, pipeline, rng, monkeypatch):
     """``quantize_experts`` interleaves w13's gate and up rows, so w13's tiles
     apply the activation (no pass of their sums: ``takes_activation``); the
     layer on the same weights in halves runs the pass. Both against float64,
@@ -792,7 +805,8 @@ def _batched_expected(x, counts, weights, activation: str) -> np.ndarray:
     return expected
 
 
-@pytest.mark.parametrize("pipeline", ["grouped", "indexed"])
+# indexed: at 128 rows an expert the indexed pipeline runs the grouped stages (test-full, the GPU step)
+@pytest.mark.parametrize("pipeline", sweep(["grouped", "indexed"], ["grouped"]))
 def test_w8a8_prefill_w13_then_the_pass(pipeline, rng, monkeypatch):
     """W8A8 at 128 rows an expert (the fp8 kernel's 64 x 256 tiles): w13
     interleaved by 128 has no gate/up pair inside a warpgroup, so it runs
