@@ -25,7 +25,7 @@ import humming_jax as hj
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax.gemm import gemm_call, plan
-from pallas_kernels.gemm import mosaic
+from pallas_kernels.gemm import mosaic, mosaic_mid
 from pallas_kernels.gemm import triton as kernel
 
 import gemm_layouts
@@ -509,11 +509,12 @@ def test_heuristic_choices_for_quantized_inputs():
     sized = T.candidates(grouped, F.MXFP4, 512 * 2, 8, 28672, 4096, half_bits=True)[0]
     assert sized == dataclasses.replace(heuristic.MX_BF16_MOSAIC, block_m=144)
     assert T.candidates(grouped, F.MXFP4, 512 * 8, 128, 1536, 2048, half_bits=True)[0] != heuristic.MX_BF16_MOSAIC
-    # qwen3's W4A8 from 32 rows an expert (the table, quantized_input.md v19): the input multiplied
-    # out to bf16 for the weight-only tiles — Triton's 32-row tile, the 16-bit Mosaic kernel at prefill.
+    # qwen3's W4A8 from 32 rows an expert (the table, quantized_input.md v19 and the 69th session): the
+    # input multiplied out to bf16 for the weight-only tiles — mosaic_mid's 48-row tile, the 16-bit Mosaic
+    # kernel at prefill.
     for k_in, n_out in ((2048, 1536), (768, 2048)):
         mid = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 8, 128, n_out, k_in, half_bits=True)[0]
-        assert isinstance(mid, kernel.Tiles) and mid.block_m == 32 and mid.dequantize_input
+        assert isinstance(mid, mosaic_mid.Tiles) and mid.block_m == 48 and mid.dequantize_input
     prefill = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
     assert prefill[:2] == [heuristic.E4M3_COPY, dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)]
 
