@@ -550,8 +550,7 @@ def _mosaic_tilings(sweep: bool) -> dict:
 
     def add(tiles, fmt_class):
         if isinstance(tiles, (mosaic.Tiles, mosaic_fp8.Tiles)):
-            classes = found.setdefault(tiles, set())
-            classes.add(fmt_class)
+            found.setdefault(tiles, set()).add(fmt_class)
 
     for key, entries in T.load_table().items():
         for entry in entries:
@@ -646,9 +645,12 @@ def test_mosaic_tma_copies_start_on_128_byte_multiples(sweep, monkeypatch):
         formats = FP8_KERNEL_FORMATS if isinstance(tiles, mosaic_fp8.Tiles) else MOSAIC_FORMATS
         # A format of each class the tiling runs for (--full: each; a tune-sweep tiling: every
         # format its kernel takes).
-        if None not in classes and any(_format_class(fmt) in classes for fmt in formats):
-            ran = [fmt for fmt in formats if _format_class(fmt) in classes]
-            formats = ran if sweep else list({_format_class(fmt): fmt for fmt in reversed(ran)}.values())
+        ran = {fmt: _format_class(fmt) for fmt in formats if _format_class(fmt) in classes}
+        if ran and None not in classes:
+            first = {}
+            for fmt, fmt_class in ran.items():
+                first.setdefault(fmt_class, fmt)
+            formats = list(ran) if sweep else list(first.values())
         checked = 0
         for fmt in formats:
             lower, supported = _gemm_lowering(fmt, tiles)
