@@ -225,10 +225,10 @@ def mosaic_ir(fmt: str, shape: tuple[int, int, int], rows: int, tuning) -> str:
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
     if fmt == "bf16":
         weight, quant, decode = jax.ShapeDtypeStruct((e, n, k), jnp.bfloat16), (), None
-    elif fmt == "mxfp4":  # planar e2m1 codes in the pair decoder's bit order, a bf16 factor a 32-column unit
+    elif fmt == "mxfp4":  # planar e2m1 codes in the pair decoder's bit order, an e8m0 byte a 32-column unit
         decode = mosaic.NibbleDecode(k // mosaic.E2M1_UNIT, e2m1=True, half_bits=True)
         weight = jax.ShapeDtypeStruct((e, n, k // mosaic.PIECES), jnp.uint16)
-        quant = (jax.ShapeDtypeStruct((e, k // mosaic.E2M1_UNIT, n), jnp.bfloat16),)
+        quant = (jax.ShapeDtypeStruct((e, k // mosaic.E2M1_UNIT, n), jnp.uint8),)
     else:
         decode = mosaic.NibbleDecode(k // mosaic.UNIT, zero_points=fmt.startswith("uint4"))
         weight = jax.ShapeDtypeStruct((e, n, k // mosaic.PIECES), jnp.uint16)

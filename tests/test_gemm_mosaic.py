@@ -446,13 +446,27 @@ def test_mxfp4_decoded_in_the_kernel(half_bits, options, k_major, rng):
     assert np.all(got[offsets[-1] :] == 0)
 
 
+def test_e2m1_factor_from_every_byte():
+    """The kernel's factor from each e8m0 byte s: 2**(s - 183) exactly (a
+    normal bf16) from the smallest byte that gives one, zero below it, NaN
+    for 255 — eagerly and jitted, against float64 NumPy."""
+    raw = np.arange(256)
+    want = np.where(raw < mosaic.E2M1_FACTOR_MIN_BYTE, 0.0, np.exp2(raw - 183.0))
+    want[255] = np.nan
+    assert np.exp2(mosaic.E2M1_FACTOR_MIN_BYTE - 183.0) == 2.0**-126  # bf16's smallest normal
+    for factor in (mosaic.e2m1_factor, jax.jit(mosaic.e2m1_factor)):
+        got = factor(jnp.asarray(raw, jnp.uint8))
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32), np.float64), want)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_mxfp4_decode_lowers_for_the_gpu(swap_ab):
     """The e2m1 decoder on the WGMMA layout's registers, per 32-column unit, staged or as the register operand."""
     e, n, k = 3, 512, 512
     codes = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
-    factors = jax.ShapeDtypeStruct((e, k // 32, n), jnp.bfloat16)
+    factors = jax.ShapeDtypeStruct((e, k // 32, n), jnp.uint8)  # the e8m0 bytes
     x = jax.ShapeDtypeStruct((300, k), jnp.bfloat16)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
     tiles = mosaic.Tiles(128, 256, 128, stages=3, swap_ab=swap_ab)
@@ -701,11 +715,11 @@ def test_expert_sized_swap_tiles_lower_for_the_gpu(rows):
     codes = jax.ShapeDtypeStruct((e, n, k // 4), jnp.uint16)
     offsets = jax.ShapeDtypeStruct((e + 1,), jnp.int32)
     tiles = mosaic.Tiles(rows, 256, 128, stages=3, swap_ab=True, word_decode=True)
-    for decode, groups in (
-        (mosaic.NibbleDecode(k // 32, e2m1=True, half_bits=True), k // 32),
-        (mosaic.NibbleDecode(k // 128), k // 128),
+    for decode, groups, scale_dtype in (
+        (mosaic.NibbleDecode(k // 32, e2m1=True, half_bits=True), k // 32, jnp.uint8),
+        (mosaic.NibbleDecode(k // 128), k // 128, jnp.bfloat16),
     ):
-        scales = jax.ShapeDtypeStruct((e, groups, n), jnp.bfloat16)
+        scales = jax.ShapeDtypeStruct((e, groups, n), scale_dtype)
 
         def run(x, codes, offsets, scales, decode=decode):
             return mosaic.expert_gemm_mosaic(

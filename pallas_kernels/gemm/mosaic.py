@@ -34,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, vector
 
-from pallas_kernels import activation, codecs, word_decode
+from pallas_kernels import activation, word_decode
 from pallas_kernels.gemm import row_tiles as table_kernel
 from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, WeightSpec, check_positive, tile_order
 
@@ -121,6 +121,10 @@ PIECES = 4  # a unit's 16-bit half h holds columns h + 32 j at bits 4j..4j+3
 PIECE = UNIT // PIECES
 E2M1_UNIT = 32  # planar unit of e2m1 codes with group-32 scales: a decoded piece
 STAGE_SLOTS = 2  # staged 4-bit path: decoded pieces in shared memory per compute warpgroup
+# e2m1: a step's factors made from its bytes once a warpgroup into one of these slots (each thread
+# makes 4 and reads back the 16 its rows need): alternate steps write alternate slots, so a
+# step's writes never meet the previous step's reads, and one barrier a step suffices.
+FACTOR_SLOTS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +137,10 @@ class NibbleDecode:
     (``code_offset``: int4's 8) or per-group zero points ``[E, G, N]`` in the
     compute dtype (``zero_points``: uint4). ``e2m1``: MXFP4 codes instead
     (planar units of 32 columns, one group each; ``half_bits``: the pair
-    decoder's bit order), each unit times its factor ``[E, K/32, N]`` (bf16
-    ``2**(s - 183)``: the weight times ``2**-E2M1_FOLDED_EXPONENT``, the sum
-    multiplied back)."""
+    decoder's bit order), each unit times its factor ``2**(s - 183)`` made in
+    the kernel from its e8m0 byte ``s`` (``uint8 [E, K/32, N]``,
+    :func:`e2m1_factor`; the weight times ``2**-E2M1_FOLDED_EXPONENT``, the
+    sum multiplied back)."""
 
     groups: int
     code_offset: int = 8
@@ -242,12 +247,16 @@ def shared_memory_bytes(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | N
     itemsize = jnp.dtype(dtype).itemsize
     if decode is None:
         step = (tiles.block_m + tiles.block_n) * tiles.block_k * itemsize
-    else:  # x's unit, the unit's uint16 codes, its scale (and zero point) or e2m1 factor rows
-        quant_rows = (PIECES if decode.e2m1 else 1) * (2 if decode.zero_points else 1)
-        step = (tiles.block_m * UNIT + quant_rows * tiles.block_n) * itemsize + tiles.block_n * PIECE * 2
+    else:  # x's unit, the unit's uint16 codes, its scale (and zero point) rows or e2m1 bytes
+        quant = (2 if decode.zero_points else 1) * tiles.block_n * itemsize
+        if decode.e2m1:
+            quant = PIECES * tiles.block_n
+        step = tiles.block_m * UNIT * itemsize + quant + tiles.block_n * PIECE * 2
     scratch = tiles.compute_wgs * tiles.wg_m * EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
     if decode is not None and not tiles.swap_ab:
         scratch += tiles.compute_wgs * STAGE_SLOTS * tiles.wg_n * PIECE * itemsize
+    if decode is not None and decode.e2m1:  # the step's bf16 factors, made once a warpgroup
+        scratch += tiles.compute_wgs * FACTOR_SLOTS * PIECES * tiles.wg_n * 2
     return pipeline_bytes(tiles.stages, step) + scratch
 
 
@@ -712,6 +721,26 @@ def _decode_piece(codes, piece: int, offset, scale, dtype, words: bool = False):
     return (_nibble_floats(codes, piece, dtype, words) - offset) * scale
 
 
+# A unit's factor is 2**(s - 127) (the e8m0 byte s as a bf16 exponent field) times this.
+E2M1_FACTOR_SHIFT = 2.0 ** (6 - E2M1_FOLDED_EXPONENT)
+# The smallest byte whose factor 2**(s - 183) is a normal bf16; smaller ones give zero.
+E2M1_FACTOR_MIN_BYTE = 183 - 126
+
+
+def e2m1_factor(raw: jax.Array) -> jax.Array:
+    """A unit's bf16 factor ``2**(s - 127 - E2M1_FOLDED_EXPONENT) / 2**-6`` =
+    ``2**(s - 183)`` from its e8m0 bytes ``s`` (uint8, any shape): NaN for
+    byte 255, zero under :data:`E2M1_FACTOR_MIN_BYTE` (weights under 2**-70,
+    whose folded values bf16 cannot hold). ``s`` shifted into bf16's exponent
+    field is ``2**(s - 127)`` (255's NaN bit set from s + 1), times one
+    constant; integer operations and one multiply, no select."""
+    s = raw.astype(jnp.int32)
+    bits = (s << 7) | (((s + 1) >> 2) & 0x40)
+    bits = bits * ((s + (256 - E2M1_FACTOR_MIN_BYTE)) >> 8)  # 0 under the smallest byte, else 1
+    exponent = lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
+    return exponent * jnp.asarray(E2M1_FACTOR_SHIFT, jnp.bfloat16)
+
+
 def e2m1_piece(codes, unit: int, bits: tuple, dtype, interpret: bool):
     """Unit ``unit`` (columns ``[32 unit, 32 unit + 32)``) of a K step's planar
     e2m1 codes ``uint16 [rows, 32]`` (half h of a unit holds column ``h + 8 j``
@@ -882,9 +911,11 @@ def _kernel(
     stage_shape = (tiles.compute_wgs, STAGE_SLOTS, wg_n, PIECE)
     decoding = decode is not None
     staged = decoding and not tiles.swap_ab  # swap_ab feeds the decoded pieces from registers
+    e2m1 = decoding and decode.e2m1
     scratch = dict(
         o_smem=plgpu.SMEM((tiles.compute_wgs, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
         stage=plgpu.SMEM(stage_shape, dtype, transforms=stage_transforms) if staged else None,
+        factors=plgpu.SMEM((tiles.compute_wgs, FACTOR_SLOTS, PIECES, wg_n), jnp.bfloat16) if e2m1 else None,
     )
     if specialized:  # the pipeline's buffers, shared by the memory and compute warpgroups
         scratch["allocations"] = pipeline(unused, unused).get_allocations(*operands(0, 0, 0))
@@ -894,7 +925,7 @@ def _kernel(
         **{name: shape for name, shape in scratch.items() if shape is not None},
         **(dict(collective_axes="wg") if specialized else {}),
     )
-    def _(o_smem, stage=None, allocations=None):
+    def _(o_smem, stage=None, factors=None, allocations=None):
         wg = lax.axis_index("wg") if specialized else jnp.int32(0)
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)  # the warpgroup's columns of the weight tile
         cn = tiles.cluster_n
@@ -945,9 +976,14 @@ def _kernel(
                 codes = codes_smem[wg_slice]
                 if decode.e2m1:
                     bits = word_decode.E2M1_HALF_BITS if decode.half_bits else word_decode.NIBBLE_BITS
+                    # The warpgroup's [PIECES, wg_n] factors from their bytes, 4 a thread, then read
+                    # back in the rows' layout: a quarter of the conversions each thread would make alone.
+                    factor_slot = factors.at[wg, indices[0] % FACTOR_SLOTS]
+                    factor_slot[...] = e2m1_factor(quant[0][:, wg_slice])
+                    plgpu.commit_smem()
 
                     def piece_values(piece):  # unit `piece`: e2m1 x 2**-6 times its factor
-                        factor = quant[0][piece, wg_slice][:, None]
+                        factor = factor_slot[piece][:, None]
                         if interpret:  # exact in f32, rounded once (the factors are powers of two)
                             return (e2m1_piece(codes, piece, bits, dtype, True) * factor.astype(jnp.float32)).astype(
                                 dtype
@@ -1052,10 +1088,11 @@ def expert_gemm_mosaic(
                 f"mosaic GEMM: 4-bit codes must be uint16 {(num_experts, n, k // PIECES)}, got "
                 f"{weight.dtype} {weight.shape}"
             )
+        quant_dtype = jnp.dtype(jnp.uint8 if decode.e2m1 else x.dtype)  # e2m1: the e8m0 bytes
         for name, array in zip(("scales", "zero_points")[: len(quant)], quant, strict=True):
-            if array is None or array.shape != want or array.dtype != x.dtype:
+            if array is None or array.shape != want or array.dtype != quant_dtype:
                 got = None if array is None else f"{array.dtype} {array.shape}"
-                raise ValueError(f"mosaic GEMM: {name} must be {x.dtype} {want}, got {got}")
+                raise ValueError(f"mosaic GEMM: {name} must be {quant_dtype} {want}, got {got}")
     padded = padded_rows(m, tiles.block_m)  # a row tile's box fits inside x
     if padded > m:
         x = jnp.pad(x, ((0, padded - m), (0, 0)))
@@ -1111,18 +1148,16 @@ def _nibble_operands(w: WeightSpec, weight_arrays: tuple[jax.Array, ...], dtype)
     scales ``[E, N, G]`` or ``[E, N, 1]`` — ``[E, G, N]`` with
     ``w.k_major_scales`` —, packed integer zero points) as the
     kernel reads them: codes ``uint16 [E, N, K/4]``, scales (and code offsets
-    ``magic + zero``) ``[E, K/128, N]`` in ``dtype`` — MXFP4: its factors
-    ``[E, K/32, N]`` (bf16, NaN for an e8m0 byte 255) —, and the decode spec."""
+    ``magic + zero``) ``[E, K/128, N]`` in ``dtype`` — MXFP4: its e8m0 bytes
+    ``uint8 [E, K/32, N]`` as stored (the kernel makes the factors:
+    :func:`e2m1_factor`) —, and the decode spec."""
     values, scale = weight_arrays[:2]
     e, n, k = w.num_experts, w.n, w.k
     codes = planar_words(values)
     if not w.k_major_scales:  # stored [E, N, G]: the call transposes them
         scale = jnp.swapaxes(scale, 1, 2)
-    if w.value_type == "float4_e2m1":  # a unit's factor 2**(s - 127 - E2M1_FOLDED_EXPONENT) / 2**-6
-        raw = scale.astype(jnp.int32)
-        factors = codecs.pow2(raw - 127 - E2M1_FOLDED_EXPONENT + 6, jnp.bfloat16)
-        factors = jnp.where(raw == 255, jnp.nan, factors).astype(jnp.bfloat16)
-        return codes, factors, None, NibbleDecode(k // E2M1_UNIT, e2m1=True, half_bits=w.half_bits)
+    if w.value_type == "float4_e2m1":
+        return codes, scale, None, NibbleDecode(k // E2M1_UNIT, e2m1=True, half_bits=w.half_bits)
     groups = k // UNIT
     scales = jnp.broadcast_to(scale, (e, groups, n)).astype(dtype)
     zero_points = None
