@@ -38,6 +38,7 @@ def _expected(x, w, offsets, m):
 
 
 WIDE = mosaic.Tiles(128, 256, 64, stages=3, group_m=8)  # the H200 table's 16-bit prefill tiles
+SPLIT = mosaic.Tiles(128, 256, 64, stages=4, group_m=8)  # no room for a second slot: one slot's row halves
 
 
 @pytest.mark.parametrize(
@@ -47,6 +48,8 @@ WIDE = mosaic.Tiles(128, 256, 64, stages=3, group_m=8)  # the H200 table's 16-bi
         pytest.param((0, 0, 40, 0), jnp.bfloat16, jnp.bfloat16, TILES, marks=FULL),  # all rows on one expert
         ((1, 70, 0, 30), jnp.float16, jnp.float32, TILES),  # tiles straddling the 8-row grid, two tiles on one expert
         pytest.param((1, 70, 0, 30), jnp.bfloat16, jnp.bfloat16, WIDE, marks=FULL),  # 128-row tiles, the table's entry
+        # The split slot: tiles of 1, 70 and 130 rows (their rows in one half, in both, and a tile of 2 rows).
+        ((1, 70, 0, 130), jnp.bfloat16, jnp.bfloat16, SPLIT),
         # Clusters of two programs on adjacent column tiles of one row tile, x multicast to both
         # (make test: the empty expert and ragged tiles of the first case).
         ((7, 0, 23, 3), jnp.bfloat16, jnp.float32, dataclasses.replace(TILES, block_n=128, cluster_n=2)),
@@ -557,6 +560,26 @@ def test_shared_memory_counted_as_the_kernel_allocates(fmt, config):
     assert counted <= launched <= counted + mosaic.SHARED_MEMORY_SLACK
 
 
+def test_output_slot_split_in_row_halves_where_a_second_does_not_fit():
+    """Where a second slot does not fit (the 144- and 160-row pairs, bf16's
+    4-stage tile) a warpgroup's one slot takes each chunk's two row halves in
+    turn, in the same shared memory; not where a second fits (the 96-row
+    pair), for 32-bit outputs, or where the halves would cut the wgmma
+    layout's row pieces (64 rows without swap_ab: halves of 32)."""
+    int4 = mosaic.NibbleDecode(2048 // mosaic.UNIT)
+    pair = dict(block_k=128, stages=3, swap_ab=True, word_decode=True, cluster_n=2)
+    bf16 = jnp.bfloat16
+    for rows in (144, 160):
+        tiles = mosaic.Tiles(block_m=rows, **pair)
+        assert mosaic.split_slot(tiles, bf16, bf16, int4)
+        assert not mosaic.split_slot(tiles, bf16, jnp.float32, int4)
+        one = mosaic.shared_memory_bytes(tiles, bf16, bf16, int4)
+        assert one + mosaic.SHARED_MEMORY_SLACK <= mosaic.SHARED_MEMORY_BYTES
+    assert not mosaic.split_slot(mosaic.Tiles(block_m=96, **pair), bf16, bf16, int4)
+    assert mosaic.split_slot(SPLIT, bf16, bf16)
+    assert not mosaic.split_slot(mosaic.Tiles(64, 256, 64, stages=5), bf16, bf16)
+
+
 def _check_table(table, want, m: int, block_m: int, ranges: int):
     """Every row of ``[0, m)`` stored by exactly one tile of group ``want[row]``,
     every load box inside the padded x on the 8-row grid holding the stored
@@ -735,7 +758,7 @@ def test_store_rows_takes_any_row_tile(monkeypatch):
     power-of-two boxes that covers exactly ``[offset, offset + rows)``."""
     copies = []
     monkeypatch.setattr(mosaic.pl, "when", lambda cond: lambda body: body() if cond else None)
-    monkeypatch.setattr(mosaic.plgpu, "copy_smem_to_gmem", lambda src, dst: copies.append((src, dst)))
+    monkeypatch.setattr(mosaic.plgpu, "copy_smem_to_gmem", lambda src, dst, **_: copies.append((src, dst)))
 
     class Rows:
         def __init__(self):

@@ -239,11 +239,11 @@ def pipeline_bytes(stages: int, step: int) -> int:
     return -(-stages * step // SHARED_MEMORY_ALIGN) * SHARED_MEMORY_ALIGN
 
 
-def shared_memory_bytes(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | None = None) -> int:
+def shared_memory_bytes(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | None = None, slots: int = 1) -> int:
     """Bytes of the buffers a program allocates in shared memory (compiled):
     ``stages`` pipeline steps of x's box and the weight's (codes and the step's
-    scale rows when decoding), the epilogue's store slots and, for the staged
-    4-bit path, its decoded pieces' slots."""
+    scale rows when decoding), the epilogue's store slots (``slots`` a
+    warpgroup) and, for the staged 4-bit path, its decoded pieces' slots."""
     itemsize = jnp.dtype(dtype).itemsize
     if decode is None:
         step = (tiles.block_m + tiles.block_n) * tiles.block_k * itemsize
@@ -252,12 +252,23 @@ def shared_memory_bytes(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | N
         if decode.e2m1:
             quant = PIECES * tiles.block_n
         step = tiles.block_m * UNIT * itemsize + quant + tiles.block_n * PIECE * 2
-    scratch = tiles.compute_wgs * tiles.wg_m * EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
+    scratch = slots * tiles.compute_wgs * tiles.wg_m * EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
     if decode is not None and not tiles.swap_ab:
         scratch += tiles.compute_wgs * STAGE_SLOTS * tiles.wg_n * PIECE * itemsize
     if decode is not None and decode.e2m1:  # the step's bf16 factors, made once a warpgroup
         scratch += tiles.compute_wgs * FACTOR_SLOTS * PIECES * tiles.wg_n * 2
     return pipeline_bytes(tiles.stages, step) + scratch
+
+
+def split_slot(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | None = None) -> bool:
+    """Whether a warpgroup's one output slot is used as two halves of its rows in
+    turn (:func:`store_tile`): the tall tiles with no room for a second slot, so that
+    one half is written while the other's copy still reads it, in the same shared
+    memory; 16-bit outputs, halves the wgmma layout can slice (the swap form's rows
+    in 8-row pieces, else 64-row ones)."""
+    if jnp.dtype(out_dtype).itemsize > 2 or tiles.wg_m % (2 * (ROW_ALIGN if tiles.swap_ab else 64)):
+        return False
+    return shared_memory_refusal(shared_memory_bytes(tiles, dtype, out_dtype, decode, slots=2), tiles) is not None
 
 
 def shared_memory_refusal(need: int, tiles) -> str | None:
@@ -587,10 +598,11 @@ def padded_rows(m: int, block_m: int) -> int:
     return -(-max(m, block_m) // ROW_ALIGN) * ROW_ALIGN
 
 
-def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
+def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int, one_group: bool = False):
     """Rows ``[offset, offset + rows)`` of the shared tile ``o_smem`` to
     gmem rows ``[first_row, first_row + rows)`` as a sum of power-of-two
-    slices (static TMA boxes, dynamic starts)."""
+    slices (static TMA boxes, dynamic starts); ``one_group``: the slices'
+    copies committed as one bulk group (else a group each)."""
     done = jnp.int32(0)
     size = 1 << (block_m.bit_length() - 1)  # rows <= block_m: its bits from the largest power of two
     while size:
@@ -598,35 +610,64 @@ def store_rows(o_smem, o_gmem_cols, first_row, offset, rows, block_m: int):
         @pl.when(rows & size != 0)
         def _(size=size, done=done):
             plgpu.copy_smem_to_gmem(
-                o_smem.at[pl.ds(offset + done, size)], o_gmem_cols.at[pl.ds(first_row + done, size)]
+                o_smem.at[pl.ds(offset + done, size)],
+                o_gmem_cols.at[pl.ds(first_row + done, size)],
+                commit_group=not one_group,
             )
 
         done = done + (rows & size)
         size //= 2
+    if one_group:
+        plgpu.commit_smem_to_gmem_group()
 
 
 def store_tile(acc, slot, o_gmem, first_col, row_span, transposed: bool = False):
     """A compute warpgroup's ``[wg_m, wg_n]`` result (``transposed``: given as
     ``[wg_n, wg_m]``) into ``o_gmem``'s columns from ``first_col`` through its
     ``[wg_m, EPILOGUE_COLUMNS]`` shared slot, a chunk of columns at a time;
-    ``row_span = (first_row, offset, rows)``: its own rows only (store_rows)."""
+    ``row_span = (first_row, offset, rows)``: its own rows only (store_rows).
+    A ``[2, wg_m / 2, EPILOGUE_COLUMNS]`` split slot (:func:`split_slot`) takes
+    each chunk's two row halves in turn, one bulk group a half."""
     first_row, offset, rows = row_span
     wg_m, wg_n = (acc.shape[1], acc.shape[0]) if transposed else acc.shape
+    split = len(slot.shape) == 3
+    half = wg_m // 2
     for chunk in range(wg_n // EPILOGUE_COLUMNS):
         start = first_col + chunk * EPILOGUE_COLUMNS
+        columns = slice(chunk * EPILOGUE_COLUMNS, (chunk + 1) * EPILOGUE_COLUMNS)
 
         # A partial last column tile's slots past the output's columns are not stored (tiles_refusal:
         # N a multiple of the slot, so each slot lies wholly inside or past them).
         @pl.when(start < o_gmem.shape[1])
-        def _(chunk=chunk, start=start):
+        def _(start=start, columns=columns):
+            cols = o_gmem.at[:, pl.ds(start, EPILOGUE_COLUMNS)]
+            if split:  # rows [h * half, (h + 1) * half) of the chunk through half h
+                for h in range(2):
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this half's last copy has read it
+                    own = slice(h * half, (h + 1) * half)
+                    if transposed:
+                        slot.at[h].transpose((1, 0))[...] = acc[columns, own]
+                    else:
+                        slot.at[h][...] = acc[own, columns]
+                    plgpu.commit_smem()
+                    lo = jnp.clip(offset, h * half, (h + 1) * half)  # the tile's own rows in this half
+                    hi = jnp.clip(offset + rows, h * half, (h + 1) * half)
+                    store_rows(slot.at[h], cols, first_row + lo - offset, lo - h * half, hi - lo, half, one_group=True)
+                return
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the slot's last copies have read it
-            columns = slice(chunk * EPILOGUE_COLUMNS, (chunk + 1) * EPILOGUE_COLUMNS)
             if transposed:  # stored through a transposed view of the slot
                 slot.transpose((1, 0))[...] = acc[columns]
             else:
                 slot[...] = acc[:, columns]
             plgpu.commit_smem()
-            store_rows(slot, o_gmem.at[:, pl.ds(start, EPILOGUE_COLUMNS)], first_row, offset, rows, wg_m)
+            store_rows(slot, cols, first_row, offset, rows, wg_m)
+
+        if split:  # a chunk past N commits empty groups, one a half, as the waits count them
+
+            @pl.when(start >= o_gmem.shape[1])
+            def _():
+                for _ in range(2):
+                    plgpu.commit_smem_to_gmem_group()
 
 
 def k_pipeline(step, context, *, steps: int, in_specs, stages: int):
@@ -912,8 +953,10 @@ def _kernel(
     decoding = decode is not None
     staged = decoding and not tiles.swap_ab  # swap_ab feeds the decoded pieces from registers
     e2m1 = decoding and decode.e2m1
+    # The split slot: the same bytes as one slot, as two row halves.
+    slot_shape = (2, wg_m // 2) if split_slot(tiles, dtype, o_gmem.dtype, decode) else (wg_m,)
     scratch = dict(
-        o_smem=plgpu.SMEM((tiles.compute_wgs, wg_m, EPILOGUE_COLUMNS), o_gmem.dtype),
+        o_smem=plgpu.SMEM((tiles.compute_wgs, *slot_shape, EPILOGUE_COLUMNS), o_gmem.dtype),
         stage=plgpu.SMEM(stage_shape, dtype, transforms=stage_transforms) if staged else None,
         factors=plgpu.SMEM((tiles.compute_wgs, FACTOR_SLOTS, PIECES, wg_n), jnp.bfloat16) if e2m1 else None,
     )
