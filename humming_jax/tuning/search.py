@@ -74,6 +74,8 @@ DECODE = (
     _t(16, 128, 256, 4, 3, dequantize_input=True, **_PAIRS),
     _t(16, 64, 256, 4, 3, dequantize_input=True, **_SWAP_PAIRS),
     _t(32, 128, 256, 4, 3, dequantize_input=True, **_PAIRS),
+    # One warpgroup a program on 32 rows, several programs an SM: 16 rows an expert at a long K (gpt-oss MXFP4).
+    mosaic_mid.Tiles(32, 128, 128, stages=3, swap_ab=True, word_decode=True),
 )
 # Experts of 17-32 rows on average: one 64-row tile decodes the weight once.
 MID = (
