@@ -4,6 +4,7 @@ mode), so that GPU time is never spent finding a bug in the harness."""
 import dataclasses
 import functools
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,33 @@ def test_bench_writes_json(tiny, tmp_path, monkeypatch, capsys):
     assert all(r.get("mgpu_ragged_dot_us") is None for r in rows)
     ids = np.zeros((512, 2), np.int32)
     assert bench.time_mgpu_ragged_dot(bench.Case("tiny", "w13", "grouped", 512, "bf16"), ids) is None
+
+
+def test_layer_bench_torch_peer_out_of_memory_leaves_its_column_empty(monkeypatch, capsys):
+    """Where torch's bf16 layer does not fit beside JAX's pool the peer's
+    column is None and the bench says why, instead of failing the case."""
+    import types
+
+    from humming_jax import layer_bench
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    emptied = []
+    fake = types.SimpleNamespace(
+        OutOfMemoryError=OutOfMemoryError,
+        _grouped_mm=None,
+        cuda=types.SimpleNamespace(is_available=lambda: True, empty_cache=lambda: emptied.append(True)),
+    )
+    monkeypatch.setitem(sys.modules, "torch", fake)
+
+    def too_big(torch, case, ids):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(layer_bench, "_torch_layer_us", too_big)
+    case = layer_bench.LayerCase("deepseek-v3", "grouped", 1024, "int4_g128")
+    assert layer_bench.time_torch_layer(case, np.zeros((1024, 8), np.int32)) is None
+    assert "does not fit" in capsys.readouterr().out and emptied
 
 
 def test_layer_bench_writes_json(tiny, compiled_once, tmp_path, monkeypatch, capsys):
