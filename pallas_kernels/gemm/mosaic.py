@@ -123,7 +123,9 @@ E2M1_UNIT = 32  # planar unit of e2m1 codes with group-32 scales: a decoded piec
 STAGE_SLOTS = 2  # staged 4-bit path: decoded pieces in shared memory per compute warpgroup
 # e2m1: a step's factors made from its bytes once a warpgroup into one of these slots (each thread
 # makes 4 and reads back the 16 its rows need): alternate steps write alternate slots, so a
-# step's writes never meet the previous step's reads, and one barrier a step suffices.
+# step's writes never meet the previous step's reads, and one barrier a step suffices. With an odd
+# step count (K = 2880) a tile's last step and the next tile's first share a slot: the epilogue's
+# barrier (store_tile's commit_smem) lies between them.
 FACTOR_SLOTS = 2
 
 
