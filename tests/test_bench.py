@@ -22,7 +22,12 @@ from humming_jax.tuning import heuristic, search
 from humming_jax.tuning import table as table_module
 from pallas_kernels.gemm import mosaic, triton
 
-from sweep import sweep
+from sweep import FULL, sweep
+
+# The developer tools under benchmarks/ (A/B timings, sanitizer and soak harnesses, the call-form and
+# per-op benches): their slower harness tests run under --full (make test-full, the GPU step); make test
+# keeps the library's own entry points (bench, bench --layer, tune, report) and the shipped table.
+TOOL = FULL
 
 
 @pytest.fixture(autouse=True)
@@ -478,6 +483,7 @@ def test_random_weight_in_expert_chunks(monkeypatch):
     assert len({float(jnp.std(F.dequantize_weight(weight)[i])) for i in range(e)}) == e  # no chunk repeated
 
 
+@TOOL
 def test_routing_bench_sweeps_row_tiles(monkeypatch):
     """The routing benchmark (interpret mode): one row per op and tiling, the
     references once, and the table pairs each tiling with its reference."""
@@ -499,6 +505,7 @@ def test_routing_bench_sweeps_row_tiles(monkeypatch):
     assert bench_routing.table(rows).count(name) == 3
 
 
+@TOOL
 def test_process_input_bench_sweeps_tiles(monkeypatch):
     """The process_input benchmark (interpret mode): one kernel row per tiling,
     one reference row, and the table pairs each tiling with the reference."""
@@ -537,6 +544,7 @@ def test_process_input_bench_interleaves_rounds(monkeypatch):
     assert "in 2 rounds" in bench_process_input.table(rows)
 
 
+@TOOL
 def test_process_input_bench_has_the_w8a8_layers_activation(monkeypatch):
     """The case of W8A8's w2 input as its layer runs it (gate and up
     interleaved by 128 rows, the kernel-order fp8 block weights') times the
@@ -703,6 +711,7 @@ def test_quantized_input_heuristic_by_input_dtype():
         tuning.format_class(int4, "int4")
 
 
+@TOOL
 def test_soak_case_checks_the_kernel_path(monkeypatch):
     """One soak case end to end (hostile routing, a NaN token), and a kernel
     path that is wrong is reported as failed."""
@@ -730,6 +739,7 @@ def test_soak_case_checks_the_kernel_path(monkeypatch):
     assert not soak.run_case(case, "interpret")["ok"]
 
 
+@TOOL
 @pytest.mark.bounds
 def test_hostile_gemms_checks_every_layout(monkeypatch):
     """The sanitizer step's calls (offsets far outside the rows, one expert
@@ -749,6 +759,7 @@ def test_hostile_gemms_checks_every_layout(monkeypatch):
     assert not hostile_gemms.run(256, 8, 64, 128, [], backend="interpret", pairs=pairs[:1])[0]["ok"]
 
 
+@TOOL
 def test_hostile_routing_checks_every_call(monkeypatch):
     """The routing sanitizer step's calls (hostile ids, an expert map,
     ``num_valid_tokens`` short of T) pass their checks on the kernel path, and
@@ -788,6 +799,7 @@ def test_a_users_table_from_the_environment(tmp_path, monkeypatch):
         tuning.load_table()
 
 
+@TOOL
 def test_ab_tilings_writes_each_timing(tiny, compiled_once, tmp_path, capsys, monkeypatch):
     """``benchmarks.ab_tilings``: every tiling of every case in turn, each
     checked in its first round; a tiling the kernel refuses is a row naming
@@ -1273,6 +1285,7 @@ def test_shipped_entries_run_on_the_layers_weights(monkeypatch):
     assert checked > 100
 
 
+@TOOL
 def test_k_scan_fits_the_per_tile_overhead(tiny, compiled_once, tmp_path, monkeypatch, capsys):
     """The scan times the problem's w2 at each K (the table's tiling, weights
     as the bench makes them) and leaves the problem set as it found it; the
@@ -1333,6 +1346,7 @@ def test_inspect_gemm_times_humming_on_the_same_case(tiny, monkeypatch, capsys):
     assert inspect_gemm._time_humming(prep) == 2 and "missing" in capsys.readouterr().err
 
 
+@TOOL
 def test_ab_gate_up_times_both_orders(tiny, compiled_once, tmp_path, capsys, monkeypatch):
     """``benchmarks.ab_gate_up``: a layer on w13 interleaved (the activation in
     its tiles) and in halves, timed in turn; their outputs within a bf16
@@ -1353,6 +1367,7 @@ def test_ab_gate_up_times_both_orders(tiny, compiled_once, tmp_path, capsys, mon
         ab_gate_up.main(["--cases", "tiny_gated:ep:3:bf16"])
 
 
+@TOOL
 def test_call_forms_bench_times_every_form(tmp_path):
     """The call-form benchmark: a row per form, issued within waited, the JSON
     written; every form's step gives the model's result."""

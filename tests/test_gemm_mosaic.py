@@ -16,6 +16,7 @@ import pytest
 
 import humming_jax as hj
 from humming_jax import formats as F
+from humming_jax.tiles_text import gemm_from_text
 from humming_jax.tuning import heuristic
 from pallas_kernels.gemm import mosaic, mosaic_mid, triton
 
@@ -1413,33 +1414,17 @@ def test_tail_hypotheses_name_a_planted_misread(rng):
     np.testing.assert_array_equal(fits["codes+factors"][..., 256:], w[..., 192:256])
 
 
-def test_partial_column_tiles_compiled_only(monkeypatch, rng):
+def test_partial_column_tiles_compiled_only(monkeypatch):
     """Interpreted, a column count the tiles do not divide is refused; on a
-    Hopper GPU the kernel takes it, and gpt-oss-120b's weights lower for
-    the GPU with every TMA box on TMA's 128-byte rule — bf16 (K = 2880: 45
-    steps of 64) and MXFP4, whose last 128-column step is half past K (its
-    codes' boxes tiled 16 wide); a partial K step of other 4-bit codes, or
-    of K not a multiple of 64, is refused."""
-    from benchmarks import mosaic_ir
-    from humming_jax.tiles_text import gemm_from_text
-
-    x = jnp.asarray(rng.normal(size=(16, 256)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(0, 0.05, (2, 320, 256)), jnp.bfloat16)
+    Hopper GPU the kernel takes it. A partial K step of other 4-bit codes than
+    MXFP4's, or of K not a multiple of 64, is refused."""
+    x = jnp.zeros((16, 256), jnp.bfloat16)
+    w = jnp.zeros((2, 320, 256), jnp.bfloat16)
     grouped = hj.GroupedContiguous(jnp.asarray([0, 8, 16], jnp.int32))
     call = G.gemm_call(G.as_quantized_input(x), G.as_weight(w), grouped, jnp.bfloat16, interpret=True)
     assert "N=320, not a multiple of block_n=256" in mosaic.supports(WIDE, call)
     monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
     assert mosaic.supports(WIDE, dataclasses.replace(call, interpret=False)) is None
-    for fmt, shape, tiles in (
-        ("bf16", (4, 5760, 2880), "mosaic:stages=3,cluster_n=2"),
-        ("bf16", (4, 2880, 2880), "mosaic:stages=3"),
-        ("int4_g128", (4, 2880, 2816), "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
-        ("mxfp4", (4, 5760, 2880), "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
-        ("mxfp4", (4, 2880, 2880), "mosaic:block_k=128,stages=3"),
-    ):
-        with mosaic_ir.capture_tma_copies() as copies:
-            mosaic_ir.mosaic_ir(fmt, shape, 600, gemm_from_text(tiles))
-        assert copies and not mosaic_ir.misaligned(copies), (fmt, shape)
     staged = gemm_from_text("mosaic:block_k=128,stages=3")
     for k, partial, e2m1, taken in (
         (2880, True, True, True),
@@ -1450,4 +1435,35 @@ def test_partial_column_tiles_compiled_only(monkeypatch, rng):
         decode = mosaic.NibbleDecode(k // (mosaic.E2M1_UNIT if e2m1 else mosaic.UNIT), e2m1=e2m1, half_bits=e2m1)
         reason = mosaic.tiles_refusal(staged, 2880, k, jnp.bfloat16, decode, partial=partial)
         assert (reason is None) == taken, (k, partial, e2m1, reason)
+
+
+# make test: the gpt-oss MXFP4 tilings lower in test_lowering (test_partial_tiles_lower_for_sm90).
+@pytest.mark.parametrize(
+    "fmt,shape,tiles",
+    [
+        pytest.param("bf16", (4, 5760, 2880), "mosaic:stages=3,cluster_n=2", marks=FULL),
+        pytest.param("bf16", (4, 2880, 2880), "mosaic:stages=3", marks=FULL),
+        pytest.param(
+            "int4_g128", (4, 2880, 2816), "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"
+        ),
+        pytest.param(
+            "mxfp4",
+            (4, 5760, 2880),
+            "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2",
+            marks=FULL,
+        ),
+        pytest.param("mxfp4", (4, 2880, 2880), "mosaic:block_k=128,stages=3", marks=FULL),
+    ],
+)
+def test_gpt_oss_shapes_lower_for_the_gpu(fmt, shape, tiles, monkeypatch):
+    """gpt-oss-120b's weights lower for the GPU with every TMA box on TMA's
+    128-byte rule: bf16 (K = 2880: 45 steps of 64), int4 on a K of 2816
+    (N = 2880: a partial column tile) and MXFP4, whose last 128-column step is
+    half past K (its codes' boxes tiled 16 wide)."""
+    from benchmarks import mosaic_ir
+
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
+    with mosaic_ir.capture_tma_copies() as copies:
+        mosaic_ir.mosaic_ir(fmt, shape, 600, gemm_from_text(tiles))
+    assert copies and not mosaic_ir.misaligned(copies), (fmt, shape)
     jax.clear_caches()

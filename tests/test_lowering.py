@@ -21,7 +21,7 @@ from humming_jax import input_quant as Q
 from humming_jax.tiles_text import from_text, gemm_from_text
 from pallas_kernels.process_input import Tiles
 
-from sweep import FULL
+from sweep import FULL, sweep
 
 SHAPE = (4, 256, 512)
 # Lowering for the GPU backend warns that Pallas's Triton backend is deprecated (our GPU path today).
@@ -664,16 +664,22 @@ def test_mosaic_tma_copies_start_on_128_byte_multiples(sweep, monkeypatch):
     jax.clear_caches()
 
 
+_OTHER_LAYOUT_TILINGS = [
+    ("bf16", "mosaic:stages=3"),
+    ("int4_g128", "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
+    ("fp8_block128@fp8_dynamic_group128", "mosaic_fp8:block_m=64,block_n=256,stages=4"),
+    ("mxfp4@fp8_dynamic_group128", "mosaic_fp8:block_m=64,block_n=256,stages=4,swap_ab=1"),
+]
+
+
+# make test: each tiling on one of the two layouts, in turn.
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("layout_kind", ["indexed", "grouped_masked"])
 @pytest.mark.parametrize(
-    "fmt,config",
-    [
-        ("bf16", "mosaic:stages=3"),
-        ("int4_g128", "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
-        ("fp8_block128@fp8_dynamic_group128", "mosaic_fp8:block_m=64,block_n=256,stages=4"),
-        ("mxfp4@fp8_dynamic_group128", "mosaic_fp8:block_m=64,block_n=256,stages=4,swap_ab=1"),
-    ],
+    "fmt,config,layout_kind",
+    sweep(
+        [(*t, layout) for t in _OTHER_LAYOUT_TILINGS for layout in ("indexed", "grouped_masked")],
+        [(*t, ("grouped_masked", "indexed")[i % 2 == 1]) for i, t in enumerate(_OTHER_LAYOUT_TILINGS)],
+    ),
 )
 def test_mosaic_tma_copies_aligned_on_the_other_layouts(fmt, config, layout_kind, monkeypatch):
     """The same rule on the indexed layout (row tiles from a block table,

@@ -11,6 +11,7 @@ import humming_jax as hj
 from humming_jax import nn
 
 import np_ref
+import sweep as sweep_module
 
 CONFIG = hj.ExpertsConfig(8, 128, 128, 2, weight_format="int4_g128")
 
@@ -107,7 +108,7 @@ def test_decode_loop_call_forms_agree():
     """The call forms the README gives a decode loop — ``jax.jit`` over the
     split state, ``jax.jit`` over the module (a pytree in Flax's tree mode),
     ``nnx.jit(graph=False)``, ``nn.jit_frozen`` — give the eager block's
-    result with every expert module."""
+    result with every expert module (``make test``: the grouped and MoonEP ones)."""
     config = hj.ExpertsConfig(8, 128, 128, 2, weight_format="bf16")
     grouped = nn.HummingGroupedExperts(config, rngs=nnx.Rngs(0), backend="reference")
     halves = hj.gate_up_halves(grouped.weights.w13).values
@@ -126,7 +127,8 @@ def test_decode_loop_call_forms_agree():
         (moon, {"top_k": 2}),
     ]
     x = _tokens(5)
-    for experts, kw in modules:
+    # make test: the grouped and MoonEP modules (a Humming module and the other family); --full: all four.
+    for experts, kw in modules if sweep_module.FULL_RUN else modules[::3]:
         block = nn.MoEBlock(experts, rngs=nnx.Rngs(1), **kw)
         graphdef, state = nnx.split(block)
         forms = {
