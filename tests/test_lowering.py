@@ -391,9 +391,16 @@ def _ops_over_every_expert(text: str, num_experts: int) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("pipeline", ["grouped", "indexed"])
+_DECODE_FORMATS = ["bf16", "int4_g128", "mxfp4", "fp8_block128@fp8_dynamic_group128", "mxfp4@fp8_dynamic_group128"]
+
+
+# make test: each format once, the pipelines in turn.
 @pytest.mark.parametrize(
-    "fmt", ["bf16", "int4_g128", "mxfp4", "fp8_block128@fp8_dynamic_group128", "mxfp4@fp8_dynamic_group128"]
+    "fmt,pipeline",
+    sweep(
+        [(fmt, pipeline) for fmt in _DECODE_FORMATS for pipeline in ("grouped", "indexed")],
+        [(fmt, ("grouped", "indexed")[i % 2]) for i, fmt in enumerate(_DECODE_FORMATS)],
+    ),
 )
 def test_decode_layer_passes_over_no_experts_weights(fmt, pipeline, monkeypatch):
     """At decode (T=16, qwen3-30b-a3b's shapes) the layer lowered for the GPU

@@ -37,7 +37,12 @@ def _case(rng, fmt="int4_g32"):
     return config, weights, x, topk_weights, ids
 
 
-@pytest.mark.parametrize("pipeline", [X.humming_grouped_experts, X.humming_indexed_experts], ids=lambda f: f.__name__)
+# make test: the grouped pipeline (the indexed one under --full: the same token-parallel wrapper).
+@pytest.mark.parametrize(
+    "pipeline",
+    [X.humming_grouped_experts, pytest.param(X.humming_indexed_experts, marks=pytest.mark.full)],
+    ids=lambda f: f.__name__,
+)
 def test_sharded_tokens_stay_sharded(pipeline, rng):
     mesh = _mesh()
     config, weights, x, topk_weights, ids = _case(rng)
