@@ -1414,12 +1414,12 @@ def test_tail_hypotheses_name_a_planted_misread(rng):
     np.testing.assert_array_equal(fits["codes+factors"][..., 256:], w[..., 192:256])
 
 
-def test_partial_column_tiles_compiled_only(monkeypatch):
+def test_partial_column_tiles_compiled_only(monkeypatch, rng):
     """Interpreted, a column count the tiles do not divide is refused; on a
     Hopper GPU the kernel takes it. A partial K step of other 4-bit codes than
     MXFP4's, or of K not a multiple of 64, is refused."""
-    x = jnp.zeros((16, 256), jnp.bfloat16)
-    w = jnp.zeros((2, 320, 256), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(16, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(0, 0.05, (2, 320, 256)), jnp.bfloat16)
     grouped = hj.GroupedContiguous(jnp.asarray([0, 8, 16], jnp.int32))
     call = G.gemm_call(G.as_quantized_input(x), G.as_weight(w), grouped, jnp.bfloat16, interpret=True)
     assert "N=320, not a multiple of block_n=256" in mosaic.supports(WIDE, call)

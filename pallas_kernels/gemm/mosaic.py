@@ -250,9 +250,7 @@ def shared_memory_bytes(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | N
     if decode is None:
         step = (tiles.block_m + tiles.block_n) * tiles.block_k * itemsize
     else:  # x's unit, the unit's uint16 codes, its scale (and zero point) rows or e2m1 bytes
-        quant = (2 if decode.zero_points else 1) * tiles.block_n * itemsize
-        if decode.e2m1:
-            quant = PIECES * tiles.block_n
+        quant = PIECES * tiles.block_n if decode.e2m1 else (2 if decode.zero_points else 1) * tiles.block_n * itemsize
         step = tiles.block_m * UNIT * itemsize + quant + tiles.block_n * PIECE * 2
     scratch = slots * tiles.compute_wgs * tiles.wg_m * EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
     if decode is not None and not tiles.swap_ab:
