@@ -685,7 +685,7 @@ _OTHER_LAYOUT_TILINGS = [
     "fmt,config,layout_kind",
     sweep(
         [(*t, layout) for t in _OTHER_LAYOUT_TILINGS for layout in ("indexed", "grouped_masked")],
-        [(*t, ("grouped_masked", "indexed")[i % 2 == 1]) for i, t in enumerate(_OTHER_LAYOUT_TILINGS)],
+        [(*t, ("grouped_masked", "indexed")[i % 2]) for i, t in enumerate(_OTHER_LAYOUT_TILINGS)],
     ),
 )
 def test_mosaic_tma_copies_aligned_on_the_other_layouts(fmt, config, layout_kind, monkeypatch):
