@@ -33,6 +33,8 @@ from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import tuning as T
+from humming_jax.configs import ExpertsConfig
+from humming_jax.experts import indexed_runs_grouped
 from humming_jax.gemm import GemmTiles, as_quantized_input, gemm, plan
 from humming_jax.process_input import process_input
 from humming_jax.routing import moe_align_block_size, moe_prepare_scatter
@@ -733,8 +735,11 @@ def uncovered(problem: str, gemm: str, formats: list[str], layouts: list[str]) -
     shipped table covers (for the shape or its format class): the heuristic
     tiles run there. One line each, with the ``tune`` range flags that sweep it.
     A format the GEMM's weight shape cannot take (int4 g128 at gpt-oss-120b's
-    K = 2880) has no line: nothing runs it there to tune."""
+    K = 2880) has no line: nothing runs it there to tune. An indexed range where
+    the indexed pipeline runs the grouped stages (``experts.indexed_runs_grouped``)
+    says so: only a direct indexed ``gemm`` call reaches it."""
     lines = []
+    num_experts, hidden, intermediate, _ = PROBLEMS[problem]
     for fmt in formats:
         weight_format, quant = split_format(fmt)
         input_dtype = quant.dtype.value if quant.is_quantized else None
@@ -744,12 +749,17 @@ def uncovered(problem: str, gemm: str, formats: list[str], layouts: list[str]) -
                 weight_format.check_shape(n, k)
             except ValueError:
                 continue
+            config = ExpertsConfig(
+                num_experts, hidden, intermediate, top_k, weight_format=weight_format, input_quant=quant
+            )
             for low, high in search.M_RANGES:
                 m = search.representative_m(low, high)
                 if not T.table_entries(LAYOUT_KINDS[layout_name], weight_format, m, e, n, k, input_dtype):
+                    grouped = layout_name == "indexed" and indexed_runs_grouped(m // top_k, top_k, config)
                     lines.append(
                         f"{problem} {gemm} {fmt} {layout_name} M in ({low}, {high}] (T={m // top_k}): "
                         f"heuristic; tune --min-m {high} --max-m {high}"
+                        + ("; the indexed pipeline runs the grouped stages here" if grouped else "")
                     )
     return lines
 

@@ -559,14 +559,21 @@ def test_process_input_bench_has_the_w8a8_layers_activation(monkeypatch):
     assert [r["backend"] for r in rows] == ["interpret", "reference"] and all(r["us"] > 0 for r in rows)
 
 
-def test_tune_lists_the_ranges_the_table_leaves_to_the_heuristic(capsys):
+def test_tune_lists_the_ranges_the_table_leaves_to_the_heuristic(capsys, tmp_path, monkeypatch):
     """``tune --uncovered`` (no GPU): each (format, layout, M range) of the
-    problem's GEMM with no shipped entry, and range flags that sweep that
-    range alone; a range with an entry is not listed."""
+    problem's GEMM with no entry in the table in use, and range flags that
+    sweep that range alone; a range with an entry is not listed; an indexed
+    range the indexed pipeline leaves to the grouped stages says so."""
+    entry = dict(min_shape_m=1024, max_shape_m=8192, impl="triton", tiles=dict(block_m=32), us=1.0, source="mine")
+    table = dict(meta={}, entries={"grouped_contiguous/4bit@E=128,N=2048,K=768": [entry]})
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv(tuning.table.TABLE_ENV, str(path))
     lines = bench.uncovered("qwen3-30b-a3b", "w2", ["int4_g128"], ["grouped"])
-    # T=128 (8 rows an expert) has no entry of the shape's; T=512, T=1024 and T=2048 have.
+    # T=128 (8 rows an expert) has no entry; T=512 and T=1024 have.
     assert any("M in (128, 1024] (T=128)" in line for line in lines), lines
-    assert not any("(T=512)" in line or "(4096, 8192]" in line or "(8192, 16384]" in line for line in lines)
+    assert not any("(T=512)" in line or "(4096, 8192]" in line for line in lines), lines
+    assert any("(8192, 16384]" in line for line in lines), lines
     for line in lines:
         low, high = (int(v) for v in line.split("M in (")[1].split("]")[0].split(", "))
         flag = int(line.rsplit("--max-m ", 1)[1])
@@ -574,8 +581,13 @@ def test_tune_lists_the_ranges_the_table_leaves_to_the_heuristic(capsys):
     assert cli.main(["tune", "--uncovered", "--problem", "qwen3-30b-a3b", "--formats", "int4_g128"]) == 0
     assert "(128, 1024]" in capsys.readouterr().out
     # gpt-oss-120b's K = 2880 takes MXFP4 (32-groups), not int4 g128: only MXFP4's ranges are listed.
-    lines = bench.uncovered("gpt-oss-120b", "w2", ["int4_g128", "mxfp4"], ["grouped"])
+    lines = bench.uncovered("gpt-oss-120b", "w2", ["int4_g128", "mxfp4"], ["grouped", "indexed"])
     assert lines and all(" mxfp4 " in line for line in lines), lines
+    # From 32 rows an expert (T=1024) the indexed pipeline runs the grouped stages: its lines say so.
+    runs_grouped = [line for line in lines if line.endswith("the indexed pipeline runs the grouped stages here")]
+    assert runs_grouped and all(" indexed " in line for line in runs_grouped), lines
+    assert any("(T=1024)" in line for line in runs_grouped), runs_grouped
+    assert not any("(T=256)" in line for line in runs_grouped), runs_grouped
 
 
 def test_merge_entry_replaces_overlapping_ranges():

@@ -206,9 +206,9 @@ def test_indexed_runs_grouped_with_quantized_inputs_at_prefill(rng):
     the indexed layout."""
     config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
     assert not X.indexed_runs_grouped(63, 2, config) and X.indexed_runs_grouped(64, 2, config)
-    # float inputs: 4-bit weights from 64 rows an expert, 16-bit ones from 1024
+    # float inputs: 4-bit weights from 32 rows an expert, 16-bit ones from 1024
     int4 = hj.ExpertsConfig(4, 256, 128, 2, weight_format="int4_g128")
-    assert not X.indexed_runs_grouped(127, 2, int4) and X.indexed_runs_grouped(128, 2, int4)
+    assert not X.indexed_runs_grouped(63, 2, int4) and X.indexed_runs_grouped(64, 2, int4)
     bf16 = hj.ExpertsConfig(4, 256, 128, 2)
     assert not X.indexed_runs_grouped(2047, 2, bf16) and X.indexed_runs_grouped(2048, 2, bf16)
     assert not X.indexed_runs_grouped(2048, 2, hj.ExpertsConfig(4, 256, 128, 2, batch_invariant=True))
