@@ -628,12 +628,16 @@ def _regroup_half_bits(values: jax.Array, to_half_bits: bool) -> jax.Array:
 
 def _codes_in_k_order(weight: QuantizedWeight) -> jax.Array:
     """The 4-bit codes ``uint8 [E, N, K]`` in column order, whatever the storage order."""
-    values = _regroup_half_bits(weight.values, False) if weight.half_bits else weight.values
+    return _codes_of(weight.values, weight.shape, weight.nibble_unit, weight.half_bits)
+
+
+def _codes_of(values: jax.Array, shape: tuple[int, int, int], unit: int, half_bits: bool) -> jax.Array:
+    """:func:`_codes_in_k_order` of the stored ``values``."""
+    values = _regroup_half_bits(values, False) if half_bits else values
     codes = numerics.unpack_nibbles(values)
-    unit = weight.nibble_unit
     if not unit:
         return codes
-    e, n, k = weight.shape
+    e, n, k = shape
     # Nibble 4a + b of a unit holds column a + (unit/4) b: a transpose, not a gather
     # (XLA fuses it into the dequantize pass of dequantize_first).
     by_piece = codes.reshape(e, n, k // unit, unit // 4, 4)
@@ -737,13 +741,19 @@ def to_planar(weight: QuantizedWeight, half_bits: bool = False, k_major_scales: 
     unit = planar_unit(weight.format, weight.k)
     if weight.nibble_unit or not unit:
         return weight
-    e, n, k = weight.shape
-    codes = numerics.unpack_nibbles(weight.values).reshape(e, n, k // unit, unit)
-    values = numerics.pack_nibbles(codes[..., planar_columns(unit)].reshape(e, n, k))
     half_bits = half_bits and weight.format.value_type == ValueType.FLOAT4_E2M1
-    if half_bits:
-        values = _regroup_half_bits(values, True)
+    values = _planar_values(weight.values, weight.shape, unit, half_bits)
     return dataclasses.replace(weight, values=values, nibble_unit=unit, half_bits=half_bits)
+
+
+# One compiled program a shape (op by op, a load-time repack would compile each of its steps).
+@functools.partial(jax.jit, static_argnames=("shape", "unit", "half_bits"))
+def _planar_values(values: jax.Array, shape: tuple[int, int, int], unit: int, half_bits: bool) -> jax.Array:
+    """K-order packed codes ``uint8 [E, N, K/2]`` in :func:`to_planar`'s order."""
+    e, n, k = shape
+    codes = numerics.unpack_nibbles(values).reshape(e, n, k // unit, unit)
+    values = numerics.pack_nibbles(codes[..., planar_columns(unit)].reshape(e, n, k))
+    return _regroup_half_bits(values, True) if half_bits else values
 
 
 def to_k_order(weight: QuantizedWeight) -> QuantizedWeight:
@@ -759,8 +769,14 @@ def to_k_order(weight: QuantizedWeight) -> QuantizedWeight:
     weight = with_scale_order(weight, False)
     if not weight.nibble_unit:
         return weight
-    values = numerics.pack_nibbles(_codes_in_k_order(weight))
+    values = _k_order_values(weight.values, weight.shape, weight.nibble_unit, weight.half_bits)
     return dataclasses.replace(weight, values=values, nibble_unit=0, half_bits=False)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "unit", "half_bits"))
+def _k_order_values(values: jax.Array, shape: tuple[int, int, int], unit: int, half_bits: bool) -> jax.Array:
+    """Planar packed codes back in K order (:func:`to_k_order`)."""
+    return numerics.pack_nibbles(_codes_of(values, shape, unit, half_bits))
 
 
 def _along_k(per_group: jax.Array, weight: QuantizedWeight) -> jax.Array:

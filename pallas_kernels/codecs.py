@@ -147,6 +147,8 @@ def divide(x: jax.Array, y, exact_on_gpu: bool = False) -> jax.Array:
     return quotient
 
 
+# Jitted: its two branches (the integer one 26 steps unrolled) are traced once a shape, not at every call.
+@jax.jit
 def divide_rn(x: jax.Array, y: jax.Array) -> jax.Array:
     """``x / y`` in f32, correctly rounded (nearest, ties to even) whatever the
     compiler does with ``/``: XLA's f32 division on the GPU is not correctly
