@@ -216,6 +216,7 @@ def test_traced_kernels_reads_a_real_trace(monkeypatch):
     assert len(seen) == 1 and seen[0] > 0
 
 
+@FULL  # the harness of test_layer_bench_writes_json on two more pipelines
 def test_layer_bench_times_the_batched_and_moonep_layouts(tiny, compiled_once, tmp_path, monkeypatch, capsys):
     """The batched layout (each expert's rows gathered in a padded buffer, the
     reduce the caller's) and MoonEP's segment order (bf16 only: another format

@@ -2,8 +2,9 @@
 reference backend: what they call must work; the kernels they would run
 interpreted are tested on their own. They run one after another in one
 Jupyter kernel (its start and JAX's import once), the user namespace reset
-between them, so that none leans on another's variables. ``make test`` runs
-the first (the quickstart) for its time; ``--full`` (test-full) runs them all."""
+between them, so that none leans on another's variables. Documentation, not
+the library's behaviour (``make demo``'s test runs the layer the quickstart
+shows): ``--full`` (test-full) only, all four."""
 
 import os
 import sys
@@ -13,7 +14,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-import sweep
+from sweep import FULL
 
 NOTEBOOKS = os.path.join(os.path.dirname(__file__), "..", "notebooks")
 NAMES = ["01_quickstart.ipynb", "02_formats.ipynb", "03_performance.ipynb", "04_checkpoints.ipynb"]
@@ -28,10 +29,11 @@ def _read(name: str) -> nbformat.NotebookNode:
     return nb
 
 
+@FULL
 def test_notebooks_run(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("HUMMING_JAX_BACKEND", "reference")
-    notebooks = {name: _read(name) for name in (NAMES if sweep.FULL_RUN else NAMES[:1])}
+    notebooks = {name: _read(name) for name in NAMES}
     assert sorted(n for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb")) == NAMES, "a notebook no test runs"
     reset = nbformat.v4.new_code_cell("%reset -f")
     client = NotebookClient(

@@ -686,6 +686,7 @@ def test_w4a8_inputs_written_multiplied_out(pipeline, rng):
     np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(itself, np.float32))
 
 
+@FULL  # test_w4a8_inputs_written_multiplied_out's pass on the batched layout
 def test_w4a8_batched_inputs_written_multiplied_out(rng, monkeypatch):
     """The batched pipeline, as the others: where the GEMMs' tiles multiply the
     fp8 input out to bf16 (W4A8 at decode), ``process_input`` writes those

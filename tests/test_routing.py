@@ -300,9 +300,17 @@ ONE_LAUNCH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kernel_name", ["routing_slot_space", "routing_one_launch"])
+ONE_LAUNCH_KERNELS = ("routing_slot_space", "routing_one_launch")
+
+
+# make test: the map with -1 on both kernels; the hot expert and ids out of range on one each.
 @pytest.mark.parametrize(
-    "tokens,top_k,num_experts,block_size,with_map,shape", sweep(ONE_LAUNCH_CASES, ONE_LAUNCH_CASES[1:4])
+    "kernel_name,tokens,top_k,num_experts,block_size,with_map,shape",
+    sweep(
+        [(k, *case) for case in ONE_LAUNCH_CASES for k in ONE_LAUNCH_KERNELS],
+        [(ONE_LAUNCH_KERNELS[i % 2], *case) for i, case in enumerate(ONE_LAUNCH_CASES[1:4])]
+        + [(ONE_LAUNCH_KERNELS[1], *ONE_LAUNCH_CASES[1])],
+    ),
 )
 def test_one_launch_grouping(kernel_name, tokens, top_k, num_experts, block_size, with_map, shape, rng):
     """Both one-launch groupings of at most 128 slots (what decode runs): the
