@@ -40,8 +40,7 @@ INDEXED_AS_GROUPED_BYTE_PAIRS_MIN_M = BYTE_PAIRS_MOSAIC_MIN_M
 # Mosaic GEMMs outrun the indexed layer's Triton tiles (layer.md v3).
 INDEXED_AS_GROUPED_FLOAT_MIN_ROWS = 1024
 # 4-bit weights with float inputs (W4A16): from this many rows an expert, where the indexed
-# layer's gathered tiles lose to the grouped layer's 4-bit Mosaic ones (layer.md v22, v31; from 32
-# rows since the grouped layer's mid-sized entries, layer.md, seventy-first session).
+# layer's gathered tiles lose to the grouped layer's 4-bit Mosaic and mid-sized tiles (layer.md).
 INDEXED_AS_GROUPED_4BIT_MIN_ROWS = 32
 # Up to this many rows an expert the grouped pipeline runs the indexed stages: at decode its
 # grouping and its per-expert tiles cost more than the indexed layer's aligned blocks (layer.md v7).

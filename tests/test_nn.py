@@ -12,6 +12,7 @@ from humming_jax import nn
 
 import np_ref
 import sweep as sweep_module
+from sweep import FULL
 
 CONFIG = hj.ExpertsConfig(8, 128, 128, 2, weight_format="int4_g128")
 
@@ -32,7 +33,7 @@ def _tokens(seed, tokens=6, hidden=128):
     "module_cls,pipeline",
     [
         (nn.HummingGroupedExperts, hj.humming_grouped_experts),
-        pytest.param(nn.HummingIndexedExperts, hj.humming_indexed_experts, marks=pytest.mark.full),
+        pytest.param(nn.HummingIndexedExperts, hj.humming_indexed_experts, marks=FULL),
     ],
 )
 def test_modules_equal_functional_pipelines(module_cls, pipeline):

@@ -14,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 from humming_jax import experts as X
 from humming_jax.configs import ExpertsConfig
 
+from sweep import FULL
+
 E, H, INTER, TOP_K, T, DEVICES = 8, 64, 32, 2, 16, 4
 KERNEL_BACKEND = "pallas" if jax.default_backend() == "gpu" else "interpret"
 
@@ -40,7 +42,7 @@ def _case(rng, fmt="int4_g32"):
 # make test: the grouped pipeline (the indexed one under --full: the same token-parallel wrapper).
 @pytest.mark.parametrize(
     "pipeline",
-    [X.humming_grouped_experts, pytest.param(X.humming_indexed_experts, marks=pytest.mark.full)],
+    [X.humming_grouped_experts, pytest.param(X.humming_indexed_experts, marks=FULL)],
     ids=lambda f: f.__name__,
 )
 def test_sharded_tokens_stay_sharded(pipeline, rng):
