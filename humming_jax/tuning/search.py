@@ -94,6 +94,8 @@ MID = (
     # decoded weight as the register operand, on 128 columns and 2 stages or 256 and 3.
     mosaic_mid.Tiles(48, 128, 128, stages=2, swap_ab=True, word_decode=True),
     mosaic_mid.Tiles(48, 256, 128, stages=3, swap_ab=True, word_decode=True),
+    # 64 rows for experts of ~64 rows, which pad 48-row tiles by a third.
+    mosaic_mid.Tiles(64, 256, 128, stages=3, swap_ab=True, word_decode=True),
     # and fp8 inputs multiplied out to bf16 first (W4A8 at 32 rows an expert).
     mosaic_mid.Tiles(48, 128, 128, stages=2, swap_ab=True, word_decode=True, dequantize_input=True),
 )
