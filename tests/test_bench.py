@@ -677,8 +677,9 @@ def test_masked_layout_takes_the_contiguous_layouts_entries():
 def test_four_bit_heuristic_by_rows_and_format():
     """The heuristic's 4-bit tiles are the H200 winners: word + fold + pairs at
     16/32 rows, swap_ab prefill tiles at 64/128 rows, 256 columns for e2m1 on
-    128; a dequantize-first Mosaic candidate ahead of them from 512 rows an
-    expert; an indexed layout's block size as the rows of a tile."""
+    128; from 128 rows an expert the Mosaic tile decoding planar codes ahead
+    of them, and from 512 the dequantize-first one (for weights it does not
+    decode) after it; an indexed layout's block size as the rows of a tile."""
     from humming_jax.formats import get_format
 
     decode = heuristic.triton_tiles(16, 1536, 2048, "4bit")
@@ -687,7 +688,12 @@ def test_four_bit_heuristic_by_rows_and_format():
     assert int4.swap_ab and fp4.swap_ab and (int4.block_m, int4.block_n, fp4.block_n) == (128, 128, 256)
     assert heuristic.triton_tiles(64, 1536, 2048, "fp4").block_n == 128
     many = heuristic.heuristic_candidates(1024, 28672, 4096, get_format("int4_g128"))
-    assert many[0].dequantize_first and many[1] == int4
+    assert many[0] == heuristic.DECODE_MOSAIC and many[1].dequantize_first and many[2] == int4
+    mid = heuristic.heuristic_candidates(128, 28672, 4096, get_format("int4_g128"))
+    assert mid == [heuristic.DECODE_MOSAIC, heuristic.triton_tiles(128, 28672, 4096, "4bit")]
+    assert heuristic.heuristic_candidates(64, 1536, 2048, get_format("int4_g128"))[0] == heuristic.triton_tiles(
+        64, 1536, 2048, "4bit"
+    )
     assert heuristic.heuristic_candidates(16, 1536, 2048, get_format("int4_g128")) == [decode]
     indexed = heuristic.heuristic_candidates(16, 1536, 2048, get_format("int4_g128"), block_size=64)
     assert indexed == [dataclasses.replace(decode, block_m=64)]
@@ -711,7 +717,7 @@ def test_quantized_input_heuristic_by_input_dtype():
         # MXFP4 itself, the register-operand form and the staged one): the Triton tile.
         *mosaic, e2m1 = heuristic.heuristic_candidates(rows, 1536, 2048, mx, half_bits=True, input_dtype="float8_e4m3")
         copy = rows >= heuristic.E4M3_COPY_MIN_ROWS
-        assert e2m1.fold_scales and len(mosaic) == (2 if rows < heuristic.MX_BF16_MOSAIC_MIN_ROWS else 1) + copy
+        assert e2m1.fold_scales and len(mosaic) == (2 if rows < heuristic.DECODE_MOSAIC_MIN_ROWS else 1) + copy
         assert (mosaic[0] == heuristic.E4M3_COPY) == copy
     (decode,) = heuristic.heuristic_candidates(16, 1536, 2048, int4, input_dtype="float8_e4m3")
     assert decode.fold_scales and decode.block_k == 256

@@ -271,7 +271,7 @@ def test_nibble_weights_decoded_in_the_kernel(fmt, dtype, options, rng):
 
 # The 4-bit prefill tile (the H200 table's int4 entries, the heuristic's MXFP4 one): 128
 # rows, the decoded pieces as the register operand, clusters of two.
-PREFILL_4BIT = heuristic.MX_BF16_MOSAIC
+PREFILL_4BIT = heuristic.DECODE_MOSAIC
 
 
 def _two_program_tiles(**options) -> mosaic.Tiles:

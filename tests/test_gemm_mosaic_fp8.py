@@ -440,7 +440,7 @@ def test_the_plan_takes_it_from_128_rows_an_expert():
     assert not isinstance(T.heuristic_candidates(32, 1536, 2048, mx, 32, input_dtype="float8_e4m3")[0], kernel.Tiles)
     for block in (None, 128):
         square = T.heuristic_candidates(128, 1536, 2048, mx, block, input_dtype="float8_e4m3")[0]
-        assert square == dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)
+        assert square == dataclasses.replace(heuristic.DECODE_MOSAIC, dequantize_input=True)
     assert not isinstance(T.heuristic_candidates(16, 1536, 2048, mx, input_dtype="float8_e4m3")[0], kernel.Tiles)
     # From E4M3_COPY_MIN_ROWS grouped (not indexed), the e4m3 copy while it stays under its cap.
     rows = heuristic.E4M3_COPY_MIN_ROWS

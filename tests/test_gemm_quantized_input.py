@@ -468,7 +468,7 @@ def test_heuristic_choices_for_quantized_inputs():
     # Indexed W4A8: the 16-bit kernel's 128-row tiles (the block), or the fp8 one's 64 x 256
     # when the caller's block is 64 (a shape with no table entry: the heuristic's).
     listed = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1024, 2048, half_bits=True)
-    multiplied_out = dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)
+    multiplied_out = dataclasses.replace(heuristic.DECODE_MOSAIC, dequantize_input=True)
     assert listed[0] == multiplied_out and T.indexed_block_rows(listed) == 128
     # qwen3's w13 at T=4096: the table's 144-row tile first (its rows the block), the heuristic's next.
     qwen3 = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
@@ -502,13 +502,14 @@ def test_heuristic_choices_for_quantized_inputs():
         gathered = T.candidates(indexed, F.MXFP4, shape_m, e, n, k, half_bits=True)
         assert isinstance(gathered[0], mosaic.Tiles) and T.indexed_block_rows(gathered) == 128
     assert isinstance(T.candidates(indexed, F.MXFP4, 4096 * 8, 128, 2048, 768, half_bits=True)[0], kernel.Tiles)
-    # W4A16 MXFP4 (bf16 inputs): the 16-bit Mosaic kernel decodes planar codes from 128 rows.
-    mx16 = T.candidates(grouped, F.MXFP4, 1024 * 2, 8, 28672, 4096, half_bits=True)
-    assert mx16[0] == heuristic.MX_BF16_MOSAIC
-    # (at T=512 the table's row tile sized to mixtral's 128 rows an expert comes first)
+    # W4A16 MXFP4 and int4 (bf16 inputs) on a shape without entries: the 16-bit Mosaic kernel
+    # decodes planar codes from 128 rows an expert.
+    for fmt in (F.MXFP4, F.INT4_G128):
+        assert T.candidates(grouped, fmt, 1024 * 2, 8, 32768, 6144, half_bits=True)[0] == heuristic.DECODE_MOSAIC
+    # (at mixtral's T=512 the table's row tile sized to its 128 rows an expert comes first)
     sized = T.candidates(grouped, F.MXFP4, 512 * 2, 8, 28672, 4096, half_bits=True)[0]
-    assert sized == dataclasses.replace(heuristic.MX_BF16_MOSAIC, block_m=144)
-    assert T.candidates(grouped, F.MXFP4, 512 * 8, 128, 1536, 2048, half_bits=True)[0] != heuristic.MX_BF16_MOSAIC
+    assert sized == dataclasses.replace(heuristic.DECODE_MOSAIC, block_m=160)
+    assert T.candidates(grouped, F.MXFP4, 512 * 8, 128, 1536, 2048, half_bits=True)[0] != heuristic.DECODE_MOSAIC
     # qwen3's W4A8 from 32 rows an expert (the table, quantized_input.md v19 and the 69th session): the
     # input multiplied out to bf16 for the weight-only tiles — mosaic_mid's 48-row tile, the 16-bit Mosaic
     # kernel at prefill.
@@ -516,7 +517,7 @@ def test_heuristic_choices_for_quantized_inputs():
         mid = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 8, 128, n_out, k_in, half_bits=True)[0]
         assert isinstance(mid, mosaic_mid.Tiles) and mid.block_m == 48 and mid.dequantize_input
     prefill = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
-    assert prefill[:2] == [heuristic.E4M3_COPY, dataclasses.replace(heuristic.MX_BF16_MOSAIC, dequantize_input=True)]
+    assert prefill[:2] == [heuristic.E4M3_COPY, dataclasses.replace(heuristic.DECODE_MOSAIC, dequantize_input=True)]
 
 
 @pytest.mark.parametrize(

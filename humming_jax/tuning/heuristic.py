@@ -25,8 +25,8 @@ BYTE_PAIRS_MOSAIC_MIN_M = 128
 # MXFP4 weights with fp8 inputs (W4A8): the fp8 Mosaic kernel decodes the codes to e4m3
 # from this many rows an expert (64-row tiles, the decoded step as the register operand:
 # MX_FP8_SWAP; the staged form where a call refuses it), grouped and indexed; from
-# MX_BF16_MOSAIC_MIN_ROWS the input is multiplied out to bf16 and the 16-bit Mosaic
-# kernel decodes the codes (MX_BF16_MOSAIC).
+# DECODE_MOSAIC_MIN_ROWS the input is multiplied out to bf16 and the 16-bit Mosaic
+# kernel decodes the codes (DECODE_MOSAIC).
 MX_MOSAIC_MIN_ROWS = 32
 MX_FP8_SWAP = mosaic_fp8.Tiles(64, 256, stages=4, group_m=8, swap_ab=True)
 # MXFP4 with fp8 inputs from this many rows an expert: the codes decoded once a call into an
@@ -42,10 +42,11 @@ E4M3_COPY = mosaic_fp8.Tiles(64, 256, stages=4, group_m=8, dequantize_first=True
 # Triton tile is faster at short K, where K is long — or where Triton reads byte pairs.
 FP8_INDEXED_MIN_ROWS = 128
 FP8_INDEXED_MIN_K = 4096
-# MXFP4 weights with bf16 inputs: the 16-bit Mosaic kernel decodes the planar codes itself
-# (the table's int4 prefill tile) from this many rows an expert, indexed layouts included.
-MX_BF16_MOSAIC_MIN_ROWS = 128
-MX_BF16_MOSAIC = mosaic.Tiles(128, 256, 128, stages=3, group_m=8, swap_ab=True, word_decode=True, cluster_n=2)
+# Planar 4-bit weights (int4 g128, MXFP4) with bf16 inputs: the 16-bit Mosaic kernel decodes
+# the codes itself (every problem's tuned prefill tile is this form) from this many rows an
+# expert, indexed layouts included; weights it cannot decode fall through to the next tiling.
+DECODE_MOSAIC_MIN_ROWS = 128
+DECODE_MOSAIC = mosaic.Tiles(128, 256, 128, stages=3, group_m=8, swap_ab=True, word_decode=True, cluster_n=2)
 
 
 def rows_per_expert(layout: str, valid_shape_m: int, num_experts: int) -> int:
@@ -150,11 +151,11 @@ def indexed_fp8_tiles(fmt_class: str, rows: int, k: int, block_size: int | None,
     :data:`FP8_INDEXED_MIN_ROWS` with K of at least :data:`FP8_INDEXED_MIN_K`,
     or where the Triton tile would read the weight as ``byte_pairs`` (64-row
     blocks); W4A8 from :data:`MX_MOSAIC_MIN_ROWS` below
-    :data:`MX_BF16_MOSAIC_MIN_ROWS` (:data:`MX_FP8_SWAP`), and above it where
-    the caller's block is 64 rows (:data:`MX_BF16_MOSAIC`'s tile is 128)."""
-    if fmt_class == "fp4-a8" and MX_MOSAIC_MIN_ROWS <= rows < MX_BF16_MOSAIC_MIN_ROWS and block_size in (None, 64):
+    :data:`DECODE_MOSAIC_MIN_ROWS` (:data:`MX_FP8_SWAP`), and above it where
+    the caller's block is 64 rows (:data:`DECODE_MOSAIC`'s tile is 128)."""
+    if fmt_class == "fp4-a8" and MX_MOSAIC_MIN_ROWS <= rows < DECODE_MOSAIC_MIN_ROWS and block_size in (None, 64):
         return [MX_FP8_SWAP]
-    if fmt_class == "fp4-a8" and rows >= MX_BF16_MOSAIC_MIN_ROWS and block_size == 64:
+    if fmt_class == "fp4-a8" and rows >= DECODE_MOSAIC_MIN_ROWS and block_size == 64:
         return [mosaic_fp8.Tiles(64, 256, stages=4, group_m=8)]
     long_k = rows >= FP8_INDEXED_MIN_ROWS and k >= FP8_INDEXED_MIN_K
     if fmt_class == "8bit-a8" and (long_k or byte_pairs) and block_size in (None, 64):
@@ -174,14 +175,15 @@ def heuristic_candidates(
     indexed: bool = False,
     total_rows: int | None = None,
 ) -> list:
-    """In order: the Mosaic kernel after a dequantize pass (4-bit integer
-    weights it does not decode itself — K order, float zero points, other
-    groups —, at least :data:`DEQUANTIZE_MIN_ROWS` rows an expert; its
-    ``supports`` refuses what it cannot take), or the fp8 Mosaic kernel (8-bit
+    """In order: the 16-bit Mosaic kernel decoding planar 4-bit codes
+    (:data:`DECODE_MOSAIC`, from :data:`DECODE_MOSAIC_MIN_ROWS` rows an expert),
+    then for 4-bit integer weights it does not decode itself (K order, float zero
+    points, other groups: its ``supports`` refuses them) the same kernel after a
+    dequantize pass (at least :data:`DEQUANTIZE_MIN_ROWS` rows an expert), or the fp8 Mosaic kernel (8-bit
     weights with e4m3/e5m2 inputs, :data:`FP8_MOSAIC_MIN_ROWS`; planar MXFP4
     weights with them, :data:`MX_MOSAIC_MIN_ROWS`; indexed layouts:
-    :func:`indexed_fp8_tiles`), or the 16-bit Mosaic kernel decoding planar
-    MXFP4 (:data:`MX_BF16_MOSAIC_MIN_ROWS`; W4A8 there too, its input
+    :func:`indexed_fp8_tiles`), or for W4A8 the 16-bit Mosaic kernel decoding
+    MXFP4 (:data:`DECODE_MOSAIC_MIN_ROWS`), its input
     multiplied out, indexed layouts included — ahead of it, from
     :data:`E4M3_COPY_MIN_ROWS` (indexed: :data:`E4M3_COPY_MIN_ROWS_INDEXED`),
     W4A8 through an e4m3 copy of the weight, :data:`E4M3_COPY`), then the
@@ -194,11 +196,11 @@ def heuristic_candidates(
     fmt_class = format_class(fmt, input_dtype)
     indexed = indexed or block_size is not None
     found = []
+    mx_mosaic = rows >= DECODE_MOSAIC_MIN_ROWS and block_size in (None, DECODE_MOSAIC.block_m)
+    if fmt_class in ("4bit", "fp4") and mx_mosaic:
+        found.append(DECODE_MOSAIC)
     if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and not indexed:
         found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
-    mx_mosaic = rows >= MX_BF16_MOSAIC_MIN_ROWS and block_size in (None, MX_BF16_MOSAIC.block_m)
-    if fmt_class == "fp4" and mx_mosaic:
-        found.append(MX_BF16_MOSAIC)
     total_rows = rows * num_experts if total_rows is None else total_rows
     byte_pairs = triton.offsets_wrap(num_experts * n * k, 1) and total_rows >= BYTE_PAIRS_MOSAIC_MIN_M
     if fmt_class == "8bit-a8" and (rows >= FP8_MOSAIC_MIN_ROWS or byte_pairs) and not indexed:
@@ -209,7 +211,7 @@ def heuristic_candidates(
     if fmt_class == "fp4-a8" and rows >= copy_rows and copy_block and copy_fits:
         found.append(E4M3_COPY)
     if fmt_class == "fp4-a8" and mx_mosaic:
-        found.append(dataclasses.replace(MX_BF16_MOSAIC, dequantize_input=True))
+        found.append(dataclasses.replace(DECODE_MOSAIC, dequantize_input=True))
     elif fmt_class == "fp4-a8" and rows >= MX_MOSAIC_MIN_ROWS and not indexed:
         found += [MX_FP8_SWAP, dataclasses.replace(MX_FP8_SWAP, swap_ab=False)]
     if indexed:
