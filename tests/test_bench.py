@@ -648,13 +648,16 @@ def test_candidates_by_rows_per_expert():
     assert search.candidates_for(64)[: len(search.PREFILL)] == search.PREFILL
     # and the swap tiles sized to the experts' rows (x's rows the wgmma's N), where not 128
     sized = search.candidates_for(256)[len(search.PREFILL) :]
-    assert [(t.block_m, t.swap_ab, t.dequantize_input) for t in sized] == [(144, True, False), (144, True, True)]
+    expected = [(144, True, False), (144, True, True), (160, True, False)]
+    assert [(t.block_m, t.swap_ab, t.dequantize_input) for t in sized] == expected
     assert [search.expert_sized_rows(r) for r in (33, 64, 128, 256, 4096)] == [40, 72, 144, 144, 144]
-    assert search.expert_sized(113) == ()  # 113 x 1.125 -> 128: the table's tile
+    # 113 x 1.125 -> 128: the table's tile, and one 16 rows taller (few experts: one wave, not two)
+    assert [t.block_m for t in search.expert_sized(113)] == [144]
     assert search.expert_sized(32)[0].cluster_n == 1  # 40 rows: five 8-row pieces, no cluster pair
+    assert search.expert_sized(128)[2] == search.TALL_TILES[0]  # mixtral T=512's entry is swept
     # experts of many row tiles (mixtral at T=4096: 1024 rows) also sweep the tallest tiles
     assert [t.block_m for t in search.expert_sized(1024)] == [144, 144, 160, 176]
-    assert not set(search.TALL_TILES) & set(search.expert_sized(512))
+    assert search.TALL_TILES[1] not in search.expert_sized(512)  # the 2-stage 176 rows: past 512 only
 
 
 def test_masked_layout_takes_the_contiguous_layouts_entries():

@@ -139,6 +139,7 @@ EXPERT_ROWS_MAX = 176  # the accumulator's limit at 128 columns a warpgroup
 # Experts past this many rows span several row tiles, each decoding the expert's weight
 # tile again: the tallest swap tiles cut that count (1024 rows: seven of 160, six of 176).
 TALL_TILES_MIN_ROWS = 512
+TALL_TILE_3_STAGES = 160  # the most rows a swap tile of 256 columns runs with three stages
 TALL_TILES = (  # 176 rows leave shared memory for two stages only
     mosaic.Tiles(160, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=2),
     mosaic.Tiles(176, 256, 128, stages=2, swap_ab=True, word_decode=True, cluster_n=2),
@@ -153,18 +154,27 @@ def expert_sized_rows(rows_per_expert: int) -> int:
     return min(EXPERT_ROWS_MAX, max(8, rows))
 
 
-def expert_sized(rows_per_expert: int) -> tuple:
-    """The prefill swap tiles (bf16 inputs, and scaled inputs multiplied out)
-    with :func:`expert_sized_rows` rows, where that is not the table's 128, and
-    past :data:`TALL_TILES_MIN_ROWS` rows an expert the :data:`TALL_TILES`."""
-    rows = expert_sized_rows(rows_per_expert)
-    tall = TALL_TILES if rows_per_expert > TALL_TILES_MIN_ROWS else ()
-    if rows == 128:
-        return tall
+def _swap_tile(rows: int) -> mosaic.Tiles:
     # a cluster pair halves x's box in 8-row pieces: an odd count of them runs alone
     cluster_n = 2 if rows % 16 == 0 else 1
-    swap = mosaic.Tiles(rows, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=cluster_n)
-    return (swap, dataclasses.replace(swap, dequantize_input=True)) + tall
+    return mosaic.Tiles(rows, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=cluster_n)
+
+
+def expert_sized(rows_per_expert: int) -> tuple:
+    """The prefill swap tiles (bf16 inputs, and scaled inputs multiplied out)
+    with :func:`expert_sized_rows` rows, where that is not the table's 128; the
+    bf16 one 16 rows taller too (up to :data:`TALL_TILE_3_STAGES`); past
+    :data:`TALL_TILES_MIN_ROWS` rows an expert the :data:`TALL_TILES`."""
+    rows = expert_sized_rows(rows_per_expert)
+    tall = TALL_TILES if rows_per_expert > TALL_TILES_MIN_ROWS else ()
+    # With few experts one row tile more than the SMs take is a second wave: a taller
+    # tile keeps the largest expert's rows in as many tiles as the mean's.
+    taller = (_swap_tile(rows + 16),) if rows + 16 <= TALL_TILE_3_STAGES else ()
+    taller = tuple(t for t in taller if t not in tall)
+    if rows == 128:
+        return taller + tall
+    swap = _swap_tile(rows)
+    return (swap, dataclasses.replace(swap, dequantize_input=True)) + taller + tall
 
 
 def candidates_for(rows_per_expert: int) -> tuple:
