@@ -697,6 +697,13 @@ def test_four_bit_heuristic_by_rows_and_format():
     assert heuristic.heuristic_candidates(64, 1536, 2048, get_format("int4_g128"))[0] == heuristic.triton_tiles(
         64, 1536, 2048, "4bit"
     )
+    # 32-127 rows an expert with many experts: one warpgroup a program (mosaic_mid), 48 or 64 rows
+    for fmt in ("int4_g128", "mxfp4"):
+        by_rows = [heuristic.heuristic_candidates(r, 1536, 2048, get_format(fmt), num_experts=128)[0] for r in (32, 64)]
+        assert by_rows == [heuristic.MID_48, heuristic.MID_64]
+        assert heuristic.heuristic_candidates(16, 1536, 2048, get_format(fmt), num_experts=128)[0].block_m == 16
+    few = heuristic.heuristic_candidates(32, 28672, 4096, get_format("int4_g128"), num_experts=8)
+    assert few == [heuristic.triton_tiles(32, 28672, 4096, "4bit")]  # mixtral's 8: the K loop decides
     assert heuristic.heuristic_candidates(16, 1536, 2048, get_format("int4_g128")) == [decode]
     indexed = heuristic.heuristic_candidates(16, 1536, 2048, get_format("int4_g128"), block_size=64)
     assert indexed == [dataclasses.replace(decode, block_m=64)]

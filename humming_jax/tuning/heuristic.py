@@ -10,7 +10,7 @@ import dataclasses
 
 from humming_jax import formats as F
 from humming_jax.tuning.table import format_class
-from pallas_kernels.gemm import mosaic, mosaic_fp8, triton
+from pallas_kernels.gemm import mosaic, mosaic_fp8, mosaic_mid, triton
 
 LARGE_EXPERT_BYTES = 16 * 2**20
 # Rows an expert needs before a dequantize pass over every expert's weight pays
@@ -47,6 +47,14 @@ FP8_INDEXED_MIN_K = 4096
 # expert, indexed layouts included; weights it cannot decode fall through to the next tiling.
 DECODE_MOSAIC_MIN_ROWS = 128
 DECODE_MOSAIC = mosaic.Tiles(128, 256, 128, stages=3, group_m=8, swap_ab=True, word_decode=True, cluster_n=2)
+# Below that, from MID_MIN_ROWS rows an expert where experts are many (at least
+# MID_MIN_EXPERTS): one warpgroup a program decoding the codes, several programs an SM
+# (mosaic_mid), on row tiles of 48 rows up to 48 an expert, else 64. With few experts
+# the tiles are too few to fill the SMs that way and the K loop decides (mixtral).
+MID_MIN_ROWS = 32
+MID_MIN_EXPERTS = 64
+MID_48 = mosaic_mid.Tiles(48, 256, 128, stages=3, swap_ab=True, word_decode=True)
+MID_64 = mosaic_mid.Tiles(64, 256, 128, stages=3, swap_ab=True, word_decode=True)
 
 
 def rows_per_expert(layout: str, valid_shape_m: int, num_experts: int) -> int:
@@ -176,7 +184,8 @@ def heuristic_candidates(
     total_rows: int | None = None,
 ) -> list:
     """In order: the 16-bit Mosaic kernel decoding planar 4-bit codes
-    (:data:`DECODE_MOSAIC`, from :data:`DECODE_MOSAIC_MIN_ROWS` rows an expert),
+    (:data:`DECODE_MOSAIC`, from :data:`DECODE_MOSAIC_MIN_ROWS` rows an expert;
+    below, grouped with many experts, :data:`MID_48` / :data:`MID_64`),
     then for 4-bit integer weights it does not decode itself (K order, float zero
     points, other groups: its ``supports`` refuses them) the same kernel after a
     dequantize pass (at least :data:`DEQUANTIZE_MIN_ROWS` rows an expert), or the fp8 Mosaic kernel (8-bit
@@ -199,6 +208,9 @@ def heuristic_candidates(
     mx_mosaic = rows >= DECODE_MOSAIC_MIN_ROWS and block_size in (None, DECODE_MOSAIC.block_m)
     if fmt_class in ("4bit", "fp4") and mx_mosaic:
         found.append(DECODE_MOSAIC)
+    many = num_experts >= MID_MIN_EXPERTS and not indexed
+    if fmt_class in ("4bit", "fp4") and many and MID_MIN_ROWS <= rows < DECODE_MOSAIC_MIN_ROWS:
+        found.append(MID_48 if rows <= MID_48.block_m else MID_64)
     if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and not indexed:
         found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
     total_rows = rows * num_experts if total_rows is None else total_rows
