@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             help="4-bit weights in K order (default: planar, as the modules store them)",
         )
     bench.add_argument(
-        "--problems", nargs="+", default=list(bench_module.PROBLEMS), choices=list(bench_module.PROBLEMS)
+        "--problems", nargs="+", default=list(bench_module.ANCHOR_PROBLEMS), choices=list(bench_module.PROBLEMS)
     )
     bench.add_argument("--tokens", nargs="+", type=int, default=list(bench_module.TOKENS))
     bench.add_argument("--layouts", nargs="+", default=["grouped", "indexed"], choices=["grouped", "indexed", "masked"])

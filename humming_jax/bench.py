@@ -59,7 +59,11 @@ PROBLEMS = {
     "mixtral-8x7b": (8, 4096, 14336, 2),
     "deepseek-v3": (256, 7168, 2048, 8),
     "gpt-oss-120b": (128, 2880, 2880, 4),
+    # No table entries of its own: what the format-class entries and the heuristic run.
+    "qwen3-235b-a22b": (128, 4096, 1536, 8),
 }
+# The anchor table's problems (Humming's H200 table times these): the bench's default.
+ANCHOR_PROBLEMS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "gpt-oss-120b")
 TOKENS = (1, 16, 128, 512, 4096)
 FORMATS = ("bf16", "int4_g128", "mxfp4")
 # The anchor table's (Humming's) names of the weight@input pairs.
