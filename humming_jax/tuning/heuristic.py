@@ -205,8 +205,8 @@ def heuristic_candidates(
     fmt_class = format_class(fmt, input_dtype)
     indexed = indexed or block_size is not None
     found = []
-    mx_mosaic = rows >= DECODE_MOSAIC_MIN_ROWS and block_size in (None, DECODE_MOSAIC.block_m)
-    if fmt_class in ("4bit", "fp4") and mx_mosaic:
+    decode_mosaic = rows >= DECODE_MOSAIC_MIN_ROWS and block_size in (None, DECODE_MOSAIC.block_m)
+    if fmt_class in ("4bit", "fp4") and decode_mosaic:
         found.append(DECODE_MOSAIC)
     many = num_experts >= MID_MIN_EXPERTS and not indexed
     if fmt_class in ("4bit", "fp4") and many and MID_MIN_ROWS <= rows < DECODE_MOSAIC_MIN_ROWS:
@@ -222,7 +222,7 @@ def heuristic_candidates(
     copy_block = block_size in (None, E4M3_COPY.block_m)
     if fmt_class == "fp4-a8" and rows >= copy_rows and copy_block and copy_fits:
         found.append(E4M3_COPY)
-    if fmt_class == "fp4-a8" and mx_mosaic:
+    if fmt_class == "fp4-a8" and decode_mosaic:
         found.append(dataclasses.replace(DECODE_MOSAIC, dequantize_input=True))
     elif fmt_class == "fp4-a8" and rows >= MX_MOSAIC_MIN_ROWS and not indexed:
         found += [MX_FP8_SWAP, dataclasses.replace(MX_FP8_SWAP, swap_ab=False)]
