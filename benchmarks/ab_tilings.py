@@ -21,6 +21,10 @@ Several at once: ``--variant v28=FILE v29=FILE``, tiled ``v28:FIELDS`` and
 ``v29:FIELDS``; ``v28:default`` runs the tiles ``default`` ran (listed
 before it) on the variant's kernel. A Mosaic kernel file is also tiled
 ``v28_mid:FIELDS``: its body without warp specialization, as ``mosaic_mid``.
+``--seeds 0 1 2`` times each case on that many routings (and inputs), each its
+own case: a choice between row tiles can hinge on one expert's count (a tile
+that just holds the largest expert's rows runs one wave where one 16 rows
+shorter runs two), so each row also carries ``expert_rows_max``.
 ``--scale-orders kernel n_major k_major`` times each tiling on weights whose
 group scales are stored as ``to_kernel_order`` stores them, as ``[E, N, K/g]``
 and as ``[E, K/g, N]`` (any per-group format), interleaved.
@@ -34,6 +38,8 @@ import importlib.util
 import itertools
 import sys
 import time
+
+import numpy as np
 
 import pallas_kernels.gemm as gemm_kernels
 from humming_jax import bench, tiles_text
@@ -79,15 +85,17 @@ def load_variant(path: str, name: str = VARIANT) -> None:
 
 def run(args) -> list[dict]:
     rows = []
-    cases = itertools.product(args.formats, args.problems, args.gemms, args.layouts, args.tokens)
-    for fmt, problem, gemm, layout, tokens in cases:
+    cases = itertools.product(args.formats, args.problems, args.gemms, args.layouts, args.tokens, args.seeds)
+    for fmt, problem, gemm, layout, tokens, seed in cases:
         preps = {
-            order: bench.prepare(bench.Case(problem, gemm, layout, tokens, fmt, scale_order=order))
+            order: bench.prepare(bench.Case(problem, gemm, layout, tokens, fmt, scale_order=order), seed=seed)
             for order in args.scale_orders
         }
         default = None
         peers = bench.humming_peers(preps[args.scale_orders[0]]) if args.humming else {}
-        case = dict(fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens)
+        largest = int(np.bincount(preps[args.scale_orders[0]].ids.reshape(-1)).max())
+        case = dict(fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens, seed=seed)
+        case["expert_rows_max"] = largest
         for repeat in range(args.repeats):
             for text, order in itertools.product(args.tilings, args.scale_orders):
                 prep = preps[order]
@@ -127,6 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--tilings", nargs="+", default=["default"], help="tiles text (tiles_text) or 'default'")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="routings (and inputs) a case is timed on")
     parser.add_argument(
         "--scale-orders",
         nargs="+",

@@ -853,16 +853,20 @@ def test_ab_tilings_writes_each_timing(tiny, compiled_once, tmp_path, capsys, mo
         (rep, t) for rep in range(2) for t in ("default", "humming_graph")
     ]
     assert rows[1]["us"] == pytest.approx(7.0)
+    # --seeds: each routing its own case, with its largest expert's rows
+    assert ab_tilings.main([*argv[:-1], "1", "--seeds", "0", "1", "--tilings", "default", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["seed"] for r in rows] == [0, 1] and all(1 <= r["expert_rows_max"] <= 3 * 2 for r in rows)
     with pytest.raises(ValueError, match="kernel must be one of"):
         ab_tilings.main([*argv, "--tilings", "nope:block_m=16"])
     # A run stopped in its second case (a time limit) has written the first one's rows.
     real_prepare, prepared_cases = bench.prepare, []
 
-    def prepare_then_stop(case):
+    def prepare_then_stop(case, seed=0):
         if prepared_cases:
             raise KeyboardInterrupt
         prepared_cases.append(case)
-        return real_prepare(case)
+        return real_prepare(case, seed)
 
     stopped = tmp_path / "stopped.json"
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
