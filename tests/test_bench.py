@@ -1318,6 +1318,28 @@ def test_shipped_entries_run_on_the_layers_weights(monkeypatch):
     assert checked > 100
 
 
+def test_heuristic_prefill_tiles_run_on_a_shape_without_entries(monkeypatch):
+    """On a problem the table has no entries for (``qwen3-235b-a22b``), the
+    heuristic's first 4-bit prefill tiling is what ``plan`` runs on the
+    layer's stored weights, grouped: ``mosaic_mid`` at 32 and 64 rows an
+    expert, the decoding Mosaic tile from 128 (not a refusal that silently
+    runs the Triton tile). Abstract arrays, the Mosaic kernels told they are
+    on a Hopper GPU."""
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
+    problem = "qwen3-235b-a22b"
+    expected = {512: heuristic.MID_48, 1024: heuristic.MID_64, 2048: heuristic.DECODE_MOSAIC}
+    for fmt_name in ("int4_g128", "mxfp4"):
+        weight_format, quant = bench.split_format(fmt_name)
+        for gemm_name in ("w13", "w2"):
+            e, n, k, top_k = bench.Case(problem, gemm_name, "grouped", 1, fmt_name).shapes()
+            assert not tuning.table_entries("grouped_contiguous", weight_format, 512 * top_k, e, n, k)
+            config = hj.ExpertsConfig(e, k, n, top_k, weight_format=weight_format, input_quant=quant)
+            weight = _layers_weight(config, jax.ShapeDtypeStruct((e, n, k), jnp.float32))
+            for tokens, tiles in expected.items():
+                ran, reasons = _planned("grouped_contiguous", weight, quant, tokens * top_k)
+                assert ran == tiles, (fmt_name, gemm_name, tokens, reasons)
+
+
 @TOOL
 def test_k_scan_fits_the_per_tile_overhead(tiny, compiled_once, tmp_path, monkeypatch, capsys):
     """The scan times the problem's w2 at each K (the table's tiling, weights
