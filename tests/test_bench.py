@@ -1230,10 +1230,11 @@ def _layers_weight(config, floats):
     return jax.eval_shape(stored, floats)
 
 
-def _planned(layout_name, weight, quant, m):
+def _planned(layout_name, weight, quant, m, activation=None):
     """The tiling ``plan`` runs (and the refusals before it) on abstract arrays:
     a grouped layout of ``m`` rows, or an indexed one of ``m / 8`` tokens at
-    top-8 aligned to the block the layer takes (the first candidate's rows)."""
+    top-8 aligned to the block the layer takes (the first candidate's rows);
+    with ``activation`` applied in its tiles (None if they cannot)."""
     e, n, k = weight.shape
     chosen = []
     if layout_name == "grouped_contiguous":
@@ -1253,7 +1254,8 @@ def _planned(layout_name, weight, quant, m):
     def trace(x, routing_arrays, weight):
         if quant.is_quantized:
             x = Q.quantize_input(x, quant)
-        chosen.append(plan(as_quantized_input(x), weight, make_layout(*routing_arrays), valid_shape_m=m))
+        layout = make_layout(*routing_arrays)
+        chosen.append(plan(as_quantized_input(x), weight, layout, valid_shape_m=m, activation=activation))
         return x
 
     jax.eval_shape(trace, x, routing_arrays, weight)
@@ -1335,8 +1337,12 @@ def test_heuristic_prefill_tiles_run_on_a_shape_without_entries(monkeypatch):
             assert not tuning.table_entries("grouped_contiguous", weight_format, 512 * top_k, e, n, k)
             config = hj.ExpertsConfig(e, k, n, top_k, weight_format=weight_format, input_quant=quant)
             weight = _layers_weight(config, jax.ShapeDtypeStruct((e, n, k), jnp.float32))
+            act = None
+            if gemm_name == "w13":  # the layer's activation, applied in w13's tiles
+                act = dataclasses.replace(config.activation, gate_up_block=weight.gate_up_block)
+                assert act.gated and weight.gate_up_block
             for tokens, tiles in expected.items():
-                ran, reasons = _planned("grouped_contiguous", weight, quant, tokens * top_k)
+                ran, reasons = _planned("grouped_contiguous", weight, quant, tokens * top_k, act)
                 assert ran == tiles, (fmt_name, gemm_name, tokens, reasons)
 
 
