@@ -691,16 +691,25 @@ def test_four_bit_heuristic_by_rows_and_format():
     assert int4.swap_ab and fp4.swap_ab and (int4.block_m, int4.block_n, fp4.block_n) == (128, 128, 256)
     assert heuristic.triton_tiles(64, 1536, 2048, "fp4").block_n == 128
     many = heuristic.heuristic_candidates(1024, 28672, 4096, get_format("int4_g128"))
-    assert many[0] == heuristic.DECODE_MOSAIC and many[1].dequantize_first and many[2] == int4
+    assert many[0] == heuristic.decode_tiles(1024, 1) and many[1].dequantize_first and many[2] == int4
     mid = heuristic.heuristic_candidates(128, 28672, 4096, get_format("int4_g128"))
-    assert mid == [heuristic.DECODE_MOSAIC, heuristic.triton_tiles(128, 28672, 4096, "4bit")]
+    assert mid == [heuristic.decode_tiles(128, 1), heuristic.triton_tiles(128, 28672, 4096, "4bit")]
+    # the decoding tile's rows fit the experts': 144 at 128 and 1024 rows an expert (eight tiles), 160
+    # at 128 with few experts (one tile), 128 on an indexed block of 128
+    sized = {(r, e): heuristic.decode_tiles(r, e).block_m for r in (128, 1024) for e in (8, 128)}
+    assert sized == {(128, 8): 160, (128, 128): 144, (1024, 8): 144, (1024, 128): 144}
+    assert heuristic.decode_tiles(180, 128).block_m == 104  # two tiles: one of 176 would not hold 180 + an eighth
+    assert heuristic.heuristic_candidates(128, 28672, 4096, get_format("int4_g128"), 128)[0].block_m == 128
     assert heuristic.heuristic_candidates(64, 1536, 2048, get_format("int4_g128"))[0] == heuristic.triton_tiles(
         64, 1536, 2048, "4bit"
     )
-    # 32-127 rows an expert with many experts: one warpgroup a program (mosaic_mid), 48 or 64 rows
+    # 32-127 rows an expert with many experts: one warpgroup a program (mosaic_mid), 48 or 64 rows; past
+    # 64 rows the 128-row decoding tile (two mid tiles would decode each weight tile twice)
     for fmt in ("int4_g128", "mxfp4"):
-        by_rows = [heuristic.heuristic_candidates(r, 1536, 2048, get_format(fmt), num_experts=128)[0] for r in (32, 64)]
-        assert by_rows == [heuristic.MID_48, heuristic.MID_64]
+        by_rows = [
+            heuristic.heuristic_candidates(r, 1536, 2048, get_format(fmt), num_experts=128)[0] for r in (32, 64, 96)
+        ]
+        assert by_rows == [heuristic.MID_48, heuristic.MID_64, heuristic.DECODE_MOSAIC]
         assert heuristic.heuristic_candidates(16, 1536, 2048, get_format(fmt), num_experts=128)[0].block_m == 16
     few = heuristic.heuristic_candidates(32, 28672, 4096, get_format("int4_g128"), num_experts=8)
     assert few == [heuristic.triton_tiles(32, 28672, 4096, "4bit")]  # mixtral's 8: the K loop decides
@@ -1324,12 +1333,12 @@ def test_heuristic_prefill_tiles_run_on_a_shape_without_entries(monkeypatch):
     """On a problem the table has no entries for (``qwen3-235b-a22b``), the
     heuristic's first 4-bit prefill tiling is what ``plan`` runs on the
     layer's stored weights, grouped: ``mosaic_mid`` at 32 and 64 rows an
-    expert, the decoding Mosaic tile from 128 (not a refusal that silently
+    expert, the decoding Mosaic tile (144 rows) from 128 (not a refusal that silently
     runs the Triton tile). Abstract arrays, the Mosaic kernels told they are
     on a Hopper GPU."""
     monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
     problem = "qwen3-235b-a22b"
-    expected = {512: heuristic.MID_48, 1024: heuristic.MID_64, 2048: heuristic.DECODE_MOSAIC}
+    expected = {512: heuristic.MID_48, 1024: heuristic.MID_64, 2048: heuristic.decode_tiles(128, 128)}
     for fmt_name in ("int4_g128", "mxfp4"):
         weight_format, quant = bench.split_format(fmt_name)
         for gemm_name in ("w13", "w2"):

@@ -438,9 +438,9 @@ def test_the_plan_takes_it_from_128_rows_an_expert():
     for block in (None, 64):
         assert T.heuristic_candidates(64, 1536, 2048, mx, block, input_dtype="float8_e4m3")[0] == heuristic.MX_FP8_SWAP
     assert not isinstance(T.heuristic_candidates(32, 1536, 2048, mx, 32, input_dtype="float8_e4m3")[0], kernel.Tiles)
-    for block in (None, 128):
+    for block, tiles in ((None, heuristic.decode_tiles(128, 1)), (128, heuristic.DECODE_MOSAIC)):
         square = T.heuristic_candidates(128, 1536, 2048, mx, block, input_dtype="float8_e4m3")[0]
-        assert square == dataclasses.replace(heuristic.DECODE_MOSAIC, dequantize_input=True)
+        assert square == dataclasses.replace(tiles, dequantize_input=True)  # an indexed block: its rows
     assert not isinstance(T.heuristic_candidates(16, 1536, 2048, mx, input_dtype="float8_e4m3")[0], kernel.Tiles)
     # From E4M3_COPY_MIN_ROWS grouped (not indexed), the e4m3 copy while it stays under its cap.
     rows = heuristic.E4M3_COPY_MIN_ROWS

@@ -465,15 +465,15 @@ def test_heuristic_choices_for_quantized_inputs():
             assert isinstance(tiles, kernel.Tiles) and tiles.block_m == 16 and tiles.dequantize_input
     assert not first(grouped, F.INT4_G128, Q.INT8_DYNAMIC_TOKEN, 16 * 8, 128, 1536, 2048)[0].dequantize_input
     assert not first(grouped, F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128, 16 * 8, 128, 1536, 2048)[0].dequantize_input
-    # Indexed W4A8: the 16-bit kernel's 128-row tiles (the block), or the fp8 one's 64 x 256
-    # when the caller's block is 64 (a shape with no table entry: the heuristic's).
+    # Indexed W4A8: the 16-bit kernel's tiles sized to the experts' rows (the block: 144 rows,
+    # two a 256-row expert), or the fp8 one's 64 x 256 when the caller's block is 64 (a shape
+    # with no table entry: the heuristic's).
     listed = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1024, 2048, half_bits=True)
-    multiplied_out = dataclasses.replace(heuristic.DECODE_MOSAIC, dequantize_input=True)
-    assert listed[0] == multiplied_out and T.indexed_block_rows(listed) == 128
-    # qwen3's w13 at T=4096: the table's 144-row tile first (its rows the block), the heuristic's next.
+    multiplied_out = dataclasses.replace(heuristic.decode_tiles(256, 128), dequantize_input=True)
+    assert listed[0] == multiplied_out and T.indexed_block_rows(listed) == 144
+    # qwen3's w13 at T=4096: the table's 144-row tile first (its rows the block).
     qwen3 = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
-    assert qwen3[:2] == [dataclasses.replace(multiplied_out, block_m=144), multiplied_out]
-    assert T.indexed_block_rows(qwen3) == 144
+    assert qwen3[0].block_m == 144 and qwen3[0].dequantize_input and T.indexed_block_rows(qwen3) == 144
     wide = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, block_size=64, half_bits=True)
     assert wide[0] == mosaic_fp8.Tiles(64, 256, stages=4, group_m=8)
     # 32 rows an expert: the fp8 kernel's register-operand 64 x 256 (mixtral, v24), but qwen3's
@@ -500,12 +500,13 @@ def test_heuristic_choices_for_quantized_inputs():
     # (the table's class entry, the heuristic below it), but for qwen3's short-K w2.
     for shape_m, e, n, k in ((4096 * 8, 128, 1536, 2048), (4096 * 2, 8, 28672, 4096)):
         gathered = T.candidates(indexed, F.MXFP4, shape_m, e, n, k, half_bits=True)
-        assert isinstance(gathered[0], mosaic.Tiles) and T.indexed_block_rows(gathered) == 128
+        assert isinstance(gathered[0], mosaic.Tiles) and T.indexed_block_rows(gathered) == gathered[0].block_m
     assert isinstance(T.candidates(indexed, F.MXFP4, 4096 * 8, 128, 2048, 768, half_bits=True)[0], kernel.Tiles)
     # W4A16 MXFP4 and int4 (bf16 inputs) on a shape without entries: the 16-bit Mosaic kernel
-    # decodes planar codes from 128 rows an expert.
+    # decodes planar codes from 128 rows an expert, on row tiles sized to them.
     for fmt in (F.MXFP4, F.INT4_G128):
-        assert T.candidates(grouped, fmt, 1024 * 2, 8, 32768, 6144, half_bits=True)[0] == heuristic.DECODE_MOSAIC
+        listed = T.candidates(grouped, fmt, 1024 * 2, 8, 32768, 6144, half_bits=True)
+        assert listed[0] == heuristic.decode_tiles(256, 8)
     # (at mixtral's T=512 the table's row tile sized to its 128 rows an expert comes first)
     sized = T.candidates(grouped, F.MXFP4, 512 * 2, 8, 28672, 4096, half_bits=True)[0]
     assert sized == dataclasses.replace(heuristic.DECODE_MOSAIC, block_m=160)
@@ -517,7 +518,8 @@ def test_heuristic_choices_for_quantized_inputs():
         mid = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 8, 128, n_out, k_in, half_bits=True)[0]
         assert isinstance(mid, mosaic_mid.Tiles) and mid.block_m == 48 and mid.dequantize_input
     prefill = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
-    assert prefill[:2] == [heuristic.E4M3_COPY, dataclasses.replace(heuristic.DECODE_MOSAIC, dequantize_input=True)]
+    multiplied_out = dataclasses.replace(heuristic.decode_tiles(256, 128), dequantize_input=True)
+    assert prefill[:2] == [heuristic.E4M3_COPY, multiplied_out]
 
 
 @pytest.mark.parametrize(

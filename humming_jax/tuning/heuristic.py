@@ -7,6 +7,7 @@ rows (the weight's bytes bound the time), large tiles where they hold many
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from humming_jax import formats as F
 from humming_jax.tuning.table import format_class
@@ -47,14 +48,43 @@ FP8_INDEXED_MIN_K = 4096
 # expert, indexed layouts included; weights it cannot decode fall through to the next tiling.
 DECODE_MOSAIC_MIN_ROWS = 128
 DECODE_MOSAIC = mosaic.Tiles(128, 256, 128, stages=3, group_m=8, swap_ab=True, word_decode=True, cluster_n=2)
+# Its row tile holds an expert's rows in as few tiles as they need, an eighth over for the
+# spread of the counts (x's rows are the wgmma's N: any multiple of 8), at most
+# DECODE_ROWS_MAX rows (three stages' shared memory); a tile of 128 rows at 128 rows an
+# expert would leave about half the experts a second, nearly empty tile.
+EXPERT_ROWS_HEADROOM = 1.125
+EXPERT_ROWS_MAX = 176  # the accumulator's limit at 128 columns a warpgroup
+DECODE_ROWS_MAX = 160
 # Below that, from MID_MIN_ROWS rows an expert where experts are many (at least
 # MID_MIN_EXPERTS): one warpgroup a program decoding the codes, several programs an SM
-# (mosaic_mid), on row tiles of 48 rows up to 48 an expert, else 64. With few experts
-# the tiles are too few to fill the SMs that way and the K loop decides (mixtral).
+# (mosaic_mid), on one row tile an expert, 48 or 64 rows; past 64 rows an expert two such
+# tiles would decode each weight tile twice, and the 128-row DECODE_MOSAIC runs. With few
+# experts the tiles are too few to fill the SMs that way and the K loop decides (mixtral).
 MID_MIN_ROWS = 32
 MID_MIN_EXPERTS = 64
 MID_48 = mosaic_mid.Tiles(48, 256, 128, stages=3, swap_ab=True, word_decode=True)
 MID_64 = mosaic_mid.Tiles(64, 256, 128, stages=3, swap_ab=True, word_decode=True)
+
+
+def expert_sized_rows(rows_per_expert: int, most: int = EXPERT_ROWS_MAX) -> int:
+    """Rows of a swap tile sized to experts of ``rows_per_expert`` rows: each
+    expert in ``round(rows / 128)`` tiles (at least one, and as many as keep a
+    tile within ``most`` rows), :data:`EXPERT_ROWS_HEADROOM` over, a multiple of 8."""
+    wanted = rows_per_expert * EXPERT_ROWS_HEADROOM
+    tiles = max(1, round(rows_per_expert / 128), math.ceil(wanted / most))
+    return min(most, max(8, -(-int(wanted / tiles) // 8) * 8))
+
+
+def decode_tiles(rows: int, num_experts: int) -> mosaic.Tiles:
+    """:data:`DECODE_MOSAIC` on row tiles sized to experts of ``rows`` rows
+    (:func:`expert_sized_rows`). With few experts (under :data:`MID_MIN_EXPERTS`)
+    that fit one tile, 16 rows more: there one tile more than the SMs take is a
+    second wave, and the largest expert's count is well past the mean's eighth."""
+    block_m = expert_sized_rows(rows, DECODE_ROWS_MAX)
+    if num_experts < MID_MIN_EXPERTS and rows * EXPERT_ROWS_HEADROOM <= block_m:
+        block_m = min(DECODE_ROWS_MAX, block_m + 16)
+    # a cluster pair halves x's box in 8-row pieces: an odd count of them runs alone
+    return dataclasses.replace(DECODE_MOSAIC, block_m=block_m, cluster_n=2 if block_m % 16 == 0 else 1)
 
 
 def rows_per_expert(layout: str, valid_shape_m: int, num_experts: int) -> int:
@@ -206,11 +236,13 @@ def heuristic_candidates(
     indexed = indexed or block_size is not None
     found = []
     decode_mosaic = rows >= DECODE_MOSAIC_MIN_ROWS and block_size in (None, DECODE_MOSAIC.block_m)
+    # an indexed layout's given block is the tile's rows; else the rows fit the experts'
+    decode = DECODE_MOSAIC if block_size is not None else decode_tiles(rows, num_experts)
     if fmt_class in ("4bit", "fp4") and decode_mosaic:
-        found.append(DECODE_MOSAIC)
+        found.append(decode)
     many = num_experts >= MID_MIN_EXPERTS and not indexed
     if fmt_class in ("4bit", "fp4") and many and MID_MIN_ROWS <= rows < DECODE_MOSAIC_MIN_ROWS:
-        found.append(MID_48 if rows <= MID_48.block_m else MID_64)
+        found.append(next((t for t in (MID_48, MID_64) if rows <= t.block_m), DECODE_MOSAIC))
     if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and not indexed:
         found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
     total_rows = rows * num_experts if total_rows is None else total_rows
@@ -223,7 +255,7 @@ def heuristic_candidates(
     if fmt_class == "fp4-a8" and rows >= copy_rows and copy_block and copy_fits:
         found.append(E4M3_COPY)
     if fmt_class == "fp4-a8" and decode_mosaic:
-        found.append(dataclasses.replace(DECODE_MOSAIC, dequantize_input=True))
+        found.append(dataclasses.replace(decode, dequantize_input=True))
     elif fmt_class == "fp4-a8" and rows >= MX_MOSAIC_MIN_ROWS and not indexed:
         found += [MX_FP8_SWAP, dataclasses.replace(MX_FP8_SWAP, swap_ab=False)]
     if indexed:

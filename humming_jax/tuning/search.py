@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from humming_jax.tuning.heuristic import expert_sized_rows
 from pallas_kernels.gemm import mosaic, mosaic_fp8, mosaic_mid, triton
 
 # Prefill split where the row tile sized to an expert's rows changes (T=4096 at top-8 is
@@ -131,11 +132,7 @@ PREFILL = (
 )
 
 
-# The 16-bit Mosaic kernel's decoding swap tile with as many rows as an expert's share
-# of its row tiles needs, an eighth over for the spread of the counts (x's rows are the
-# wgmma's N: any multiple of 8): fewer padded rows, fewer decodes of each weight tile.
-EXPERT_ROWS_HEADROOM = 1.125
-EXPERT_ROWS_MAX = 176  # the accumulator's limit at 128 columns a warpgroup
+# The 16-bit Mosaic kernel's decoding swap tile sized to the experts' rows (the heuristic's rule).
 # Experts past this many rows span several row tiles, each decoding the expert's weight
 # tile again: the tallest swap tiles cut that count (1024 rows: seven of 160, six of 176).
 TALL_TILES_MIN_ROWS = 512
@@ -144,14 +141,6 @@ TALL_TILES = (  # 176 rows leave shared memory for two stages only
     mosaic.Tiles(160, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=2),
     mosaic.Tiles(176, 256, 128, stages=2, swap_ab=True, word_decode=True, cluster_n=2),
 )
-
-
-def expert_sized_rows(rows_per_expert: int) -> int:
-    """Rows of a swap tile sized to experts of ``rows_per_expert`` rows: each
-    expert in ``round(rows / 128)`` tiles (at least one), a multiple of 8."""
-    tiles = max(1, round(rows_per_expert / 128))
-    rows = -(-int(rows_per_expert * EXPERT_ROWS_HEADROOM / tiles) // 8) * 8
-    return min(EXPERT_ROWS_MAX, max(8, rows))
 
 
 def _swap_tile(rows: int) -> mosaic.Tiles:
