@@ -94,8 +94,9 @@ def run(args) -> list[dict]:
         default = None
         peers = bench.humming_peers(preps[args.scale_orders[0]]) if args.humming else {}
         largest = int(np.bincount(preps[args.scale_orders[0]].ids.reshape(-1)).max())
-        case = dict(fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens, seed=seed)
-        case["expert_rows_max"] = largest
+        case = dict(
+            fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens, seed=seed, expert_rows_max=largest
+        )
         for repeat in range(args.repeats):
             for text, order in itertools.product(args.tilings, args.scale_orders):
                 prep = preps[order]
