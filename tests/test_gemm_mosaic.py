@@ -335,11 +335,13 @@ def test_prefill_tile_on_the_whole_grid(fmt, tuning, rng):
 
 
 @ON_GPU_ONLY
-def test_expert_sized_tile_on_the_masked_layout_with_nan_padding(rng):
-    """The batched layer's prefill w13 (the contiguous layout's 144-row entry
-    on the masked layout, its input as the caller gave it: NaN past each
-    count): the counts' rows against float64, every row past a count zero
-    (its tile loads NaN rows and must store none of them)."""
+@pytest.mark.parametrize("tuning", [EXPERT_SIZED_4BIT, heuristic.MID_48], ids=["144-rows", "mid-48"])
+def test_expert_sized_tile_on_the_masked_layout_with_nan_padding(tuning, rng):
+    """The batched layer's prefill w13 (the contiguous layout's 144-row entry,
+    and the heuristic's ``mosaic_mid`` tile, on the masked layout, its input
+    as the caller gave it: NaN past each count): the counts' rows against
+    float64, every row past a count zero (its tile loads NaN rows and must
+    store none of them)."""
     counts, max_tokens, n, k = np.asarray([0, 272, 17, 300, 144, 1], np.int32), 272, 1024, 2048
     e = len(counts)
     weight = hj.to_planar(F.quantize_weight(jnp.asarray(rng.normal(0, 0.05, (e, n, k)), jnp.float32), F.INT4_G128))
@@ -348,7 +350,7 @@ def test_expert_sized_tile_on_the_masked_layout_with_nan_padding(rng):
     x[past] = np.nan
     x = jnp.asarray(x.reshape(e * max_tokens, k), jnp.bfloat16)
     layout = hj.GroupedMasked(jnp.asarray(counts))
-    out = hj.gemm(x, weight, layout, tuning=EXPERT_SIZED_4BIT, backend=KERNEL_BACKEND)
+    out = hj.gemm(x, weight, layout, tuning=tuning, backend=KERNEL_BACKEND)
     got = np.asarray(out.astype(jnp.float32), np.float64).reshape(e, max_tokens, n)
     rounded = np.asarray(F.dequantize_weight(weight).astype(jnp.bfloat16), np.float64)
     xs = np.asarray(x, np.float64).reshape(e, max_tokens, k)

@@ -676,6 +676,7 @@ _OTHER_LAYOUT_TILINGS = [
     ("int4_g128", "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
     ("fp8_block128@fp8_dynamic_group128", "mosaic_fp8:block_m=64,block_n=256,stages=4"),
     ("mxfp4@fp8_dynamic_group128", "mosaic_fp8:block_m=64,block_n=256,stages=4,swap_ab=1"),
+    ("mxfp4", "mosaic_mid:block_m=48,block_k=128,stages=3,swap_ab=1,word_decode=1"),
 ]
 
 
