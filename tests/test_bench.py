@@ -711,8 +711,10 @@ def test_four_bit_heuristic_by_rows_and_format():
         ]
         assert by_rows == [heuristic.MID_48, heuristic.MID_64, heuristic.DECODE_MOSAIC]
         assert heuristic.heuristic_candidates(16, 1536, 2048, get_format(fmt), num_experts=128)[0].block_m == 16
+    # mixtral's 8 experts: the K loop decides, on the warp-specialized 48-row pair up to 48 rows an expert
     few = heuristic.heuristic_candidates(32, 28672, 4096, get_format("int4_g128"), num_experts=8)
-    assert few == [heuristic.triton_tiles(32, 28672, 4096, "4bit")]  # mixtral's 8: the K loop decides
+    assert few == [heuristic.PAIR_48, heuristic.triton_tiles(32, 28672, 4096, "4bit")]
+    assert heuristic.heuristic_candidates(64, 28672, 4096, get_format("int4_g128"), num_experts=8)[0].block_m == 64
     assert heuristic.heuristic_candidates(16, 1536, 2048, get_format("int4_g128")) == [decode]
     indexed = heuristic.heuristic_candidates(16, 1536, 2048, get_format("int4_g128"), block_size=64)
     assert indexed == [dataclasses.replace(decode, block_m=64)]

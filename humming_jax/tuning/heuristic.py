@@ -59,11 +59,13 @@ DECODE_ROWS_MAX = 160
 # MID_MIN_EXPERTS): one warpgroup a program decoding the codes, several programs an SM
 # (mosaic_mid), on one row tile an expert, 48 or 64 rows; past 64 rows an expert two such
 # tiles would decode each weight tile twice, and the 128-row DECODE_MOSAIC runs. With few
-# experts the tiles are too few to fill the SMs that way and the K loop decides (mixtral).
+# experts the tiles are too few to fill the SMs that way and the K loop decides: up to 48
+# rows an expert the warp-specialized 48-row pair (PAIR_48, mixtral's entries), else Triton.
 MID_MIN_ROWS = 32
 MID_MIN_EXPERTS = 64
 MID_48 = mosaic_mid.Tiles(48, 256, 128, stages=3, swap_ab=True, word_decode=True)
 MID_64 = mosaic_mid.Tiles(64, 256, 128, stages=3, swap_ab=True, word_decode=True)
+PAIR_48 = mosaic.Tiles(48, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=2)
 
 
 def expert_sized_rows(rows_per_expert: int, most: int = EXPERT_ROWS_MAX) -> int:
@@ -215,7 +217,7 @@ def heuristic_candidates(
 ) -> list:
     """In order: the 16-bit Mosaic kernel decoding planar 4-bit codes
     (:data:`DECODE_MOSAIC`, from :data:`DECODE_MOSAIC_MIN_ROWS` rows an expert;
-    below, grouped with many experts, :data:`MID_48` / :data:`MID_64`),
+    below, grouped, :data:`MID_48` / :data:`MID_64` with many experts, :data:`PAIR_48` with few),
     then for 4-bit integer weights it does not decode itself (K order, float zero
     points, other groups: its ``supports`` refuses them) the same kernel after a
     dequantize pass (at least :data:`DEQUANTIZE_MIN_ROWS` rows an expert), or the fp8 Mosaic kernel (8-bit
@@ -240,9 +242,11 @@ def heuristic_candidates(
     decode = DECODE_MOSAIC if block_size is not None else decode_tiles(rows, num_experts)
     if fmt_class in ("4bit", "fp4") and decode_mosaic:
         found.append(decode)
-    many = num_experts >= MID_MIN_EXPERTS and not indexed
-    if fmt_class in ("4bit", "fp4") and many and MID_MIN_ROWS <= rows < DECODE_MOSAIC_MIN_ROWS:
+    mid_rows = fmt_class in ("4bit", "fp4") and not indexed and MID_MIN_ROWS <= rows < DECODE_MOSAIC_MIN_ROWS
+    if mid_rows and num_experts >= MID_MIN_EXPERTS:
         found.append(next((t for t in (MID_48, MID_64) if rows <= t.block_m), DECODE_MOSAIC))
+    elif mid_rows and rows <= PAIR_48.block_m:
+        found.append(PAIR_48)
     if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and not indexed:
         found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
     total_rows = rows * num_experts if total_rows is None else total_rows
