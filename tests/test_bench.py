@@ -698,7 +698,8 @@ def test_four_bit_heuristic_by_rows_and_format():
     # at 128 with few experts (one tile), 128 on an indexed block of 128
     sized = {(r, e): heuristic.decode_tiles(r, e).block_m for r in (128, 1024) for e in (8, 128)}
     assert sized == {(128, 8): 160, (128, 128): 144, (1024, 8): 144, (1024, 128): 144}
-    assert heuristic.decode_tiles(180, 128).block_m == 104  # two tiles: one of 176 would not hold 180 + an eighth
+    # past the cap the rows split evenly: 180 in two tiles of 104 (a 160-row one would leave 20 for a second)
+    assert [heuristic.decode_tiles(r, 128).block_m for r in (150, 160, 180)] == [160, 160, 104]
     assert heuristic.heuristic_candidates(128, 28672, 4096, get_format("int4_g128"), 128)[0].block_m == 128
     assert heuristic.heuristic_candidates(64, 1536, 2048, get_format("int4_g128"))[0] == heuristic.triton_tiles(
         64, 1536, 2048, "4bit"

@@ -70,10 +70,11 @@ PAIR_48 = mosaic.Tiles(48, 256, 128, stages=3, swap_ab=True, word_decode=True, c
 
 def expert_sized_rows(rows_per_expert: int, most: int = EXPERT_ROWS_MAX) -> int:
     """Rows of a swap tile sized to experts of ``rows_per_expert`` rows: each
-    expert in ``round(rows / 128)`` tiles (at least one, and as many as keep a
-    tile within ``most`` rows), :data:`EXPERT_ROWS_HEADROOM` over, a multiple of 8."""
+    expert in ``round(rows / 128)`` tiles (at least one, and enough for the
+    mean's rows at ``most`` a tile), :data:`EXPERT_ROWS_HEADROOM` over where
+    that fits ``most``, a multiple of 8."""
     wanted = rows_per_expert * EXPERT_ROWS_HEADROOM
-    tiles = max(1, round(rows_per_expert / 128), math.ceil(wanted / most))
+    tiles = max(1, round(rows_per_expert / 128), math.ceil(rows_per_expert / most))
     return min(most, max(8, -(-int(wanted / tiles) // 8) * 8))
 
 
