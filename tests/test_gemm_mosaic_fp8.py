@@ -435,6 +435,9 @@ def test_the_plan_takes_it_from_128_rows_an_expert():
     mx = F.get_format("mxfp4")
     mid = T.heuristic_candidates(32, 1536, 2048, mx, input_dtype="float8_e4m3")
     assert mid[:2] == [heuristic.MX_FP8_SWAP, dataclasses.replace(heuristic.MX_FP8_SWAP, swap_ab=False)]
+    # many experts (qwen3's entries): the W4A16 mid tile on the input multiplied out, the register form after it
+    many = T.heuristic_candidates(32, 1536, 2048, mx, input_dtype="float8_e4m3", num_experts=128)
+    assert many[:2] == [dataclasses.replace(heuristic.MID_48, dequantize_input=True), heuristic.MX_FP8_SWAP]
     for block in (None, 64):
         assert T.heuristic_candidates(64, 1536, 2048, mx, block, input_dtype="float8_e4m3")[0] == heuristic.MX_FP8_SWAP
     assert not isinstance(T.heuristic_candidates(32, 1536, 2048, mx, 32, input_dtype="float8_e4m3")[0], kernel.Tiles)

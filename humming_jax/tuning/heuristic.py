@@ -223,7 +223,8 @@ def heuristic_candidates(
     points, other groups: its ``supports`` refuses them) the same kernel after a
     dequantize pass (at least :data:`DEQUANTIZE_MIN_ROWS` rows an expert), or the fp8 Mosaic kernel (8-bit
     weights with e4m3/e5m2 inputs, :data:`FP8_MOSAIC_MIN_ROWS`; planar MXFP4
-    weights with them, :data:`MX_MOSAIC_MIN_ROWS`; indexed layouts:
+    weights with them, :data:`MX_MOSAIC_MIN_ROWS`, behind :data:`MID_48` / :data:`MID_64`
+    on the input multiplied out where experts are many; indexed layouts:
     :func:`indexed_fp8_tiles`), or for W4A8 the 16-bit Mosaic kernel decoding
     MXFP4 (:data:`DECODE_MOSAIC_MIN_ROWS`), its input
     multiplied out, indexed layouts included — ahead of it, from
@@ -262,6 +263,10 @@ def heuristic_candidates(
     if fmt_class == "fp4-a8" and decode_mosaic:
         found.append(dataclasses.replace(decode, dequantize_input=True))
     elif fmt_class == "fp4-a8" and rows >= MX_MOSAIC_MIN_ROWS and not indexed:
+        # many experts of up to 64 rows: the W4A16 mid tile on the input multiplied out (qwen3's entries)
+        mid = next((t for t in (MID_48, MID_64) if rows <= t.block_m), None)
+        if mid is not None and num_experts >= MID_MIN_EXPERTS:
+            found.append(dataclasses.replace(mid, dequantize_input=True))
         found += [MX_FP8_SWAP, dataclasses.replace(MX_FP8_SWAP, swap_ab=False)]
     if indexed:
         found += indexed_fp8_tiles(fmt_class, rows, k, block_size, byte_pairs)
