@@ -696,8 +696,8 @@ def test_four_bit_heuristic_by_rows_and_format():
     assert mid == [heuristic.decode_tiles(128, 1), heuristic.triton_tiles(128, 28672, 4096, "4bit")]
     # the decoding tile's rows fit the experts': 144 at 128 and 1024 rows an expert (eight tiles), 160
     # at 128 with few experts (one tile), 128 on an indexed block of 128
-    sized = {(r, e): heuristic.decode_tiles(r, e).block_m for r in (128, 1024) for e in (8, 128)}
-    assert sized == {(128, 8): 160, (128, 128): 144, (1024, 8): 144, (1024, 128): 144}
+    sized = {(r, e): heuristic.decode_tiles(r, e).block_m for r in (128, 1024) for e in (1, 8, 128)}
+    assert sized == {(128, 8): 160, (128, 128): 144, (1024, 8): 144, (1024, 128): 144, (128, 1): 128, (1024, 1): 128}
     # past the cap the rows split evenly: 180 in two tiles of 104 (a 160-row one would leave 20 for a second)
     assert [heuristic.decode_tiles(r, 128).block_m for r in (150, 160, 180)] == [160, 160, 104]
     assert heuristic.heuristic_candidates(128, 28672, 4096, get_format("int4_g128"), 128)[0].block_m == 128

@@ -82,7 +82,10 @@ def decode_tiles(rows: int, num_experts: int) -> mosaic.Tiles:
     """:data:`DECODE_MOSAIC` on row tiles sized to experts of ``rows`` rows
     (:func:`expert_sized_rows`). With few experts (under :data:`MID_MIN_EXPERTS`)
     that fit one tile, 16 rows more: there one tile more than the SMs take is a
-    second wave, and the largest expert's count is well past the mean's eighth."""
+    second wave, and the largest expert's count is well past the mean's eighth.
+    One weight (the dense layout) has no spread of counts: the 128-row tile."""
+    if num_experts == 1:
+        return DECODE_MOSAIC
     block_m = expert_sized_rows(rows, DECODE_ROWS_MAX)
     if num_experts < MID_MIN_EXPERTS and rows * EXPERT_ROWS_HEADROOM <= block_m:
         block_m = min(DECODE_ROWS_MAX, block_m + 16)
@@ -247,7 +250,7 @@ def heuristic_candidates(
     mid_rows = fmt_class in ("4bit", "fp4") and not indexed and MID_MIN_ROWS <= rows < DECODE_MOSAIC_MIN_ROWS
     if mid_rows and num_experts >= MID_MIN_EXPERTS:
         found.append(next((t for t in (MID_48, MID_64) if rows <= t.block_m), DECODE_MOSAIC))
-    elif mid_rows and rows <= PAIR_48.block_m:
+    elif mid_rows and num_experts > 1 and rows <= PAIR_48.block_m:
         found.append(PAIR_48)
     if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and not indexed:
         found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
