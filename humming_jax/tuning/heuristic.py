@@ -78,6 +78,12 @@ def expert_sized_rows(rows_per_expert: int, most: int = EXPERT_ROWS_MAX) -> int:
     return min(most, max(8, -(-int(wanted / tiles) // 8) * 8))
 
 
+def decode_tile_of(block_m: int) -> mosaic.Tiles:
+    """:data:`DECODE_MOSAIC` on ``block_m``-row tiles."""
+    # a cluster pair halves x's box in 8-row pieces: an odd count of them runs alone
+    return dataclasses.replace(DECODE_MOSAIC, block_m=block_m, cluster_n=2 if block_m % 16 == 0 else 1)
+
+
 def decode_tiles(rows: int, num_experts: int) -> mosaic.Tiles:
     """:data:`DECODE_MOSAIC` on row tiles sized to experts of ``rows`` rows
     (:func:`expert_sized_rows`). With few experts (under :data:`MID_MIN_EXPERTS`)
@@ -89,8 +95,7 @@ def decode_tiles(rows: int, num_experts: int) -> mosaic.Tiles:
     block_m = expert_sized_rows(rows, DECODE_ROWS_MAX)
     if num_experts < MID_MIN_EXPERTS and rows * EXPERT_ROWS_HEADROOM <= block_m:
         block_m = min(DECODE_ROWS_MAX, block_m + 16)
-    # a cluster pair halves x's box in 8-row pieces: an odd count of them runs alone
-    return dataclasses.replace(DECODE_MOSAIC, block_m=block_m, cluster_n=2 if block_m % 16 == 0 else 1)
+    return decode_tile_of(block_m)
 
 
 def rows_per_expert(layout: str, valid_shape_m: int, num_experts: int) -> int:
@@ -247,9 +252,11 @@ def heuristic_candidates(
     decode = DECODE_MOSAIC if block_size is not None else decode_tiles(rows, num_experts)
     if fmt_class in ("4bit", "fp4") and decode_mosaic:
         found.append(decode)
+    # one mid tile an expert where it holds the rows (many experts), else the 128-row one
+    mid = next((t for t in (MID_48, MID_64) if rows <= t.block_m), None) if num_experts >= MID_MIN_EXPERTS else None
     mid_rows = fmt_class in ("4bit", "fp4") and not indexed and MID_MIN_ROWS <= rows < DECODE_MOSAIC_MIN_ROWS
     if mid_rows and num_experts >= MID_MIN_EXPERTS:
-        found.append(next((t for t in (MID_48, MID_64) if rows <= t.block_m), DECODE_MOSAIC))
+        found.append(mid or DECODE_MOSAIC)
     elif mid_rows and num_experts > 1 and rows <= PAIR_48.block_m:
         found.append(PAIR_48)
     if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and not indexed:
@@ -267,8 +274,7 @@ def heuristic_candidates(
         found.append(dataclasses.replace(decode, dequantize_input=True))
     elif fmt_class == "fp4-a8" and rows >= MX_MOSAIC_MIN_ROWS and not indexed:
         # many experts of up to 64 rows: the W4A16 mid tile on the input multiplied out (qwen3's entries)
-        mid = next((t for t in (MID_48, MID_64) if rows <= t.block_m), None)
-        if mid is not None and num_experts >= MID_MIN_EXPERTS:
+        if mid is not None:
             found.append(dataclasses.replace(mid, dequantize_input=True))
         found += [MX_FP8_SWAP, dataclasses.replace(MX_FP8_SWAP, swap_ab=False)]
     if indexed:

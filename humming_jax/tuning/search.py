@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from humming_jax.tuning.heuristic import expert_sized_rows
+from humming_jax.tuning.heuristic import DECODE_ROWS_MAX, decode_tile_of, expert_sized_rows
 from pallas_kernels.gemm import mosaic, mosaic_fp8, mosaic_mid, triton
 
 # Prefill split where the row tile sized to an expert's rows changes (T=4096 at top-8 is
@@ -136,33 +136,26 @@ PREFILL = (
 # Experts past this many rows span several row tiles, each decoding the expert's weight
 # tile again: the tallest swap tiles cut that count (1024 rows: seven of 160, six of 176).
 TALL_TILES_MIN_ROWS = 512
-TALL_TILE_3_STAGES = 160  # the most rows a swap tile of 256 columns runs with three stages
 TALL_TILES = (  # 176 rows leave shared memory for two stages only
     mosaic.Tiles(160, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=2),
     mosaic.Tiles(176, 256, 128, stages=2, swap_ab=True, word_decode=True, cluster_n=2),
 )
 
 
-def _swap_tile(rows: int) -> mosaic.Tiles:
-    # a cluster pair halves x's box in 8-row pieces: an odd count of them runs alone
-    cluster_n = 2 if rows % 16 == 0 else 1
-    return mosaic.Tiles(rows, 256, 128, stages=3, swap_ab=True, word_decode=True, cluster_n=cluster_n)
-
-
 def expert_sized(rows_per_expert: int) -> tuple:
     """The prefill swap tiles (bf16 inputs, and scaled inputs multiplied out)
     with :func:`expert_sized_rows` rows, where that is not the table's 128; the
-    bf16 one 16 rows taller too (up to :data:`TALL_TILE_3_STAGES`); past
+    bf16 one 16 rows taller too (up to ``DECODE_ROWS_MAX``, three stages); past
     :data:`TALL_TILES_MIN_ROWS` rows an expert the :data:`TALL_TILES`."""
     rows = expert_sized_rows(rows_per_expert)
     tall = TALL_TILES if rows_per_expert > TALL_TILES_MIN_ROWS else ()
     # With few experts one row tile more than the SMs take is a second wave: a taller
     # tile keeps the largest expert's rows in as many tiles as the mean's.
-    taller = (_swap_tile(rows + 16),) if rows + 16 <= TALL_TILE_3_STAGES else ()
+    taller = (decode_tile_of(rows + 16),) if rows + 16 <= DECODE_ROWS_MAX else ()
     taller = tuple(t for t in taller if t not in tall)
     if rows == 128:
         return taller + tall
-    swap = _swap_tile(rows)
+    swap = decode_tile_of(rows)
     return (swap, dataclasses.replace(swap, dequantize_input=True)) + taller + tall
 
 
