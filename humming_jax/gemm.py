@@ -222,7 +222,7 @@ def gemm(
     if tiles is None:
         if tuning is not None:
             raise ValueError(f"gemm: tuning: the kernel does not take this call with {reasons[0]}")
-        no_kernel("gemm", reasons[-1], backend)
+        no_kernel("gemm", "; ".join(reasons), backend)
         return gemm_reference(x, weight, layout, out_dtype, activation)
     return _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, activation)
 

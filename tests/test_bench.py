@@ -1358,6 +1358,49 @@ def test_heuristic_prefill_tiles_run_on_a_shape_without_entries(monkeypatch):
                 assert ran == tiles, (fmt_name, gemm_name, tokens, reasons)
 
 
+def test_indexed_blocks_are_taken_by_the_tiling_that_sized_them():
+    """An indexed layout is aligned to the rows of the first tiling listed for
+    it (``indexed_block_rows``); listed again with that block, the same tiling
+    comes first — a decoding tile sized to the experts' rows (144, 160: not a
+    power of two, which the Triton tile cannot take) included — on every bench
+    problem, format class and batch size."""
+    formats = ("bf16", "int4_g128", "mxfp4", "mxfp4@fp8_dynamic_group128", "fp8_block128@fp8_dynamic_group128")
+    for problem in bench.PROBLEMS:
+        for fmt_name in formats:
+            weight_format, quant = bench.split_format(fmt_name)
+            dtype = quant.dtype.value if quant.is_quantized else None
+            for gemm_name in ("w13", "w2"):
+                for tokens in (1, 16, 128, 512, 1024, 2048, 4096, 16384):
+                    e, n, k, top_k = bench.Case(problem, gemm_name, "indexed", tokens, fmt_name).shapes()
+                    args = ("indexed", weight_format, tokens * top_k, e, n, k)
+                    listed = tuning.candidates(*args, half_bits=True, input_dtype=dtype)
+                    block = tuning.indexed_block_rows(listed)
+                    again = tuning.candidates(*args, block_size=block, half_bits=True, input_dtype=dtype)
+                    assert again[0] == listed[0] and again[0].block_m == block, (problem, fmt_name, gemm_name, tokens)
+    assert heuristic.decode_block_tile(144) == heuristic.decode_tiles(128, 128)
+    assert heuristic.decode_block_tile(64) is None and heuristic.decode_block_tile(148) is None
+    sized = {heuristic.decode_tiles(rows, e).block_m for rows in range(128, 20000, 7) for e in (1, 8, 64, 256)}
+    assert sized <= set(range(heuristic.DECODE_ROWS_MIN, heuristic.DECODE_ROWS_MAX + 1, 8))
+    assert heuristic.DECODE_ROWS_MIN in sized
+
+
+def test_indexed_prefill_runs_a_kernel_on_a_shape_without_entries(monkeypatch):
+    """On ``qwen3-235b-a22b`` (no entries) the indexed GEMM at 256 rows an
+    expert runs the decoding Mosaic tile on the block it sized (144 rows),
+    W4A8 with its input multiplied out: ``plan`` finds a kernel on the
+    layer's stored weights (abstract arrays, the Mosaic kernels told they are
+    on a Hopper GPU)."""
+    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
+    for fmt_name in ("int4_g128", "mxfp4", "mxfp4@fp8_dynamic_group128"):
+        weight_format, quant = bench.split_format(fmt_name)
+        e, n, k, top_k = bench.Case("qwen3-235b-a22b", "w13", "indexed", 4096, fmt_name).shapes()
+        config = hj.ExpertsConfig(e, k, n, top_k, weight_format=weight_format, input_quant=quant)
+        weight = _layers_weight(config, jax.ShapeDtypeStruct((e, n, k), jnp.float32))
+        ran, reasons = _planned("indexed", weight, quant, 4096 * top_k)
+        wanted = dataclasses.replace(heuristic.decode_tiles(256, e), dequantize_input=quant.is_quantized)
+        assert ran == wanted and ran.block_m == 144, (fmt_name, reasons)
+
+
 @TOOL
 def test_k_scan_fits_the_per_tile_overhead(tiny, compiled_once, tmp_path, monkeypatch, capsys):
     """The scan times the problem's w2 at each K (the table's tiling, weights

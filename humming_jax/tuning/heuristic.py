@@ -55,6 +55,11 @@ DECODE_MOSAIC = mosaic.Tiles(128, 256, 128, stages=3, group_m=8, swap_ab=True, w
 EXPERT_ROWS_HEADROOM = 1.125
 EXPERT_ROWS_MAX = 176  # the accumulator's limit at 128 columns a warpgroup
 DECODE_ROWS_MAX = 160
+# The fewest rows that sizing gives from DECODE_MOSAIC_MIN_ROWS rows an expert (an expert
+# of 192 in two tiles): an indexed block of DECODE_ROWS_MIN to DECODE_ROWS_MAX rows, a
+# multiple of 8, is a decoding tile's, so a layout aligned to the first candidate's rows
+# is taken by that candidate.
+DECODE_ROWS_MIN = 96
 # Below that, from MID_MIN_ROWS rows an expert where experts are many (at least
 # MID_MIN_EXPERTS): one warpgroup a program decoding the codes, several programs an SM
 # (mosaic_mid), on one row tile an expert, 48 or 64 rows; past 64 rows an expert two such
@@ -82,6 +87,14 @@ def decode_tile_of(block_m: int) -> mosaic.Tiles:
     """:data:`DECODE_MOSAIC` on ``block_m``-row tiles."""
     # a cluster pair halves x's box in 8-row pieces: an odd count of them runs alone
     return dataclasses.replace(DECODE_MOSAIC, block_m=block_m, cluster_n=2 if block_m % 16 == 0 else 1)
+
+
+def decode_block_tile(block_size: int) -> mosaic.Tiles | None:
+    """The decoding tile whose rows are an indexed layout's ``block_size`` (a tile
+    is one block), or None if no sized tile has that many rows."""
+    if block_size % 8 or not DECODE_ROWS_MIN <= block_size <= DECODE_ROWS_MAX:
+        return None
+    return decode_tile_of(block_size)
 
 
 def decode_tiles(rows: int, num_experts: int) -> mosaic.Tiles:
@@ -247,9 +260,9 @@ def heuristic_candidates(
     fmt_class = format_class(fmt, input_dtype)
     indexed = indexed or block_size is not None
     found = []
-    decode_mosaic = rows >= DECODE_MOSAIC_MIN_ROWS and block_size in (None, DECODE_MOSAIC.block_m)
     # an indexed layout's given block is the tile's rows; else the rows fit the experts'
-    decode = DECODE_MOSAIC if block_size is not None else decode_tiles(rows, num_experts)
+    decode = decode_tiles(rows, num_experts) if block_size is None else decode_block_tile(block_size)
+    decode_mosaic = rows >= DECODE_MOSAIC_MIN_ROWS and decode is not None
     if fmt_class in ("4bit", "fp4") and decode_mosaic:
         found.append(decode)
     # one mid tile an expert where it holds the rows (many experts), else the 128-row one
