@@ -33,6 +33,7 @@ from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
 from humming_jax import tuning as T
+from humming_jax.backend import NoKernelError
 from humming_jax.configs import ExpertsConfig
 from humming_jax.experts import indexed_runs_grouped
 from humming_jax.gemm import GemmTiles, as_quantized_input, gemm, plan
@@ -585,9 +586,12 @@ def run_bench(
     k_order=False,
     anchor=None,
     humming=True,
+    failures: list | None = None,
 ):
     """Time every case; ``on_row(rows)`` runs after each one (the JSON is kept
-    current, so a run cut short keeps what it measured). ``k_order``: 4-bit
+    current, so a run cut short keeps what it measured). ``failures``: a list
+    to which a case no kernel takes is added (its fields and the error) while
+    the run goes on; None: the error is raised. ``k_order``: 4-bit
     weights as quantized, not repacked (see :class:`Case`). ``humming_us``
     and ``x_humming`` (our time over Humming's): Humming's kernel timed on
     the same problem in this process, interleaved with ours, where it can be
@@ -622,7 +626,14 @@ def run_bench(
                                 **(humming_peers(prep) if humming else {}),
                             }
 
-                        result = time_kernel(case, peers=peers)
+                        try:
+                            result = time_kernel(case, peers=peers)
+                        except NoKernelError as error:
+                            if failures is None:
+                                raise
+                            failures.append(dict(dataclasses.asdict(case), error=str(error)))
+                            print(f"FAILED {case}: {error}", flush=True)
+                            continue
                         ids = result.pop("layout_ids")
                         if with_torch:
                             result["torch_grouped_mm_us"] = result["peer_us"].get(TORCH_GROUPED_MM)
@@ -689,6 +700,7 @@ def bench_main(args) -> int:
     def save(rows):
         write_results(args.out, rows, quiet=True, copy_bandwidth=COPY_BANDWIDTH, matmul_rate=MATMUL_RATE)
 
+    failures = []  # a case no kernel takes is reported, and the other cases still run
     rows = run_bench(
         args.problems,
         args.tokens,
@@ -700,17 +712,23 @@ def bench_main(args) -> int:
         k_order=args.k_order,
         anchor=load_anchor(args.anchor),
         humming=not args.no_humming,
+        failures=failures,
     )
     summary = bench_report.humming_summary(rows)
     for line in bench_report.summary_lines(summary):
         print(line)
-    write_results(
-        args.out, rows, quiet=True, copy_bandwidth=COPY_BANDWIDTH, matmul_rate=MATMUL_RATE, humming_summary=summary
-    )
+    meta = dict(copy_bandwidth=COPY_BANDWIDTH, matmul_rate=MATMUL_RATE, humming_summary=summary, failures=failures)
+    write_results(args.out, rows, quiet=True, **meta)
     print(f"wrote {args.out}")
     if bench_report.plot_humming(rows, args.out.removesuffix(".json") + ".png"):
         print(f"wrote {args.out.removesuffix('.json')}.png")
-    return 0
+    for failure in failures:
+        print(
+            f"bench: no kernel took {failure['problem']} {failure['gemm']} {failure['layout']} T={failure['tokens']} "
+            f"{failure['fmt']}: {failure['error']}",
+            file=sys.stderr,
+        )
+    return 1 if failures else 0
 
 
 # ---- tuning ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 
 import humming_jax as hj
 import humming_jax.__main__ as cli
-from humming_jax import bench, routing, tiles_text, timing, tuning
+from humming_jax import backend, bench, routing, tiles_text, timing, tuning
 from humming_jax import formats as F
 from humming_jax import input_quant as Q
 from humming_jax import layouts as L
@@ -86,6 +86,32 @@ def test_bench_writes_json(tiny, tmp_path, monkeypatch, capsys):
     assert all(r.get("mgpu_ragged_dot_us") is None for r in rows)
     ids = np.zeros((512, 2), np.int32)
     assert bench.time_mgpu_ragged_dot(bench.Case("tiny", "w13", "grouped", 512, "bf16"), ids) is None
+
+
+def test_bench_reports_a_case_no_kernel_takes_and_runs_the_rest(tiny, tmp_path, monkeypatch, capsys):
+    """A case no kernel takes is a failure the bench names (stderr, the JSON's
+    ``failures``, exit status 1) while the other cases still run;
+    ``run_bench`` without a failure list raises it."""
+    monkeypatch.setattr(bench, "KERNEL_BACKEND", "reference")
+    timed = bench.time_kernel
+
+    def refuse_indexed(case, **kwargs):
+        if case.layout == "indexed":
+            raise backend.NoKernelError("gemm: no kernel takes this call (a test's refusal)")
+        return timed(case, **kwargs)
+
+    monkeypatch.setattr(bench, "time_kernel", refuse_indexed)
+    out = tmp_path / "gemm.json"
+    args = ["bench", "--problems", "tiny", "--tokens", "3", "5", "--formats", "bf16", "--gemms", "w13", "--no-compare"]
+    assert cli.main([*args, "--out", str(out)]) == 1
+    written = json.loads(out.read_text())
+    assert [(r["layout"], r["tokens"]) for r in written["rows"]] == [("grouped", 3), ("grouped", 5)]
+    failed = written["meta"]["failures"]
+    assert [(f["layout"], f["tokens"]) for f in failed] == [("indexed", 3), ("indexed", 5)]
+    assert all("a test's refusal" in f["error"] for f in failed)
+    assert "no kernel took tiny w13 indexed T=3 bf16" in capsys.readouterr().err
+    with pytest.raises(backend.NoKernelError, match="a test's refusal"):
+        bench.run_bench(["tiny"], [3], ["bf16"], layouts=["indexed"], gemms=["w13"], compare=False)
 
 
 def test_layer_bench_torch_peer_out_of_memory_leaves_its_column_empty(monkeypatch, capsys):
