@@ -483,9 +483,12 @@ def test_heuristic_choices_for_quantized_inputs():
     for n_out, k_in in ((1536, 2048), (2048, 768)):
         few = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 8, 128, n_out, k_in, half_bits=True)
         assert isinstance(few[0], kernel.Tiles) and few[0].block_m == 32 and few[0].dequantize_input
-    # Mixtral's w2 at 128 rows an expert (T=512): the register-operand 128 x 128 (the table).
+    # Mixtral's w2 at 128 rows an expert (T=512): the 160-row decoding tile on the input
+    # multiplied out (the table, 73rd); at 80 rows (T=320) the register-operand 128 x 128.
     w2_mid = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 2, 8, 4096, 14336, half_bits=True)[0]
-    assert w2_mid == mosaic_fp8.Tiles(128, 128, swap_ab=True)
+    assert w2_mid == dataclasses.replace(heuristic.decode_tiles(128, 8), dequantize_input=True)
+    w2_below = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 320 * 2, 8, 4096, 14336, half_bits=True)[0]
+    assert w2_below == mosaic_fp8.Tiles(128, 128, swap_ab=True)
     # Indexed W8A8: mixtral's long K at 1024 rows an expert, not qwen3's K=2048.
     long_k = first(indexed, F.FP8_BLOCK128, Q.FP8_DYNAMIC_GROUP128, 4096 * 2, 8, 28672, 4096)
     assert long_k[0] == mosaic_fp8.Tiles(64, 256, stages=4, group_m=8) and T.indexed_block_rows(long_k) == 64
