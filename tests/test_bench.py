@@ -1410,24 +1410,6 @@ def test_indexed_blocks_are_taken_by_the_tiling_that_sized_them():
     assert heuristic.DECODE_ROWS_MIN in sized
 
 
-def test_indexed_layouts_at_32_rows_an_expert_take_the_grouped_mid_tiles():
-    """Indexed, 32-64 rows an expert: ``mosaic_mid`` with many experts and the
-    48-row pair with few, as the grouped layouts (their block the tile's
-    rows); a block of other rows keeps the Triton tile."""
-    int4 = F.get_format("int4_g128")
-    many = heuristic.heuristic_candidates(32, 3072, 4096, int4, num_experts=128, indexed=True)
-    assert many[0] == heuristic.MID_48 and tuning.indexed_block_rows(many) == 48
-    assert heuristic.heuristic_candidates(64, 3072, 4096, int4, 64, num_experts=128)[0] == heuristic.MID_64
-    few = heuristic.heuristic_candidates(32, 28672, 4096, int4, num_experts=8, indexed=True)
-    assert few[0] == heuristic.PAIR_48
-    other = heuristic.heuristic_candidates(32, 3072, 4096, int4, 32, num_experts=128)
-    assert isinstance(other[0], triton.Tiles) and other[0].block_m == 32
-    # 65-127 rows an expert, indexed: no 128-row decoding tile (it starts at 128 rows)
-    assert isinstance(
-        heuristic.heuristic_candidates(96, 3072, 4096, int4, num_experts=128, indexed=True)[0], triton.Tiles
-    )
-
-
 def test_indexed_prefill_runs_a_kernel_on_a_shape_without_entries(monkeypatch):
     """On ``qwen3-235b-a22b`` (no entries) the indexed GEMM at 256 rows an
     expert runs the decoding Mosaic tile on the block it sized (144 rows),

@@ -267,13 +267,10 @@ def heuristic_candidates(
         found.append(decode)
     # one mid tile an expert where it holds the rows (many experts), else the 128-row one
     mid = next((t for t in (MID_48, MID_64) if rows <= t.block_m), None) if num_experts >= MID_MIN_EXPERTS else None
-    mid_rows = fmt_class in ("4bit", "fp4") and MID_MIN_ROWS <= rows < DECODE_MOSAIC_MIN_ROWS
-    # indexed: the mid tiles on rows gathered in block order (a tile a block), not the 128-row one
-    if mid_rows and num_experts >= MID_MIN_EXPERTS and (mid or not indexed):
-        tile = mid or DECODE_MOSAIC
-        if block_size in (None, tile.block_m):
-            found.append(tile)
-    elif mid_rows and num_experts > 1 and rows <= PAIR_48.block_m and block_size in (None, PAIR_48.block_m):
+    mid_rows = fmt_class in ("4bit", "fp4") and not indexed and MID_MIN_ROWS <= rows < DECODE_MOSAIC_MIN_ROWS
+    if mid_rows and num_experts >= MID_MIN_EXPERTS:
+        found.append(mid or DECODE_MOSAIC)
+    elif mid_rows and num_experts > 1 and rows <= PAIR_48.block_m:
         found.append(PAIR_48)
     if fmt_class == "4bit" and rows >= DEQUANTIZE_MIN_ROWS and not indexed:
         found.append(mosaic.Tiles(128, 256, 64, stages=3, group_m=8, dequantize_first=True))
