@@ -39,8 +39,6 @@ import itertools
 import sys
 import time
 
-import numpy as np
-
 import pallas_kernels.gemm as gemm_kernels
 from humming_jax import bench, tiles_text
 from humming_jax.timing import write_results
@@ -93,7 +91,8 @@ def run(args) -> list[dict]:
         }
         default = None
         peers = bench.humming_peers(preps[args.scale_orders[0]]) if args.humming else {}
-        largest = int(np.bincount(preps[args.scale_orders[0]].ids.reshape(-1)).max())
+        first = preps[args.scale_orders[0]]
+        largest = bench.expert_rows_max(first.ids, first.case.shapes()[0])
         case = dict(
             fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens, seed=seed, expert_rows_max=largest
         )

@@ -148,11 +148,15 @@ LAYOUT_KINDS = {"grouped": "grouped_contiguous", "indexed": "indexed", "masked":
 MASKED_ROW_MULTIPLE = 16  # a masked case's buffer rows an expert: its largest count rounded up to this
 
 
+def expert_rows_max(ids: np.ndarray, num_experts: int) -> int:
+    """The largest expert's rows in a routing ``ids`` (``[T, top_k]``, ids in ``[0, E)``)."""
+    return int(np.bincount(np.asarray(ids).reshape(-1), minlength=num_experts).max())
+
+
 def masked_capacity(ids: np.ndarray, num_experts: int) -> int:
     """Rows an expert's buffer holds in a masked case (as a batched layer's
     caller sizes it): the largest count, rounded up to :data:`MASKED_ROW_MULTIPLE`."""
-    largest = int(np.bincount(np.asarray(ids).reshape(-1), minlength=num_experts).max())
-    return -(-largest // MASKED_ROW_MULTIPLE) * MASKED_ROW_MULTIPLE
+    return -(-expert_rows_max(ids, num_experts) // MASKED_ROW_MULTIPLE) * MASKED_ROW_MULTIPLE
 
 
 def _input_rows(case: Case, ids: np.ndarray) -> int:

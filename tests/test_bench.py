@@ -1363,8 +1363,8 @@ def test_heuristic_prefill_tiles_run_on_a_shape_without_entries(monkeypatch):
     heuristic's first 4-bit prefill tiling is what ``plan`` runs on the
     layer's stored weights, grouped: ``mosaic_mid`` at 32 and 64 rows an
     expert, the decoding Mosaic tile (144 rows) from 128 (not a refusal that silently
-    runs the Triton tile). Abstract arrays, the Mosaic kernels told they are
-    on a Hopper GPU."""
+    runs the Triton tile); indexed, that tile on the block it sized. Abstract
+    arrays, the Mosaic kernels told they are on a Hopper GPU."""
     monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
     problem = "qwen3-235b-a22b"
     expected = {512: heuristic.MID_48, 1024: heuristic.MID_64, 2048: heuristic.decode_tiles(128, 128)}
@@ -1382,6 +1382,16 @@ def test_heuristic_prefill_tiles_run_on_a_shape_without_entries(monkeypatch):
             for tokens, tiles in expected.items():
                 ran, reasons = _planned("grouped_contiguous", weight, quant, tokens * top_k, act)
                 assert ran == tiles, (fmt_name, gemm_name, tokens, reasons)
+    # Indexed at 256 rows an expert: the decoding tile on the block it sized (144 rows), W4A8
+    # with its input multiplied out — a kernel takes the layout aligned to its rows.
+    for fmt_name in ("int4_g128", "mxfp4", "mxfp4@fp8_dynamic_group128"):
+        weight_format, quant = bench.split_format(fmt_name)
+        e, n, k, top_k = bench.Case(problem, "w13", "indexed", 4096, fmt_name).shapes()
+        config = hj.ExpertsConfig(e, k, n, top_k, weight_format=weight_format, input_quant=quant)
+        weight = _layers_weight(config, jax.ShapeDtypeStruct((e, n, k), jnp.float32))
+        ran, reasons = _planned("indexed", weight, quant, 4096 * top_k)
+        wanted = dataclasses.replace(heuristic.decode_tiles(256, e), dequantize_input=quant.is_quantized)
+        assert ran == wanted and ran.block_m == 144, (fmt_name, reasons)
 
 
 def test_indexed_blocks_are_taken_by_the_tiling_that_sized_them():
@@ -1408,23 +1418,6 @@ def test_indexed_blocks_are_taken_by_the_tiling_that_sized_them():
     sized = {heuristic.decode_tiles(rows, e).block_m for rows in range(128, 20000, 7) for e in (1, 8, 64, 256)}
     assert sized <= set(range(heuristic.DECODE_ROWS_MIN, heuristic.DECODE_ROWS_MAX + 1, 8))
     assert heuristic.DECODE_ROWS_MIN in sized
-
-
-def test_indexed_prefill_runs_a_kernel_on_a_shape_without_entries(monkeypatch):
-    """On ``qwen3-235b-a22b`` (no entries) the indexed GEMM at 256 rows an
-    expert runs the decoding Mosaic tile on the block it sized (144 rows),
-    W4A8 with its input multiplied out: ``plan`` finds a kernel on the
-    layer's stored weights (abstract arrays, the Mosaic kernels told they are
-    on a Hopper GPU)."""
-    monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
-    for fmt_name in ("int4_g128", "mxfp4", "mxfp4@fp8_dynamic_group128"):
-        weight_format, quant = bench.split_format(fmt_name)
-        e, n, k, top_k = bench.Case("qwen3-235b-a22b", "w13", "indexed", 4096, fmt_name).shapes()
-        config = hj.ExpertsConfig(e, k, n, top_k, weight_format=weight_format, input_quant=quant)
-        weight = _layers_weight(config, jax.ShapeDtypeStruct((e, n, k), jnp.float32))
-        ran, reasons = _planned("indexed", weight, quant, 4096 * top_k)
-        wanted = dataclasses.replace(heuristic.decode_tiles(256, e), dequantize_input=quant.is_quantized)
-        assert ran == wanted and ran.block_m == 144, (fmt_name, reasons)
 
 
 @TOOL
