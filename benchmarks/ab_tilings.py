@@ -92,7 +92,7 @@ def run(args) -> list[dict]:
         default = None
         peers = bench.humming_peers(preps[args.scale_orders[0]]) if args.humming else {}
         first = preps[args.scale_orders[0]]
-        largest = bench.expert_rows_max(first.ids, first.case.shapes()[0])
+        largest = int(bench.expert_counts(first.ids, first.case.shapes()[0]).max())
         case = dict(
             fmt=fmt, problem=problem, gemm=gemm, layout=layout, tokens=tokens, seed=seed, expert_rows_max=largest
         )

@@ -148,15 +148,15 @@ LAYOUT_KINDS = {"grouped": "grouped_contiguous", "indexed": "indexed", "masked":
 MASKED_ROW_MULTIPLE = 16  # a masked case's buffer rows an expert: its largest count rounded up to this
 
 
-def expert_rows_max(ids: np.ndarray, num_experts: int) -> int:
-    """The largest expert's rows in a routing ``ids`` (``[T, top_k]``, ids in ``[0, E)``)."""
-    return int(np.bincount(np.asarray(ids).reshape(-1), minlength=num_experts).max())
+def expert_counts(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """Each expert's rows in a routing ``ids`` (``[T, top_k]``, ids in ``[0, E)``): int32 ``[E]``."""
+    return np.bincount(np.asarray(ids).reshape(-1), minlength=num_experts).astype(np.int32)
 
 
 def masked_capacity(ids: np.ndarray, num_experts: int) -> int:
     """Rows an expert's buffer holds in a masked case (as a batched layer's
     caller sizes it): the largest count, rounded up to :data:`MASKED_ROW_MULTIPLE`."""
-    return -(-expert_rows_max(ids, num_experts) // MASKED_ROW_MULTIPLE) * MASKED_ROW_MULTIPLE
+    return -(-int(expert_counts(ids, num_experts).max()) // MASKED_ROW_MULTIPLE) * MASKED_ROW_MULTIPLE
 
 
 def _input_rows(case: Case, ids: np.ndarray) -> int:
@@ -255,7 +255,7 @@ def _layout(case: Case, ids: np.ndarray, tuning: GemmTiles | None):
         offsets, _ = moe_prepare_scatter(jnp.asarray(ids), e)
         return L.GroupedContiguous(offsets, normalized=True)  # as the pipelines pass them
     if case.layout == "masked":  # each expert's count of rows, first in its buffer
-        return L.GroupedMasked(jnp.asarray(np.bincount(ids.reshape(-1), minlength=e), jnp.int32))
+        return L.GroupedMasked(jnp.asarray(expert_counts(ids, e)))
     block_size = _block_size(case, tuning)
     aligned = moe_align_block_size(jnp.asarray(ids), block_size, e, ignore_invalid_experts=True)
     top_k = top_k if case.gemm == "w13" else 1
@@ -497,7 +497,7 @@ def torch_peers(prep: Prepared) -> dict[str, Callable[[int], float]]:
     if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
         return {}
     e, n, k, _ = prep.case.shapes()
-    counts = np.bincount(prep.ids.reshape(-1), minlength=e)
+    counts = expert_counts(prep.ids, e)
     offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
     # Sets rotated so L2 does not serve them, counted on torch's own (bf16) bytes, as prepare counts ours.
     moved = 2 * (int((counts > 0).sum()) * n * k + int(counts.sum()) * (k + n))
@@ -513,7 +513,7 @@ def torch_peers(prep: Prepared) -> dict[str, Callable[[int], float]]:
 
 def time_ragged_dot(case: Case, ids: np.ndarray) -> float | None:
     e, n, k, _ = case.shapes()
-    counts = np.bincount(ids.reshape(-1), minlength=e).astype(np.int32)
+    counts = expert_counts(ids, e)
     try:
         a = random_bf16(jax.random.key(1), (int(counts.sum()), k))
         b = random_bf16(jax.random.key(2), (e, k, n))
@@ -543,7 +543,7 @@ def time_mgpu_ragged_dot(case: Case, ids: np.ndarray) -> float | None:
     except ImportError:
         return None
     e, n, k, _ = case.shapes()
-    counts = jnp.asarray(np.bincount(ids.reshape(-1), minlength=e).astype(np.int32))
+    counts = jnp.asarray(expert_counts(ids, e))
     a = random_bf16(jax.random.key(1), (int(counts.sum()), k))
     b = random_bf16(jax.random.key(2), (e, k, n))
     best = None
