@@ -237,6 +237,11 @@ class ExpertsConfig:
             raise ValueError(
                 f"{owner}.global_num_experts: {self.global_num_experts} is below num_experts={self.num_experts}"
             )
+        if self.top_k > self.global_num_experts:
+            raise ValueError(
+                f"{owner}.top_k: {self.top_k} experts a token, more than there are "
+                f"(global_num_experts={self.global_num_experts})"
+            )
         if self.use_f16_accum and self.compute_dtype != "float16":
             raise ValueError(f"{owner}.use_f16_accum: f16 accumulation needs compute_dtype 'float16'")
         # Building both layer configs validates shapes, formats and modes.

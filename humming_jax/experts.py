@@ -306,7 +306,7 @@ def check_float_input(hidden_states, op: str) -> None:
 
 def check_routing_inputs(hidden_states, topk_weights, topk_ids, config: ExpertsConfig, op: str) -> None:
     """Raise, naming ``op`` and the argument, unless ``hidden_states`` are float
-    ``[T, H]`` and ``topk_ids`` / ``topk_weights`` ``[T, top_k]``."""
+    ``[T, H]`` and ``topk_ids`` / ``topk_weights`` (floats) ``[T, top_k]``."""
     check_float_input(hidden_states, op)
     if hidden_states.ndim != 2 or hidden_states.shape[1] != config.hidden_size:
         raise ValueError(f"{op}: hidden_states must be [T, H={config.hidden_size}], got {hidden_states.shape}")
@@ -316,6 +316,7 @@ def check_routing_inputs(hidden_states, topk_weights, topk_ids, config: ExpertsC
         )
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"{op}: topk_weights must match topk_ids {topk_ids.shape}, got {topk_weights.shape}")
+    routing.check_topk_weights(topk_weights, op)
 
 
 def in_input_dtype(out: jax.Array, hidden_states: jax.Array, a1q_scale: jax.Array | None) -> jax.Array:

@@ -55,6 +55,13 @@ def _check_ids(topk_ids: jax.Array, op: str) -> None:
         raise TypeError(f"{op}: topk_ids must be an integer array, got {topk_ids.dtype}")
 
 
+def check_topk_weights(topk_weights: jax.Array, op: str) -> None:
+    """Raise, naming ``op``, unless ``topk_weights`` are floats (router
+    probabilities: integer weights are most likely the ids passed twice)."""
+    if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+        raise TypeError(f"{op}: topk_weights must be a float array (the routed weights), got {topk_weights.dtype}")
+
+
 def _check_routing(topk_ids: jax.Array, num_experts: int, expert_map: jax.Array | None, op: str) -> None:
     _check_ids(topk_ids, op)
     if not isinstance(num_experts, int) or num_experts < 1:
@@ -420,6 +427,7 @@ def moe_unpermute(
         raise ValueError(f"moe_unpermute: permuted_hidden_states must be [M, H], got {permuted_hidden_states.shape}")
     if topk_weights.ndim != 2:
         raise ValueError(f"moe_unpermute: topk_weights must be [T, k], got shape {topk_weights.shape}")
+    check_topk_weights(topk_weights, "moe_unpermute")
     t, k = topk_weights.shape
     if inv_permuted_idx.shape != (t * k,):
         raise ValueError(f"moe_unpermute: inv_permuted_idx must be [T*k]=[{t * k}], got {inv_permuted_idx.shape}")
@@ -485,6 +493,7 @@ def moe_fused_mul_sum(
         )
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"moe_fused_mul_sum: topk_weights must be {topk_ids.shape}, got {topk_weights.shape}")
+    check_topk_weights(topk_weights, "moe_fused_mul_sum")
     chosen = _empty_or(resolve_backend(backend, "moe_fused_mul_sum"), inputs.size)
     if chosen != "reference":
         num_tokens, top_k = topk_ids.shape

@@ -38,6 +38,8 @@ def test_configs_are_frozen_and_hashable():
         (dict(compute_dtype="float32"), "compute_dtype"),
         (dict(use_f16_accum=True), "use_f16_accum"),
         (dict(global_num_experts=4), "global_num_experts"),
+        (dict(top_k=9), "top_k: 9 experts a token"),
+        (dict(num_experts=2, global_num_experts=4, top_k=8), r"global_num_experts=4\)"),
         (dict(activation="tanh"), "kind"),
     ],
 )

@@ -561,6 +561,9 @@ def test_pipeline_bad_input(rng):
         hj.humming_grouped_experts(jnp.ones((4, 64)), weights, jnp.asarray(tw), jnp.asarray(ids), config)
     with pytest.raises(ValueError, match="topk_ids must be"):
         hj.humming_indexed_experts(jnp.ones((4, 128)), weights, jnp.asarray(tw), jnp.asarray(ids[:, :1]), config)
+    for pipeline in (hj.humming_grouped_experts, hj.humming_indexed_experts):  # the ids passed as the weights
+        with pytest.raises(TypeError, match=f"{pipeline.__name__}: topk_weights must be a float array"):
+            pipeline(jnp.ones((4, 128)), weights, jnp.asarray(ids), jnp.asarray(ids), config)
     other = hj.ExpertsConfig(4, 128, 128, 2, weight_format="int8_channel")
     with pytest.raises(ValueError, match="weights.w13: format"):
         hj.humming_grouped_experts(jnp.ones((4, 128)), weights, jnp.asarray(tw), jnp.asarray(ids), other)

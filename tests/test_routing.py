@@ -256,6 +256,11 @@ def test_routing_bad_input_raises():
         hj.moe_unpermute(jnp.zeros((8, 4)), jnp.zeros((4, 2)), jnp.zeros(7, jnp.int32), jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match="inputs must be"):
         hj.moe_fused_mul_sum(jnp.zeros((4, 3, 8)), jnp.zeros((4, 2)), jnp.zeros((4, 2), jnp.int32), 8)
+    ids = jnp.zeros((4, 2), jnp.int32)  # the ids passed as the weights
+    with pytest.raises(TypeError, match="moe_unpermute: topk_weights must be a float array"):
+        hj.moe_unpermute(jnp.zeros((8, 4)), ids, jnp.zeros(8, jnp.int32), jnp.zeros(3, jnp.int32))
+    with pytest.raises(TypeError, match="moe_fused_mul_sum: topk_weights must be a float array"):
+        hj.moe_fused_mul_sum(jnp.zeros((4, 2, 8)), ids, ids, 8)
 
 
 # ---- kernel tilings (the op layer picks one; these pin down the others) ----------
