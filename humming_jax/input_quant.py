@@ -377,6 +377,8 @@ def quantize_input(
     spec = get_input_spec(spec)
     if x.ndim != 2:
         raise ValueError(f"quantize_input: x must be [M, K], got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"quantize_input: x must be float activations, got {x.dtype}")
     m, k = x.shape
     mode = spec.mode
     if mode.is_static != (static_scale is not None):

@@ -146,6 +146,8 @@ def test_bad_specs_raise():
         Q.quantize_input(jnp.ones((2, 33)), Q.InputQuantSpec("dynamic_group", "float4_e2m1", 1, "e8m0"))
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         Q.quantize_input(jnp.ones((2, 3, 32)), Q.FP8_DYNAMIC_TOKEN)
+    with pytest.raises(TypeError, match="quantize_input: x must be float activations, got int8"):
+        Q.quantize_input(jnp.ones((2, 32), jnp.int8), Q.FP8_DYNAMIC_TOKEN)
 
 
 # ---- Hadamard ----------------------------------------------------------------
