@@ -304,12 +304,51 @@ def check_float_input(hidden_states, op: str) -> None:
         )
 
 
-def check_routing_inputs(hidden_states, topk_weights, topk_ids, config: ExpertsConfig, op: str) -> None:
+def check_prequantized_input(hidden_states, a1q_scale, config: ExpertsConfig, op: str) -> None:
+    """Raise, naming ``op`` and the argument, unless ``hidden_states`` are
+    ``config.input_quant``'s values ``[..., H / packs]`` in its storage dtype
+    and ``a1q_scale`` their scale in its dtype: ``[..., H / group]`` (per
+    group), ``[..., 1]`` (per token) or ``[1]`` (per tensor)."""
+    spec = config.input_quant
+    if not spec.is_quantized:
+        raise ValueError(
+            f"{op}: a1q_scale was given but config.input_quant is 'none': pass float activations without a1q_scale"
+        )
+    if spec.scale_2_shape(1) is not None:
+        raise ValueError(
+            f"{op}: a1q_scale: {spec.name} inputs carry a second scale a pre-quantized input does not take; "
+            "pass float activations"
+        )
+    cols = config.hidden_size // spec.packs_k
+    if hidden_states.ndim < 2 or hidden_states.shape[-1] != cols:
+        raise ValueError(f"{op}: hidden_states: {spec.name} values must be [..., {cols}], got {hidden_states.shape}")
+    if jnp.dtype(hidden_states.dtype) != jnp.dtype(spec.dtype.storage_dtype):
+        raise TypeError(
+            f"{op}: hidden_states: {spec.name} values must be {jnp.dtype(spec.dtype.storage_dtype).name}, "
+            f"got {hidden_states.dtype}"
+        )
+    per_row = spec.scale_shape(1, config.hidden_size)
+    expected = (*hidden_states.shape[:-1], per_row[-1]) if len(per_row) == 2 else per_row
+    if tuple(a1q_scale.shape) != tuple(expected):
+        raise ValueError(f"{op}: a1q_scale must be {list(expected)} for {spec.name}, got {a1q_scale.shape}")
+    if jnp.dtype(a1q_scale.dtype) != jnp.dtype(spec.scale_dtype):
+        raise TypeError(
+            f"{op}: a1q_scale must be {jnp.dtype(spec.scale_dtype).name} for {spec.name}, got {a1q_scale.dtype}"
+        )
+
+
+def check_routing_inputs(hidden_states, topk_weights, topk_ids, config: ExpertsConfig, op: str, a1q_scale=None) -> None:
     """Raise, naming ``op`` and the argument, unless ``hidden_states`` are float
-    ``[T, H]`` and ``topk_ids`` / ``topk_weights`` (floats) ``[T, top_k]``."""
-    check_float_input(hidden_states, op)
-    if hidden_states.ndim != 2 or hidden_states.shape[1] != config.hidden_size:
-        raise ValueError(f"{op}: hidden_states must be [T, H={config.hidden_size}], got {hidden_states.shape}")
+    ``[T, H]`` (with ``a1q_scale``: pre-quantized, :func:`check_prequantized_input`)
+    and ``topk_ids`` / ``topk_weights`` (floats) ``[T, top_k]``."""
+    if a1q_scale is None:
+        check_float_input(hidden_states, op)
+        if hidden_states.ndim != 2 or hidden_states.shape[1] != config.hidden_size:
+            raise ValueError(f"{op}: hidden_states must be [T, H={config.hidden_size}], got {hidden_states.shape}")
+    else:
+        check_prequantized_input(hidden_states, a1q_scale, config, op)
+        if hidden_states.ndim != 2:
+            raise ValueError(f"{op}: hidden_states must be [T, H / packs], got {hidden_states.shape}")
     if topk_ids.shape != (hidden_states.shape[0], config.top_k):
         raise ValueError(
             f"{op}: topk_ids must be [T, top_k]=[{hidden_states.shape[0]}, {config.top_k}], got {topk_ids.shape}"
@@ -475,14 +514,16 @@ def _grouped_layout_stages(config: ExpertsConfig, backend: str | None) -> tuple[
     def route(s):
         map_kwargs = _expert_map_kwargs(config, s["expert_map"])
         topk_ids = _valid_token_ids(s["topk_ids"], s.get("num_valid_tokens"), config)
-        if s.get("a1q_scale") is not None:
+        a1q_scale = s.get("a1q_scale")
+        if a1q_scale is not None:
+            per_row = a1q_scale.ndim == 2  # a per-tensor scale [1] moves with no row
             permuted = routing.moe_permute(
-                s["hidden_states"], topk_ids, a1q_scale=s["a1q_scale"], backend=backend, **map_kwargs
+                s["hidden_states"], topk_ids, a1q_scale=a1q_scale if per_row else None, backend=backend, **map_kwargs
             )
             return dict(
                 offsets=permuted.expert_first_token_offset,
                 inv_perm=permuted.inv_permuted_idx,
-                permuted=(permuted.permuted_hidden_states, permuted.permuted_scale),
+                permuted=(permuted.permuted_hidden_states, permuted.permuted_scale if per_row else a1q_scale),
             )
         offsets, scatter_idx = routing.moe_prepare_scatter(topk_ids, backend=backend, **map_kwargs)
         return dict(offsets=offsets, scatter_idx=scatter_idx, inv_perm=scatter_idx.reshape(-1))
@@ -590,7 +631,8 @@ def humming_grouped_experts(
         config: the layer's :class:`ExpertsConfig` (static).
         expert_map: optional int32 ``[global E]`` → local expert or −1 (expert
             parallelism as vLLM writes it).
-        a1q_scale: the scales of pre-quantized ``hidden_states``.
+        a1q_scale: the scales of pre-quantized ``hidden_states``: ``[T, H / group]``,
+            ``[T, 1]`` or ``[1]`` as ``config.input_quant`` makes them (float32; e8m0 uint8).
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
         num_valid_tokens: optional int32 ``[1]``, the real tokens of a padded
             batch (a bucketed shape): the tokens past it contribute nothing
@@ -600,8 +642,7 @@ def humming_grouped_experts(
         ``[T, H]`` in ``hidden_states``' dtype, computed in ``config.compute_dtype``
         (the output's dtype for pre-quantized inputs).
     """
-    if a1q_scale is None:
-        check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_grouped_experts")
+    check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_grouped_experts", a1q_scale)
     check_num_valid_tokens(num_valid_tokens, "humming_grouped_experts")
     check_weights(weights, config)
     tokens = (hidden_states, topk_weights, topk_ids, a1q_scale)
@@ -660,7 +701,8 @@ def humming_indexed_experts(
         topk_ids: ``[T, k]`` int32 expert ids (outside ``[0, E)``: nothing).
         config: the layer's :class:`ExpertsConfig` (static).
         expert_map: optional int32 ``[global E]`` → local expert or −1.
-        a1q_scale: the scales of pre-quantized ``hidden_states``.
+        a1q_scale: the scales of pre-quantized ``hidden_states``: ``[T, H / group]``,
+            ``[T, 1]`` or ``[1]`` as ``config.input_quant`` makes them (float32; e8m0 uint8).
         block_size: rows of an aligned block; None: the rows of the tile the
             tuning gives the w13 call (:func:`indexed_block_size`).
         w2_block_size: the same for w2; None: ``block_size``.
@@ -671,8 +713,7 @@ def humming_indexed_experts(
         ``[T, H]`` in ``hidden_states``' dtype, computed in ``config.compute_dtype``
         (the output's dtype for pre-quantized inputs).
     """
-    if a1q_scale is None:
-        check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_indexed_experts")
+    check_routing_inputs(hidden_states, topk_weights, topk_ids, config, "humming_indexed_experts", a1q_scale)
     check_num_valid_tokens(num_valid_tokens, "humming_indexed_experts")
     check_weights(weights, config)
     tokens = (hidden_states, topk_weights, topk_ids, a1q_scale)
@@ -832,7 +873,8 @@ def batched_humming_grouped_experts(
         expert_num_tokens: int32 ``[E]``, the rows of each expert (clipped to ``max_tokens``).
         weights: the layer's :class:`ExpertWeights`.
         config: the layer's :class:`ExpertsConfig` (static).
-        a1q_scale: the scales of pre-quantized ``hidden_states``.
+        a1q_scale: the scales of pre-quantized ``hidden_states``: ``[E, max_tokens, H / group]``,
+            ``[E, max_tokens, 1]`` or ``[1]`` as ``config.input_quant`` makes them (float32; e8m0 uint8).
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
         valid_shape_m: the rows the call is expected to hold in all, for the
             GEMMs' tiling (static; vLLM passes the routing's estimate,
@@ -859,6 +901,8 @@ def batched_humming_grouped_experts(
         )
     if a1q_scale is None:
         check_float_input(hidden_states, "batched_humming_grouped_experts")
+    else:
+        check_prequantized_input(hidden_states, a1q_scale, config, "batched_humming_grouped_experts")
     if expert_num_tokens.shape != (config.num_experts,):
         raise ValueError(
             f"batched_humming_grouped_experts: expert_num_tokens must be [E]=[{config.num_experts}], "

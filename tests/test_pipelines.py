@@ -574,6 +574,52 @@ def test_pipeline_bad_input(rng):
         hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), static)
 
 
+def test_prequantized_per_tensor_input_and_its_bad_forms(rng):
+    """A pre-quantized input with one static scale (``fp8_static_tensor``,
+    ``a1q_scale [1]``): the grouped layer moves no scale with its rows and
+    gives the float input's layer bit for bit (the same static scale
+    quantizes it). Pre-quantized inputs that do not fit the config raise,
+    naming the pipeline and the argument."""
+    config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="fp8_channel", input_quant="fp8_static_tensor")
+    x, w13, w2, ids, tw = _problem(rng, config, 8)
+    scale = jnp.asarray([0.05], jnp.float32)
+    weights = hj.quantize_experts(
+        jnp.asarray(w13), jnp.asarray(w2), config, w13_input_scale=scale, w2_input_scale=scale
+    )
+    q = Q.quantize_input(jnp.asarray(x, jnp.bfloat16), config.input_quant, static_scale=scale)
+    args = (weights, jnp.asarray(tw), jnp.asarray(ids), config)
+    floats = np.asarray(hj.humming_grouped_experts(jnp.asarray(x, jnp.bfloat16), *args), np.float32)
+    given = np.asarray(hj.humming_grouped_experts(q.values, *args, a1q_scale=q.scale), np.float32)
+    np.testing.assert_array_equal(given, floats)
+    assert np.all(np.isfinite(given)) and np.any(given != 0)
+    group = hj.ExpertsConfig(4, 256, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
+    gw = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), group)
+    g = Q.quantize_input(jnp.asarray(x), Q.FP8_DYNAMIC_GROUP128)
+    gargs = (gw, jnp.asarray(tw), jnp.asarray(ids), group)
+    int4 = hj.ExpertsConfig(4, 256, 128, 2, weight_format="int4_g128")
+    bad = [
+        ((g.values, *gargs), dict(a1q_scale=g.scale[:, :1]), ValueError, r"a1q_scale must be \[8, 2\]"),
+        ((g.values, *gargs), dict(a1q_scale=g.scale.astype(jnp.bfloat16)), TypeError, "a1q_scale must be float32"),
+        ((jnp.asarray(x, jnp.bfloat16), *gargs), dict(a1q_scale=g.scale), TypeError, "values must be float8_e4m3fn"),
+        (
+            (g.values, gw, jnp.asarray(tw), jnp.asarray(ids[:, :1]), group),
+            dict(a1q_scale=g.scale),
+            ValueError,
+            "topk_ids",
+        ),
+        ((g.values, gw, jnp.asarray(ids), jnp.asarray(ids), group), dict(a1q_scale=g.scale), TypeError, "topk_weights"),
+    ]
+    for pipeline in (hj.humming_grouped_experts, hj.humming_indexed_experts):
+        for call_args, kwargs, error, message in bad:
+            with pytest.raises(error, match=f"{pipeline.__name__}: .*{message}"):
+                pipeline(*call_args, **kwargs)
+        with pytest.raises(ValueError, match="a1q_scale was given but config.input_quant is 'none'"):
+            pipeline(g.values, weights, jnp.asarray(tw), jnp.asarray(ids), int4, a1q_scale=g.scale)
+    counts = jnp.asarray([2, 0, 1, 1], jnp.int32)
+    with pytest.raises(ValueError, match=r"batched_humming_grouped_experts: a1q_scale must be \[4, 2, 2\]"):
+        hj.batched_humming_grouped_experts(g.values.reshape(4, 2, 256), counts, gw, group, a1q_scale=g.scale)
+
+
 def test_layers_return_their_inputs_dtype(rng):
     """A float32 or float16 input: each pipeline computes in
     ``config.compute_dtype`` (bf16) and returns the input's dtype — the bf16
