@@ -514,16 +514,14 @@ def _grouped_layout_stages(config: ExpertsConfig, backend: str | None) -> tuple[
     def route(s):
         map_kwargs = _expert_map_kwargs(config, s["expert_map"])
         topk_ids = _valid_token_ids(s["topk_ids"], s.get("num_valid_tokens"), config)
-        a1q_scale = s.get("a1q_scale")
-        if a1q_scale is not None:
-            per_row = a1q_scale.ndim == 2  # a per-tensor scale [1] moves with no row
+        if s.get("a1q_scale") is not None:
             permuted = routing.moe_permute(
-                s["hidden_states"], topk_ids, a1q_scale=a1q_scale if per_row else None, backend=backend, **map_kwargs
+                s["hidden_states"], topk_ids, a1q_scale=s["a1q_scale"], backend=backend, **map_kwargs
             )
             return dict(
                 offsets=permuted.expert_first_token_offset,
                 inv_perm=permuted.inv_permuted_idx,
-                permuted=(permuted.permuted_hidden_states, permuted.permuted_scale if per_row else a1q_scale),
+                permuted=(permuted.permuted_hidden_states, permuted.permuted_scale),
             )
         offsets, scatter_idx = routing.moe_prepare_scatter(topk_ids, backend=backend, **map_kwargs)
         return dict(offsets=offsets, scatter_idx=scatter_idx, inv_perm=scatter_idx.reshape(-1))

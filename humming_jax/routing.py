@@ -351,7 +351,8 @@ def moe_permute(
         num_experts: E, global.
         expert_map: optional int32 ``[E]`` → local expert or −1.
         num_local_experts: the local experts (default ``num_experts``).
-        a1q_scale: optional ``[T, S]`` scales (e.g. block-FP8 ``[T, H/128]``).
+        a1q_scale: optional ``[T, S]`` scales (e.g. block-FP8 ``[T, H/128]``), moved
+            with their rows, or one per-tensor scale ``[1]``, returned as it is.
         row_tiles: the kernel's tiling (``pallas_kernels.routing.RowTiles``); None: chosen.
         backend: ``"pallas"``, ``"interpret"`` or ``"reference"``; None: the default.
 
@@ -364,9 +365,10 @@ def moe_permute(
             f"moe_permute: hidden_states must be [T, H] with T={topk_ids.shape[0]} (from topk_ids), "
             f"got shape {hidden_states.shape}"
         )
-    if a1q_scale is not None and (a1q_scale.ndim != 2 or a1q_scale.shape[0] != topk_ids.shape[0]):
+    per_tensor = a1q_scale is not None and a1q_scale.shape == (1,)
+    if a1q_scale is not None and not per_tensor and (a1q_scale.ndim != 2 or a1q_scale.shape[0] != topk_ids.shape[0]):
         raise ValueError(
-            f"moe_permute: a1q_scale must be [T, S] with T={topk_ids.shape[0]}, got shape {a1q_scale.shape}"
+            f"moe_permute: a1q_scale must be [T, S] with T={topk_ids.shape[0]} or [1], got shape {a1q_scale.shape}"
         )
     num_local = num_experts if num_local_experts is None else num_local_experts
     chosen = _empty_or(resolve_backend(backend, "moe_permute"), topk_ids.size)
@@ -383,7 +385,7 @@ def moe_permute(
             tiles=row_tiles or kernels.RowTiles(),
             interpret=interpret,
         )
-        scale = None if a1q_scale is None else move(a1q_scale)
+        scale = a1q_scale if a1q_scale is None or per_tensor else move(a1q_scale)
         return PermuteResult(move(hidden_states), scale, offsets, dest, inverse)
     offsets, scatter_idx = _scatter_reference(topk_ids, num_experts, expert_map, num_local)
     inv = scatter_idx.reshape(-1)
@@ -394,7 +396,7 @@ def moe_permute(
     def gather(rows: jax.Array) -> jax.Array:
         return jnp.where(row_valid, rows[permuted_idx // top_k], jnp.zeros((), rows.dtype))
 
-    scale = None if a1q_scale is None else gather(a1q_scale)
+    scale = a1q_scale if a1q_scale is None or per_tensor else gather(a1q_scale)
     return PermuteResult(gather(hidden_states), scale, offsets, inv, permuted_idx)
 
 

@@ -153,6 +153,13 @@ def test_prepare_scatter_and_permute_round_trip(backend, routing):
             np.testing.assert_array_equal(permuted[row], hidden[slot // top_k])
             np.testing.assert_array_equal(permuted_scale[row], scale[slot // top_k])
     assert np.all(permuted[exp_offsets[-1] :] == 0) and np.all(permuted_scale[exp_offsets[-1] :] == 0)
+    # One per-tensor scale [1] (fp8 static inputs): returned as it is, the rows moved as before.
+    tensor_scale = jnp.asarray([0.75], jnp.float32)
+    alone = hj.moe_permute(
+        jnp.asarray(hidden), jnp.asarray(ids), num_experts, emap, num_local, a1q_scale=tensor_scale, backend=backend
+    )
+    np.testing.assert_array_equal(np.asarray(alone.permuted_scale), [0.75])
+    np.testing.assert_array_equal(np.asarray(alone.permuted_hidden_states), permuted)
 
     # Unpermute with weights: weighted sum over valid slots, float64 check. The rows
     # past the last offset are poisoned: a workspace may hold anything there.
@@ -252,6 +259,8 @@ def test_routing_bad_input_raises():
         hj.moe_align_block_size(jnp.zeros((4, 2), jnp.int32), 0, 8)
     with pytest.raises(ValueError, match="hidden_states must be"):
         hj.moe_permute(jnp.zeros((3, 8)), jnp.zeros((4, 2), jnp.int32), 8)
+    with pytest.raises(ValueError, match=r"a1q_scale must be \[T, S\] with T=4 or \[1\], got shape \(2,\)"):
+        hj.moe_permute(jnp.zeros((4, 8)), jnp.zeros((4, 2), jnp.int32), 8, a1q_scale=jnp.ones(2))
     with pytest.raises(ValueError, match="inv_permuted_idx"):
         hj.moe_unpermute(jnp.zeros((8, 4)), jnp.zeros((4, 2)), jnp.zeros(7, jnp.int32), jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match="inputs must be"):
