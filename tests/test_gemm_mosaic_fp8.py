@@ -521,7 +521,13 @@ def test_swap_ab_lowers_for_the_gpu(tiles):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("tiles,half_bits", [(SQUARE, False), (SQUARE, True), (SWAP, True), (SWAP_WIDE, True)], ids=str)
+# make test: the staged form's two bit orders; the register form's group-scaled lowering is
+# test_swap_ab_lowers_for_the_gpu's (the same tiles and scaling; --full: here too).
+@pytest.mark.parametrize(
+    "tiles,half_bits",
+    [(SQUARE, False), (SQUARE, True), pytest.param(SWAP, True, marks=FULL), pytest.param(SWAP_WIDE, True, marks=FULL)],
+    ids=str,
+)
 def test_mxfp4_lowers_for_the_gpu(tiles, half_bits):
     """The compiled decoder (the e2m1 program on the WGMMA layout's 32-bit
     registers, both bit orders) with the staged 32-column pieces, and the
