@@ -893,11 +893,11 @@ def batched_humming_grouped_experts(
             f"batched_humming_grouped_experts: hidden_states must be [E={config.num_experts}, max_tokens, H], "
             f"got {hidden_states.shape}"
         )
-    if a1q_scale is None and hidden_states.shape[2] != config.hidden_size:
-        raise ValueError(
-            f"batched_humming_grouped_experts: hidden size {hidden_states.shape[2]} != {config.hidden_size}"
-        )
     if a1q_scale is None:
+        if hidden_states.shape[2] != config.hidden_size:
+            raise ValueError(
+                f"batched_humming_grouped_experts: hidden size {hidden_states.shape[2]} != {config.hidden_size}"
+            )
         check_float_input(hidden_states, "batched_humming_grouped_experts")
     else:
         check_prequantized_input(hidden_states, a1q_scale, config, "batched_humming_grouped_experts")
