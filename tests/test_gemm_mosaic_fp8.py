@@ -462,11 +462,11 @@ def test_the_plan_takes_it_from_128_rows_an_expert():
         assert heuristic.E4M3_COPY not in fewer
     assert heuristic.E4M3_COPY not in T.heuristic_candidates(rows, 1536, 2048, mx, 128, input_dtype="float8_e4m3")
     # The H200 table leaves the copy's range to the heuristic: qwen3's w2 (K=768) indexed from
-    # 512 rows an expert (its Triton entry ends below), grouped from 256.
+    # 512 rows an expert (its Triton entry ends below), grouped past 256 (its 144-row entry's range).
     qwen3_w2 = F.to_planar(F.quantize_weight(jnp.ones((1, 8, 768), jnp.float32), F.get_format("mxfp4"))).format
     for layout, rows in (
         ("indexed", heuristic.E4M3_COPY_MIN_ROWS_INDEXED),
-        ("grouped_contiguous", heuristic.E4M3_COPY_MIN_ROWS),
+        ("grouped_contiguous", 2 * heuristic.E4M3_COPY_MIN_ROWS),
     ):
         listed = T.candidates(layout, qwen3_w2, rows * 128, 128, 2048, 768, half_bits=True, input_dtype="float8_e4m3")
         assert listed[0] == heuristic.E4M3_COPY, layout

@@ -476,10 +476,15 @@ def test_heuristic_choices_for_quantized_inputs():
     assert qwen3[0].block_m == 144 and qwen3[0].dequantize_input and T.indexed_block_rows(qwen3) == 144
     wide = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, block_size=64, half_bits=True)
     assert wide[0] == mosaic_fp8.Tiles(64, 256, stages=4, group_m=8)
-    # 32 rows an expert: the fp8 kernel's register-operand 64 x 256 (mixtral, v24), but qwen3's
-    # table entries keep Triton's 32-row tile with the input multiplied out.
+    # 32 rows an expert, few experts: the heuristic's fp8 register-operand 64 x 256 (v24); mixtral's
+    # table entry the 16-bit 48-row pair on the input multiplied out (78th); qwen3's entries keep
+    # Triton's 32-row tile with the input multiplied out.
+    few_experts = T.heuristic_candidates(
+        32, 28672, 4096, F.MXFP4, input_dtype="float8_e4m3", indexed=True, num_experts=8
+    )
+    assert few_experts[0] == heuristic.MX_FP8_SWAP
     mid = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 128 * 2, 8, 28672, 4096, half_bits=True)
-    assert mid[0] == heuristic.MX_FP8_SWAP and T.indexed_block_rows(mid) == 64
+    assert mid[0].block_m == 48 and mid[0].dequantize_input and T.indexed_block_rows(mid) == 48
     for n_out, k_in in ((1536, 2048), (2048, 768)):
         few = first(indexed, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 8, 128, n_out, k_in, half_bits=True)
         assert isinstance(few[0], kernel.Tiles) and few[0].block_m == 32 and few[0].dequantize_input
@@ -520,9 +525,11 @@ def test_heuristic_choices_for_quantized_inputs():
     for k_in, n_out in ((2048, 1536), (768, 2048)):
         mid = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 512 * 8, 128, n_out, k_in, half_bits=True)[0]
         assert isinstance(mid, mosaic_mid.Tiles) and mid.block_m == 48 and mid.dequantize_input
+    # At T=4096 (256 rows an expert) the table's 144-row decoding tile (78th) before the heuristic's
+    # e4m3 copy.
     prefill = first(grouped, F.MXFP4, Q.FP8_DYNAMIC_GROUP128, 4096 * 8, 128, 1536, 2048, half_bits=True)
     multiplied_out = dataclasses.replace(heuristic.decode_tiles(256, 128), dequantize_input=True)
-    assert prefill[:2] == [heuristic.E4M3_COPY, multiplied_out]
+    assert prefill[:2] == [multiplied_out, heuristic.E4M3_COPY]
 
 
 @pytest.mark.parametrize(
