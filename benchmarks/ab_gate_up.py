@@ -13,13 +13,19 @@ module's one interleaved w13 against MoonEP's own form, gate and up apart). Each
 layer bench's rotated sets) and weights are made once; the two orders are
 timed in turn, ``--repeats`` rounds (min, median, max µs), and their outputs
 compared (``rel_diff``: the activation rounded once against after w13's
-rounding, ~5e-3 in bf16). Prints a row a case and writes them as JSON after
-each, so a run stopped by a time limit keeps the cases done.
+rounding, ~5e-3 in bf16). With ``--stages`` each order's pipeline stages
+(``layer_bench.stages``: w13, the activation pass, ...; not MoonEP's own form)
+are also timed alone, interleaved with the other order's
+(``blocks_stages`` / ``halves_stages``: a stage's min, median and max µs), so
+a change in w13's tiles and in the pass after it shows apart. Prints a row a
+case and writes them as JSON after each, so a run stopped by a time limit
+keeps the cases done.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 
@@ -67,8 +73,26 @@ def layer_fn(case: layer_bench.LayerCase, order: str):
     return layer_bench._layer_fn(case, backend)
 
 
-def time_case(case: layer_bench.LayerCase, repeats: int, seed: int = 0) -> dict:
-    """One result row: each order's µs (min, median, max of ``repeats``) and the outputs' difference."""
+def stage_samplers(case: layer_bench.LayerCase, sets: list[dict]) -> dict[str, object]:
+    """``{stage name: sampler}`` of the pipeline's stages, each timed alone on
+    the state the earlier stages leave (from one compiled run of them all)."""
+    staged = layer_bench.stages(case, bench.KERNEL_BACKEND)
+    finals = [jax.jit(functools.partial(X.run_stages, staged))(s) for s in sets]
+    samplers, keys = {}, list(sets[0])
+    for stage in staged:
+        befores = [{key: final[key] for key in keys} for final in finals]
+        samplers[stage.name] = bench.sampler(stage.run, [(b,) for b in befores])
+        keys += list(jax.eval_shape(stage.run, befores[0]))
+    return samplers
+
+
+def _spread(seconds: list[float]) -> list[float]:
+    return [round(1e6 * v, 2) for v in (min(seconds), statistics.median(seconds), max(seconds))]
+
+
+def time_case(case: layer_bench.LayerCase, repeats: int, seed: int = 0, with_stages: bool = False) -> dict:
+    """One result row: each order's µs (min, median, max of ``repeats``) and the
+    outputs' difference; ``with_stages``: each order's stages too."""
     rng = np.random.default_rng(seed)
     weights = orders(case, seed)
     _, inputs = layer_bench.input_sets(case, rng)
@@ -76,6 +100,10 @@ def time_case(case: layer_bench.LayerCase, repeats: int, seed: int = 0) -> dict:
     outs = {name: np.asarray(jax.jit(fns[name])(dict(inputs[0], **w)), np.float64) for name, w in weights.items()}
     diff = np.linalg.norm(outs["blocks"] - outs["halves"]) / max(np.linalg.norm(outs["halves"]), 1e-30)
     samplers = {name: bench.sampler(fns[name], [(dict(s, **w),) for s in inputs]) for name, w in weights.items()}
+    if with_stages:
+        for name, w in weights.items():
+            staged = stage_samplers(case, [dict(s, **w) for s in inputs])
+            samplers.update({f"{name}:{stage}": sample for stage, sample in staged.items()})
     w13 = weights["blocks"]["w13"] if case.pipeline == "moonep" else weights["blocks"]["weights"].w13
     samples = interleaved(samplers, repeats)
     row = dict(
@@ -87,7 +115,11 @@ def time_case(case: layer_bench.LayerCase, repeats: int, seed: int = 0) -> dict:
         rel_diff=float(diff),
     )
     for name, seconds in samples.items():
-        row[name] = [round(1e6 * v, 2) for v in (min(seconds), statistics.median(seconds), max(seconds))]
+        order, _, stage = name.partition(":")
+        if stage:
+            row.setdefault(f"{order}_stages", {})[stage] = _spread(seconds)
+        else:
+            row[name] = _spread(seconds)
     return row
 
 
@@ -95,15 +127,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", required=True, help="PROBLEM:PIPELINE:T:FORMAT each")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--stages", action="store_true", help="also time each order's stages alone (not MoonEP)")
     parser.add_argument("--out", default="benchmarks/results/layer/ab_gate_up.json")
     args = parser.parse_args(argv)
     cases = [parse_case(text) for text in args.cases]
+    if args.stages and any(case.pipeline == "moonep" for case in cases):
+        raise ValueError("--stages: MoonEP's own form has no stages to match; leave moonep cases out")
     if bench.KERNEL_BACKEND == "pallas" and jax.default_backend() != "gpu":
         print("ab_gate_up: needs a GPU (kernels are timed compiled)", file=sys.stderr)
         return 2
     rows = []
     for case in cases:
-        rows.append(time_case(case, args.repeats))
+        rows.append(time_case(case, args.repeats, with_stages=args.stages))
         print(rows[-1], flush=True)
         write_results(args.out, rows, quiet=True)
     return 0

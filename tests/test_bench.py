@@ -1500,6 +1500,16 @@ def test_ab_gate_up_times_both_orders(tiny, compiled_once, tmp_path, capsys, mon
         assert r["rel_diff"] < 1e-2 and len(r["blocks"]) == len(r["halves"]) == 3
     with pytest.raises(ValueError, match="PROBLEM:grouped"):
         ab_gate_up.main(["--cases", "tiny_gated:ep:3:bf16"])
+    # --stages: each order's stages timed alone, w13 and the activation pass apart
+    staged = tmp_path / "ab_gate_up_stages.json"
+    args = ["--cases", "tiny_gated:grouped:5:bf16", "--repeats", "2", "--stages", "--out", str(staged)]
+    assert ab_gate_up.main(args) == 0
+    (row,) = json.loads(staged.read_text())["rows"]
+    for order in ("blocks", "halves"):
+        times = row[f"{order}_stages"]
+        assert {"w13", "w2", "combine"} <= set(times) and all(len(t) == 3 and t[0] > 0 for t in times.values())
+    with pytest.raises(ValueError, match="--stages: MoonEP"):
+        ab_gate_up.main(["--cases", "tiny_gated:moonep:4:bf16", "--stages"])
 
 
 @TOOL
