@@ -25,7 +25,6 @@ keeps the cases done.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 
@@ -75,15 +74,11 @@ def layer_fn(case: layer_bench.LayerCase, order: str):
 
 def stage_samplers(case: layer_bench.LayerCase, sets: list[dict]) -> dict[str, object]:
     """``{stage name: sampler}`` of the pipeline's stages, each timed alone on
-    the state the earlier stages leave (from one compiled run of them all)."""
+    the state the earlier stages leave (:func:`layer_bench.stage_inputs`)."""
     staged = layer_bench.stages(case, bench.KERNEL_BACKEND)
-    finals = [jax.jit(functools.partial(X.run_stages, staged))(s) for s in sets]
-    samplers, keys = {}, list(sets[0])
-    for stage in staged:
-        befores = [{key: final[key] for key in keys} for final in finals]
-        samplers[stage.name] = bench.sampler(stage.run, [(b,) for b in befores])
-        keys += list(jax.eval_shape(stage.run, befores[0]))
-    return samplers
+    _, befores = layer_bench.stage_inputs(staged, sets)
+    pairs = zip(staged, befores, strict=True)
+    return {stage.name: bench.sampler(stage.run, [(b,) for b in before]) for stage, before in pairs}
 
 
 def _spread(seconds: list[float]) -> list[float]:

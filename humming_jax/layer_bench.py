@@ -338,6 +338,18 @@ def _reference_error(case: LayerCase, state: dict, out: jax.Array) -> float | No
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def stage_inputs(staged: tuple[X.Stage, ...], sets: list[dict]) -> tuple[list[dict], list[list[dict]]]:
+    """Each input set's final state and, for each stage, the states it starts
+    from: the final state's entries the earlier stages had (stages only add
+    entries), so one compiled run of them all gives every stage's input."""
+    finals = [jax.jit(functools.partial(X.run_stages, staged))(s) for s in sets]
+    befores, keys = [], list(sets[0])
+    for stage in staged:
+        befores.append([{key: final[key] for key in keys} for final in finals])
+        keys += list(jax.eval_shape(stage.run, befores[-1][0]))
+    return finals, befores
+
+
 def time_layer(case: LayerCase, seed: int = 0, with_stages: bool = True) -> dict:
     """One result row (see the module docstring); times in µs. Without
     ``with_stages`` the stages are not timed (three compilations a case
@@ -355,15 +367,12 @@ def time_layer(case: LayerCase, seed: int = 0, with_stages: bool = True) -> dict
     moved, flops = _costs(case, ids)
     fn = _layer_fn(case, backend)
     layer_s = bench.device_seconds(fn, [(s,) for s in sets])
-    # The state before each stage is the final state's entries the earlier stages
-    # had (stages only add entries): one compiled run gives every stage's input.
     staged = stages(case, backend, weights) if with_stages else ()
-    finals = [jax.jit(functools.partial(X.run_stages, staged))(s) for s in sets] if staged else []
-    stage_us, keys = {}, list(sets[0])
-    for stage in staged:
-        befores = [{key: final[key] for key in keys} for final in finals]
-        stage_us[stage.name] = bench.device_seconds(stage.run, [(b,) for b in befores]) * 1e6
-        keys += list(jax.eval_shape(stage.run, befores[0]))
+    finals, befores = stage_inputs(staged, sets) if staged else ([], [])
+    stage_us = {
+        stage.name: bench.device_seconds(stage.run, [(b,) for b in before]) * 1e6
+        for stage, before in zip(staged, befores, strict=True)
+    }
     out = finals[0]["out"] if staged else jax.jit(fn)(sets[0])
     gemm_us = sum(stage_us[name] for name in GEMM_STAGES) if set(GEMM_STAGES) <= set(stage_us) else None
     staged_us = sum(stage_us.values())
