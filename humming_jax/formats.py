@@ -355,6 +355,16 @@ class QuantizedWeight:
         return self.shape[0]
 
     @property
+    def scale_blocks(self) -> tuple[int, int, int] | None:
+        """Elements a stored block scale covers: the format's blocks, or for a
+        w13 interleaved by blocks of fewer rows than a scale block one scale
+        an interleaved block (its scale block's, repeated: :func:`interleave_gate_up`)."""
+        blocks = self.format.scale_blocks()
+        if blocks is not None and 0 < self.gate_up_block < blocks[1]:
+            return (1, self.gate_up_block, blocks[2])
+        return blocks
+
+    @property
     def n(self) -> int:
         return self.shape[1]
 
@@ -382,6 +392,8 @@ class QuantizedWeight:
                 f"{argument}.k_major_scales: only per-group scales without a group index have it, not {fmt.name!r}"
             )
         scale_shape = fmt.scale_shape(e, n, k)
+        if self.scale_blocks is not None:
+            scale_shape = (e, -(-n // self.scale_blocks[1]), scale_shape[2])
         if self.k_major_scales:
             scale_shape = (e, scale_shape[2], n)
         expected = {
@@ -832,7 +844,7 @@ def _dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
     out = values * (
         _along_k(scale, weight)
         if fmt.scale_granularity == ScaleGranularity.GROUP
-        else numerics.block_broadcast(scale, values.shape, fmt.scale_blocks())
+        else numerics.block_broadcast(scale, values.shape, weight.scale_blocks)
     )
     if weight.second_scale is not None:
         second = weight.second_scale.astype(jnp.float32)
@@ -852,11 +864,12 @@ GATE_UP_BLOCK = 64
 
 def gate_up_block_for(fmt: WeightFormat) -> int:
     """The block a w13 in ``fmt`` interleaves its gate and up rows by
-    (:func:`humming_jax.experts.to_kernel_order`): :data:`GATE_UP_BLOCK`, or
-    a whole row block of scales where the format has larger ones
-    (``fp8_block128``: 128, a warpgroup's gate rows and the other's up rows)."""
-    blocks = fmt.scale_blocks()
-    return max(GATE_UP_BLOCK, blocks[1]) if blocks is not None else GATE_UP_BLOCK
+    (:func:`humming_jax.experts.to_kernel_order`): :data:`GATE_UP_BLOCK` for
+    every format — block scales of more rows (``fp8_block128``) are stored one
+    an interleaved block (:attr:`QuantizedWeight.scale_blocks`), so that each
+    warpgroup's 128 columns hold whole gate/up pairs."""
+    del fmt
+    return GATE_UP_BLOCK
 
 
 def gate_up_block_refusal(fmt: WeightFormat, n: int, block: int) -> str | None:
@@ -867,8 +880,11 @@ def gate_up_block_refusal(fmt: WeightFormat, n: int, block: int) -> str | None:
     if n % (2 * block):
         return f"N={n} is not a whole number of gate/up pairs of {block}-row blocks"
     blocks = fmt.scale_blocks()
-    if blocks is not None and block % blocks[1]:
-        return f"format {fmt.name!r} scales blocks of {blocks[1]} rows: gate/up blocks of {block} would split them"
+    if blocks is not None and block % blocks[1] and blocks[1] % block:
+        return (
+            f"format {fmt.name!r} scales blocks of {blocks[1]} rows: gate/up blocks of {block} "
+            "neither hold whole scale blocks nor divide them"
+        )
     return None
 
 
@@ -884,20 +900,24 @@ def _rows_reordered(weight: QuantizedWeight, rows: np.ndarray, gate_up_block: in
     """``weight`` with its rows (values, N-indexed scales, zero points, bias) in the order ``rows``."""
     fmt = weight.format
     take = functools.partial(jnp.take, indices=jnp.asarray(rows))
-    scale = weight.scale
-    if scale is not None and fmt.scale_granularity in (ScaleGranularity.CHANNEL, ScaleGranularity.GROUP):
-        scale = take(scale, axis=2 if weight.k_major_scales else 1)
-    elif scale is not None and fmt.scale_granularity == ScaleGranularity.BLOCK:
-        per = fmt.scale_blocks()[1]
-        scale = take(scale, indices=jnp.asarray(rows[::per] // per), axis=1)
-    return dataclasses.replace(
+    out = dataclasses.replace(
         weight,
         values=take(weight.values, axis=1),
-        scale=scale,
         zero_point=None if weight.zero_point is None else take(weight.zero_point, axis=1),
         bias=None if weight.bias is None else take(weight.bias, axis=1),
         gate_up_block=gate_up_block,
     )
+    scale = weight.scale
+    if scale is not None and fmt.scale_granularity in (ScaleGranularity.CHANNEL, ScaleGranularity.GROUP):
+        scale = take(scale, axis=2 if weight.k_major_scales else 1)
+    elif scale is not None and fmt.scale_granularity == ScaleGranularity.BLOCK:
+        # Blocks of the finer of the two stored heights (each block of either order is
+        # whole in them), reordered, then one scale a block of the new order's height.
+        old, new = weight.scale_blocks[1], out.scale_blocks[1]
+        fine = min(old, new)
+        scale = jnp.repeat(scale, old // fine, axis=1)[:, : -(-weight.n // fine)]
+        scale = jnp.take(scale, jnp.asarray(rows[::fine] // fine), axis=1)[:, :: new // fine]
+    return dataclasses.replace(out, scale=scale)
 
 
 def interleave_gate_up(weight: QuantizedWeight, block: int = GATE_UP_BLOCK) -> QuantizedWeight:
@@ -908,7 +928,8 @@ def interleave_gate_up(weight: QuantizedWeight, block: int = GATE_UP_BLOCK) -> Q
 
     Args:
         weight: ``[E, 2I, K]`` in gate/up halves (``gate_up_block`` 0).
-        block: rows a block (a multiple of the format's row blocks of scales).
+        block: rows a block (a multiple or a divisor of the format's row blocks
+            of scales; with a divisor each block stores its scale block's scales).
 
     Returns:
         The weight with ``gate_up_block=block``; one already interleaved by

@@ -451,14 +451,15 @@ def _dequantized(weight: F.QuantizedWeight, dtype) -> F.QuantizedWeight:
 
 def format_spec(fmt: F.WeightFormat, shape: tuple[int, int, int], **stored) -> spec.WeightSpec:
     """The kernels' view of an ``[E, N, K]`` weight in ``fmt``; ``stored``: how
-    this weight is stored (group index, planar order)."""
+    this weight is stored (group index, planar order, rows a stored block
+    scale covers)."""
     return spec.WeightSpec(
         *shape,
         value_type=fmt.value_type.value,
         scale=fmt.scale_granularity.value,
         scale_type=None if fmt.scale_type is None else fmt.scale_type.value,
         group_size=fmt.group_size,
-        block_n=fmt.block_n,
+        block_n=stored.pop("block_n", fmt.block_n),
         zero_point=fmt.zero_point.value,
         global_scale=fmt.global_scale.value,
         has_bias=fmt.has_bias,
@@ -474,6 +475,7 @@ def _weight_spec(weight: F.QuantizedWeight) -> spec.WeightSpec:
         nibble_unit=weight.nibble_unit,
         half_bits=weight.half_bits,
         k_major_scales=weight.k_major_scales,
+        block_n=weight.scale_blocks[1] if weight.scale_blocks else weight.format.block_n,
     )
 
 

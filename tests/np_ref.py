@@ -47,10 +47,14 @@ def to64(array) -> np.ndarray:
     return array.astype(np.float64)
 
 
-def scale_blocks(fmt):
+def scale_blocks(fmt, gate_up_block: int = 0):
     """Block scales cover ``block_n`` x ``group_size`` elements (the last block of
-    an axis partial); other scales None (their shape says what they cover)."""
-    return (1, fmt.block_n, fmt.group_size) if fmt.scale_granularity.value == "block" else None
+    an axis partial) — a w13 interleaved by fewer rows stores one scale an
+    interleaved block —; other scales None (their shape says what they cover)."""
+    if fmt.scale_granularity.value != "block":
+        return None
+    rows = gate_up_block if 0 < gate_up_block < fmt.block_n else fmt.block_n
+    return (1, rows, fmt.group_size)
 
 
 def expand(scale: np.ndarray, shape, blocks=None) -> np.ndarray:
@@ -124,7 +128,8 @@ def _dequantize_stored(weight) -> np.ndarray:
     if weight.k_major_scales:  # stored [E, K/g, N]
         scale = np.swapaxes(scale, 1, 2)
     scale = 2.0 ** (scale.astype(np.float64) - 127) if fmt.scale_type.value == "e8m0" else to64(scale)
-    out = v * (along_k(scale) if fmt.scale_granularity.value == "group" else expand(scale, v.shape, scale_blocks(fmt)))
+    blocks = scale_blocks(fmt, weight.gate_up_block)
+    out = v * (along_k(scale) if fmt.scale_granularity.value == "group" else expand(scale, v.shape, blocks))
     if weight.second_scale is not None:
         second = np.asarray(weight.second_scale, np.float64)
         out = out * (second.reshape(-1, 1, 1) if second.shape[0] == weight.shape[0] else second[0])

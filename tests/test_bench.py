@@ -573,16 +573,16 @@ def test_process_input_bench_interleaves_rounds(monkeypatch):
 
 @TOOL
 def test_process_input_bench_has_the_w8a8_layers_activation(monkeypatch):
-    """The case of W8A8's w2 input as its layer runs it (gate and up
-    interleaved by 128 rows, the kernel-order fp8 block weights') times the
-    kernel and the reference."""
+    """The case of W8A8's w2 input as its layer runs it (w13's tiles apply
+    the activation on gate and up interleaved by 64 rows, the kernel-order
+    fp8 block weights'; the pass quantizes) times the kernel and the
+    reference."""
     from benchmarks import bench_process_input
 
     monkeypatch.setattr(bench_process_input, "KERNEL", "interpret")
     monkeypatch.setattr(bench_process_input, "TOP_K", 1)
-    activation = bench_process_input.CASES["silu_gub128+fp8_group128"][0]
-    assert activation.gate_up_block == F.gate_up_block_for(F.FP8_BLOCK128) == 128
-    rows = bench_process_input.bench((3,), (256,), ("silu_gub128+fp8_group128",))
+    assert F.gate_up_block_for(F.FP8_BLOCK128) == 64 and bench_process_input.CASES["none+fp8_group128"][0] is None
+    rows = bench_process_input.bench((3,), (256,), ("none+fp8_group128",))
     assert [r["backend"] for r in rows] == ["interpret", "reference"] and all(r["us"] > 0 for r in rows)
 
 

@@ -436,13 +436,14 @@ def test_planar_half_bits_round_trip(fmt_name, rng):
         ("nvfp4", 32, False),
         ("fp8_channel", 8, False),
         ("fp8_block128", 128, False),
+        ("fp8_block128", 64, False),  # one scale a 64-row block, its 128-row block's
     ],
 )
 def test_gate_up_rows_interleaved_against_numpy(fmt_name, block, planar, rng):
     """``interleave_gate_up``: stored row r holds logical row
     ``np_ref.gate_up_rows(n, block)[r]`` with its scales, zero points and bias
-    (block scales by whole blocks); ``gate_up_halves`` gives back the arrays
-    bit for bit."""
+    (block scales by whole blocks, or repeated for each smaller block);
+    ``gate_up_halves`` gives back the arrays bit for bit."""
     fmt = F.get_format(fmt_name)
     e, n, k = 2, 512, 256
     w = jnp.asarray(rng.normal(size=(e, n, k)), jnp.float32)
@@ -459,16 +460,39 @@ def test_gate_up_rows_interleaved_against_numpy(fmt_name, block, planar, rng):
     np.testing.assert_array_equal(np_ref.dequantize_weight(interleaved), logical)
     if bias is not None:
         np.testing.assert_array_equal(np.asarray(interleaved.bias), np.asarray(weight.bias)[:, rows])
+    if fmt.scale_granularity.value == "block":  # each stored block's scale, that of its logical rows' block
+        per = min(block, fmt.block_n)
+        want = np.asarray(weight.scale)[:, rows[::per] // fmt.block_n]
+        np.testing.assert_array_equal(np.asarray(interleaved.scale), want)
     back = hj.gate_up_halves(interleaved)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(weight), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert back.gate_up_block == 0 and hj.interleave_gate_up(interleaved, block) is interleaved
 
 
+def test_gate_up_blocks_of_64_across_a_shared_scale_block(rng):
+    """I = 192: fp8_block128's second scale block holds gate rows 128-191 and
+    up rows 0-63; interleaved by 64 each of those blocks stores that scale,
+    and the halves come back bit for bit."""
+    weight = F.quantize_weight(jnp.asarray(rng.normal(size=(2, 384, 256)), jnp.float32), F.FP8_BLOCK128)
+    interleaved = hj.interleave_gate_up(weight, 64)
+    interleaved.validate()
+    rows = np_ref.gate_up_rows(384, 64)
+    np.testing.assert_array_equal(np.asarray(interleaved.scale), np.asarray(weight.scale)[:, rows[::64] // 128])
+    np.testing.assert_array_equal(np_ref.dequantize_weight(interleaved), np_ref.dequantize_weight(weight))
+    library = np.asarray(hj.dequantize_weight(interleaved, jnp.float32))
+    np.testing.assert_array_equal(library, np.asarray(hj.dequantize_weight(weight, jnp.float32)))
+    for a, b in zip(jax.tree.leaves(hj.gate_up_halves(interleaved)), jax.tree.leaves(weight), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_gate_up_block_refusals(rng):
     weight = F.quantize_weight(jnp.asarray(rng.normal(size=(2, 256, 128)), jnp.float32), F.get_format("fp8_block128"))
     with pytest.raises(ValueError, match="blocks of 128 rows"):
-        hj.interleave_gate_up(weight, 32)
+        wide = F.quantize_weight(jnp.asarray(rng.normal(size=(1, 384, 128)), jnp.float32), weight.format)
+        hj.interleave_gate_up(wide, 96)  # neither whole scale blocks nor a divisor of them
+    with pytest.raises(ValueError, match="weight.scale: expected shape"):  # the 64-row blocks' scales, not the 128's
+        dataclasses.replace(weight, gate_up_block=64).validate()
     with pytest.raises(ValueError, match="whole number of gate/up pairs"):
         hj.interleave_gate_up(F.quantize_weight(jnp.ones((1, 96, 128), jnp.float32), F.BF16), 32)
     interleaved = hj.interleave_gate_up(F.quantize_weight(jnp.ones((1, 128, 128), jnp.float32), F.BF16), 32)

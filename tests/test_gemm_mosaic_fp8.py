@@ -94,6 +94,22 @@ def test_every_scaling_against_numpy(x_mode, w_mode, tiles, rng):
     _check(out, x, weight, layout)
 
 
+@pytest.mark.parametrize("tiles", [TILES, pytest.param(SQUARE, marks=FULL)], ids=["64x256", "128x128"])
+def test_block_scales_of_64_rows(tiles, rng):
+    """A w13 interleaved by 64 rows stores a scale a 64-row block (its 128-row
+    block's): each warpgroup's 128 columns (64 x 256) promote two column
+    slices with their own scales, 64 columns (128 x 128) one. Without the
+    activation the output keeps the stored rows' order."""
+    weight = hj.interleave_gate_up(_weight(rng, "fp8_block128"), 64)
+    x = _input(rng, "fp8_dynamic_group128")
+    layout = gemm_layouts.layouts(rng, E, M)["grouped_contiguous"]
+    assert weight.scale.shape == (E, N // 64, K // 128)
+    assert gemm_call(x, weight, layout, jnp.float32, interpret=True).weight.block_n == 64
+    out = hj.gemm(x, weight, layout, out_dtype=jnp.float32, tuning=tiles, backend=KERNEL_BACKEND)
+    want = np_ref.gemm_of(x, weight, layout)[:, np_ref.gate_up_rows(N, 64)]
+    assert relative_error(np.asarray(out, np.float64), want) < BOUND
+
+
 @pytest.mark.parametrize(
     "layout_kind,quant_name,bias",
     [
@@ -485,11 +501,19 @@ def test_the_plan_takes_it_from_128_rows_an_expert():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("scaling", [kernel.Scaling("group", "block"), kernel.Scaling("token", "channel")])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        kernel.Scaling("group", "block"),
+        kernel.Scaling("token", "channel"),
+        kernel.Scaling("group", "block", block_rows=64),
+    ],
+)
 def test_lowers_for_the_gpu(scaling):
     """Both forms (a product scaled per step, one accumulator) lower to a
-    Mosaic GPU custom call on the CPU (layouts, TMA boxes, the 8-bit wgmma)."""
-    shapes = {"group": (300, 2), "token": (300, 1), "block": (3, 2, 2), "channel": (3, 512, 1)}
+    Mosaic GPU custom call on the CPU (layouts, TMA boxes, the 8-bit wgmma);
+    block scales of 64 rows as two column slices a warpgroup."""
+    shapes = {"group": (300, 2), "token": (300, 1), "block": (3, 512 // scaling.block_rows, 2), "channel": (3, 512, 1)}
     x = jax.ShapeDtypeStruct((300, 256), jnp.float8_e4m3fn)
     w = jax.ShapeDtypeStruct((3, 512, 256), jnp.float8_e4m3fn)
     x_scale = jax.ShapeDtypeStruct(shapes[scaling.x], jnp.float32)
@@ -606,6 +630,9 @@ def test_the_offline_ir_tool_reads_the_fp8_kernel(fmt):
     [
         ("mxfp4", "fp8_dynamic_group128", TILES, "silu"),  # W4A8, the decoded step staged in shared memory
         ("fp8_channel", "fp8_dynamic_token", TILES, "gelu_tanh"),  # every scale on the sum
+        # W8A8's w13 (to_kernel_order): a scale a 64-row block, two a warpgroup's 128 columns
+        ("fp8_block128", "fp8_dynamic_group128", TILES, "silu"),
+        pytest.param("fp8_block128", "fp8_dynamic_token", SQUARE, "silu", marks=FULL),  # one a warpgroup
         pytest.param(
             "mxfp4", "fp8_dynamic_group128", dataclasses.replace(TILES, dequantize_first=True), "silu", marks=FULL
         ),
@@ -632,11 +659,11 @@ def test_activation_in_the_epilogue(weight_name, quant_name, tiles, kind, rng):
 
 
 def test_w8a8_gate_up_pairs_of_128_take_no_activation(rng):
-    """W8A8's w13 interleaved by 128 (its scale blocks whole) has no pair
-    inside a warpgroup's 128 columns: the fp8 kernel refuses the activation,
-    naming why, so the pipelines run w13 plain and the pass. (A hand-over
-    between the warpgroups, with w2's input quantized there, tied the pass on
-    the H200 and was removed: benchmarks/notes/layer.md, v67.)"""
+    """A W8A8 w13 interleaved by 128 (its scale blocks whole; to_kernel_order
+    interleaves by 64 since v78) has no pair inside a warpgroup's 128
+    columns: the fp8 kernel refuses the activation, naming why, so a
+    pipeline would run w13 plain and the pass. (A hand-over between the
+    warpgroups tied the pass on the H200 and was removed: layer.md, v67.)"""
     from pallas_kernels.gemm.spec import EpilogueActivation
 
     act = EpilogueActivation("silu", gate_up_block=128)
@@ -652,19 +679,29 @@ def test_w8a8_gate_up_pairs_of_128_take_no_activation(rng):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("tiles", [SWAP_WIDE, TILES], ids=["register-form", "staged"])
-def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles):
-    """The W4A8 epilogue with the activation lowers, layouts inferred: the
+@pytest.mark.parametrize(
+    "tiles,mx", [(SWAP_WIDE, True), (TILES, True), (TILES, False)], ids=["register-form", "staged", "w8a8-blocks-of-64"]
+)
+def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles, mx):
+    """The epilogue with the activation lowers, layouts inferred: W4A8's
     register form's transposed sums (rows r and r + 64 of a thread: the
-    interpreter runs it from shared memory) and the staged form's."""
+    interpreter runs it from shared memory) and staged form's, and W8A8's
+    w13 with a scale a 64-row block (two column slices a warpgroup)."""
     from benchmarks.mosaic_ir import capture_mosaic_modules
     from pallas_kernels.gemm.spec import EpilogueActivation
 
     m, n, k = 300, 512, 256
-    weight = (jax.ShapeDtypeStruct((4, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((4, n, k // 32), jnp.uint8))
+    if mx:
+        weight = (jax.ShapeDtypeStruct((4, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((4, n, k // 32), jnp.uint8))
+        scaling = kernel.Scaling("group", "mx", True)
+    else:
+        weight = (
+            jax.ShapeDtypeStruct((4, n, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((4, n // 64, k // 128), jnp.float32),
+        )
+        scaling = kernel.Scaling("group", "block", block_rows=64)
     x = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, k // 128), jnp.float32))
     act = EpilogueActivation("silu", gate_up_block=64)
-    scaling = kernel.Scaling("group", "mx", True)
     run = functools.partial(kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16, act=act)
     with capture_mosaic_modules() as texts:
         traced = jax.jit(lambda *a: run(*a)).trace(*x, *weight, jax.ShapeDtypeStruct((5,), jnp.int32))

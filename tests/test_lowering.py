@@ -115,13 +115,13 @@ def test_process_input_lowers_for_sm90(case, tiles):
 
 
 def test_gate_up_blocks_index_their_columns_as_halves_do():
-    """W8A8's w2 input (gate and up interleaved by 128 columns) lowers with no
+    """W8A8's w2 input at decode (gate and up interleaved by 64 columns) lowers with no
     more selects than the halves' case: jnp's floor division and remainder on
     the column indices added six, and compiled (standalone Triton, sm_90) each
     input load then fell from 16-byte vectors to 2-byte scalars (process_input.md,
     sixty-second session)."""
     ((halves, _, _),) = process_ttir("silu+fp8_group128", 768, 4096, None)
-    ((blocks, _, _),) = process_ttir("silu_gub128+fp8_group128", 768, 4096, None)
+    ((blocks, _, _),) = process_ttir("silu_gub64+fp8_group128", 768, 4096, None)
     assert blocks.count("arith.select") == halves.count("arith.select")
     assert blocks.count("tt.load") == halves.count("tt.load")
 

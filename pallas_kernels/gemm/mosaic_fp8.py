@@ -3,8 +3,9 @@ e5m2 inputs times e4m3 weights — or MXFP4 weights decoded to e4m3 in the
 compute warpgroups (W4A8) —, wgmma with 8-bit operands and f32 sums, TMA
 loads into swizzled shared memory, warp-specialized, persistent.
 
-Scales: a 128 x 128 weight block's and a row's 128-column input group's
-multiply each K step's product — a fresh accumulator a step, added to the
+Scales: a weight block's (128 columns of K by 128 or 64 rows: a w13 whose
+gate and up rows interleave by 64 stores a scale a 64-row block) and a row's
+128-column input group's multiply each K step's product — a fresh accumulator a step, added to the
 running f32 sum times the product of the two (the promotion of the CUDA fp8
 libraries); per-channel or per-tensor weight scales and per-row or per-tensor
 input scales multiply the sum. MXFP4 (W4A8, :mod:`mx_e4m3`): each K step's
@@ -36,6 +37,7 @@ BLOCK_K = mx_e4m3.BLOCK_K  # a K step: one 128-byte swizzled row of 8-bit values
 FP8_INPUTS = ("float8_e4m3fn", "float8_e5m2")
 WEIGHT_SCALES = ("tensor", "channel", "block")
 INPUT_SCALES = ("tensor", "token", "group")
+BLOCK_ROWS = (64, 128)  # weight rows a block scale covers: a warpgroup's 64 or 128 columns take one or two
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +82,14 @@ class Scaling:
     f32), ``w`` tensor / channel / block (128 x 128, f32) / mx (MXFP4 codes
     decoded in the kernel, a scale per column); ``half_bits``: mx
     codes in the pair decoder's bit order (``word_decode.E2M1_HALF_BITS``);
-    ``k_major_scales``: mx scales stored ``[E, K/32, N]``."""
+    ``k_major_scales``: mx scales stored ``[E, K/32, N]``; ``block_rows``:
+    the weight's rows a block scale covers."""
 
     x: str
     w: str
     half_bits: bool = False
     k_major_scales: bool = False
+    block_rows: int = BLOCK_K
 
     @property
     def per_step(self) -> bool:
@@ -153,8 +157,8 @@ def scaling_refusal(call: GemmCall) -> str | None:
             f"{w.value_type} weights with {w.scale} {w.scale_type} scales "
             "(e4m3, f32 per tensor, channel or block; or MXFP4)"
         )
-    if w.scale == "block" and (w.group_size, w.block_n) != (BLOCK_K, BLOCK_K):
-        return f"{w.block_n} x {w.group_size} weight blocks ({BLOCK_K} x {BLOCK_K})"
+    if w.scale == "block" and (w.group_size != BLOCK_K or w.block_n not in BLOCK_ROWS):
+        return f"{w.block_n} x {w.group_size} weight blocks ({' or '.join(map(str, BLOCK_ROWS))} x {BLOCK_K})"
     if w.zero_point != "none" or w.global_scale != "none" or w.has_group_index:
         return "weights with zero points, a global scale or a group index"
     return None
@@ -177,7 +181,8 @@ def scaling_of(call: GemmCall) -> Scaling:
     """How the kernel applies the call's scales."""
     w = call.weight
     mode = "mx" if w.value_type == "float4_e2m1" else w.scale
-    return Scaling(call.x_scale.mode, mode, w.half_bits, w.k_major_scales and mode == "mx")
+    rows = w.block_n if mode == "block" else BLOCK_K
+    return Scaling(call.x_scale.mode, mode, w.half_bits, w.k_major_scales and mode == "mx", rows)
 
 
 def supports(tiles: Tiles, call: GemmCall) -> str | None:
@@ -378,16 +383,26 @@ def _kernel(
                     return acc_ref[...]
 
                 part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-                if scaling.w == "block":
-                    w_scale = w_scale_gmem[group, wg_cols // BLOCK_K, step]
+                row_scale = None
                 if scaling.x == "group":
                     row_scale = plgpu.load(x_scale_smem.at[0], layout=m_layout, optimized=False)
-                    if scaling.w == "block":
-                        row_scale = row_scale * w_scale
-                    total = total + per_m(part, row_scale)
+                if scaling.w == "block":
+                    total = total + block_scaled(part, row_scale, step)
                 else:
-                    total = total + (part * w_scale if scaling.w == "block" else part)
+                    total = total + (part if row_scale is None else per_m(part, row_scale))
                 return (total, top) if scaling.mx else total
+
+            def block_scaled(part, row_scale, step):
+                """A step's product times its weight blocks' scales (and the rows' group
+                scales): one block a warpgroup, or one a slice of its columns."""
+                rows = scaling.block_rows
+                blocks = max(1, wg_n // rows)
+                pieces = []
+                for b in range(blocks):
+                    w_scale = w_scale_gmem[group, wg_cols // rows + b, step]
+                    piece = part if blocks == 1 else part[:, b * rows : (b + 1) * rows]
+                    pieces.append(piece * w_scale if row_scale is None else per_m(piece, row_scale * w_scale))
+                return pieces[0] if blocks == 1 else jnp.concatenate(pieces, axis=1)
 
             @pl.when((rows > 0) & (group < num_experts))
             def _():
@@ -408,7 +423,7 @@ def _kernel(
 def _flat_scales(scaling: Scaling, x_scale: jax.Array, w_scale: jax.Array, rows: int, m: int, k: int):
     """The scales as the kernel reads them: a row's per-step scales ``[K/128,
     rows]`` (``rows`` >= M, zero-padded), per-row ``[rows]`` or one ``[1]``;
-    weight blocks ``[E, N/128, K/128]``, channels ``[E, N]`` or ``[E]`` (mx: as
+    weight blocks ``[E, N/block_rows, K/128]``, channels ``[E, N]`` or ``[E]`` (mx: as
     :func:`mx_e4m3.mx_operands` gives them)."""
     x_scale = x_scale.astype(jnp.float32)
     if scaling.x == "group":
@@ -465,7 +480,7 @@ def expert_gemm_fp8(
 ) -> jax.Array:
     """``x [M, K]`` (e4m3 / e5m2) times ``x_scale`` (``[M, K/128]``, ``[M, 1]``
     or ``[1]`` f32, as ``scaling.x``) by the e4m3 ``weight [E, N, K]`` times
-    ``w_scale`` (``[E, N/128, K/128]``, ``[E, N, 1]`` or ``[E, 1, 1]`` f32) —
+    ``w_scale`` (``[E, N/scaling.block_rows, K/128]``, ``[E, N, 1]`` or ``[E, 1, 1]`` f32) —
     with ``scaling.mx``, ``weight`` MXFP4's planar codes ``uint8 [E, N, K/2]``
     and ``w_scale`` its e8m0 bytes ``[E, N, K/32]`` (``[E, K/32, N]`` with
     ``scaling.k_major_scales``) —: ``[M, N]`` in
