@@ -632,7 +632,7 @@ def test_the_offline_ir_tool_reads_the_fp8_kernel(fmt):
         ("fp8_channel", "fp8_dynamic_token", TILES, "gelu_tanh"),  # every scale on the sum
         # W8A8's w13 (to_kernel_order): a scale a 64-row block, two a warpgroup's 128 columns
         ("fp8_block128", "fp8_dynamic_group128", TILES, "silu"),
-        pytest.param("fp8_block128", "fp8_dynamic_token", SQUARE, "silu", marks=FULL),  # one a warpgroup
+        pytest.param("fp8_block128", "fp8_dynamic_token", TILES, "silu", marks=FULL),  # the rows' scale on the sum
         pytest.param(
             "mxfp4", "fp8_dynamic_group128", dataclasses.replace(TILES, dequantize_first=True), "silu", marks=FULL
         ),
