@@ -895,6 +895,8 @@ _EPILOGUE_ACTIVATIONS = [
     ("bf16+bias", "grouped_masked", kernel.Tiles(block_m=16, block_n=32, block_k=64), "silu", None, 64),
     # W8A8's decode tile on blocks of 128 (whole scale blocks): its two runs in two scale blocks.
     ("fp8_block128", "indexed", kernel.Tiles(16, 64, 256), "silu", "fp8_dynamic_group128", 128),
+    # ... and on blocks of 64 (what to_kernel_order stores: a scale a 64-row block).
+    ("fp8_block128", "grouped_contiguous", kernel.Tiles(16, 64, 256), "silu", "fp8_dynamic_group128", 64),
 ]
 
 

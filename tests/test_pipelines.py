@@ -769,7 +769,7 @@ def test_w4a8_batched_inputs_written_multiplied_out(rng, monkeypatch):
 
 _EPILOGUE_LAYERS = [
     ("int4_g128", "silu", "none"),
-    ("fp8_block128", "silu", "fp8_dynamic_group128"),  # W8A8: blocks of 128, the scale blocks whole
+    ("fp8_block128", "silu", "fp8_dynamic_group128"),  # W8A8: blocks of 64, a scale a 64-row block
     ("bf16", "gelu_tanh", "none"),
     ("mxfp4", "silu", "fp8_dynamic_group128"),
 ]
