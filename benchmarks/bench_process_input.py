@@ -43,7 +43,7 @@ CASES = {
     # name: (activation, hadamard block, input quantization)
     "silu+fp8_group128": ("silu", None, Q.FP8_DYNAMIC_GROUP128),
     # W8A8's w2 input as its layer runs it: the kernel-order fp8 block weights' w13 interleaves
-    # gate and up by 64 rows (formats.gate_up_block_for); at prefill its tiles apply the
+    # gate and up by 64 rows (formats.GATE_UP_BLOCK); at prefill its tiles apply the
     # activation and the pass only quantizes, at decode its 32-column tiles take no pair.
     "none+fp8_group128": (None, None, Q.FP8_DYNAMIC_GROUP128),
     "silu_gub64+fp8_group128": (ActivationSpec("silu", gate_up_block=64), None, Q.FP8_DYNAMIC_GROUP128),

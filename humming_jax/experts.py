@@ -121,7 +121,7 @@ def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeig
     copy of the activations (:func:`formats.to_planar`, the same values); e2m1
     codes with bf16 compute also in the pair decoder's bit order; e8m0 group
     scales in the order the Mosaic kernels read them; a gated w13's gate and
-    up rows interleaved by :func:`formats.gate_up_block_for` (where N
+    up rows interleaved by :data:`formats.GATE_UP_BLOCK` (where N
     allows: :func:`formats.interleave_gate_up`), so that its GEMM tiles apply
     the activation themselves. What :func:`quantize_experts`, ``load_experts``
     and the NNX modules give; weights in K order or in halves still run, slower.
@@ -144,17 +144,17 @@ def to_kernel_order(weights: ExpertWeights, config: ExpertsConfig) -> ExpertWeig
 
     w13 = ordered(weights.w13)
     if interleaves_gate_up(w13, config):
-        w13 = F.interleave_gate_up(w13, F.gate_up_block_for(w13.format))
+        w13 = F.interleave_gate_up(w13, F.GATE_UP_BLOCK)
     return dataclasses.replace(weights, w13=w13, w2=ordered(weights.w2))
 
 
 def interleaves_gate_up(w13: F.QuantizedWeight, config: ExpertsConfig) -> bool:
     """Whether :func:`to_kernel_order` interleaves this w13's gate and up rows:
     a gated activation that reads blocks (not SWIGLUOAI's pairs), rows in
-    halves, and an N that blocks of :func:`formats.gate_up_block_for` fit."""
+    halves, and an N that blocks of :data:`formats.GATE_UP_BLOCK` fit."""
     if not config.activation.interleaves or w13.gate_up_block:
         return False
-    return F.gate_up_block_refusal(w13.format, w13.n, F.gate_up_block_for(w13.format)) is None
+    return F.gate_up_block_refusal(w13.format, w13.n, F.GATE_UP_BLOCK) is None
 
 
 def w13_activation(config: ExpertsConfig, weights: ExpertWeights) -> ActivationSpec:

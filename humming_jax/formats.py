@@ -858,18 +858,10 @@ def _dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
 
 # The block w13's gate and up rows are interleaved in (to_kernel_order): a Mosaic
 # warpgroup's 128 rows hold 64 outputs' gate and up sums (in a swapped tile a
-# thread holds rows r and r + 64); a 64-column Triton tile reads half a pair.
+# thread holds rows r and r + 64); a 64-column Triton tile reads half a pair. Every
+# format: block scales of more rows (fp8_block128) are stored one a 64-row block
+# (QuantizedWeight.scale_blocks).
 GATE_UP_BLOCK = 64
-
-
-def gate_up_block_for(fmt: WeightFormat) -> int:
-    """The block a w13 in ``fmt`` interleaves its gate and up rows by
-    (:func:`humming_jax.experts.to_kernel_order`): :data:`GATE_UP_BLOCK` for
-    every format — block scales of more rows (``fp8_block128``) are stored one
-    an interleaved block (:attr:`QuantizedWeight.scale_blocks`), so that each
-    warpgroup's 128 columns hold whole gate/up pairs."""
-    del fmt
-    return GATE_UP_BLOCK
 
 
 def gate_up_block_refusal(fmt: WeightFormat, n: int, block: int) -> str | None:

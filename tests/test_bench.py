@@ -581,7 +581,7 @@ def test_process_input_bench_has_the_w8a8_layers_activation(monkeypatch):
 
     monkeypatch.setattr(bench_process_input, "KERNEL", "interpret")
     monkeypatch.setattr(bench_process_input, "TOP_K", 1)
-    assert F.gate_up_block_for(F.FP8_BLOCK128) == 64 and bench_process_input.CASES["none+fp8_group128"][0] is None
+    assert F.GATE_UP_BLOCK == 64 and bench_process_input.CASES["none+fp8_group128"][0] is None
     rows = bench_process_input.bench((3,), (256,), ("none+fp8_group128",))
     assert [r["backend"] for r in rows] == ["interpret", "reference"] and all(r["us"] > 0 for r in rows)
 

@@ -794,7 +794,7 @@ def test_activation_in_w13s_tiles(fmt, activation, quant, pipeline, rng, monkeyp
     config = hj.ExpertsConfig(4, 128, 128, 2, activation=activation, weight_format=fmt, input_quant=quant)
     x, w13, w2, ids, tw = _problem(rng, config, 16)
     weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
-    assert weights.w13.gate_up_block == hj.formats.gate_up_block_for(config.weight_format)
+    assert weights.w13.gate_up_block == hj.formats.GATE_UP_BLOCK
     halves = dataclasses.replace(weights, w13=hj.gate_up_halves(weights.w13))
     taken = _activation_answers(monkeypatch)
 
