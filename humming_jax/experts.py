@@ -399,20 +399,31 @@ def _down_input(
     )
 
 
-def _w13_with_activation(config: ExpertsConfig, weights: ExpertWeights, x, layout, backend, **gemm_kwargs) -> dict:
+def _w13_with_activation(
+    config: ExpertsConfig, weights: ExpertWeights, x, layout, backend, w2_reads_quantized: bool = True, **gemm_kwargs
+) -> dict:
     """w13's stage: ``activated`` (the activation applied by the GEMM's tiles,
-    where one takes it: :func:`takes_activation`) or ``gate_up`` (the sums,
-    for the activation stage's pass)."""
+    where one takes it: :func:`takes_activation`; also quantized as w2's input
+    where they take that too and w2 reads its input quantized, without a
+    rotation) or ``gate_up`` (the sums, for the activation stage's pass)."""
     activation = w13_activation(config, weights)
+    quant = config.w2_input_quant
     kw = dict(backend=backend, **gemm_kwargs)
-    if takes_activation(x, weights.w13, layout, activation, **kw):
-        return dict(gate_up=None, activated=gemm(x, weights.w13, layout, activation=activation, **kw))
+    epilogues = [kw]
+    if quant == Q.FP8_DYNAMIC_GROUP128 and w2_reads_quantized and not config.w2_hadamard_block_size:
+        epilogues.insert(0, dict(kw, out_quant=quant))  # w2's input quantized there too, where a tile can
+    for epilogue in epilogues:
+        if takes_activation(x, weights.w13, layout, activation, **epilogue):
+            return dict(gate_up=None, activated=gemm(x, weights.w13, layout, activation=activation, **epilogue))
     return dict(gate_up=gemm(x, weights.w13, layout, **kw), activated=None)
 
 
 def _down_input_stage(s: dict, config: ExpertsConfig, backend, dequantize: bool, **layout_kwargs):
-    """The activation stage's w2 input: a pass over w13's sums, or over the activated rows."""
+    """The activation stage's w2 input: a pass over w13's sums, or over the
+    activated rows, or those rows quantized by w13's tiles as they are."""
     activated = s["activated"]
+    if isinstance(activated, Q.QuantizedInput):
+        return activated
     if activated is not None:
         return _down_input(activated, config, s["weights"], backend, dequantize, activated=True)
     return _down_input(s["gate_up"], config, s["weights"], backend, dequantize=dequantize, **layout_kwargs)
@@ -567,7 +578,8 @@ def _grouped_layout_stages(config: ExpertsConfig, backend: str | None) -> tuple[
         tiles = multiplied_out(s, "w13") if not x.spec.is_quantized else None
         kwargs = {**gemm_kwargs(s), "tuning": tiles}
         del kwargs["backend"]
-        return _w13_with_activation(config, s["weights"], x, layout, backend, **kwargs)
+        reads_quantized = multiplied_out(s, "w2") is None
+        return _w13_with_activation(config, s["weights"], x, layout, backend, reads_quantized, **kwargs)
 
     def activation(s):
         dequantize = multiplied_out(s, "w2") is not None
@@ -819,7 +831,8 @@ def _indexed_layout_stages(
         tiles = multiplied_out(s, "w13") if not x.spec.is_quantized else None
         kwargs = {**gemm_kwargs(s), "tuning": tiles}
         del kwargs["backend"]
-        return _w13_with_activation(config, s["weights"], x, layout_of(s, "w13"), backend, **kwargs)
+        reads_quantized = multiplied_out(s, "w2") is None
+        return _w13_with_activation(config, s["weights"], x, layout_of(s, "w13"), backend, reads_quantized, **kwargs)
 
     def activation(s):
         dequantize = multiplied_out(s, "w2") is not None
@@ -973,7 +986,10 @@ def batched_stages(
         x = s["gate_up_input"]
         tiles = multiplied_out(s, "w13") if not x.spec.is_quantized else None
         kwargs = {name: value for name, value in gemm_kwargs(s).items() if name != "backend"}
-        return _w13_with_activation(config, s["weights"], x, layout(s), backend, **kwargs, tuning=tiles)
+        reads_quantized = multiplied_out(s, "w2") is None
+        return _w13_with_activation(
+            config, s["weights"], x, layout(s), backend, reads_quantized, **kwargs, tuning=tiles
+        )
 
     def activation(s):
         counts = s["expert_num_tokens"]

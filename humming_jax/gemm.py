@@ -106,8 +106,11 @@ def gemm_reference(
     layout: L.Layout,
     out_dtype,
     activation: ActivationSpec | None = None,
-) -> jax.Array:
+    out_quant: Q.InputQuantSpec | None = None,
+) -> jax.Array | Q.QuantizedInput:
     """The semantics of :func:`gemm` in float32 ``jnp`` (no validation)."""
+    if out_quant is not None:
+        return Q.quantize_input(gemm_reference(x, weight, layout, jnp.float32, activation), out_quant)
     if activation is not None:  # on the f32 sums, rounded once (as a tile's epilogue does)
         return apply_activation(gemm_reference(x, weight, layout, jnp.float32), activation).astype(out_dtype)
     x32 = Q.dequantize_input(x)
@@ -139,6 +142,7 @@ _GEMM_STATIC = (
     "tuning",
     "backend",
     "activation",
+    "out_quant",
 )
 
 
@@ -156,7 +160,8 @@ def gemm(
     tuning: GemmTiles | None = None,
     backend: str | None = None,
     activation: ActivationSpec | str | None = None,
-) -> jax.Array:
+    out_quant: Q.InputQuantSpec | str | None = None,
+) -> jax.Array | Q.QuantizedInput:
     """The expert GEMM (Humming's grouped / indexed GEMM): ``x`` times each
     row's expert weight over ``layout``. :func:`plan` says what a call runs.
 
@@ -178,10 +183,14 @@ def gemm(
             kind reads gate and up in the order its ``gate_up_block`` says,
             which must be the weight's ``gate_up_block``) — what
             :func:`takes_activation` says a kernel can do; None: none.
+        out_quant: the activated rows quantized as the next GEMM's input
+            (``fp8_dynamic_group128``, W8A8's w2 input; with a gated
+            ``activation``) — where :func:`takes_activation` says so; None: none.
 
     Returns:
         ``[M_out, N]`` in ``out_dtype`` (``M_out = M·top_k`` for :class:`Indexed`;
         ``N/2`` columns with a gated ``activation``); rows no expert owns are zero.
+        With ``out_quant``: a :class:`QuantizedInput` of those rows.
 
     Raises:
         NoKernelError: on a GPU, when no kernel takes the call (naming why).
@@ -199,6 +208,7 @@ def gemm(
     _validate(x, weight, layout, use_f16_accum, out_dtype)
     activation = get_activation(activation)
     _check_activation(activation, weight)
+    out_quant = _check_out_quant(out_quant, activation, weight)
     if tuning is not None and not isinstance(tuning, tuple(kernels.KERNELS)):
         names = ", ".join(f"{name}.Tiles" for name in kernels.IMPLS)
         raise TypeError(f"gemm: tuning: expected one of {names} (pallas_kernels.gemm), got {type(tuning).__name__}")
@@ -215,20 +225,25 @@ def gemm(
         tuning,
         backend,
         activation,
+        out_quant,
     )
     if planned is None:  # the reference backend, or an empty batch (T=0): nothing to compute, an empty output
-        return gemm_reference(x, weight, layout, out_dtype, activation)
+        return gemm_reference(x, weight, layout, out_dtype, activation, out_quant)
     tiles, reasons, interpret = planned
     if tiles is None:
         if tuning is not None:
             raise ValueError(f"gemm: tuning: the kernel does not take this call with {reasons[0]}")
         no_kernel("gemm", "; ".join(reasons), backend)
-        return gemm_reference(x, weight, layout, out_dtype, activation)
-    return _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, activation)
+        return gemm_reference(x, weight, layout, out_dtype, activation, out_quant)
+    out = _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, activation, out_quant)
+    if out_quant is None:
+        return out
+    values, scale = out
+    return Q.QuantizedInput(values=values, scale=scale, spec=out_quant, k=values.shape[1])
 
 
 def _kernel_plan(
-    x, weight, layout, out_dtype, use_f16_accum, batch_invariant, valid_shape_m, tuning, backend, activation
+    x, weight, layout, out_dtype, use_f16_accum, batch_invariant, valid_shape_m, tuning, backend, activation, out_quant
 ):
     """(:func:`plan`'s tiling and reasons, interpreted) for a call on the
     kernels; None where the call runs the reference (its backend, or no rows)."""
@@ -236,8 +251,21 @@ def _kernel_plan(
     if chosen == "reference" or x.m == 0:
         return None
     interpret = chosen == "interpret"
-    args = (use_f16_accum, batch_invariant, valid_shape_m, tuning, interpret, activation)
+    args = (use_f16_accum, batch_invariant, valid_shape_m, tuning, interpret, activation, out_quant)
     return (*plan(x, weight, layout, out_dtype, *args), interpret)
+
+
+def _check_out_quant(out_quant, activation: ActivationSpec | None, weight: F.QuantizedWeight):
+    """``out_quant`` as a spec (None for none), checked: fp8 per group of 128 after a gated activation."""
+    if out_quant is None:
+        return None
+    spec_ = Q.get_input_spec(out_quant)
+    if spec_ != Q.FP8_DYNAMIC_GROUP128:
+        raise ValueError(f"gemm: out_quant: {spec_.name} (only fp8_dynamic_group128, W8A8's w2 input)")
+    if activation is None or not activation.is_gated:
+        raise ValueError("gemm: out_quant: the output quantized after a gated activation only")
+    spec_.check_k(weight.n // 2, "gemm: out_quant: the activated row")
+    return spec_
 
 
 def _check_activation(activation: ActivationSpec | None, weight: F.QuantizedWeight) -> None:
@@ -274,9 +302,11 @@ def takes_activation(
     valid_shape_m: int | None = None,
     tuning: GemmTiles | None = None,
     backend: str | None = None,
+    out_quant: Q.InputQuantSpec | None = None,
 ) -> bool:
     """Whether :func:`gemm` with these arguments runs a kernel that applies
-    ``activation`` in its epilogue (the reference backend computes it alike): where it does not, a
+    ``activation`` (and quantizes its output as ``out_quant`` says) in its
+    epilogue (the reference backend computes it alike): where it does not, a
     pipeline runs the GEMM, then a pass. Arguments as :func:`gemm`'s (``x`` a
     :class:`QuantizedInput`)."""
     out_dtype = _out_dtype(x, out_dtype)
@@ -291,6 +321,7 @@ def takes_activation(
         tuning,
         backend,
         activation,
+        out_quant,
     )
     return planned is None or planned[0] is not None
 
@@ -370,15 +401,16 @@ def plan(
     tuning: GemmTiles | None = None,
     interpret: bool = False,
     activation: ActivationSpec | None = None,
+    out_quant: Q.InputQuantSpec | None = None,
 ) -> tuple[GemmTiles | None, list[str]]:
     """(the tiling the call runs — None if no kernel takes it —, each refused
     candidate's reason). Candidates: ``tuning`` alone if given, else the
     table's entries then the heuristic's (:func:`humming_jax.tuning.candidates`).
     With an ``activation`` the call runs on the tiling it would run without
     one, if that tiling's kernel applies it (a later candidate is not tuned
-    for the call: None then, with the reason)."""
-    fused = gemm_call(x, weight, layout, out_dtype, use_f16_accum, batch_invariant, interpret, activation)
-    call = dataclasses.replace(fused, activation=None)
+    for the call: None then, with the reason); so with ``out_quant``."""
+    fused = gemm_call(x, weight, layout, out_dtype, use_f16_accum, batch_invariant, interpret, activation, out_quant)
+    call = dataclasses.replace(fused, activation=None, out_quant="none")
     if tuning is not None:
         listed = [tuning]
     else:
@@ -418,6 +450,7 @@ def gemm_call(
     batch_invariant=False,
     interpret=False,
     activation=None,
+    out_quant=None,
 ):
     """The :class:`~pallas_kernels.gemm.spec.GemmCall` the kernels' ``supports`` answer."""
     x_dtype, x_scale = kernel_input_spec(x.spec, x.values.dtype)
@@ -432,6 +465,7 @@ def gemm_call(
         batch_invariant,
         interpret,
         as_epilogue_activation(activation),
+        "none" if out_quant is None else _quant_name(out_quant),
     )
 
 
@@ -507,14 +541,16 @@ def _layout_spec(layout, m_in: int) -> tuple[spec.LayoutSpec, tuple[jax.Array, .
     return layout_spec, arrays
 
 
-def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, activation=None):
+def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, activation=None, out_quant=None):
     if isinstance(tiles, mosaic.Tiles) and tiles.dequantize_first and weight.format.is_quantized:
         weight = _dequantized(weight, x.values.dtype)
     if isinstance(tiles, (triton.Tiles, mosaic.Tiles)) and tiles.dequantize_input and x.spec.is_quantized:
         # The op's step: the kernel then runs the weight-only tile on bf16 values.
         x = as_quantized_input(Q.dequantize_input(x).astype(jnp.bfloat16))
         tiles = dataclasses.replace(tiles, dequantize_input=False)
-    call = gemm_call(x, weight, layout, out_dtype, use_f16_accum, interpret=interpret, activation=activation)
+    call = gemm_call(
+        x, weight, layout, out_dtype, use_f16_accum, interpret=interpret, activation=activation, out_quant=out_quant
+    )
     parts = tuple(
         a
         for a in (weight.values, weight.scale, weight.zero_point, weight.second_scale, weight.group_index)

@@ -678,16 +678,95 @@ def test_w8a8_gate_up_pairs_of_128_take_no_activation(rng):
         hj.gemm(x, weight, layout, tuning=TILES, activation=spec, backend=KERNEL_BACKEND)
 
 
+@pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "grouped_masked", pytest.param("indexed", marks=FULL)])
+def test_activated_rows_quantized_in_the_epilogue(layout_kind, rng):
+    """``gemm(activation=, out_quant="fp8_dynamic_group128")`` on W8A8's w13
+    (interleaved by 64): a tile's 128 outputs a row are one group of w2's
+    input, 64 from each warpgroup's gate/up pair — the two exchange their row
+    maxima, each stores its e4m3 half, the tile's row scales gathered to
+    ``[M, N/256]`` by the tiles' own rows. Against the reference (the same
+    quantizer on the f32 activation: scales to ~1e-6, codes within a
+    rounding) and the float64 activation; rows no expert owns: zero values
+    and scales (the outputs NaN-poisoned in the interpreter)."""
+    weight = hj.interleave_gate_up(_weight(rng, "fp8_block128"), 64)
+    spec = hj.ActivationSpec("silu", gate_up_block=64)
+    x = _input(rng, "fp8_dynamic_group128")
+    layout = gemm_layouts.layouts(rng, E, M, TILES.block_m)[layout_kind]
+    kw = dict(activation=spec, out_quant="fp8_dynamic_group128")
+    quant = Q.FP8_DYNAMIC_GROUP128
+    assert takes_activation(x, weight, layout, spec, tuning=TILES, backend=KERNEL_BACKEND, out_quant=quant)
+    got = hj.gemm(x, weight, layout, tuning=TILES, backend=KERNEL_BACKEND, **kw)
+    ref = hj.gemm(x, weight, layout, backend="reference", **kw)
+    rows = layout.output_rows(M)
+    assert got.values.dtype == jnp.float8_e4m3fn and got.values.shape == ref.values.shape == (rows, N // 2)
+    assert got.scale.shape == ref.scale.shape == (rows, N // 256)
+    # Compiled, the fp8 wgmma's accumulator keeps fewer bits than f32 (the file's BOUND).
+    scale_rtol = 2e-6 if KERNEL_BACKEND == "interpret" else 2 * BOUND
+    np.testing.assert_allclose(np.asarray(got.scale), np.asarray(ref.scale), rtol=scale_rtol, atol=0)
+    product = np_ref.gemm_of(x, weight, layout)
+    want = np_ref.activation(product, "silu")
+    assert relative_error(np_ref.dequantize_input(got), want) < 4e-2  # e4m3 values
+    # Compiled, those accumulator bits move a few values across an e4m3 rounding.
+    codes_bound = 2e-3 if KERNEL_BACKEND == "interpret" else 1e-2
+    assert relative_error(np_ref.dequantize_input(got), np_ref.dequantize_input(ref)) < codes_bound
+    unowned = np.all(product == 0, axis=1)
+    assert np.all(np.asarray(got.scale)[unowned] == 0)
+    assert np.all(np.asarray(got.values.astype(jnp.float32))[unowned] == 0)
+
+
+def test_quantized_output_refusals(rng):
+    """Only fp8 groups of 128, after a gated activation, on a tile whose 128
+    outputs a row are one group (64 x 256, not swapped); the 16-bit and
+    Triton kernels refuse it, naming why (a tile of theirs holds part of a
+    group, or its store has no exchange); ``gemm`` checks the argument."""
+    from pallas_kernels.gemm import triton
+    from pallas_kernels.gemm.spec import EpilogueActivation
+
+    act = EpilogueActivation("silu", gate_up_block=64)
+    assert kernel.quantized_output_refusal(TILES, act, "fp8_dynamic_group128") is None
+    assert "only" in kernel.quantized_output_refusal(TILES, act, "fp8_dynamic_token")
+    assert "gated" in kernel.quantized_output_refusal(TILES, None, "fp8_dynamic_group128")
+    assert "block_n=128" in kernel.quantized_output_refusal(SQUARE, act, "fp8_dynamic_group128")
+    assert "swap_ab" in kernel.quantized_output_refusal(SWAP_WIDE, act, "fp8_dynamic_group128")
+    scaling = kernel.Scaling("group", "block", block_rows=64)
+    plain = kernel.shared_memory_bytes(TILES, scaling, jnp.bfloat16)
+    quantized = kernel.shared_memory_bytes(TILES, scaling, jnp.bfloat16, quantized=True)
+    # one e4m3 slot of 128 columns for the two bf16 slots of 64, the row maxima and scales, two barriers
+    assert quantized - plain == 64 * 128 - 2 * 64 * 64 * 2 + 4 * 3 * 64 + 16
+    weight = hj.interleave_gate_up(_weight(rng, "fp8_block128"), 64)
+    x = _input(rng, "fp8_dynamic_group128")
+    layout = gemm_layouts.layouts(rng, E, M, TILES.block_m)["grouped_contiguous"]
+    spec = hj.ActivationSpec("silu", gate_up_block=64)
+    call = gemm_call(x, weight, layout, jnp.bfloat16, interpret=True, activation=spec)
+    call = dataclasses.replace(call, out_quant="fp8_dynamic_group128")
+    assert kernel.supports(TILES, call) is None
+    assert "gate/up pairs" in kernel.supports(SQUARE, call)  # the activation's refusal first
+    assert "fraction of an output group" in triton.supports(triton.Tiles(16, 64, 256), call)
+    with pytest.raises(ValueError, match="out_quant: .*only fp8_dynamic_group128"):
+        hj.gemm(x, weight, layout, activation=spec, out_quant="fp8_dynamic_token", backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="out_quant: the output quantized after a gated activation only"):
+        hj.gemm(x, weight, layout, out_quant="fp8_dynamic_group128", backend=KERNEL_BACKEND)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
-    "tiles,mx", [(SWAP_WIDE, True), (TILES, True), (TILES, False)], ids=["register-form", "staged", "w8a8-blocks-of-64"]
+    "tiles,mx,out_quant",
+    [
+        (SWAP_WIDE, True, "none"),
+        (TILES, True, "none"),
+        (TILES, False, "none"),
+        (TILES, False, "fp8_dynamic_group128"),
+    ],
+    ids=["register-form", "staged", "w8a8-blocks-of-64", "w8a8-quantized"],
 )
-def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles, mx):
+def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles, mx, out_quant):
     """The epilogue with the activation lowers, layouts inferred: W4A8's
     register form's transposed sums (rows r and r + 64 of a thread: the
-    interpreter runs it from shared memory) and staged form's, and W8A8's
-    w13 with a scale a 64-row block (two column slices a warpgroup)."""
-    from benchmarks.mosaic_ir import capture_mosaic_modules
+    interpreter runs it from shared memory) and staged form's, W8A8's
+    w13 with a scale a 64-row block (two column slices a warpgroup), and its
+    rows quantized there (the row maxima exchanged through two barriers, each
+    warpgroup's e4m3 half of the shared slot, the row scales' copy)."""
+    from benchmarks.mosaic_ir import capture_mosaic_modules, capture_tma_copies, misaligned
     from pallas_kernels.gemm.spec import EpilogueActivation
 
     m, n, k = 300, 512, 256
@@ -702,9 +781,15 @@ def test_activation_in_the_epilogue_lowers_for_the_gpu(tiles, mx):
         scaling = kernel.Scaling("group", "block", block_rows=64)
     x = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, k // 128), jnp.float32))
     act = EpilogueActivation("silu", gate_up_block=64)
-    run = functools.partial(kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16, act=act)
-    with capture_mosaic_modules() as texts:
+    run = functools.partial(
+        kernel.expert_gemm_fp8, tiles=tiles, scaling=scaling, out_dtype=jnp.bfloat16, act=act, out_quant=out_quant
+    )
+    with capture_mosaic_modules() as texts, capture_tma_copies() as copies:
         traced = jax.jit(lambda *a: run(*a)).trace(*x, *weight, jax.ShapeDtypeStruct((5,), jnp.int32))
         traced.lower(lowering_platforms=("cuda",))
-    assert traced.out_info.shape == (m, n // 2)
+    assert copies and not misaligned(copies)  # the e4m3 slot's rows: 128 bytes, from any row
+    outputs = traced.out_info if out_quant != "none" else (traced.out_info,)
+    assert outputs[0].shape == (m, n // 2)
+    if out_quant != "none":
+        assert outputs[0].dtype == jnp.float8_e4m3fn and outputs[1].shape == (m, n // 256)
     assert "ex2" in texts[-1] or "exp" in texts[-1]

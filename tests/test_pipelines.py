@@ -833,14 +833,17 @@ def test_interleaved_rows_need_an_activation_that_reads_blocks(rng):
         _run("grouped", x, wrong, tw, ids, config)
 
 
-def _activation_answers(monkeypatch) -> list:
-    """``takes_activation``'s answers (filled as the layer runs)."""
+def _activation_answers(monkeypatch, out_quant: bool = False) -> list:
+    """``takes_activation``'s answers (filled as the layer runs): those for the
+    activation alone, or (``out_quant``) those where the epilogue would also
+    quantize w2's input."""
     answers = []
     original = X.takes_activation
 
     def spy(*args, **kwargs):
         answer = original(*args, **kwargs)
-        answers.append(answer)
+        if (kwargs.get("out_quant") is not None) == out_quant:
+            answers.append(answer)
         return answer
 
     monkeypatch.setattr(X, "takes_activation", spy)
@@ -865,7 +868,8 @@ def test_w8a8_prefill_activation_in_w13s_tiles(pipeline, rng, monkeypatch):
     """W8A8 at 128 rows an expert (the fp8 kernel's 64 x 256 tiles): w13
     interleaved by 64 rows with a scale a 64-row block, so each warpgroup's
     128 columns hold whole gate/up pairs, the tiles apply the activation and
-    the pass only quantizes w2's input; the layer on w13 in halves runs the
+    quantize w2's fp8 group-128 input (a tile's 128 outputs a row: one group)
+    — no pass between the GEMMs; the layer on w13 in halves runs the
     activation's pass. Both against float64, and each other within a bf16
     rounding of gate and up."""
     config = hj.ExpertsConfig(4, 128, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
@@ -874,9 +878,10 @@ def test_w8a8_prefill_activation_in_w13s_tiles(pipeline, rng, monkeypatch):
     assert weights.w13.gate_up_block == 64 and weights.w13.scale.shape == (4, 256 // 64, 1)
     halves = dataclasses.replace(weights, w13=hj.gate_up_halves(weights.w13))
     taken = _activation_answers(monkeypatch)
+    quantized = _activation_answers(monkeypatch, out_quant=True)
     interleaved = np.asarray(_run(pipeline, x, weights, tw, ids, config), np.float64)
     passed = np.asarray(_run(pipeline, x, halves, tw, ids, config), np.float64)
-    assert taken == [True, False]
+    assert quantized == [True, False] and taken == [False]
     expected = _expected_layer(x, weights, ids, tw, config)
     assert np_ref.relative_error(interleaved, expected) < 6e-2
     assert np_ref.relative_error(passed, expected) < 6e-2
@@ -885,10 +890,9 @@ def test_w8a8_prefill_activation_in_w13s_tiles(pipeline, rng, monkeypatch):
 
 def test_w8a8_batched_prefill(rng, monkeypatch):
     """The batched W8A8 layer at ~128 rows an expert (its rows gathered, NaN
-    past each count): w13's fp8 tiles on the masked layout with the
-    activation in them, then the quantization pass; against float64 per
-    expert and the layer on w13 in halves (the activation's pass); rows past
-    a count zero."""
+    past each count): w13's fp8 tiles on the masked layout apply the
+    activation and quantize w2's input; against float64 per expert and the
+    layer on w13 in halves (the activation's pass); rows past a count zero."""
     config = hj.ExpertsConfig(4, 128, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
     counts = np.array([128, 0, 120, 97])
     x = rng.normal(size=(4, 128, 128)).astype(np.float32)
@@ -897,6 +901,7 @@ def test_w8a8_batched_prefill(rng, monkeypatch):
     weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
     halves = dataclasses.replace(weights, w13=hj.gate_up_halves(weights.w13))
     taken = _activation_answers(monkeypatch)
+    quantized = _activation_answers(monkeypatch, out_quant=True)
 
     def run(w):
         out = hj.batched_humming_grouped_experts(
@@ -906,7 +911,7 @@ def test_w8a8_batched_prefill(rng, monkeypatch):
 
     interleaved = run(weights)
     passed = run(halves)
-    assert taken == [True, False]
+    assert quantized == [True, False] and taken == [False]
     expected = _batched_expected(x, counts, weights, "silu")
     assert np.all(np.isfinite(interleaved)) and np.all(interleaved[np.arange(128)[None, :] >= counts[:, None]] == 0)
     assert np_ref.relative_error(interleaved, expected) < 6e-2

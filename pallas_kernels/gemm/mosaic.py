@@ -375,6 +375,8 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         reason = activation_refusal(tiles, call.activation, w.n)
         if reason:
             return reason
+    if call.out_quant != "none":
+        return f"a {call.out_quant} output (the fp8 kernel's 64 x 256 gate/up tile only)"
     decode = None
     if tiles.dequantize_first and w.quantized:
         w = w.dequantized(call.x_dtype)

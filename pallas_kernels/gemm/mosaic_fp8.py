@@ -38,6 +38,8 @@ FP8_INPUTS = ("float8_e4m3fn", "float8_e5m2")
 WEIGHT_SCALES = ("tensor", "channel", "block")
 INPUT_SCALES = ("tensor", "token", "group")
 BLOCK_ROWS = (64, 128)  # weight rows a block scale covers: a warpgroup's 64 or 128 columns take one or two
+OUT_QUANT = "fp8_dynamic_group128"  # the output quantization the epilogue applies (W8A8's w2 input)
+FLOAT8_E4M3_MAX = 448.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,15 +131,36 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     return None
 
 
-def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype) -> int:
+def quantized_output_refusal(tiles: Tiles, act: EpilogueActivation | None, out_quant: str) -> str | None:
+    """Why the tiling cannot quantize its activated outputs as ``out_quant``
+    (None if it can): a row's outputs of a tile must be one group of
+    :data:`BLOCK_K` — half from each compute warpgroup's gate/up pairs, whose
+    row maxima the two exchange."""
+    if out_quant != OUT_QUANT:
+        return f"a {out_quant} output ({OUT_QUANT} only)"
+    if act is None or not act.gated:
+        return f"a {out_quant} output without a gated activation"
+    if tiles.swap_ab:
+        return f"a {out_quant} output with swap_ab"
+    if act.out_n(tiles.block_n) != BLOCK_K:
+        return f"a {out_quant} output on block_n={tiles.block_n} (a tile's row outputs one group: {2 * BLOCK_K})"
+    return None
+
+
+def shared_memory_bytes(tiles: Tiles, scaling: Scaling, out_dtype, quantized: bool = False) -> int:
     """Bytes of the buffers a program allocates in shared memory (compiled):
     ``stages`` pipeline steps of x's box (e4m3 bytes), the weight's (e4m3
     bytes, or MXFP4's uint16 codes and scale bytes) and x's group scales (f32),
-    the epilogue's store slots and the staged MXFP4 decode's slots."""
+    the epilogue's store slots (``quantized``: one e4m3 slot of a group a row,
+    the warpgroups' row maxima, the tile's row scales and two barriers) and
+    the staged MXFP4 decode's slots."""
     mx = scaling.mx and not tiles.dequantize_first  # a decoded copy runs W8A8's loop
     weight = tiles.block_n * (BLOCK_K // 4 * 2 + mx_e4m3.PIECES) if mx else tiles.block_n * BLOCK_K
     step = tiles.block_m * BLOCK_K + weight + (4 * tiles.block_m if scaling.x == "group" else 0)
-    scratch = mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
+    if quantized:
+        scratch = tiles.wg_m * BLOCK_K + 4 * (mosaic.COMPUTE_WGS + 1) * tiles.wg_m + 2 * 8
+    else:
+        scratch = mosaic.COMPUTE_WGS * tiles.wg_m * mosaic.EPILOGUE_COLUMNS * jnp.dtype(out_dtype).itemsize
     if mx and not tiles.swap_ab:
         scratch += mosaic.COMPUTE_WGS * tiles.wg_n * BLOCK_K
     return mosaic.pipeline_bytes(tiles.stages, step) + scratch
@@ -200,6 +223,11 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         reason = mosaic.activation_refusal(tiles, call.activation)
         if reason:
             return reason
+    quantized = call.out_quant != "none"
+    if quantized:
+        reason = quantized_output_refusal(tiles, call.activation, call.out_quant)
+        if reason:
+            return reason
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
         return f"out_dtype={call.out_dtype}"
     if tiles.swap_ab and jnp.dtype(call.out_dtype).itemsize != 2:
@@ -208,7 +236,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
     reason = tiles_refusal(tiles, call.weight.n, call.weight.k, scaling)
     if reason:
         return reason
-    return mosaic.shared_memory_refusal(shared_memory_bytes(tiles, scaling, call.out_dtype), tiles)
+    return mosaic.shared_memory_refusal(shared_memory_bytes(tiles, scaling, call.out_dtype, quantized), tiles)
 
 
 def _kernel(
@@ -225,13 +253,16 @@ def _kernel(
     has_bias: bool,
     interpret: bool,
     act: EpilogueActivation | None = None,
+    quantized: bool = False,
 ):
     # mx: w_gmem holds the codes uint16 [E, N, K/4], w_scale_gmem the column scales
     # [E, N], rest the e8m0 bytes [E, K/32, N] and each column's largest int32 [E, N]
     # (mx_operands): a piece's factor is made from its byte in the step.
+    # Outputs last: the values (and, quantized, each tile's row scales [col tiles, row tiles, wg_m]).
     byte_gmem, top_gmem = rest[:2] if scaling.mx else (None, None)
-    bias_gmem = rest[-2] if has_bias else None
-    o_gmem = rest[-1]
+    outputs = 2 if quantized else 1
+    bias_gmem = rest[-1 - outputs] if has_bias else None
+    o_gmem, s_gmem = (rest[-2], rest[-1]) if quantized else (rest[-1], None)
     k = x_gmem.shape[1]
     n = w_gmem.shape[1]
     bm, wg_m, wg_n = tiles.block_m, tiles.wg_m, tiles.wg_n
@@ -278,6 +309,14 @@ def _kernel(
 
     unused = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the body)
     scratch = dict(o_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m, mosaic.EPILOGUE_COLUMNS), o_gmem.dtype))
+    if quantized:  # one slot of 128-byte rows (TMA's rule) both warpgroups fill, their row maxima, the row scales
+        scratch = dict(
+            o_smem=plgpu.SMEM((wg_m, BLOCK_K), o_gmem.dtype),
+            amax_smem=plgpu.SMEM((mosaic.COMPUTE_WGS, wg_m), jnp.float32),
+            s_smem=plgpu.SMEM((wg_m,), jnp.float32),
+            exchanged=plgpu.Barrier(num_arrivals=mosaic.COMPUTE_WGS),
+            written=plgpu.Barrier(num_arrivals=mosaic.COMPUTE_WGS),
+        )
     if scaling.mx and not (swap and not interpret):  # the decoded step (interpreted: unswizzled)
         transforms = () if interpret else mosaic.swizzled(BLOCK_K, jnp.float8_e4m3fn)
         shape = (mosaic.COMPUTE_WGS, wg_n, BLOCK_K)
@@ -289,7 +328,7 @@ def _kernel(
         **scratch,
         collective_axes="wg",
     )
-    def _(allocations, o_smem, stage=None):
+    def _(allocations, o_smem, stage=None, amax_smem=None, s_smem=None, exchanged=None, written=None):
         wg = lax.axis_index("wg")
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
 
@@ -327,7 +366,42 @@ def _kernel(
                     acc = acc + (bias[:, None] if swap else bias[None, :])
                 if act is not None:
                     acc = mosaic.epilogue_activation(acc, act, swap)
-                store(acc.astype(o_gmem.dtype), transposed=swap)
+                if quantized:
+                    store_quantized(acc)
+                else:
+                    store(acc.astype(o_gmem.dtype), transposed=swap)
+
+            def store_quantized(out):
+                """``out [wg_m, 64]``, this warpgroup's half of each row's output group,
+                quantized with the row's scale over both halves (e4m3 max at the group's
+                largest |value|) into its half of the shared slot; the first warpgroup
+                stores the slot's rows and the tile's row scales."""
+
+                @pl.when(wg == 0)
+                def _():  # the slot and the scales: read by the last tile's copies
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                own = jnp.max(jnp.abs(out), axis=1)
+                amax_smem.at[wg][...] = own
+                plgpu.barrier_arrive(exchanged)
+                plgpu.barrier_wait(exchanged)
+                amax = jnp.maximum(own, plgpu.load(amax_smem.at[1 - wg], layout=row_layout, optimized=False))
+                scale = amax / FLOAT8_E4M3_MAX
+                inverse = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+                values = jnp.clip(out * inverse[:, None], -FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
+                half = out.shape[1]
+                o_smem.at[:, pl.ds(pl.multiple_of(wg * half, half), half)][...] = values.astype(o_gmem.dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(written)
+                plgpu.barrier_wait(written)
+
+                @pl.when(wg == 0)
+                def _():
+                    s_smem[...] = scale
+                    plgpu.commit_smem()
+                    cols = o_gmem.at[:, pl.ds(col_tile * BLOCK_K, BLOCK_K)]
+                    mosaic.store_rows(o_smem, cols, first_row, offset, rows, wg_m)
+                    plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[col_tile, row_tile])
 
             def summed_context(run):  # every scale on the sum: one accumulator through K
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
@@ -415,7 +489,10 @@ def _kernel(
 
             @pl.when((rows > 0) & (group >= num_experts) & (wg < mosaic.COMPUTE_WGS))
             def _():  # rows no expert owns: zeros
-                store(jnp.zeros((wg_m, out_wg_n), o_gmem.dtype))
+                if quantized:  # (in the layout a product has: the row maxima are exchanged as a tile's are)
+                    store_quantized(plgpu.layout_cast(jnp.zeros((wg_m, out_wg_n), jnp.float32), plgpu.Layout.WGMMA))
+                else:
+                    store(jnp.zeros((wg_m, out_wg_n), o_gmem.dtype))
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -477,7 +554,8 @@ def expert_gemm_fp8(
     interpret: bool = False,
     table: jax.Array | None = None,
     act: EpilogueActivation | None = None,
-) -> jax.Array:
+    out_quant: str = "none",
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``x [M, K]`` (e4m3 / e5m2) times ``x_scale`` (``[M, K/128]``, ``[M, 1]``
     or ``[1]`` f32, as ``scaling.x``) by the e4m3 ``weight [E, N, K]`` times
     ``w_scale`` (``[E, N/scaling.block_rows, K/128]``, ``[E, N, 1]`` or ``[E, 1, 1]`` f32) —
@@ -490,13 +568,17 @@ def expert_gemm_fp8(
     ``M / E`` rows); rows outside every range are zero. ``bias [E, N]`` is
     added in f32. ``table``: the row tiles given (:func:`mosaic.block_table`) in
     place of the ranges. ``act``: applied to the sums in the epilogue
-    (gated kinds: ``[M, N/2]``; :func:`mosaic.activation_refusal` says where)."""
+    (gated kinds: ``[M, N/2]``; :func:`mosaic.activation_refusal` says where);
+    ``out_quant`` (:data:`OUT_QUANT`): the activated rows quantized there too —
+    ``(e4m3 values [M, N/2], f32 scales [M, N/256])`` (:func:`quantized_output_refusal`)."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
+    quantized = out_quant != "none"
     reason = tiles_refusal(tiles, n, k, scaling) or mosaic.shared_memory_refusal(
-        shared_memory_bytes(tiles, scaling, out_dtype), tiles
+        shared_memory_bytes(tiles, scaling, out_dtype, quantized), tiles
     )
     reason = reason or (mosaic.activation_refusal(tiles, act) if act is not None else None)
+    reason = reason or (quantized_output_refusal(tiles, act, out_quant) if quantized else None)
     if reason:
         raise ValueError(f"mosaic_fp8 GEMM: {reason}")
     want_w = (jnp.uint8, (num_experts, n, k // 2)) if scaling.mx else (jnp.float8_e4m3fn, (num_experts, n, k))
@@ -538,10 +620,16 @@ def expert_gemm_fp8(
         has_bias=bias is not None,
         interpret=interpret,
         act=act,
+        quantized=quantized,
     )
+    out_n = n if act is None else act.out_n(n)
+    out_type = jax.ShapeDtypeStruct((m, out_n), out_dtype)
+    if quantized:
+        tile_scales = jax.ShapeDtypeStruct((n // tiles.block_n, table.shape[0], tiles.wg_m), jnp.float32)
+        out_type = (jax.ShapeDtypeStruct((m, out_n), jnp.float8_e4m3fn), tile_scales)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, n if act is None else act.out_n(n)), out_dtype),
+        out_type=out_type,
         grid=(mosaic.persistent_programs(interpret),),
         grid_names=("sm",),
         num_threads=mosaic.COMPUTE_WGS + 1,
@@ -550,7 +638,26 @@ def expert_gemm_fp8(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
-    return kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
+    result = kernel(table, x, weight, x_scale, w_scale, *extra, *(() if bias is None else (bias,)))
+    if not quantized:
+        return result
+    values, tile_scales = result
+    return values, row_scales(tile_scales, table, m)
+
+
+def row_scales(tile_scales: jax.Array, table: jax.Array, m: int) -> jax.Array:
+    """``[M, G]`` f32: row r's scale of output group g, from the tile that owns
+    r (``tile_scales [G, row tiles, wg_m]`` by the tiles' boxes; ``table``'s
+    rows: group, first row of the box, first own row, own rows); 0 where no
+    tile owns a row."""
+    groups, row_tiles, wg_m = tile_scales.shape
+    load_row, first_row, rows = table[:, 1:2], table[:, 2:3], table[:, 3:4]
+    box_rows = load_row + jnp.arange(wg_m, dtype=jnp.int32)[None, :]
+    own = (box_rows >= first_row) & (box_rows < first_row + rows)
+    source = jnp.arange(row_tiles * wg_m, dtype=jnp.int32).reshape(row_tiles, wg_m)
+    owner = jnp.full((m,), row_tiles * wg_m, jnp.int32).at[jnp.where(own, box_rows, m)].set(source, mode="drop")
+    flat = tile_scales.reshape(groups, row_tiles * wg_m)
+    return jnp.take(flat, owner, axis=1, mode="fill", fill_value=0.0).T
 
 
 def expert_gemm(
@@ -578,6 +685,9 @@ def expert_gemm(
         bias=bias,
         interpret=call.interpret,
         act=call.activation,
+        out_quant=call.out_quant,
         **routing,
     )
+    if call.out_quant != "none":  # (values, scales): the GEMM's output quantized, as w2's input
+        return tuple(a if slots is None else mosaic.to_slots(a, slots, layout.m_out) for a in out)
     return out if slots is None else mosaic.to_slots(out, slots, layout.m_out)

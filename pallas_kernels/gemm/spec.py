@@ -130,6 +130,9 @@ class GemmCall:
     batch_invariant: bool = False
     interpret: bool = False
     activation: EpilogueActivation | None = None  # applied in the epilogue (gated: N/2 outputs)
+    # The activated output quantized in the epilogue ("fp8_dynamic_group128": e4m3 values and an
+    # f32 scale a row and 128 columns, w2's input), or "none".
+    out_quant: str = "none"
 
     def with_dequantized_input(self) -> GemmCall:
         """The call as a kernel sees it after its tiles' ``dequantize_input``

@@ -145,6 +145,8 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
 def activation_refusal(tiles: Tiles, call: GemmCall) -> str | None:
     """Why a tile cannot apply ``call.activation`` in its epilogue (None if it can)."""
     act = call.activation
+    if call.out_quant != "none":
+        return f"a {call.out_quant} output (a tile holds a fraction of an output group)"
     if tiles.split_k > 1:
         return f"the activation {act.kind!r} with split_k={tiles.split_k} (it applies to whole sums)"
     if act.gated and not act.pair_block:
