@@ -678,8 +678,16 @@ def test_w8a8_gate_up_pairs_of_128_take_no_activation(rng):
         hj.gemm(x, weight, layout, tuning=TILES, activation=spec, backend=KERNEL_BACKEND)
 
 
-@pytest.mark.parametrize("layout_kind", ["grouped_contiguous", "grouped_masked", pytest.param("indexed", marks=FULL)])
-def test_activated_rows_quantized_in_the_epilogue(layout_kind, rng):
+@pytest.mark.parametrize(
+    "layout_kind,weight_name",
+    [
+        ("grouped_contiguous", "fp8_block128"),
+        ("grouped_masked", "fp8_block128"),
+        pytest.param("indexed", "fp8_block128", marks=FULL),
+        ("grouped_contiguous", "mxfp4"),  # W4A8 on its e4m3 copy (dequantize_first: the layer's mixtral T=4096)
+    ],
+)
+def test_activated_rows_quantized_in_the_epilogue(layout_kind, weight_name, rng):
     """``gemm(activation=, out_quant="fp8_dynamic_group128")`` on W8A8's w13
     (interleaved by 64): a tile's 128 outputs a row are one group of w2's
     input, 64 from each warpgroup's gate/up pair — the two exchange their row
@@ -688,14 +696,16 @@ def test_activated_rows_quantized_in_the_epilogue(layout_kind, rng):
     quantizer on the f32 activation: scales to ~1e-6, codes within a
     rounding) and the float64 activation; rows no expert owns: zero values
     and scales (the outputs NaN-poisoned in the interpreter)."""
-    weight = hj.interleave_gate_up(_weight(rng, "fp8_block128"), 64)
+    weight = _mxfp4(rng, True) if weight_name == "mxfp4" else _weight(rng, weight_name)
+    weight = hj.interleave_gate_up(weight, 64)
+    tiles = dataclasses.replace(TILES, dequantize_first=weight_name == "mxfp4")
     spec = hj.ActivationSpec("silu", gate_up_block=64)
     x = _input(rng, "fp8_dynamic_group128")
     layout = gemm_layouts.layouts(rng, E, M, TILES.block_m)[layout_kind]
     kw = dict(activation=spec, out_quant="fp8_dynamic_group128")
     quant = Q.FP8_DYNAMIC_GROUP128
-    assert takes_activation(x, weight, layout, spec, tuning=TILES, backend=KERNEL_BACKEND, out_quant=quant)
-    got = hj.gemm(x, weight, layout, tuning=TILES, backend=KERNEL_BACKEND, **kw)
+    assert takes_activation(x, weight, layout, spec, tuning=tiles, backend=KERNEL_BACKEND, out_quant=quant)
+    got = hj.gemm(x, weight, layout, tuning=tiles, backend=KERNEL_BACKEND, **kw)
     ref = hj.gemm(x, weight, layout, backend="reference", **kw)
     rows = layout.output_rows(M)
     assert got.values.dtype == jnp.float8_e4m3fn and got.values.shape == ref.values.shape == (rows, N // 2)
