@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         "--row-tiles",
         nargs="*",
         default=[],
-        help="TOKENSxCOLSxWARPS tilings of the row ops to sweep (default tiling first)",
+        help="tilings of the row ops to sweep, each NAME=VALUE,... of RowTiles (block_tokens=8,num_warps=8; default first)",
     )
     args = parser.parse_args(argv)
     try:
