@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         "--row-tiles",
         nargs="*",
         default=[],
-        help="tilings of the row ops to sweep, each NAME=VALUE,... of RowTiles (block_tokens=8,num_warps=8; default first)",
+        help="row-op tilings to sweep, each NAME=VALUE,... of RowTiles (block_tokens=8,num_warps=8; default first)",
     )
     args = parser.parse_args(argv)
     try:
