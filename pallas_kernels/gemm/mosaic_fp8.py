@@ -654,10 +654,9 @@ def row_scales(tile_scales: jax.Array, table: jax.Array, m: int) -> jax.Array:
     load_row, first_row, rows = table[:, 1:2], table[:, 2:3], table[:, 3:4]
     box_rows = load_row + jnp.arange(wg_m, dtype=jnp.int32)[None, :]
     own = (box_rows >= first_row) & (box_rows < first_row + rows)
-    source = jnp.arange(row_tiles * wg_m, dtype=jnp.int32).reshape(row_tiles, wg_m)
-    owner = jnp.full((m,), row_tiles * wg_m, jnp.int32).at[jnp.where(own, box_rows, m)].set(source, mode="drop")
-    flat = tile_scales.reshape(groups, row_tiles * wg_m)
-    return jnp.take(flat, owner, axis=1, mode="fill", fill_value=0.0).T
+    # Each box row goes to its own row (the others past M: dropped), as slots take their block rows.
+    per_box_row = tile_scales.reshape(groups, row_tiles * wg_m).T
+    return mosaic.to_slots(per_box_row, jnp.where(own, box_rows, m).reshape(-1), m)
 
 
 def expert_gemm(
