@@ -404,17 +404,22 @@ def _w13_with_activation(
 ) -> dict:
     """w13's stage: ``activated`` (the activation applied by the GEMM's tiles,
     where one takes it: :func:`takes_activation`; also quantized as w2's input
-    where they take that too and w2 reads its input quantized, without a
-    rotation) or ``gate_up`` (the sums, for the activation stage's pass)."""
+    where they take that too, without a rotation — as w2 reads it, or
+    multiplied back out where w2 runs on the input multiplied out) or
+    ``gate_up`` (the sums, for the activation stage's pass)."""
     activation = w13_activation(config, weights)
     quant = config.w2_input_quant
     kw = dict(backend=backend, **gemm_kwargs)
     epilogues = [kw]
-    if quant == Q.FP8_DYNAMIC_GROUP128 and w2_reads_quantized and not config.w2_hadamard_block_size:
-        epilogues.insert(0, dict(kw, out_quant=quant))  # w2's input quantized there too, where a tile can
+    if quant == Q.FP8_DYNAMIC_GROUP128 and not config.w2_hadamard_block_size:
+        # w2's input quantized there too, where a tile can (multiplied back out for w2's multiplied-out tiles)
+        epilogues.insert(0, dict(kw, out_quant=quant, out_dequantized=not w2_reads_quantized))
     for epilogue in epilogues:
         if takes_activation(x, weights.w13, layout, activation, **epilogue):
-            return dict(gate_up=None, activated=gemm(x, weights.w13, layout, activation=activation, **epilogue))
+            out = gemm(x, weights.w13, layout, activation=activation, **epilogue)
+            if epilogue.get("out_dequantized"):  # w2's input multiplied out, as the pass would give it
+                out = as_quantized_input(out)
+            return dict(gate_up=None, activated=out)
     return dict(gate_up=gemm(x, weights.w13, layout, **kw), activated=None)
 
 

@@ -107,10 +107,12 @@ def gemm_reference(
     out_dtype,
     activation: ActivationSpec | None = None,
     out_quant: Q.InputQuantSpec | None = None,
+    out_dequantized: bool = False,
 ) -> jax.Array | Q.QuantizedInput:
     """The semantics of :func:`gemm` in float32 ``jnp`` (no validation)."""
     if out_quant is not None:
-        return Q.quantize_input(gemm_reference(x, weight, layout, jnp.float32, activation), out_quant)
+        quantized = Q.quantize_input(gemm_reference(x, weight, layout, jnp.float32, activation), out_quant)
+        return Q.dequantize_input(quantized).astype(out_dtype) if out_dequantized else quantized
     if activation is not None:  # on the f32 sums, rounded once (as a tile's epilogue does)
         return apply_activation(gemm_reference(x, weight, layout, jnp.float32), activation).astype(out_dtype)
     x32 = Q.dequantize_input(x)
@@ -143,6 +145,7 @@ _GEMM_STATIC = (
     "backend",
     "activation",
     "out_quant",
+    "out_dequantized",
 )
 
 
@@ -161,6 +164,7 @@ def gemm(
     backend: str | None = None,
     activation: ActivationSpec | str | None = None,
     out_quant: Q.InputQuantSpec | str | None = None,
+    out_dequantized: bool = False,
 ) -> jax.Array | Q.QuantizedInput:
     """The expert GEMM (Humming's grouped / indexed GEMM): ``x`` times each
     row's expert weight over ``layout``. :func:`plan` says what a call runs.
@@ -186,11 +190,15 @@ def gemm(
         out_quant: the activated rows quantized as the next GEMM's input
             (``fp8_dynamic_group128``, W8A8's w2 input; with a gated
             ``activation``) — where :func:`takes_activation` says so; None: none.
+        out_dequantized: with ``out_quant``, those quantized rows multiplied
+            back by their scales, in ``out_dtype`` (the next GEMM's input
+            multiplied out, as ``process_input(dequantize=True)`` gives it).
 
     Returns:
         ``[M_out, N]`` in ``out_dtype`` (``M_out = M·top_k`` for :class:`Indexed`;
         ``N/2`` columns with a gated ``activation``); rows no expert owns are zero.
-        With ``out_quant``: a :class:`QuantizedInput` of those rows.
+        With ``out_quant``: a :class:`QuantizedInput` of those rows (with
+        ``out_dequantized``: ``[M_out, N/2]`` in ``out_dtype``).
 
     Raises:
         NoKernelError: on a GPU, when no kernel takes the call (naming why).
@@ -209,6 +217,9 @@ def gemm(
     activation = get_activation(activation)
     _check_activation(activation, weight)
     out_quant = _check_out_quant(out_quant, activation, weight)
+    if out_dequantized and out_quant is None:
+        raise ValueError("gemm: out_dequantized: the rows out_quant quantizes (out_quant is None)")
+    out_dequantized = bool(out_dequantized)
     if tuning is not None and not isinstance(tuning, tuple(kernels.KERNELS)):
         names = ", ".join(f"{name}.Tiles" for name in kernels.IMPLS)
         raise TypeError(f"gemm: tuning: expected one of {names} (pallas_kernels.gemm), got {type(tuning).__name__}")
@@ -226,24 +237,39 @@ def gemm(
         backend,
         activation,
         out_quant,
+        out_dequantized,
     )
+    reference = (x, weight, layout, out_dtype, activation, out_quant, out_dequantized)
     if planned is None:  # the reference backend, or an empty batch (T=0): nothing to compute, an empty output
-        return gemm_reference(x, weight, layout, out_dtype, activation, out_quant)
+        return gemm_reference(*reference)
     tiles, reasons, interpret = planned
     if tiles is None:
         if tuning is not None:
             raise ValueError(f"gemm: tuning: the kernel does not take this call with {reasons[0]}")
         no_kernel("gemm", "; ".join(reasons), backend)
-        return gemm_reference(x, weight, layout, out_dtype, activation, out_quant)
-    out = _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, activation, out_quant)
-    if out_quant is None:
+        return gemm_reference(*reference)
+    out = _run_kernel(
+        x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, activation, out_quant, out_dequantized
+    )
+    if out_quant is None or out_dequantized:
         return out
     values, scale = out
     return Q.QuantizedInput(values=values, scale=scale, spec=out_quant, k=values.shape[1])
 
 
 def _kernel_plan(
-    x, weight, layout, out_dtype, use_f16_accum, batch_invariant, valid_shape_m, tuning, backend, activation, out_quant
+    x,
+    weight,
+    layout,
+    out_dtype,
+    use_f16_accum,
+    batch_invariant,
+    valid_shape_m,
+    tuning,
+    backend,
+    activation,
+    out_quant,
+    out_dequantized=False,
 ):
     """(:func:`plan`'s tiling and reasons, interpreted) for a call on the
     kernels; None where the call runs the reference (its backend, or no rows)."""
@@ -251,7 +277,7 @@ def _kernel_plan(
     if chosen == "reference" or x.m == 0:
         return None
     interpret = chosen == "interpret"
-    args = (use_f16_accum, batch_invariant, valid_shape_m, tuning, interpret, activation, out_quant)
+    args = (use_f16_accum, batch_invariant, valid_shape_m, tuning, interpret, activation, out_quant, out_dequantized)
     return (*plan(x, weight, layout, out_dtype, *args), interpret)
 
 
@@ -303,9 +329,11 @@ def takes_activation(
     tuning: GemmTiles | None = None,
     backend: str | None = None,
     out_quant: Q.InputQuantSpec | None = None,
+    out_dequantized: bool = False,
 ) -> bool:
     """Whether :func:`gemm` with these arguments runs a kernel that applies
-    ``activation`` (and quantizes its output as ``out_quant`` says) in its
+    ``activation`` (and quantizes its output as ``out_quant`` and
+    ``out_dequantized`` say) in its
     epilogue (the reference backend computes it alike): where it does not, a
     pipeline runs the GEMM, then a pass. Arguments as :func:`gemm`'s (``x`` a
     :class:`QuantizedInput`)."""
@@ -322,6 +350,7 @@ def takes_activation(
         backend,
         activation,
         out_quant,
+        out_dequantized,
     )
     return planned is None or planned[0] is not None
 
@@ -402,6 +431,7 @@ def plan(
     interpret: bool = False,
     activation: ActivationSpec | None = None,
     out_quant: Q.InputQuantSpec | None = None,
+    out_dequantized: bool = False,
 ) -> tuple[GemmTiles | None, list[str]]:
     """(the tiling the call runs — None if no kernel takes it —, each refused
     candidate's reason). Candidates: ``tuning`` alone if given, else the
@@ -409,8 +439,10 @@ def plan(
     With an ``activation`` the call runs on the tiling it would run without
     one, if that tiling's kernel applies it (a later candidate is not tuned
     for the call: None then, with the reason); so with ``out_quant``."""
-    fused = gemm_call(x, weight, layout, out_dtype, use_f16_accum, batch_invariant, interpret, activation, out_quant)
-    call = dataclasses.replace(fused, activation=None, out_quant="none")
+    fused = gemm_call(
+        x, weight, layout, out_dtype, use_f16_accum, batch_invariant, interpret, activation, out_quant, out_dequantized
+    )
+    call = dataclasses.replace(fused, activation=None, out_quant="none", out_dequantized=False)
     if tuning is not None:
         listed = [tuning]
     else:
@@ -451,6 +483,7 @@ def gemm_call(
     interpret=False,
     activation=None,
     out_quant=None,
+    out_dequantized=False,
 ):
     """The :class:`~pallas_kernels.gemm.spec.GemmCall` the kernels' ``supports`` answer."""
     x_dtype, x_scale = kernel_input_spec(x.spec, x.values.dtype)
@@ -466,6 +499,7 @@ def gemm_call(
         interpret,
         as_epilogue_activation(activation),
         "none" if out_quant is None else _quant_name(out_quant),
+        out_dequantized,
     )
 
 
@@ -541,7 +575,18 @@ def _layout_spec(layout, m_in: int) -> tuple[spec.LayoutSpec, tuple[jax.Array, .
     return layout_spec, arrays
 
 
-def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, activation=None, out_quant=None):
+def _run_kernel(
+    x,
+    weight,
+    layout,
+    tiles,
+    out_dtype,
+    use_f16_accum,
+    interpret,
+    activation=None,
+    out_quant=None,
+    out_dequantized=False,
+):
     if isinstance(tiles, mosaic.Tiles) and tiles.dequantize_first and weight.format.is_quantized:
         weight = _dequantized(weight, x.values.dtype)
     if isinstance(tiles, (triton.Tiles, mosaic.Tiles)) and tiles.dequantize_input and x.spec.is_quantized:
@@ -549,7 +594,15 @@ def _run_kernel(x, weight, layout, tiles, out_dtype, use_f16_accum, interpret, a
         x = as_quantized_input(Q.dequantize_input(x).astype(jnp.bfloat16))
         tiles = dataclasses.replace(tiles, dequantize_input=False)
     call = gemm_call(
-        x, weight, layout, out_dtype, use_f16_accum, interpret=interpret, activation=activation, out_quant=out_quant
+        x,
+        weight,
+        layout,
+        out_dtype,
+        use_f16_accum,
+        interpret=interpret,
+        activation=activation,
+        out_quant=out_quant,
+        out_dequantized=out_dequantized,
     )
     parts = tuple(
         a

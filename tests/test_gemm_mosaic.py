@@ -1183,6 +1183,73 @@ def test_activation_in_the_epilogue(fmt, kind, layout_kind, tuning, rng):
     assert np.all(np.asarray(out)[np.all(product == 0, axis=1)] == 0)
 
 
+@pytest.mark.parametrize(
+    "fmt,layout_kind,tuning",
+    [
+        (F.BF16, "grouped", TILES),  # two warpgroups, 64 outputs each: the row maxima exchanged
+        (F.INT4_G128, "masked", mosaic.Tiles(64, 256, 128, stages=2)),
+        (F.BF16, "masked", mosaic_mid.Tiles(64, 256, 64, stages=2)),  # one warpgroup holds the group
+        # The decoding swap tile (W4A8's prefill entries on the input multiplied out): out.T's rows.
+        pytest.param(F.INT4_G128, "grouped", mosaic.Tiles(64, 256, 128, stages=2, swap_ab=True), marks=ON_GPU_ONLY),
+    ],
+    ids=["bf16-exchange", "int4-masked", "mid-one-warpgroup", "int4-swap"],
+)
+def test_activated_rows_quantized_and_multiplied_back(fmt, layout_kind, tuning, rng):
+    """``gemm(activation=, out_quant="fp8_dynamic_group128", out_dequantized=True)``
+    on the 16-bit kernel: a tile's 128 outputs a row are one fp8 group of w2's
+    input, quantized in the epilogue and multiplied back by its scale (the
+    quantizing pass with ``dequantize``, as W4A8's multiplied-out w2 reads it);
+    against the reference (the same quantizer on the f32 activation) and the
+    float64 activation; rows no expert owns zero."""
+    import np_ref
+
+    e, n, k, m = 4, 256, 128, 40
+    layouts = {
+        "grouped": hj.GroupedContiguous(jnp.asarray([0, 7, 7, 30, 33], jnp.int32)),  # empty, tail rows
+        "masked": hj.GroupedMasked(jnp.asarray([0, 10, 3, 10], jnp.int32)),
+    }
+    layout = layouts[layout_kind]
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    weight = F.quantize_weight(jnp.asarray(rng.normal(0, 0.05, (e, n, k)), jnp.float32), fmt)
+    weight = hj.to_planar(weight, k_major_scales=True) if fmt.is_quantized else weight
+    weight = hj.interleave_gate_up(weight, 64)
+    spec = hj.ActivationSpec("silu", gate_up_block=64)
+    kw = dict(activation=spec, out_quant="fp8_dynamic_group128", out_dequantized=True, out_dtype=jnp.float32)
+    if tuning.swap_ab:
+        kw["out_dtype"] = jnp.bfloat16  # swap_ab: 16-bit out
+    got = hj.gemm(x, weight, layout, tuning=tuning, backend=KERNEL_BACKEND, **kw)
+    ref = hj.gemm(x, weight, layout, backend="reference", **kw)
+    assert got.shape == ref.shape == (m, n // 2) and got.dtype == kw["out_dtype"]
+    got64, ref64 = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    # Interpreted, bf16 weights give the reference's f32 sums (an e4m3 rounding apart at most); int4's
+    # decoded tile rounds (q - 8) * s to bf16, which moves a row's scale and so all its values a little.
+    exact = KERNEL_BACKEND == "interpret" and not fmt.is_quantized
+    assert np_ref.relative_error(got64, ref64) < (2e-3 if exact else 2e-2)
+    bf16_weight = fmt.value_type.value == "int4"
+    product = np_ref.gemm_of(x, weight, layout, bf16_weight=bf16_weight)
+    want = np_ref.activation(product, "silu")
+    assert np_ref.relative_error(got64, want) < 4e-2  # e4m3 values
+    assert np.all(got64[np.all(product == 0, axis=1)] == 0)
+
+
+def test_quantized_output_refusals_of_the_16_bit_kernel():
+    """The 16-bit kernel quantizes only to multiply back out (the fp8 kernel
+    stores e4m3), fp8 groups of 128 after a gated activation, one group a
+    tile's row; the Triton tiles refuse any quantized output."""
+    from pallas_kernels.gemm.spec import EpilogueActivation
+
+    act = EpilogueActivation("silu", gate_up_block=64)
+    q = "fp8_dynamic_group128"
+    assert mosaic.quantized_output_refusal(TILES, act, q, True) is None
+    assert mosaic.quantized_output_refusal(mosaic_mid.Tiles(64, 256, 64), act, q, True) is None
+    assert "e4m3" in mosaic.quantized_output_refusal(TILES, act, q, False)
+    assert "only" in mosaic.quantized_output_refusal(TILES, act, "fp8_dynamic_token", True)
+    assert "gated" in mosaic.quantized_output_refusal(TILES, None, q, True)
+    assert "block_n=128" in mosaic.quantized_output_refusal(mosaic_mid.Tiles(64, 128, 64), act, q, True)
+    plain = mosaic.shared_memory_bytes(TILES, jnp.bfloat16, jnp.bfloat16)
+    assert mosaic.shared_memory_bytes(TILES, jnp.bfloat16, jnp.bfloat16, exchange=True) == plain + 4 * 2 * 64 + 16
+
+
 def test_what_cannot_apply_the_activation_in_a_mosaic_tile():
     from pallas_kernels.gemm.spec import EpilogueActivation
 
@@ -1203,8 +1270,8 @@ def test_what_cannot_apply_the_activation_in_a_mosaic_tile():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_activation_in_the_epilogue_lowers_for_the_gpu(swap_ab):
+@pytest.mark.parametrize("swap_ab,out_quant", [(False, "none"), (True, "none"), (True, "fp8_dynamic_group128")])
+def test_activation_in_the_epilogue_lowers_for_the_gpu(swap_ab, out_quant):
     """The epilogue (slices of the WGMMA accumulator: columns of a plain
     tile, rows r and r + 64 of a swapped one; the activation; the half-width
     store) lowers for the GPU, layouts inferred — what the interpreter cannot
@@ -1226,6 +1293,7 @@ def test_activation_in_the_epilogue_lowers_for_the_gpu(swap_ab):
             out_dtype=jnp.bfloat16,
             act=act,
             decode=mosaic.NibbleDecode(k // 128),
+            out_quant=out_quant,
         )
     else:
         w, quant = jax.ShapeDtypeStruct((e, n, k), jnp.bfloat16), ()

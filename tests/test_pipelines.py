@@ -917,3 +917,29 @@ def test_w8a8_batched_prefill(rng, monkeypatch):
     assert np_ref.relative_error(interleaved, expected) < 6e-2
     assert np_ref.relative_error(passed, expected) < 6e-2
     assert np_ref.relative_error(interleaved, passed) < 3e-2
+
+
+def test_w4a8_w2_input_multiplied_out_by_w13s_tiles(rng):
+    """W4A8 where w2 runs on its input multiplied out (the 16-bit tiles, as
+    at qwen3 T=4096): w13's 16-bit tiles on the input multiplied out apply
+    the activation, quantize w2's fp8 group-128 input and multiply it back
+    out — the unquantized input the quantizing pass with ``dequantize`` gives,
+    within an e4m3 rounding of it."""
+    from pallas_kernels.gemm import mosaic
+
+    config = hj.ExpertsConfig(4, 128, 128, 2, weight_format="mxfp4", input_quant="fp8_dynamic_group128")
+    x, w13, w2, _, _ = _problem(rng, config, 40)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    layout = hj.GroupedContiguous(jnp.asarray([0, 7, 7, 30, 33], jnp.int32))
+    xq = Q.quantize_input(jnp.asarray(x, jnp.float32), config.input_quant)
+    tiles = mosaic.Tiles(64, 256, 128, stages=2, dequantize_input=True)
+    kw = dict(out_dtype=jnp.bfloat16, tuning=tiles)
+    s = X._w13_with_activation(config, weights, xq, layout, None, w2_reads_quantized=False, **kw)
+    assert s["gate_up"] is None and not s["activated"].spec.is_quantized
+    got = np.asarray(s["activated"].values, np.float64)
+    sums = hj.gemm(xq, weights.w13, layout, backend="reference", out_dtype=jnp.float32)
+    passed = X._down_input(sums, config, weights, "reference", dequantize=True)
+    want = np.asarray(passed.values, np.float64)
+    assert got.shape == want.shape == (40, 128)
+    assert np_ref.relative_error(got, want) < 2e-2
+    assert np.all(got[33:] == 0) and np.all(np.isfinite(got))

@@ -47,6 +47,10 @@ from pallas_kernels.word_decode import MAGIC  # (pattern, base): pattern | q is 
 # launches with 96 (65536 / 640, in steps of 8), and the 40 the memory warpgroup gives
 # back do not cover 4 x 16: setmaxnreg.inc waits for ever (it hangs).
 COMPUTE_WGS = 2
+# The output quantization an epilogue applies (w2's fp8 group-128 input): a group is a tile's
+# 128 activated outputs a row, scaled to e4m3's largest value.
+OUT_QUANT = "fp8_dynamic_group128"
+FLOAT8_E4M3_MAX = 448.0
 EPILOGUE_COLUMNS = 64  # output columns per shared-memory store slot
 # A compute warpgroup's f32 accumulator: 176 registers a thread of the 232 the warp-specialized
 # pipeline gives it (a 176-row swap tile of 128 columns; 128 x 128 in the other form).
@@ -241,11 +245,15 @@ def pipeline_bytes(stages: int, step: int) -> int:
     return -(-stages * step // SHARED_MEMORY_ALIGN) * SHARED_MEMORY_ALIGN
 
 
-def shared_memory_bytes(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | None = None, slots: int = 1) -> int:
+def shared_memory_bytes(
+    tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | None = None, slots: int = 1, exchange: bool = False
+) -> int:
     """Bytes of the buffers a program allocates in shared memory (compiled):
     ``stages`` pipeline steps of x's box and the weight's (codes and the step's
     scale rows when decoding), the epilogue's store slots (``slots`` a
-    warpgroup) and, for the staged 4-bit path, its decoded pieces' slots."""
+    warpgroup), for the staged 4-bit path its decoded pieces' slots and, with
+    ``exchange``, the row maxima two warpgroups exchange (a quantized output's
+    groups split between them) and their two barriers."""
     itemsize = jnp.dtype(dtype).itemsize
     if decode is None:
         step = (tiles.block_m + tiles.block_n) * tiles.block_k * itemsize
@@ -257,10 +265,12 @@ def shared_memory_bytes(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | N
         scratch += tiles.compute_wgs * STAGE_SLOTS * tiles.wg_n * PIECE * itemsize
     if decode is not None and decode.e2m1:  # the step's bf16 factors, made once a warpgroup
         scratch += tiles.compute_wgs * FACTOR_SLOTS * PIECES * tiles.wg_n * 2
+    if exchange and tiles.compute_wgs > 1:
+        scratch += 4 * tiles.compute_wgs * tiles.wg_m + 2 * 8
     return pipeline_bytes(tiles.stages, step) + scratch
 
 
-def split_slot(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | None = None) -> bool:
+def split_slot(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | None = None, exchange: bool = False) -> bool:
     """Whether a warpgroup's one output slot is used as two halves of its rows in
     turn (:func:`store_tile`): the tall tiles with no room for a second slot, so that
     one half is written while the other's copy still reads it, in the same shared
@@ -268,7 +278,7 @@ def split_slot(tiles: Tiles, dtype, out_dtype, decode: NibbleDecode | None = Non
     in 8-row pieces, else 64-row ones)."""
     if jnp.dtype(out_dtype).itemsize > 2 or tiles.wg_m % (2 * (ROW_ALIGN if tiles.swap_ab else 64)):
         return False
-    return shared_memory_refusal(shared_memory_bytes(tiles, dtype, out_dtype, decode, slots=2), tiles) is not None
+    return shared_memory_refusal(shared_memory_bytes(tiles, dtype, out_dtype, decode, 2, exchange), tiles) is not None
 
 
 def shared_memory_refusal(need: int, tiles) -> str | None:
@@ -376,7 +386,9 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         if reason:
             return reason
     if call.out_quant != "none":
-        return f"a {call.out_quant} output (the fp8 kernel's 64 x 256 gate/up tile only)"
+        reason = quantized_output_refusal(tiles, call.activation, call.out_quant, call.out_dequantized)
+        if reason:
+            return reason
     decode = None
     if tiles.dequantize_first and w.quantized:
         w = w.dequantized(call.x_dtype)
@@ -397,7 +409,8 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         reason = swap_ab_refusal(call.out_dtype, call.interpret)
         if reason:
             return reason
-    return shared_memory_refusal(shared_memory_bytes(tiles, call.x_dtype, call.out_dtype, decode), tiles)
+    exchange = call.out_quant != "none"
+    return shared_memory_refusal(shared_memory_bytes(tiles, call.x_dtype, call.out_dtype, decode, 1, exchange), tiles)
 
 
 def activation_refusal(tiles: Tiles, act: EpilogueActivation, n: int | None = None) -> str | None:
@@ -423,6 +436,33 @@ def activation_refusal(tiles: Tiles, act: EpilogueActivation, n: int | None = No
         )
     if n is not None and n % tiles.block_n and act.out_n(n) % EPILOGUE_COLUMNS:
         return f"the activation {act.kind!r} with N={n} in a partial column tile (N/2 a multiple of {EPILOGUE_COLUMNS})"
+    return None
+
+
+def fp8_group_values(out, scale, rows_axis: int):
+    """``out`` over its rows' group ``scale`` (``[rows]``; a zero scale gives
+    zeros), clipped to e4m3's range: the values a group stores as e4m3. The
+    rows lie along ``rows_axis`` of ``out`` (1 in a swapped tile's out.T)."""
+    inverse = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+    per_row = inverse[:, None] if rows_axis == 0 else inverse[None, :]
+    return jnp.clip(out * per_row, -FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
+
+
+def quantized_output_refusal(
+    tiles: Tiles, act: EpilogueActivation | None, out_quant: str, dequantized: bool
+) -> str | None:
+    """Why the tiling cannot quantize its activated outputs as ``out_quant``
+    and multiply them back out (``dequantized``; None if it can): a row's
+    outputs of a tile must be one group of 128 — one warpgroup's, or half
+    from each of the two, whose row maxima they exchange."""
+    if out_quant != OUT_QUANT:
+        return f"a {out_quant} output ({OUT_QUANT} only)"
+    if not dequantized:
+        return f"a {out_quant} output in e4m3 (the fp8 kernel's; this one multiplies the values back out)"
+    if act is None or not act.gated:
+        return f"a {out_quant} output without a gated activation"
+    if act.out_n(tiles.block_n) != 128:
+        return f"a {out_quant} output on block_n={tiles.block_n} (a tile's row outputs one group: 256)"
     return None
 
 
@@ -895,6 +935,7 @@ def _kernel(
     has_bias: bool,
     interpret: bool,
     act: EpilogueActivation | None = None,
+    quantize_out: bool = False,
 ):
     # Scales [E, G, N] (and zero points) when decoding, the bias [E, N], the output.
     bias_gmem = rest[-2] if has_bias else None
@@ -956,11 +997,15 @@ def _kernel(
     staged = decoding and not tiles.swap_ab  # swap_ab feeds the decoded pieces from registers
     e2m1 = decoding and decode.e2m1
     # The split slot: the same bytes as one slot, as two row halves.
-    slot_shape = (2, wg_m // 2) if split_slot(tiles, dtype, o_gmem.dtype, decode) else (wg_m,)
+    slot_shape = (2, wg_m // 2) if split_slot(tiles, dtype, o_gmem.dtype, decode, quantize_out) else (wg_m,)
+    exchange = quantize_out and tiles.compute_wgs > 1  # a row's output group: half each warpgroup's
     scratch = dict(
         o_smem=plgpu.SMEM((tiles.compute_wgs, *slot_shape, EPILOGUE_COLUMNS), o_gmem.dtype),
         stage=plgpu.SMEM(stage_shape, dtype, transforms=stage_transforms) if staged else None,
         factors=plgpu.SMEM((tiles.compute_wgs, FACTOR_SLOTS, PIECES, wg_n), jnp.bfloat16) if e2m1 else None,
+        amax_smem=plgpu.SMEM((tiles.compute_wgs, wg_m), jnp.float32) if exchange else None,
+        exchanged=plgpu.Barrier(num_arrivals=tiles.compute_wgs) if exchange else None,
+        read=plgpu.Barrier(num_arrivals=tiles.compute_wgs) if exchange else None,
     )
     if specialized:  # the pipeline's buffers, shared by the memory and compute warpgroups
         scratch["allocations"] = pipeline(unused, unused).get_allocations(*operands(0, 0, 0))
@@ -970,7 +1015,7 @@ def _kernel(
         **{name: shape for name, shape in scratch.items() if shape is not None},
         **(dict(collective_axes="wg") if specialized else {}),
     )
-    def _(o_smem, stage=None, factors=None, allocations=None):
+    def _(o_smem, stage=None, factors=None, amax_smem=None, exchanged=None, read=None, allocations=None):
         wg = lax.axis_index("wg") if specialized else jnp.int32(0)
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)  # the warpgroup's columns of the weight tile
         cn = tiles.cluster_n
@@ -1009,7 +1054,30 @@ def _kernel(
                         acc = acc + (bias[:, None] if swap else bias[None, :])
                     if act is not None:
                         acc = epilogue_activation(acc, act, swap)
+                    if quantize_out:
+                        acc = quantized_and_back(acc)
                     store(acc.astype(o_gmem.dtype), transposed=swap)
+
+            def quantized_and_back(out):
+                """The activated ``out`` (``[wg_m, 64 | 128]``, swapped ``[64 | 128, wg_m]``)
+                quantized as w2's fp8 group-128 input and multiplied back by its scales (the
+                quantizing pass with ``dequantize``): a row's group is the tile's 128 outputs,
+                with two warpgroups half each — they exchange their row maxima."""
+                rows_axis = 1 if swap else 0
+                amax = jnp.max(jnp.abs(out), axis=1 - rows_axis)
+                if exchange:
+                    row_layout = plgpu.Layout.WGMMA.reduce(1 - rows_axis)
+                    amax_smem.at[wg][...] = amax
+                    plgpu.barrier_arrive(exchanged)
+                    plgpu.barrier_wait(exchanged)
+                    other = plgpu.load(amax_smem.at[1 - wg], layout=row_layout, optimized=False)
+                    plgpu.barrier_arrive(read)  # (the next tile's maxima overwrite these)
+                    plgpu.barrier_wait(read)
+                    amax = jnp.maximum(amax, other)
+                scale = amax / FLOAT8_E4M3_MAX
+                codes = fp8_group_values(out, scale, rows_axis).astype(jnp.float8_e4m3fn)
+                per_row = scale[None, :] if swap else scale[:, None]
+                return codes.astype(jnp.float32) * per_row
 
             def step(indices, x_smem, w_smem, acc_ref):
                 plgpu.wgmma(acc_ref, x_smem, w_smem.at[wg_slice].transpose((1, 0)))
@@ -1096,6 +1164,7 @@ def expert_gemm_mosaic(
     interpret: bool = False,
     table: jax.Array | None = None,
     act: EpilogueActivation | None = None,
+    out_quant: str = "none",
 ) -> jax.Array:
     """``x [M, K]`` (bf16/f16) times ``weight``: row ``r`` of the ``[M, N]``
     result (``out_dtype``) uses the expert whose range ``[offsets[e],
@@ -1109,17 +1178,21 @@ def expert_gemm_mosaic(
     :class:`NibbleDecode`). ``table``: the row tiles given
     (:func:`block_table`) in place of the ranges. ``act``: applied to the
     f32 sums in the epilogue (gated kinds: ``[M, N/2]``,
-    :func:`activation_refusal` says where)."""
+    :func:`activation_refusal` says where); ``out_quant`` (:data:`OUT_QUANT`):
+    the activated rows quantized there and multiplied back by their scales
+    (:func:`quantized_output_refusal`)."""
     m, k = x.shape
     num_experts, n = weight.shape[:2]
     check_tiles(tiles, n, k, x.dtype, decode, partial=not interpret)
     refusal = swap_ab_refusal(out_dtype, interpret) if tiles.swap_ab else None
     if refusal:
         raise ValueError(f"mosaic GEMM: {refusal}; the staged form (swap_ab=False) computes the same")
-    refusal = shared_memory_refusal(shared_memory_bytes(tiles, x.dtype, out_dtype, decode), tiles)
+    quantized = out_quant != "none"
+    refusal = shared_memory_refusal(shared_memory_bytes(tiles, x.dtype, out_dtype, decode, 1, quantized), tiles)
     if refusal:
         raise ValueError(f"mosaic GEMM: {refusal}")
     refusal = activation_refusal(tiles, act, n) if act is not None else None
+    refusal = refusal or (quantized_output_refusal(tiles, act, out_quant, True) if quantized else None)
     if refusal:
         raise ValueError(f"mosaic GEMM: {refusal}")
     quant = ()
@@ -1158,6 +1231,7 @@ def expert_gemm_mosaic(
         has_bias=bias is not None,
         interpret=interpret,
         act=act,
+        quantize_out=out_quant != "none",
     )
     cluster = tiles.cluster_n  # programs a cluster (1 or 2)
     out_n = n if act is None else act.out_n(n)
@@ -1235,6 +1309,7 @@ def expert_gemm(
         bias=bias,
         interpret=call.interpret,
         act=call.activation,
+        out_quant=call.out_quant,
     )
     (x,), offsets, routing, slots = routed(layout, route_arrays, w.num_experts, x)
     if not w.quantized:

@@ -38,8 +38,7 @@ FP8_INPUTS = ("float8_e4m3fn", "float8_e5m2")
 WEIGHT_SCALES = ("tensor", "channel", "block")
 INPUT_SCALES = ("tensor", "token", "group")
 BLOCK_ROWS = (64, 128)  # weight rows a block scale covers: a warpgroup's 64 or 128 columns take one or two
-OUT_QUANT = "fp8_dynamic_group128"  # the output quantization the epilogue applies (W8A8's w2 input)
-FLOAT8_E4M3_MAX = 448.0
+OUT_QUANT = mosaic.OUT_QUANT  # the output quantization the epilogue applies (W8A8's w2 input)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +130,17 @@ def tiles_refusal(tiles: Tiles, n: int, k: int, scaling: Scaling) -> str | None:
     return None
 
 
-def quantized_output_refusal(tiles: Tiles, act: EpilogueActivation | None, out_quant: str) -> str | None:
+def quantized_output_refusal(
+    tiles: Tiles, act: EpilogueActivation | None, out_quant: str, dequantized: bool = False
+) -> str | None:
     """Why the tiling cannot quantize its activated outputs as ``out_quant``
     (None if it can): a row's outputs of a tile must be one group of
     :data:`BLOCK_K` — half from each compute warpgroup's gate/up pairs, whose
     row maxima the two exchange."""
     if out_quant != OUT_QUANT:
         return f"a {out_quant} output ({OUT_QUANT} only)"
+    if dequantized:
+        return f"a {out_quant} output multiplied back out (this kernel stores the e4m3 values and their scales)"
     if act is None or not act.gated:
         return f"a {out_quant} output without a gated activation"
     if tiles.swap_ab:
@@ -225,7 +228,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
             return reason
     quantized = call.out_quant != "none"
     if quantized:
-        reason = quantized_output_refusal(tiles, call.activation, call.out_quant)
+        reason = quantized_output_refusal(tiles, call.activation, call.out_quant, call.out_dequantized)
         if reason:
             return reason
     if call.out_dtype not in ("bfloat16", "float16", "float32"):
@@ -386,9 +389,8 @@ def _kernel(
                 plgpu.barrier_arrive(exchanged)
                 plgpu.barrier_wait(exchanged)
                 amax = jnp.maximum(own, plgpu.load(amax_smem.at[1 - wg], layout=row_layout, optimized=False))
-                scale = amax / FLOAT8_E4M3_MAX
-                inverse = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
-                values = jnp.clip(out * inverse[:, None], -FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
+                scale = amax / mosaic.FLOAT8_E4M3_MAX
+                values = mosaic.fp8_group_values(out, scale, rows_axis=0)
                 half = out.shape[1]
                 o_smem.at[:, pl.ds(pl.multiple_of(wg * half, half), half)][...] = values.astype(o_gmem.dtype)
                 plgpu.commit_smem()

@@ -133,6 +133,9 @@ class GemmCall:
     # The activated output quantized in the epilogue ("fp8_dynamic_group128": e4m3 values and an
     # f32 scale a row and 128 columns, w2's input), or "none".
     out_quant: str = "none"
+    # With out_quant: the quantized values multiplied back by their scales, in out_dtype (the next
+    # GEMM's input multiplied out) — the 16-bit kernels' form; the fp8 kernel stores e4m3 and scales.
+    out_dequantized: bool = False
 
     def with_dequantized_input(self) -> GemmCall:
         """The call as a kernel sees it after its tiles' ``dequantize_input``
