@@ -253,7 +253,7 @@ def shared_memory_bytes(
     scale rows when decoding), the epilogue's store slots (``slots`` a
     warpgroup), for the staged 4-bit path its decoded pieces' slots and, with
     ``exchange``, the row maxima two warpgroups exchange (a quantized output's
-    groups split between them) and their two barriers."""
+    groups split between them) and their barriers."""
     itemsize = jnp.dtype(dtype).itemsize
     if decode is None:
         step = (tiles.block_m + tiles.block_n) * tiles.block_k * itemsize
@@ -265,8 +265,8 @@ def shared_memory_bytes(
         scratch += tiles.compute_wgs * STAGE_SLOTS * tiles.wg_n * PIECE * itemsize
     if decode is not None and decode.e2m1:  # the step's bf16 factors, made once a warpgroup
         scratch += tiles.compute_wgs * FACTOR_SLOTS * PIECES * tiles.wg_n * 2
-    if exchange and tiles.compute_wgs > 1:
-        scratch += 4 * tiles.compute_wgs * tiles.wg_m + 2 * 8
+    if exchange and tiles.compute_wgs > 1:  # with swap_ab a third barrier: the two maxima in turn
+        scratch += 4 * tiles.compute_wgs * tiles.wg_m + (3 if tiles.swap_ab else 2) * 8
     return pipeline_bytes(tiles.stages, step) + scratch
 
 
@@ -1006,6 +1006,7 @@ def _kernel(
         amax_smem=plgpu.SMEM((tiles.compute_wgs, wg_m), jnp.float32) if exchange else None,
         exchanged=plgpu.Barrier(num_arrivals=tiles.compute_wgs) if exchange else None,
         read=plgpu.Barrier(num_arrivals=tiles.compute_wgs) if exchange else None,
+        turn=plgpu.Barrier(num_arrivals=1) if exchange and tiles.swap_ab else None,
     )
     if specialized:  # the pipeline's buffers, shared by the memory and compute warpgroups
         scratch["allocations"] = pipeline(unused, unused).get_allocations(*operands(0, 0, 0))
@@ -1015,7 +1016,7 @@ def _kernel(
         **{name: shape for name, shape in scratch.items() if shape is not None},
         **(dict(collective_axes="wg") if specialized else {}),
     )
-    def _(o_smem, stage=None, factors=None, amax_smem=None, exchanged=None, read=None, allocations=None):
+    def _(o_smem, stage=None, factors=None, amax_smem=None, exchanged=None, read=None, turn=None, allocations=None):
         wg = lax.axis_index("wg") if specialized else jnp.int32(0)
         wg_slice = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)  # the warpgroup's columns of the weight tile
         cn = tiles.cluster_n
@@ -1064,7 +1065,11 @@ def _kernel(
                 quantizing pass with ``dequantize``): a row's group is the tile's 128 outputs,
                 with two warpgroups half each — they exchange their row maxima."""
                 rows_axis = 1 if swap else 0
+                if turn is not None:  # out.T's columns span the warps: the max goes through one shared scratch
+                    pl.when(wg == 1)(lambda: plgpu.barrier_wait(turn))  # that both warpgroups use, in turn
                 amax = jnp.max(jnp.abs(out), axis=1 - rows_axis)
+                if turn is not None:
+                    pl.when(wg == 0)(lambda: plgpu.barrier_arrive(turn))
                 if exchange:
                     row_layout = plgpu.Layout.WGMMA.reduce(1 - rows_axis)
                     amax_smem.at[wg][...] = amax
