@@ -178,11 +178,14 @@ def event_sampler(
 
 def interleaved(samplers: dict[str, Callable[[int], float]], repeats: int = 5) -> dict[str, list[float]]:
     """``{name: [seconds of one call]}``: one timing of each sampler in turn, ``repeats``
-    rounds, so drifting clocks and power weigh on all of them alike."""
+    rounds, so drifting clocks and power weigh on all of them alike; each round starts
+    one sampler later (the first of a round can run at its own pace: no one is always first)."""
     samples = {name: [] for name in samplers}
-    for _ in range(repeats):
-        for name, sample in samplers.items():
-            samples[name].append(sample(1))
+    names = list(samplers)
+    for round_ in range(repeats):
+        start = round_ % len(names) if names else 0
+        for name in names[start:] + names[:start]:
+            samples[name].append(samplers[name](1))
     return samples
 
 

@@ -961,7 +961,8 @@ def test_humming_peer_routing_and_the_anchor_fallback(tiny, monkeypatch):
 
 def test_peers_are_timed_interleaved_with_ours(tiny, compiled_once, monkeypatch):
     """torch's grouped GEMM and Humming are sampled in turn with ours, each
-    round ours first; each row carries every peer's median and spread."""
+    round one later than the last (ours first in the first); each row carries
+    every peer's median and spread."""
     from humming_jax import humming_peer
 
     order = []
@@ -984,7 +985,7 @@ def test_peers_are_timed_interleaved_with_ours(tiny, compiled_once, monkeypatch)
     )
     monkeypatch.setattr(bench, "time_ragged_dot", lambda *a: None)
     (row,) = bench.run_bench(["tiny"], [3], ["bf16"], layouts=["grouped"], gemms=["w13"])
-    assert order == ["ours", "torch", "humming"] * 3
+    assert order == ["ours", "torch", "humming", "torch", "humming", "ours", "humming", "ours", "torch"]
     assert row["us"] == pytest.approx(2.0) and row["us_spread"] == pytest.approx([1.0, 3.0])
     assert row["torch_grouped_mm_us"] == pytest.approx(8.0) and row["vs_torch"] == pytest.approx(4.0)
     assert row["peer_us_spread"][bench.TORCH_GROUPED_MM] == pytest.approx([7.0, 9.0])
@@ -1074,8 +1075,10 @@ def test_event_sampler_keeps_what_the_graph_reads_alive():
 
 def test_interleaved_takes_each_sampler_in_turn():
     order = []
-    samplers = {name: (lambda repeats, name=name: order.append(name) or len(order)) for name in ("a", "b")}
-    assert timing.interleaved(samplers, 2) == {"a": [1, 3], "b": [2, 4]} and order == ["a", "b", "a", "b"]
+    samplers = {name: (lambda repeats, name=name: order.append(name) or len(order)) for name in ("a", "b", "c")}
+    got = timing.interleaved(samplers, 4)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]  # each round one later
+    assert got == {"a": [1, 6, 8, 10], "b": [2, 4, 9, 11], "c": [3, 5, 7, 12]}
 
 
 def test_ab_tilings_variant_file(tmp_path, monkeypatch):

@@ -1248,6 +1248,26 @@ def test_quantized_output_refusals_of_the_16_bit_kernel():
     assert "block_n=128" in mosaic.quantized_output_refusal(mosaic_mid.Tiles(64, 128, 64), act, q, True)
     plain = mosaic.shared_memory_bytes(TILES, jnp.bfloat16, jnp.bfloat16)
     assert mosaic.shared_memory_bytes(TILES, jnp.bfloat16, jnp.bfloat16, exchange=True) == plain + 4 * 2 * 64 + 16
+    swapped = dataclasses.replace(TILES, swap_ab=True)  # a third barrier: the cross-warp maxima in turn
+    plain = mosaic.shared_memory_bytes(swapped, jnp.bfloat16, jnp.bfloat16)
+    assert mosaic.shared_memory_bytes(swapped, jnp.bfloat16, jnp.bfloat16, exchange=True) == plain + 4 * 2 * 64 + 24
+
+
+def test_quantized_output_left_to_the_pass_past_one_row_tile_an_expert():
+    """Past one row tile an expert (on average; a masked layout's capacity)
+    the 16-bit kernel leaves a quantized output to the pass after it."""
+    from pallas_kernels.gemm.spec import LayoutSpec
+
+    tiles = mosaic.Tiles(144, 256, 128, swap_ab=True)
+    grouped = LayoutSpec("grouped_contiguous", 32768, 32768)  # qwen3 T=4096: 256 rows each of 128 experts
+    assert mosaic.rows_an_expert(grouped, 128) == 256
+    assert "256 rows an expert" in mosaic.busy_rows_refusal(tiles, grouped, 128)
+    assert mosaic.busy_rows_refusal(tiles, grouped, 256) is None  # deepseek-v3's 256 experts: 128 rows each
+    indexed = LayoutSpec("indexed", 4096, 32768, top_k=8, num_blocks=300, block_size=144)
+    assert mosaic.rows_an_expert(indexed, 256) == 128
+    assert mosaic.rows_an_expert(LayoutSpec("grouped_masked", 2048, 2048, max_tokens=256), 8) == 256
+    assert mosaic.rows_an_expert(LayoutSpec("grouped_contiguous", 1001, 1001), 8) == 126  # rounded up
+    assert mosaic.busy_rows_refusal(tiles, LayoutSpec("dense", 145, 145), 1) is not None
 
 
 def test_what_cannot_apply_the_activation_in_a_mosaic_tile():

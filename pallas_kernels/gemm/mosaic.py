@@ -36,7 +36,7 @@ from jax.extend.mlir.dialects import arith, vector
 
 from pallas_kernels import activation, word_decode
 from pallas_kernels.gemm import row_tiles as table_kernel
-from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, WeightSpec, check_positive, tile_order
+from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, LayoutSpec, WeightSpec, check_positive, tile_order
 
 # Folded e2m1 weights are the true ones times 2**-E2M1_FOLDED_EXPONENT, the sum multiplied back.
 from pallas_kernels.gemm.triton import E2M1_FOLDED_EXPONENT
@@ -387,6 +387,7 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
             return reason
     if call.out_quant != "none":
         reason = quantized_output_refusal(tiles, call.activation, call.out_quant, call.out_dequantized)
+        reason = reason or busy_rows_refusal(tiles, layout, w.num_experts)
         if reason:
             return reason
     decode = None
@@ -463,6 +464,26 @@ def quantized_output_refusal(
         return f"a {out_quant} output without a gated activation"
     if act.out_n(tiles.block_n) != 128:
         return f"a {out_quant} output on block_n={tiles.block_n} (a tile's row outputs one group: 256)"
+    return None
+
+
+def rows_an_expert(layout: LayoutSpec, num_experts: int) -> int:
+    """The rows an expert's product takes on average (a masked layout: its capacity)."""
+    if layout.kind == "grouped_masked":
+        return layout.max_tokens
+    if layout.kind == "dense":
+        return layout.m_out
+    return -(-layout.m_out // num_experts)
+
+
+def busy_rows_refusal(tiles: Tiles, layout: LayoutSpec, num_experts: int) -> str | None:
+    """Why the tiling leaves a quantized output to the pass after it (None if it
+    takes it): with more than one row tile an expert the products bound the
+    kernel, and the epilogue's exchange and conversions delay the next tile's;
+    with one, it streams the expert's weights and the epilogue hides under that."""
+    rows = rows_an_expert(layout, num_experts)
+    if rows > tiles.block_m:
+        return f"a quantized output at {rows} rows an expert (more than one block_m={tiles.block_m} tile)"
     return None
 
 
