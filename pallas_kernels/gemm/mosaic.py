@@ -383,10 +383,6 @@ def supports(tiles: Tiles, call: GemmCall) -> str | None:
         return "f16 accumulation"
     if call.activation is not None:
         reason = activation_refusal(tiles, call.activation, w.n)
-        if not reason and tiles.dequantize_input and call.out_quant == "none":
-            # The next GEMM reads its input quantized too, so a pass follows w13 either way;
-            # past one row tile an expert that pass takes the activation for less.
-            reason = busy_rows_refusal(tiles, layout, w.num_experts, "an activation on a multiplied-out input")
         if reason:
             return reason
     if call.out_quant != "none":
@@ -480,16 +476,14 @@ def rows_an_expert(layout: LayoutSpec, num_experts: int) -> int:
     return -(-layout.m_out // num_experts)
 
 
-def busy_rows_refusal(
-    tiles: Tiles, layout: LayoutSpec, num_experts: int, what: str = "a quantized output"
-) -> str | None:
-    """Why the tiling leaves ``what`` (epilogue work a pass after it can do) to
-    that pass (None if it takes it): with more than one row tile an expert the
-    products bound the kernel, and a longer epilogue delays the next tile's;
+def busy_rows_refusal(tiles: Tiles, layout: LayoutSpec, num_experts: int) -> str | None:
+    """Why the tiling leaves a quantized output to the pass after it (None if it
+    takes it): with more than one row tile an expert the products bound the
+    kernel, and the epilogue's exchange and conversions delay the next tile's;
     with one, it streams the expert's weights and the epilogue hides under that."""
     rows = rows_an_expert(layout, num_experts)
     if rows > tiles.block_m:
-        return f"{what} at {rows} rows an expert (more than one block_m={tiles.block_m} tile)"
+        return f"a quantized output at {rows} rows an expert (more than one block_m={tiles.block_m} tile)"
     return None
 
 
