@@ -17,7 +17,10 @@ rounding, ~5e-3 in bf16). With ``--stages`` each order's pipeline stages
 (``layer_bench.stages``: w13, the activation pass, ...; not MoonEP's own form)
 are also timed alone, interleaved with the other order's
 (``blocks_stages`` / ``halves_stages``: a stage's min, median and max µs), so
-a change in w13's tiles and in the pass after it shows apart. Prints a row a
+a change in w13's tiles and in the pass after it shows apart. Orders whose layers
+launch the same kernels (``same_kernels`` in the row, and on stderr) differ inside
+a kernel's parameters at most — or not at all, as when an order made by a patch
+never reached a jitted pipeline's cached trace. Prints a row a
 case and writes them as JSON after each, so a run stopped by a time limit
 keeps the cases done.
 """
@@ -25,6 +28,7 @@ keeps the cases done.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 
@@ -34,7 +38,7 @@ import numpy as np
 from humming_jax import bench, layer_bench
 from humming_jax import experts as X
 from humming_jax import formats as F
-from humming_jax.timing import interleaved, write_results
+from humming_jax.timing import interleaved, kernel_census, write_results
 
 ORDERS = ("blocks", "halves")
 PIPELINES = ("grouped", "indexed", "batched", "moonep")
@@ -81,6 +85,17 @@ def stage_samplers(case: layer_bench.LayerCase, sets: list[dict]) -> dict[str, o
     return {stage.name: bench.sampler(stage.run, [(b,) for b in before]) for stage, before in pairs}
 
 
+def same_kernels(fns: dict, states: dict) -> list[list[str]]:
+    """The pairs of orders whose layers launch the same kernels (:func:`kernel_census`),
+    each also said on stderr: they differ inside a kernel's parameters at most — or not
+    at all, as when an order's patch never reached a jitted pipeline's cached trace."""
+    census = {name: kernel_census(fns[name], states[name]) for name in fns}
+    pairs = [[a, b] for a, b in itertools.combinations(census, 2) if census[a] == census[b]]
+    for a, b in pairs:
+        print(f"ab_gate_up: orders {a!r} and {b!r} launch the same {len(census[a])} kernels", file=sys.stderr)
+    return pairs
+
+
 def _spread(seconds: list[float]) -> list[float]:
     return [round(1e6 * v, 2) for v in (min(seconds), statistics.median(seconds), max(seconds))]
 
@@ -94,6 +109,7 @@ def time_case(case: layer_bench.LayerCase, repeats: int, seed: int = 0, with_sta
     fns = {name: layer_fn(case, name) for name in ORDERS}
     outs = {name: np.asarray(jax.jit(fns[name])(dict(inputs[0], **w)), np.float64) for name, w in weights.items()}
     diff = np.linalg.norm(outs["blocks"] - outs["halves"]) / max(np.linalg.norm(outs["halves"]), 1e-30)
+    same = same_kernels(fns, {name: dict(inputs[0], **w) for name, w in weights.items()})
     samplers = {name: bench.sampler(fns[name], [(dict(s, **w),) for s in inputs]) for name, w in weights.items()}
     if with_stages:
         for name, w in weights.items():
@@ -109,6 +125,8 @@ def time_case(case: layer_bench.LayerCase, repeats: int, seed: int = 0, with_sta
         gate_up_block=w13.gate_up_block,
         rel_diff=float(diff),
     )
+    if same:
+        row["same_kernels"] = same
     for name, seconds in samples.items():
         order, _, stage = name.partition(":")
         if stage:

@@ -176,6 +176,30 @@ def event_sampler(
     return sample
 
 
+def kernel_census(fn: Callable, *args) -> tuple:
+    """The Pallas kernels ``fn(*args)`` traces to, in order: each launch's name,
+    grid and output types (nested jits and control flow walked). Two A/B orders
+    with one census run one program — e.g. a patch that a jitted function's
+    cached trace never saw."""
+    found = []
+
+    def walk(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                grid = eqn.params["grid_mapping"].grid
+                found.append((eqn.params.get("name"), grid, tuple(str(v.aval) for v in eqn.outvars)))
+                continue
+            for value in eqn.params.values():
+                for inner in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(inner, jax.extend.core.ClosedJaxpr):
+                        walk(inner.jaxpr)
+                    elif isinstance(inner, jax.extend.core.Jaxpr):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return tuple(found)
+
+
 def interleaved(samplers: dict[str, Callable[[int], float]], repeats: int = 5) -> dict[str, list[float]]:
     """``{name: [seconds of one call]}``: one timing of each sampler in turn, ``repeats``
     rounds, so drifting clocks and power weigh on all of them alike; each round starts

@@ -1513,6 +1513,22 @@ def test_ab_gate_up_times_both_orders(tiny, compiled_once, tmp_path, capsys, mon
         assert {"w13", "w2", "combine"} <= set(times) and all(len(t) == 3 and t[0] > 0 for t in times.values())
     with pytest.raises(ValueError, match="--stages: MoonEP"):
         ab_gate_up.main(["--cases", "tiny_gated:moonep:4:bf16", "--stages"])
+    assert all("same_kernels" not in r for r in rows)
+    # A third order that runs the first's program (as a patch a jitted pipeline's cached trace never
+    # saw would) is named: the row says so, and stderr.
+    made = ab_gate_up.orders
+    monkeypatch.setattr(ab_gate_up, "ORDERS", ("blocks", "again", "halves"))
+    monkeypatch.setattr(
+        ab_gate_up, "orders", lambda case, seed=0: {**made(case, seed), "again": made(case, seed)["blocks"]}
+    )
+    layer = ab_gate_up.layer_fn
+    monkeypatch.setattr(
+        ab_gate_up, "layer_fn", lambda case, order: layer(case, "blocks" if order == "again" else order)
+    )
+    capsys.readouterr()
+    row = ab_gate_up.time_case(ab_gate_up.parse_case("tiny_gated:grouped:5:bf16"), 1)
+    assert row["same_kernels"] == [["blocks", "again"]]
+    assert "orders 'blocks' and 'again' launch the same" in capsys.readouterr().err
 
 
 @TOOL
