@@ -15,9 +15,10 @@ more.
 Peers launched through PyTorch (``torch._grouped_mm``, Humming) are timed
 the same way by :func:`event_sampler` — back-to-back calls over rotated
 input sets, calibrated to the same duration, a CUDA graph replayed where
-they capture — and :func:`interleaved` takes one timing of each in turn:
-a GEMM near the power limit runs faster in a short burst from idle
-than under a sustained load, so a peer timed in a burst is not comparable.
+they capture — and :func:`interleaved` takes one timing of each in turn,
+each round starting one later: a GEMM near the power limit runs faster in
+a short burst from idle than under a sustained load, so a peer timed in a
+burst is not comparable, and in a fixed order the first ran faster.
 """
 
 from __future__ import annotations
