@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 
