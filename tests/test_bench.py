@@ -1073,6 +1073,25 @@ def test_event_sampler_keeps_what_the_graph_reads_alive():
     assert buffer() is None
 
 
+def test_kernel_census_walks_nested_jits_and_branches():
+    """``timing.kernel_census``: each Pallas launch's name, grid and output types,
+    found inside a jitted function's branches; another kernel changes it."""
+    from jax.experimental import pallas as pl
+
+    def double(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    def launch(x, name):
+        out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return pl.pallas_call(double, out_shape=out, interpret=True, name=name)(x)
+
+    inner = jax.jit(lambda x: jax.lax.cond(x.sum() > 0, lambda y: launch(y, "twice"), lambda y: y, x) + 1)
+    x = jnp.ones((8, 128), jnp.float32)
+    assert timing.kernel_census(lambda x: inner(x), x) == (("twice", (), ("float32[8,128]",)),)
+    assert timing.kernel_census(lambda x: launch(x, "other"), x) != timing.kernel_census(inner, x)
+    assert timing.kernel_census(jax.jit(lambda x: x + 1), x) == ()
+
+
 def test_interleaved_takes_each_sampler_in_turn():
     order = []
     samplers = {name: (lambda repeats, name=name: order.append(name) or len(order)) for name in ("a", "b", "c")}
