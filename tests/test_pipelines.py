@@ -950,3 +950,25 @@ def test_w4a8_w2_input_multiplied_out_by_w13s_tiles(rng):
     assert not X.takes_activation(x_many, weights.w13, many, spec, out_quant=quant, out_dequantized=True, **kw)
     assert X.takes_activation(x_many, weights.w13, many, spec, **kw)
     assert X.takes_activation(xq, weights.w13, layout, spec, out_quant=quant, out_dequantized=True, **kw)
+
+
+def test_w4a8_w2_input_past_one_row_tile_an_expert(rng):
+    """W4A8 past one row tile an expert on the 16-bit tile with the input
+    multiplied out: w13's stage and the pass after it (whichever applies the
+    activation) give w2's input multiplied out, within an e4m3 rounding of
+    the reference's; every row owned, none NaN."""
+    from pallas_kernels.gemm import mosaic
+
+    config = hj.ExpertsConfig(4, 128, 128, 2, weight_format="mxfp4", input_quant="fp8_dynamic_group128")
+    _, w13, w2, _, _ = _problem(rng, config, 8)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    many = hj.GroupedContiguous(jnp.asarray([0, 100, 100, 200, 260], jnp.int32))  # 65 rows an expert on 64
+    x = Q.quantize_input(jnp.asarray(rng.normal(size=(260, 128)), jnp.float32), config.input_quant)
+    kw = dict(out_dtype=jnp.bfloat16, tuning=mosaic.Tiles(64, 256, 128, stages=2, dequantize_input=True))
+    s = X._w13_with_activation(config, weights, x, many, None, w2_reads_quantized=False, **kw)
+    got = X._down_input_stage(dict(s, weights=weights), config, None, True, num_valid_tokens=jnp.asarray([260]))
+    sums = hj.gemm(x, weights.w13, many, backend="reference", out_dtype=jnp.float32)
+    want = X._down_input(sums, config, weights, "reference", dequantize=True)
+    assert not got.spec.is_quantized and got.values.shape == want.values.shape == (260, 128)
+    got64, want64 = np.asarray(got.values, np.float64), np.asarray(want.values, np.float64)
+    assert np_ref.relative_error(got64, want64) < 2e-2 and np.all(np.isfinite(got64))
