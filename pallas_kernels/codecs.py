@@ -15,6 +15,7 @@ import numpy as np
 from jax.experimental.pallas import triton as plgpu
 
 E8M0_BIAS = 127
+FLOAT8_E4M3_MAX = 448.0  # e4m3fn's largest finite value: a group's scale is its largest |value| over it
 # Adding and subtracting 1.5 * 2**23 rounds an f32 of magnitude below 2**22 to
 # the nearest integer, ties to even (the rounding of the addition itself).
 _ROUND_MAGIC = 12582912.0

@@ -26,8 +26,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import activation, codecs
 from pallas_kernels.indexing import nonneg_div, nonneg_rem
 
-FLOAT8_E4M3_MAX = 448.0
-
 
 def _power_of_two_or_zero(value, name: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value & (value - 1):
@@ -305,7 +303,7 @@ def _quantized(ys, static_ref, cfg: ProcessConfig, row_amax=None):
     if cfg.mode == "static_tensor_dynamic_group":
         second = jnp.full((rows,), static_ref[0], jnp.float32)
     elif cfg.mode == "dynamic_group_token":  # the row amax lands on e4m3 max x element max
-        second = divide(_row_max(amaxes) if row_amax is None else row_amax, FLOAT8_E4M3_MAX * qmax)
+        second = divide(_row_max(amaxes) if row_amax is None else row_amax, codecs.FLOAT8_E4M3_MAX * qmax)
     values, stored_scales = [], []
     for g, amax in zip(grouped, amaxes, strict=True):
         if second is not None:

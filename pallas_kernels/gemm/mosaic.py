@@ -34,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, vector
 
-from pallas_kernels import activation, word_decode
+from pallas_kernels import activation, codecs, word_decode
 from pallas_kernels.gemm import row_tiles as table_kernel
 from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, LayoutSpec, WeightSpec, check_positive, tile_order
 
@@ -50,7 +50,6 @@ COMPUTE_WGS = 2
 # The output quantization an epilogue applies (w2's fp8 group-128 input): a group is a tile's
 # 128 activated outputs a row, scaled to e4m3's largest value.
 OUT_QUANT = "fp8_dynamic_group128"
-FLOAT8_E4M3_MAX = 448.0
 EPILOGUE_COLUMNS = 64  # output columns per shared-memory store slot
 # A compute warpgroup's f32 accumulator: 176 registers a thread of the 232 the warp-specialized
 # pipeline gives it (a 176-row swap tile of 128 columns; 128 x 128 in the other form).
@@ -446,7 +445,18 @@ def fp8_group_values(out, scale, rows_axis: int):
     rows lie along ``rows_axis`` of ``out`` (1 in a swapped tile's out.T)."""
     inverse = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
     per_row = inverse[:, None] if rows_axis == 0 else inverse[None, :]
-    return jnp.clip(out * per_row, -FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
+    return jnp.clip(out * per_row, -codecs.FLOAT8_E4M3_MAX, codecs.FLOAT8_E4M3_MAX)
+
+
+def exchanged_row_max(own, wg, amax_smem, exchanged, row_layout):
+    """The larger of this warpgroup's row maxima ``own [rows]`` and the other
+    compute warpgroup's, through ``amax_smem [2, rows]`` at ``exchanged`` (a
+    barrier of two). The caller keeps the slots from the next tile's maxima
+    until both have read them."""
+    amax_smem.at[wg][...] = own
+    plgpu.barrier_arrive(exchanged)
+    plgpu.barrier_wait(exchanged)
+    return jnp.maximum(own, plgpu.load(amax_smem.at[1 - wg], layout=row_layout, optimized=False))
 
 
 def quantized_output_refusal(
@@ -1093,14 +1103,10 @@ def _kernel(
                     pl.when(wg == 0)(lambda: plgpu.barrier_arrive(turn))
                 if exchange:
                     row_layout = plgpu.Layout.WGMMA.reduce(1 - rows_axis)
-                    amax_smem.at[wg][...] = amax
-                    plgpu.barrier_arrive(exchanged)
-                    plgpu.barrier_wait(exchanged)
-                    other = plgpu.load(amax_smem.at[1 - wg], layout=row_layout, optimized=False)
+                    amax = exchanged_row_max(amax, wg, amax_smem, exchanged, row_layout)
                     plgpu.barrier_arrive(read)  # (the next tile's maxima overwrite these)
                     plgpu.barrier_wait(read)
-                    amax = jnp.maximum(amax, other)
-                scale = amax / FLOAT8_E4M3_MAX
+                scale = amax / codecs.FLOAT8_E4M3_MAX
                 codes = fp8_group_values(out, scale, rows_axis).astype(jnp.float8_e4m3fn)
                 per_row = scale[None, :] if swap else scale[:, None]
                 return codes.astype(jnp.float32) * per_row
@@ -1257,7 +1263,7 @@ def expert_gemm_mosaic(
         has_bias=bias is not None,
         interpret=interpret,
         act=act,
-        quantize_out=out_quant != "none",
+        quantize_out=quantized,
     )
     cluster = tiles.cluster_n  # programs a cluster (1 or 2)
     out_n = n if act is None else act.out_n(n)

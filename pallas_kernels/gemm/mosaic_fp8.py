@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import codecs
 from pallas_kernels.gemm import mosaic, mx_e4m3
 from pallas_kernels.gemm.spec import EpilogueActivation, GemmCall, WeightSpec, check_positive, tile_order
 
@@ -384,12 +385,9 @@ def _kernel(
                 def _():  # the slot and the scales: read by the last tile's copies
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-                own = jnp.max(jnp.abs(out), axis=1)
-                amax_smem.at[wg][...] = own
-                plgpu.barrier_arrive(exchanged)
-                plgpu.barrier_wait(exchanged)
-                amax = jnp.maximum(own, plgpu.load(amax_smem.at[1 - wg], layout=row_layout, optimized=False))
-                scale = amax / mosaic.FLOAT8_E4M3_MAX
+                # (`written` below keeps the slots from the next tile's maxima until both have read them)
+                amax = mosaic.exchanged_row_max(jnp.max(jnp.abs(out), axis=1), wg, amax_smem, exchanged, row_layout)
+                scale = amax / codecs.FLOAT8_E4M3_MAX
                 values = mosaic.fp8_group_values(out, scale, rows_axis=0)
                 half = out.shape[1]
                 o_smem.at[:, pl.ds(pl.multiple_of(wg * half, half), half)][...] = values.astype(o_gmem.dtype)
