@@ -952,6 +952,45 @@ def test_w4a8_w2_input_multiplied_out_by_w13s_tiles(rng):
     assert X.takes_activation(xq, weights.w13, layout, spec, out_quant=quant, out_dequantized=True, **kw)
 
 
+@pytest.mark.parametrize("bounds", [(0, 7, 7, 30, 33), (0, 100, 100, 200, 260)], ids=["one_tile", "two_tiles"])
+def test_w4a8_w13_in_the_layers_form(rng, bounds):
+    """W4A8's w13 as the layer runs it: ``process_input`` writes the input
+    multiplied out and w13 gets its tiles with ``dequantize_input`` cleared
+    (``multiplied_out_tiles``), so the kernel sees a 16-bit call. Up to one
+    row tile an expert its epilogue quantizes w2's input and multiplies it
+    back out (no ``gate_up``, an unquantized ``activated``); past one it
+    applies the activation alone and the pass quantizes. Either way w2's
+    input is within an e4m3 rounding of the reference's."""
+    from humming_jax.process_input import process_input
+    from pallas_kernels.gemm import mosaic
+
+    config = hj.ExpertsConfig(4, 128, 128, 2, weight_format="mxfp4", input_quant="fp8_dynamic_group128")
+    _, w13, w2, _, _ = _problem(rng, config, 8)
+    weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
+    layout = hj.GroupedContiguous(jnp.asarray(bounds, jnp.int32))
+    rows = bounds[-1] + 7  # rows past the last expert's: owned by none
+    x = jnp.asarray(rng.normal(size=(rows, 128)), jnp.float32)
+    multiplied = process_input(x, config.input_quant, dequantize=True, backend="reference")
+    assert not multiplied.spec.is_quantized
+    tiles = mosaic.Tiles(64, 256, 128, stages=2)  # multiplied_out_tiles' form: dequantize_input cleared
+    kw = dict(out_dtype=jnp.bfloat16, tuning=tiles)
+    s = X._w13_with_activation(config, weights, multiplied, layout, None, w2_reads_quantized=False, **kw)
+    assert s["gate_up"] is None
+    one_tile = max(np.diff(bounds)) <= tiles.block_m
+    # One tile an expert: w2's input straight from the epilogue; past it, activated rows for the pass.
+    assert isinstance(s["activated"], Q.QuantizedInput) == one_tile
+    valid = jnp.asarray([bounds[-1]])
+    got = X._down_input_stage(dict(s, weights=weights), config, None, True, num_valid_tokens=valid)
+    xq = Q.quantize_input(x, config.input_quant)
+    sums = hj.gemm(xq, weights.w13, layout, backend="reference", out_dtype=jnp.float32)
+    want = X._down_input(sums, config, weights, "reference", dequantize=True)
+    assert not got.spec.is_quantized and got.values.shape == want.values.shape == (rows, 128)
+    got64, want64 = np.asarray(got.values, np.float64), np.asarray(want.values, np.float64)
+    n = bounds[-1]
+    assert np_ref.relative_error(got64[:n], want64[:n]) < 2e-2 and np.all(np.isfinite(got64))
+    assert np.all(got64[n:] == 0)
+
+
 def test_w4a8_w2_input_past_one_row_tile_an_expert(rng):
     """W4A8 past one row tile an expert on the 16-bit tile with the input
     multiplied out: w13's stage and the pass after it (whichever applies the
