@@ -180,16 +180,20 @@ def event_sampler(
 
 def kernel_census(fn: Callable, *args) -> tuple:
     """The Pallas kernels ``fn(*args)`` traces to, in order: each launch's name,
-    grid and output types (nested jits and control flow walked). Two A/B orders
-    with one census run one program — e.g. a patch that a jitted function's
-    cached trace never saw."""
+    grid and output types (nested jits and control flow walked) — Triton's and
+    interpreted kernels (``pallas_call``) and Mosaic GPU's (``plgpu.kernel``,
+    traced as ``mpmd_map``). Two A/B orders with one census run one program —
+    e.g. a patch that a jitted function's cached trace never saw."""
     found = []
 
     def walk(jaxpr) -> None:
         for eqn in jaxpr.eqns:
+            outs = tuple(str(v.aval) for v in eqn.outvars)
             if eqn.primitive.name == "pallas_call":
-                grid = eqn.params["grid_mapping"].grid
-                found.append((eqn.params.get("name"), grid, tuple(str(v.aval) for v in eqn.outvars)))
+                found.append((eqn.params.get("name"), eqn.params["grid_mapping"].grid, outs))
+                continue
+            if eqn.primitive.name == "mpmd_map":  # a Mosaic GPU kernel: its mesh's grid
+                found.append((eqn.params.get("name"), tuple(eqn.params["meshes"][0].grid), outs))
                 continue
             for value in eqn.params.values():
                 for inner in value if isinstance(value, (tuple, list)) else (value,):

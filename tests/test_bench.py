@@ -1092,6 +1092,28 @@ def test_kernel_census_walks_nested_jits_and_branches():
     assert timing.kernel_census(jax.jit(lambda x: x + 1), x) == ()
 
 
+def test_kernel_census_sees_mosaic_gpu_kernels():
+    """Mosaic GPU kernels (``plgpu.kernel``: the 16-bit and fp8 GEMMs) trace as
+    ``mpmd_map``, not ``pallas_call``: the census lists them too (traced only;
+    nothing runs), so two orders whose Mosaic GEMMs differ are told apart."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def copy(x_gmem, o_gmem):
+        del x_gmem, o_gmem
+
+    def launch(x, name, rows):
+        out = jax.ShapeDtypeStruct((rows, 128), x.dtype)
+        return plgpu.kernel(copy, out_type=out, grid=(2,), grid_names=("sm",), kernel_name=name)(x)
+
+    x = jnp.ones((8, 128), jnp.float32)
+    assert timing.kernel_census(jax.jit(lambda x: launch(x, "mosaic_one", 8)), x) == (
+        ("mosaic_one", (2,), ("float32[8,128]",)),
+    )
+    assert timing.kernel_census(lambda x: launch(x, "mosaic_one", 16), x) != timing.kernel_census(
+        lambda x: launch(x, "mosaic_one", 8), x
+    )
+
+
 def test_interleaved_takes_each_sampler_in_turn():
     order = []
     samplers = {name: (lambda repeats, name=name: order.append(name) or len(order)) for name in ("a", "b", "c")}
