@@ -48,6 +48,10 @@ GROUPED_AS_INDEXED_MAX_ROWS = 1
 # The indexed stages give each slot its own block, ungrouped, up to one slot per this many experts
 # (and at T=1): where few slots share an expert, grouping costs a launch and saves little weight.
 SLOT_BLOCKS_EXPERTS_PER_SLOT = 8
+# The indexed stages leave the slots in slot order for the GEMMs to tile by expert (no grouping)
+# from this many slots an expert, up to a block of tokens: few experts, each a long tile that hides
+# the ids' scan; with as many experts as slots the grouping wins (layer.md, 87th session).
+TILE_BY_EXPERT_MIN_SLOTS = 2
 
 
 @jax.tree_util.register_dataclass
@@ -282,6 +286,17 @@ def slot_blocks_apply(num_tokens: int, top_k: int, config: ExpertsConfig, has_ma
         return False
     slots = num_tokens * top_k
     return num_tokens == 1 or slots * SLOT_BLOCKS_EXPERTS_PER_SLOT <= config.num_experts
+
+
+def tiles_by_expert(num_tokens: int, top_k: int, blocks: tuple[int, int], config: ExpertsConfig, has_map: bool) -> bool:
+    """Whether the indexed stages lay out the slots in slot order for the
+    GEMMs to tile by expert (``Indexed(tile_by_expert=k)``, no grouping): from
+    :data:`TILE_BY_EXPERT_MIN_SLOTS` slots an expert up to a block's rows of
+    tokens (both GEMMs' ``blocks``), where :func:`slot_blocks_apply` does not
+    hold; not with an expert map nor ``batch_invariant``."""
+    if has_map or config.batch_invariant or slot_blocks_apply(num_tokens, top_k, config, has_map):
+        return False
+    return TILE_BY_EXPERT_MIN_SLOTS * config.num_experts <= num_tokens * top_k and num_tokens <= min(blocks)
 
 
 def _reads_byte_pairs(config: ExpertsConfig) -> bool:
@@ -780,8 +795,11 @@ def _indexed_layout_stages(
     def gemm_kwargs(s):
         return _stage_gemm_kwargs(config, s, backend)
 
+    def by_expert(s) -> bool:
+        return tiles_by_expert(*s["topk_ids"].shape, blocks(s), config, s["expert_map"] is not None)
+
     def in_slot_order(s) -> bool:
-        return slot_blocks_apply(*s["topk_ids"].shape, config, s["expert_map"] is not None)
+        return by_expert(s) or slot_blocks_apply(*s["topk_ids"].shape, config, s["expert_map"] is not None)
 
     def route(s):
         def align(size):
@@ -804,7 +822,11 @@ def _indexed_layout_stages(
             aligned, top_k, block = s["aligned"], s["topk_ids"].shape[1], blocks(s)[0]
         else:
             aligned, top_k, block = s["aligned_w2"], 1, blocks(s)[1]
-        return L.Indexed(*aligned, top_k=top_k, block_size=block, lists_dropped=True, slot_order=in_slot_order(s))
+        by_k = s["topk_ids"].shape[1] if by_expert(s) else 0
+        ordered = in_slot_order(s)
+        return L.Indexed(
+            *aligned, top_k=top_k, block_size=block, lists_dropped=True, slot_order=ordered, tile_by_expert=by_k
+        )
 
     def multiplied_out(s, name: str):
         """:func:`multiplied_out_tiles` of this call's ``name`` GEMM."""

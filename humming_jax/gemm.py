@@ -566,6 +566,7 @@ def _layout_spec(layout, m_in: int) -> tuple[spec.LayoutSpec, tuple[jax.Array, .
         block_size=layout.block_size,
         lists_dropped=layout.lists_dropped,
         slot_order=layout.slot_order,
+        tile_by_expert=layout.tile_by_expert,
     )
     arrays = (
         layout.sorted_ids.astype(jnp.int32),

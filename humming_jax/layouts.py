@@ -14,7 +14,9 @@ arrays and whose static part is what shapes depend on.
   -1), as :func:`humming_jax.moe_align_block_size` lists them;
   ``slot_order=True`` that the arrays are :func:`humming_jax.moe_slot_blocks`'s
   (slot s alone in block s), so a kernel may take each block's slot from its
-  index instead of reading ``sorted_ids``.
+  index instead of reading ``sorted_ids``; ``tile_by_expert=k`` (decode's
+  few tokens, each with ``k`` slots) that a kernel may instead take one row
+  tile an expert, a row a token, finding the slots from ``expert_ids``.
 * :class:`Dense` — ``x [M, K] @ w[0].T`` (a weight with one expert).
 """
 
@@ -117,6 +119,13 @@ class Indexed:
         slot_order: the arrays are :func:`humming_jax.moe_slot_blocks`'s —
             block ``s`` holds slot ``s`` alone (static; a kernel may skip
             ``sorted_ids``; other arrays under it are a wrong answer).
+        tile_by_expert: 0, or ``k``: the slot-ordered arrays are those of
+            ``T = M·top_k / k`` tokens of ``k`` slots each, at most
+            ``block_size`` of them (static). A kernel may then tile the rows
+            by expert — row tile e holds every token's slots on expert e, a
+            row a token — finding them in ``expert_ids`` (the ids ``[T, k]``
+            flattened) with no grouping launched before it; the arrays stay a
+            valid slot-ordered layout for any other reader.
     """
 
     sorted_ids: jax.Array  # int32 [L]
@@ -129,6 +138,7 @@ class Indexed:
     # layout): the GEMM then finds every row to zero and skips the zero fill.
     lists_dropped: bool = _static(default=False)
     slot_order: bool = _static(default=False)
+    tile_by_expert: int = _static(default=0)
     kind = GemmLayout.INDEXED
 
     def output_rows(self, m_in: int) -> int:
@@ -157,12 +167,28 @@ class Indexed:
             )
         if self.slot_order and not self.lists_dropped:
             raise ValueError("layout.lists_dropped: slot_order lists every slot in a block; expected True")
+        self._validate_tile_by_expert(m_in)
         if self.num_tokens_padded.size != 1:
             raise ValueError(
                 f"layout.num_tokens_padded: expected one element, got shape {self.num_tokens_padded.shape}"
             )
         for name in ("sorted_ids", "expert_ids", "num_tokens_padded"):
             _check_int(f"layout.{name}", getattr(self, name))
+
+    def _validate_tile_by_expert(self, m_in: int) -> None:
+        k = self.tile_by_expert
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"layout.tile_by_expert: expected 0 or the slots a token has, got {k!r}")
+        if not k:
+            return
+        if not self.slot_order:
+            raise ValueError("layout.tile_by_expert: tiles slot blocks (moe_slot_blocks); expected slot_order")
+        slots = m_in * self.top_k
+        if slots % k or slots // k > self.block_size:
+            raise ValueError(
+                f"layout.tile_by_expert: M·top_k={slots} slots are not whole tokens of {k} slots, at most "
+                f"block_size={self.block_size} of them"
+            )
 
 
 @jax.tree_util.register_dataclass

@@ -524,6 +524,76 @@ def test_indexed_in_slot_order(fmt_name, top_k, rng):
     _check(jnp.asarray(got), _kernel_reference(x, weight, plain), bound=1e-5)
 
 
+@pytest.mark.parametrize(
+    "fmt_name,tokens,top_k,tuning",
+    sweep(
+        [
+            ("int4_g128", 5, 4, None),
+            ("bf16", 16, 3, None),
+            ("mxfp4", 1, 1, None),
+            ("int4_g128", 7, 2, kernel.Tiles(block_m=16, block_n=32, block_k=128, swap_ab=True)),
+            ("fp8_channel", 3, 6, kernel.Tiles(block_m=16, block_n=64, block_k=64, split_k=2)),
+            ("int4_g128", 2, 2, None),
+            ("int4_g128", 1, 4, None),
+        ],
+        [("int4_g128", 5, 4, None), ("int4_g128", 1, 4, None)],
+    ),
+)
+def test_indexed_tiled_by_expert(fmt_name, tokens, top_k, tuning, rng):
+    """Slot blocks tiled by expert (``tile_by_expert=k``: decode's few tokens,
+    a row tile an expert, a row a token, no grouping): both GEMMs' layouts (w13
+    reading token rows, ``top_k=k``; w2 reading slot rows, ``top_k=1``) with
+    ids outside ``[0, E)``, int32's extremes, an expert twice in a token (its
+    second slot a second level of the tile) and a hot expert; equal bit for bit
+    to the same arrays in slot order, and to the float64 product; the rows of
+    invalid slots zero in an output the kernel alone writes."""
+    from humming_jax.gemm import _layout_spec
+
+    weight = _weight(rng, F.get_format(fmt_name), E)
+    ids = rng.integers(0, E, size=(tokens, top_k)).astype(np.int32)
+    ids[:, 0] = 2  # a hot expert
+    flat = ids.reshape(-1)
+    flat[-1] = E
+    if flat.size > 4:
+        flat[[1, 2]] = (-1, np.iinfo(np.int32).max)
+    if top_k > 2:
+        ids[0, 1:3] = 3  # an expert twice in one token
+    slots = jnp.asarray(rng.normal(size=(tokens * top_k, K)), jnp.bfloat16)
+    rows = jnp.asarray(rng.normal(size=(tokens, K)), jnp.bfloat16)
+    arrays = hj.moe_slot_blocks(jnp.asarray(ids), 16)
+    for x, layout_top_k in ((rows, top_k), (slots, 1)):
+        ordered = hj.Indexed(*arrays, top_k=layout_top_k, block_size=16, lists_dropped=True, slot_order=True)
+        tiled = dataclasses.replace(ordered, tile_by_expert=top_k)
+        assert _layout_spec(tiled, x.shape[0])[0].tile_by_expert == top_k
+        got, want = (
+            np.asarray(hj.gemm(x, weight, layout, out_dtype=jnp.float32, backend=KERNEL_BACKEND, tuning=tuning))
+            for layout in (tiled, ordered)
+        )
+        np.testing.assert_array_equal(got, want)
+        dead = np.flatnonzero((flat < 0) | (flat >= E))
+        assert np.all(got[dead] == 0)
+        reference = _reference_for(tuning, x, weight, ordered) if tuning else _kernel_reference(x, weight, ordered)
+        _check(jnp.asarray(got), reference, bound=1e-5)
+
+
+def test_tile_by_expert_layout_validation():
+    ids = jnp.asarray([[1, 2], [3, 0]], jnp.int32)
+    arrays = hj.moe_slot_blocks(ids, 2)
+    x = jnp.ones((2, K), jnp.bfloat16)
+    weight = _weight(np.random.default_rng(0), F.INT4_G128, E)
+    plain = hj.Indexed(*arrays, top_k=2, block_size=2, lists_dropped=True)
+    with pytest.raises(ValueError, match="layout.tile_by_expert: tiles slot blocks"):
+        hj.gemm(x, weight, dataclasses.replace(plain, tile_by_expert=2), backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match=r"layout.tile_by_expert: M·top_k=4 slots are not whole tokens of 3"):
+        hj.gemm(x, weight, dataclasses.replace(plain, slot_order=True, tile_by_expert=3), backend=KERNEL_BACKEND)
+    big = hj.Indexed(*hj.moe_slot_blocks(jnp.zeros((3, 2), jnp.int32), 2), top_k=2, block_size=2, lists_dropped=True)
+    with pytest.raises(ValueError, match="at most block_size=2 of them"):
+        layout = dataclasses.replace(big, slot_order=True, tile_by_expert=2)
+        hj.gemm(jnp.ones((3, K), jnp.bfloat16), weight, layout, backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="layout.tile_by_expert: expected 0 or the slots"):
+        hj.gemm(x, weight, dataclasses.replace(plain, slot_order=True, tile_by_expert=-1), backend=KERNEL_BACKEND)
+
+
 def test_slot_order_layout_validation():
     ids = jnp.asarray([[1, 2], [3, 0]], jnp.int32)
     arrays = hj.moe_slot_blocks(ids, 16)

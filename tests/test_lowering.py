@@ -349,21 +349,25 @@ def test_grouped_layer_reads_its_offsets_as_the_routing_returns_them():
     assert "reduce_window" in caller
 
 
-@pytest.mark.parametrize("pipeline", ["grouped", "indexed"])
-def test_decode_layer_launches_for_sm90(pipeline):
-    """The int4 layer at T=1 lowers to three Triton launches — w13 with the
+@pytest.mark.parametrize(
+    "pipeline,experts,top_k,tokens", [("grouped", 128, 8, 1), ("indexed", 128, 8, 1), ("indexed", 8, 2, 16)]
+)
+def test_decode_layer_launches_for_sm90(pipeline, experts, top_k, tokens):
+    """The int4 layer at decode lowers to three Triton launches — w13 with the
     activation in its epilogue (gate and up rows interleaved by
-    ``quantize_experts``), w2, the fused sum — and no grouping: each slot its
-    own block, the GEMMs reading the blocks' experts (the ids) alone."""
-    config = hj.ExpertsConfig(128, 256, 128, 8, weight_format="int4_g128")
+    ``quantize_experts``), w2, the fused sum — and no grouping: at T=1 each
+    slot its own block, the GEMMs reading the blocks' experts (the ids) alone;
+    with a few experts and two slots an expert the same arrays tiled by
+    expert, each GEMM finding an expert's tokens in the ids."""
+    config = hj.ExpertsConfig(experts, 256, 128, top_k, weight_format="int4_g128")
     e, n, k = config.num_experts, config.w13_n, config.hidden_size
     weights = hj.quantize_experts(
         jnp.ones((e, n, k), jnp.float32), jnp.ones((e, k, config.intermediate_size), jnp.float32), config
     )
     fn = hj.humming_grouped_experts if pipeline == "grouped" else hj.humming_indexed_experts
-    x = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)
-    tw = jax.ShapeDtypeStruct((1, 8), jnp.float32)
-    ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    x = jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16)
+    tw = jax.ShapeDtypeStruct((tokens, top_k), jnp.float32)
+    ids = jax.ShapeDtypeStruct((tokens, top_k), jnp.int32)
     texts = ttir_of(lambda x, tw, ids: fn(x, weights, tw, ids, config, backend="pallas"), x, tw, ids)
     assert len(texts) == 3
     assert not any("moe_group_slots" in text for text in texts)

@@ -344,8 +344,18 @@ def test_decode_slots_in_their_own_blocks(rng, monkeypatch):
     ids[1] = [3, 64]  # an id outside [0, E)
     ids[2] = [-1, 5]
     ids[3] = [5, 5]  # an expert twice in one token
+    # (the grouped pipeline runs these stages at decode: test_grouped_runs_indexed_at_decode, and
+    # test_decode_layer_launches_for_sm90 lowers both without a grouping)
+    _ungrouped_equals_aligned(x, w13, w2, ids, tw, config, "slot_blocks_apply", monkeypatch)
+
+
+def _ungrouped_equals_aligned(x, w13, w2, ids, tw, config, switch: str, monkeypatch):
+    """The indexed layer on ``ids`` with no grouping launched equals, bit for
+    bit, the aligned layout's (``experts.<switch>`` patched False), and the
+    float64 layer (ids outside [0, E) contributing nothing)."""
     weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
-    expected = _expected_layer(x, weights, np.where((ids >= 0) & (ids < 64), ids, -1), tw, config)
+    valid = (ids >= 0) & (ids < config.num_experts)
+    expected = _expected_layer(x, weights, np.where(valid, ids, -1), tw, config)
 
     def clear():
         for fn in (hj.humming_grouped_experts, hj.humming_indexed_experts):
@@ -357,16 +367,36 @@ def test_decode_slots_in_their_own_blocks(rng, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(X.routing, "moe_align_block_size", no_grouping)
         clear()
-        # (the grouped pipeline runs these stages at decode: test_grouped_runs_indexed_at_decode, and
-        # test_decode_layer_launches_for_sm90 lowers both without a grouping)
         got = np.asarray(_run("indexed", x, weights, tw, ids, config), np.float64)
     with monkeypatch.context() as patch:
-        patch.setattr(X, "slot_blocks_apply", lambda *a: False)
+        patch.setattr(X, switch, lambda *a: False)
         clear()
         aligned = np.asarray(_run("indexed", x, weights, tw, ids, config), np.float64)
     clear()
     np.testing.assert_array_equal(got, aligned)
     assert np_ref.relative_error(aligned, expected) < 2e-2
+
+
+def test_decode_tokens_tiled_by_expert(rng, monkeypatch):
+    """From two slots an expert up to a block's rows of tokens, where slot
+    blocks do not apply, the indexed pipeline's stages
+    lay the slots out in slot order for the GEMMs to tile by expert (no
+    grouping; not with an expert map or ``batch_invariant``): the aligned
+    layout's result bit for bit, ids outside [0, E) and an expert twice in a
+    token as the float64 layer says."""
+    config = hj.ExpertsConfig(8, 128, 128, 2, weight_format="int4_g128")
+    tiled = [X.tiles_by_expert(t, 2, (16, 16), config, False) for t in (1, 7, 8, 16, 17)]
+    assert tiled == [False, False, True, True, False]
+    assert [X.tiles_by_expert(t, 2, (16, 8), config, False) for t in (8, 9)] == [True, False]  # the smaller block
+    assert not X.tiles_by_expert(8, 2, (16, 16), config, True)
+    assert not X.tiles_by_expert(8, 2, (16, 16), dataclasses.replace(config, batch_invariant=True), False)
+    assert not X.tiles_by_expert(16, 8, (16, 16), hj.ExpertsConfig(128, 128, 128, 8), False)  # a slot an expert
+    x, w13, w2, ids, tw = _problem(rng, config, 10)
+    ids[:, 0] = 7  # a hot expert
+    ids[1, 1] = 8  # an id outside [0, E)
+    ids[2, 1] = -1
+    ids[3] = 5  # an expert twice in one token
+    _ungrouped_equals_aligned(x, w13, w2, ids, tw, config, "tiles_by_expert", monkeypatch)
 
 
 @pytest.mark.bounds

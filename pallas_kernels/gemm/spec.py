@@ -64,6 +64,9 @@ class LayoutSpec:
     # indexed: block b holds slot b alone (routing's slot blocks): the kernel
     # takes the slot from the block's index and gets expert_ids alone.
     slot_order: bool = False
+    # indexed, slot-ordered: 0, or the slots k of each of the at most block_size
+    # tokens, when the kernel may tile the rows by expert (a row a token).
+    tile_by_expert: int = 0
 
     @property
     def zero_filled(self) -> bool:

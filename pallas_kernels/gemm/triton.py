@@ -246,6 +246,8 @@ def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
         return busy + (layout.m_in - busy) // block_m + 1
     if layout.kind == "grouped_masked":
         return num_experts * pl.cdiv(layout.max_tokens, block_m)
+    if layout.tile_by_expert:  # one an expert, then one zeroing the invalid slots' rows
+        return num_experts + 1
     return layout.num_blocks
 
 
@@ -326,6 +328,41 @@ def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, t
     mask = (entries >= 0) & (entries < layout.m_out)
     live = (tile * block_m < padded_ref[0]) & (expert >= 0) & (expert < num_experts)
     return entries // layout.top_k, entries, mask, jnp.clip(expert, 0, num_experts - 1), live
+
+
+def _token_slot_ids(experts_ref, layout: LayoutSpec, block_m: int) -> list:
+    """Each slot j's expert id ``[bm]`` of the tokens ``lane`` (j < k; −1 past
+    the tokens) of a ``tile_by_expert`` layout, whose expert_ids are the ids
+    ``[T, k]`` flattened."""
+    k = layout.tile_by_expert
+    lane = jnp.arange(block_m, dtype=jnp.int32)
+    is_token = lane < layout.m_out // k
+    return [plgpu.load(experts_ref.at[lane * k + j], mask=is_token, other=-1) for j in range(k)]
+
+
+def _expert_levels(ids: list, expert) -> jax.Array:
+    """The most slots one token has on ``expert`` (0: the tile has no rows)."""
+    seen = functools.reduce(jnp.add, [(i == expert).astype(jnp.int32) for i in ids])
+    return jnp.max(seen)
+
+
+def _expert_level_rows(ids: list, expert, level, layout: LayoutSpec):
+    """(rows_in, rows_out, row_mask) ``[bm]`` of ``level`` of expert
+    ``expert``'s row tile on a ``tile_by_expert`` layout: each token's
+    ``level``-th slot on the expert (level 0 but for a token that lists the
+    expert twice), read from input row ``slot // top_k``."""
+    k = len(ids)
+    block_m = ids[0].shape[0]
+    lane = jnp.arange(block_m, dtype=jnp.int32)
+    seen = jnp.zeros(block_m, jnp.int32)
+    column = jnp.zeros(block_m, jnp.int32)
+    for j in range(k):
+        on_expert = ids[j] == expert
+        column = jnp.where(on_expert & (seen == level), j, column)
+        seen += on_expert.astype(jnp.int32)
+    row_mask = seen > level
+    slots = jnp.where(row_mask, lane * k + column, layout.m_out)
+    return slots // layout.top_k, slots, row_mask
 
 
 # e2m1 code bits placed in an e4m3 byte decode (in hardware, subnormals
@@ -1014,7 +1051,14 @@ def _gemm_kernel(
     row_tile, col_group = tile_order(
         pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), num_col_groups(w.n, tiles), tiles.group_m
     )
-    rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
+    by_expert = layout.tile_by_expert > 0
+    if by_expert:  # row tile e < E: expert e, its rows by level (see the end); tile E: the invalid slots
+        slot_ids = _token_slot_ids(route_refs[0], layout, bm)
+        expert = jnp.minimum(row_tile, w.num_experts - 1)
+        tile_rows = None
+    else:
+        rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
+        tile_rows = (rows_in, rows_out, row_mask)
     columns_masked = w.n % bn != 0  # static: no column mask when the tiles divide N
     # The tile holds half a gate/up block pair: its rows are its outputs' gate rows, then their up rows.
     half_pair = act is not None and act.gated and bn < 2 * act.pair_block
@@ -1056,8 +1100,10 @@ def _gemm_kernel(
     def along_m(row):  # a [bm] vector broadcast against the accumulator
         return row[None, :] if swap else row[:, None]
 
-    def product(piece, k_limit, acc=None):
-        """(``acc`` + the piece's product, or the product alone; the piece's row sums)."""
+    def product(piece, k_limit, rows, acc=None):
+        """(``acc`` + the piece's product, or the product alone; the piece's row sums)
+        for the tile's ``rows`` (rows_in, rows_out, row_mask)."""
+        rows_in, _, row_mask = rows
         k_mask = None if k_limit is None else (piece.cols < k_limit)[None, :]
         x = _load(x_ref.at[rows_in[:, None], piece.x_cols[None, :]], _all(row_mask[:, None], k_mask))
         if x_float8 is not None:  # 8-bit floats travel as uint8 (see _storage_bits)
@@ -1079,10 +1125,11 @@ def _gemm_kernel(
             ).astype(accum_dtype)
         return (dot if acc is None else acc + dot), row_sum
 
-    def k_tile_step(k_limit, n_idx, n_mask):
-        """One K tile's products of column tile ``n_idx`` added to ``acc``;
+    def k_tile_step(k_limit, n_idx, n_mask, rows):
+        """One K tile's products of column tile ``n_idx`` for ``rows`` added to ``acc``;
         ``k_limit`` masks the columns at and past K (only a partial tile needs it)."""
         n_start = None if half_pair else col_group * bn  # two runs of rows: maybe two scale blocks
+        rows_in, _, row_mask = rows
 
         def step(i, acc):
             k_tile = (split * per_split + i) * bk
@@ -1116,11 +1163,11 @@ def _gemm_kernel(
                         row_scale, scale = row_scale * scale, None
                 if scale is None and row_scale is None and not float_zero:  # straight into acc (one MMA chain)
                     for piece in pieces:
-                        acc = product(piece, k_limit, acc)[0]
+                        acc = product(piece, k_limit, rows, acc)[0]
                     continue
                 part, row_sum = None, None
                 for piece in pieces:
-                    part, sums = product(piece, k_limit, part)
+                    part, sums = product(piece, k_limit, rows, part)
                     row_sum = sums if row_sum is None else row_sum + sums
                 part = part.astype(jnp.float32)
                 if float_zero:
@@ -1146,8 +1193,9 @@ def _gemm_kernel(
     x_shift = X_SHIFT.get(jnp.dtype(x_stored).name, 0) if accum_dtype == jnp.float16 else 0
     span_factor = factor / end_factor
 
-    def finish(acc, n_idx, n_mask):
-        """The epilogue of one column tile: end factor, bias, store."""
+    def finish(acc, n_idx, n_mask, rows):
+        """The epilogue of one column tile of ``rows``: end factor, bias, store."""
+        rows_in, rows_out, row_mask = rows
         acc = acc.astype(jnp.float32)
         if end_factor != 1.0:
             acc = acc * end_factor
@@ -1184,26 +1232,42 @@ def _gemm_kernel(
         _zero_gap_chunk(route_refs[0], w.num_experts, layout, bm, row_tile, store_zeros)
     elif layout.kind == "grouped_masked":  # the expert's rows of the tile past its count (all when it has none)
         store_zeros(rows_out, (rows_out < (expert + 1) * layout.max_tokens) & ~row_mask)
-    elif layout.kind == "indexed":  # the slots listed in a dead block (vLLM zeroes expert -1 blocks too)
+    elif layout.kind == "indexed" and not by_expert:  # the slots listed in a dead block (vLLM zeroes expert -1's)
         store_zeros(rows_out, row_mask & ~live)
 
-    def one_column_tile():
+    def one_column_tile(rows):
         n_idx, n_mask = columns(0)
         first = split * per_split
         # Whole K tiles run unmasked; a partial last tile (gpt-oss: K=2880) runs
         # once after them, in the split that owns it, with the column mask.
         full_steps = jnp.clip(w.k // bk - first, 0, per_split)
-        acc = jax.lax.fori_loop(0, full_steps, k_tile_step(None, n_idx, n_mask), zeros)
+        acc = jax.lax.fori_loop(0, full_steps, k_tile_step(None, n_idx, n_mask, rows), zeros)
         if k_limit is not None:
-            tail = functools.partial(k_tile_step(k_limit, n_idx, n_mask), w.k // bk - first)
+            tail = functools.partial(k_tile_step(k_limit, n_idx, n_mask, rows), w.k // bk - first)
             if tiles.split_k == 1:
                 acc = tail(acc)
             else:
                 owns_tail = (first <= w.k // bk) & (w.k // bk < first + per_split)
                 acc = jax.lax.cond(owns_tail, tail, lambda a: a, acc)
-        finish(acc, n_idx, n_mask)
+        finish(acc, n_idx, n_mask, rows)
 
-    pl.when(live)(one_column_tile)
+    if not by_expert:
+        pl.when(live)(functools.partial(one_column_tile, tile_rows))
+        return
+
+    @pl.when(row_tile == w.num_experts)
+    def _zero_invalid_slots():  # (the ids outside [0, E): no expert's tile writes their rows)
+        lane = jnp.arange(bm, dtype=jnp.int32)
+        for j, ids in enumerate(slot_ids):  # (past the tokens the ids are -1: masked by the row count)
+            keep = (lane < layout.m_out // len(slot_ids)) & ((ids < 0) | (ids >= w.num_experts))
+            store_zeros(lane * len(slot_ids) + j, keep)
+
+    def level(d, carry):  # a token's d-th slot on the expert: beyond level 0 only where it lists the expert twice
+        one_column_tile(_expert_level_rows(slot_ids, expert, d, layout))
+        return carry
+
+    levels = jnp.where(row_tile < w.num_experts, _expert_levels(slot_ids, row_tile), 0)
+    jax.lax.fori_loop(0, levels, level, 0)
 
 
 def epilogue_activation(acc, act: EpilogueActivation, swap: bool):
@@ -1325,7 +1389,7 @@ def expert_gemm(
     elif x_split:
         x = split_packed_columns(x, span, 2 if reads_byte_pairs(w) else ways, pairs)
     scales = [] if x_scale is None else [x_scale.reshape(-1) if xs.mode in ("tensor", "token") else x_scale]
-    if layout.slot_order:  # expert_ids alone (see _tile_rows)
+    if layout.slot_order:  # expert_ids alone (see _tile_rows, _token_slot_ids)
         route_arrays = route_arrays[1:2]
     inputs = [x, *scales, *route_arrays, *weight_arrays] + ([bias] if bias is not None else [])
     if zero_filled:
