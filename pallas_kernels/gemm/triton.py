@@ -4,9 +4,11 @@ tensor, row or row-and-group scale).
 
 ``out[r] = x[r_in] @ dequant(w[e]).T (+ bias[e])`` on ``block_m x block_n``
 output tiles. The layout decides which rows a tile covers and which expert it
-multiplies (``_tile_rows``); the weight format how a weight tile enters the
-product (``_weight_pieces``: raw values exact in the compute dtype, 4-bit codes
-decoded one nibble position a piece, scales on each span of K that shares one,
+multiplies (``_tile_rows``; slot blocks marked ``tile_by_expert``: a tile an
+expert, its rows found in the ids by each program); the weight format how a
+weight tile enters the product (``_weight_pieces``: raw values exact in the
+compute dtype, 4-bit codes decoded one nibble position a piece, scales on
+each span of K that shares one,
 or folded into the weight with ``fold_scales``). The grid is a static bound on
 the tiles (no host sync when the routing changes); rows no expert owns are
 written as zeros by the kernel itself. ``split_k > 1`` writes f32 partials
@@ -1055,7 +1057,6 @@ def _gemm_kernel(
     if by_expert:  # row tile e < E: expert e, its rows by level (see the end); tile E: the invalid slots
         slot_ids = _token_slot_ids(route_refs[0], layout, bm)
         expert = jnp.minimum(row_tile, w.num_experts - 1)
-        tile_rows = None
     else:
         rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
         tile_rows = (rows_in, rows_out, row_mask)
