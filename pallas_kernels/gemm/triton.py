@@ -8,8 +8,8 @@ multiplies (``_tile_rows``; slot blocks marked ``tile_by_expert``: a tile an
 expert, its rows found in the ids by each program); the weight format how a
 weight tile enters the product (``_weight_pieces``: raw values exact in the
 compute dtype, 4-bit codes decoded one nibble position a piece, scales on
-each span of K that shares one,
-or folded into the weight with ``fold_scales``). The grid is a static bound on
+each span of K that shares one, or folded into the weight with
+``fold_scales``). The grid is a static bound on
 the tiles (no host sync when the routing changes); rows no expert owns are
 written as zeros by the kernel itself. ``split_k > 1`` writes f32 partials
 that are summed in a fixed order. Quantized inputs meet the weight on the fp8
