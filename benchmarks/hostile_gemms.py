@@ -2,8 +2,10 @@
 family the op reaches — 16-bit, 4-bit weight-only, W8A8, W4A8, int8 × int8 —
 at tens of thousands of rows, with grouped offsets far outside ``[0, M]``
 (−2³¹ first, ends past M and at 2³¹ − 1, every row on one expert, empty
-groups), an indexed layout over ids in ``[−1, E]`` and a slot-ordered one
-(decode's: a block a slot) over ids with int32's extremes.
+groups), an indexed layout over ids in ``[−1, E]``, a slot-ordered one
+(decode's: a block a slot) over ids with int32's extremes, and the same
+arrays tiled by expert (a tile an expert, its rows found in the ids; a token
+listing an expert twice).
 
 Each call is checked against the reference (``backend="reference"``): every
 value finite, rows no expert owns exactly zero, the relative error under a
@@ -64,14 +66,19 @@ def indexed_layout(rng: np.random.Generator, tokens: int, e: int, top_k: int, bl
     return hj.Indexed(*aligned, top_k=top_k, block_size=block, lists_dropped=True)
 
 
-def slot_layout(rng: np.random.Generator, tokens: int, e: int, top_k: int, block: int) -> hj.Indexed:
-    """Each slot its own block (decode's layout), ids with int32's extremes, −1 and ``e`` among them."""
+def slot_layout(
+    rng: np.random.Generator, tokens: int, e: int, top_k: int, block: int, by_expert: bool = False
+) -> hj.Indexed:
+    """Each slot its own block (decode's layout), ids with int32's extremes, −1 and ``e`` among them;
+    ``by_expert``: the same arrays tiled by expert (at most ``block`` tokens), a token listing an expert twice."""
     ids = rng.integers(0, e, size=(tokens, top_k)).astype(np.int32)
     ids[::7, 0] = np.iinfo(np.int32).min
     ids[::11, 1] = np.iinfo(np.int32).max
     ids[::13, 0], ids[::17, 1] = -1, e
+    ids[::5, 3] = ids[::5, 2]
     arrays = hj.moe_slot_blocks(jnp.asarray(ids), block)
-    return hj.Indexed(*arrays, top_k=top_k, block_size=block, lists_dropped=True, slot_order=True)
+    by = top_k if by_expert else 0
+    return hj.Indexed(*arrays, top_k=top_k, block_size=block, lists_dropped=True, slot_order=True, tile_by_expert=by)
 
 
 def _input(rng: np.random.Generator, quant_name: str | None, m: int, k: int):
@@ -121,8 +128,10 @@ def run(
         layouts["indexed"] = indexed_layout(rng, tokens, e, 8, 64)
         slot_tokens = max(1, min(64, rows // 256))  # decode-sized: a block a slot
         layouts["slot_order"] = slot_layout(rng, slot_tokens, e, 8, 16)
+        tiled_tokens = min(16, slot_tokens)  # a block's rows of tokens at most
+        layouts["tile_by_expert"] = slot_layout(rng, tiled_tokens, e, 8, 16, by_expert=True)
         for name, layout in layouts.items():
-            t = {"indexed": tokens, "slot_order": slot_tokens}.get(name)
+            t = {"indexed": tokens, "slot_order": slot_tokens, "tile_by_expert": tiled_tokens}.get(name)
             xs = jax.tree.map(lambda a, t=t: a[:t], x) if t else x
             for text in [None, *tilings]:
                 tuning = None if text is None else tiles_text.gemm_from_text(text)

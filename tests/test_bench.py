@@ -810,16 +810,18 @@ def test_soak_case_checks_the_kernel_path(monkeypatch):
 @pytest.mark.bounds
 def test_hostile_gemms_checks_every_layout(monkeypatch):
     """The sanitizer step's calls (offsets far outside the rows, one expert
-    owning all, ids outside [0, E), a block a slot with int32's extreme ids)
-    pass their checks on the kernel path, and
+    owning all, ids outside [0, E), a block a slot with int32's extreme ids,
+    the same tiled by expert) pass their checks on the kernel path, and
     a kernel path that leaves an unowned row non-zero is reported."""
     from benchmarks import hostile_gemms
 
     pairs = (("int4_g128", None), ("fp8_block128", "fp8_dynamic_group128"))
     results = hostile_gemms.run(256, 8, 64, 128, [], backend="interpret", pairs=pairs)
-    assert len(results) == 10 and all(r["ok"] for r in results)
-    assert {r["layout"] for r in results} == {"extremes", "one_expert", "crowded", "indexed", "slot_order"}
-    assert all(r["unowned_rows"] > 0 for r in results if r["layout"] in ("crowded", "indexed", "slot_order"))
+    assert len(results) == 12 and all(r["ok"] for r in results)
+    layouts = {"extremes", "one_expert", "crowded", "indexed", "slot_order", "tile_by_expert"}
+    assert {r["layout"] for r in results} == layouts
+    unowned = ("crowded", "indexed", "slot_order", "tile_by_expert")
+    assert all(r["unowned_rows"] > 0 for r in results if r["layout"] in unowned)
     real = hj.gemm
     poisoned = lambda *a, backend=None, **k: real(*a, backend=backend, **k) + (backend != "reference")  # noqa: E731
     monkeypatch.setattr(hj, "gemm", poisoned)
