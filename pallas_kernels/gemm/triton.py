@@ -248,8 +248,8 @@ def num_row_tiles(layout: LayoutSpec, num_experts: int, block_m: int) -> int:
         return busy + (layout.m_in - busy) // block_m + 1
     if layout.kind == "grouped_masked":
         return num_experts * pl.cdiv(layout.max_tokens, block_m)
-    if layout.tile_by_expert:  # one an expert, then one zeroing the invalid slots' rows
-        return num_experts + 1
+    if layout.tile_by_expert:  # one an expert and level, then one zeroing the invalid slots' rows
+        return num_experts * expert_levels(layout) + 1
     return layout.num_blocks
 
 
@@ -332,6 +332,15 @@ def _tile_rows(route_refs, layout: LayoutSpec, num_experts: int, block_m: int, t
     return entries // layout.top_k, entries, mask, jnp.clip(expert, 0, num_experts - 1), live
 
 
+def expert_levels(layout: LayoutSpec) -> int:
+    """Row tiles an expert of a ``tile_by_expert`` layout: one where a token's
+    slots read one input row (w13's ``top_k = k``: a row computed once, stored
+    to each of the token's slots on the expert), else ``k`` — level d holds
+    each token's d-th slot on the expert (past level 0 only where a token
+    lists an expert twice)."""
+    return 1 if layout.top_k == layout.tile_by_expert else layout.tile_by_expert
+
+
 def _token_slot_ids(experts_ref, layout: LayoutSpec, block_m: int) -> list:
     """Each slot j's expert id ``[bm]`` of the tokens ``lane`` (j < k; −1 past
     the tokens) of a ``tile_by_expert`` layout, whose expert_ids are the ids
@@ -342,10 +351,33 @@ def _token_slot_ids(experts_ref, layout: LayoutSpec, block_m: int) -> list:
     return [plgpu.load(experts_ref.at[lane * k + j], mask=is_token, other=-1) for j in range(k)]
 
 
-def _expert_levels(ids: list, expert) -> jax.Array:
-    """The most slots one token has on ``expert`` (0: the tile has no rows)."""
-    seen = functools.reduce(jnp.add, [(i == expert).astype(jnp.int32) for i in ids])
-    return jnp.max(seen)
+def _by_expert_rows(experts_ref, layout: LayoutSpec, num_experts: int, block_m: int, tile):
+    """(rows_in, the outputs — ``(rows_out, mask)`` pairs —, row_mask,
+    expert, live) of row tile ``tile = d · E + e`` of a ``tile_by_expert``
+    layout: level d of expert e (:func:`expert_levels`); tiles past the
+    levels are never live."""
+    ids = _token_slot_ids(experts_ref, layout, block_m)
+    k = len(ids)
+    lane = jnp.arange(block_m, dtype=jnp.int32)
+    expert = nonneg_rem(tile, num_experts)
+    if expert_levels(layout) == 1:  # the token's row once, stored to each of its slots on the expert
+        on = [i == expert for i in ids]
+        row_mask = functools.reduce(jnp.logical_or, on)
+        rows_in, outs = lane, tuple((lane * k + j, m) for j, m in enumerate(on))
+    else:
+        rows_in, rows_out, row_mask = _expert_level_rows(ids, expert, nonneg_div(tile, num_experts), layout)
+        outs = ((rows_out, row_mask),)
+    live = (tile < num_experts * expert_levels(layout)) & (jnp.max(row_mask.astype(jnp.int32)) > 0)
+    return rows_in, outs, row_mask, expert, live
+
+
+def _invalid_slot_rows(experts_ref, layout: LayoutSpec, num_experts: int, block_m: int) -> list:
+    """``(rows, keep)`` ``[bm]`` pairs of a ``tile_by_expert`` layout's slots
+    whose ids are outside ``[0, E)``: the rows no expert's tile writes."""
+    ids = _token_slot_ids(experts_ref, layout, block_m)
+    lane = jnp.arange(block_m, dtype=jnp.int32)
+    is_token = lane < layout.m_out // len(ids)
+    return [(lane * len(ids) + j, is_token & ((i < 0) | (i >= num_experts))) for j, i in enumerate(ids)]
 
 
 def _expert_level_rows(ids: list, expert, level, layout: LayoutSpec):
@@ -1054,12 +1086,12 @@ def _gemm_kernel(
         pl.program_id(0), num_row_tiles(layout, w.num_experts, bm), num_col_groups(w.n, tiles), tiles.group_m
     )
     by_expert = layout.tile_by_expert > 0
-    if by_expert:  # row tile e < E: expert e, its rows by level (see the end); tile E: the invalid slots
-        slot_ids = _token_slot_ids(route_refs[0], layout, bm)
-        expert = jnp.minimum(row_tile, w.num_experts - 1)
+    if by_expert:  # a tile an expert and level; the last, the invalid slots (see the end)
+        rows_in, outs, row_mask, expert, live = _by_expert_rows(route_refs[0], layout, w.num_experts, bm, row_tile)
     else:
         rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
-        tile_rows = (rows_in, rows_out, row_mask)
+        outs = ((rows_out, row_mask),)
+    tile_rows = (rows_in, outs, row_mask)
     columns_masked = w.n % bn != 0  # static: no column mask when the tiles divide N
     # The tile holds half a gate/up block pair: its rows are its outputs' gate rows, then their up rows.
     half_pair = act is not None and act.gated and bn < 2 * act.pair_block
@@ -1103,7 +1135,7 @@ def _gemm_kernel(
 
     def product(piece, k_limit, rows, acc=None):
         """(``acc`` + the piece's product, or the product alone; the piece's row sums)
-        for the tile's ``rows`` (rows_in, rows_out, row_mask)."""
+        for the tile's ``rows`` (rows_in, the outputs, row_mask)."""
         rows_in, _, row_mask = rows
         k_mask = None if k_limit is None else (piece.cols < k_limit)[None, :]
         x = _load(x_ref.at[rows_in[:, None], piece.x_cols[None, :]], _all(row_mask[:, None], k_mask))
@@ -1196,7 +1228,7 @@ def _gemm_kernel(
 
     def finish(acc, n_idx, n_mask, rows):
         """The epilogue of one column tile of ``rows``: end factor, bias, store."""
-        rows_in, rows_out, row_mask = rows
+        rows_in, outs, row_mask = rows
         acc = acc.astype(jnp.float32)
         if end_factor != 1.0:
             acc = acc * end_factor
@@ -1212,8 +1244,9 @@ def _gemm_kernel(
         if act is not None:
             acc = epilogue_activation(acc, act, swap)
             n_idx, n_mask = out_columns()
-        mask = _all(along_m(row_mask), None if n_mask is None else along_n(n_mask))
-        store_out(along_m(codecs.scatter_index(rows_out, row_mask, layout.m_out)), along_n(n_idx), acc, mask)
+        for rows_out, keep in outs:  # (more than one: a token's row to each of its slots on the expert)
+            mask = _all(along_m(keep), None if n_mask is None else along_n(n_mask))
+            store_out(along_m(codecs.scatter_index(rows_out, keep, layout.m_out)), along_n(n_idx), acc, mask)
 
     def store_out(out_rows, cols, values, mask):
         """``values`` into output rows and columns (broadcast index arrays): this split's partial with split K."""
@@ -1252,23 +1285,14 @@ def _gemm_kernel(
                 acc = jax.lax.cond(owns_tail, tail, lambda a: a, acc)
         finish(acc, n_idx, n_mask, rows)
 
-    if not by_expert:
-        pl.when(live)(functools.partial(one_column_tile, tile_rows))
-        return
+    if by_expert:
 
-    @pl.when(row_tile == w.num_experts)
-    def _zero_invalid_slots():  # (the ids outside [0, E): no expert's tile writes their rows)
-        lane = jnp.arange(bm, dtype=jnp.int32)
-        for j, ids in enumerate(slot_ids):  # (past the tokens the ids are -1: masked by the row count)
-            keep = (lane < layout.m_out // len(slot_ids)) & ((ids < 0) | (ids >= w.num_experts))
-            store_zeros(lane * len(slot_ids) + j, keep)
+        @pl.when(row_tile == num_row_tiles(layout, w.num_experts, bm) - 1)
+        def _zero_invalid_slots():  # (the ids outside [0, E): no expert's tile writes their rows)
+            for rows, keep in _invalid_slot_rows(route_refs[0], layout, w.num_experts, bm):
+                store_zeros(rows, keep)
 
-    def level(d, carry):  # a token's d-th slot on the expert: beyond level 0 only where it lists the expert twice
-        one_column_tile(_expert_level_rows(slot_ids, expert, d, layout))
-        return carry
-
-    levels = jnp.where(row_tile < w.num_experts, _expert_levels(slot_ids, row_tile), 0)
-    jax.lax.fori_loop(0, levels, level, 0)
+    pl.when(live)(functools.partial(one_column_tile, tile_rows))
 
 
 def epilogue_activation(acc, act: EpilogueActivation, swap: bool):
