@@ -542,11 +542,12 @@ def test_indexed_in_slot_order(fmt_name, top_k, rng):
 def test_indexed_tiled_by_expert(fmt_name, tokens, top_k, tuning, rng):
     """Slot blocks tiled by expert (``tile_by_expert=k``: decode's few tokens,
     a row tile an expert, a row a token, no grouping): both GEMMs' layouts (w13
-    reading token rows, ``top_k=k``; w2 reading slot rows, ``top_k=1``) with
-    ids outside ``[0, E)``, int32's extremes, an expert twice in a token (its
-    second slot a second level of the tile) and a hot expert; equal bit for bit
-    to the same arrays in slot order, and to the float64 product; the rows of
-    invalid slots zero in an output the kernel alone writes."""
+    reading token rows, ``top_k=k``: a token's row stored to each of its slots
+    on the expert; w2 reading slot rows, ``top_k=1``: a tile an expert and
+    level) with ids outside ``[0, E)``, int32's extremes, an expert twice in a
+    token and a hot expert; equal bit for bit to the same arrays in slot order,
+    and to the float64 product; the rows of invalid slots zero in an output the
+    kernel alone writes."""
     from humming_jax.gemm import _layout_spec
 
     weight = _weight(rng, F.get_format(fmt_name), E)
