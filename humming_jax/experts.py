@@ -49,8 +49,8 @@ GROUPED_AS_INDEXED_MAX_ROWS = 1
 # (and at T=1): where few slots share an expert, grouping costs a launch and saves little weight.
 SLOT_BLOCKS_EXPERTS_PER_SLOT = 8
 # The indexed stages leave the slots in slot order for the GEMMs to tile by expert (no grouping)
-# from this many slots an expert, up to a block of tokens: few experts, each a long tile that hides
-# the ids' scan; with as many experts as slots the grouping wins (layer.md, 87th session).
+# from this many slots an expert, up to a block of tokens: where the experts outnumber the slots,
+# most by-expert tiles find no work and the grouping launch is cheaper (layer.md, v87).
 TILE_BY_EXPERT_MIN_SLOTS = 2
 
 

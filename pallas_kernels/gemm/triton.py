@@ -351,14 +351,13 @@ def _token_slot_ids(experts_ref, layout: LayoutSpec, block_m: int) -> list:
     return [plgpu.load(experts_ref.at[lane * k + j], mask=is_token, other=-1) for j in range(k)]
 
 
-def _by_expert_rows(experts_ref, layout: LayoutSpec, num_experts: int, block_m: int, tile):
+def _by_expert_rows(ids: list, layout: LayoutSpec, num_experts: int, tile):
     """(rows_in, the outputs — ``(rows_out, mask)`` pairs —, row_mask,
     expert, live) of row tile ``tile = d · E + e`` of a ``tile_by_expert``
-    layout: level d of expert e (:func:`expert_levels`); tiles past the
-    levels are never live."""
-    ids = _token_slot_ids(experts_ref, layout, block_m)
+    layout (``ids``: :func:`_token_slot_ids`): level d of expert e
+    (:func:`expert_levels`); tiles past the levels are never live."""
     k = len(ids)
-    lane = jnp.arange(block_m, dtype=jnp.int32)
+    lane = jnp.arange(ids[0].shape[0], dtype=jnp.int32)
     expert = nonneg_rem(tile, num_experts)
     if expert_levels(layout) == 1:  # the token's row once, stored to each of its slots on the expert
         on = [i == expert for i in ids]
@@ -371,11 +370,11 @@ def _by_expert_rows(experts_ref, layout: LayoutSpec, num_experts: int, block_m: 
     return rows_in, outs, row_mask, expert, live
 
 
-def _invalid_slot_rows(experts_ref, layout: LayoutSpec, num_experts: int, block_m: int) -> list:
+def _invalid_slot_rows(ids: list, layout: LayoutSpec, num_experts: int) -> list:
     """``(rows, keep)`` ``[bm]`` pairs of a ``tile_by_expert`` layout's slots
-    whose ids are outside ``[0, E)``: the rows no expert's tile writes."""
-    ids = _token_slot_ids(experts_ref, layout, block_m)
-    lane = jnp.arange(block_m, dtype=jnp.int32)
+    (``ids``: :func:`_token_slot_ids`) whose ids are outside ``[0, E)``: the
+    rows no expert's tile writes."""
+    lane = jnp.arange(ids[0].shape[0], dtype=jnp.int32)
     is_token = lane < layout.m_out // len(ids)
     return [(lane * len(ids) + j, is_token & ((i < 0) | (i >= num_experts))) for j, i in enumerate(ids)]
 
@@ -1087,7 +1086,8 @@ def _gemm_kernel(
     )
     by_expert = layout.tile_by_expert > 0
     if by_expert:  # a tile an expert and level; the last, the invalid slots (see the end)
-        rows_in, outs, row_mask, expert, live = _by_expert_rows(route_refs[0], layout, w.num_experts, bm, row_tile)
+        slot_ids = _token_slot_ids(route_refs[0], layout, bm)
+        rows_in, outs, row_mask, expert, live = _by_expert_rows(slot_ids, layout, w.num_experts, row_tile)
     else:
         rows_in, rows_out, row_mask, expert, live = _tile_rows(route_refs, layout, w.num_experts, bm, row_tile)
         outs = ((rows_out, row_mask),)
@@ -1289,7 +1289,7 @@ def _gemm_kernel(
 
         @pl.when(row_tile == num_row_tiles(layout, w.num_experts, bm) - 1)
         def _zero_invalid_slots():  # (the ids outside [0, E): no expert's tile writes their rows)
-            for rows, keep in _invalid_slot_rows(route_refs[0], layout, w.num_experts, bm):
+            for rows, keep in _invalid_slot_rows(slot_ids, layout, w.num_experts):
                 store_zeros(rows, keep)
 
     pl.when(live)(functools.partial(one_column_tile, tile_rows))
