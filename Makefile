@@ -29,12 +29,13 @@ demo: $(STAMP)
 
 # The test processes (the workers, the notebooks' kernel) write the byte code the install left
 # out, so that each after the first imports JAX compiled, even where the environment says not to.
+# A test file runs whole in one worker: its cases share the programs that worker traced and compiled.
 test: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n 2 --dist worksteal -q --durations=12
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n 2 --dist loadfile -q --durations=12
 
 # Every case of the sweeps (make test runs a chosen case for each path they cover).
 test-full: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n 2 --dist worksteal -q --full
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n 2 --dist loadfile -q --full
 
 # Parity with Hugging Face transformers (PyTorch, a few GB): its own virtualenv.
 INTEROP := .venv-interop
