@@ -665,24 +665,16 @@ def _gemm_lowering(fmt: str, tiles, layout_kind: str = "grouped_contiguous", n: 
     return lower, ran is not None
 
 
-TMA_SHARDS = 1  # make test's cases of the TMA-alignment lowering (each every TMA_SHARDS-th tiling)
-
-
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize(
-    "sweep,shard",
-    [(False, i) for i in range(TMA_SHARDS)] + [pytest.param(True, None, marks=FULL)],
-    ids=[f"defaults{i}" for i in range(TMA_SHARDS)] + ["sweep"],
-)
-def test_mosaic_tma_copies_start_on_128_byte_multiples(sweep, shard, monkeypatch):
+@pytest.mark.parametrize("sweep", [False, pytest.param(True, marks=FULL)], ids=["defaults", "sweep"])
+def test_mosaic_tma_copies_start_on_128_byte_multiples(sweep, monkeypatch):
     """Every Mosaic tiling the table or the heuristic runs, lowered for the GPU
     with a format of each class it runs for (``--full``: each such format, and the
     tune sweep's tilings with each format their kernel takes): each TMA
     copy's shared-memory box starts on a 128-byte multiple (TMA's rule; a
     box elsewhere faults on the GPU with a misaligned address — how two
     compiled runs failed before this check: a 64-byte e4m3 output row, a
-    64-byte scale box a stage). ``make test`` lowers every ``TMA_SHARDS``-th
-    tiling a case (``shard``); its workers take whole files, so one case."""
+    64-byte scale box a stage)."""
     from benchmarks.mosaic_ir import capture_tma_copies, misaligned
     from pallas_kernels.gemm import mosaic, mosaic_fp8
 
@@ -691,8 +683,7 @@ def test_mosaic_tma_copies_start_on_128_byte_multiples(sweep, shard, monkeypatch
     assert len(tilings) >= 8
     if not sweep:
         tilings = _one_of_each_form(tilings)
-    listed = list(tilings.items())
-    for tiles, classes in listed if shard is None else listed[shard::TMA_SHARDS]:
+    for tiles, classes in tilings.items():
         formats = FP8_KERNEL_FORMATS if isinstance(tiles, mosaic_fp8.Tiles) else MOSAIC_FORMATS
         # A format of each class the tiling runs for (--full: each; a tune-sweep tiling: every
         # format its kernel takes).
