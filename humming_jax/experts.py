@@ -268,13 +268,17 @@ def indexed_runs_grouped(num_tokens: int, top_k: int, config: ExpertsConfig) -> 
 
 def grouped_runs_indexed(num_tokens: int, top_k: int, config: ExpertsConfig) -> bool:
     """Whether the grouped pipeline runs the indexed stages (their blocks from
-    the tuning): up to :data:`GROUPED_AS_INDEXED_MAX_ROWS` rows an expert,
-    where :func:`indexed_runs_grouped` does not hold; never with
+    the tuning): up to :data:`GROUPED_AS_INDEXED_MAX_ROWS` rows an expert, and
+    where those stages tile the slots by expert (:func:`tiles_by_expert`, no
+    grouping launch); not where :func:`indexed_runs_grouped` holds, never with
     ``batch_invariant`` (one layout for every batch size)."""
     if config.batch_invariant or indexed_runs_grouped(num_tokens, top_k, config):
         return False
     valid_m = estimate_valid_shape_m(num_tokens, top_k, config)
-    return valid_m <= GROUPED_AS_INDEXED_MAX_ROWS * max(config.num_experts, 1)
+    if valid_m <= GROUPED_AS_INDEXED_MAX_ROWS * max(config.num_experts, 1):
+        return True
+    block = indexed_block_size(num_tokens, top_k, config)
+    return tiles_by_expert(num_tokens, top_k, (block, block), config, has_map=False)
 
 
 def slot_blocks_apply(num_tokens: int, top_k: int, config: ExpertsConfig, has_map: bool) -> bool:
@@ -647,9 +651,9 @@ def humming_grouped_experts(
     """The expert layer on the grouped-contiguous layout (vLLM's
     ``humming_grouped_experts``): scatter each token's k slots into expert
     order (quantizing them), w13, activation and quantization, w2, weighted
-    unpermute. Jitted; token-sharded inputs keep their sharding. Up to one
-    row an expert (decode; :func:`grouped_runs_indexed` says where) it runs
-    the indexed pipeline's stages instead: the same result, faster.
+    unpermute. Jitted; token-sharded inputs keep their sharding. At decode
+    (:func:`grouped_runs_indexed` says where) it runs the indexed pipeline's
+    stages instead: the same result, faster.
 
     Args:
         hidden_states: ``[T, H]`` bf16/f16/f32 activations, or values already

@@ -334,14 +334,13 @@ def test_moe_block_tiles_the_batched_experts_for_its_routed_rows(monkeypatch):
 
 def test_moe_block_padded_batch_and_every_expert_module():
     """MoEBlock over each expert module — the expert-parallel one too, on two
-    of the CPU's simulated devices — with a padded batch (``num_valid_tokens``,
+    devices (the CPU's simulated ones; not on a one-GPU machine) — with a padded batch (``num_valid_tokens``,
     NaN rows past it): the real rows as the unpadded block gives them, zeros
     past them; ``expert_map`` refused by the modules that place their experts
     themselves."""
     config = hj.ExpertsConfig(8, 128, 128, 2, weight_format="bf16")
     grouped = nn.HummingGroupedExperts(config, rngs=nnx.Rngs(0), backend="reference")
     halves = hj.gate_up_halves(grouped.weights.w13).values
-    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
     modules = {
         "grouped": grouped,
         "indexed": nn.HummingIndexedExperts.from_quantized(config, grouped.weights, backend="reference"),
@@ -357,8 +356,10 @@ def test_moe_block_padded_batch_and_every_expert_module():
             w_down=grouped.weights.w2.values,
             backend="reference",
         ),
-        "ep": nn.ExpertParallelExperts.from_quantized(config, grouped.weights, mesh=mesh, backend="reference"),
     }
+    if len(jax.devices()) >= 2:  # the CPU's simulated devices; a one-GPU machine has no second rank
+        mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
+        modules["ep"] = nn.ExpertParallelExperts.from_quantized(config, grouped.weights, mesh=mesh, backend="reference")
     x = _tokens(3, tokens=8)
     padded = jnp.where(jnp.arange(8)[:, None] < 5, x, jnp.nan).astype(x.dtype)
     for name, experts in modules.items():

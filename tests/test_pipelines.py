@@ -272,13 +272,16 @@ def test_indexed_runs_grouped_under_an_expert_map(rng):
 
 
 def test_grouped_runs_indexed_at_decode(rng, monkeypatch):
-    """Up to one row an expert the grouped pipeline runs the indexed stages
-    (no grouping scatter): the indexed pipeline's result bit for bit, float
-    and pre-quantized inputs, ids outside [0, E) contributing nothing; above
-    it, with ``batch_invariant`` or where the indexed pipeline runs the
-    grouped stages, the grouped layout."""
+    """Up to one row an expert, and where the indexed stages tile the slots by
+    expert (two slots an expert up to a block of tokens), the grouped pipeline
+    runs the indexed stages (no grouping scatter): the indexed pipeline's
+    result bit for bit, float and pre-quantized inputs, ids outside [0, E)
+    contributing nothing; elsewhere, with ``batch_invariant`` or where the
+    indexed pipeline runs the grouped stages, the grouped layout."""
     config = hj.ExpertsConfig(4, 256, 128, 2, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
-    assert [X.grouped_runs_indexed(t, 2, config) for t in (1, 2, 3)] == [True, True, False]
+    assert X.indexed_block_size(16, 2, config) == 16
+    expected_switch = [True, True, False, True, True, False]
+    assert [X.grouped_runs_indexed(t, 2, config) for t in (1, 2, 3, 4, 16, 17)] == expected_switch
     assert not X.grouped_runs_indexed(1, 2, dataclasses.replace(config, batch_invariant=True))
     # DeepSeek-V3's fp8 w2 read as byte pairs: the indexed pipeline runs grouped from 128 rows, so neither switches.
     deepseek = hj.ExpertsConfig(256, 7168, 2048, 8, weight_format="fp8_block128", input_quant="fp8_dynamic_group128")
