@@ -330,6 +330,7 @@ def test_bench_quantized_input_pairs_with_the_anchor(tiny, compiled_once, tmp_pa
     assert bench.load_anchor(str(tmp_path / "absent.json")) == {}
 
 
+@FULL  # make test's time: tune's other tests write and read entries too (test-full, the GPU step)
 def test_tune_writes_a_table_the_loader_reads(tiny, compiled_once, tmp_path, monkeypatch):
     """``tune`` writes entries only (the kernel, its tiles, the time, the
     results file), merged into the file at ``--out``; the loader reads them back."""

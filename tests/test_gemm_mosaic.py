@@ -466,6 +466,7 @@ def test_e2m1_factor_from_every_byte():
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32), np.float64), want)
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_mxfp4_decode_lowers_for_the_gpu(swap_ab):
@@ -529,6 +530,7 @@ def test_what_the_kernel_refuses(rng):
         )
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.parametrize(
     "fmt, config",
     [
@@ -683,6 +685,7 @@ def test_lowers_for_the_gpu():
         assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
     "zero_points,swap_ab",
@@ -730,9 +733,9 @@ def test_decode_sized_row_tiles_need_swap_ab():
         mosaic.check_tiles(mosaic.Tiles(184, 256, 128, stages=4, swap_ab=True), 256, 256, jnp.bfloat16, decode)
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-# make test: 48 rows (144 differs by its count of 8-row pieces alone; the TMA rule lowers both forms)
-@pytest.mark.parametrize("rows", [48, pytest.param(144, marks=FULL)])
+@pytest.mark.parametrize("rows", [48, 144])
 def test_expert_sized_swap_tiles_lower_for_the_gpu(rows):
     """Swap-form row tiles that are no power of two (an expert's rows: 48 at
     32 an expert, 144 at 256 in two tiles) lower, MXFP4 and int4: the wgmma's
@@ -933,6 +936,7 @@ def test_bias_added_to_each_experts_rows(fmt, layout_kind, tuning, rng):
     assert np.all(out[~owned] == 0)
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_the_offline_ir_tool_sees_the_decode():
     """``benchmarks.mosaic_ir`` captures the module the custom call carries:
@@ -949,6 +953,7 @@ def test_the_offline_ir_tool_sees_the_decode():
     assert bf16["nvvm.ldmatrix"] == 0 and bf16["vector<2xi16>"] == 0
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
     "fmt,config",
@@ -985,6 +990,7 @@ def test_word_decode_shifts_32_bit_registers(fmt, config):
     assert words["andi vector<1xi32>"] == words["ori vector<1xi32>"] == 0
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
     "config",
@@ -1012,8 +1018,9 @@ def test_register_counts_fit_the_launch(config):
     assert mosaic.COMPUTE_WGS * increase[0] + decrease[0] <= warpgroups * at_launch
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("fmt", ["int4_g128", pytest.param("mxfp4", marks=FULL)])
+@pytest.mark.parametrize("fmt", ["int4_g128", "mxfp4"])
 def test_register_operands_retire_a_piece_behind(fmt):
     """The decoding swap tile issues a step's four products with at most two
     in flight (a ``wait_group 1`` after each but the last): the four pieces'
@@ -1093,6 +1100,7 @@ def test_expert_pipelines_on_the_mosaic_kernel(fmt, pipelines, monkeypatch, rng)
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.parametrize(
     "fmt,config",
     [
@@ -1289,6 +1297,7 @@ def test_what_cannot_apply_the_activation_in_a_mosaic_tile():
     assert mosaic.activation_refusal(plain, blocks, n=5632) is None  # whole tiles
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("swap_ab,out_quant", [(False, "none"), (True, "none"), (True, "fp8_dynamic_group128")])
 def test_activation_in_the_epilogue_lowers_for_the_gpu(swap_ab, out_quant):
@@ -1528,8 +1537,7 @@ def test_partial_column_tiles_compiled_only(monkeypatch, rng):
         assert (reason is None) == taken, (k, partial, e2m1, reason)
 
 
-# make test: bf16 and int4 on gpt-oss's shapes (its MXFP4 tilings lower in test_lowering:
-# test_partial_tiles_lower_for_sm90), the second bf16 tiling under --full.
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.parametrize(
     "fmt,shape,tiles",
     [

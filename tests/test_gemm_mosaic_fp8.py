@@ -526,6 +526,7 @@ def test_lowers_for_the_gpu(scaling):
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("tiles", [SWAP, SWAP_WIDE], ids=["128x128", "64x256"])
 def test_swap_ab_lowers_for_the_gpu(tiles):
@@ -544,12 +545,11 @@ def test_swap_ab_lowers_for_the_gpu(tiles):
         assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-# make test: the staged form's two bit orders; the register form's group-scaled lowering is
-# test_swap_ab_lowers_for_the_gpu's (the same tiles and scaling; --full: here too).
 @pytest.mark.parametrize(
     "tiles,half_bits",
-    [(SQUARE, False), (SQUARE, True), pytest.param(SWAP, True, marks=FULL), pytest.param(SWAP_WIDE, True, marks=FULL)],
+    [(SQUARE, False), (SQUARE, True), (SWAP, True), (SWAP_WIDE, True)],
     ids=str,
 )
 def test_mxfp4_lowers_for_the_gpu(tiles, half_bits):
@@ -568,6 +568,7 @@ def test_mxfp4_lowers_for_the_gpu(tiles, half_bits):
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("half_bits", [True, False], ids=["half_bits", "nibbles"])
 def test_dequantized_first_lowers_for_the_gpu(half_bits):
@@ -758,6 +759,7 @@ def test_quantized_output_refusals(rng):
         hj.gemm(x, weight, layout, out_quant="fp8_dynamic_group128", backend=KERNEL_BACKEND)
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
     "tiles,mx,out_quant",

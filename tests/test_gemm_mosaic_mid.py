@@ -102,6 +102,7 @@ def test_the_table_runs_it_at_32_rows_an_expert():
     assert isinstance(T.candidates("grouped_contiguous", F.MXFP4, 4096, 128, 2048, 768)[0], mosaic_mid.Tiles)
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("tiles", [MID_W13, pytest.param(MID_W2, marks=FULL)], ids=["48x128x2", "48x256x3"])
 def test_swap_tiles_lower_for_the_gpu(tiles):

@@ -22,13 +22,14 @@ from humming_jax import input_quant as Q
 from humming_jax.tiles_text import from_text, gemm_from_text
 from pallas_kernels.process_input import Tiles
 
-from sweep import FULL, sweep
+from sweep import FULL
 
 SHAPE = (4, 256, 512)
 # Lowering for the GPU backend warns that Pallas's Triton backend is deprecated (our GPU path today).
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.parametrize(
     "fmt,config,pack",
     [
@@ -233,6 +234,7 @@ def test_mxfp4_half_bits_decoder_lowers_for_sm90():
     assert len(asm) == 4 and ops == 11 and not any("mul.rn" in a for a in asm)
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.parametrize(
     "fmt,quant,operand,accumulator",
     [
@@ -322,6 +324,7 @@ def test_byte_pairs_lower_to_e4m3_mmas(monkeypatch):
     jax.clear_caches()
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 def test_grouped_layer_reads_its_offsets_as_the_routing_returns_them():
     """The grouped int4 layer past decode (T·k = 256 slots) lowers for sm_90
     with no running maximum over its offsets (a ``reduce_window`` launch a
@@ -349,6 +352,7 @@ def test_grouped_layer_reads_its_offsets_as_the_routing_returns_them():
     assert "reduce_window" in caller
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.parametrize(
     "pipeline,experts,top_k,tokens", [("grouped", 128, 8, 1), ("indexed", 128, 8, 1), ("indexed", 8, 2, 16)]
 )
@@ -399,13 +403,9 @@ def _ops_over_every_expert(text: str, num_experts: int) -> set[str]:
 _DECODE_FORMATS = ["bf16", "int4_g128", "mxfp4", "fp8_block128@fp8_dynamic_group128", "mxfp4@fp8_dynamic_group128"]
 
 
-# make test: each format once, the pipelines in turn.
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.parametrize(
-    "fmt,pipeline",
-    sweep(
-        [(fmt, pipeline) for fmt in _DECODE_FORMATS for pipeline in ("grouped", "indexed")],
-        [(fmt, ("grouped", "indexed")[i % 2]) for i, fmt in enumerate(_DECODE_FORMATS)],
-    ),
+    "fmt,pipeline", [(fmt, pipeline) for fmt in _DECODE_FORMATS for pipeline in ("grouped", "indexed")]
 )
 def test_decode_layer_passes_over_no_experts_weights(fmt, pipeline, monkeypatch):
     """At decode (T=16, qwen3-30b-a3b's shapes) the layer lowered for the GPU
@@ -665,6 +665,7 @@ def _gemm_lowering(fmt: str, tiles, layout_kind: str = "grouped_contiguous", n: 
     return lower, ran is not None
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("sweep", [False, pytest.param(True, marks=FULL)], ids=["defaults", "sweep"])
 def test_mosaic_tma_copies_start_on_128_byte_multiples(sweep, monkeypatch):
@@ -715,14 +716,11 @@ _OTHER_LAYOUT_TILINGS = [
 ]
 
 
-# make test: each tiling on one of the two layouts, in turn.
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
     "fmt,config,layout_kind",
-    sweep(
-        [(*t, layout) for t in _OTHER_LAYOUT_TILINGS for layout in ("indexed", "grouped_masked")],
-        [(*t, ("grouped_masked", "indexed")[i % 2]) for i, t in enumerate(_OTHER_LAYOUT_TILINGS)],
-    ),
+    [(*t, layout) for t in _OTHER_LAYOUT_TILINGS for layout in ("indexed", "grouped_masked")],
 )
 def test_mosaic_tma_copies_aligned_on_the_other_layouts(fmt, config, layout_kind, monkeypatch):
     """The same rule on the indexed layout (row tiles from a block table,
@@ -773,6 +771,7 @@ def _tiling_space():
     return space
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_every_mosaic_tiling_its_checks_accept_lowers():
     """A Mosaic tiling the kernel's own checks accept lowers for sm_90 with
@@ -807,6 +806,7 @@ def test_every_mosaic_tiling_its_checks_accept_lowers():
     jax.clear_caches()
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
     "n,k,config",
@@ -859,6 +859,7 @@ def test_tma_check_follows_static_and_dynamic_offsets(row, scale, alignment):
     assert bool(misaligned(copies)) == (alignment < 128)
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_mosaic_row_tiles_found_without_a_loop(monkeypatch):
     """The grouped Mosaic call's row-tile table is plain array code around
@@ -875,6 +876,7 @@ def test_mosaic_row_tiles_found_without_a_loop(monkeypatch):
     jax.clear_caches()
 
 
+@FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize(
     "fmt,pipeline,tokens",
