@@ -536,12 +536,12 @@ def test_what_the_kernel_refuses(rng):
     [
         ("bf16", "mosaic:"),  # four stages: 229,376 bytes, the most a shipped tile takes
         ("int4_g128", "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
-        pytest.param("int4_g128", "mosaic:block_k=128,stages=3,word_decode=1", marks=FULL),  # staged pieces
-        pytest.param("uint4_zp_g128", "mosaic:block_k=128,stages=2", marks=FULL),
+        ("int4_g128", "mosaic:block_k=128,stages=3,word_decode=1"),  # staged pieces
+        ("uint4_zp_g128", "mosaic:block_k=128,stages=2"),
         ("mxfp4", "mosaic:block_m=160,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
         ("w8a8_fp8_block128", "mosaic_fp8:block_m=64,block_n=256"),
         ("w4a8_mxfp4", "mosaic_fp8:block_m=64,block_n=256,swap_ab=1"),
-        pytest.param("w4a8_mxfp4", "mosaic_fp8:block_m=128,block_n=128", marks=FULL),  # staged decode
+        ("w4a8_mxfp4", "mosaic_fp8:block_m=128,block_n=128"),  # staged decode
     ],
 )
 def test_shared_memory_counted_as_the_kernel_allocates(fmt, config):
@@ -959,7 +959,7 @@ def test_the_offline_ir_tool_sees_the_decode():
     "fmt,config",
     [
         # 2 stages: uint4's zero points do not fit 3
-        pytest.param("uint4_zp_g128", "mosaic:block_k=128,stages=2", marks=FULL),
+        ("uint4_zp_g128", "mosaic:block_k=128,stages=2"),
         ("int4_g128", "mosaic:block_k=128,stages=3,swap_ab=1,cluster_n=2"),
     ],
 )
@@ -1541,18 +1541,11 @@ def test_partial_column_tiles_compiled_only(monkeypatch, rng):
 @pytest.mark.parametrize(
     "fmt,shape,tiles",
     [
-        pytest.param("bf16", (4, 5760, 2880), "mosaic:stages=3,cluster_n=2"),
-        pytest.param("bf16", (4, 2880, 2880), "mosaic:stages=3", marks=FULL),
-        pytest.param(
-            "int4_g128", (4, 2880, 2816), "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"
-        ),
-        pytest.param(
-            "mxfp4",
-            (4, 5760, 2880),
-            "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2",
-            marks=FULL,
-        ),
-        pytest.param("mxfp4", (4, 2880, 2880), "mosaic:block_k=128,stages=3", marks=FULL),
+        ("bf16", (4, 5760, 2880), "mosaic:stages=3,cluster_n=2"),
+        ("bf16", (4, 2880, 2880), "mosaic:stages=3"),
+        ("int4_g128", (4, 2880, 2816), "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
+        ("mxfp4", (4, 5760, 2880), "mosaic:block_m=144,block_k=128,stages=3,swap_ab=1,word_decode=1,cluster_n=2"),
+        ("mxfp4", (4, 2880, 2880), "mosaic:block_k=128,stages=3"),
     ],
 )
 def test_gpt_oss_shapes_lower_for_the_gpu(fmt, shape, tiles, monkeypatch):

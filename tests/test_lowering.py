@@ -4,7 +4,6 @@ and the loops and launches interpret mode runs differently: what the kernel
 tests cannot see without a GPU. The Mosaic kernels' TMA copies, lowered the
 same way, are checked against TMA's shared-memory alignment."""
 
-import dataclasses
 import functools
 import math
 import os
@@ -547,13 +546,12 @@ FP8_KERNEL_FORMATS = (
 PROBLEM_SHAPES = ((128, 1536, 2048), (128, 2048, 768), (8, 28672, 4096), (8, 4096, 14336), (256, 4096, 7168))
 
 
-def _mosaic_tilings(sweep: bool) -> dict:
+def _mosaic_tilings() -> dict:
     """The Mosaic tilings a call can run — the shipped table's entries and
     the heuristic's (as the op lists them over a grid of calls) — each with
     the format classes it runs for (its table key's, the calls' it was listed
-    for); with ``sweep`` the rest of what ``tune`` can write (the sweep's
-    lists, the swap tiles sized to experts of several row counts), for every
-    class (None)."""
+    for); and the rest of what ``tune`` can write (the sweep's lists, the
+    swap tiles sized to experts of several row counts), for every class (None)."""
     from humming_jax import tuning as T
     from humming_jax.tuning import search
     from pallas_kernels.gemm import mosaic, mosaic_fp8
@@ -575,41 +573,12 @@ def _mosaic_tilings(sweep: bool) -> dict:
                     for layout in ("grouped_contiguous", "indexed", "grouped_masked"):
                         for tiles in T.candidates(layout, F.get_format(fmt), m, e, n, k, None, True, inputs):
                             add(tiles, fmt_class)
-    if sweep:
-        for tiles in [*search.DECODE, *search.MID, *search.PREFILL, *search.TALL_TILES]:
-            add(tiles, None)
+    for tiles in [*search.DECODE, *search.MID, *search.PREFILL, *search.TALL_TILES]:
+        add(tiles, None)
         for rows in (12, 40, 300):  # 16, 48 (cluster pairs) and 168 rows (alone)
             for tiles in search.expert_sized(rows):
                 add(tiles, None)
     return found
-
-
-def _one_of_each_form(tilings: dict) -> dict:
-    """``tilings`` without those another one's lowering already covers (make
-    test; ``--full`` lowers each): a tile that multiplies the input out first
-    (``dequantize_input``: its kernel's call is the 16-bit one) where its
-    twin is listed, and a 16-bit swap tile's other row counts. The 16-bit
-    kernels' only boxes sized by rows are x's and the output's, whole 8-row
-    pieces of 256- and 512-byte rows, so rows move no box off a 128-byte
-    multiple (the fp8 kernel's per-row input scales are kept apart). The
-    first tile of each form is kept, with the format classes of all of them."""
-    from pallas_kernels.gemm import mosaic, mosaic_mid
-
-    def form(tiles):
-        if isinstance(tiles, (mosaic.Tiles, mosaic_mid.Tiles)) and tiles.swap_ab and tiles.block_m % 16 == 0:
-            return dataclasses.replace(tiles, block_m=16)
-        return tiles
-
-    def twin(tiles):
-        return dataclasses.replace(tiles, dequantize_input=False) if getattr(tiles, "dequantize_input", False) else None
-
-    plain = {form(t) for t in tilings if twin(t) is None}
-    kept: dict = {}
-    for tiles, classes in tilings.items():
-        if twin(tiles) is not None and form(twin(tiles)) in plain:
-            continue  # lowered with its twin: the same kernel on a 16-bit input
-        kept.setdefault(form(tiles), (tiles, set()))[1].update(classes)
-    return dict(kept.values())
 
 
 def _format_class(fmt: str) -> str:
@@ -667,33 +636,25 @@ def _gemm_lowering(fmt: str, tiles, layout_kind: str = "grouped_contiguous", n: 
 
 @FULL  # an sm_90 lowering check: make test's time (test-full, the GPU step)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("sweep", [False, pytest.param(True, marks=FULL)], ids=["defaults", "sweep"])
-def test_mosaic_tma_copies_start_on_128_byte_multiples(sweep, monkeypatch):
+def test_mosaic_tma_copies_start_on_128_byte_multiples(monkeypatch):
     """Every Mosaic tiling the table or the heuristic runs, lowered for the GPU
-    with a format of each class it runs for (``--full``: each such format, and the
-    tune sweep's tilings with each format their kernel takes): each TMA
-    copy's shared-memory box starts on a 128-byte multiple (TMA's rule; a
-    box elsewhere faults on the GPU with a misaligned address — how two
-    compiled runs failed before this check: a 64-byte e4m3 output row, a
-    64-byte scale box a stage)."""
+    with each format of the classes it runs for, and the tune sweep's tilings
+    with each format their kernel takes: each TMA copy's shared-memory box
+    starts on a 128-byte multiple (TMA's rule; a box elsewhere faults on the
+    GPU with a misaligned address — how two compiled runs failed before this
+    check: a 64-byte e4m3 output row, a 64-byte scale box a stage)."""
     from benchmarks.mosaic_ir import capture_tma_copies, misaligned
     from pallas_kernels.gemm import mosaic, mosaic_fp8
 
     monkeypatch.setattr(mosaic, "hopper_gpu", lambda: True)
-    tilings = _mosaic_tilings(sweep)
+    tilings = _mosaic_tilings()
     assert len(tilings) >= 8
-    if not sweep:
-        tilings = _one_of_each_form(tilings)
     for tiles, classes in tilings.items():
         formats = FP8_KERNEL_FORMATS if isinstance(tiles, mosaic_fp8.Tiles) else MOSAIC_FORMATS
-        # A format of each class the tiling runs for (--full: each; a tune-sweep tiling: every
-        # format its kernel takes).
-        ran = {fmt: _format_class(fmt) for fmt in formats if _format_class(fmt) in classes}
+        # Each format of the classes the tiling runs for (a tune-sweep tiling: every format its kernel takes).
+        ran = [fmt for fmt in formats if _format_class(fmt) in classes]
         if ran and None not in classes:
-            first = {}
-            for fmt, fmt_class in ran.items():
-                first.setdefault(fmt_class, fmt)
-            formats = list(ran) if sweep else list(first.values())
+            formats = ran
         checked = 0
         for fmt in formats:
             lower, supported = _gemm_lowering(fmt, tiles)
@@ -778,17 +739,15 @@ def test_every_mosaic_tiling_its_checks_accept_lowers():
     every TMA box on a 128-byte multiple; the others raise the kernel's
     refusal, naming it — never an error from inside Mosaic's lowering (how
     ``block_n = 512`` failed until the sixty-sixth session: a TMA box spans
-    at most 256 elements). A seeded sample of the space (``--full``: more),
-    with one known refusal and one known fit always in it."""
+    at most 256 elements). A seeded sample of the space, with one known
+    refusal and one known fit always in it."""
     import random
 
     from benchmarks.mosaic_ir import capture_tma_copies, misaligned, mosaic_ir
     from pallas_kernels.gemm import mosaic
 
-    from sweep import examples
-
     space = _tiling_space()
-    sample = random.Random(66).sample(space, examples(full=160, chosen=10))
+    sample = random.Random(66).sample(space, 160)
     sample += [("int4_g128", mosaic.Tiles(48, 512, 128, swap_ab=True)), ("bf16", mosaic.Tiles(128, 256, 64))]
     lowered = refused = 0
     for fmt, tiles in sample:
