@@ -42,6 +42,11 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 
     bounds.install()
 
+    # The Mosaic GPU interpreter's host callbacks: their small arguments put on the device once.
+    import host_callbacks  # noqa: E402
+
+    host_callbacks.install()
+
     # Lowering a Pallas Triton kernel for the GPU asks the device for its compute capability;
     # the tests that lower kernels (and the Mosaic GEMMs' row-tile table with them) for the GPU
     # on the CPU lower them as for sm_90.
