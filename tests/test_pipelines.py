@@ -238,17 +238,20 @@ def test_padded_decode_batch(rng):
     """A bucketed decode batch (``num_valid_tokens``, NaN padding rows): both
     pipelines — the grouped one running the indexed stages at a row an expert
     — give the unpadded batch's rows (five tokens, and one) and zeros past
-    them (the unpadded rows through the reference: its own tests hold it to float64)."""
+    them (the unpadded rows through the reference: its own tests hold it to float64).
+    make test runs the indexed pipeline only: the grouped one runs its stages
+    here, bit for bit (test_grouped_runs_indexed_at_decode)."""
     config = hj.ExpertsConfig(16, 128, 128, 2, weight_format="int4_g128")
     x, w13, w2, ids, tw = _problem(rng, config, 8)
     weights = hj.quantize_experts(jnp.asarray(w13), jnp.asarray(w2), config)
     assert X.grouped_runs_indexed(8, 2, config)
+    pipelines = PIPELINES if sweep_module.FULL_RUN else ("indexed",)
     for valid in (5, 1):
         alone = _run("indexed", x[:valid], weights, tw[:valid], ids[:valid], config, backend="reference")
         alone = np.asarray(alone, np.float64)
         padded_x = x.copy()
         padded_x[valid:] = np.nan
-        for pipeline in PIPELINES:
+        for pipeline in pipelines:
             out = _run(pipeline, padded_x, weights, tw, ids, config, num_valid_tokens=jnp.asarray([valid], jnp.int32))
             out = np.asarray(out, np.float64)
             assert np.all(out[valid:] == 0) and np.all(np.isfinite(out)), (pipeline, valid)
