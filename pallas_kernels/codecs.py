@@ -207,11 +207,14 @@ def _divide_in_integers(x: jax.Array, y: jax.Array) -> jax.Array:
 
     mx, ex = significand(bx)
     my, ey = significand(by)
-    quotient, remainder = jnp.zeros_like(mx), mx
-    for _ in range(26):  # quotient = floor(mx / my * 2**25): 25 or 26 bits
+
+    def step(_, carry):  # one quotient bit: quotient = floor(mx / my * 2**25) after 26 (25 or 26 bits)
+        quotient, remainder = carry
         bit = remainder >= my
-        quotient = (quotient << 1) | bit.astype(jnp.int32)
-        remainder = jnp.where(bit, remainder - my, remainder) << 1
+        return (quotient << 1) | bit.astype(jnp.int32), jnp.where(bit, remainder - my, remainder) << 1
+
+    # Unrolled as the Python loop was (the same program), but its body traced once, not 26 times.
+    quotient, remainder = jax.lax.fori_loop(0, 26, step, (jnp.zeros_like(mx), mx), unroll=True)
     top = quotient >= 1 << 25  # mx >= my: the quotient is in [1, 2)
     mantissa = jnp.where(top, quotient >> 2, quotient >> 1)  # 24 bits
     half = jnp.where(top, (quotient >> 1) & 1, quotient & 1)
