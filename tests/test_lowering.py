@@ -575,9 +575,9 @@ def _mosaic_tilings() -> dict:
                             add(tiles, fmt_class)
     for tiles in [*search.DECODE, *search.MID, *search.PREFILL, *search.TALL_TILES]:
         add(tiles, None)
-        for rows in (12, 40, 300):  # 16, 48 (cluster pairs) and 168 rows (alone)
-            for tiles in search.expert_sized(rows):
-                add(tiles, None)
+    for rows in (12, 40, 300):  # 16, 48 (cluster pairs) and 168 rows (alone)
+        for tiles in search.expert_sized(rows):
+            add(tiles, None)
     return found
 
 
